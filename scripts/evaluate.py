@@ -1,0 +1,31 @@
+"""Zero-shot evaluation of a checkpoint.
+
+    python scripts/evaluate.py ckpt=runs/<name>/checkpoints/last.pt            # embedded digits
+    python scripts/evaluate.py ckpt=... eval=<set> eval.urls=... eval.batch_size=1024
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+@hydra.main(config_path="../configs", config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    from megabatch.eval.checkpoint import evaluate_checkpoint
+
+    result = evaluate_checkpoint(cfg)
+    output = Path(cfg.output or f"{Path(cfg.ckpt).with_suffix('')}.eval-{cfg.eval.name}.json")
+    output.write_text(json.dumps(result, indent=1))
+    print(f"{cfg.eval.name}: top-1 {result['top1']:.2f}%, top-5 {result['top5']:.2f}% "
+          f"({result['samples']} images, step {result['step']}) -> {output}")
+    return result["top1"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Config helpers: human-friendly counts (``1M``, ``256k``) and errors that name the key."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
+
+
+class ConfigError(ValueError):
+    """A config value is unusable; the message names the key and the fix."""
+
+
+def parse_count(value: Any, key: str = "batch") -> int:
+    """Parse a sample count: ``65536``, ``256k`` (= 262,144) or ``1M`` (= 1,048,576).
+
+    Suffixes are binary (k = 1024, M = 1024**2, G = 1024**3), as batch sizes are in the
+    literature ("1M batch" = 1,048,576). Raises ``ConfigError`` naming ``key`` for anything else.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not a sample count; use e.g. {key}=65536, 256k or 1M")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    else:
+        match = _COUNT.match(str(value))
+        if match is None:
+            raise ConfigError(
+                f"{key}={value!r} is not a sample count; use an integer or a k/M suffix, "
+                f"e.g. {key}=65536, {key}=256k or {key}=1M"
+            )
+        scaled = float(match.group(1)) * _SUFFIX[match.group(2).lower()]
+        if not scaled.is_integer():
+            raise ConfigError(f"{key}={value!r} is not a whole number of samples")
+        number = int(scaled)
+    if number <= 0:
+        raise ConfigError(f"{key}={value!r} must be a positive number of samples")
+    return number
+
+
+def parse_optional_count(value: Any, key: str) -> int | None:
+    """Like ``parse_count`` but ``None`` stays ``None`` (an unset option)."""
+    return None if value is None else parse_count(value, key)
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message)

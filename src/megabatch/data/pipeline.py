@@ -1,0 +1,208 @@
+"""Webdataset loading for training and zero-shot evaluation.
+
+Epoch mode, sized for exactness first: every rank (and loader worker) reads the same shard stream,
+shuffled identically from (seed, epoch), and keeps its share of the samples by position. Each epoch
+therefore uses every sample at most once across ranks, every rank gets the same number of batches
+(no DDP hang), and a position in the stream identifies a sample, so a resumed run skips the batches
+it already trained on without decoding them. The LAION-scale issue replaces the shared read with
+shard-level splitting.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import braceexpand
+import torch
+import webdataset as wds
+from PIL import Image
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ..config import ConfigError
+from .transforms import seeded
+
+log = logging.getLogger(__name__)
+
+IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
+
+
+def expand_urls(urls: str | list[str], key: str) -> list[str]:
+    """Brace-expand ``urls`` (a string with ``::`` separators, or a list). Local paths must exist:
+    a pattern that matches no file is an error naming ``key``."""
+    patterns = urls.split("::") if isinstance(urls, str) else list(urls)
+    expanded: list[str] = []
+    for pattern in patterns:
+        for url in braceexpand.braceexpand(pattern):
+            if "://" in url or url.startswith("pipe:"):
+                expanded.append(url)
+                continue
+            matches = sorted(glob.glob(os.path.expanduser(url)))
+            if not matches:
+                raise ConfigError(f"{key}: {url!r} matches no file (from pattern {pattern!r})")
+            expanded.extend(matches)
+    if not expanded:
+        raise ConfigError(f"{key} is empty; give shard paths such as /data/train-{{000000..000099}}.tar")
+    return expanded
+
+
+def count_samples(urls: list[str], key: str) -> int:
+    """Total samples in ``urls`` from the ``sizes.json`` files beside them."""
+    total = 0
+    cache: dict[Path, dict] = {}
+    for url in urls:
+        folder = Path(url).parent
+        if folder not in cache:
+            sizes = folder / "sizes.json"
+            if not sizes.exists():
+                raise ConfigError(
+                    f"{key}: no sizes.json beside {url}; write one (scripts/make_shards.py does) "
+                    "or set data.train.num_samples"
+                )
+            cache[folder] = json.loads(sizes.read_text())
+        total += int(cache[folder][Path(url).name])
+    return total
+
+
+@dataclass
+class Stats:
+    """Counts of skipped samples, by kind."""
+
+    corrupt_image: int = 0
+    missing_caption: int = 0
+
+
+def decode_pair(sample: dict, stats: Stats) -> tuple[Image.Image, str] | None:
+    """(image, caption) from a raw sample, or ``None`` (counted) when unusable."""
+    caption = sample.get("txt")
+    if caption is None:
+        stats.missing_caption += 1
+        log.warning("skipping %s: no caption", sample.get("__key__"))
+        return None
+    image_bytes = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+    try:
+        image = Image.open(io.BytesIO(image_bytes))
+        image.load()
+    except Exception as error:  # noqa: BLE001 - any decoder failure means a corrupt sample
+        stats.corrupt_image += 1
+        log.warning("skipping %s: undecodable image (%s)", sample.get("__key__"), error)
+        return None
+    return image, caption.decode("utf-8") if isinstance(caption, bytes) else caption
+
+
+class EpochBatches(IterableDataset):
+    """Per-rank batches ``(images [b_rank, 3, s, s] float, texts [b_rank, ctx] long)`` of one epoch.
+
+    ``num_batches`` batches are produced (the last incomplete global batch is dropped); batches
+    before ``start_batch`` are skipped without decoding. Batch ``k`` is built by loader worker
+    ``(k - start_batch) % num_workers``, matching the DataLoader's round-robin order.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        transform: Callable,
+        tokenize: Callable[[list[str]], torch.Tensor],
+        rank_batch: int,
+        rank: int,
+        world_size: int,
+        num_batches: int,
+        seed: int,
+        epoch: int,
+        start_batch: int = 0,
+        shuffle_buffer: int = 1000,
+    ):
+        super().__init__()
+        self.urls, self.transform, self.tokenize = urls, transform, tokenize
+        self.rank_batch, self.rank, self.world_size = rank_batch, rank, world_size
+        self.num_batches, self.start_batch = num_batches, start_batch
+        self.seed, self.epoch, self.shuffle_buffer = seed, epoch, shuffle_buffer
+        self.stats = Stats()
+
+    def _stream(self) -> Iterator[dict]:
+        import random
+
+        epoch_seed = self.seed * 100_003 + self.epoch
+        shards = list(self.urls)
+        random.Random(epoch_seed).shuffle(shards)
+        stream = wds.tarfile_to_samples(handler=wds.warn_and_continue)(
+            iter([{"url": url} for url in shards])
+        )
+        return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=epoch_seed)(stream)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        global_batch = self.rank_batch * self.world_size
+        pending: list[tuple[torch.Tensor, str]] = []
+        current = None
+        for position, raw in enumerate(self._stream()):
+            batch_index = position // global_batch
+            if batch_index >= self.num_batches:
+                break
+            mine = position % self.world_size == self.rank
+            if not mine or batch_index < self.start_batch:
+                continue
+            if (batch_index - self.start_batch) % num_workers != worker:
+                continue
+            if current is not None and batch_index != current and pending:
+                yield self._collate(pending)
+                pending = []
+            current = batch_index
+            pair = decode_pair(raw, self.stats)
+            if pair is None:
+                continue
+            sample_seed = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + position
+            pending.append((seeded(self.transform, pair[0], sample_seed), pair[1]))
+        if pending:
+            yield self._collate(pending)
+
+    def _collate(self, pairs: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(pairs) != self.rank_batch:
+            raise RuntimeError(
+                f"a batch has {len(pairs)} usable samples instead of {self.rank_batch} "
+                f"(skipped so far: {self.stats}); ranks must see equal batches"
+            )
+        images = torch.stack([image for image, _ in pairs])
+        return images, self.tokenize([caption for _, caption in pairs])
+
+
+def make_epoch_loader(dataset: EpochBatches, num_workers: int) -> DataLoader:
+    """A DataLoader over ``dataset``'s ready-made batches."""
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=num_workers,
+        persistent_workers=False,
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
+
+
+def labelled_images(urls: list[str], transform: Callable, batch_size: int) -> Iterator:
+    """Evaluation batches ``(images [n, 3, s, s], labels [n])`` from shards whose ``json`` (or
+    ``cls``) holds the class index, in shard order. Corrupt images are skipped and counted."""
+    stats = Stats()
+    images, labels = [], []
+    for raw in wds.tarfile_to_samples(handler=wds.warn_and_continue)(iter([{"url": u} for u in urls])):
+        if "cls" in raw:
+            label = int(raw["cls"])
+        else:
+            label = int(json.loads(raw["json"])["label"])
+        raw.setdefault("txt", b"")
+        pair = decode_pair(raw, stats)
+        if pair is None:
+            continue
+        images.append(transform(pair[0]))
+        labels.append(label)
+        if len(images) == batch_size:
+            yield torch.stack(images), torch.tensor(labels)
+            images, labels = [], []
+    if images:
+        yield torch.stack(images), torch.tensor(labels)

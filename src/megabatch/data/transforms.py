@@ -1,0 +1,54 @@
+"""Image transforms for training and evaluation (torchvision), with per-sample seeded randomness."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torchvision import transforms as T
+
+# OpenAI CLIP's normalisation constants (open_clip uses the same for its ViTs).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def train_transform(
+    image_size: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (0.75, 4 / 3)
+) -> T.Compose:
+    """RandomResizedCrop (Inf-CL paper defaults: scale 0.08-1.0, ratio 0.75-1.33) + normalise."""
+    return T.Compose(
+        [
+            T.Lambda(lambda image: image.convert("RGB")),
+            T.RandomResizedCrop(
+                image_size, scale=tuple(scale), ratio=tuple(ratio),
+                interpolation=T.InterpolationMode.BICUBIC,
+            ),
+            T.ToTensor(),
+            T.Normalize(CLIP_MEAN, CLIP_STD),
+        ]
+    )
+
+
+def eval_transform(image_size: int) -> T.Compose:
+    """Resize the short side to ``image_size``, centre crop, normalise."""
+    return T.Compose(
+        [
+            T.Lambda(lambda image: image.convert("RGB")),
+            T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC),
+            T.CenterCrop(image_size),
+            T.ToTensor(),
+            T.Normalize(CLIP_MEAN, CLIP_STD),
+        ]
+    )
+
+
+def seeded(transform, image, seed: int) -> torch.Tensor:
+    """Apply ``transform`` with torch's CPU RNG seeded by ``seed`` and restored afterwards.
+
+    The augmentation of a sample then depends only on (run seed, epoch, sample position), not on
+    which loader worker decoded it or what else drew random numbers: resuming mid-epoch and
+    re-decoding a sample reproduce it exactly.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transform(image)

@@ -1,0 +1,14 @@
+"""Process-group helpers and differentiable collectives."""
+
+from .env import DistEnv, barrier, init_distributed, is_main_process
+from .gather import all_gather_with_grad, check_equal_batch, gather_no_grad
+
+__all__ = [
+    "DistEnv",
+    "all_gather_with_grad",
+    "barrier",
+    "check_equal_batch",
+    "gather_no_grad",
+    "init_distributed",
+    "is_main_process",
+]

@@ -1,0 +1,5 @@
+"""The training loop and its parts."""
+
+from .loop import run
+
+__all__ = ["run"]

@@ -1,0 +1,229 @@
+"""The training run: set-up, the step loop, checkpoints, evaluation."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
+
+from ..config import ConfigError
+from ..data import TrainData
+from ..distributed import DistEnv, init_distributed
+from ..eval import run_zeroshot
+from ..models import build_tokenizer
+from .checkpoint import (
+    capture_rng,
+    find_resume_path,
+    load_checkpoint,
+    restore_rng,
+    write_run_checkpoint,
+)
+from .metrics import MetricsLogger
+from .optim import build_optimizer
+from .plan import BatchPlan
+from .precision import grad_scaler, resolve_precision
+from .step import forward_backward
+
+log = logging.getLogger("megabatch")
+
+
+def run(cfg: DictConfig) -> float:
+    """Train as configured; return the final zero-shot top-1 (or the last loss without eval)."""
+    env = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend, cfg.trainer.dist_timeout_s)
+    try:
+        return Trainer(cfg, env).fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
+    """``cfg.run_dir`` if set, else Hydra's output dir; rank 0's choice wins on every rank."""
+    run_dir = cfg.get("run_dir")
+    if not run_dir:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = HydraConfig.get().runtime.output_dir
+    if env.distributed:
+        holder = [str(run_dir)]
+        dist.broadcast_object_list(holder, src=0)
+        run_dir = holder[0]
+    return Path(run_dir)
+
+
+class Trainer:
+    """Holds what a run builds once; ``fit`` runs the step loop."""
+
+    def __init__(self, cfg: DictConfig, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        self.main = env.rank == 0
+        self.run_dir = resolve_run_dir(cfg, env)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank
+        self.model = instantiate(cfg.model, _convert_="all").to(env.device)
+        self.tokenize = build_tokenizer(**cfg.model.text)
+        self.data = TrainData(cfg.data, self.tokenize, cfg.model.image.image_size, cfg.seed)
+        self.plan = BatchPlan.from_config(cfg, env.world_size, self.data.num_samples)
+        self.loss_fn = instantiate(cfg.loss)
+        self.optimizer, self.peak_lr = build_optimizer(cfg.optim, self.model, self.plan.global_batch)
+        self.schedule = instantiate(
+            cfg.sched, total_steps=self.plan.total_steps, global_batch=self.plan.global_batch
+        )
+        self.precision = resolve_precision(cfg.trainer.precision, env.device)
+        self.scaler = grad_scaler(self.precision, env.device)
+        self.step = 0
+        torch.manual_seed(cfg.seed + 1000 * env.rank)  # per-rank randomness (dropout, ...)
+        self._resume()
+        self.ddp = (
+            DDP(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+            if env.distributed else self.model
+        )
+        self.metrics = MetricsLogger(
+            self.run_dir, cfg.logger.get("wandb"), OmegaConf.to_container(cfg, resolve=True), self.main
+        )
+
+    def _resume(self) -> None:
+        path = find_resume_path(self.cfg.get("resume"), self.run_dir)
+        if path is None:
+            if (self.ckpt_dir / "last.pt").exists() and not self.cfg.get("overwrite"):
+                raise ConfigError(
+                    f"{self.ckpt_dir / 'last.pt'} exists: continue that run with resume=latest, "
+                    "start a new one with name=<new name>, or pass overwrite=true"
+                )
+            return
+        state = load_checkpoint(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        if int(state["global_batch"]) != self.plan.global_batch:
+            log.warning("checkpoint trained with batch=%s, resuming with %s: the data order "
+                        "within the epoch changes", state["global_batch"], self.plan.global_batch)
+        rng = state["rng"]
+        if len(rng) == self.env.world_size:
+            restore_rng(rng[self.env.rank])
+        else:
+            log.warning("checkpoint has RNG states of %d ranks, this run has %d: RNG reseeded",
+                        len(rng), self.env.world_size)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def _checkpoint(self, numbered: bool) -> None:
+        rng = capture_rng()
+        if self.env.distributed:  # every rank's RNG, so a resumed run continues each exactly
+            gathered = [None] * self.env.world_size
+            dist.all_gather_object(gathered, rng)
+            rng = gathered
+        else:
+            rng = [rng]
+        if not self.main:
+            return
+        payload = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "global_batch": self.plan.global_batch,
+            "rng": rng,
+            "config": OmegaConf.to_yaml(self.cfg, resolve=True),
+        }
+        if self.scaler.is_enabled():
+            payload["scaler"] = self.scaler.state_dict()
+        keep = self.cfg.trainer.get("keep_ckpts")
+        write_run_checkpoint(self.ckpt_dir, payload, self.step, numbered, keep)
+
+    def _batches(self):
+        """Per-rank batches from the current step to the end of the run, across epochs."""
+        plan = self.plan
+        while self.step < plan.total_steps:
+            epoch, start = divmod(self.step, plan.steps_per_epoch)
+            yield from self.data.loader(epoch, start, plan.rank_batch, self.env.rank,
+                                        self.env.world_size, plan.steps_per_epoch)
+
+    def evaluate(self) -> dict[str, float] | None:
+        if not self.main or not self.cfg.eval.get("name"):
+            return None
+        result = run_zeroshot(self.model, self.tokenize, self.cfg.eval, self.cfg.data,
+                              self.cfg.model.image.image_size, self.env.device)
+        log.info("zero-shot %s at step %d: top-1 %.2f%%, top-5 %.2f%% (%d images)",
+                 self.cfg.eval.name, self.step, result["top1"], result["top5"], result["samples"])
+        self.metrics.log({f"eval/{self.cfg.eval.name}/{k}": v for k, v in result.items()}, self.step)
+        return result
+
+    def fit(self) -> float:
+        cfg, plan, env = self.cfg, self.plan, self.env
+        if self.main:
+            log.info("run dir %s; %d steps of batch %d (%d ranks x %d), %d steps per epoch, %s",
+                     self.run_dir, plan.total_steps, plan.global_batch, env.world_size,
+                     plan.rank_batch, plan.steps_per_epoch, self.precision)
+        ckpt_every, log_every = int(cfg.trainer.ckpt_every or 0), int(cfg.trainer.log_every)
+        eval_every = int(cfg.eval.get("every") or 0)
+        progress = tqdm(total=plan.total_steps, initial=self.step, disable=not self.main,
+                        desc="train", dynamic_ncols=True, mininterval=1.0)
+        # trainer.stop_at_step ends this invocation early (a time-limited job); resume=latest
+        # continues it as if it had never stopped.
+        stop = min(plan.total_steps, int(cfg.trainer.get("stop_at_step") or plan.total_steps))
+        batches = self._batches()
+        loss = torch.zeros(())
+        tick, last_logged = time.perf_counter(), self.step
+        while self.step < stop:
+            # 1. learning rate for this step (peak lr x schedule multiplier)
+            lr = self.peak_lr * self.schedule(self.step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            # 2. data: this rank's share of the global batch
+            images, texts = next(batches)
+            images, texts = images.to(env.device, non_blocking=True), texts.to(env.device)
+            # 3. forward, global loss, backward (DDP averages gradients across ranks here)
+            loss = forward_backward(self.ddp, self.loss_fn, images, texts, self.precision,
+                                    env.device, self.scaler)
+            # 4. clip the true (unscaled) gradient, step, clear, clamp the temperature
+            self.scaler.unscale_(self.optimizer)
+            if cfg.optim.get("grad_clip"):
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(cfg.optim.grad_clip))
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.clamp_logit_scale()
+            self.step += 1
+            progress.update(1)
+            if self.step % log_every == 0 or self.step == stop:
+                loss_value = loss.item()  # host sync, once per log interval
+                elapsed, tick = time.perf_counter() - tick, time.perf_counter()
+                steps, last_logged = self.step - last_logged, self.step
+                record = {
+                    "loss": loss_value, "lr": lr,
+                    "logit_scale": self.model.logit_scale.exp().item(),
+                    "samples_per_s": plan.global_batch * steps / elapsed,
+                    "epoch": self.step / plan.steps_per_epoch,
+                }
+                progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}",
+                                     sps=f"{record['samples_per_s']:.0f}")
+                self.metrics.log(record, self.step)
+                if self.main:
+                    log.debug("step %d %s", self.step, record)
+            if ckpt_every and self.step % ckpt_every == 0:
+                self._checkpoint(numbered=True)
+            if eval_every and self.step % eval_every == 0 and self.step < plan.total_steps:
+                self.evaluate()
+        progress.close()
+        self._checkpoint(numbered=False)
+        if self.step < plan.total_steps:
+            log.info("stopped at step %d of %d (trainer.stop_at_step); continue with "
+                     "resume=latest name=%s", self.step, plan.total_steps, self.run_dir.name)
+            self.metrics.close()
+            return float(loss)
+        result = self.evaluate() if cfg.eval.get("at_end", True) else None
+        self.metrics.close()
+        if result is not None:
+            print(f"zero-shot top-1 on {cfg.eval.name} (held out): {result['top1']:.2f}% "
+                  f"(top-5 {result['top5']:.2f}%, {result['samples']} images)", flush=True)
+            return result["top1"]
+        return float(loss)

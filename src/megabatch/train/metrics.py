@@ -1,0 +1,49 @@
+"""Metrics sinks: ``metrics.jsonl`` in the run directory, and wandb when ``logger=wandb``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Append one JSON object per record to ``<run_dir>/metrics.jsonl``; mirror to wandb if set.
+
+    Only rank 0 should construct one with ``enabled=True``.
+    """
+
+    def __init__(self, run_dir: Path, wandb_cfg=None, config: dict | None = None, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb = None
+        if enabled and wandb_cfg is not None:
+            import wandb  # only imported when asked for: GPU images may lack it
+
+            self.wandb = wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.get("entity"),
+                name=wandb_cfg.get("name"),
+                mode=wandb_cfg.get("mode", "offline"),
+                dir=str(run_dir),
+                config=config,
+                resume="allow",
+                id=wandb_cfg.get("id"),
+            )
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        if not self.enabled:
+            return
+        line = {"step": step, "time": round(time.time(), 3), **record}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,55 @@
+"""The batch arithmetic of a run, checked once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ConfigError, parse_count, parse_optional_count
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """``global_batch = world_size x rank_batch``; ``rank_batch = sub_batches x sub_batch``."""
+
+    global_batch: int
+    world_size: int
+    rank_batch: int
+    sub_batch: int
+    steps_per_epoch: int
+    total_steps: int
+
+    @property
+    def sub_batches(self) -> int:
+        return self.rank_batch // self.sub_batch
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int, num_samples: int) -> "BatchPlan":
+        global_batch = parse_count(cfg.batch, "batch")
+        if global_batch % world_size:
+            raise ConfigError(
+                f"batch={global_batch} does not divide over {world_size} ranks; use a multiple of "
+                f"{world_size} (e.g. batch={world_size * max(1, global_batch // world_size)})"
+            )
+        rank_batch = global_batch // world_size
+        sub_batch = parse_optional_count(cfg.trainer.sub_batch, "trainer.sub_batch") or rank_batch
+        if rank_batch % sub_batch:
+            raise ConfigError(
+                f"trainer.sub_batch={sub_batch} does not divide the per-rank batch {rank_batch} "
+                f"(batch={global_batch} / {world_size} ranks); pick a divisor of {rank_batch}"
+            )
+        if sub_batch != rank_batch:
+            raise ConfigError(
+                f"trainer.sub_batch={sub_batch} < per-rank batch {rank_batch} needs GradCache "
+                "sub-batching, which this version does not have yet; set trainer.sub_batch=null"
+            )
+        steps_per_epoch = num_samples // global_batch
+        if steps_per_epoch == 0:
+            raise ConfigError(
+                f"batch={global_batch} is larger than the training set ({num_samples} samples); "
+                "lower batch or add data"
+            )
+        max_steps, epochs = cfg.trainer.get("max_steps"), cfg.trainer.get("epochs")
+        if (max_steps is None) == (epochs is None):
+            raise ConfigError("set exactly one of trainer.max_steps and trainer.epochs (the other null)")
+        total_steps = int(max_steps) if max_steps is not None else int(epochs) * steps_per_epoch
+        return cls(global_batch, world_size, rank_batch, sub_batch, steps_per_epoch, total_steps)

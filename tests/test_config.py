@@ -1,0 +1,173 @@
+"""Configs: the batch parser, and every option of every group composes and instantiates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from megabatch.config import ConfigError, parse_count
+
+from .conftest import CONFIGS, compose
+
+GROUPS = ["model", "loss", "data", "optim", "sched", "trainer", "eval", "logger", "experiment"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("1M", 1_048_576), ("256k", 262_144), ("256K", 262_144), ("65536", 65_536), (65536, 65_536),
+     ("32k", 32_768), ("4M", 4_194_304), ("0.5M", 524_288), (" 2k ", 2048)],
+)
+def test_parse_count(text, expected):
+    assert parse_count(text) == expected
+
+
+@pytest.mark.parametrize("junk", ["1MB", "abc", "", "-5", "0", "1.5", "1e6", "k", True, 2.5])
+def test_parse_count_rejects_junk_naming_the_key(junk):
+    with pytest.raises(ConfigError, match="batch="):
+        parse_count(junk, "batch")
+
+
+def test_batch_junk_from_the_command_line(tmp_path):
+    from megabatch.train.plan import BatchPlan
+
+    cfg = compose("batch=lots")
+    with pytest.raises(ConfigError, match="batch='lots'"):
+        BatchPlan.from_config(cfg, world_size=1, num_samples=10_000)
+
+
+def test_batch_arithmetic_errors_name_the_keys():
+    from megabatch.train.plan import BatchPlan
+
+    with pytest.raises(ConfigError, match="ranks"):
+        BatchPlan.from_config(compose("batch=100"), world_size=3, num_samples=10_000)
+    with pytest.raises(ConfigError, match="trainer.sub_batch"):
+        BatchPlan.from_config(compose("batch=96", "trainer.sub_batch=7"), 1, 10_000)
+    plan = BatchPlan.from_config(compose("batch=1M", "trainer.max_steps=3"), 8, 2**24)
+    assert (plan.global_batch, plan.rank_batch, plan.steps_per_epoch) == (2**20, 2**17, 16)
+    with pytest.raises(ConfigError, match="training set"):
+        BatchPlan.from_config(compose("batch=1M"), 1, 1000)
+
+
+@pytest.mark.parametrize("option", options("model"))
+def test_model_options_build(option):
+    cfg = compose(f"model={option}")
+    device = "cpu" if option == "tiny" else "meta"  # big towers: shapes only, no memory
+    with torch.device(device):
+        model = instantiate(cfg.model, _convert_="all")
+    assert abs(model.logit_scale.item() - torch.tensor(1 / 0.07).log().item()) < 1e-5 \
+        if device == "cpu" else model.logit_scale.shape == ()
+    assert model.clip.visual.image_size == (cfg.model.image.image_size,) * 2
+
+
+def test_tiny_model_forward_gives_unit_features():
+    from megabatch.models import build_tokenizer
+
+    cfg = compose()
+    model = instantiate(cfg.model, _convert_="all")
+    tokens = build_tokenizer(**cfg.model.text)(["a handwritten 7", "the number nine"])
+    image_features, text_features, scale = model(torch.randn(2, 3, 32, 32), tokens)
+    assert image_features.shape == text_features.shape == (2, cfg.model.embed_dim)
+    torch.testing.assert_close(image_features.norm(dim=-1), torch.ones(2))
+    assert scale.item() == pytest.approx(1 / 0.07, rel=1e-5)
+
+
+@pytest.mark.parametrize("option", options("loss"))
+def test_loss_options_instantiate(option):
+    loss_fn = instantiate(compose(f"loss={option}").loss)
+    features = torch.nn.functional.normalize(torch.randn(6, 8), dim=-1)
+    assert torch.isfinite(loss_fn(features, features, torch.tensor(10.0)))
+
+
+@pytest.mark.parametrize("option", options("data"))
+def test_data_options_instantiate(option, data_cache):
+    from megabatch.data import TrainData
+    from megabatch.data.digits import ensure_digits
+
+    overrides = [f"data={option}"]
+    if option != "digits":  # point a user-shards config at the embedded shards
+        overrides.append(f"data.train.urls='{ensure_digits(data_cache)['train']}'")  # quoted: braces
+    cfg = compose(*overrides)
+    data = TrainData(cfg.data, lambda texts: torch.zeros(len(texts), 4), 32, seed=0)
+    assert data.num_samples == 1437
+    images, texts = next(iter(data.loader(0, 0, rank_batch=8, rank=0, world_size=1, num_batches=1)))
+    assert images.shape == (8, 3, 32, 32) and texts.shape == (8, 4)
+
+
+@pytest.mark.parametrize("option", options("optim"))
+def test_optim_options_instantiate(option):
+    from megabatch.train.optim import build_optimizer
+
+    cfg = compose(f"optim={option}", "optim.lr_scaling=sqrt", "optim.base_batch=64")
+    model = instantiate(cfg.model, _convert_="all")
+    optimizer, lr = build_optimizer(cfg.optim, model, global_batch=256)
+    assert lr == pytest.approx(cfg.optim.lr * 2)
+    no_decay = {id(p) for p in optimizer.param_groups[1]["params"]}
+    assert id(model.logit_scale) in no_decay and optimizer.param_groups[1]["weight_decay"] == 0
+
+
+@pytest.mark.parametrize("option", options("sched"))
+def test_sched_options_instantiate(option):
+    cfg = compose(f"sched={option}", "sched.warmup_steps=null", "sched.warmup_samples=1k")
+    schedule = instantiate(cfg.sched, total_steps=100, global_batch=256)
+    assert schedule(0) == pytest.approx(0.25) and schedule(3) == pytest.approx(1.0)
+    assert 0 <= schedule(99) <= 1
+
+
+@pytest.mark.parametrize("option", options("trainer"))
+def test_trainer_options_plan(option):
+    from megabatch.train.plan import BatchPlan
+
+    plan = BatchPlan.from_config(compose(f"trainer={option}"), 1, 1437)
+    assert plan.total_steps > 0
+
+
+@pytest.mark.parametrize("option", options("eval"))
+def test_eval_options_resolve(option, data_cache):
+    from megabatch.eval.datasets import resolve_eval_set
+
+    cfg = compose(f"eval={option}")
+    if cfg.eval.name:
+        urls, classnames, templates = resolve_eval_set(cfg.eval, cfg.data)
+        assert len(classnames) == 10 and templates and urls
+
+
+@pytest.mark.parametrize("option", options("logger"))
+def test_logger_options_instantiate(option, tmp_path, monkeypatch):
+    from megabatch.train.metrics import MetricsLogger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = compose(f"logger={option}", "name=test")
+    logger = MetricsLogger(tmp_path, cfg.logger.get("wandb"), {"batch": 1})
+    logger.log({"loss": 1.0}, step=1)
+    logger.close()
+    assert '"loss": 1.0' in (tmp_path / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("option", options("experiment"))
+def test_experiment_options_compose(option):
+    assert compose(f"experiment={option}").trainer.max_steps > 0
+
+
+def test_every_group_has_options():
+    for group in GROUPS:
+        assert options(group), group
+    assert (CONFIGS / "hydra" / "launcher").is_dir()
+
+
+def test_unknown_tower_option_is_named():
+    cfg = compose("+model.image.no_such_option=3")
+    with pytest.raises(Exception, match="model.image"):
+        instantiate(cfg.model, _convert_="all")
+
+
+def test_pretrained_path_must_exist(tmp_path: Path):
+    cfg = compose(f"model.pretrained={tmp_path}/missing.pt")
+    with pytest.raises(Exception, match="model.pretrained"):
+        instantiate(cfg.model, _convert_="all")

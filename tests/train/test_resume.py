@@ -1,0 +1,63 @@
+"""Checkpoints: 4 steps straight equal 2 steps + resume + 2 steps, bitwise on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from megabatch.train import run
+
+from ..conftest import compose
+
+TINY = ["batch=32", "trainer.max_steps=4", "trainer.log_every=1", "trainer.ckpt_every=2",
+        "eval=none", "sched.warmup_steps=2", "data.train.shuffle_buffer=64"]
+
+
+def train(run_dir, *extra: str):
+    cfg = compose(*TINY, *extra)
+    cfg.run_dir = str(run_dir)
+    run(cfg)
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    straight = train(tmp_path / "straight")
+    first = train(tmp_path / "resumed", "trainer.stop_at_step=2")
+    assert first["step"] == 2
+    resumed = train(tmp_path / "resumed", "resume=latest")
+    assert straight["step"] == resumed["step"] == 4
+    for name, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][name]), name
+    assert not torch.equal(first["model"]["clip.logit_scale"], straight["model"]["clip.logit_scale"])
+    exp_avg = [s["exp_avg"] for s in straight["optimizer"]["state"].values()]
+    exp_avg_resumed = [s["exp_avg"] for s in resumed["optimizer"]["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(exp_avg, exp_avg_resumed))
+    losses = lambda d: [l for l in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]  # noqa: E731
+    import json
+    straight_loss = [json.loads(l)["loss"] for l in losses(tmp_path / "straight")]
+    resumed_loss = [json.loads(l)["loss"] for l in losses(tmp_path / "resumed")]
+    assert straight_loss == resumed_loss
+
+
+def test_checkpoint_contents(tmp_path):
+    state = train(tmp_path / "run", "trainer.max_steps=2")
+    assert {"model", "optimizer", "step", "rng", "config"} <= state.keys()
+    assert "batch: 32" in state["config"]
+    assert isinstance(state["rng"][0]["torch"], torch.Tensor)
+    numbered = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert numbered == ["last.pt", "step_00000002.pt"]
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    import pytest
+
+    from megabatch.config import ConfigError
+
+    train(tmp_path / "run", "trainer.max_steps=1")
+    with pytest.raises(ConfigError, match="resume=latest"):
+        train(tmp_path / "run", "trainer.max_steps=1")
+
+
+def test_resume_from_a_given_path(tmp_path):
+    train(tmp_path / "a", "trainer.stop_at_step=2")
+    state = train(tmp_path / "b", f"resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002.pt'}")
+    assert state["step"] == 4

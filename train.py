@@ -1,0 +1,24 @@
+"""Train a CLIP model: `python train.py [group=option ...] [key=value ...]`.
+
+Single process: `python train.py`. Several GPUs: `torchrun --nproc_per_node=8 train.py batch=1M`.
+A sweep: `python train.py -m loss=vanilla optim.lr=1e-4,5e-4`. See README.md and configs/.
+"""
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # run from a checkout, uninstalled
+
+
+@hydra.main(config_path="configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    from megabatch.train import run
+
+    return run(cfg)  # the final zero-shot top-1: what a sweeper optimises
+
+
+if __name__ == "__main__":
+    main()
