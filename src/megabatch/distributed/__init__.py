@@ -1,7 +1,8 @@
 """Process-group helpers and differentiable collectives."""
 
 from .env import DistEnv, barrier, init_distributed, is_main_process
-from .gather import all_gather_with_grad, check_equal_batch, gather_no_grad
+from .gather import all_gather_with_grad, check_equal_batch, gather_no_grad, global_mean_value
+from .ring import RingExchange
 
 __all__ = [
     "DistEnv",
@@ -9,6 +10,8 @@ __all__ = [
     "barrier",
     "check_equal_batch",
     "gather_no_grad",
+    "global_mean_value",
+    "RingExchange",
     "init_distributed",
     "is_main_process",
 ]

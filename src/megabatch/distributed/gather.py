@@ -67,3 +67,18 @@ def all_gather_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:
     if group_size(group) == 1:
         return tensor
     return _AllGatherWithGrad.apply(tensor, group)
+
+
+def global_mean_value(local_loss: torch.Tensor, group=None) -> torch.Tensor:
+    """``local_loss`` with its *value* replaced by the mean over ranks and its gradient unchanged.
+
+    Row-sharded losses compute ``loss_r`` (their rows' share); the global loss is the mean over
+    ranks. This returns that global value on every rank (one all-reduce of a scalar) while the
+    backward still differentiates ``loss_r``, which is what the loss contract asks for.
+    """
+    world = group_size(group)
+    if world == 1:
+        return local_loss
+    total = local_loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return local_loss + (total / world - local_loss.detach())

@@ -1,7 +1,11 @@
 """Contrastive loss backends, one module each, one interface (see ``base.ContrastiveLoss``)."""
 
 from .base import ContrastiveLoss
+from .disco import DiscoLoss
+from .infcl import InfClLoss
+from .local import LocalLoss
 from .reference import clip_loss_reference
 from .vanilla import VanillaLoss
 
-__all__ = ["ContrastiveLoss", "VanillaLoss", "clip_loss_reference"]
+__all__ = ["ContrastiveLoss", "DiscoLoss", "InfClLoss", "LocalLoss", "VanillaLoss",
+           "clip_loss_reference"]
