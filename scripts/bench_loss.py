@@ -1,0 +1,169 @@
+"""Loss-only benchmark: forward + backward time and peak memory per GPU of each loss backend.
+
+    python scripts/bench_loss.py --batches 32k,64k,128k,256k,1M --dtypes fp32,bf16 --out loss.json
+    torchrun --nproc_per_node=2 scripts/bench_loss.py --batches 256k,1M --out loss2.json
+
+Backends: ours (vanilla, local, disco, infcl) and, when importable, the reference systems side by
+side in the same process: ``ref_openclip`` (OpenCLIP 3.3 ``ClipLoss(local_loss=True,
+gather_with_grad=True)``) and ``ref_infcl`` (``inf_cl.cal_inf_loss`` both directions). Features are
+random, L2-normalised, ``[b / W, c]`` per rank; the scale is a learnable 0-dim tensor at 100.
+"extra_gb" is the peak allocated memory minus the inputs and their gradients. A backend that runs
+out of memory at some b is not tried at larger b. fp32 matmuls may use TF32 (``--tf32``, on by
+default, as in ANCHORS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from megabatch.config import parse_count  # noqa: E402
+from megabatch.losses import DiscoLoss, InfClLoss, LocalLoss, VanillaLoss  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_backend(name: str, tile: int, world: int, rank: int):
+    if name == "vanilla":
+        return VanillaLoss()
+    if name == "local":
+        return LocalLoss()
+    if name == "disco":
+        return DiscoLoss()
+    if name == "infcl":
+        return InfClLoss(tile=tile)
+    if name == "ref_openclip":
+        from open_clip.loss import ClipLoss
+
+        loss = ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
+        return lambda i, t, s: loss(i, t, s)
+    if name == "ref_infcl":
+        from inf_cl import cal_inf_loss
+
+        return lambda i, t, s: (cal_inf_loss(i, t, scale=s) + cal_inf_loss(t, i, scale=s)) / 2
+    raise ValueError(f"unknown backend {name}")
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def measure(loss_fn, b_local: int, dim: int, dtype, repeats: int, device) -> dict:
+    """Median time of forward + backward and the extra memory (peak minus inputs and grads)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    images = F.normalize(torch.randn(b_local, dim, device=device, generator=generator), dim=-1)
+    texts = F.normalize(torch.randn(b_local, dim, device=device, generator=generator), dim=-1)
+    images = images.to(dtype).requires_grad_()
+    texts = texts.to(dtype).requires_grad_()
+    scale = torch.tensor(100.0, device=device, requires_grad=True)
+    times = []
+    for _ in range(repeats):
+        images.grad = texts.grad = scale.grad = None
+        # inputs and their gradients are the baseline: allocate the grads once before measuring
+        images.grad, texts.grad = torch.zeros_like(images), torch.zeros_like(texts)
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        loss = loss_fn(images, texts, scale)
+        loss.backward()
+        sync()
+        times.append(time.perf_counter() - start)
+        extra = torch.cuda.max_memory_allocated() - base
+        value = float(loss.detach())
+        del loss
+    return {"time_s": statistics.median(times), "times_s": times, "extra_gb": extra / 1e9,
+            "loss": value}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="vanilla,local,disco,infcl,ref_openclip,ref_infcl")
+    parser.add_argument("--batches", default="32k,64k,128k,256k,1M", help="global batch sizes")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--tile", type=int, default=8192, help="infcl tile size")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs below 256k (1 above)")
+    parser.add_argument("--budget-s", type=float, default=480, help="skip runs predicted past this")
+    parser.add_argument("--tf32", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
+    if world > 1 or "ref_infcl" in args.backends:  # inf_cl needs a process group even for one GPU
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group("nccl", device_id=device)
+    started = time.perf_counter()
+    batches = [parse_count(b, "--batches") for b in args.batches.split(",")]
+    results = []
+    for dtype_name in args.dtypes.split(","):
+        for name in args.backends.split(","):
+            try:
+                loss_fn = make_backend(name, args.tile, world, rank)
+            except ImportError as error:
+                results.append({"backend": name, "status": f"unavailable: {error}"})
+                continue
+            measure(loss_fn, 4096 // world, args.dim, DTYPES[dtype_name], 1, device)  # warm-up
+            last_time, failed = None, False
+            for batch in batches:
+                row = {"backend": name, "dtype": dtype_name, "batch": batch, "gpus": world,
+                       "dim": args.dim}
+                # quadratic cost: predict from the last size; skip what would overrun the budget
+                predicted = last_time * (batch / prev) ** 2 if last_time else 0
+                elapsed = time.perf_counter() - started
+                if failed:
+                    row["status"] = "skipped: out of memory at a smaller batch"
+                elif elapsed + predicted > args.budget_s:
+                    row["status"] = f"skipped: predicted {predicted:.0f} s exceeds the budget"
+                else:
+                    try:
+                        repeats = args.repeats if batch < 262144 else 1
+                        row.update(measure(loss_fn, batch // world, args.dim, DTYPES[dtype_name],
+                                           repeats, device))
+                        row["status"] = "ok"
+                        row["useful_tflops"] = 6 * batch * batch * args.dim / row["time_s"] / 1e12 / world
+                        last_time, prev = row["time_s"], batch
+                    except torch.cuda.OutOfMemoryError:
+                        row["status"] = "out of memory"
+                        failed = True
+                    torch.cuda.empty_cache()
+                if dist.is_initialized() and world > 1:  # every rank agrees on skips
+                    flags = [None] * world
+                    dist.all_gather_object(flags, row.get("status"))
+                    if any(f == "out of memory" for f in flags):
+                        row["status"], failed = "out of memory", True
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+                results.append(row)
+    if rank == 0:
+        meta = {"gpu": torch.cuda.get_device_name(device), "gpus": world, "torch": torch.__version__,
+                "python": platform.python_version(), "tf32": bool(args.tf32), "tile": args.tile,
+                "command": " ".join(sys.argv)}
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
