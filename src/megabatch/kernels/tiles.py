@@ -40,6 +40,8 @@ def block_grads(
     tile: int,
     weight: torch.Tensor,
     diagonal: bool,
+    d_rows: torch.Tensor | None = None,
+    d_cols: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``weight * sum_i (lse_i - [diagonal] logits_ii)`` over this block.
 
@@ -48,12 +50,15 @@ def block_grads(
     ``d_scale = sum(G * rows @ cols^T)  []``, all in the accumulation dtype. ``lse [m]`` is the
     row log-sum-exp over *all* columns (every block), so P is the global softmax restricted to
     this block. ``diagonal`` marks the block holding the positives (row i pairs with column i).
-    Tiles are recomputed, never stored.
+    Tiles are recomputed, never stored. ``d_rows``/``d_cols``, when given, are accumulated into
+    (in place, accumulation dtype) instead of allocating new buffers.
     """
     acc = accumulation_dtype(rows.dtype)
     scale_acc, weight = scale.to(acc), weight.to(acc)
-    d_rows = torch.zeros(rows.shape, dtype=acc, device=rows.device)
-    d_cols = torch.zeros(cols.shape, dtype=acc, device=rows.device)
+    if d_rows is None:
+        d_rows = torch.zeros(rows.shape, dtype=acc, device=rows.device)
+    if d_cols is None:
+        d_cols = torch.zeros(cols.shape, dtype=acc, device=rows.device)
     d_scale = torch.zeros((), dtype=acc, device=rows.device)
     for i0 in range(0, rows.shape[0], tile):
         row_tile = rows[i0 : i0 + tile].to(acc)

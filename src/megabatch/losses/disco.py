@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ..distributed.gather import gather_no_grad, group_rank, group_size
 from .base import ContrastiveLoss
+from .reference import upcast
 
 
 class _DiscoLoss(torch.autograd.Function):
@@ -22,42 +23,49 @@ class _DiscoLoss(torch.autograd.Function):
         all_images = gather_no_grad(image_features, group)
         all_texts = gather_no_grad(text_features, group)
         labels = torch.arange(rows, device=image_features.device) + rank * rows
-        image_to_text = scale * image_features @ all_texts.T  # [b_local, b]
-        text_to_image = scale * text_features @ all_images.T  # [b_local, b]
+        image_to_text = upcast(image_features @ all_texts.T) * scale  # [b_local, b]
+        text_to_image = upcast(text_features @ all_images.T) * scale  # [b_local, b]
         lse_i, lse_t = image_to_text.logsumexp(1), text_to_image.logsumexp(1)
         positives = image_to_text.gather(1, labels[:, None]).squeeze(1)  # = text_to_image's
         local = ((lse_i - positives).sum() + (lse_t - positives).sum()) / (2 * rows)
         total = local.clone()
         if world > 1:
             dist.all_reduce(total, group=group)
-        ctx.save_for_backward(image_features, text_features, all_images, all_texts, scale, labels)
+        # keep the logits (not the softmax): backward re-derives P with one element-wise pass
+        # and the scale gradient from the logits themselves, with no GEMM recomputation
+        ctx.save_for_backward(image_features, text_features, all_images, all_texts, scale, labels,
+                              image_to_text, text_to_image, lse_i, lse_t)
         ctx.group, ctx.world, ctx.rank = group, world, rank
-        ctx.probs = (torch.softmax(image_to_text, 1), torch.softmax(text_to_image, 1))
         return total / world
 
     @staticmethod
     def backward(ctx, grad_output):
-        image_features, text_features, all_images, all_texts, scale, labels = ctx.saved_tensors
-        p_image, p_text = ctx.probs
-        del ctx.probs
+        (image_features, text_features, all_images, all_texts, scale, labels,
+         image_to_text, text_to_image, lse_i, lse_t) = ctx.saved_tensors
         rows = image_features.shape[0]
         weight = grad_output / (2 * rows)
-        g_image = p_image.clone()  # d loss_r / d logits, image->text rows
-        g_image[torch.arange(rows), labels] -= 1
-        g_image *= weight
-        g_text = p_text.clone()
-        g_text[torch.arange(rows), labels] -= 1
-        g_text *= weight
-        d_scale = (g_image * (image_features @ all_texts.T)).sum() + (
-            g_text * (text_features @ all_images.T)).sum()
+
+        def logit_grads(logits, lse):
+            """d loss_r / d logits = weight * (softmax - onehot), and its share of d/d scale."""
+            grad = torch.exp(logits - lse[:, None])
+            grad[torch.arange(rows), labels] -= 1
+            grad *= weight
+            return grad, (grad * logits).sum() / scale
+
+        g_image, ds_image = logit_grads(image_to_text, lse_i)
+        g_text, ds_text = logit_grads(text_to_image, lse_t)
+        dtype = image_features.dtype
+        g_image_in, g_text_in = g_image.to(dtype), g_text.to(dtype)  # GEMMs in the input dtype
         # column gradients of every rank's loss w.r.t. the gathered features: [2, b, c]
-        d_columns = torch.stack([scale * g_text.T @ text_features, scale * g_image.T @ image_features])
+        d_columns = upcast(torch.stack([g_text_in.T @ text_features, g_image_in.T @ image_features]))
+        d_columns *= scale  # summed over ranks in fp32 at least
         if ctx.world > 1:
             dist.all_reduce(d_columns, group=ctx.group)
         local = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
-        d_image = scale * g_image @ all_texts + d_columns[0, local]
-        d_text = scale * g_text @ all_images + d_columns[1, local]
-        return d_image, d_text, d_scale.reshape(scale.shape), None
+        d_image = (g_image_in @ all_texts) * scale + d_columns[0, local]
+        d_text = (g_text_in @ all_images) * scale + d_columns[1, local]
+        d_scale = ds_image + ds_text
+        return d_image.to(dtype), d_text.to(dtype), d_scale.reshape(scale.shape), None
 
 
 class DiscoLoss(ContrastiveLoss):

@@ -41,7 +41,7 @@ class _InfClLoss(torch.autograd.Function):
             dist.all_reduce(total, group=group)
         ctx.save_for_backward(image_features, text_features, scale, lse_image, lse_text)
         ctx.group, ctx.world, ctx.tile, ctx.tiles = group, world, tile, tiles
-        return (total / world).to(image_features.dtype if acc != torch.float64 else acc)
+        return total / world  # fp32 (float64 for float64 inputs)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -54,26 +54,24 @@ class _InfClLoss(torch.autograd.Function):
         block = torch.stack([image_features, text_features])
         d_image = torch.zeros(image_features.shape, dtype=acc, device=block.device)
         d_text, d_scale = torch.zeros_like(d_image), torch.zeros((), dtype=acc, device=block.device)
-        accumulator = None  # column gradients of the block being held, [2, b_local, c]
-        pending_acc = None
+        pending_acc = None  # the column-gradient accumulator travelling behind the features
         for step in range(world):
             pending_block = ring.start(block) if step < world - 1 else None
             own = step == 0  # the first block is this rank's own: it holds the positives
-            d_rows_i, d_cols_t, ds_i = grads_fn(image_features, block[1], scale, lse_image, tile,
-                                                 weight, own)
-            d_rows_t, d_cols_i, ds_t = grads_fn(text_features, block[0], scale, lse_text, tile,
-                                                 weight, own)
-            d_image += d_rows_i
-            d_text += d_rows_t
+            # this rank's column gradients for the held block: [2, b_local, c] (images, texts)
+            columns = torch.zeros(block.shape, dtype=acc, device=block.device)
+            _, _, ds_i = grads_fn(image_features, block[1], scale, lse_image, tile, weight, own,
+                                  d_rows=d_image, d_cols=columns[1])
+            _, _, ds_t = grads_fn(text_features, block[0], scale, lse_text, tile, weight, own,
+                                  d_rows=d_text, d_cols=columns[0])
             d_scale += ds_i + ds_t
-            contribution = torch.stack([d_cols_i, d_cols_t])
-            # the accumulator of this block arrives from the previous rank while we computed
-            accumulator = contribution if pending_acc is None else pending_acc.wait() + contribution
+            if pending_acc is not None:  # earlier ranks' share arrived while we computed
+                columns += pending_acc.wait()
             if ring is not None:
-                pending_acc = ring.start(accumulator)  # onward; after the last step: to the owner
+                pending_acc = ring.start(columns)  # onward; after the last step: to the owner
             if pending_block is not None:
                 block = pending_block.wait()
-        own_columns = pending_acc.wait() if ring is not None else accumulator
+        own_columns = pending_acc.wait() if ring is not None else columns
         d_image += own_columns[0]
         d_text += own_columns[1]
         return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..distributed.gather import all_gather_with_grad, global_mean_value, group_rank
 from .base import ContrastiveLoss
+from .reference import upcast
 
 
 class LocalLoss(ContrastiveLoss):
@@ -20,7 +21,7 @@ class LocalLoss(ContrastiveLoss):
         all_texts = all_gather_with_grad(text_features, self.group)
         rows = image_features.shape[0]
         labels = torch.arange(rows, device=image_features.device) + group_rank(self.group) * rows
-        image_to_text = scale * image_features @ all_texts.T  # [b_local, b]
-        text_to_image = scale * text_features @ all_images.T  # [b_local, b]
+        image_to_text = upcast(image_features @ all_texts.T) * scale  # [b_local, b]
+        text_to_image = upcast(text_features @ all_images.T) * scale  # [b_local, b]
         local = (F.cross_entropy(image_to_text, labels) + F.cross_entropy(text_to_image, labels)) / 2
         return global_mean_value(local, self.group)

@@ -6,10 +6,18 @@ import torch
 import torch.nn.functional as F
 
 
+def upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits to fp32: a softmax over 1M columns must not run in bf16."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
 def clip_loss_reference(
     image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
-    """``(CE(I T^T * scale) + CE(T I^T * scale)) / 2`` over the full ``[b, c]`` batch."""
-    logits = scale * image_features @ text_features.T
+    """``(CE(I T^T * scale) + CE(T I^T * scale)) / 2`` over the full ``[b, c]`` batch.
+
+    The GEMM runs in the features' dtype; the softmax in fp32 (or float64) at least.
+    """
+    logits = upcast(image_features @ text_features.T) * scale
     labels = torch.arange(logits.shape[0], device=logits.device)
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
