@@ -30,12 +30,14 @@ def main() -> None:
                 key = f"{row['backend']} ({row['gpus']} GPU{'s' if row['gpus'] > 1 else ''})"
                 series[key].append((row["batch"], row["extra_gb"], row["time_s"]))
     figure, (memory_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, points in sorted(series.items()):
+    colors = plt.cm.tab20.colors
+    for index, (key, points) in enumerate(sorted(series.items())):
         points.sort()
         batches = [p[0] / 1024 for p in points]
         style = "--" if key.startswith("ref_") else "-"
-        memory_ax.plot(batches, [p[1] for p in points], style, marker="o", label=key)
-        time_ax.plot(batches, [p[2] for p in points], style, marker="o", label=key)
+        color = colors[index % len(colors)]
+        memory_ax.plot(batches, [p[1] for p in points], style, marker="o", label=key, color=color)
+        time_ax.plot(batches, [p[2] for p in points], style, marker="o", label=key, color=color)
     for axis, label in ((memory_ax, "extra memory per GPU (GB)"), (time_ax, "forward + backward (s)")):
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")

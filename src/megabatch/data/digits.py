@@ -37,8 +37,15 @@ CAPTION_PHRASINGS = [
     "{word}",
 ]
 
-# Zero-shot prompts for the held-out split (class names are the words above).
-EVAL_TEMPLATES = ["a photo of the digit {}.", "a handwritten {}.", "the number {}."]
+# Zero-shot prompts for the held-out split (class names are the words above), in the style of the
+# training captions (no final period, as in those: a period the text tower never saw costs ~10
+# points of top-1 on the tiny model).
+EVAL_TEMPLATES = [
+    "a photo of the digit {}",
+    "a handwritten digit {}",
+    "the number {}",
+    "a scan of a handwritten {}",
+]
 
 IMAGE_SIZE = 32
 HELD_OUT_FRACTION = 0.2

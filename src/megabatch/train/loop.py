@@ -166,7 +166,7 @@ class Trainer:
         ckpt_every, log_every = int(cfg.trainer.ckpt_every or 0), int(cfg.trainer.log_every)
         eval_every = int(cfg.eval.get("every") or 0)
         progress = tqdm(total=plan.total_steps, initial=self.step, disable=not self.main,
-                        desc="train", dynamic_ncols=True, mininterval=1.0)
+                        desc="train", dynamic_ncols=True, mininterval=1.0, leave=False)
         # trainer.stop_at_step ends this invocation early (a time-limited job); resume=latest
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, int(cfg.trainer.get("stop_at_step") or plan.total_steps))
@@ -208,13 +208,16 @@ class Trainer:
                                      sps=f"{record['samples_per_s']:.0f}")
                 self.metrics.log(record, self.step)
                 if self.main:
-                    log.debug("step %d %s", self.step, record)
+                    log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s",
+                             self.step, plan.total_steps, loss_value, lr, record["logit_scale"],
+                             record["samples_per_s"])
             if ckpt_every and self.step % ckpt_every == 0:
                 self._checkpoint(numbered=True)
             if eval_every and self.step % eval_every == 0 and self.step < plan.total_steps:
                 self.evaluate()
         progress.close()
-        self._checkpoint(numbered=False)
+        if not (ckpt_every and self.step % ckpt_every == 0):  # else just written
+            self._checkpoint(numbered=False)
         if self.step < plan.total_steps:
             log.info("stopped at step %d of %d (trainer.stop_at_step); continue with "
                      "resume=latest name=%s", self.step, plan.total_steps, self.run_dir.name)
