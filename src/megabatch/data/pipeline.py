@@ -78,8 +78,17 @@ class Stats:
     missing_caption: int = 0
 
 
-def decode_pair(sample: dict, stats: Stats) -> tuple[Image.Image, str] | None:
-    """(image, caption) from a raw sample, or ``None`` (counted) when unusable."""
+def open_image(image_bytes: bytes | None) -> Image.Image:
+    """Decode encoded image bytes (raises on a corrupt or missing image)."""
+    if image_bytes is None:
+        raise ValueError("no image file in the sample")
+    image = Image.open(io.BytesIO(image_bytes))
+    image.load()
+    return image
+
+
+def decode_pair(sample: dict, stats: Stats) -> tuple[bytes, Image.Image, str] | None:
+    """(image bytes, decoded image, caption) from a raw sample, or ``None`` (counted) when unusable."""
     caption = sample.get("txt")
     if caption is None:
         stats.missing_caption += 1
@@ -87,21 +96,38 @@ def decode_pair(sample: dict, stats: Stats) -> tuple[Image.Image, str] | None:
         return None
     image_bytes = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
     try:
-        image = Image.open(io.BytesIO(image_bytes))
-        image.load()
+        image = open_image(image_bytes)
     except Exception as error:  # noqa: BLE001 - any decoder failure means a corrupt sample
         stats.corrupt_image += 1
         log.warning("skipping %s: undecodable image (%s)", sample.get("__key__"), error)
         return None
-    return image, caption.decode("utf-8") if isinstance(caption, bytes) else caption
+    return image_bytes, image, caption.decode("utf-8") if isinstance(caption, bytes) else caption
+
+
+class SampleDecoder:
+    """Image tensor of the sample at ``position`` of an epoch's stream, augmented with randomness
+    seeded by (seed, epoch, position) alone: decoding the same bytes again gives the same tensor,
+    whichever process does it and whenever (the GradCache data offload relies on this)."""
+
+    def __init__(self, transform: Callable, seed: int, epoch: int):
+        self.transform, self.seed, self.epoch = transform, seed, epoch
+
+    def __call__(self, image: Image.Image | bytes, position: int) -> torch.Tensor:
+        if isinstance(image, bytes):
+            image = open_image(image)
+        sample_seed = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + position
+        return seeded(self.transform, image, sample_seed)
 
 
 class EpochBatches(IterableDataset):
-    """Per-rank batches ``(images [b_rank, 3, s, s] float, texts [b_rank, ctx] long)`` of one epoch.
+    """This rank's sub-batches of one epoch: ``(images [sub_batch, 3, s, s], texts [sub_batch, ctx],
+    raw)``, ``rank_batch / sub_batch`` consecutive ones per global batch.
 
-    ``num_batches`` batches are produced (the last incomplete global batch is dropped); batches
-    before ``start_batch`` are skipped without decoding. Batch ``k`` is built by loader worker
-    ``(k - start_batch) % num_workers``, matching the DataLoader's round-robin order.
+    ``raw`` is ``None``, or with ``keep_raw`` the list of ``(image bytes, stream position)`` from
+    which ``SampleDecoder`` re-creates the images exactly. ``num_batches`` global batches are
+    produced (the last incomplete one is dropped); batches before ``start_batch`` are skipped
+    without decoding. Sub-batch ``k`` (counted from the start) is built by loader worker
+    ``k % num_workers``, matching the DataLoader's round-robin order.
     """
 
     def __init__(
@@ -118,12 +144,17 @@ class EpochBatches(IterableDataset):
         epoch: int,
         start_batch: int = 0,
         shuffle_buffer: int = 1000,
+        sub_batch: int | None = None,
+        keep_raw: bool = False,
     ):
         super().__init__()
-        self.urls, self.transform, self.tokenize = urls, transform, tokenize
+        self.urls, self.tokenize = urls, tokenize
+        self.decoder = SampleDecoder(transform, seed, epoch)
         self.rank_batch, self.rank, self.world_size = rank_batch, rank, world_size
+        self.sub_batch = sub_batch or rank_batch
         self.num_batches, self.start_batch = num_batches, start_batch
         self.seed, self.epoch, self.shuffle_buffer = seed, epoch, shuffle_buffer
+        self.keep_raw = keep_raw
         self.stats = Stats()
 
     def _stream(self) -> Iterator[dict]:
@@ -137,41 +168,60 @@ class EpochBatches(IterableDataset):
         )
         return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=epoch_seed)(stream)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         global_batch = self.rank_batch * self.world_size
-        pending: list[tuple[torch.Tensor, str]] = []
+        per_batch = self.rank_batch // self.sub_batch
+        first_chunk = self.start_batch * per_batch
+        pending: list[tuple[bytes, int, torch.Tensor, str]] = []
         current = None
         for position, raw in enumerate(self._stream()):
             batch_index = position // global_batch
             if batch_index >= self.num_batches:
                 break
-            mine = position % self.world_size == self.rank
-            if not mine or batch_index < self.start_batch:
+            if position % self.world_size != self.rank or batch_index < self.start_batch:
                 continue
-            if (batch_index - self.start_batch) % num_workers != worker:
+            # this rank's j-th sample of the global batch, in sub-batch (chunk) j // sub_batch
+            j = (position % global_batch) // self.world_size
+            chunk = batch_index * per_batch + j // self.sub_batch
+            if (chunk - first_chunk) % num_workers != worker:
                 continue
-            if current is not None and batch_index != current and pending:
+            if current is not None and chunk != current and pending:
                 yield self._collate(pending)
                 pending = []
-            current = batch_index
+            current = chunk
             pair = decode_pair(raw, self.stats)
             if pair is None:
                 continue
-            sample_seed = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + position
-            pending.append((seeded(self.transform, pair[0], sample_seed), pair[1]))
+            image_bytes, image, caption = pair
+            pending.append((image_bytes, position, self.decoder(image, position), caption))
         if pending:
             yield self._collate(pending)
 
-    def _collate(self, pairs: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(pairs) != self.rank_batch:
+    def _collate(self, samples):
+        if len(samples) != self.sub_batch:
             raise RuntimeError(
-                f"a batch has {len(pairs)} usable samples instead of {self.rank_batch} "
+                f"a sub-batch has {len(samples)} usable samples instead of {self.sub_batch} "
                 f"(skipped so far: {self.stats}); ranks must see equal batches"
             )
-        images = torch.stack([image for image, _ in pairs])
-        return images, self.tokenize([caption for _, caption in pairs])
+        images = torch.stack([s[2] for s in samples])
+        texts = self.tokenize([s[3] for s in samples])
+        raw = [(s[0], s[1]) for s in samples] if self.keep_raw else None
+        return images, texts, raw
+
+
+class RawSubBatches(torch.utils.data.Dataset):
+    """Map-style dataset re-decoding kept sub-batches (lists of ``(bytes, position)``)."""
+
+    def __init__(self, raw_sub_batches: list, decoder: SampleDecoder):
+        self.raw, self.decoder = raw_sub_batches, decoder
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.stack([self.decoder(data, position) for data, position in self.raw[index]])
 
 
 def make_epoch_loader(dataset: EpochBatches, num_workers: int) -> DataLoader:
@@ -199,7 +249,7 @@ def labelled_images(urls: list[str], transform: Callable, batch_size: int) -> It
         pair = decode_pair(raw, stats)
         if pair is None:
             continue
-        images.append(transform(pair[0]))
+        images.append(transform(pair[1]))
         labels.append(label)
         if len(images) == batch_size:
             yield torch.stack(images), torch.tensor(labels)

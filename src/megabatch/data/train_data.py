@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from ..config import parse_optional_count
 from .digits import ensure_digits
-from .pipeline import EpochBatches, count_samples, expand_urls, make_epoch_loader
+from .pipeline import (
+    EpochBatches,
+    RawSubBatches,
+    SampleDecoder,
+    count_samples,
+    expand_urls,
+    make_epoch_loader,
+)
 from .transforms import train_transform
 
 
@@ -21,8 +28,9 @@ class TrainData:
         self.transform = train_transform(image_size, **cfg.train.augment)
 
     def loader(self, epoch: int, start_batch: int, rank_batch: int, rank: int, world_size: int,
-               num_batches: int):
-        """Batches ``start_batch .. num_batches-1`` of ``epoch`` for ``rank``."""
+               num_batches: int, sub_batch: int | None = None, keep_raw: bool = False):
+        """Sub-batches ``(images, texts, raw)`` of global batches ``start_batch .. num_batches-1``
+        of ``epoch`` for ``rank`` (``rank_batch / sub_batch`` per global batch)."""
         dataset = EpochBatches(
             self.urls,
             transform=self.transform,
@@ -35,5 +43,18 @@ class TrainData:
             epoch=epoch,
             start_batch=start_batch,
             shuffle_buffer=int(self.cfg.train.shuffle_buffer),
+            sub_batch=sub_batch,
+            keep_raw=keep_raw,
         )
         return make_epoch_loader(dataset, int(self.cfg.num_workers))
+
+    def redecode(self, raw_sub_batches: list, epoch: int):
+        """Iterate the image tensors of kept sub-batches again, in order, decoded by the loader
+        workers with the same per-sample augmentation as the first time."""
+        from torch.utils.data import DataLoader
+
+        workers = int(self.cfg.num_workers)
+        return iter(DataLoader(
+            RawSubBatches(raw_sub_batches, SampleDecoder(self.transform, self.seed, epoch)),
+            batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None,
+        ))

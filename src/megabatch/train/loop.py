@@ -29,6 +29,8 @@ from .metrics import MetricsLogger
 from .optim import build_optimizer
 from .plan import BatchPlan
 from .precision import grad_scaler, resolve_precision
+from .gradcache import encode_without_graph, loss_and_feature_grads, replay
+from .precision import DTYPES
 from .step import forward_backward
 
 log = logging.getLogger("megabatch")
@@ -79,6 +81,8 @@ class Trainer:
         )
         self.precision = resolve_precision(cfg.trainer.precision, env.device)
         self.scaler = grad_scaler(self.precision, env.device)
+        self.offload = bool(cfg.trainer.get("offload", False))
+        self.feature_dtype = DTYPES[cfg.trainer.get("feature_dtype", "fp32")]
         self.step = 0
         torch.manual_seed(cfg.seed + 1000 * env.rank)  # per-rank randomness (dropout, ...)
         self._resume()
@@ -139,13 +143,59 @@ class Trainer:
         keep = self.cfg.trainer.get("keep_ckpts")
         write_run_checkpoint(self.ckpt_dir, payload, self.step, numbered, keep)
 
-    def _batches(self):
-        """Per-rank batches from the current step to the end of the run, across epochs."""
+    def _sub_batches(self):
+        """This rank's sub-batches ``(images, texts, raw)`` from the current step to the end of
+        the run, across epochs (``plan.sub_batches`` per step)."""
         plan = self.plan
         while self.step < plan.total_steps:
             epoch, start = divmod(self.step, plan.steps_per_epoch)
             yield from self.data.loader(epoch, start, plan.rank_batch, self.env.rank,
-                                        self.env.world_size, plan.steps_per_epoch)
+                                        self.env.world_size, plan.steps_per_epoch,
+                                        sub_batch=plan.sub_batch, keep_raw=self.offload)
+
+    def gradients(self, sub_batches) -> tuple[torch.Tensor, dict[str, float]]:
+        """Accumulate this step's gradients (DDP-averaged) into ``.grad``; return the loss and
+        per-phase seconds. One sub-batch: a plain forward/backward. Several: GradCache."""
+        plan, env, times = self.plan, self.env, {}
+        if plan.sub_batches == 1:
+            start = time.perf_counter()
+            images, texts, _ = next(sub_batches)
+            times["data"] = time.perf_counter() - start
+            images, texts = images.to(env.device, non_blocking=True), texts.to(env.device)
+            start = time.perf_counter()
+            loss = forward_backward(self.ddp, self.loss_fn, images, texts, self.precision,
+                                    env.device, self.scaler)
+            times["forward_backward"] = time.perf_counter() - start
+            return loss, times
+        # global batch = world_size x sub_batches x sub_batch, e.g. 1M = 2 x 1024 x 512
+        progress = tqdm(total=2 * plan.sub_batches, desc=f"step {self.step + 1} encode",
+                        leave=False, disable=not self.main or plan.sub_batches < 8,
+                        dynamic_ncols=True, position=1, unit="sub-batch")
+        start = time.perf_counter()
+        encoded = encode_without_graph(self.model, sub_batches, plan.sub_batches, plan.sub_batch,
+                                       self.precision, env.device, self.feature_dtype,
+                                       self.offload, progress)
+        times["data"] = encoded.data_s
+        times["encode"] = self._lap(start) - encoded.data_s
+        start = time.perf_counter()
+        grads = loss_and_feature_grads(self.loss_fn, encoded, self.model.logit_scale,
+                                       self.scaler if self.scaler.is_enabled() else None)
+        times["loss"] = self._lap(start)
+        progress.set_description(f"step {self.step + 1} replay")
+        start = time.perf_counter()
+        again = (self.data.redecode(encoded.raw, self.step // plan.steps_per_epoch)
+                 if self.offload else None)
+        waited = replay(self.ddp, encoded, grads, plan.sub_batch, self.precision, env.device,
+                        again, progress)
+        times["data"] += waited
+        times["replay"] = self._lap(start) - waited
+        progress.close()
+        return grads.loss, times
+
+    def _lap(self, start: float) -> float:
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)  # host-device sync: honest phase times only
+        return time.perf_counter() - start
 
     def evaluate(self) -> dict[str, float] | None:
         if not self.main or not self.cfg.eval.get("name"):
@@ -170,21 +220,20 @@ class Trainer:
         # trainer.stop_at_step ends this invocation early (a time-limited job); resume=latest
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, int(cfg.trainer.get("stop_at_step") or plan.total_steps))
-        batches = self._batches()
+        sub_batches = self._sub_batches()
         loss = torch.zeros(())
         tick, last_logged = time.perf_counter(), self.step
+        phase_totals: dict[str, float] = {}
         while self.step < stop:
             # 1. learning rate for this step (peak lr x schedule multiplier)
             lr = self.peak_lr * self.schedule(self.step)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            # 2. data: this rank's share of the global batch
-            images, texts = next(batches)
-            images, texts = images.to(env.device, non_blocking=True), texts.to(env.device)
-            # 3. forward, global loss, backward (DDP averages gradients across ranks here)
-            loss = forward_backward(self.ddp, self.loss_fn, images, texts, self.precision,
-                                    env.device, self.scaler)
-            # 4. clip the true (unscaled) gradient, step, clear, clamp the temperature
+            # 2. data, forward, global loss, backward: this rank's share of the global batch;
+            #    DDP averages the gradients across ranks once per step
+            loss, times = self.gradients(sub_batches)
+            # 3. clip the true (unscaled) gradient, step, clear, clamp the temperature
+            start = time.perf_counter()
             self.scaler.unscale_(self.optimizer)
             if cfg.optim.get("grad_clip"):
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(cfg.optim.grad_clip))
@@ -192,6 +241,9 @@ class Trainer:
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.model.clamp_logit_scale()
+            times["optimizer"] = self._lap(start)
+            for phase, seconds in times.items():
+                phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds
             self.step += 1
             progress.update(1)
             if self.step % log_every == 0 or self.step == stop:
@@ -203,14 +255,21 @@ class Trainer:
                     "logit_scale": self.model.logit_scale.exp().item(),
                     "samples_per_s": plan.global_batch * steps / elapsed,
                     "epoch": self.step / plan.steps_per_epoch,
+                    **{f"time/{k}": v / steps for k, v in phase_totals.items()},
                 }
+                phase_totals = {}
+                if env.device.type == "cuda":
+                    record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(env.device) / 1e9
                 progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}",
                                      sps=f"{record['samples_per_s']:.0f}")
                 self.metrics.log(record, self.step)
                 if self.main:
-                    log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s",
-                             self.step, plan.total_steps, loss_value, lr, record["logit_scale"],
-                             record["samples_per_s"])
+                    phases = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in record.items()
+                                      if k.startswith("time/"))
+                    memory = f"  peak {record['peak_gpu_gb']:.1f} GB" if "peak_gpu_gb" in record else ""
+                    log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s  "
+                             "[%s]%s", self.step, plan.total_steps, loss_value, lr,
+                             record["logit_scale"], record["samples_per_s"], phases, memory)
             if ckpt_every and self.step % ckpt_every == 0:
                 self._checkpoint(numbered=True)
             if eval_every and self.step % eval_every == 0 and self.step < plan.total_steps:

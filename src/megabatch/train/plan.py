@@ -35,12 +35,8 @@ class BatchPlan:
         if rank_batch % sub_batch:
             raise ConfigError(
                 f"trainer.sub_batch={sub_batch} does not divide the per-rank batch {rank_batch} "
-                f"(batch={global_batch} / {world_size} ranks); pick a divisor of {rank_batch}"
-            )
-        if sub_batch != rank_batch:
-            raise ConfigError(
-                f"trainer.sub_batch={sub_batch} < per-rank batch {rank_batch} needs GradCache "
-                "sub-batching, which this version does not have yet; set trainer.sub_batch=null"
+                f"(batch={global_batch} / {world_size} ranks); pick a divisor of {rank_batch} for "
+                "trainer.sub_batch, or a batch that is a multiple of world size x trainer.sub_batch"
             )
         steps_per_epoch = num_samples // global_batch
         if steps_per_epoch == 0:

@@ -1,0 +1,170 @@
+"""Gradient Cache: a batch far larger than fits through the encoders, with exact gradients.
+
+A rank's batch is split into sub-batches (``rank_batch = sub_batches x sub_batch``), then:
+
+1. ``encode_without_graph``: encode every sub-batch under autocast without autograd, write the
+   features into preallocated buffers, and record each sub-batch's RNG state (CPU and CUDA,
+   captured explicitly, so dropout / patch dropout can be replayed).
+2. ``loss_and_feature_grads``: the configured loss once, on all of this rank's features, gives the
+   feature gradients (fp32) and the scale gradient.
+3. ``replay``: re-encode each sub-batch with its RNG state restored and back-propagate the cached
+   feature gradients through a surrogate ``sum(features * feature_grads)``. The last sub-batch's
+   surrogate also carries ``scale * d_scale``, so the temperature's gradient enters DDP's one
+   synchronisation (``no_sync`` on all but the last sub-batch) like every other parameter's.
+
+Data offload (``trainer.offload``). Off: the sub-batches' input tensors stay on the GPU between
+phases 1 and 3 (fastest when they fit). On: only the *encoded* image bytes and each sample's stream
+position stay, in host memory; phase 3 decodes them again in the loader workers. Augmentation is
+seeded per sample by (seed, epoch, position) (``data.pipeline.SampleDecoder``), so the re-decoded
+tensors equal the first ones bit for bit, whatever worker decodes them. Host memory is the encoded
+bytes of one rank batch (a 1M-sample batch of ~20 KB JPEGs: ~20 GB, against 150 GB as uint8
+pixels or 600 GB as float tensors), and nothing of the batch stays on the GPU but its token ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .precision import autocast
+
+
+@dataclass
+class RngState:
+    """The CPU and (on CUDA) current-device RNG states at one point."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    device: torch.device
+
+    @classmethod
+    def capture(cls, device: torch.device) -> "RngState":
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), cuda, device)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+@dataclass
+class EncodedBatch:
+    """Phase 1's result for one rank: features ``[b_rank, e]`` and what phase 3 needs."""
+
+    image_features: torch.Tensor
+    text_features: torch.Tensor
+    rng: list[RngState] = field(default_factory=list)
+    texts: list[torch.Tensor] = field(default_factory=list)    # token ids, on the device
+    images: list[torch.Tensor] = field(default_factory=list)   # offload off: inputs on the device
+    raw: list = field(default_factory=list)                     # offload on: encoded bytes, host
+    data_s: float = 0.0                                          # time spent waiting on the loader
+
+
+@dataclass
+class FeatureGrads:
+    """Phase 2's result: ``d loss / d features`` (fp32, W-scaled per the loss contract) and scale."""
+
+    loss: torch.Tensor
+    image: torch.Tensor
+    text: torch.Tensor
+    scale: torch.Tensor
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # host-device sync: only for honest per-phase times
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def encode_without_graph(
+    model, sub_batches: Iterator, num_sub: int, sub_batch: int, precision: str,
+    device: torch.device, feature_dtype: torch.dtype, offload: bool, progress=None,
+) -> EncodedBatch:
+    """Phase 1: encode ``num_sub`` sub-batches ``(images, texts, raw)`` from ``sub_batches``."""
+    encoded = None
+    for index in range(num_sub):
+        waited = time.perf_counter()
+        images, texts, raw = next(sub_batches)
+        images, texts = images.to(device, non_blocking=True), texts.to(device, non_blocking=True)
+        data_s = time.perf_counter() - waited
+        rng = RngState.capture(device)
+        with autocast(precision, device):
+            image_features, text_features, _ = model(images, texts)
+        if encoded is None:  # preallocate once the feature width is known
+            rows = num_sub * sub_batch
+            encoded = EncodedBatch(
+                image_features.new_empty((rows, image_features.shape[1]), dtype=feature_dtype),
+                text_features.new_empty((rows, text_features.shape[1]), dtype=feature_dtype),
+            )
+        encoded.data_s += data_s
+        rows = slice(index * sub_batch, (index + 1) * sub_batch)
+        encoded.image_features[rows] = image_features
+        encoded.text_features[rows] = text_features
+        encoded.rng.append(rng)
+        encoded.texts.append(texts)
+        if offload:
+            if raw is None:
+                raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes")
+            encoded.raw.append(raw)
+        else:
+            encoded.images.append(images)
+        if progress is not None:
+            progress.update(1)
+    return encoded
+
+
+def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Tensor,
+                           scaler=None) -> FeatureGrads:
+    """Phase 2: the loss once on all of this rank's features; gradients of the (fp16: scaled)
+    loss w.r.t. the features, kept in fp32, and w.r.t. the scale multiplier."""
+    image_features = encoded.image_features.float().requires_grad_()
+    text_features = encoded.text_features.float().requires_grad_()
+    scale = logit_scale.detach().exp().float().requires_grad_()
+    loss = loss_fn(image_features, text_features, scale)
+    scaled = scaler.scale(loss) if scaler is not None else loss
+    d_image, d_text, d_scale = torch.autograd.grad(scaled, [image_features, text_features, scale])
+    return FeatureGrads(loss.detach(), d_image, d_text, d_scale)
+
+
+def replay(
+    ddp_model, encoded: EncodedBatch, grads: FeatureGrads, sub_batch: int, precision: str,
+    device: torch.device, images_again: Iterator | None = None, progress=None,
+) -> float:
+    """Phase 3: re-encode each sub-batch with its RNG state and back-propagate its cached feature
+    gradients. ``images_again`` yields the re-decoded images when data is offloaded. Returns the
+    time spent waiting for re-decoded images."""
+    num_sub = len(encoded.rng)
+    after_encoding = RngState.capture(device)
+    waited_s = 0.0
+    for index in range(num_sub):
+        last = index == num_sub - 1
+        if images_again is not None:
+            start = time.perf_counter()
+            images = next(images_again).to(device, non_blocking=True)
+            waited_s += time.perf_counter() - start
+        else:
+            images = encoded.images[index]
+        rows = slice(index * sub_batch, (index + 1) * sub_batch)
+        encoded.rng[index].restore()
+        # DDP all-reduces once per step: only the last sub-batch's backward synchronises
+        sync = contextlib.nullcontext() if last or not hasattr(ddp_model, "no_sync") \
+            else ddp_model.no_sync()
+        with sync:
+            with autocast(precision, device):
+                image_features, text_features, scale = ddp_model(images, encoded.texts[index])
+            surrogate = (image_features.float() * grads.image[rows]).sum() + (
+                text_features.float() * grads.text[rows]).sum()
+            if last:  # the temperature's gradient joins DDP's synchronisation here
+                surrogate = surrogate + scale.float() * grads.scale
+            surrogate.backward()
+        if images_again is None:
+            encoded.images[index] = None  # free the inputs as soon as they are replayed
+        if progress is not None:
+            progress.update(1)
+    after_encoding.restore()  # randomness continues after phase 1's draws, not the replays'
+    return waited_s
