@@ -80,6 +80,9 @@ class Trainer:
             cfg.sched, total_steps=self.plan.total_steps, global_batch=self.plan.global_batch
         )
         self.precision = resolve_precision(cfg.trainer.precision, env.device)
+        if env.device.type == "cuda":  # TF32 for fp32 matmuls (the loss on fp32 features)
+            torch.backends.cuda.matmul.allow_tf32 = bool(cfg.trainer.get("tf32", True))
+            torch.backends.cudnn.allow_tf32 = bool(cfg.trainer.get("tf32", True))
         self.scaler = grad_scaler(self.precision, env.device)
         self.offload = bool(cfg.trainer.get("offload", False))
         self.feature_dtype = DTYPES[cfg.trainer.get("feature_dtype", "fp32")]
@@ -192,6 +195,16 @@ class Trainer:
         progress.close()
         return grads.loss, times
 
+    def optimizer_step(self) -> None:
+        """Clip the true (unscaled) gradient, step, clear the gradients, clamp the temperature."""
+        self.scaler.unscale_(self.optimizer)
+        if self.cfg.optim.get("grad_clip"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.cfg.optim.grad_clip))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.clamp_logit_scale()
+
     def _lap(self, start: float) -> float:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)  # host-device sync: honest phase times only
@@ -234,13 +247,7 @@ class Trainer:
             loss, times = self.gradients(sub_batches)
             # 3. clip the true (unscaled) gradient, step, clear, clamp the temperature
             start = time.perf_counter()
-            self.scaler.unscale_(self.optimizer)
-            if cfg.optim.get("grad_clip"):
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(cfg.optim.grad_clip))
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.model.clamp_logit_scale()
+            self.optimizer_step()
             times["optimizer"] = self._lap(start)
             for phase, seconds in times.items():
                 phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds

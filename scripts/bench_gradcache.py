@@ -1,0 +1,190 @@
+"""GradCache training throughput and memory on one GPU, side by side with OpenCLIP's --accum-freq.
+
+    python scripts/bench_gradcache.py --out gc.json                        # the default grid
+    python scripts/bench_gradcache.py --batches 16k,64k,256k --only memory --out mem.json
+
+Synthetic inputs (one random image/token sub-batch kept on the GPU and reused, so neither side pays
+for data), the same model (open_clip ViT-B/32), precision (bf16 autocast), global batch and
+sub-batch. Ours: ``Trainer.gradients`` (encode without graph, loss once, replay) and
+``Trainer.optimizer_step``. OpenCLIP 3.3: its own ``open_clip_train.train.train_one_epoch`` with
+``--accum-freq`` (it re-forwards each sub-batch and recomputes the whole loss once per sub-batch).
+The first step of every configuration is a warm-up and not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from megabatch.config import parse_count  # noqa: E402
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gb(device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides))
+
+
+def synthetic(sub_batch: int, image_size: int, context: int, device):
+    generator = torch.Generator(device=device).manual_seed(0)
+    images = torch.randn(sub_batch, 3, image_size, image_size, device=device, generator=generator)
+    texts = torch.randint(1, 49407, (sub_batch, context), device=device, generator=generator)
+    texts[:, -1] = 49407
+    return images, texts
+
+
+def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
+         warmup: bool = True) -> dict:
+    from megabatch.distributed import init_distributed
+    from megabatch.train.loop import Trainer
+
+    cfg = compose(f"model={model}", f"loss={loss}", f"batch={batch}", f"trainer.sub_batch={sub_batch}",
+                  "trainer.precision=bf16" if device.type == "cuda" else "trainer.precision=fp32", "eval=none", "data.train.num_samples=1073741824",
+                  "optim.lr=5e-4", f"name=bench-{batch}")
+    cfg.run_dir = f"/tmp/bench_gc/{model}-{loss}-{batch}-{sub_batch}"
+    cfg.overwrite = True
+    trainer = Trainer(cfg, init_distributed(device.type))
+    images, texts = synthetic(sub_batch, cfg.model.image.image_size, cfg.model.text.context_length,
+                              device)
+
+    def sub_batches():
+        while True:
+            yield images, texts, None
+
+    times = []
+    phases = {}
+    reset_peak(device)
+    for step in range(steps + 1 if warmup else steps):
+        sync(device)
+        start = time.perf_counter()
+        _, phase_times = trainer.gradients(sub_batches())
+        trainer.optimizer_step()
+        sync(device)
+        if step > 0 or not warmup:
+            times.append(time.perf_counter() - start)
+            for key, value in phase_times.items():
+                phases[key] = phases.get(key, 0) + value / steps
+    result = {"system": "megabatch", "model": model, "loss": loss, "batch": batch,
+              "sub_batch": sub_batch, "step_s": sum(times) / len(times),
+              "samples_per_s": batch * len(times) / sum(times), "phases_s": phases,
+              "peak_gpu_gb": peak_gb(device)}
+    del trainer
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return result
+
+
+def openclip(batch: int, sub_batch: int, steps: int, device) -> dict:
+    import open_clip
+    from open_clip_train.params import parse_args
+    from open_clip_train.train import train_one_epoch
+
+    accum = batch // sub_batch
+    args = parse_args(["--model", "ViT-B-32", "--precision", "amp_bf16", "--batch-size",
+                       str(sub_batch), "--accum-freq", str(accum), "--local-loss",
+                       "--gather-with-grad", "--lr", "5e-4", "--log-every-n-steps", "1000000"])
+    args.device, args.distributed, args.world_size, args.rank, args.local_rank = str(device), False, 1, 0, 0
+    args.wandb = args.tensorboard = False
+    args.skip_scheduler = True
+    args.distill = False
+    model = open_clip.create_model("ViT-B-32", precision="fp32", device=device, output_dict=True)
+    loss = open_clip.create_loss(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    images, texts = synthetic(sub_batch, 224, 77, device)
+
+    class Loader:
+        def __init__(self, num_batches):
+            self.num_batches = num_batches
+            self.num_samples = num_batches * sub_batch
+
+        def __iter__(self):
+            for _ in range(self.num_batches):
+                yield images, texts
+
+    class Data:
+        def __init__(self, num_batches):
+            self.dataloader = Loader(num_batches)
+
+        def set_epoch(self, epoch):
+            pass
+
+    reset_peak(device)
+    train_one_epoch(model, {"train": Data(accum)}, loss, 0, optimizer, None, None, None, args)  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    train_one_epoch(model, {"train": Data(accum * steps)}, loss, 1, optimizer, None, None, None, args)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    result = {"system": "openclip-3.3", "model": "vit_b32", "loss": "local", "batch": batch,
+              "sub_batch": sub_batch, "accum_freq": accum, "step_s": elapsed / steps,
+              "samples_per_s": batch * steps / elapsed,
+              "peak_gpu_gb": peak_gb(device)}
+    del model, optimizer
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="throughput,memory")
+    parser.add_argument("--batch", default="32k", help="throughput comparison's global batch")
+    parser.add_argument("--sub-batch", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--loss", default="local", help="our loss backend for the comparison")
+    parser.add_argument("--batches", default="16k,64k,256k", help="memory sweep (fixed sub-batch)")
+    parser.add_argument("--memory-loss", default="infcl")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("MEGABATCH_CACHE", "/tmp/megabatch-cache")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    batch, sub = parse_count(args.batch, "--batch"), args.sub_batch
+    results = []
+
+    def record(row):
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                                              "torch": torch.__version__, "command": " ".join(sys.argv),
+                                              "results": results}, indent=1))
+
+    if "throughput" in args.only:
+        record(ours("vit_b32", args.loss, sub, sub, 4 * args.steps, device))  # no sub-batching
+        record(openclip(sub, sub, 4 * args.steps, device))                    # no accumulation
+        record(ours("vit_b32", args.loss, batch, sub, args.steps, device))
+        record(openclip(batch, sub, args.steps, device))
+    if "memory" in args.only:
+        for size in args.batches.split(","):
+            # one step, no warm-up: the peak memory is the point, and a 1M step takes minutes
+            record(ours("vit_b32", args.memory_loss, parse_count(size, "--batches"), sub, 1, device,
+                        warmup=False))
+
+
+if __name__ == "__main__":
+    main()
