@@ -1,0 +1,102 @@
+"""One GradCache step on real JPEG shards, data offload on and off: time, peak GPU and host memory.
+
+    python scripts/bench_offload.py --batch 64k --sub-batch 512 --out offload.json
+
+Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures, so they compress like
+photos) as img2dataset shards under ``--workdir``, lists them repeatedly to reach the batch, and
+runs ``train.py``'s Trainer for one step with ``trainer.offload`` true and false. Host memory is the
+peak resident set of this process plus that of its largest loader worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_gradcache import compose  # noqa: E402
+
+from megabatch.config import parse_count  # noqa: E402
+from megabatch.data.shards import Sample, write_shards  # noqa: E402
+
+
+def photos(count: int, size: int, seed: int = 0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for index in range(count):
+        coarse = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+        image = Image.fromarray(coarse).resize((size, size), Image.BICUBIC)
+        noise = rng.normal(0, 12, (size, size, 3))
+        pixels = np.clip(np.asarray(image, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+        yield Sample(buffer.getvalue(), "jpg", f"a synthetic photo number {index}")
+
+
+def one_step(urls: list[str], batch: int, sub_batch: int, offload: bool, workers: int, device: str,
+             run_dir: str) -> dict:
+    from megabatch.distributed import init_distributed
+    from megabatch.train.loop import Trainer
+
+    cfg = compose("model=vit_b32", "loss=infcl", "data=webdataset", f"batch={batch}",
+                  f"trainer.sub_batch={sub_batch}", f"trainer.offload={str(offload).lower()}",
+                  "trainer.max_steps=1", "eval=none", f"data.num_workers={workers}",
+                  "trainer.precision=" + ("bf16" if device == "cuda" else "fp32"))
+    cfg.data.train.urls = urls
+    cfg.run_dir, cfg.overwrite = run_dir, True
+    trainer = Trainer(cfg, init_distributed(device))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    _, phases = trainer.gradients(trainer._sub_batches())
+    trainer.optimizer_step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    row = {"offload": offload, "batch": batch, "sub_batch": sub_batch, "step_s": time.perf_counter() - start,
+           "phases_s": phases,
+           "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+           "peak_host_gb_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+           "peak_host_gb_largest_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6}
+    del trainer
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", default="64k")
+    parser.add_argument("--sub-batch", type=int, default=512)
+    parser.add_argument("--images", type=int, default=4096)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=14)
+    parser.add_argument("--modes", default="true,false", help="offload settings to run, in order")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--workdir", default="/tmp/offload-bench")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    batch = parse_count(args.batch, "--batch")
+    shards = write_shards(photos(args.images, args.size), Path(args.workdir) / "shards", "photo", 1024)
+    mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
+    urls = shards * -(-batch // args.images)  # the same shards listed again until the batch fits
+    results = {"command": " ".join(sys.argv), "jpeg_kb_per_sample": mean_kb, "results": []}
+    for mode in args.modes.split(","):
+        row = one_step(urls, batch, args.sub_batch, mode == "true", args.workers, args.device,
+                       f"{args.workdir}/run-{mode}")
+        print(json.dumps(row), flush=True)
+        results["results"].append(row)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
