@@ -12,6 +12,8 @@ from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # run from a checkout, uninstalled
 
+import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers before Hydra composes)
+
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:

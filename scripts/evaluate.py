@@ -14,6 +14,8 @@ from omegaconf import DictConfig
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers)
+
 
 @hydra.main(config_path="../configs", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> float:

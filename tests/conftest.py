@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 sys.path.insert(0, str(ROOT / "src"))
 
+import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def data_cache(tmp_path_factory) -> Path:

@@ -50,3 +50,29 @@ def require(condition: bool, message: str) -> None:
     """Raise ``ConfigError(message)`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(message)
+
+
+def package_dir(module: str, *parts: str) -> str:
+    """Folder of an installed Python package (plus ``parts``): ``${mb.package_dir:pkg,model}``
+    points a config at model files that ship inside a wheel, with no download."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"${{mb.package_dir:{module}}}: the package {module!r} is not installed "
+            f"(pip install {module.replace('_', '-')}) or set the path explicitly"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
+
+
+def register_resolvers() -> None:
+    """OmegaConf resolvers used by configs/ (idempotent)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mb.package_dir"):
+        OmegaConf.register_new_resolver("mb.package_dir", package_dir)
+
+
+register_resolvers()

@@ -6,6 +6,7 @@ import torch
 from hydra.utils import instantiate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from megabatch.models import build_tokenizer
 from megabatch.train.step import forward_backward
 
 from ..conftest import compose
@@ -14,12 +15,13 @@ from ..helpers import rel_error, run_ranks
 GLOBAL_BATCH = 12
 
 
-def fixed_batch(context_length: int):
+def fixed_batch(text_cfg):
+    """Random images and real captions, tokenised by the configured text tower's tokenizer."""
     generator = torch.Generator().manual_seed(123)
     images = torch.randn(GLOBAL_BATCH, 3, 32, 32, generator=generator)
-    texts = torch.randint(1, 49407, (GLOBAL_BATCH, context_length), generator=generator)
-    texts[:, -1] = 49407  # an end-of-text token, as the tokenizer writes
-    return images, texts
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    captions = [f"a handwritten {words[i % 10]} number {i}" for i in range(GLOBAL_BATCH)]
+    return images, build_tokenizer(**text_cfg)(captions)
 
 
 def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Tensor]:
@@ -29,7 +31,7 @@ def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Te
     model = instantiate(cfg.model, _convert_="all")
     loss_fn = instantiate(cfg.loss)
     wrapped = DDP(model) if world > 1 else model
-    images, texts = fixed_batch(cfg.model.text.context_length)
+    images, texts = fixed_batch(cfg.model.text)
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
     forward_backward(wrapped, loss_fn, images[rows], texts[rows], "fp32", torch.device("cpu"))
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

@@ -6,6 +6,7 @@ from a hub.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -13,7 +14,7 @@ from typing import Any
 
 import open_clip
 import torch
-from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg, CustomTextCLIP
 from torch import nn
 
 from ..config import ConfigError
@@ -31,23 +32,56 @@ class ClipModel(nn.Module):
     one DDP wrapper synchronises them together.
     """
 
-    def __init__(self, clip: CLIP, name: str):
+    def __init__(self, clip: CLIP | CustomTextCLIP, name: str):
         super().__init__()
         self.clip = clip
         self.name = name
+
+    def tower_parameters(self, tower: str) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of the ``image`` or ``text`` tower (projection included)."""
+        params = []
+        for param_name, param in self.clip.named_parameters():
+            is_image = param_name.startswith("visual.")
+            if param_name.startswith("logit_"):
+                continue
+            if is_image == (tower == "image"):
+                params.append((param_name, param))
+        return params
+
+    def frozen(self, tower: str) -> bool:
+        """Whether no parameter of ``tower`` is trainable (a locked tower)."""
+        return not any(p.requires_grad for _, p in self.tower_parameters(tower))
+
+    def train(self, mode: bool = True):
+        """Frozen towers stay in eval mode (no dropout, fixed statistics) whatever the mode."""
+        super().train(mode)
+        if self.frozen("image"):
+            self.clip.visual.eval()
+        if self.frozen("text"):
+            text = getattr(self.clip, "text", None)
+            for module in [text] if text is not None else [
+                    self.clip.transformer, self.clip.token_embedding, self.clip.ln_final]:
+                module.eval()
+        return self
 
     @property
     def logit_scale(self) -> nn.Parameter:
         return self.clip.logit_scale
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
-        return nn.functional.normalize(self.clip.encode_image(images), dim=-1)
+        with torch.no_grad() if self.frozen("image") else contextlib.nullcontext():
+            return nn.functional.normalize(self.clip.encode_image(images), dim=-1)
 
     def encode_text(self, texts: torch.Tensor) -> torch.Tensor:
-        return nn.functional.normalize(self.clip.encode_text(texts), dim=-1)
+        with torch.no_grad() if self.frozen("text") else contextlib.nullcontext():
+            return nn.functional.normalize(self.clip.encode_text(texts), dim=-1)
 
-    def forward(self, images: torch.Tensor, texts: torch.Tensor):
-        return self.encode_image(images), self.encode_text(texts), self.clip.logit_scale.exp()
+    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None):
+        """Either input may be ``None`` (its features are then ``None``): GradCache's replay
+        skips a frozen tower. A frozen tower always runs without autograd."""
+        image_features = None if images is None else self.encode_image(images)
+        text_features = None if texts is None else self.encode_text(texts)
+        return image_features, text_features, self.clip.logit_scale.exp()
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
@@ -72,31 +106,109 @@ def build_clip(
     init_logit_scale: float = math.log(1 / 0.07),
     pretrained: str | None = None,
     grad_checkpointing: bool = False,
+    lock_image: bool = False,
+    lock_text: bool = False,
 ) -> ClipModel:
     """Build a CLIP from tower configs.
 
-    ``image``/``text`` hold open_clip's ``CLIPVisionCfg``/``CLIPTextCfg`` fields, plus our own
-    ``image.ckpt`` (a local image-tower state dict) and ``text.tokenizer`` (unused here).
-    ``pretrained`` is a local open_clip checkpoint of the whole model.
+    ``image``/``text`` hold open_clip's ``CLIPVisionCfg``/``CLIPTextCfg`` fields, plus our own:
+    ``image.ckpt`` (a local image-tower state dict), ``*.unlocked_layers`` (with ``lock_*``: keep
+    the last N layers trainable), and for a Hugging Face text tower ``text.hf_path`` (a local model
+    folder: weights and tokenizer), ``text.pooling`` (``cls`` or ``mean``) and ``text.proj``
+    (``linear`` or ``mlp``). ``pretrained`` is a local open_clip checkpoint of the whole model.
+    ``lock_image`` / ``lock_text`` freeze a whole tower, projection included (LiT).
     """
-    image = dict(image)
-    text = dict(text)
+    image, text = dict(image), dict(text)
     image_ckpt = image.pop("ckpt", None)
-    text.pop("tokenizer", None)
-    clip = CLIP(
-        embed_dim=embed_dim,
-        vision_cfg=CLIPVisionCfg(**_dataclass_kwargs(CLIPVisionCfg, image, "model.image")),
-        text_cfg=CLIPTextCfg(**_dataclass_kwargs(CLIPTextCfg, text, "model.text")),
-        quick_gelu=quick_gelu,
-        init_logit_scale=init_logit_scale,
-    )
+    image_unlocked = int(image.pop("unlocked_layers", 0) or 0)
+    text_unlocked = int(text.pop("unlocked_layers", 0) or 0)
+    vision_cfg = CLIPVisionCfg(**_dataclass_kwargs(CLIPVisionCfg, image, "model.image"))
+    hf_path = text.pop("hf_path", None)
+    if hf_path:
+        clip = CustomTextCLIP(embed_dim=embed_dim, vision_cfg=vision_cfg,
+                              text_cfg=_hf_text_cfg(hf_path, text), quick_gelu=quick_gelu,
+                              init_logit_scale=init_logit_scale)
+    else:
+        for key in ("pooling", "proj"):
+            text.pop(key, None)
+        clip = CLIP(embed_dim=embed_dim, vision_cfg=vision_cfg,
+                    text_cfg=CLIPTextCfg(**_dataclass_kwargs(CLIPTextCfg, text, "model.text")),
+                    quick_gelu=quick_gelu, init_logit_scale=init_logit_scale)
     if pretrained:
         _load_local(clip, pretrained, "model.pretrained", prefix="")
     if image_ckpt:
         _load_local(clip.visual, image_ckpt, "model.image.ckpt", prefix="visual.")
     if grad_checkpointing:
         clip.set_grad_checkpointing(True)
-    return ClipModel(clip, name)
+    model = ClipModel(clip, name)
+    if lock_image:
+        if not (image_ckpt or pretrained):
+            log.warning("model.lock_image=true on a randomly initialised image tower: set "
+                        "model.image.ckpt to a local state dict (LiT locks a pretrained tower)")
+        _lock(model, "image", image_unlocked)
+    if lock_text:
+        if not (hf_path or pretrained):
+            log.warning("model.lock_text=true on a randomly initialised text tower")
+        _lock(model, "text", text_unlocked)
+    return model
+
+
+def _lock_hf_text(text: nn.Module, unlocked_layers: int) -> None:
+    """Freeze a Hugging Face text tower except its last ``unlocked_layers`` transformer layers and
+    what follows them (pooler, projection). The layers are the encoder's longest ModuleList."""
+    layer_lists = [m for m in text.transformer.modules() if isinstance(m, nn.ModuleList)]
+    if not layer_lists:
+        raise ConfigError("model.text.unlocked_layers: no layer list found in this text tower")
+    layers = max(layer_lists, key=len)
+    if unlocked_layers > len(layers):
+        raise ConfigError(f"model.text.unlocked_layers={unlocked_layers} > the tower's {len(layers)} layers")
+    for param in text.parameters():
+        param.requires_grad_(False)
+    for module in list(layers)[-unlocked_layers:]:
+        module.requires_grad_(True)
+    for name, module in text.named_children():
+        if name != "transformer":  # pooler and projection follow the layers
+            module.requires_grad_(True)
+
+
+def _hf_text_cfg(hf_path: str, text: dict[str, Any]) -> CLIPTextCfg:
+    """open_clip's Hugging Face text tower over a *local* model folder (never a hub name)."""
+    path = os.path.expanduser(str(hf_path))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"model.text.hf_path={hf_path!r} is not a Hugging Face model folder (no config.json); "
+            "text towers load only from local paths, e.g. a folder written by save_pretrained()"
+        )
+    pooling = text.pop("pooling", "mean")
+    poolers = {"mean": "mean_pooler", "cls": "cls_pooler"}
+    if pooling not in poolers:
+        raise ConfigError(f"model.text.pooling={pooling!r}; use cls or mean")
+    proj = text.pop("proj", "linear")
+    if proj not in ("linear", "mlp"):
+        raise ConfigError(f"model.text.proj={proj!r}; use linear or mlp")
+    context_length = int(text.pop("context_length", 77))
+    ignored = sorted(k for k in text if k not in ("vocab_size", "width", "heads", "layers", "mlp_ratio"))
+    if ignored:
+        raise ConfigError(f"model.text: {ignored} do not apply to a Hugging Face text tower")
+    return CLIPTextCfg(hf_model_name=path, hf_tokenizer_name=path, hf_model_pretrained=True,
+                       hf_pooler_type=poolers[pooling], hf_proj_type=proj,
+                       context_length=context_length)
+
+
+def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
+    """Freeze ``tower`` whole (projection included), or all but its last ``unlocked_layers``."""
+    if unlocked_layers <= 0:
+        for _, param in model.tower_parameters(tower):
+            param.requires_grad_(False)
+    elif tower == "image":
+        model.clip.visual.lock(unlocked_groups=unlocked_layers)
+    elif isinstance(model.clip, CustomTextCLIP):
+        _lock_hf_text(model.clip.text, unlocked_layers)
+    else:
+        model.clip.lock_text_tower(unlocked_layers=unlocked_layers)
+    trainable = sum(p.numel() for _, p in model.tower_parameters(tower) if p.requires_grad)
+    log.info("locked the %s tower: %d trainable parameters left", tower, trainable)
+    model.train(model.training)  # frozen towers switch to eval mode
 
 
 def _load_local(module: nn.Module, path: str, key: str, prefix: str) -> None:
@@ -117,6 +229,10 @@ def _load_local(module: nn.Module, path: str, key: str, prefix: str) -> None:
     log.info("loaded %s from %s", key, path)
 
 
-def build_tokenizer(context_length: int = 77, **_: Any):
-    """open_clip's CLIP BPE tokenizer (the vocabulary ships inside the package)."""
+def build_tokenizer(context_length: int = 77, hf_path: str | None = None, **_: Any):
+    """The text tower's tokenizer: the Hugging Face model's own (from ``hf_path``, local), else
+    open_clip's CLIP BPE tokenizer (its vocabulary ships inside the package)."""
+    if hf_path:
+        return open_clip.tokenizer.HFTokenizer(os.path.expanduser(str(hf_path)),
+                                               context_length=context_length)
     return open_clip.tokenizer.SimpleTokenizer(context_length=context_length)

@@ -84,8 +84,10 @@ def _sync(device: torch.device) -> None:
 def encode_without_graph(
     model, sub_batches: Iterator, num_sub: int, sub_batch: int, precision: str,
     device: torch.device, feature_dtype: torch.dtype, offload: bool, progress=None,
+    keep_images: bool = True,
 ) -> EncodedBatch:
-    """Phase 1: encode ``num_sub`` sub-batches ``(images, texts, raw)`` from ``sub_batches``."""
+    """Phase 1: encode ``num_sub`` sub-batches ``(images, texts, raw)`` from ``sub_batches``.
+    ``keep_images=False`` (a frozen image tower, never replayed) keeps no image inputs at all."""
     encoded = None
     for index in range(num_sub):
         waited = time.perf_counter()
@@ -107,7 +109,9 @@ def encode_without_graph(
         encoded.text_features[rows] = text_features
         encoded.rng.append(rng)
         encoded.texts.append(texts)
-        if offload:
+        if not keep_images:
+            pass
+        elif offload:
             if raw is None:
                 raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes")
             encoded.raw.append(raw)
@@ -134,21 +138,26 @@ def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Te
 def replay(
     ddp_model, encoded: EncodedBatch, grads: FeatureGrads, sub_batch: int, precision: str,
     device: torch.device, images_again: Iterator | None = None, progress=None,
+    replay_images: bool = True, replay_texts: bool = True,
 ) -> float:
     """Phase 3: re-encode each sub-batch with its RNG state and back-propagate its cached feature
-    gradients. ``images_again`` yields the re-decoded images when data is offloaded. Returns the
-    time spent waiting for re-decoded images."""
+    gradients. ``images_again`` yields the re-decoded images when data is offloaded. A frozen
+    tower (``replay_images`` / ``replay_texts`` false) is not encoded again: its phase-1 features
+    were final. Returns the time spent waiting for re-decoded images."""
     num_sub = len(encoded.rng)
     after_encoding = RngState.capture(device)
     waited_s = 0.0
     for index in range(num_sub):
         last = index == num_sub - 1
-        if images_again is not None:
+        if not replay_images:
+            images = None
+        elif images_again is not None:
             start = time.perf_counter()
             images = next(images_again).to(device, non_blocking=True)
             waited_s += time.perf_counter() - start
         else:
             images = encoded.images[index]
+        texts = encoded.texts[index] if replay_texts else None
         rows = slice(index * sub_batch, (index + 1) * sub_batch)
         encoded.rng[index].restore()
         # DDP all-reduces once per step: only the last sub-batch's backward synchronises
@@ -156,13 +165,16 @@ def replay(
             else ddp_model.no_sync()
         with sync:
             with autocast(precision, device):
-                image_features, text_features, scale = ddp_model(images, encoded.texts[index])
-            surrogate = (image_features.float() * grads.image[rows]).sum() + (
-                text_features.float() * grads.text[rows]).sum()
-            if last:  # the temperature's gradient joins DDP's synchronisation here
-                surrogate = surrogate + scale.float() * grads.scale
-            surrogate.backward()
-        if images_again is None:
+                image_features, text_features, scale = ddp_model(images, texts)
+            surrogate = scale.float() * grads.scale if last else 0.0  # the temperature's
+            # gradient joins DDP's synchronisation in the last sub-batch, with the rest
+            if image_features is not None:
+                surrogate = surrogate + (image_features.float() * grads.image[rows]).sum()
+            if text_features is not None:
+                surrogate = surrogate + (text_features.float() * grads.text[rows]).sum()
+            if torch.is_tensor(surrogate) and surrogate.requires_grad:
+                surrogate.backward()
+        if images_again is None and encoded.images:
             encoded.images[index] = None  # free the inputs as soon as they are replayed
         if progress is not None:
             progress.update(1)

@@ -154,7 +154,8 @@ class Trainer:
             epoch, start = divmod(self.step, plan.steps_per_epoch)
             yield from self.data.loader(epoch, start, plan.rank_batch, self.env.rank,
                                         self.env.world_size, plan.steps_per_epoch,
-                                        sub_batch=plan.sub_batch, keep_raw=self.offload)
+                                        sub_batch=plan.sub_batch,
+                                        keep_raw=self.offload and not self.model.frozen("image"))
 
     def gradients(self, sub_batches) -> tuple[torch.Tensor, dict[str, float]]:
         """Accumulate this step's gradients (DDP-averaged) into ``.grad``; return the loss and
@@ -175,9 +176,10 @@ class Trainer:
                         leave=False, disable=not self.main or plan.sub_batches < 8,
                         dynamic_ncols=True, position=1, unit="sub-batch")
         start = time.perf_counter()
+        replay_images, replay_texts = not self.model.frozen("image"), not self.model.frozen("text")
         encoded = encode_without_graph(self.model, sub_batches, plan.sub_batches, plan.sub_batch,
                                        self.precision, env.device, self.feature_dtype,
-                                       self.offload, progress)
+                                       self.offload, progress, keep_images=replay_images)
         times["data"] = encoded.data_s
         times["encode"] = self._lap(start) - encoded.data_s
         start = time.perf_counter()
@@ -187,9 +189,9 @@ class Trainer:
         progress.set_description(f"step {self.step + 1} replay")
         start = time.perf_counter()
         again = (self.data.redecode(encoded.raw, self.step // plan.steps_per_epoch)
-                 if self.offload else None)
+                 if self.offload and replay_images else None)
         waited = replay(self.ddp, encoded, grads, plan.sub_batch, self.precision, env.device,
-                        again, progress)
+                        again, progress, replay_images=replay_images, replay_texts=replay_texts)
         times["data"] += waited
         times["replay"] = self._lap(start) - waited
         progress.close()
