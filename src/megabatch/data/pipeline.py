@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import braceexpand
@@ -72,10 +73,33 @@ def count_samples(urls: list[str], key: str) -> int:
 
 @dataclass
 class Stats:
-    """Counts of skipped samples, by kind."""
+    """Counts of bad input, by kind: skipped samples, unreadable shards, and samples repeated to
+    fill a sub-batch (so that every rank still gets equal batches and DDP never hangs)."""
 
     corrupt_image: int = 0
     missing_caption: int = 0
+    broken_shard: int = 0
+    padded: int = 0
+
+    def handler(self, error: Exception) -> bool:
+        """webdataset exception handler: count and log a truncated or unreadable tar, go on."""
+        self.broken_shard += 1
+        log.warning("skipping the rest of a shard: %s", error)
+        return True
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class SubBatch(NamedTuple):
+    """What the training loader yields: ``images [n, 3, s, s]``, ``texts [n, ctx]``, ``raw`` (the
+    encoded image bytes and stream positions, for data offload, else ``None``) and ``stats`` (the
+    producing worker's cumulative ``Stats`` counts, with its ``worker`` id)."""
+
+    images: torch.Tensor
+    texts: torch.Tensor
+    raw: list | None
+    stats: dict | None = None
 
 
 def open_image(image_bytes: bytes | None) -> Image.Image:
@@ -163,10 +187,16 @@ class EpochBatches(IterableDataset):
         epoch_seed = self.seed * 100_003 + self.epoch
         shards = list(self.urls)
         random.Random(epoch_seed).shuffle(shards)
-        stream = wds.tarfile_to_samples(handler=wds.warn_and_continue)(
+        stream = wds.tarfile_to_samples(handler=self.stats.handler)(
             iter([{"url": url} for url in shards])
         )
         return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=epoch_seed)(stream)
+
+    def _my_chunks(self, worker: int, num_workers: int) -> list[int]:
+        """The sub-batch (chunk) indices this worker must produce, in order."""
+        per_batch = self.rank_batch // self.sub_batch
+        first, end = self.start_batch * per_batch, self.num_batches * per_batch
+        return [c for c in range(first, end) if (c - first) % num_workers == worker]
 
     def __iter__(self):
         info = get_worker_info()
@@ -174,6 +204,9 @@ class EpochBatches(IterableDataset):
         global_batch = self.rank_batch * self.world_size
         per_batch = self.rank_batch // self.sub_batch
         first_chunk = self.start_batch * per_batch
+        self.worker = worker
+        expected = self._my_chunks(worker, num_workers)
+        produced = 0
         pending: list[tuple[bytes, int, torch.Tensor, str]] = []
         current = None
         for position, raw in enumerate(self._stream()):
@@ -187,8 +220,11 @@ class EpochBatches(IterableDataset):
             chunk = batch_index * per_batch + j // self.sub_batch
             if (chunk - first_chunk) % num_workers != worker:
                 continue
-            if current is not None and chunk != current and pending:
-                yield self._collate(pending)
+            if current is not None and chunk != current:
+                # every expected chunk is produced, even one whose samples were all unusable
+                while produced < len(expected) and expected[produced] <= current:
+                    yield self._collate(pending)
+                    produced += 1
                 pending = []
             current = chunk
             pair = decode_pair(raw, self.stats)
@@ -196,19 +232,29 @@ class EpochBatches(IterableDataset):
                 continue
             image_bytes, image, caption = pair
             pending.append((image_bytes, position, self.decoder(image, position), caption))
-        if pending:
+        # the stream may end early (a truncated shard): pad the missing sub-batches so that
+        # every rank still yields the same number and DDP never waits on a rank forever
+        while produced < len(expected):
             yield self._collate(pending)
+            pending = []
+            produced += 1
 
     def _collate(self, samples):
-        if len(samples) != self.sub_batch:
-            raise RuntimeError(
-                f"a sub-batch has {len(samples)} usable samples instead of {self.sub_batch} "
-                f"(skipped so far: {self.stats}); ranks must see equal batches"
-            )
+        if len(samples) < self.sub_batch:
+            # unusable samples were skipped: repeat good ones (counted) to keep sub-batches equal
+            missing = self.sub_batch - len(samples)
+            self.stats.padded += missing
+            log.warning("sub-batch short of %d usable samples: repeating some (%s)", missing,
+                        self.stats)
+            samples = samples or list(getattr(self, "_last_samples", []))
+            if not samples:
+                raise RuntimeError(f"no usable sample to build a sub-batch from ({self.stats})")
+            samples = (samples * (self.sub_batch // len(samples) + 1))[: self.sub_batch]
+        self._last_samples = samples
         images = torch.stack([s[2] for s in samples])
         texts = self.tokenize([s[3] for s in samples])
         raw = [(s[0], s[1]) for s in samples] if self.keep_raw else None
-        return images, texts, raw
+        return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()})
 
 
 class RawSubBatches(torch.utils.data.Dataset):

@@ -91,7 +91,7 @@ def encode_without_graph(
     encoded = None
     for index in range(num_sub):
         waited = time.perf_counter()
-        images, texts, raw = next(sub_batches)
+        images, texts, raw = next(sub_batches)[:3]
         images, texts = images.to(device, non_blocking=True), texts.to(device, non_blocking=True)
         data_s = time.perf_counter() - waited
         rng = RngState.capture(device)

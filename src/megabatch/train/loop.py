@@ -85,6 +85,7 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = bool(cfg.trainer.get("tf32", True))
         self.scaler = grad_scaler(self.precision, env.device)
         self.offload = bool(cfg.trainer.get("offload", False))
+        self.data_stats: dict = {}
         self.feature_dtype = DTYPES[cfg.trainer.get("feature_dtype", "fp32")]
         self.step = 0
         torch.manual_seed(cfg.seed + 1000 * env.rank)  # per-rank randomness (dropout, ...)
@@ -147,15 +148,28 @@ class Trainer:
         write_run_checkpoint(self.ckpt_dir, payload, self.step, numbered, keep)
 
     def _sub_batches(self):
-        """This rank's sub-batches ``(images, texts, raw)`` from the current step to the end of
-        the run, across epochs (``plan.sub_batches`` per step)."""
+        """This rank's sub-batches ``(images, texts, raw, stats)`` from the current step to the end
+        of the run, across epochs (``plan.sub_batches`` per step). Records the loader workers'
+        counts of bad input in ``self.data_stats``."""
         plan = self.plan
         while self.step < plan.total_steps:
             epoch, start = divmod(self.step, plan.steps_per_epoch)
-            yield from self.data.loader(epoch, start, plan.rank_batch, self.env.rank,
-                                        self.env.world_size, plan.steps_per_epoch,
-                                        sub_batch=plan.sub_batch,
-                                        keep_raw=self.offload and not self.model.frozen("image"))
+            for batch in self.data.loader(epoch, start, plan.rank_batch, self.env.rank,
+                                          self.env.world_size, plan.steps_per_epoch,
+                                          sub_batch=plan.sub_batch,
+                                          keep_raw=self.offload and not self.model.frozen("image")):
+                if getattr(batch, "stats", None):
+                    self.data_stats[(epoch, batch.stats["worker"])] = batch.stats
+                yield batch
+
+    def bad_input_counts(self) -> dict[str, int]:
+        """This rank's bad-input counts so far (summed over loader workers and epochs)."""
+        totals: dict[str, int] = {}
+        for stats in self.data_stats.values():
+            for kind, count in stats.items():
+                if kind != "worker":
+                    totals[kind] = totals.get(kind, 0) + count
+        return totals
 
     def gradients(self, sub_batches) -> tuple[torch.Tensor, dict[str, float]]:
         """Accumulate this step's gradients (DDP-averaged) into ``.grad``; return the loss and
@@ -163,7 +177,7 @@ class Trainer:
         plan, env, times = self.plan, self.env, {}
         if plan.sub_batches == 1:
             start = time.perf_counter()
-            images, texts, _ = next(sub_batches)
+            images, texts = next(sub_batches)[:2]
             times["data"] = time.perf_counter() - start
             images, texts = images.to(env.device, non_blocking=True), texts.to(env.device)
             start = time.perf_counter()
@@ -266,6 +280,8 @@ class Trainer:
                     "epoch": self.step / plan.steps_per_epoch,
                     **{f"time/{k}": v / steps for k, v in phase_totals.items()},
                 }
+                record["data_wait"] = phase_totals.get("data", 0.0) / elapsed  # of wall time
+                record.update({f"data/{k}": v for k, v in self.bad_input_counts().items() if v})
                 phase_totals = {}
                 if env.device.type == "cuda":
                     record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(env.device) / 1e9
@@ -276,14 +292,20 @@ class Trainer:
                     phases = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in record.items()
                                       if k.startswith("time/"))
                     memory = f"  peak {record['peak_gpu_gb']:.1f} GB" if "peak_gpu_gb" in record else ""
+                    bad = {k[5:]: v for k, v in record.items() if k.startswith("data/")}
                     log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s  "
-                             "[%s]%s", self.step, plan.total_steps, loss_value, lr,
-                             record["logit_scale"], record["samples_per_s"], phases, memory)
+                             "data wait %.0f%%  [%s]%s%s", self.step, plan.total_steps, loss_value,
+                             lr, record["logit_scale"], record["samples_per_s"],
+                             100 * record["data_wait"], phases, memory,
+                             f"  bad input: {bad}" if bad else "")
             if ckpt_every and self.step % ckpt_every == 0:
                 self._checkpoint(numbered=True)
             if eval_every and self.step % eval_every == 0 and self.step < plan.total_steps:
                 self.evaluate()
         progress.close()
+        if self.main:
+            bad = {k: v for k, v in self.bad_input_counts().items() if v}
+            log.info("bad input on rank 0: %s", bad or "none")
         if not (ckpt_every and self.step % ckpt_every == 0):  # else just written
             self._checkpoint(numbered=False)
         if self.step < plan.total_steps:

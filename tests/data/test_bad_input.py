@@ -1,0 +1,58 @@
+"""Bad input never stops a run: corrupt images, a missing caption and a truncated tar are skipped,
+counted by kind and reported, and every rank still gets full sub-batches."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import webdataset as wds
+
+from megabatch.data.shards import Sample, encode_png, write_shards
+from megabatch.train import run
+
+from ..conftest import compose
+
+
+def good(index: int) -> Sample:
+    pixels = np.random.default_rng(index).integers(0, 255, (16, 16, 3), dtype=np.uint8)
+    return Sample(encode_png(pixels), "png", f"a picture number {index}")
+
+
+def make_bad_shards(folder) -> str:
+    samples = [good(i) for i in range(40)]
+    for index in (3, 11, 25):  # corrupt images
+        samples[index] = Sample(b"this is not a png", "png", "broken")
+    write_shards(samples, folder, "a", per_shard=40)
+    write_shards([good(100 + i) for i in range(40)], folder, "c", per_shard=40)
+    # a shard with two samples that have no caption
+    with wds.TarWriter(str(folder / "b-000000.tar")) as sink:
+        for index in range(40):
+            sample = {"__key__": f"{index:09d}", "png": good(200 + index).image}
+            if index not in (5, 6):
+                sample["txt"] = f"caption {index}"
+            sink.write(sample)
+    # truncate the last shard in the middle of a member
+    path = folder / "c-000000.tar"
+    os.truncate(path, path.stat().st_size // 2 + 100)
+    sizes = json.loads((folder / "sizes.json").read_text())
+    sizes["b-000000.tar"] = 40
+    (folder / "sizes.json").write_text(json.dumps(sizes))
+    return str(folder / "{a,b,c}-000000.tar")
+
+
+def test_a_run_over_bad_shards_finishes_and_reports(tmp_path):
+    urls = make_bad_shards(tmp_path / "shards")
+    cfg = compose("data=webdataset", f"data.train.urls='{urls}'", "data.num_workers=0",
+                  "batch=16", "trainer.max_steps=7", "trainer.log_every=7", "eval=none",
+                  "trainer.sub_batch=8", "data.train.augment.scale=[0.5,1.0]")
+    cfg.run_dir = str(tmp_path / "run")
+    run(cfg)
+    record = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert record["step"] == 7
+    assert record["data/corrupt_image"] == 3
+    assert record["data/missing_caption"] >= 2  # (+1 if the cut falls inside a sample)
+    assert record["data/broken_shard"] >= 1
+    assert record["data/padded"] > 0  # the truncated shard's missing samples were made up
+    assert 0 <= record["data_wait"] <= 1
