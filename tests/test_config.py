@@ -143,8 +143,10 @@ def test_eval_options_resolve(option, data_cache):
 
     cfg = compose(f"eval={option}")
     if cfg.eval.name:
-        urls, classnames, templates = resolve_eval_set(cfg.eval, cfg.data)
-        assert len(classnames) == 10 and templates and urls
+        classnames, templates = resolve_eval_set(cfg.eval, cfg.data)
+        assert len(classnames) == (1000 if "imagenet" in option else 10)
+        assert len(templates) == (80 if "imagenet" in option else 4)
+        assert all("{}" in t for t in templates)
 
 
 @pytest.mark.parametrize("option", options("logger"))

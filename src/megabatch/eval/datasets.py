@@ -1,22 +1,104 @@
-"""Evaluation sets: where their images are, their class names and prompt templates."""
+"""Evaluation sets: where the images are, their class names and prompt templates.
+
+Class names and templates are named sets (``digits``; ``imagenet`` with the ``openai`` 80-prompt
+and ``simple`` 7-prompt ensembles, taken from open_clip's package data, so nothing is downloaded)
+or explicit lists in the config. Images come from webdataset shards (``format: wds``: ``cls`` or
+``json.label`` + image) or an ImageFolder (``format: folder``: ``root/<class folder>/*``, class
+index = sorted folder order, as ImageNet's wnids).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
 
 from ..config import ConfigError
 
 
-def resolve_eval_set(eval_cfg, data_cfg) -> tuple[str, list[str], list[str]]:
-    """``(shard urls, class names, templates)`` for ``eval_cfg``.
+def _imagenet():
+    from open_clip import zero_shot_metadata
 
-    ``eval.name=digits`` uses the embedded held-out split (built on first use); other sets give
-    ``eval.urls``, ``eval.classnames`` and ``eval.templates`` in their config.
-    """
-    if eval_cfg.name == "digits":
-        from ..data.digits import CLASS_NAMES, EVAL_TEMPLATES, ensure_digits
+    return zero_shot_metadata
 
-        urls = eval_cfg.get("urls") or ensure_digits(data_cfg.cache_dir)["test"]
-        return urls, list(CLASS_NAMES), list(eval_cfg.get("templates") or EVAL_TEMPLATES)
-    for key in ("urls", "classnames", "templates"):
-        if not eval_cfg.get(key):
-            raise ConfigError(f"eval.{key} is not set for eval={eval_cfg.name}")
-    return eval_cfg.urls, list(eval_cfg.classnames), list(eval_cfg.templates)
+
+def classnames(eval_cfg) -> list[str]:
+    value = eval_cfg.get("classnames") or eval_cfg.name
+    if not isinstance(value, str):
+        return list(value)
+    if value == "digits":
+        from ..data.digits import CLASS_NAMES
+
+        return list(CLASS_NAMES)
+    if value == "imagenet":
+        return list(_imagenet().IMAGENET_CLASSNAMES)
+    raise ConfigError(f"eval.classnames={value!r}: use digits, imagenet or a list of names")
+
+
+def templates(eval_cfg) -> list[str]:
+    value = eval_cfg.get("templates") or eval_cfg.name
+    if not isinstance(value, str):
+        return list(value)
+    if value == "digits":
+        from ..data.digits import EVAL_TEMPLATES
+
+        return list(EVAL_TEMPLATES)
+    if value in ("openai", "imagenet"):
+        return [template("{}") for template in _imagenet().OPENAI_IMAGENET_TEMPLATES]
+    if value == "simple":
+        return [template("{}") for template in _imagenet().SIMPLE_IMAGENET_TEMPLATES]
+    raise ConfigError(f"eval.templates={value!r}: use digits, openai (80), simple (7) or a list")
+
+
+def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
+    """``(images [n, 3, s, s], labels [n])`` batches of the evaluation set."""
+    from ..data.pipeline import expand_urls, labelled_images
+
+    batch_size = int(eval_cfg.get("batch_size", 256))
+    if eval_cfg.get("format", "wds") == "folder":
+        from torch.utils.data import DataLoader
+        from torchvision.datasets import ImageFolder
+
+        root = eval_cfg.get("root")
+        if not root:
+            raise ConfigError(f"eval.root is not set for eval={eval_cfg.name} (an ImageFolder path)")
+        class NumericAwareFolder(ImageFolder):
+            """ImageNet-V2 names its class folders 0..999: order those by number, not as text."""
+
+            def find_classes(self, directory):
+                classes, _ = super().find_classes(directory)
+                if all(c.isdigit() for c in classes):
+                    classes = sorted(classes, key=int)
+                return classes, {c: i for i, c in enumerate(classes)}
+
+        try:
+            dataset = NumericAwareFolder(str(root), transform=transform)
+        except (FileNotFoundError, OSError) as error:
+            raise ConfigError(f"eval.root={root!r}: not a readable ImageFolder ({error})") from error
+        if len(dataset.classes) != num_classes:
+            raise ConfigError(
+                f"eval.root={root!r} has {len(dataset.classes)} class folders but eval.classnames "
+                f"has {num_classes} names; they must match one to one (sorted folder order)"
+            )
+        workers = int(eval_cfg.get("num_workers", 4))
+        return iter(DataLoader(dataset, batch_size=batch_size, num_workers=workers))
+    urls = eval_cfg.get("urls")
+    if not urls and eval_cfg.name == "digits":
+        from ..data.digits import ensure_digits
+
+        urls = ensure_digits(data_cfg.cache_dir)["test"]
+    if not urls:
+        raise ConfigError(f"eval.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
+    return labelled_images(expand_urls(urls, "eval.urls"), transform, batch_size)
+
+
+def resolve_eval_set(eval_cfg, data_cfg) -> tuple[list[str], list[str]]:
+    """``(class names, templates)`` of ``eval_cfg``, checked."""
+    names, prompts = classnames(eval_cfg), templates(eval_cfg)
+    if not names or not prompts:
+        raise ConfigError(f"eval={eval_cfg.name} needs class names and templates")
+    return names, prompts
+
+
+def labels_as_tensor(labels) -> torch.Tensor:
+    return labels if torch.is_tensor(labels) else torch.as_tensor(labels)

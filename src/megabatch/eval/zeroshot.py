@@ -56,19 +56,16 @@ def evaluate_zeroshot(
 
 
 def run_zeroshot(model, tokenize, eval_cfg, data_cfg, image_size: int, device) -> dict[str, float]:
-    """Evaluate ``model`` on the dataset named by ``eval_cfg`` (class names, templates, shards)."""
-    from ..data.pipeline import expand_urls, labelled_images
+    """Evaluate ``model`` on the dataset named by ``eval_cfg`` (class names, templates, images)."""
     from ..data.transforms import eval_transform
-    from .datasets import resolve_eval_set
+    from .datasets import eval_batches, resolve_eval_set
 
-    urls, classnames, templates = resolve_eval_set(eval_cfg, data_cfg)
+    classnames, templates = resolve_eval_set(eval_cfg, data_cfg)
     was_training = model.training
     model.eval()
     try:
         classifier = build_classifier(model, tokenize, classnames, templates, device)
-        batches = labelled_images(
-            expand_urls(urls, "eval.urls"), eval_transform(image_size), int(eval_cfg.batch_size)
-        )
+        batches = eval_batches(eval_cfg, data_cfg, eval_transform(image_size), len(classnames))
         return evaluate_zeroshot(model, batches, classifier, device)
     finally:
         model.train(was_training)

@@ -1,0 +1,71 @@
+"""Zero-shot evaluation from an ImageFolder with real class names, and retrieval metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megabatch.data.shards import encode_png
+from megabatch.eval.datasets import eval_batches, templates
+from megabatch.eval.zeroshot import build_classifier, evaluate_zeroshot
+
+from ..conftest import compose
+
+
+def image_folder(root, names, per_class=3, numeric=False):
+    rng = np.random.default_rng(0)
+    for index, name in enumerate(names):
+        folder = root / (str(index) if numeric else name)
+        folder.mkdir(parents=True)
+        for k in range(per_class):
+            pixels = np.full((20, 20, 3), 20 * index, dtype=np.uint8) + rng.integers(0, 5, (20, 20, 3), dtype=np.uint8)
+            (folder / f"{k}.png").write_bytes(encode_png(pixels))
+    return root
+
+
+@pytest.mark.parametrize("numeric", [False, True])
+def test_imagefolder_labels_follow_the_class_order(tmp_path, numeric):
+    from megabatch.data.transforms import eval_transform
+
+    # 12 numeric folders: as text "10" < "2", by number 2 < 10 (ImageNet-V2's layout)
+    names = [f"n{index:08d}" for index in range(12)]
+    root = image_folder(tmp_path / "val", names, per_class=1, numeric=numeric)
+    cfg = compose("eval=imagenet", f"eval.root={root}", "eval.num_workers=0",
+                  f"eval.classnames=[{','.join(names)}]", "eval.batch_size=64")
+    images, labels = next(eval_batches(cfg.eval, cfg.data, eval_transform(16), len(names)))
+    assert sorted(labels.tolist()) == list(range(12))
+    # the folder of class k holds images of brightness 20 k: labels must follow brightness
+    brightness = images.mean(dim=(1, 2, 3))[labels.argsort()]
+    assert torch.all(brightness[1:] > brightness[:-1])
+
+
+def test_class_count_mismatch_is_a_clear_error(tmp_path):
+    from megabatch.config import ConfigError
+
+    root = image_folder(tmp_path / "val", ["tench", "goldfish"])
+    cfg = compose("eval=imagenet", f"eval.root={root}")  # 1000 ImageNet names, 2 folders
+    with pytest.raises(ConfigError, match="2 class folders"):
+        eval_batches(cfg.eval, cfg.data, None, 1000)
+
+
+def test_zero_shot_on_real_imagenet_names_end_to_end(tmp_path):
+    """A tiny model, ImageNet's real first three class names and the 80 OpenAI prompts."""
+    from hydra.utils import instantiate
+
+    from megabatch.data.transforms import eval_transform
+    from megabatch.models import build_tokenizer
+
+    names = ["tench", "goldfish", "great white shark"]
+    root = image_folder(tmp_path / "val", ["n01440764", "n01443537", "n01484850"])
+    cfg = compose("eval=imagenet", f"eval.root={root}", "eval.num_workers=0",
+                  f"eval.classnames=[{','.join(repr(n) for n in names)}]")
+    assert len(templates(cfg.eval)) == 80
+    model = instantiate(cfg.model, _convert_="all").eval()
+    tokenize = build_tokenizer(**cfg.model.text)
+    classifier = build_classifier(model, tokenize, names, templates(cfg.eval), torch.device("cpu"))
+    assert classifier.shape == (cfg.model.embed_dim, 3)
+    torch.testing.assert_close(classifier.norm(dim=0), torch.ones(3))
+    result = evaluate_zeroshot(model, eval_batches(cfg.eval, cfg.data, eval_transform(32), 3),
+                               classifier, torch.device("cpu"))
+    assert result["samples"] == 9 and result["top5"] == 100.0  # 3 classes: top-5 is everything
