@@ -24,9 +24,12 @@ def main(cfg: DictConfig) -> float:
     result = evaluate_checkpoint(cfg)
     output = Path(cfg.output or f"{Path(cfg.ckpt).with_suffix('')}.eval-{cfg.eval.name}.json")
     output.write_text(json.dumps(result, indent=1))
-    print(f"{cfg.eval.name}: top-1 {result['top1']:.2f}%, top-5 {result['top5']:.2f}% "
-          f"({result['samples']} images, step {result['step']}) -> {output}")
-    return result["top1"]
+    if "top1" in result:
+        print(f"{cfg.eval.name}: top-1 {result['top1']:.2f}%, top-5 {result['top5']:.2f}% "
+              f"({result['samples']} images, step {result['step']}) -> {output}")
+        return result["top1"]
+    print(f"{cfg.eval.name}: {json.dumps(result)} -> {output}")
+    return result["image_to_text_R@1"]
 
 
 if __name__ == "__main__":

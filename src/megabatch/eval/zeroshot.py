@@ -56,9 +56,15 @@ def evaluate_zeroshot(
 
 
 def run_zeroshot(model, tokenize, eval_cfg, data_cfg, image_size: int, device) -> dict[str, float]:
-    """Evaluate ``model`` on the dataset named by ``eval_cfg`` (class names, templates, images)."""
+    """Evaluate ``model`` on ``eval_cfg``: zero-shot classification (class names, templates,
+    images), or image-text retrieval when ``eval.task=retrieval``."""
     from ..data.transforms import eval_transform
     from .datasets import eval_batches, resolve_eval_set
+
+    if eval_cfg.get("task", "zeroshot") == "retrieval":
+        from .retrieval import run_retrieval
+
+        return run_retrieval(model, tokenize, eval_cfg, eval_transform(image_size), device)
 
     classnames, templates = resolve_eval_set(eval_cfg, data_cfg)
     was_training = model.training

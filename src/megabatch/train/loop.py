@@ -231,8 +231,8 @@ class Trainer:
             return None
         result = run_zeroshot(self.model, self.tokenize, self.cfg.eval, self.cfg.data,
                               self.cfg.model.image.image_size, self.env.device)
-        log.info("zero-shot %s at step %d: top-1 %.2f%%, top-5 %.2f%% (%d images)",
-                 self.cfg.eval.name, self.step, result["top1"], result["top5"], result["samples"])
+        log.info("eval %s at step %d: %s", self.cfg.eval.name, self.step,
+                 ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
         self.metrics.log({f"eval/{self.cfg.eval.name}/{k}": v for k, v in result.items()}, self.step)
         return result
 
@@ -315,8 +315,11 @@ class Trainer:
             return float(loss)
         result = self.evaluate() if cfg.eval.get("at_end", True) else None
         self.metrics.close()
-        if result is not None:
+        if result is not None and "top1" in result:
             print(f"zero-shot top-1 on {cfg.eval.name} (held out): {result['top1']:.2f}% "
                   f"(top-5 {result['top5']:.2f}%, {result['samples']} images)", flush=True)
             return result["top1"]
+        if result is not None:
+            print(f"{cfg.eval.name}: {result}", flush=True)
+            return result.get("image_to_text_R@1", float(loss))
         return float(loss)

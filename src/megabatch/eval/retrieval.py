@@ -1,0 +1,86 @@
+"""Image-text retrieval: Recall@K in both directions, computed in chunks.
+
+Only one ``chunk x N`` block of similarities exists at a time, so 5k images x 25k captions (COCO)
+never builds the full matrix on the host.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from ..config import ConfigError
+
+
+def load_pairs(jsonl: str) -> tuple[list[Path], list[str], torch.Tensor]:
+    """Rows ``{"image": path, "captions": [...]}`` (or ``"caption": str``) -> image paths, all
+    captions, and for each caption the index of its image."""
+    path = Path(jsonl).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"eval.jsonl={jsonl!r} does not exist")
+    images, captions, owner = [], [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        texts = row.get("captions") or [row["caption"]]
+        image = Path(row["image"])
+        images.append(image if image.is_absolute() else path.parent / image)
+        captions.extend(texts)
+        owner.extend([len(images) - 1] * len(texts))
+    return images, captions, torch.tensor(owner)
+
+
+@torch.no_grad()
+def recall_at_k(
+    image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor,
+    ks: Sequence[int] = (1, 5, 10), chunk: int = 1024,
+) -> dict[str, float]:
+    """R@K (%) for image->text (an image is a hit if any of its captions is in its top K) and
+    text->image. ``image_features [N, e]``, ``text_features [M, e]`` normalised;
+    ``text_to_image [M]`` the image index of each caption."""
+    k_max = max(ks)
+    text_to_image = text_to_image.to(image_features.device)
+    hits_i2t = {k: 0 for k in ks}
+    for start in range(0, image_features.shape[0], chunk):
+        block = image_features[start : start + chunk] @ text_features.T  # [chunk, M]
+        top = block.topk(min(k_max, block.shape[1]), dim=1).indices
+        owners = text_to_image[top]  # [chunk, k]
+        rows = torch.arange(start, start + block.shape[0], device=block.device)[:, None]
+        for k in ks:
+            hits_i2t[k] += int((owners[:, :k] == rows).any(dim=1).sum())
+    hits_t2i = {k: 0 for k in ks}
+    for start in range(0, text_features.shape[0], chunk):
+        block = text_features[start : start + chunk] @ image_features.T  # [chunk, N]
+        top = block.topk(min(k_max, block.shape[1]), dim=1).indices
+        truth = text_to_image[start : start + block.shape[0], None]
+        for k in ks:
+            hits_t2i[k] += int((top[:, :k] == truth).any(dim=1).sum())
+    result = {f"image_to_text_R@{k}": 100.0 * hits_i2t[k] / image_features.shape[0] for k in ks}
+    result.update({f"text_to_image_R@{k}": 100.0 * hits_t2i[k] / text_features.shape[0] for k in ks})
+    return result
+
+
+@torch.no_grad()
+def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device) -> dict[str, float]:
+    """Encode the pairs of ``eval.jsonl`` in batches and compute Recall@K both ways."""
+    images, captions, owner = load_pairs(eval_cfg.jsonl)
+    batch = int(eval_cfg.get("batch_size", 256))
+    was_training = model.training
+    model.eval()
+    try:
+        image_features = torch.cat([
+            model.encode_image(torch.stack([transform(Image.open(p).convert("RGB"))
+                                            for p in images[i : i + batch]]).to(device)).float()
+            for i in range(0, len(images), batch)])
+        text_features = torch.cat([
+            model.encode_text(tokenize(captions[i : i + batch]).to(device)).float()
+            for i in range(0, len(captions), batch)])
+    finally:
+        model.train(was_training)
+    result = recall_at_k(image_features, text_features, owner, chunk=int(eval_cfg.get("chunk", 1024)))
+    return {**result, "samples": len(images)}

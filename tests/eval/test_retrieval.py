@@ -1,0 +1,57 @@
+"""Recall@K against a brute-force count, and the JSONL retrieval path end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megabatch.data.shards import encode_png
+from megabatch.eval.retrieval import recall_at_k
+
+
+def brute_force(images, texts, owner, k):
+    sims = images @ texts.T
+    i2t = np.mean([owner[sims[i].topk(k).indices].eq(i).any().item() for i in range(len(images))])
+    t2i = np.mean([sims[:, t].topk(k).indices.eq(owner[t]).any().item() for t in range(len(texts))])
+    return 100 * i2t, 100 * t2i
+
+
+def test_chunked_recall_matches_brute_force():
+    generator = torch.Generator().manual_seed(0)
+    images = F.normalize(torch.randn(23, 8, generator=generator), dim=-1)
+    owner = torch.arange(23).repeat_interleave(3)[:67]  # ~3 captions per image, ragged
+    texts = F.normalize(images[owner] + 0.9 * torch.randn(67, 8, generator=generator), dim=-1)
+    result = recall_at_k(images, texts, owner, chunk=5)
+    for k in (1, 5, 10):
+        i2t, t2i = brute_force(images, texts, owner, k)
+        assert abs(result[f"image_to_text_R@{k}"] - i2t) < 1e-9
+        assert abs(result[f"text_to_image_R@{k}"] - t2i) < 1e-9
+    assert 0 < result["image_to_text_R@1"] < result["image_to_text_R@10"] <= 100
+
+
+def test_retrieval_eval_from_jsonl(tmp_path):
+    from hydra.utils import instantiate
+
+    from megabatch.eval.zeroshot import run_zeroshot
+    from megabatch.models import build_tokenizer
+
+    from ..conftest import compose
+
+    rows = []
+    for index in range(6):
+        pixels = np.full((12, 12, 3), 30 * index, dtype=np.uint8)
+        (tmp_path / f"{index}.png").write_bytes(encode_png(pixels))
+        rows.append({"image": f"{index}.png", "captions": [f"picture {index}", f"image {index}"]})
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose("eval=retrieval", f"eval.jsonl={tmp_path / 'pairs.jsonl'}", "eval.chunk=4")
+    torch.manual_seed(0)
+    model = instantiate(cfg.model, _convert_="all")
+    result = run_zeroshot(model, build_tokenizer(**cfg.model.text), cfg.eval, cfg.data, 32,
+                          torch.device("cpu"))
+    assert result["samples"] == 6
+    assert result["text_to_image_R@10"] == 100.0  # K >= 6 images: every caption is a hit
+    assert all(0 <= value <= 100 for key, value in result.items() if "R@" in key)
+    assert result["image_to_text_R@1"] <= result["image_to_text_R@5"] <= result["image_to_text_R@10"]
