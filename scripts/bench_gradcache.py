@@ -63,8 +63,9 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
     from megabatch.distributed import init_distributed
     from megabatch.train.loop import Trainer
 
+    precision = "bf16" if device.type == "cuda" else "fp32"
     cfg = compose(f"model={model}", f"loss={loss}", f"batch={batch}", f"trainer.sub_batch={sub_batch}",
-                  "trainer.precision=bf16" if device.type == "cuda" else "trainer.precision=fp32", "eval=none", "data.train.num_samples=1073741824",
+                  f"trainer.precision={precision}", "eval=none", "data.train.num_samples=1073741824",
                   "optim.lr=5e-4", f"name=bench-{batch}")
     cfg.run_dir = f"/tmp/bench_gc/{model}-{loss}-{batch}-{sub_batch}"
     cfg.overwrite = True
@@ -170,9 +171,9 @@ def main() -> None:
     def record(row):
         print(json.dumps(row), flush=True)
         results.append(row)
-        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                                              "torch": torch.__version__, "command": " ".join(sys.argv),
-                                              "results": results}, indent=1))
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        Path(args.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
+                                              "command": " ".join(sys.argv), "results": results}, indent=1))
 
     if "throughput" in args.only:
         record(ours("vit_b32", args.loss, sub, sub, 4 * args.steps, device))  # no sub-batching

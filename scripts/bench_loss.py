@@ -125,7 +125,7 @@ def main() -> None:
                 results.append({"backend": name, "status": f"unavailable: {error}"})
                 continue
             measure(loss_fn, 4096 // world, args.dim, DTYPES[dtype_name], 1, device)  # warm-up
-            last_time, failed = None, False
+            last_time, prev, failed = None, None, False
             for batch in batches:
                 row = {"backend": name, "dtype": dtype_name, "batch": batch, "gpus": world,
                        "dim": args.dim}

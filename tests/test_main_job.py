@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from .test_entrypoints import run_script
 from .conftest import ROOT
+from .test_entrypoints import run_script
 
 
 def test_main_job_reaches_85_percent_zero_shot(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from megabatch.train import run
@@ -30,12 +32,12 @@ def test_resume_is_bitwise_exact(tmp_path):
     assert not torch.equal(first["model"]["clip.logit_scale"], straight["model"]["clip.logit_scale"])
     exp_avg = [s["exp_avg"] for s in straight["optimizer"]["state"].values()]
     exp_avg_resumed = [s["exp_avg"] for s in resumed["optimizer"]["state"].values()]
-    assert all(torch.equal(a, b) for a, b in zip(exp_avg, exp_avg_resumed))
-    losses = lambda d: [l for l in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]  # noqa: E731
-    import json
-    straight_loss = [json.loads(l)["loss"] for l in losses(tmp_path / "straight")]
-    resumed_loss = [json.loads(l)["loss"] for l in losses(tmp_path / "resumed")]
-    assert straight_loss == resumed_loss
+    assert all(torch.equal(a, b) for a, b in zip(exp_avg, exp_avg_resumed, strict=True))
+    def losses(run_dir):
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [record["loss"] for record in records if "loss" in record]
+
+    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
 
 
 def test_checkpoint_contents(tmp_path):

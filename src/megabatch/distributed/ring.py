@@ -20,7 +20,7 @@ class RingExchange:
         self.next = to_global((rank + 1) % self.world)
         self.prev = to_global((rank - 1) % self.world)
 
-    def start(self, tensor: torch.Tensor) -> "PendingBlock":
+    def start(self, tensor: torch.Tensor) -> PendingBlock:
         """Send ``tensor`` to the next rank and receive a same-shaped one from the previous."""
         received = torch.empty_like(tensor)
         ops = [

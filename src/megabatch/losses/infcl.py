@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed.gather import group_rank, group_size
+from ..distributed.gather import group_size
 from ..distributed.ring import RingExchange
-from ..kernels.tiles import accumulation_dtype, block_grads, block_lse
+from ..kernels.tiles import accumulation_dtype
 from .base import ContrastiveLoss
 
 

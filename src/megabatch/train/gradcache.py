@@ -42,7 +42,7 @@ class RngState:
     device: torch.device
 
     @classmethod
-    def capture(cls, device: torch.device) -> "RngState":
+    def capture(cls, device: torch.device) -> RngState:
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         return cls(torch.get_rng_state(), cuda, device)
 

@@ -25,12 +25,11 @@ from .checkpoint import (
     restore_rng,
     write_run_checkpoint,
 )
+from .gradcache import encode_without_graph, loss_and_feature_grads, replay
 from .metrics import MetricsLogger
 from .optim import build_optimizer
 from .plan import BatchPlan
-from .precision import grad_scaler, resolve_precision
-from .gradcache import encode_without_graph, loss_and_feature_grads, replay
-from .precision import DTYPES
+from .precision import DTYPES, grad_scaler, resolve_precision
 from .step import forward_backward
 
 log = logging.getLogger("megabatch")
