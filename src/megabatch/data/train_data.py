@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..config import parse_optional_count
+import logging
+
+from ..config import ConfigError, parse_optional_count
 from .digits import ensure_digits
 from .pipeline import (
     EpochBatches,
@@ -12,25 +14,79 @@ from .pipeline import (
     expand_urls,
     make_epoch_loader,
 )
+from .shard_stream import ShardBatches, slot_quota
 from .transforms import train_transform
+
+log = logging.getLogger(__name__)
 
 
 class TrainData:
-    """Shards named by ``data.train.urls`` (``null``: the embedded digits, built on first use)."""
+    """Shards named by ``data.train.urls`` (``null``: the embedded digits, built on first use).
+
+    ``data.train.split``: ``position`` (every rank and worker reads all shards and keeps its share
+    by sample position: exact for any shard layout, for small data) or ``shard`` (each worker of
+    each rank reads its own shards: LAION scale). ``data.train.mode``: ``epoch`` or ``resampled``
+    (shard split only). Several sources: ``urls`` as a list (or ``::``-joined) with ``weights``.
+    """
 
     def __init__(self, cfg, tokenize, image_size: int, seed: int):
         urls = cfg.train.urls or ensure_digits(cfg.cache_dir)["train"]
-        self.urls = expand_urls(urls, "data.train.urls")
+        patterns = [urls] if isinstance(urls, str) and "::" not in urls else (
+            urls.split("::") if isinstance(urls, str) else list(urls))
+        self.sources = [expand_urls(pattern, "data.train.urls") for pattern in patterns]
+        self.urls = [url for source in self.sources for url in source]
         self.num_samples = parse_optional_count(cfg.train.get("num_samples"), "data.train.num_samples")
         if self.num_samples is None:
             self.num_samples = count_samples(self.urls, "data.train.urls")
         self.cfg, self.tokenize, self.seed = cfg, tokenize, seed
         self.transform = train_transform(image_size, **cfg.train.augment)
+        self.split = cfg.train.get("split", "position")
+        self.mode = cfg.train.get("mode", "epoch")
+        self.weights = cfg.train.get("weights")
+        if self.split not in ("position", "shard") or self.mode not in ("epoch", "resampled"):
+            raise ConfigError("data.train.split must be position or shard, data.train.mode epoch "
+                              f"or resampled; got split={self.split}, mode={self.mode}")
+        if self.mode == "resampled" and self.split != "shard":
+            raise ConfigError("data.train.mode=resampled needs data.train.split=shard")
+        if self.weights is not None:
+            if len(self.weights) != len(self.sources):
+                raise ConfigError(f"data.train.weights has {len(self.weights)} values for "
+                                  f"{len(self.sources)} sources in data.train.urls")
+            if self.mode != "resampled":
+                log.warning("data.train.weights has no effect in epoch mode (use mode=resampled)")
+
+    @property
+    def workers(self) -> int:
+        return max(1, int(self.cfg.num_workers))
+
+    def steps_per_epoch(self, global_batch: int, world_size: int, sub_batch: int) -> int:
+        """Steps in one epoch. Shard split: what the least-filled slot allows (see shard_stream);
+        position split and resampled mode: all samples, the last incomplete batch dropped."""
+        if self.split == "shard" and self.mode == "epoch":
+            slots = world_size * self.workers
+            if len(self.urls) < slots:
+                raise ConfigError(
+                    f"data.train.split=shard: {len(self.urls)} shards for {world_size} ranks x "
+                    f"{self.workers} workers; use more shards, fewer data.num_workers, or split=position")
+            sizes = [count_samples([url], "data.train.urls") for url in self.urls]
+            quota = slot_quota(sizes, slots, sub_batch)
+            per_step = global_batch // world_size // sub_batch
+            return self.workers * quota // per_step
+        return self.num_samples // global_batch
 
     def loader(self, epoch: int, start_batch: int, rank_batch: int, rank: int, world_size: int,
                num_batches: int, sub_batch: int | None = None, keep_raw: bool = False):
-        """Sub-batches ``(images, texts, raw)`` of global batches ``start_batch .. num_batches-1``
-        of ``epoch`` for ``rank`` (``rank_batch / sub_batch`` per global batch)."""
+        """Sub-batches ``(images, texts, raw, stats)`` of global batches ``start_batch ..
+        num_batches-1`` of ``epoch`` for ``rank`` (``rank_batch / sub_batch`` per global batch)."""
+        if self.split == "shard":
+            sub_batch = sub_batch or rank_batch
+            dataset = ShardBatches(
+                self.sources, mode=self.mode, weights=self.weights, num_workers=int(self.cfg.num_workers),
+                total=num_batches * (rank_batch // sub_batch), transform=self.transform,
+                tokenize=self.tokenize, rank_batch=rank_batch, rank=rank, world_size=world_size,
+                num_batches=num_batches, seed=self.seed, epoch=epoch, start_batch=start_batch,
+                shuffle_buffer=int(self.cfg.train.shuffle_buffer), sub_batch=sub_batch, keep_raw=keep_raw)
+            return make_epoch_loader(dataset, int(self.cfg.num_workers))
         dataset = EpochBatches(
             self.urls,
             transform=self.transform,

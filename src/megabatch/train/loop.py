@@ -73,6 +73,14 @@ class Trainer:
         self.tokenize = build_tokenizer(**cfg.model.text)
         self.data = TrainData(cfg.data, self.tokenize, cfg.model.image.image_size, cfg.seed)
         self.plan = BatchPlan.from_config(cfg, env.world_size, self.data.num_samples)
+        steps = self.data.steps_per_epoch(self.plan.global_batch, env.world_size, self.plan.sub_batch)
+        if steps != self.plan.steps_per_epoch:  # shard split: what every rank can always fill
+            if steps == 0:
+                raise ConfigError(f"batch={self.plan.global_batch} is larger than what the shards give "
+                                  f"each of {env.world_size} ranks x {self.data.workers} workers in "
+                                  "one epoch; lower batch or data.num_workers")
+            self.plan = BatchPlan.from_config(cfg, env.world_size, self.data.num_samples,
+                                              steps_per_epoch=steps)
         self.loss_fn = instantiate(cfg.loss)
         self.optimizer, self.peak_lr = build_optimizer(cfg.optim, self.model, self.plan.global_batch)
         self.schedule = instantiate(

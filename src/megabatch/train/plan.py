@@ -38,7 +38,7 @@ class BatchPlan:
                 f"(batch={global_batch} / {world_size} ranks); pick a divisor of {rank_batch} for "
                 "trainer.sub_batch, or a batch that is a multiple of world size x trainer.sub_batch"
             )
-        steps_per_epoch = num_samples // global_batch
+        steps_per_epoch = steps_per_epoch or num_samples // global_batch
         if steps_per_epoch == 0:
             raise ConfigError(
                 f"batch={global_batch} is larger than the training set ({num_samples} samples); "

@@ -1,0 +1,97 @@
+"""Shard-level splitting for LAION-scale data: each loader worker of each rank reads its own shards.
+
+Two modes (``data.train.mode``):
+
+- ``epoch``: the shards, shuffled per epoch from the seed, are dealt to the ``ranks x workers``
+  slots; every sample is read by one slot only, once per epoch. Every slot yields the same number
+  of sub-batches, fixed up front from ``sizes.json`` (the smallest possible slot decides), so all
+  ranks take the same number of steps and DDP never hangs; with equal shards dealt evenly, every
+  sample is used exactly once per epoch.
+- ``resampled``: an endless stream per slot; each next shard is drawn with replacement, first a
+  source by ``data.train.weights``, then a shard of it uniformly. The draws depend only on (seed,
+  epoch, rank, worker), so a run repeats exactly from the same seed.
+
+Either way a resumed run skips the sub-batches it already trained on without decoding them, and
+a sample's augmentation is seeded by its (epoch, position), as in the position-split loader.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import webdataset as wds
+from torch.utils.data import get_worker_info
+
+from .pipeline import EpochBatches, decode_pair
+
+
+def slot_quota(sizes: list[int], slots: int, sub_batch: int) -> int:
+    """Sub-batches every slot can always fill in epoch mode: the ``len(sizes) // slots`` smallest
+    shards are the least any slot receives, whatever the shuffle."""
+    per_slot = len(sizes) // slots
+    return sum(sorted(sizes)[:per_slot]) // sub_batch
+
+
+class ShardBatches(EpochBatches):
+    """Sub-batches of one epoch (or resampled stretch) for one rank, split across shards.
+
+    ``sources``: lists of shard urls; ``weights``: one per source (resampled mode); ``quota``:
+    sub-batches each worker yields (epoch mode); ``total``: sub-batches this rank takes in all.
+    """
+
+    def __init__(self, sources: list[list[str]], *, mode: str, weights: list[float] | None,
+                 num_workers: int, total: int, **kwargs):
+        super().__init__([url for source in sources for url in source], **kwargs)
+        self.sources, self.mode = sources, mode
+        self.weights = weights or [1.0] * len(sources)
+        self.loader_workers, self.total = max(1, num_workers), total
+
+    def _shards(self, slot: int, slots: int) -> Iterator[str]:
+        epoch_seed = self.seed * 100_003 + self.epoch
+        if self.mode == "epoch":
+            shards = list(self.urls)
+            random.Random(epoch_seed).shuffle(shards)
+            yield from shards[slot::slots]
+            return
+        rng = random.Random(epoch_seed * 7_919 + slot)
+        while True:  # resampled: draw with replacement, a source by weight, then a shard
+            source = rng.choices(self.sources, weights=self.weights)[0]
+            yield source[rng.randrange(len(source))]
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info else 0
+        workers = self.loader_workers
+        per_batch = self.rank_batch // self.sub_batch
+        consumed = self.start_batch * per_batch  # this rank's sub-batches already trained on
+        # DataLoader worker i serves the (consumed + i)-th sub-batch next: rotate the slots so a
+        # resumed run continues each slot's stream where it stopped
+        logical = (worker + consumed) % workers
+        mine_total = self.total // workers + (logical < self.total % workers)
+        mine_done = consumed // workers + (logical < consumed % workers)
+        slot, slots = self.rank * workers + logical, self.world_size * workers
+        self.worker = worker
+        stream = wds.tarfile_to_samples(handler=self.stats.handler)(
+            iter({"url": url} for url in self._shards(slot, slots)))
+        stream = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
+                             seed=(self.seed * 100_003 + self.epoch) * 7_919 + slot)(stream)
+        skip = mine_done * self.sub_batch
+        produced, pending = mine_done, []
+        for index, raw in enumerate(stream):
+            if produced >= mine_total:
+                break
+            if index < skip:
+                continue  # already trained on before a resume: not decoded
+            position = index * slots + slot  # unique within the epoch: seeds the augmentation
+            pair = decode_pair(raw, self.stats)
+            if pair is None:
+                continue
+            image_bytes, image, caption = pair
+            pending.append((image_bytes, position, self.decoder(image, position), caption))
+            if len(pending) == self.sub_batch:
+                yield self._collate(pending)
+                produced, pending = produced + 1, []
+        while produced < mine_total:  # the shards ran short (broken or miscounted): pad
+            yield self._collate(pending)
+            produced, pending = produced + 1, []
