@@ -23,7 +23,7 @@ class BatchPlan:
         return self.rank_batch // self.sub_batch
 
     @classmethod
-    def from_config(cls, cfg, world_size: int, num_samples: int) -> BatchPlan:
+    def from_config(cls, cfg, world_size: int, num_samples: int, steps_per_epoch: int | None = None) -> BatchPlan:
         global_batch = parse_count(cfg.batch, "batch")
         if global_batch % world_size:
             raise ConfigError(
