@@ -88,7 +88,8 @@ def main() -> None:
     batch = parse_count(args.batch, "--batch")
     shards = write_shards(photos(args.images, args.size), Path(args.workdir) / "shards", "photo", 1024)
     mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
-    urls = shards * -(-batch // args.images)  # the same shards listed again until the batch fits
+    # the same shards listed again until every (shard-split) loader worker can fill its share
+    urls = shards * (2 * -(-batch // args.images) + args.workers // len(shards) + 1)
     results = {"command": " ".join(sys.argv), "jpeg_kb_per_sample": mean_kb, "results": []}
     for mode in args.modes.split(","):
         row = one_step(urls, batch, args.sub_batch, mode == "true", args.workers, args.device,

@@ -55,3 +55,23 @@ def test_retrieval_eval_from_jsonl(tmp_path):
     assert result["text_to_image_R@10"] == 100.0  # K >= 6 images: every caption is a hit
     assert all(0 <= value <= 100 for key, value in result.items() if "R@" in key)
     assert result["image_to_text_R@1"] <= result["image_to_text_R@5"] <= result["image_to_text_R@10"]
+
+
+def test_retrieval_eval_from_shards(tmp_path):
+    from hydra.utils import instantiate
+
+    from megabatch.data.shards import Sample, write_shards
+    from megabatch.eval.zeroshot import run_zeroshot
+    from megabatch.models import build_tokenizer
+
+    from ..conftest import compose
+
+    samples = [Sample(encode_png(np.full((12, 12, 3), 30 * i, dtype=np.uint8)), "png", f"picture {i}",
+                      {"captions": [f"picture {i}", f"image {i}", f"photo {i}"]}) for i in range(5)]
+    write_shards(samples, tmp_path, "pairs", per_shard=3)
+    cfg = compose("eval=retrieval", f"eval.urls='{tmp_path}/pairs-{{000000..000001}}.tar'")
+    torch.manual_seed(0)
+    model = instantiate(cfg.model, _convert_="all")
+    result = run_zeroshot(model, build_tokenizer(**cfg.model.text), cfg.eval, cfg.data, 32,
+                          torch.device("cpu"))
+    assert result["samples"] == 5 and result["text_to_image_R@5"] == 100.0

@@ -16,9 +16,11 @@ from PIL import Image
 from ..config import ConfigError
 
 
-def load_pairs(jsonl: str) -> tuple[list[Path], list[str], torch.Tensor]:
+def load_pairs(jsonl: str | None) -> tuple[list[Path], list[str], torch.Tensor]:
     """Rows ``{"image": path, "captions": [...]}`` (or ``"caption": str``) -> image paths, all
     captions, and for each caption the index of its image."""
+    if not jsonl:
+        raise ConfigError("eval=retrieval needs eval.jsonl (a JSONL of pairs) or eval.urls (shards)")
     path = Path(jsonl).expanduser()
     if not path.is_file():
         raise ConfigError(f"eval.jsonl={jsonl!r} does not exist")
@@ -30,6 +32,27 @@ def load_pairs(jsonl: str) -> tuple[list[Path], list[str], torch.Tensor]:
         texts = row.get("captions") or [row["caption"]]
         image = Path(row["image"])
         images.append(image if image.is_absolute() else path.parent / image)
+        captions.extend(texts)
+        owner.extend([len(images) - 1] * len(texts))
+    return images, captions, torch.tensor(owner)
+
+
+def load_pairs_from_shards(urls: str, transform) -> tuple[list, list[str], torch.Tensor]:
+    """Image tensors, captions and caption owners from webdataset shards: the captions of a sample
+    are its ``json`` ``captions`` list when present, else its ``txt``."""
+    import webdataset as wds
+
+    from ..data.pipeline import Stats, decode_pair, expand_urls
+
+    stats, images, captions, owner = Stats(), [], [], []
+    for raw in wds.tarfile_to_samples(handler=stats.handler)(
+            iter({"url": u} for u in expand_urls(urls, "eval.urls"))):
+        pair = decode_pair(raw, stats)
+        if pair is None:
+            continue
+        texts = json.loads(raw["json"]).get("captions") if "json" in raw else None
+        texts = texts or [pair[2]]
+        images.append(transform(pair[1]))
         captions.extend(texts)
         owner.extend([len(images) - 1] * len(texts))
     return images, captions, torch.tensor(owner)
@@ -67,15 +90,20 @@ def recall_at_k(
 
 @torch.no_grad()
 def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device) -> dict[str, float]:
-    """Encode the pairs of ``eval.jsonl`` in batches and compute Recall@K both ways."""
-    images, captions, owner = load_pairs(eval_cfg.jsonl)
+    """Encode the pairs of ``eval.jsonl`` (or of the shards ``eval.urls``) in batches and compute
+    Recall@K both ways."""
+    if eval_cfg.get("urls"):
+        images, captions, owner = load_pairs_from_shards(eval_cfg.urls, transform)
+        load = lambda item: item  # noqa: E731 - already decoded
+    else:
+        images, captions, owner = load_pairs(eval_cfg.jsonl)
+        load = lambda path: transform(Image.open(path).convert("RGB"))  # noqa: E731
     batch = int(eval_cfg.get("batch_size", 256))
     was_training = model.training
     model.eval()
     try:
         image_features = torch.cat([
-            model.encode_image(torch.stack([transform(Image.open(p).convert("RGB"))
-                                            for p in images[i : i + batch]]).to(device)).float()
+            model.encode_image(torch.stack([load(p) for p in images[i : i + batch]]).to(device)).float()
             for i in range(0, len(images), batch)])
         text_features = torch.cat([
             model.encode_text(tokenize(captions[i : i + batch]).to(device)).float()
