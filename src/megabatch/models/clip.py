@@ -69,8 +69,11 @@ class ClipModel(nn.Module):
         return self.clip.logit_scale
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        """``images``: float (normalised) or uint8 ``[n, 3, s, s]`` (normalised here, on device)."""
+        from ..data.transforms import normalize_images
+
         with torch.no_grad() if self.frozen("image") else contextlib.nullcontext():
-            return nn.functional.normalize(self.clip.encode_image(images), dim=-1)
+            return nn.functional.normalize(self.clip.encode_image(normalize_images(images)), dim=-1)
 
     def encode_text(self, texts: torch.Tensor) -> torch.Tensor:
         with torch.no_grad() if self.frozen("text") else contextlib.nullcontext():
