@@ -72,15 +72,7 @@ class Trainer:
         self.model = instantiate(cfg.model, _convert_="all").to(env.device)
         self.tokenize = build_tokenizer(**cfg.model.text)
         self.data = TrainData(cfg.data, self.tokenize, cfg.model.image.image_size, cfg.seed)
-        self.plan = BatchPlan.from_config(cfg, env.world_size, self.data.num_samples)
-        steps = self.data.steps_per_epoch(self.plan.global_batch, env.world_size, self.plan.sub_batch)
-        if steps != self.plan.steps_per_epoch:  # shard split: what every rank can always fill
-            if steps == 0:
-                raise ConfigError(f"batch={self.plan.global_batch} is larger than what the shards give "
-                                  f"each of {env.world_size} ranks x {self.data.workers} workers in "
-                                  "one epoch; lower batch or data.num_workers")
-            self.plan = BatchPlan.from_config(cfg, env.world_size, self.data.num_samples,
-                                              steps_per_epoch=steps)
+        self.plan = self._plan_batches()
         self.loss_fn = instantiate(cfg.loss)
         self.optimizer, self.peak_lr = build_optimizer(cfg.optim, self.model, self.plan.global_batch)
         self.schedule = instantiate(
@@ -104,6 +96,19 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logger.get("wandb"), OmegaConf.to_container(cfg, resolve=True), self.main
         )
+
+    def _plan_batches(self) -> BatchPlan:
+        """The batch arithmetic, with the epoch length the data can give every rank."""
+        cfg, world = self.cfg, self.env.world_size
+        plan = BatchPlan.from_config(cfg, world, self.data.num_samples)
+        steps = self.data.steps_per_epoch(plan.global_batch, world, plan.sub_batch)
+        if steps == plan.steps_per_epoch:
+            return plan
+        if steps == 0:  # shard split: each worker of each rank fills only its own shards
+            raise ConfigError(f"batch={plan.global_batch} is larger than what the shards give each of "
+                              f"{world} ranks x {self.data.workers} workers in one epoch; lower batch or "
+                              "data.num_workers")
+        return BatchPlan.from_config(cfg, world, self.data.num_samples, steps_per_epoch=steps)
 
     def _resume(self) -> None:
         path = find_resume_path(self.cfg.get("resume"), self.run_dir)
@@ -277,43 +282,51 @@ class Trainer:
             self.step += 1
             progress.update(1)
             if self.step % log_every == 0 or self.step == stop:
-                loss_value = loss.item()  # host sync, once per log interval
                 elapsed, tick = time.perf_counter() - tick, time.perf_counter()
                 steps, last_logged = self.step - last_logged, self.step
-                record = {
-                    "loss": loss_value, "lr": lr,
-                    "logit_scale": self.model.logit_scale.exp().item(),
-                    "samples_per_s": plan.global_batch * steps / elapsed,
-                    "epoch": self.step / plan.steps_per_epoch,
-                    **{f"time/{k}": v / steps for k, v in phase_totals.items()},
-                }
-                record["data_wait"] = phase_totals.get("data", 0.0) / elapsed  # of wall time
-                record.update({f"data/{k}": v for k, v in self.bad_input_counts().items() if v})
+                self._log_interval(loss, lr, steps, elapsed, phase_totals, progress)
                 phase_totals = {}
-                if env.device.type == "cuda":
-                    record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(env.device) / 1e9
-                progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}",
-                                     sps=f"{record['samples_per_s']:.0f}")
-                self.metrics.log(record, self.step)
-                if self.main:
-                    phases = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in record.items()
-                                      if k.startswith("time/"))
-                    memory = f"  peak {record['peak_gpu_gb']:.1f} GB" if "peak_gpu_gb" in record else ""
-                    bad = {k[5:]: v for k, v in record.items() if k.startswith("data/")}
-                    log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s  "
-                             "data wait %.0f%%  [%s]%s%s", self.step, plan.total_steps, loss_value,
-                             lr, record["logit_scale"], record["samples_per_s"],
-                             100 * record["data_wait"], phases, memory,
-                             f"  bad input: {bad}" if bad else "")
             if ckpt_every and self.step % ckpt_every == 0:
                 self._checkpoint(numbered=True)
             if eval_every and self.step % eval_every == 0 and self.step < plan.total_steps:
                 self.evaluate()
         progress.close()
+        return self._finish(loss, numbered_just_written=bool(ckpt_every and self.step % ckpt_every == 0))
+
+    def _log_interval(self, loss, lr: float, steps: int, elapsed: float,
+                      phase_totals: dict[str, float], progress) -> None:
+        """One log line, progress-bar postfix and metrics.jsonl record for the last ``steps``."""
+        plan, env = self.plan, self.env
+        loss_value = loss.item()  # host sync, once per log interval
+        record = {
+            "loss": loss_value, "lr": lr,
+            "logit_scale": self.model.logit_scale.exp().item(),
+            "samples_per_s": plan.global_batch * steps / elapsed,
+            "epoch": self.step / plan.steps_per_epoch,
+            **{f"time/{k}": v / steps for k, v in phase_totals.items()},
+            "data_wait": phase_totals.get("data", 0.0) / elapsed,  # fraction of wall time
+        }
+        record.update({f"data/{k}": v for k, v in self.bad_input_counts().items() if v})
+        if env.device.type == "cuda":
+            record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(env.device) / 1e9
+        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", sps=f"{record['samples_per_s']:.0f}")
+        self.metrics.log(record, self.step)
+        if self.main:
+            phases = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in record.items() if k.startswith("time/"))
+            memory = f"  peak {record['peak_gpu_gb']:.1f} GB" if "peak_gpu_gb" in record else ""
+            bad = {k[5:]: v for k, v in record.items() if k.startswith("data/")}
+            log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s  data wait %.0f%%  "
+                     "[%s]%s%s", self.step, plan.total_steps, loss_value, lr, record["logit_scale"],
+                     record["samples_per_s"], 100 * record["data_wait"], phases, memory,
+                     f"  bad input: {bad}" if bad else "")
+
+    def _finish(self, loss, numbered_just_written: bool) -> float:
+        """Last checkpoint, final evaluation; the value a sweeper optimises."""
+        cfg, plan = self.cfg, self.plan
         if self.main:
             bad = {k: v for k, v in self.bad_input_counts().items() if v}
             log.info("bad input on rank 0: %s", bad or "none")
-        if not (ckpt_every and self.step % ckpt_every == 0):  # else just written
+        if not numbered_just_written:
             self._checkpoint(numbered=False)
         if self.step < plan.total_steps:
             log.info("stopped at step %d of %d (trainer.stop_at_step); continue with "
