@@ -69,3 +69,13 @@ def test_zero_shot_on_real_imagenet_names_end_to_end(tmp_path):
     result = evaluate_zeroshot(model, eval_batches(cfg.eval, cfg.data, eval_transform(32), 3),
                                classifier, torch.device("cpu"))
     assert result["samples"] == 9 and result["top5"] == 100.0  # 3 classes: top-5 is everything
+
+
+def test_a_subset_of_imagenet_classes_uses_the_matching_names(tmp_path):
+    from megabatch.eval.datasets import classnames
+
+    wnids = [f"n{index:08d}" for index in range(1000)]
+    (tmp_path / "wnids.txt").write_text("\n".join(wnids))
+    root = image_folder(tmp_path / "imagenet_r", [wnids[1], wnids[2], wnids[999]], per_class=1)
+    cfg = compose("eval=imagenet_r", f"eval.root={root}", f"eval.subset_wnids_from={tmp_path / 'wnids.txt'}")
+    assert classnames(cfg.eval) == ["goldfish", "great white shark", "toilet paper"]

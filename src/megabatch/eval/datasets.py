@@ -22,7 +22,42 @@ def _imagenet():
     return zero_shot_metadata
 
 
+def _wnids(source: str) -> list[str]:
+    """ImageNet wnids in class-index order: the sorted class folders of an ImageNet train/val
+    folder, or the lines of a text file (1000 wnids, in order)."""
+    import os
+
+    path = os.path.expanduser(str(source))
+    if os.path.isdir(path):
+        return sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+    if os.path.isfile(path):
+        return [line.strip() for line in open(path) if line.strip()]
+    raise ConfigError(f"eval.subset_wnids_from={source!r}: neither an ImageNet folder nor a wnid list")
+
+
+def subset_indices(eval_cfg) -> list[int] | None:
+    """For sets over a subset of ImageNet's classes (ImageNet-R: 200 wnid folders): the ImageNet
+    class index of each of ``eval.root``'s class folders (sorted), from ``eval.subset_wnids_from``."""
+    source = eval_cfg.get("subset_wnids_from")
+    if not source:
+        return None
+    full = _wnids(source)
+    if len(full) != 1000:
+        raise ConfigError(f"eval.subset_wnids_from={source!r} lists {len(full)} wnids, not ImageNet's 1000")
+    mine = _wnids(eval_cfg.root)
+    unknown = [w for w in mine if w not in full]
+    if unknown:
+        raise ConfigError(f"eval.root={eval_cfg.root!r}: class folders {unknown[:3]}... are not ImageNet wnids")
+    return [full.index(w) for w in mine]
+
+
 def classnames(eval_cfg) -> list[str]:
+    names = _named_classnames(eval_cfg)
+    subset = subset_indices(eval_cfg)
+    return names if subset is None else [names[i] for i in subset]
+
+
+def _named_classnames(eval_cfg) -> list[str]:
     value = eval_cfg.get("classnames") or eval_cfg.name
     if not isinstance(value, str):
         return list(value)
