@@ -78,30 +78,17 @@ class TrainData:
                num_batches: int, sub_batch: int | None = None, keep_raw: bool = False):
         """Sub-batches ``(images, texts, raw, stats)`` of global batches ``start_batch ..
         num_batches-1`` of ``epoch`` for ``rank`` (``rank_batch / sub_batch`` per global batch)."""
+        sub_batch = sub_batch or rank_batch
+        common = dict(transform=self.transform, tokenize=self.tokenize, rank_batch=rank_batch, rank=rank,
+                      world_size=world_size, num_batches=num_batches, seed=self.seed, epoch=epoch,
+                      start_batch=start_batch, shuffle_buffer=int(self.cfg.train.shuffle_buffer),
+                      sub_batch=sub_batch, keep_raw=keep_raw)
         if self.split == "shard":
-            sub_batch = sub_batch or rank_batch
-            dataset = ShardBatches(
-                self.sources, mode=self.mode, weights=self.weights, num_workers=int(self.cfg.num_workers),
-                total=num_batches * (rank_batch // sub_batch), transform=self.transform,
-                tokenize=self.tokenize, rank_batch=rank_batch, rank=rank, world_size=world_size,
-                num_batches=num_batches, seed=self.seed, epoch=epoch, start_batch=start_batch,
-                shuffle_buffer=int(self.cfg.train.shuffle_buffer), sub_batch=sub_batch, keep_raw=keep_raw)
-            return make_epoch_loader(dataset, int(self.cfg.num_workers))
-        dataset = EpochBatches(
-            self.urls,
-            transform=self.transform,
-            tokenize=self.tokenize,
-            rank_batch=rank_batch,
-            rank=rank,
-            world_size=world_size,
-            num_batches=num_batches,
-            seed=self.seed,
-            epoch=epoch,
-            start_batch=start_batch,
-            shuffle_buffer=int(self.cfg.train.shuffle_buffer),
-            sub_batch=sub_batch,
-            keep_raw=keep_raw,
-        )
+            dataset = ShardBatches(self.sources, mode=self.mode, weights=self.weights,
+                                   num_workers=int(self.cfg.num_workers),
+                                   total=num_batches * (rank_batch // sub_batch), **common)
+        else:
+            dataset = EpochBatches(self.urls, **common)
         return make_epoch_loader(dataset, int(self.cfg.num_workers))
 
     def redecode(self, raw_sub_batches: list, epoch: int):

@@ -53,12 +53,3 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         )
         log.info("rank %d/%d on %s (%s)", rank, world_size, torch_device, backend)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=torch_device)
-
-
-def is_main_process() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
 from ..config import ConfigError
 
 
@@ -57,32 +55,38 @@ def classnames(eval_cfg) -> list[str]:
     return names if subset is None else [names[i] for i in subset]
 
 
-def _named_classnames(eval_cfg) -> list[str]:
-    value = eval_cfg.get("classnames") or eval_cfg.name
+def _named_set(eval_cfg, key: str, sets: dict) -> list[str]:
+    """``eval.<key>``: an explicit list, or the name of one of ``sets`` (name -> loader)."""
+    value = eval_cfg.get(key) or eval_cfg.name
     if not isinstance(value, str):
         return list(value)
-    if value == "digits":
-        from ..data.digits import CLASS_NAMES
+    if value not in sets:
+        raise ConfigError(f"eval.{key}={value!r}: use one of {sorted(sets)} or a list")
+    return list(sets[value]())
 
-        return list(CLASS_NAMES)
-    if value == "imagenet":
-        return list(_imagenet().IMAGENET_CLASSNAMES)
-    raise ConfigError(f"eval.classnames={value!r}: use digits, imagenet or a list of names")
+
+def _digits(attribute: str):
+    from ..data import digits
+
+    return getattr(digits, attribute)
+
+
+def _named_classnames(eval_cfg) -> list[str]:
+    return _named_set(eval_cfg, "classnames", {
+        "digits": lambda: _digits("CLASS_NAMES"),
+        "imagenet": lambda: _imagenet().IMAGENET_CLASSNAMES,
+    })
 
 
 def templates(eval_cfg) -> list[str]:
-    value = eval_cfg.get("templates") or eval_cfg.name
-    if not isinstance(value, str):
-        return list(value)
-    if value == "digits":
-        from ..data.digits import EVAL_TEMPLATES
-
-        return list(EVAL_TEMPLATES)
-    if value in ("openai", "imagenet"):
-        return [template("{}") for template in _imagenet().OPENAI_IMAGENET_TEMPLATES]
-    if value == "simple":
-        return [template("{}") for template in _imagenet().SIMPLE_IMAGENET_TEMPLATES]
-    raise ConfigError(f"eval.templates={value!r}: use digits, openai (80), simple (7) or a list")
+    """Prompt templates with ``{}`` for the class name (open_clip's are callables: rendered)."""
+    openai = lambda: [t("{}") for t in _imagenet().OPENAI_IMAGENET_TEMPLATES]  # noqa: E731
+    return _named_set(eval_cfg, "templates", {
+        "digits": lambda: _digits("EVAL_TEMPLATES"),
+        "openai": openai,
+        "imagenet": openai,
+        "simple": lambda: [t("{}") for t in _imagenet().SIMPLE_IMAGENET_TEMPLATES],
+    })
 
 
 def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
@@ -133,7 +137,3 @@ def resolve_eval_set(eval_cfg, data_cfg) -> tuple[list[str], list[str]]:
     if not names or not prompts:
         raise ConfigError(f"eval={eval_cfg.name} needs class names and templates")
     return names, prompts
-
-
-def labels_as_tensor(labels) -> torch.Tensor:
-    return labels if torch.is_tensor(labels) else torch.as_tensor(labels)

@@ -37,19 +37,15 @@ class ClipModel(nn.Module):
         self.clip = clip
         self.name = name
 
-    def tower_parameters(self, tower: str) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of the ``image`` or ``text`` tower (projection included)."""
-        params = []
+    def tower_parameters(self, tower: str):
+        """``(name, parameter)`` pairs of the ``image`` or ``text`` tower (projection included)."""
         for param_name, param in self.clip.named_parameters():
-            is_image = param_name.startswith("visual.")
-            if param_name.startswith("logit_"):
-                continue
-            if is_image == (tower == "image"):
-                params.append((param_name, param))
-        return params
+            if not param_name.startswith("logit_") and param_name.startswith("visual.") == (tower == "image"):
+                yield param_name, param
 
     def frozen(self, tower: str) -> bool:
-        """Whether no parameter of ``tower`` is trainable (a locked tower)."""
+        """Whether no parameter of ``tower`` is trainable (a locked tower). Called on every
+        forward: stops at the first trainable parameter."""
         return not any(p.requires_grad for _, p in self.tower_parameters(tower))
 
     def train(self, mode: bool = True):
