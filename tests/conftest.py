@@ -7,6 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through the interpreter (read when a kernel is decorated, so
+    # before megabatch.kernels.contrastive is imported; spawned ranks inherit it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

@@ -1,11 +1,16 @@
-"""Plain-torch tiled log-sum-exp and its backward for one block of the similarity matrix.
+"""Plain-torch reference of the tiled symmetric contrastive loss on one block of the matrix.
 
-A block is ``rows [m, c]`` against ``cols [n, c]`` with logits ``scale * rows @ cols^T``. Both
-functions walk it in ``tile x tile`` pieces, so no more than one tile of logits exists at a time.
-Accumulation is in fp32 (float64 for float64 inputs). The Triton kernels implement the same API.
+A block is ``rows [m, c]`` against ``cols [n, c]`` with logits ``S = scale * rows @ cols^T``. Rows
+are one modality (images), columns the other (texts); the row log-sum-exps give the image->text
+loss and the column log-sum-exps the text->image loss. Both functions walk the block in
+``tile x tile`` pieces, so no more than one tile of logits exists at a time. Accumulation is in
+fp32 (float64 for float64 inputs). ``contrastive.py`` implements the same math in Triton kernels
+behind the same signatures; the tests hold both to float64.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -15,43 +20,66 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def block_lse(rows: torch.Tensor, cols: torch.Tensor, scale: torch.Tensor, tile: int) -> torch.Tensor:
-    """Row-wise ``logsumexp(scale * rows @ cols^T)``: ``[m]`` in the accumulation dtype.
+@contextlib.contextmanager
+def fp32_matmul(precision: str):
+    """cuBLAS fp32 matmuls in ``tf32`` or exact ``ieee`` inside the block (restored after)."""
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"fp32 matmul precision {precision!r}: use tf32 or ieee")
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
-    Column tiles are merged with an online log-sum-exp: the running value starts at minus
-    infinity and ``logaddexp`` shifts by the maximum, so no partial ever overflows or underflows.
+
+def _merge(running: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+    return torch.logaddexp(running, partial)
+
+
+def block_stats(
+    rows: torch.Tensor, cols: torch.Tensor, scale: torch.Tensor, tile: int = 4096,
+    fp32_precision: str = "tf32",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column ``logsumexp`` of ``scale * rows @ cols^T``: ``([m], [n])``, accumulation dtype.
+
+    Tiles are merged with an online log-sum-exp (``logaddexp`` shifts by the maximum), so no
+    partial ever overflows or underflows, whatever the scale.
     """
     acc = accumulation_dtype(rows.dtype)
-    out = torch.full((rows.shape[0],), float("-inf"), dtype=acc, device=rows.device)
-    for i0 in range(0, rows.shape[0], tile):
-        running = out[i0 : i0 + tile]
-        for j0 in range(0, cols.shape[0], tile):
-            logits = (rows[i0 : i0 + tile] @ cols[j0 : j0 + tile].T).to(acc) * scale.to(acc)
-            running = torch.logaddexp(running, torch.logsumexp(logits, dim=1))
-        out[i0 : i0 + tile] = running
-    return out
+    row_lse = torch.full((rows.shape[0],), float("-inf"), dtype=acc, device=rows.device)
+    col_lse = torch.full((cols.shape[0],), float("-inf"), dtype=acc, device=rows.device)
+    with fp32_matmul(fp32_precision):
+        for i0 in range(0, rows.shape[0], tile):
+            for j0 in range(0, cols.shape[0], tile):
+                logits = (rows[i0 : i0 + tile] @ cols[j0 : j0 + tile].T).to(acc) * scale.to(acc)
+                row_lse[i0 : i0 + tile] = _merge(row_lse[i0 : i0 + tile], torch.logsumexp(logits, 1))
+                col_lse[j0 : j0 + tile] = _merge(col_lse[j0 : j0 + tile], torch.logsumexp(logits, 0))
+    return row_lse, col_lse
 
 
 def block_grads(
     rows: torch.Tensor,
     cols: torch.Tensor,
     scale: torch.Tensor,
-    lse: torch.Tensor,
-    tile: int,
+    row_lse: torch.Tensor,
+    col_lse: torch.Tensor,
     weight: torch.Tensor,
     diagonal: bool,
     d_rows: torch.Tensor | None = None,
     d_cols: torch.Tensor | None = None,
+    tile: int = 4096,
+    fp32_precision: str = "tf32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``weight * sum_i (lse_i - [diagonal] logits_ii)`` over this block.
+    """Gradients of ``weight * (sum_i row_lse_i + sum_j col_lse_j - 2 [diagonal] sum_i S_ii)``.
 
-    With ``P = exp(scale * rows @ cols^T - lse[:, None])`` and ``G = weight * (P - I_diag)``:
-    returns ``d_rows = scale * G @ cols  [m, c]``, ``d_cols = scale * G^T @ rows  [n, c]`` and
-    ``d_scale = sum(G * rows @ cols^T)  []``, all in the accumulation dtype. ``lse [m]`` is the
-    row log-sum-exp over *all* columns (every block), so P is the global softmax restricted to
-    this block. ``diagonal`` marks the block holding the positives (row i pairs with column i).
-    Tiles are recomputed, never stored. ``d_rows``/``d_cols``, when given, are accumulated into
-    (in place, accumulation dtype) instead of allocating new buffers.
+    ``row_lse [m]`` and ``col_lse [n]`` are the log-sum-exps over the *whole* matrix (every block),
+    so ``P_row = exp(S - row_lse[:, None])`` and ``P_col = exp(S - col_lse[None, :])`` are the
+    global softmaxes restricted to this block. With ``G = weight * (P_row + P_col - 2 I_diag)``:
+    returns ``d_rows = scale * G @ cols [m, c]``, ``d_cols = scale * G^T @ rows [n, c]`` and
+    ``d_scale = sum(G * rows @ cols^T) []``, in the accumulation dtype. ``diagonal`` marks the
+    block holding the positives (row i pairs with column i). Tiles are recomputed, never stored.
+    ``d_rows`` / ``d_cols``, when given, are accumulated into in place.
     """
     acc = accumulation_dtype(rows.dtype)
     scale_acc, weight = scale.to(acc), weight.to(acc)
@@ -60,17 +88,21 @@ def block_grads(
     if d_cols is None:
         d_cols = torch.zeros(cols.shape, dtype=acc, device=rows.device)
     d_scale = torch.zeros((), dtype=acc, device=rows.device)
-    for i0 in range(0, rows.shape[0], tile):
-        row_tile = rows[i0 : i0 + tile].to(acc)
-        for j0 in range(0, cols.shape[0], tile):
-            col_tile = cols[j0 : j0 + tile].to(acc)
-            dots = row_tile @ col_tile.T
-            grad = torch.exp(dots * scale_acc - lse[i0 : i0 + tile, None]) * weight
-            if diagonal and i0 < j0 + col_tile.shape[0] and j0 < i0 + row_tile.shape[0]:
-                index = torch.arange(max(i0, j0), min(i0 + row_tile.shape[0], j0 + col_tile.shape[0]),
-                                     device=rows.device)
-                grad[index - i0, index - j0] -= weight
-            d_rows[i0 : i0 + tile] += scale_acc * (grad @ col_tile)
-            d_cols[j0 : j0 + tile] += scale_acc * (grad.T @ row_tile)
-            d_scale += (grad * dots).sum()
+    with fp32_matmul(fp32_precision):
+        for i0 in range(0, rows.shape[0], tile):
+            row_tile = rows[i0 : i0 + tile].to(acc)
+            for j0 in range(0, cols.shape[0], tile):
+                col_tile = cols[j0 : j0 + tile].to(acc)
+                dots = row_tile @ col_tile.T
+                logits = dots * scale_acc
+                grad = torch.exp(logits - row_lse[i0 : i0 + tile, None])
+                grad += torch.exp(logits - col_lse[None, j0 : j0 + tile])
+                if diagonal and i0 < j0 + col_tile.shape[0] and j0 < i0 + row_tile.shape[0]:
+                    index = torch.arange(max(i0, j0), min(i0 + row_tile.shape[0], j0 + col_tile.shape[0]),
+                                         device=rows.device)
+                    grad[index - i0, index - j0] -= 2
+                grad *= weight
+                d_rows[i0 : i0 + tile] += scale_acc * (grad @ col_tile)
+                d_cols[j0 : j0 + tile] += scale_acc * (grad.T @ row_tile)
+                d_scale += (grad * dots).sum()
     return d_rows, d_cols, d_scale

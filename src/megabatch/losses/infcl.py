@@ -1,93 +1,111 @@
 """Inf-CL: the similarity matrix is never materialised, on one GPU or across a ring of them.
 
-Each rank keeps its rows. Feature blocks travel around the ring (P2P send/recv posted before the
-local tile work, so communication overlaps compute) while row log-sum-exps are merged online.
-Backward recomputes the tiles and sends each block's column-gradient accumulator around the ring
-behind it (Inf-CL supplementary Algorithm 1), so it arrives back at its owner with every rank's
-contribution. Memory is linear in b: the features, two ``[b_local]`` log-sum-exps, one tile.
+Each rank keeps its image rows; the text blocks travel around the ring (P2P send/recv posted
+before the local tile work, so communication overlaps compute). One pass over each block gives
+both directions: the row log-sum-exps (image->text) merge locally, the column log-sum-exps
+(text->image) travel behind their text block and arrive back at its owner complete. Backward
+recomputes the tiles; each block's column-gradient accumulator travels behind it the same way
+(Inf-CL supplementary Algorithm 1). Memory is linear in b: the features, the gradient
+accumulators, two ``[b_local]`` log-sum-exps and one stripe of tiles.
+
+The tile work runs in ``kernels``: fused Triton kernels on CUDA (``impl=auto|triton``) or the
+plain-torch reference of the same math (``impl=torch``, the CPU path).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 
 from ..distributed.gather import group_size
 from ..distributed.ring import RingExchange
+from ..kernels import IMPLS, tile_module
 from ..kernels.tiles import accumulation_dtype
 from .base import ContrastiveLoss
 
 
 class _InfClLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, image_features, text_features, scale, group, tile, tiles):
+    def forward(ctx, image_features, text_features, scale, group, stats_fn, grads_fn):
         world, rows = group_size(group), image_features.shape[0]
-        lse_fn = tiles.block_lse
         ring = RingExchange(group) if world > 1 else None
-        block = torch.stack([image_features, text_features])  # [2, b_local, c], travels the ring
         acc = accumulation_dtype(image_features.dtype)
-        lse_image = torch.full((rows,), float("-inf"), dtype=acc, device=block.device)
-        lse_text = lse_image.clone()
+        row_lse = torch.full((rows,), float("-inf"), dtype=acc, device=image_features.device)
+        texts, pending_lse = text_features, None
         for step in range(world):
-            pending = ring.start(block) if step < world - 1 else None  # next block, in flight
-            lse_image = torch.logaddexp(lse_image, lse_fn(image_features, block[1], scale, tile))
-            lse_text = torch.logaddexp(lse_text, lse_fn(text_features, block[0], scale, tile))
-            if pending is not None:
-                block = pending.wait()
+            pending_texts = ring.start(texts) if step < world - 1 else None  # next block, in flight
+            block_rows, block_cols = stats_fn(image_features, texts, scale)
+            row_lse = torch.logaddexp(row_lse, block_rows.to(acc))
+            col_lse = block_cols.to(acc)
+            if pending_lse is not None:  # the earlier ranks' share of this block's columns
+                col_lse = torch.logaddexp(col_lse, pending_lse.wait())
+            if ring is not None:  # onward behind the block; after the last step, to its owner
+                pending_lse = ring.start(col_lse)
+            if pending_texts is not None:
+                texts = pending_texts.wait()
+        if ring is not None:
+            col_lse = pending_lse.wait()  # own texts' column log-sum-exp, every rank's rows in it
         positives = (image_features.to(acc) * text_features.to(acc)).sum(1) * scale.to(acc)
-        local = ((lse_image - positives).sum() + (lse_text - positives).sum()) / (2 * rows)
+        local = (row_lse.sum() + col_lse.sum() - 2 * positives.sum()) / (2 * rows)
         total = local.clone()
         if world > 1:
             dist.all_reduce(total, group=group)
-        ctx.save_for_backward(image_features, text_features, scale, lse_image, lse_text)
-        ctx.group, ctx.world, ctx.tile, ctx.tiles = group, world, tile, tiles
+        ctx.save_for_backward(image_features, text_features, scale, row_lse, col_lse)
+        ctx.group, ctx.world, ctx.grads_fn = group, world, grads_fn
         return total / world  # fp32 (float64 for float64 inputs)
 
     @staticmethod
     def backward(ctx, grad_output):
-        image_features, text_features, scale, lse_image, lse_text = ctx.saved_tensors
-        world, tile, rows = ctx.world, ctx.tile, image_features.shape[0]
-        grads_fn = ctx.tiles.block_grads
+        image_features, text_features, scale, row_lse, col_lse = ctx.saved_tensors
+        world, rows = ctx.world, image_features.shape[0]
         ring = RingExchange(ctx.group) if world > 1 else None
-        acc = lse_image.dtype
-        weight = grad_output.to(acc) / (2 * rows)
-        block = torch.stack([image_features, text_features])
-        d_image = torch.zeros(image_features.shape, dtype=acc, device=block.device)
-        d_text, d_scale = torch.zeros_like(d_image), torch.zeros((), dtype=acc, device=block.device)
-        pending_acc = None  # the column-gradient accumulator travelling behind the features
+        acc = row_lse.dtype
+        weight = grad_output.to(acc) / (2 * rows)  # W-scaled per-rank gradient (base.py contract)
+        d_image = torch.zeros(image_features.shape, dtype=acc, device=image_features.device)
+        d_scale = torch.zeros((), dtype=acc, device=image_features.device)
+        texts, texts_lse, pending_acc = text_features, col_lse, None
         for step in range(world):
-            pending_block = ring.start(block) if step < world - 1 else None
-            own = step == 0  # the first block is this rank's own: it holds the positives
-            # this rank's column gradients for the held block: [2, b_local, c] (images, texts)
-            columns = torch.zeros(block.shape, dtype=acc, device=block.device)
-            _, _, ds_i = grads_fn(image_features, block[1], scale, lse_image, tile, weight, own,
-                                  d_rows=d_image, d_cols=columns[1])
-            _, _, ds_t = grads_fn(text_features, block[0], scale, lse_text, tile, weight, own,
-                                  d_rows=d_text, d_cols=columns[0])
-            d_scale += ds_i + ds_t
+            if step < world - 1:  # the next block and its column log-sum-exp, in flight
+                pending_texts, pending_texts_lse = ring.start(texts), ring.start(texts_lse)
+            # this rank's share of the held block's column gradients: [b_local, c]
+            d_texts = torch.zeros(texts.shape, dtype=acc, device=texts.device)
+            _, _, block_d_scale = ctx.grads_fn(image_features, texts, scale, row_lse, texts_lse, weight,
+                                               step == 0, d_rows=d_image, d_cols=d_texts)
+            d_scale += block_d_scale
             if pending_acc is not None:  # earlier ranks' share arrived while we computed
-                columns += pending_acc.wait()
+                d_texts += pending_acc.wait()
             if ring is not None:
-                pending_acc = ring.start(columns)  # onward; after the last step: to the owner
-            if pending_block is not None:
-                block = pending_block.wait()
-        own_columns = pending_acc.wait() if ring is not None else columns
-        d_image += own_columns[0]
-        d_text += own_columns[1]
+                pending_acc = ring.start(d_texts)  # onward; after the last step: to the owner
+            if step < world - 1:
+                texts, texts_lse = pending_texts.wait(), pending_texts_lse.wait()
+        d_text = pending_acc.wait() if ring is not None else d_texts
         return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
                 d_scale.to(scale.dtype).reshape(scale.shape), None, None, None)
 
 
 class InfClLoss(ContrastiveLoss):
-    """Inf-CL ring loss. ``tile``: rows/columns per tile inside a GPU (memory tile^2 per tile)."""
+    """Inf-CL ring loss.
 
-    def __init__(self, tile: int = 4096, group=None):
+    ``impl``: ``auto`` (Triton kernels on CUDA, plain torch elsewhere), ``triton`` or ``torch``.
+    ``tile``: rows/columns per tile of the torch implementation (memory tile^2; Triton sizes its
+    own tiles). ``fp32_precision``: ``tf32`` or ``ieee`` matmuls for fp32 features.
+    """
+
+    def __init__(self, tile: int = 4096, impl: str = "auto", fp32_precision: str = "tf32", group=None):
         super().__init__(group)
         if tile <= 0:
             raise ValueError(f"loss.tile={tile} must be positive")
-        self.tile = tile
+        if fp32_precision not in ("tf32", "ieee"):
+            raise ValueError(f"loss.fp32_precision={fp32_precision!r}; use tf32 or ieee")
+        if impl not in IMPLS:
+            raise ValueError(f"loss.impl={impl!r}; use one of {', '.join(IMPLS)}")
+        self.tile, self.impl, self.fp32_precision = tile, impl, fp32_precision
 
     def compute(self, image_features, text_features, scale) -> torch.Tensor:
-        from .. import kernels
-
-        return _InfClLoss.apply(image_features, text_features, scale, self.group, self.tile, kernels)
+        kernels = tile_module(self.impl, image_features.device)
+        options = {"tile": self.tile, "fp32_precision": self.fp32_precision}
+        return _InfClLoss.apply(image_features, text_features, scale, self.group,
+                                functools.partial(kernels.block_stats, **options),
+                                functools.partial(kernels.block_grads, **options))

@@ -1,0 +1,450 @@
+"""Fused Triton kernels for the tiled symmetric contrastive loss on one block of the matrix.
+
+Same math and signatures as the plain-torch reference in ``tiles.py``: a block is ``rows [m, c]``
+against ``cols [n, c]``, logits ``S = scale * rows @ cols^T`` (scale applied inside the kernels).
+
+Forward, ``_stats_kernel``: one pass over the tiles gives both directions. Each program owns a
+row block and walks a range of column tiles, keeping the row log-sum-exp online in registers;
+for every tile it also writes the column-wise (max, sum) of that row block, and those partials
+are merged across row blocks afterwards. The columns are processed in stripes sized so the
+partials stay within ``PARTIAL_BYTES``: memory is linear in b, never ``b^2 / tile``.
+
+Backward, hybrid: ``_grad_kernel`` recomputes each tile once and writes the stripe
+``G' = P_row + P_col - 2 I`` (some rows x all columns) in the input dtype, with the per-tile
+``sum(G' * rows @ cols^T)`` for the scale gradient; cuBLAS then multiplies the stripe for
+``d_rows`` and ``d_cols`` with fp32 accumulation (``G_BYTES`` bounds the stripe). At ~500 FLOP
+per byte of stripe traffic this stays compute-bound, and no c-sized accumulator has to live on
+chip, so any feature width works.
+
+Inputs bf16, fp16 or fp32, accumulation in fp32; fp32 inputs use TF32 or exact fp32 dots
+(``fp32_precision``). Any m, n (masked edges) and any c (masked K loop). Tile configs come from
+``tuned.json`` (committed, per GPU name), else from a one-off autotune cached on disk.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from .tiles import accumulation_dtype, fp32_matmul
+
+LOG2E = 1.4426950408889634
+PARTIAL_BYTES = 256 * 2**20  # column (max, sum) partials of one forward stripe
+G_BYTES = 2**30  # one backward stripe of G'
+FP16_G_SCALE = 2.0**14  # |G'| <= 2: scaled into fp16's normal range, undone in the GEMM's alpha
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _stats_kernel(
+    rows_ptr, cols_ptr, scale_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr,  # pointers
+    m, c, col_start, col_stop, cols_per_split,  # shapes: this launch covers [col_start, col_stop)
+    stride_rm, stride_rk, stride_cn, stride_ck, stride_row_part, stride_col_part,  # strides
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe.
+
+    Writes the rows' base-2 (max, sum) over the split at ``[s, row]`` and each column's base-2
+    (max, sum) over the row block at ``[i, col - col_start]``.
+    """
+    pid_m, pid_s = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < m
+    scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634  # logits in log2 units
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    split_start = col_start + pid_s * cols_per_split
+    split_stop = tl.minimum(split_start + cols_per_split, col_stop)
+    for j0 in range(split_start, split_stop, BLOCK_N):
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < split_stop
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, c, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < c
+            a = tl.load(rows_ptr + offs_m[:, None] * stride_rm + offs_k[None, :] * stride_rk,
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(cols_ptr + offs_k[:, None] * stride_ck + offs_n[None, :] * stride_cn,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
+        # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+        # columns: this row block's share, shifted by its own maximum (never under/overflows)
+        s_col = tl.where(row_ok[:, None], s, float("-inf"))
+        c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
+        c_sum = tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
+        part = pid_m * stride_col_part + offs_n - col_start
+        tl.store(col_max_ptr + part, c_max, mask=col_ok)
+        tl.store(col_sum_ptr + part, c_sum, mask=col_ok)
+    tl.store(row_max_ptr + pid_s * stride_row_part + offs_m, m_i, mask=row_ok)
+    tl.store(row_sum_ptr + pid_s * stride_row_part + offs_m, l_i, mask=row_ok)
+
+
+@triton.jit
+def _grad_kernel(
+    rows_ptr, cols_ptr, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, dscale_ptr,  # pointers
+    m, n, c, row_start, g_scale,  # shapes: rows [row_start, row_start + grid_m * BM) & < m
+    stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    DIAGONAL: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Program (i, j): one tile of ``G' = P_row + P_col - 2 I`` into the stripe buffer, times
+    ``g_scale``, and its ``sum(G' * rows @ cols^T)`` into ``dscale_ptr[i * grid_n + j]``."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = offs_m < m, offs_n < n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, c, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < c
+        a = tl.load(rows_ptr + offs_m[:, None] * stride_rm + offs_k[None, :] * stride_rk,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(cols_ptr + offs_k[:, None] * stride_ck + offs_n[None, :] * stride_cn,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
+    row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
+    s = acc * scale2
+    g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
+    if DIAGONAL:
+        g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
+    g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
+    tl.store(dscale_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(g * acc))
+    g_offs = (offs_m - row_start)[:, None] * stride_gm + offs_n[None, :] * stride_gn
+    tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile configs: committed per GPU, else tuned once and cached, else a safe default
+# ----------------------------------------------------------------------------------------------
+TUNED_FILE = Path(__file__).with_name("tuned.json")
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}
+DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+
+
+def candidate_configs(dtype: torch.dtype) -> list[dict]:
+    """Hopper-sized candidates (fp32 tiles take twice the shared memory per element)."""
+    ks = (32, 64) if dtype == torch.float32 else (64, 128)
+    out = []
+    for bm, bn in ((128, 128), (128, 256), (256, 128), (64, 128), (128, 64)):
+        for bk in ks:
+            for warps in (4, 8):
+                for stages in (3, 4):
+                    smem = (bm + bn) * bk * (4 if dtype == torch.float32 else 2) * stages
+                    if smem <= 200 * 1024 and not (warps == 4 and bm * bn > 128 * 128):
+                        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                                    "num_warps": warps, "num_stages": stages})
+    return out
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def config_key(kernel: str, dtype: torch.dtype, c: int, precision: str) -> str:
+    width = 1 << max(6, math.ceil(math.log2(c)))  # c=768 and c=1024 share a bucket
+    name = str(dtype).removeprefix("torch.")
+    return f"{kernel}/{name}/{precision if dtype == torch.float32 else 'native'}/c{width}"
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("MEGABATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megabatch")
+    return Path(root) / "triton_tuned.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_tables(gpu: str) -> dict:
+    tables = {}
+    for path in (TUNED_FILE, _cache_file()):
+        if path.exists():
+            tables.update(json.loads(path.read_text()).get(gpu, {}))
+    return tables
+
+
+def get_config(kernel: str, rows: torch.Tensor, precision: str) -> dict:
+    """The tile config for ``kernel`` on these inputs' GPU, dtype and width."""
+    if interpreting() or not rows.is_cuda:
+        return INTERPRET_CONFIG
+    gpu = torch.cuda.get_device_name(rows.device)
+    key = config_key(kernel, rows.dtype, rows.shape[1], precision)
+    table = _load_tables(gpu)
+    if key not in table:
+        if os.environ.get("MEGABATCH_AUTOTUNE", "1") == "0":
+            return DEFAULT_CONFIG
+        table[key] = tune(kernel, rows.dtype, rows.shape[1], precision, rows.device)
+        save_config(gpu, key, table[key], _cache_file())
+    return table[key]
+
+
+def save_config(gpu: str, key: str, config: dict, path: Path) -> None:
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.setdefault(gpu, {})[key] = config
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: int = 16384,
+         verbose: bool = True) -> dict:
+    """Benchmark every candidate on a ``size x size x c`` block; returns the fastest config."""
+    from triton.testing import do_bench
+
+    rows = torch.nn.functional.normalize(torch.randn(size, c, device=device), dim=-1).to(dtype)
+    cols = torch.nn.functional.normalize(torch.randn(size, c, device=device), dim=-1).to(dtype)
+    scale = torch.tensor(50.0, device=device)
+    row_lse, col_lse = block_stats(rows, cols, scale, fp32_precision=precision,
+                                   config=DEFAULT_CONFIG)
+    best, best_ms = DEFAULT_CONFIG, float("inf")
+    for config in candidate_configs(dtype):
+        if kernel == "stats":
+            fn = functools.partial(_stats_launch, rows, cols, scale, precision, config)
+        else:
+            fn = functools.partial(_grad_launch, rows, cols, scale, row_lse, col_lse, True,
+                                   precision, config)
+        try:
+            ms = do_bench(fn, warmup=5, rep=20)
+        except Exception as error:  # out of shared memory / registers for this GPU: skip it
+            if verbose:
+                print(f"  tune {kernel} {config}: skipped ({type(error).__name__})")
+            continue
+        if verbose:
+            print(f"  tune {kernel} {dtype} c={c} {config}: {ms:.3f} ms")
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+def _sms(device) -> int:
+    if not torch.cuda.is_available() or interpreting():
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _upcast(rows: torch.Tensor) -> bool:
+    """bf16 dots upcast to fp32 under the interpreter only: its numpy ``tl.dot`` mishandles bf16.
+    The products of bf16 values are exact in fp32, so the math is the GPU's."""
+    return interpreting() and rows.dtype == torch.bfloat16
+
+
+def _stats_launch(rows, cols, scale, precision, config):
+    m, c = rows.shape
+    n = cols.shape[0]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    row_blocks = triton.cdiv(m, bm)
+    # stripe width: the column partials [row_blocks, stripe] x 2 fp32 stay within PARTIAL_BYTES
+    stripe = max(bn, (PARTIAL_BYTES // (8 * row_blocks)) // bn * bn)
+    stripe = min(stripe, triton.cdiv(n, bn) * bn)
+    # split each stripe's columns over programs until the GPU holds >= 4 waves of them
+    splits = max(1, min(triton.cdiv(stripe, bn), triton.cdiv(4 * _sms(rows.device), row_blocks)))
+    cols_per_split = triton.cdiv(triton.cdiv(stripe, splits), bn) * bn
+    splits = triton.cdiv(stripe, cols_per_split)
+    row_max = torch.empty((splits, m), dtype=torch.float32, device=rows.device)
+    row_sum = torch.empty_like(row_max)
+    col_max = torch.empty((row_blocks, stripe), dtype=torch.float32, device=rows.device)
+    col_sum = torch.empty_like(col_max)
+    run_max = torch.full((m,), float("-inf"), dtype=torch.float32, device=rows.device)
+    run_sum = torch.zeros((m,), dtype=torch.float32, device=rows.device)
+    col_lse = torch.empty((n,), dtype=torch.float32, device=rows.device)
+    for col_start in range(0, n, stripe):
+        col_stop = min(col_start + stripe, n)
+        width = col_stop - col_start
+        active = triton.cdiv(width, cols_per_split)
+        _stats_kernel[(row_blocks, active)](
+            rows, cols, scale, row_max, row_sum, col_max, col_sum,
+            m, c, col_start, col_stop, cols_per_split,
+            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+            row_max.stride(0), col_max.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+            UPCAST=_upcast(rows), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+        # rows: merge this stripe's splits into the running (max, sum), base 2
+        part_max, part_sum = row_max[:active], row_sum[:active]
+        new_max = torch.maximum(run_max, part_max.amax(0))
+        run_sum = run_sum * torch.exp2(run_max - new_max) + (part_sum * torch.exp2(part_max - new_max)).sum(0)
+        run_max = new_max
+        # columns: merge the row blocks' partials; the stripe's columns are then complete
+        c_max = col_max[:, :width].amax(0)
+        c_sum = (col_sum[:, :width] * torch.exp2(col_max[:, :width] - c_max)).sum(0)
+        col_lse[col_start:col_stop] = (c_max + torch.log2(c_sum)) / LOG2E
+    return (run_max + torch.log2(run_sum)) / LOG2E, col_lse
+
+
+def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, config,
+                 weight=None, d_rows=None, d_cols=None):
+    """Stripe by stripe: G' by the kernel, then ``d_rows``/``d_cols`` by cuBLAS (fp32 out).
+
+    Without ``weight`` (autotuning) only the kernel runs. Returns ``sum(G' * dots)`` (fp32).
+    """
+    m, c = rows.shape
+    n = cols.shape[0]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    elem = rows.element_size()
+    stripe = min(max(bm, (G_BYTES // (n * elem)) // bm * bm), triton.cdiv(m, bm) * bm)
+    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0
+    g = torch.empty((stripe, n), dtype=rows.dtype, device=rows.device)
+    grid_n = triton.cdiv(n, bn)
+    partials = torch.empty((triton.cdiv(stripe, bm) * grid_n,), dtype=torch.float32, device=rows.device)
+    d_scale = torch.zeros((), dtype=torch.float32, device=rows.device)
+    alpha = None
+    if weight is not None:
+        # host sync: cuBLAS takes alpha as a number (once per block, not per tile)
+        alpha = float(scale.double() * weight.double()) / g_scale
+    for row_start in range(0, m, stripe):
+        height = min(stripe, m - row_start)
+        grid_m = triton.cdiv(height, bm)
+        _grad_kernel[(grid_m, grid_n)](
+            rows, cols, scale, row_lse, col_lse, g, partials,
+            row_start + height, n, c, row_start, g_scale,
+            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1), g.stride(0), g.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+            DIAGONAL=diagonal, UPCAST=_upcast(rows), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+        d_scale += partials[: grid_m * grid_n].sum()
+        if weight is not None:
+            stripe_g = g[:height]
+            with fp32_matmul(precision):
+                _accumulate(d_rows[row_start : row_start + height], stripe_g, cols, alpha)
+                _accumulate(d_cols, stripe_g.T, rows[row_start : row_start + height], alpha)
+    return d_scale
+
+
+def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """``out += alpha * a @ b`` with ``out`` fp32 and ``a``, ``b`` in the input dtype."""
+    if a.dtype == torch.float32:
+        out.addmm_(a, b, alpha=alpha)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, alpha=alpha, out_dtype=torch.float32, out=out)
+    else:  # CPU (the interpreter tests): no mixed-dtype GEMM there
+        out.addmm_(a.float(), b.float(), alpha=alpha)
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional API (same signatures as tiles.py; ``tile`` is accepted and ignored)
+# ----------------------------------------------------------------------------------------------
+def _check(rows: torch.Tensor, cols: torch.Tensor, precision: str) -> None:
+    if rows.dtype not in (torch.bfloat16, torch.float16, torch.float32) or cols.dtype != rows.dtype:
+        raise TypeError(f"Triton loss kernels take bf16, fp16 or fp32 features; got {rows.dtype}, {cols.dtype}")
+    if rows.dim() != 2 or cols.dim() != 2 or rows.shape[1] != cols.shape[1]:
+        raise ValueError(f"rows [m, c] and cols [n, c] expected; got {tuple(rows.shape)}, {tuple(cols.shape)}")
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"fp32_precision={precision!r}: use tf32 or ieee")
+    if not (rows.is_cuda or interpreting()):
+        raise RuntimeError("the Triton loss kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU); "
+                           "use loss.impl=torch on this machine")
+
+
+def block_stats(
+    rows: torch.Tensor, cols: torch.Tensor, scale: torch.Tensor, tile: int | None = None,
+    fp32_precision: str = "tf32", config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column ``logsumexp`` of ``scale * rows @ cols^T``.
+
+    rows: [m, c], cols: [n, c] (bf16, fp16 or fp32, same dtype), scale: [] (any float dtype).
+    Returns ``(row_lse [m], col_lse [n])`` in fp32. One pass over the tiles.
+    """
+    _check(rows, cols, fp32_precision)
+    config = config or get_config("stats", rows, fp32_precision)
+    return _stats_launch(rows, cols, scale.reshape(()).float(), fp32_precision, config)
+
+
+def block_grads(
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    scale: torch.Tensor,
+    row_lse: torch.Tensor,
+    col_lse: torch.Tensor,
+    weight: torch.Tensor,
+    diagonal: bool,
+    d_rows: torch.Tensor | None = None,
+    d_cols: torch.Tensor | None = None,
+    tile: int | None = None,
+    fp32_precision: str = "tf32",
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``weight * (sum row_lse + sum col_lse - 2 [diagonal] sum_i S_ii)`` over the block.
+
+    Shapes as in ``block_stats``; ``row_lse [m]``/``col_lse [n]`` fp32 over the whole matrix;
+    ``weight []``. Returns ``(d_rows [m, c], d_cols [n, c], d_scale [])`` in fp32, accumulated
+    into ``d_rows``/``d_cols`` when given (fp32, contiguous).
+    """
+    _check(rows, cols, fp32_precision)
+    config = config or get_config("grad", rows, fp32_precision)
+    if d_rows is None:
+        d_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+    if d_cols is None:
+        d_cols = torch.zeros(cols.shape, dtype=torch.float32, device=rows.device)
+    weight = weight.reshape(()).float()
+    dots = _grad_launch(rows, cols, scale.reshape(()).float(), row_lse.float().contiguous(),
+                        col_lse.float().contiguous(), diagonal, fp32_precision, config,
+                        weight, d_rows, d_cols)
+    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0
+    return d_rows, d_cols, dots * weight
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd.Function and module: the one-process symmetric loss on the kernels
+# ----------------------------------------------------------------------------------------------
+class _SymmetricLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, image_features, text_features, scale, fp32_precision):
+        row_lse, col_lse = block_stats(image_features, text_features, scale, fp32_precision=fp32_precision)
+        positives = (image_features.float() * text_features.float()).sum(1) * scale.float()
+        ctx.save_for_backward(image_features, text_features, scale, row_lse, col_lse)
+        ctx.fp32_precision = fp32_precision
+        return (row_lse.sum() + col_lse.sum() - 2 * positives.sum()) / (2 * image_features.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        image_features, text_features, scale, row_lse, col_lse = ctx.saved_tensors
+        weight = grad_output.float() / (2 * image_features.shape[0])
+        d_image, d_text, d_scale = block_grads(image_features, text_features, scale, row_lse, col_lse,
+                                               weight, True, fp32_precision=ctx.fp32_precision)
+        return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
+                d_scale.to(scale.dtype).reshape(scale.shape), None)
+
+
+def symmetric_loss(
+    image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor,
+    fp32_precision: str = "tf32",
+) -> torch.Tensor:
+    """``(CE(S) + CE(S^T)) / 2`` with ``S = scale * image @ text^T``, positives on the diagonal.
+
+    image_features, text_features: [b, c] (bf16, fp16 or fp32); scale: []. Returns a fp32 scalar;
+    differentiable in all three inputs. One process; ``losses.InfClLoss`` runs the ring.
+    """
+    return _SymmetricLoss.apply(image_features, text_features, scale, fp32_precision)
+
+
+class SymmetricLoss(torch.nn.Module):
+    """Module form of ``symmetric_loss``."""
+
+    def __init__(self, fp32_precision: str = "tf32"):
+        super().__init__()
+        self.fp32_precision = fp32_precision
+
+    def forward(self, image_features, text_features, scale):
+        return symmetric_loss(image_features, text_features, scale, self.fp32_precision)

@@ -1,0 +1,170 @@
+"""The tile functions, Triton kernels and plain-torch reference, against float64 math.
+
+Inputs are rounded to the dtype under test first; the float64 reference is computed from those
+rounded inputs, so what is measured is the error of the computation, not of the rounding. On a
+CPU the Triton kernels run through ``TRITON_INTERPRET=1`` (set in conftest); on a GPU the same
+tests run the compiled kernels (with TF32 for fp32 inputs where the case asks for it).
+
+Pass rule (Cut Cross-Entropy's): the error of an implementation is at most the error of plain
+torch computing in the same dtype, plus a tolerance per dtype:
+- fp32 (exact ``ieee`` dots): 2e-6. Every step is fp32; the errors are a few ulps (2^-24 = 6e-8)
+  grown by sums over the tile lengths.
+- fp32 with TF32 dots: 1e-3 (TF32 keeps 10 mantissa bits: 2^-11 = 5e-4 per product).
+- fp16: 1e-3. The kernels store the softmax-gradient stripe G' in fp16 (2^-11 relative per
+  element, scaled by 2^14 so small probabilities stay normal numbers) before the cuBLAS GEMMs.
+- bf16: 5e-3. G' stored in bf16 rounds each element by up to 2^-9 = 2e-3 relative; the
+  gradients returned to bf16 features are rounded by as much again when cast back.
+Log-sum-exps are compared in absolute terms (they are O(scale) numbers): error / scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megabatch.kernels import contrastive, tiles
+
+from ..helpers import rel_error
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLS = {"torch": tiles, "triton": contrastive}
+# (dtype, fp32 precision, tolerance)
+CASES = {
+    "fp32": (torch.float32, "ieee", 2e-6),
+    "tf32": (torch.float32, "tf32", 1e-3),
+    "fp16": (torch.float16, "tf32", 1e-3),
+    "bf16": (torch.bfloat16, "tf32", 5e-3),
+}
+if DEVICE == "cpu":  # the interpreter and the CPU have no TF32: the case would repeat "fp32"
+    del CASES["tf32"]
+
+
+def features(m: int, n: int, c: int, seed: int, diagonal: bool, dtype: torch.dtype):
+    generator = torch.Generator().manual_seed(seed)
+    rows = F.normalize(torch.randn(m, c, generator=generator, dtype=torch.float64), dim=-1)
+    cols = torch.randn(n, c, generator=generator, dtype=torch.float64)
+    if diagonal:  # positives correlated with their rows, as in a trained model
+        cols = rows + 0.8 * cols
+    cols = F.normalize(cols, dim=-1)
+    return rows.to(dtype).to(DEVICE), cols.to(dtype).to(DEVICE)
+
+
+def dense_reference(rows, cols, scale: float, weight: float, diagonal: bool):
+    """float64: row/column log-sum-exps and the gradients of the symmetric objective."""
+    rows_, cols_ = (x.double().requires_grad_() for x in (rows, cols))
+    scale_ = torch.tensor(scale, dtype=torch.float64, device=rows.device, requires_grad=True)
+    logits = scale_ * rows_ @ cols_.T
+    row_lse, col_lse = torch.logsumexp(logits, 1), torch.logsumexp(logits, 0)
+    objective = row_lse.sum() + col_lse.sum()
+    if diagonal:
+        objective = objective - 2 * logits.diagonal().sum()
+    (weight * objective).backward()
+    return row_lse.detach(), col_lse.detach(), rows_.grad, cols_.grad, scale_.grad
+
+
+def run(module, rows, cols, scale: float, weight: float, diagonal: bool, precision: str):
+    scale_t = torch.tensor(scale, device=rows.device)
+    row_lse, col_lse = module.block_stats(rows, cols, scale_t, tile=16, fp32_precision=precision)
+    grads = module.block_grads(rows, cols, scale_t, row_lse, col_lse, torch.tensor(weight, device=rows.device),
+                               diagonal, tile=16, fp32_precision=precision)
+    return (row_lse, col_lse, *grads)
+
+
+def errors(results, reference, scale: float) -> dict:
+    row_lse, col_lse, d_rows, d_cols, d_scale = results
+    for name, value in zip(("row_lse", "col_lse", "d_rows", "d_cols", "d_scale"), results):
+        assert torch.isfinite(value).all(), f"{name} has NaN/Inf"
+    return {
+        "row_lse": float((row_lse.double() - reference[0]).abs().max()) / scale,
+        "col_lse": float((col_lse.double() - reference[1]).abs().max()) / scale,
+        "d_rows": rel_error(d_rows, reference[2]),
+        "d_cols": rel_error(d_cols, reference[3]),
+        "d_scale": rel_error(d_scale, reference[4]),
+    }
+
+
+def check_against_torch(impl: str, case: str, m: int, n: int, c: int, scale: float, diagonal: bool,
+                        seed: int = 0, rows=None, cols=None):
+    dtype, precision, tolerance = CASES[case]
+    if rows is None:
+        rows, cols = features(m, n, c, seed, diagonal, dtype)
+    weight = 1.0 / (2 * rows.shape[0])
+    reference = dense_reference(rows, cols, scale, weight, diagonal)
+    got = errors(run(IMPLS[impl], rows, cols, scale, weight, diagonal, precision), reference, scale)
+    # plain torch computing in the same dtype (logit GEMMs in that dtype), one whole tile
+    baseline = errors(run(tiles, rows, cols, scale, weight, diagonal, precision), reference, scale)
+    for key, error in got.items():
+        assert error <= baseline[key] + tolerance, (
+            f"{impl} {case} {m}x{n}x{c} scale={scale}: {key} error {error:.3g} > torch's "
+            f"{baseline[key]:.3g} + {tolerance:g}"
+        )
+    return got
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize(("m", "n", "c", "diagonal"), [(67, 45, 48, False), (67, 67, 40, True)])
+@pytest.mark.parametrize("scale", [1.0, 100.0])
+def test_matches_float64(impl, case, m, n, c, diagonal, scale):
+    check_against_torch(impl, case, m, n, c, scale, diagonal)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_near_duplicates_and_opposites_at_scale_100(case):
+    """Sharply peaked softmaxes and columns whose every logit is ~ -100: a fixed shift by the
+    scale would underflow them (exp(-200) = 0 in fp32); per-column maxima must not."""
+    dtype = CASES[case][0]
+    generator = torch.Generator().manual_seed(3)
+    base = F.normalize(torch.randn(3, 64, generator=generator, dtype=torch.float64), dim=-1)
+    noise = 1e-3 * torch.randn(40, 64, generator=generator, dtype=torch.float64)
+    rows = F.normalize(base.repeat(14, 1)[:40] + noise, dim=-1)  # 40 rows, near-duplicates of 3
+    cols = F.normalize(torch.cat([rows[:20] + 1e-3 * noise[:20], -rows[20:]]), dim=-1)
+    rows, cols = rows.to(dtype).to(DEVICE), cols.to(dtype).to(DEVICE)
+    check_against_torch("triton", case, 0, 0, 0, 100.0, True, rows=rows, cols=cols)
+
+
+def test_stripes_and_splits_cover_the_block(monkeypatch):
+    """Tiny memory budgets force many forward column stripes and backward row stripes."""
+    monkeypatch.setattr(contrastive, "PARTIAL_BYTES", 8 * 5 * 16)  # 16-column stripes
+    monkeypatch.setattr(contrastive, "G_BYTES", 16 * 45 * 4)  # 16-row G' stripes
+    check_against_torch("triton", "fp32", 67, 45, 48, 30.0, False)
+    check_against_torch("triton", "fp32", 67, 67, 40, 30.0, True)
+
+
+def test_the_check_fails_a_wrong_kernel(monkeypatch):
+    """Not vacuous: a kernel that drops the column softmax from G' fails the comparison."""
+    real = contrastive.block_grads
+
+    def half_gradient(rows, cols, scale, row_lse, col_lse, *args, **kwargs):
+        return real(rows, cols, scale, row_lse, torch.full_like(col_lse, float("inf")), *args, **kwargs)
+
+    monkeypatch.setattr(contrastive, "block_grads", half_gradient)
+    with pytest.raises(AssertionError, match="d_rows error"):
+        check_against_torch("triton", "fp32", 67, 45, 48, 10.0, False)
+
+
+def test_symmetric_loss_autograd_matches_dense():
+    """The autograd.Function over the kernels: loss value and all three gradients."""
+    from megabatch.losses import clip_loss_reference
+
+    rows, cols = features(50, 50, 32, 1, True, torch.float32)
+    got = [x.clone().requires_grad_() for x in (rows, cols)]
+    scale = torch.tensor(20.0, device=rows.device, requires_grad=True)
+    loss = contrastive.symmetric_loss(*got, scale, fp32_precision="ieee")
+    loss.backward()
+    want = [x.double().requires_grad_() for x in (rows, cols)]
+    scale64 = torch.tensor(20.0, dtype=torch.float64, device=rows.device, requires_grad=True)
+    reference = clip_loss_reference(*want, scale64)
+    reference.backward()
+    assert rel_error(loss.detach(), reference.detach()) < 1e-6
+    for a, b in [(got[0].grad, want[0].grad), (got[1].grad, want[1].grad), (scale.grad, scale64.grad)]:
+        assert rel_error(a, b) < 1e-5
+
+
+def test_clear_errors():
+    rows = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        contrastive.block_stats(rows, rows, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="tf32 or ieee"):
+        contrastive.block_stats(rows.float(), rows.float(), torch.tensor(1.0), fp32_precision="fp64")
