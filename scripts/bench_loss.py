@@ -3,7 +3,7 @@
     python scripts/bench_loss.py --batches 32k,64k,128k,256k,1M --dtypes fp32,bf16 --out loss.json
     torchrun --nproc_per_node=2 scripts/bench_loss.py --batches 256k,1M --out loss2.json
 
-Backends: ours (vanilla, local, disco, infcl) and, when importable, the reference systems side by
+Backends: ours (vanilla, local, disco, infcl = Triton kernels, infcl_torch = plain-torch tiles) and, when importable, the reference systems side by
 side in the same process: ``ref_openclip`` (OpenCLIP 3.3 ``ClipLoss(local_loss=True,
 gather_with_grad=True)``) and ``ref_infcl`` (``inf_cl.cal_inf_loss`` both directions). Features are
 random, L2-normalised, ``[b / W, c]`` per rank; the scale is a learnable 0-dim tensor at 100.
@@ -32,18 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from megabatch.config import parse_count  # noqa: E402
 from megabatch.losses import DiscoLoss, InfClLoss, LocalLoss, VanillaLoss  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_backend(name: str, tile: int, world: int, rank: int):
+def make_backend(name: str, tile: int, world: int, rank: int, fp32_precision: str = "tf32"):
     if name == "vanilla":
         return VanillaLoss()
     if name == "local":
         return LocalLoss()
     if name == "disco":
         return DiscoLoss()
-    if name == "infcl":
-        return InfClLoss(tile=tile)
+    if name == "infcl":  # impl=auto: the Triton kernels on CUDA
+        return InfClLoss(tile=tile, fp32_precision=fp32_precision)
+    if name == "infcl_torch":  # the plain-torch tile reference of the same math
+        return InfClLoss(tile=tile, impl="torch", fp32_precision=fp32_precision)
     if name == "ref_openclip":
         from open_clip.loss import ClipLoss
 
@@ -100,6 +102,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs below 256k (1 above)")
     parser.add_argument("--budget-s", type=float, default=480, help="skip runs predicted past this")
     parser.add_argument("--tf32", type=int, default=1)
+    parser.add_argument("--max-batch", default="", help="per backend: ref_infcl=128k,vanilla=64k")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -116,11 +119,13 @@ def main() -> None:
         dist.init_process_group("nccl", device_id=device)
     started = time.perf_counter()
     batches = [parse_count(b, "--batches") for b in args.batches.split(",")]
+    max_batch = {k: parse_count(v, "--max-batch") for k, v in
+                 (item.split("=") for item in args.max_batch.split(",") if item)}
     results = []
     for dtype_name in args.dtypes.split(","):
         for name in args.backends.split(","):
             try:
-                loss_fn = make_backend(name, args.tile, world, rank)
+                loss_fn = make_backend(name, args.tile, world, rank, "tf32" if args.tf32 else "ieee")
             except ImportError as error:
                 results.append({"backend": name, "status": f"unavailable: {error}"})
                 continue
@@ -134,6 +139,8 @@ def main() -> None:
                 elapsed = time.perf_counter() - started
                 if failed:
                     row["status"] = "skipped: out of memory at a smaller batch"
+                elif batch > max_batch.get(name, batch):
+                    row["status"] = f"skipped: above --max-batch {max_batch[name]}"
                 elif elapsed + predicted > args.budget_s:
                     row["status"] = f"skipped: predicted {predicted:.0f} s exceeds the budget"
                 else:

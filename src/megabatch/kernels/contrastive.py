@@ -9,12 +9,12 @@ for every tile it also writes the column-wise (max, sum) of that row block, and 
 are merged across row blocks afterwards. The columns are processed in stripes sized so the
 partials stay within ``PARTIAL_BYTES``: memory is linear in b, never ``b^2 / tile``.
 
-Backward, hybrid: ``_grad_kernel`` recomputes each tile once and writes the stripe
-``G' = P_row + P_col - 2 I`` (some rows x all columns) in the input dtype, with the per-tile
-``sum(G' * rows @ cols^T)`` for the scale gradient; cuBLAS then multiplies the stripe for
-``d_rows`` and ``d_cols`` with fp32 accumulation (``G_BYTES`` bounds the stripe). At ~500 FLOP
-per byte of stripe traffic this stays compute-bound, and no c-sized accumulator has to live on
-chip, so any feature width works.
+Backward, hybrid: ``_grad_kernel`` recomputes each tile once and writes a block of
+``G' = P_row + P_col - 2 I`` (near-square, up to ``G_BYTES``) in the input dtype, with the per-tile
+``sum(G' * rows @ cols^T)`` for the scale gradient; cuBLAS then multiplies the block into
+``d_rows`` and ``d_cols`` with fp32 accumulation. With block sides of ~20k the GEMMs do thousands
+of FLOP per byte of G' and accumulator traffic, so they stay compute-bound at any b, and no
+c-sized accumulator has to live on chip: any feature width works.
 
 Inputs bf16, fp16 or fp32, accumulation in fp32; fp32 inputs use TF32 or exact fp32 dots
 (``fp32_precision``). Any m, n (masked edges) and any c (masked K loop). Tile configs come from
@@ -37,7 +37,8 @@ from .tiles import accumulation_dtype, fp32_matmul
 
 LOG2E = 1.4426950408889634
 PARTIAL_BYTES = 256 * 2**20  # column (max, sum) partials of one forward stripe
-G_BYTES = 2**30  # one backward stripe of G'
+G_BYTES = 768 * 2**20  # one backward block of G' (extra memory: fp32 accumulators + < 1 GB)
+G_ALIGN = 256  # G' block sides are multiples of every tile size
 FP16_G_SCALE = 2.0**14  # |G'| <= 2: scaled into fp16's normal range, undone in the GEMM's alpha
 
 
@@ -57,7 +58,11 @@ def _stats_kernel(
     Writes the rows' base-2 (max, sum) over the split at ``[s, row]`` and each column's base-2
     (max, sum) over the row block at ``[i, col - col_start]``.
     """
-    pid_m, pid_s = tl.program_id(0), tl.program_id(1)
+    # split index fastest: the programs running at once share few row blocks (L2 reuse; a
+    # [BM, c] row block is re-read for every column tile, and c=768 blocks would thrash L2)
+    pid = tl.program_id(0)
+    splits = tl.num_programs(0) // tl.cdiv(m, BLOCK_M)
+    pid_m, pid_s = pid // splits, pid % splits
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < m
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634  # logits in log2 units
@@ -98,17 +103,25 @@ def _stats_kernel(
 @triton.jit
 def _grad_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, dscale_ptr,  # pointers
-    m, n, c, row_start, g_scale,  # shapes: rows [row_start, row_start + grid_m * BM) & < m
+    c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block of G'
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    DIAGONAL: tl.constexpr, UPCAST: tl.constexpr,
+    DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Program (i, j): one tile of ``G' = P_row + P_col - 2 I`` into the stripe buffer, times
-    ``g_scale``, and its ``sum(G' * rows @ cols^T)`` into ``dscale_ptr[i * grid_n + j]``."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    """One tile of ``G' = P_row + P_col - 2 I`` (rows [row_start, row_stop) x columns
+    [col_start, col_stop) of the block) into the buffer, times ``g_scale``, and the tile's
+    ``sum(G' * rows @ cols^T)`` into ``dscale_ptr[program]``."""
+    # grouped order: GROUP_M row blocks share each column tile while it is in L2
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(row_stop - row_start, BLOCK_M), tl.cdiv(col_stop - col_start, BLOCK_N)
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_m
+    pid_n = (pid % (GROUP_M * grid_n)) // group_m
     offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = offs_m < m, offs_n < n
+    offs_n = col_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = offs_m < row_stop, offs_n < col_stop
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, c, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -128,8 +141,8 @@ def _grad_kernel(
     if DIAGONAL:
         g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
     g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
-    tl.store(dscale_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(g * acc))
-    g_offs = (offs_m - row_start)[:, None] * stride_gm + offs_n[None, :] * stride_gn
+    tl.store(dscale_ptr + pid, tl.sum(g * acc))
+    g_offs = (offs_m - row_start)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
     tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -145,15 +158,15 @@ DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8,
 def candidate_configs(dtype: torch.dtype) -> list[dict]:
     """Hopper-sized candidates (fp32 tiles take twice the shared memory per element)."""
     ks = (32, 64) if dtype == torch.float32 else (64, 128)
+    shapes = [(128, 128, 8), (128, 256, 8), (256, 128, 8), (64, 128, 4), (128, 64, 4)]
     out = []
-    for bm, bn in ((128, 128), (128, 256), (256, 128), (64, 128), (128, 64)):
+    for bm, bn, warps in shapes:
         for bk in ks:
-            for warps in (4, 8):
-                for stages in (3, 4):
-                    smem = (bm + bn) * bk * (4 if dtype == torch.float32 else 2) * stages
-                    if smem <= 200 * 1024 and not (warps == 4 and bm * bn > 128 * 128):
-                        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                                    "num_warps": warps, "num_stages": stages})
+            for stages in (3, 4):
+                smem = (bm + bn) * bk * (4 if dtype == torch.float32 else 2) * stages
+                if smem <= 200 * 1024:
+                    out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                                "num_warps": warps, "num_stages": stages})
     return out
 
 
@@ -188,6 +201,9 @@ def get_config(kernel: str, rows: torch.Tensor, precision: str) -> dict:
     gpu = torch.cuda.get_device_name(rows.device)
     key = config_key(kernel, rows.dtype, rows.shape[1], precision)
     table = _load_tables(gpu)
+    if key not in table and rows.dtype == torch.float16:  # same element size: bf16's tiles fit
+        key = config_key(kernel, torch.bfloat16, rows.shape[1], precision) if \
+            config_key(kernel, torch.bfloat16, rows.shape[1], precision) in table else key
     if key not in table:
         if os.environ.get("MEGABATCH_AUTOTUNE", "1") == "0":
             return DEFAULT_CONFIG
@@ -258,9 +274,11 @@ def _stats_launch(rows, cols, scale, precision, config):
     # stripe width: the column partials [row_blocks, stripe] x 2 fp32 stay within PARTIAL_BYTES
     stripe = max(bn, (PARTIAL_BYTES // (8 * row_blocks)) // bn * bn)
     stripe = min(stripe, triton.cdiv(n, bn) * bn)
-    # split each stripe's columns over programs until the GPU holds >= 4 waves of them
-    splits = max(1, min(triton.cdiv(stripe, bn), triton.cdiv(4 * _sms(rows.device), row_blocks)))
-    cols_per_split = triton.cdiv(triton.cdiv(stripe, splits), bn) * bn
+    # split each stripe's columns over programs: >= 4 waves of programs on the GPU, and >= 8
+    # splits (of >= 8 column tiles each) so the programs running at once share row blocks
+    tiles = triton.cdiv(stripe, bn)
+    splits = max(1, min(tiles, max(triton.cdiv(4 * _sms(rows.device), row_blocks), min(8, tiles // 8))))
+    cols_per_split = triton.cdiv(tiles, splits) * bn
     splits = triton.cdiv(stripe, cols_per_split)
     row_max = torch.empty((splits, m), dtype=torch.float32, device=rows.device)
     row_sum = torch.empty_like(row_max)
@@ -273,7 +291,7 @@ def _stats_launch(rows, cols, scale, precision, config):
         col_stop = min(col_start + stripe, n)
         width = col_stop - col_start
         active = triton.cdiv(width, cols_per_split)
-        _stats_kernel[(row_blocks, active)](
+        _stats_kernel[(row_blocks * active,)](
             rows, cols, scale, row_max, row_sum, col_max, col_sum,
             m, c, col_start, col_stop, cols_per_split,
             rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
@@ -295,40 +313,48 @@ def _stats_launch(rows, cols, scale, precision, config):
 
 def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, config,
                  weight=None, d_rows=None, d_cols=None):
-    """Stripe by stripe: G' by the kernel, then ``d_rows``/``d_cols`` by cuBLAS (fp32 out).
-
-    Without ``weight`` (autotuning) only the kernel runs. Returns ``sum(G' * dots)`` (fp32).
+    """Block by block of G' (at most ``G_BYTES``): the kernel writes it, then cuBLAS multiplies it
+    into ``d_rows`` and ``d_cols`` (fp32 out). Blocks are near-square, so both GEMMs have a long
+    inner dimension and stay compute-bound at any b. Without ``weight`` (autotuning) only the
+    kernel runs. Returns ``sum(G' * dots)`` (fp32, unweighted).
     """
     m, c = rows.shape
     n = cols.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    elem = rows.element_size()
-    stripe = min(max(bm, (G_BYTES // (n * elem)) // bm * bm), triton.cdiv(m, bm) * bm)
+    elements, align = G_BYTES // rows.element_size(), G_ALIGN
+    side = max(align, math.isqrt(elements) // align * align)
+    block_m = min(side, triton.cdiv(m, align) * align)
+    block_n = min(max(align, elements // block_m // align * align), triton.cdiv(n, align) * align)
     g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0
-    g = torch.empty((stripe, n), dtype=rows.dtype, device=rows.device)
-    grid_n = triton.cdiv(n, bn)
-    partials = torch.empty((triton.cdiv(stripe, bm) * grid_n,), dtype=torch.float32, device=rows.device)
+    g = torch.empty((block_m * block_n,), dtype=rows.dtype, device=rows.device)
+    partials = torch.empty((triton.cdiv(block_m, bm) * triton.cdiv(block_n, bn),), dtype=torch.float32,
+                           device=rows.device)
     d_scale = torch.zeros((), dtype=torch.float32, device=rows.device)
     alpha = None
     if weight is not None:
-        # host sync: cuBLAS takes alpha as a number (once per block, not per tile)
+        # host sync: cuBLAS takes alpha as a number (once per block call, not per tile)
         alpha = float(scale.double() * weight.double()) / g_scale
-    for row_start in range(0, m, stripe):
-        height = min(stripe, m - row_start)
-        grid_m = triton.cdiv(height, bm)
-        _grad_kernel[(grid_m, grid_n)](
-            rows, cols, scale, row_lse, col_lse, g, partials,
-            row_start + height, n, c, row_start, g_scale,
-            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1), g.stride(0), g.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            DIAGONAL=diagonal, UPCAST=_upcast(rows), num_warps=config["num_warps"], num_stages=config["num_stages"],
-        )
-        d_scale += partials[: grid_m * grid_n].sum()
-        if weight is not None:
-            stripe_g = g[:height]
-            with fp32_matmul(precision):
-                _accumulate(d_rows[row_start : row_start + height], stripe_g, cols, alpha)
-                _accumulate(d_cols, stripe_g.T, rows[row_start : row_start + height], alpha)
+    for row_start in range(0, m, block_m):
+        row_stop = min(row_start + block_m, m)
+        for col_start in range(0, n, block_n):
+            col_stop = min(col_start + block_n, n)
+            height, width = row_stop - row_start, col_stop - col_start
+            programs = triton.cdiv(height, bm) * triton.cdiv(width, bn)
+            g_block = g[: height * width].view(height, width)
+            _grad_kernel[(programs,)](
+                rows, cols, scale, row_lse, col_lse, g_block, partials,
+                c, row_start, row_stop, col_start, col_stop, g_scale,
+                rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+                g_block.stride(0), g_block.stride(1),
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+                DIAGONAL=diagonal, UPCAST=_upcast(rows), GROUP_M=8,
+                num_warps=config["num_warps"], num_stages=config["num_stages"],
+            )
+            d_scale += partials[:programs].sum()
+            if weight is not None:
+                with fp32_matmul(precision):
+                    _accumulate(d_rows[row_start:row_stop], g_block, cols[col_start:col_stop], alpha)
+                    _accumulate(d_cols[col_start:col_stop], g_block.T, rows[row_start:row_stop], alpha)
     return d_scale
 
 

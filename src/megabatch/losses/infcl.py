@@ -26,6 +26,12 @@ from ..kernels.tiles import accumulation_dtype
 from .base import ContrastiveLoss
 
 
+def _row_dots(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, chunk: int = 65536) -> torch.Tensor:
+    """``(a * b).sum(1)`` in ``acc``, upcasting a chunk of rows at a time (no [b, c] fp32 copies)."""
+    return torch.cat([(a[i : i + chunk].to(acc) * b[i : i + chunk].to(acc)).sum(1)
+                      for i in range(0, a.shape[0], chunk)])
+
+
 class _InfClLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, image_features, text_features, scale, group, stats_fn, grads_fn):
@@ -47,7 +53,7 @@ class _InfClLoss(torch.autograd.Function):
                 texts = pending_texts.wait()
         if ring is not None:
             col_lse = pending_lse.wait()  # own texts' column log-sum-exp, every rank's rows in it
-        positives = (image_features.to(acc) * text_features.to(acc)).sum(1) * scale.to(acc)
+        positives = _row_dots(image_features, text_features, acc) * scale.to(acc)
         local = (row_lse.sum() + col_lse.sum() - 2 * positives.sum()) / (2 * rows)
         total = local.clone()
         if world > 1:
@@ -81,8 +87,11 @@ class _InfClLoss(torch.autograd.Function):
             if step < world - 1:
                 texts, texts_lse = pending_texts.wait(), pending_texts_lse.wait()
         d_text = pending_acc.wait() if ring is not None else d_texts
-        return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
-                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None)
+        del d_texts, pending_acc
+        # cast one accumulator at a time, freeing each: peak stays one fp32 [b_local, c] lower
+        d_text = d_text.to(text_features.dtype)
+        d_image = d_image.to(image_features.dtype)
+        return d_image, d_text, d_scale.to(scale.dtype).reshape(scale.shape), None, None, None
 
 
 class InfClLoss(ContrastiveLoss):
