@@ -77,9 +77,9 @@ class _InfClLoss(torch.autograd.Function):
                 pending_texts, pending_texts_lse = ring.start(texts), ring.start(texts_lse)
             # this rank's share of the held block's column gradients: [b_local, c]
             d_texts = torch.zeros(texts.shape, dtype=acc, device=texts.device)
-            _, _, block_d_scale = ctx.grads_fn(image_features, texts, scale, row_lse, texts_lse, weight,
-                                               step == 0, d_rows=d_image, d_cols=d_texts)
-            d_scale += block_d_scale
+            # ([2]: holding the returned accumulators would keep an fp32 [b_local, c] alive)
+            d_scale += ctx.grads_fn(image_features, texts, scale, row_lse, texts_lse, weight,
+                                    step == 0, d_rows=d_image, d_cols=d_texts)[2]
             if pending_acc is not None:  # earlier ranks' share arrived while we computed
                 d_texts += pending_acc.wait()
             if ring is not None:
