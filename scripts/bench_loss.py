@@ -7,7 +7,8 @@ Backends: ours (vanilla, local, disco, infcl = Triton kernels, infcl_torch = pla
 side in the same process: ``ref_openclip`` (OpenCLIP 3.3 ``ClipLoss(local_loss=True,
 gather_with_grad=True)``) and ``ref_infcl`` (``inf_cl.cal_inf_loss`` both directions). Features are
 random, L2-normalised, ``[b / W, c]`` per rank; the scale is a learnable 0-dim tensor at 100.
-"extra_gb" is the peak allocated memory minus the inputs and their gradients. A backend that runs
+"extra_gb" is the peak allocated memory minus the inputs and their gradients (``.grad`` starts
+empty; the gradients the loss returns become ``.grad`` and are subtracted once). A backend that runs
 out of memory at some b is not tried at larger b. fp32 matmuls may use TF32 (``--tf32``, on by
 default, as in ANCHORS.md).
 """
@@ -65,29 +66,30 @@ def sync() -> None:
 
 
 def measure(loss_fn, b_local: int, dim: int, dtype, repeats: int, device) -> dict:
-    """Median time of forward + backward and the extra memory (peak minus inputs and grads)."""
+    """Median time of forward + backward and the extra memory: peak allocated minus the inputs
+    and their gradients (the gradients the loss returns become ``.grad``; counted once)."""
     generator = torch.Generator(device=device).manual_seed(0)
     images = F.normalize(torch.randn(b_local, dim, device=device, generator=generator), dim=-1)
     texts = F.normalize(torch.randn(b_local, dim, device=device, generator=generator), dim=-1)
     images = images.to(dtype).requires_grad_()
     texts = texts.to(dtype).requires_grad_()
     scale = torch.tensor(100.0, device=device, requires_grad=True)
+    grad_bytes = 2 * images.numel() * images.element_size()
     times = []
     for _ in range(repeats):
         images.grad = texts.grad = scale.grad = None
-        # inputs and their gradients are the baseline: allocate the grads once before measuring
-        images.grad, texts.grad = torch.zeros_like(images), torch.zeros_like(texts)
         sync()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        base = torch.cuda.memory_allocated()  # the inputs
         start = time.perf_counter()
         loss = loss_fn(images, texts, scale)
         loss.backward()
         sync()
         times.append(time.perf_counter() - start)
-        extra = torch.cuda.max_memory_allocated() - base
+        extra = torch.cuda.max_memory_allocated() - base - grad_bytes
         value = float(loss.detach())
         del loss
+    images.grad = texts.grad = None
     return {"time_s": statistics.median(times), "times_s": times, "extra_gb": extra / 1e9,
             "loss": value}
 

@@ -13,6 +13,7 @@ def main() -> None:
     parser.add_argument("inputs", nargs="+", help="bench_loss.py JSON files")
     parser.add_argument("--out", default="memory.png")
     parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--dim", type=int, default=768)
     args = parser.parse_args()
 
     import matplotlib
@@ -26,7 +27,8 @@ def main() -> None:
         data = json.load(open(path))
         gpu.add(data["meta"]["gpu"])
         for row in data["results"]:
-            if row.get("status") == "ok" and row.get("dtype") == args.dtype:
+            if row.get("status") == "ok" and row.get("dtype") == args.dtype \
+                    and row.get("dim", args.dim) == args.dim:
                 key = f"{row['backend']} ({row['gpus']} GPU{'s' if row['gpus'] > 1 else ''})"
                 series[key].append((row["batch"], row["extra_gb"], row["time_s"]))
     figure, (memory_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -45,7 +47,7 @@ def main() -> None:
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
     memory_ax.legend(fontsize=7)
-    figure.suptitle(f"Contrastive loss, {args.dtype} features, c = 768, {', '.join(sorted(gpu))}")
+    figure.suptitle(f"Contrastive loss, {args.dtype} features, c = {args.dim}, {', '.join(sorted(gpu))}")
     figure.tight_layout()
     figure.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
