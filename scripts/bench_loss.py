@@ -3,10 +3,11 @@
     python scripts/bench_loss.py --batches 32k,64k,128k,256k,1M --dtypes fp32,bf16 --out loss.json
     torchrun --nproc_per_node=2 scripts/bench_loss.py --batches 256k,1M --out loss2.json
 
-Backends: ours (vanilla, local, disco, infcl = Triton kernels, infcl_torch = plain-torch tiles) and, when importable, the reference systems side by
-side in the same process: ``ref_openclip`` (OpenCLIP 3.3 ``ClipLoss(local_loss=True,
-gather_with_grad=True)``) and ``ref_infcl`` (``inf_cl.cal_inf_loss`` both directions). Features are
-random, L2-normalised, ``[b / W, c]`` per rank; the scale is a learnable 0-dim tensor at 100.
+Backends: ours (vanilla, local, disco, infcl = Triton kernels on CUDA, infcl_torch = plain-torch
+tiles) and, when importable, the reference systems side by side in the same process:
+``ref_openclip`` (OpenCLIP 3.3 ``ClipLoss(local_loss=True, gather_with_grad=True)``) and
+``ref_infcl`` (``inf_cl.cal_inf_loss`` both directions). Features are random, L2-normalised,
+``[b / W, c]`` per rank; the scale is a learnable 0-dim tensor at 100.
 "extra_gb" is the peak allocated memory minus the inputs and their gradients (``.grad`` starts
 empty; the gradients the loss returns become ``.grad`` and are subtracted once). A backend that runs
 out of memory at some b is not tried at larger b. fp32 matmuls may use TF32 (``--tf32``, on by

@@ -9,7 +9,6 @@ The output has the layout of ``src/megabatch/kernels/tuned.json`` ({gpu name: {k
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -73,7 +73,7 @@ def run(module, rows, cols, scale: float, weight: float, diagonal: bool, precisi
 
 def errors(results, reference, scale: float, weight: float) -> dict:
     row_lse, col_lse, d_rows, d_cols, d_scale = results
-    for name, value in zip(("row_lse", "col_lse", "d_rows", "d_cols", "d_scale"), results):
+    for name, value in zip(("row_lse", "col_lse", "d_rows", "d_cols", "d_scale"), results, strict=True):
         assert torch.isfinite(value).all(), f"{name} has NaN/Inf"
     return {
         "row_lse": float((row_lse.double() - reference[0]).abs().max()) / scale,

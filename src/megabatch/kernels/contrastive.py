@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import accumulation_dtype, fp32_matmul
+from .tiles import fp32_matmul
 
 LOG2E = 1.4426950408889634
 PARTIAL_BYTES = 256 * 2**20  # column (max, sum) partials of one forward stripe
@@ -185,7 +185,7 @@ def _cache_file() -> Path:
     return Path(root) / "triton_tuned.json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_tables(gpu: str) -> dict:
     tables = {}
     for path in (TUNED_FILE, _cache_file()):
@@ -369,6 +369,28 @@ def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
 
 
 # ----------------------------------------------------------------------------------------------
+# autograd.Function: the one-process symmetric loss on the kernels
+# ----------------------------------------------------------------------------------------------
+class _SymmetricLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, image_features, text_features, scale, fp32_precision):
+        row_lse, col_lse = block_stats(image_features, text_features, scale, fp32_precision=fp32_precision)
+        positives = (image_features.float() * text_features.float()).sum(1) * scale.float()
+        ctx.save_for_backward(image_features, text_features, scale, row_lse, col_lse)
+        ctx.fp32_precision = fp32_precision
+        return (row_lse.sum() + col_lse.sum() - 2 * positives.sum()) / (2 * image_features.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        image_features, text_features, scale, row_lse, col_lse = ctx.saved_tensors
+        weight = grad_output.float() / (2 * image_features.shape[0])
+        d_image, d_text, d_scale = block_grads(image_features, text_features, scale, row_lse, col_lse,
+                                               weight, True, fp32_precision=ctx.fp32_precision)
+        return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
+                d_scale.to(scale.dtype).reshape(scale.shape), None)
+
+
+# ----------------------------------------------------------------------------------------------
 # Functional API (same signatures as tiles.py; ``tile`` is accepted and ignored)
 # ----------------------------------------------------------------------------------------------
 def _check(rows: torch.Tensor, cols: torch.Tensor, precision: str) -> None:
@@ -427,30 +449,7 @@ def block_grads(
     dots = _grad_launch(rows, cols, scale.reshape(()).float(), row_lse.float().contiguous(),
                         col_lse.float().contiguous(), diagonal, fp32_precision, config,
                         weight, d_rows, d_cols)
-    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0
     return d_rows, d_cols, dots * weight
-
-
-# ----------------------------------------------------------------------------------------------
-# autograd.Function and module: the one-process symmetric loss on the kernels
-# ----------------------------------------------------------------------------------------------
-class _SymmetricLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, image_features, text_features, scale, fp32_precision):
-        row_lse, col_lse = block_stats(image_features, text_features, scale, fp32_precision=fp32_precision)
-        positives = (image_features.float() * text_features.float()).sum(1) * scale.float()
-        ctx.save_for_backward(image_features, text_features, scale, row_lse, col_lse)
-        ctx.fp32_precision = fp32_precision
-        return (row_lse.sum() + col_lse.sum() - 2 * positives.sum()) / (2 * image_features.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        image_features, text_features, scale, row_lse, col_lse = ctx.saved_tensors
-        weight = grad_output.float() / (2 * image_features.shape[0])
-        d_image, d_text, d_scale = block_grads(image_features, text_features, scale, row_lse, col_lse,
-                                               weight, True, fp32_precision=ctx.fp32_precision)
-        return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
-                d_scale.to(scale.dtype).reshape(scale.shape), None)
 
 
 def symmetric_loss(
@@ -465,6 +464,9 @@ def symmetric_loss(
     return _SymmetricLoss.apply(image_features, text_features, scale, fp32_precision)
 
 
+# ----------------------------------------------------------------------------------------------
+# Module
+# ----------------------------------------------------------------------------------------------
 class SymmetricLoss(torch.nn.Module):
     """Module form of ``symmetric_loss``."""
 
