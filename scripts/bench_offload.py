@@ -1,4 +1,4 @@
-"""One GradCache step on real JPEG shards, data offload on and off: time, peak GPU and host memory.
+"""GradCache steps on real JPEG shards, data offload on and off: time, peak GPU and host memory.
 
     python scripts/bench_offload.py --batch 64k --sub-batch 512 --out offload.json
 
@@ -45,30 +45,41 @@ def photos(count: int, size: int, seed: int = 0):
         yield Sample(buffer.getvalue(), "jpg", f"a synthetic photo number {index}")
 
 
-def one_step(urls: list[str], batch: int, sub_batch: int, offload: bool, workers: int, device: str,
-             run_dir: str) -> dict:
+def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, workers: int, device: str,
+              run_dir: str, steps: int) -> dict:
+    """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
+    steady-state figures are the means over the later ones."""
     from megabatch.distributed import init_distributed
     from megabatch.train.loop import Trainer
 
     cfg = compose("model=vit_b32", "loss=infcl", "data=webdataset", f"batch={batch}",
                   f"trainer.sub_batch={sub_batch}", f"trainer.offload={str(offload).lower()}",
-                  "trainer.max_steps=1", "eval=none", f"data.num_workers={workers}",
+                  f"trainer.max_steps={steps}", "eval=none", f"data.num_workers={workers}",
                   "trainer.precision=" + ("bf16" if device == "cuda" else "fp32"))
     cfg.data.train.urls = urls
     cfg.run_dir, cfg.overwrite = run_dir, True
     trainer = Trainer(cfg, init_distributed(device))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    _, phases = trainer.gradients(trainer._sub_batches())
-    trainer.optimizer_step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    row = {"offload": offload, "batch": batch, "sub_batch": sub_batch, "step_s": time.perf_counter() - start,
-           "phases_s": phases,
+    sub_batches, per_step = trainer._sub_batches(), []
+    for _ in range(steps):
+        start = time.perf_counter()
+        _, phases = trainer.gradients(sub_batches)
+        trainer.optimizer_step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        trainer.step += 1
+        per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
+    later = per_step[1:] or per_step
+    step_s = sum(s["step_s"] for s in later) / len(later)
+    data_s = sum(s["phases_s"]["data"] for s in later) / len(later)
+    row = {"offload": offload, "batch": batch, "sub_batch": sub_batch, "workers": workers,
+           "steady_step_s": step_s, "steady_samples_s": batch / step_s,
+           "steady_data_wait_fraction": data_s / step_s, "steps": per_step,
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
            "peak_host_gb_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
            "peak_host_gb_largest_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6}
+    trainer.data.close()
     del trainer
     return row
 
@@ -82,6 +93,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--modes", default="true,false", help="offload settings to run, in order")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=1, help="steps per mode; later ones are steady state")
     parser.add_argument("--workdir", default="/tmp/offload-bench")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -89,11 +101,11 @@ def main() -> None:
     shards = write_shards(photos(args.images, args.size), Path(args.workdir) / "shards", "photo", 1024)
     mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
     # the same shards listed again until every (shard-split) loader worker can fill its share
-    urls = shards * (2 * -(-batch // args.images) + args.workers // len(shards) + 1)
+    urls = shards * ((args.steps + 1) * -(-batch // args.images) + args.workers // len(shards) + 1)
     results = {"command": " ".join(sys.argv), "jpeg_kb_per_sample": mean_kb, "results": []}
     for mode in args.modes.split(","):
-        row = one_step(urls, batch, args.sub_batch, mode == "true", args.workers, args.device,
-                       f"{args.workdir}/run-{mode}")
+        row = run_steps(urls, batch, args.sub_batch, mode == "true", args.workers, args.device,
+                        f"{args.workdir}/run-{mode}", args.steps)
         print(json.dumps(row), flush=True)
         results["results"].append(row)
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -76,3 +76,20 @@ def test_bad_shard_layouts_are_clear_errors(shard_urls):
         make_data(shard_urls, "data.train.weights=[1.0]")
     with pytest.raises(ConfigError, match="shards for"):
         make_data(shard_urls, "data.num_workers=8").steps_per_epoch(20, 2, 5)
+
+
+def test_persistent_redecode_workers_reproduce_the_first_decode(shard_urls):
+    """Offload: kept bytes re-decoded by the worker pool (2 steps in a row, bounded look-ahead)
+    equal the loader's first decode bit for bit, in order."""
+    data = make_data(shard_urls, "data.num_workers=2")
+    try:
+        for epoch in (0, 1):
+            loader = data.loader(epoch=epoch, start_batch=0, rank_batch=10, rank=0, world_size=1,
+                                 num_batches=3, sub_batch=5, keep_raw=True)
+            first = [(sub.images, sub.raw) for sub in loader]
+            again = list(data.redecode([raw for _, raw in first], epoch))
+            assert len(again) == len(first) == 6
+            for (images, _), redecoded in zip(first, again, strict=True):
+                assert torch.equal(images, redecoded)
+    finally:
+        data.close()

@@ -257,19 +257,6 @@ class EpochBatches(IterableDataset):
         return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()})
 
 
-class RawSubBatches(torch.utils.data.Dataset):
-    """Map-style dataset re-decoding kept sub-batches (lists of ``(bytes, position)``)."""
-
-    def __init__(self, raw_sub_batches: list, decoder: SampleDecoder):
-        self.raw, self.decoder = raw_sub_batches, decoder
-
-    def __len__(self) -> int:
-        return len(self.raw)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.stack([self.decoder(data, position) for data, position in self.raw[index]])
-
-
 def make_epoch_loader(dataset: EpochBatches, num_workers: int) -> DataLoader:
     """A DataLoader over ``dataset``'s ready-made batches."""
     return DataLoader(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections import deque
+from collections.abc import Iterator
+
+import torch
 
 from ..config import ConfigError, parse_optional_count
 from .digits import ensure_digits
 from .pipeline import (
     EpochBatches,
-    RawSubBatches,
     SampleDecoder,
     count_samples,
     expand_urls,
@@ -39,6 +43,7 @@ class TrainData:
         if self.num_samples is None:
             self.num_samples = count_samples(self.urls, "data.train.urls")
         self.cfg, self.tokenize, self.seed = cfg, tokenize, seed
+        self._redecoder = None
         self.transform = train_transform(image_size, **cfg.train.augment)
         self.split = cfg.train.get("split", "position")
         self.mode = cfg.train.get("mode", "epoch")
@@ -91,13 +96,65 @@ class TrainData:
             dataset = EpochBatches(self.urls, **common)
         return make_epoch_loader(dataset, int(self.cfg.num_workers))
 
-    def redecode(self, raw_sub_batches: list, epoch: int):
-        """Iterate the image tensors of kept sub-batches again, in order, decoded by the loader
-        workers with the same per-sample augmentation as the first time."""
-        from torch.utils.data import DataLoader
+    def redecode(self, raw_sub_batches: list, epoch: int) -> Iterator[torch.Tensor]:
+        """Iterate the image tensors of kept sub-batches again, in order, decoded with the same
+        per-sample augmentation as the first time (by persistent worker processes)."""
+        if self._redecoder is None:
+            self._redecoder = Redecoder(self.transform, self.seed, self.workers if self.cfg.num_workers else 0)
+        return self._redecoder(raw_sub_batches, epoch)
 
-        workers = int(self.cfg.num_workers)
-        return iter(DataLoader(
-            RawSubBatches(raw_sub_batches, SampleDecoder(self.transform, self.seed, epoch)),
-            batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None,
-        ))
+    def close(self) -> None:
+        if self._redecoder is not None:
+            self._redecoder.close()
+            self._redecoder = None
+
+
+_worker_decoder: dict = {}
+
+
+def _init_redecode_worker(transform, seed: int) -> None:
+    torch.set_num_threads(1)
+    _worker_decoder.update(transform=transform, seed=seed)
+
+
+def _redecode_sub_batch(epoch: int, raw: list) -> torch.Tensor:
+    decoder = SampleDecoder(_worker_decoder["transform"], _worker_decoder["seed"], epoch)
+    return torch.stack([decoder(data, position) for data, position in raw])
+
+
+class Redecoder:
+    """Re-decodes offloaded sub-batches in a pool of worker processes that lives as long as the
+    run (a DataLoader per step would fork its workers again every step, seconds at 16 workers).
+    At most ``2 x workers`` sub-batches are decoded ahead of the consumer, so host memory stays
+    bounded however long the replay. Results come back through shared memory (torch tensors)."""
+
+    def __init__(self, transform, seed: int, workers: int):
+        self.transform, self.seed, self.workers = transform, seed, workers
+        self.pool = None
+
+    def __call__(self, raw_sub_batches: list, epoch: int) -> Iterator[torch.Tensor]:
+        if self.workers == 0:
+            decoder = SampleDecoder(self.transform, self.seed, epoch)
+            for raw in raw_sub_batches:
+                yield torch.stack([decoder(data, position) for data, position in raw])
+            return
+        if self.pool is None:
+            import torch.multiprocessing as mp
+
+            self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_redecode_worker,
+                                                    initargs=(self.transform, self.seed))
+        pending, upcoming = deque(), iter(raw_sub_batches)
+        for raw in itertools.islice(upcoming, 2 * self.workers):
+            pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw)))
+        while pending:
+            images = pending.popleft().get()
+            raw = next(upcoming, None)
+            if raw is not None:
+                pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw)))
+            yield images
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None

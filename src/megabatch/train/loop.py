@@ -323,6 +323,7 @@ class Trainer:
     def _finish(self, loss, numbered_just_written: bool) -> float:
         """Last checkpoint, final evaluation; the value a sweeper optimises."""
         cfg, plan = self.cfg, self.plan
+        self.data.close()  # the offload re-decode workers
         if self.main:
             bad = {k: v for k, v in self.bad_input_counts().items() if v}
             log.info("bad input on rank 0: %s", bad or "none")

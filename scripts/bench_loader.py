@@ -1,0 +1,79 @@
+"""Training-loader throughput on JPEG shards: samples/s in all and per worker, for the first pass
+(read, decode, augment, tokenise) and for the offload re-decode of kept bytes.
+
+    python scripts/bench_loader.py --workers 1,2 --samples 4096 --out loader.json
+
+Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures that compress like
+photos) as img2dataset shards, then times ``TrainData.loader`` (ViT-B/32 transforms: 224 px
+RandomResizedCrop, open_clip tokenizer) and ``TrainData.redecode`` with each worker count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_gradcache import compose  # noqa: E402
+from bench_offload import photos  # noqa: E402
+
+from megabatch.data.shards import write_shards  # noqa: E402
+
+
+def measure(urls: list[str], workers: int, samples: int, sub_batch: int) -> dict:
+    from megabatch.data.train_data import TrainData
+    from megabatch.models.clip import build_tokenizer
+
+    cfg = compose("model=vit_b32", "data=webdataset", f"data.num_workers={workers}")
+    cfg.data.train.urls = urls
+    data = TrainData(cfg.data, build_tokenizer(**cfg.model.text), cfg.model.image.image_size, seed=0)
+    batches = samples // sub_batch
+    loader = data.loader(epoch=0, start_batch=0, rank_batch=sub_batch, rank=0, world_size=1,
+                         num_batches=batches + 1, sub_batch=sub_batch, keep_raw=True)
+    raws, start = [], None
+    for index, sub in enumerate(loader):
+        if index == 0:  # worker start-up and the first batch are not throughput
+            start = time.perf_counter()
+            continue
+        raws.append(sub.raw)
+    first_pass = (len(raws) * sub_batch) / (time.perf_counter() - start)
+    start = time.perf_counter()
+    count = sum(images.shape[0] for images in data.redecode(raws, epoch=0))
+    redecode = count / (time.perf_counter() - start)
+    return {"workers": workers, "samples": len(raws) * sub_batch, "sub_batch": sub_batch,
+            "first_pass_samples_s": first_pass, "first_pass_per_worker": first_pass / max(1, workers),
+            "redecode_samples_s": redecode, "redecode_per_worker": redecode / max(1, workers)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", default="1,2")
+    parser.add_argument("--samples", type=int, default=4096, help="timed samples per pass")
+    parser.add_argument("--sub-batch", type=int, default=256)
+    parser.add_argument("--images", type=int, default=2048)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--workdir", default="/tmp/loader-bench")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    shards = write_shards(photos(args.images, args.size), Path(args.workdir) / "shards", "photo", 512)
+    mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
+    urls = shards * (4 * -(-args.samples // args.images) + 1)
+    results = {"command": " ".join(sys.argv), "cpu": platform.processor() or platform.machine(),
+               "cpus": os.cpu_count(), "jpeg_kb_per_sample": mean_kb, "results": []}
+    for workers in (int(w) for w in args.workers.split(",")):
+        row = measure(urls, workers, args.samples, args.sub_batch)
+        print(json.dumps(row), flush=True)
+        results["results"].append(row)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
