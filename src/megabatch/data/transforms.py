@@ -60,6 +60,12 @@ def seeded(transform, image, seed: int) -> torch.Tensor:
     which loader worker decoded it or what else drew random numbers: resuming mid-epoch and
     re-decoding a sample reproduce it exactly.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    generator = torch.default_generator  # the CPU generator the transforms draw from
+    state = generator.get_state()
+    # (not torch.manual_seed: it also queues a lazy CUDA seed, recording a stack trace each call,
+    # which cost a fifth of a loader worker's time per sample)
+    generator.manual_seed(seed)
+    try:
         return transform(image)
+    finally:
+        generator.set_state(state)
