@@ -178,3 +178,21 @@ def test_clear_errors():
         contrastive.block_stats(rows, rows, torch.tensor(1.0))
     with pytest.raises(ValueError, match="tf32 or ieee"):
         contrastive.block_stats(rows.float(), rows.float(), torch.tensor(1.0), fp32_precision="fp64")
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_rows_returned_in_the_features_dtype(impl, monkeypatch):
+    """``rows_dtype``: d_rows summed per row block in fp32 and cast when complete equals the fp32
+    result cast once (several row and column blocks of G')."""
+    monkeypatch.setattr(contrastive, "G_BYTES", 16 * 16 * 4)
+    monkeypatch.setattr(contrastive, "G_ALIGN", 16)
+    rows, cols = features(67, 45, 48, 5, False, torch.bfloat16)
+    scale, weight = torch.tensor(30.0, device=rows.device), torch.tensor(0.01, device=rows.device)
+    module = IMPLS[impl]
+    row_lse, col_lse = module.block_stats(rows, cols, scale, tile=16)
+    full = module.block_grads(rows, cols, scale, row_lse, col_lse, weight, False, tile=16)
+    cast = module.block_grads(rows, cols, scale, row_lse, col_lse, weight, False, tile=16,
+                              rows_dtype=torch.bfloat16)
+    assert cast[0].dtype == torch.bfloat16 and cast[1].dtype == torch.float32
+    assert torch.equal(cast[0], full[0].to(torch.bfloat16))
+    assert torch.equal(cast[1], full[1]) and torch.equal(cast[2], full[2])

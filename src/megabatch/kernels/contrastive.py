@@ -312,11 +312,13 @@ def _stats_launch(rows, cols, scale, precision, config):
 
 
 def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, config,
-                 weight=None, d_rows=None, d_cols=None):
+                 weight=None, d_rows=None, d_cols=None, rows_out=None):
     """Block by block of G' (at most ``G_BYTES``): the kernel writes it, then cuBLAS multiplies it
     into ``d_rows`` and ``d_cols`` (fp32 out). Blocks are near-square, so both GEMMs have a long
     inner dimension and stay compute-bound at any b. Without ``weight`` (autotuning) only the
-    kernel runs. Returns ``sum(G' * dots)`` (fp32, unweighted).
+    kernel runs. With ``rows_out`` (instead of ``d_rows``) each row block's gradient is summed in
+    an fp32 scratch and written to ``rows_out`` (any dtype) once complete. Returns
+    ``sum(G' * dots)`` (fp32, unweighted).
     """
     m, c = rows.shape
     n = cols.shape[0]
@@ -336,6 +338,8 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
         alpha = float(scale.double() * weight.double()) / g_scale
     for row_start in range(0, m, block_m):
         row_stop = min(row_start + block_m, m)
+        row_grads = d_rows[row_start:row_stop] if rows_out is None else \
+            torch.zeros((row_stop - row_start, c), dtype=torch.float32, device=rows.device)
         for col_start in range(0, n, block_n):
             col_stop = min(col_start + block_n, n)
             height, width = row_stop - row_start, col_stop - col_start
@@ -353,8 +357,10 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
             d_scale += partials[:programs].sum()
             if weight is not None:
                 with fp32_matmul(precision):
-                    _accumulate(d_rows[row_start:row_stop], g_block, cols[col_start:col_stop], alpha)
+                    _accumulate(row_grads, g_block, cols[col_start:col_stop], alpha)
                     _accumulate(d_cols[col_start:col_stop], g_block.T, rows[row_start:row_stop], alpha)
+        if rows_out is not None and weight is not None:
+            rows_out[row_start:row_stop] = row_grads
     return d_scale
 
 
@@ -431,25 +437,31 @@ def block_grads(
     d_cols: torch.Tensor | None = None,
     tile: int | None = None,
     fp32_precision: str = "tf32",
+    rows_dtype: torch.dtype | None = None,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``weight * (sum row_lse + sum col_lse - 2 [diagonal] sum_i S_ii)`` over the block.
 
     Shapes as in ``block_stats``; ``row_lse [m]``/``col_lse [n]`` fp32 over the whole matrix;
     ``weight []``. Returns ``(d_rows [m, c], d_cols [n, c], d_scale [])`` in fp32, accumulated
-    into ``d_rows``/``d_cols`` when given (fp32, contiguous).
+    into ``d_rows``/``d_cols`` when given (fp32, contiguous). ``rows_dtype`` (with ``d_rows``
+    None): ``d_rows`` is returned in that dtype, each row block summed in fp32 and cast when
+    complete, so no fp32 ``[m, c]`` buffer exists (the one-GPU loss returns it as is).
     """
     _check(rows, cols, fp32_precision)
     config = config or get_config("grad", rows, fp32_precision)
-    if d_rows is None:
+    rows_out = None
+    if d_rows is None and rows_dtype is not None:
+        rows_out = torch.empty(rows.shape, dtype=rows_dtype, device=rows.device)
+    elif d_rows is None:
         d_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
     if d_cols is None:
         d_cols = torch.zeros(cols.shape, dtype=torch.float32, device=rows.device)
     weight = weight.reshape(()).float()
     dots = _grad_launch(rows, cols, scale.reshape(()).float(), row_lse.float().contiguous(),
                         col_lse.float().contiguous(), diagonal, fp32_precision, config,
-                        weight, d_rows, d_cols)
-    return d_rows, d_cols, dots * weight
+                        weight, d_rows, d_cols, rows_out)
+    return (d_rows if rows_out is None else rows_out), d_cols, dots * weight
 
 
 def symmetric_loss(

@@ -70,6 +70,7 @@ def block_grads(
     d_cols: torch.Tensor | None = None,
     tile: int = 4096,
     fp32_precision: str = "tf32",
+    rows_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``weight * (sum_i row_lse_i + sum_j col_lse_j - 2 [diagonal] sum_i S_ii)``.
 
@@ -79,7 +80,8 @@ def block_grads(
     returns ``d_rows = scale * G @ cols [m, c]``, ``d_cols = scale * G^T @ rows [n, c]`` and
     ``d_scale = sum(G * rows @ cols^T) []``, in the accumulation dtype. ``diagonal`` marks the
     block holding the positives (row i pairs with column i). Tiles are recomputed, never stored.
-    ``d_rows`` / ``d_cols``, when given, are accumulated into in place.
+    ``d_rows`` / ``d_cols``, when given, are accumulated into in place. ``rows_dtype`` (with
+    ``d_rows`` None): the dtype of the returned ``d_rows``.
     """
     acc = accumulation_dtype(rows.dtype)
     scale_acc, weight = scale.to(acc), weight.to(acc)
@@ -105,4 +107,6 @@ def block_grads(
                 d_rows[i0 : i0 + tile] += scale_acc * (grad @ col_tile)
                 d_cols[j0 : j0 + tile] += scale_acc * (grad.T @ row_tile)
                 d_scale += (grad * dots).sum()
+    if rows_dtype is not None:
+        d_rows = d_rows.to(rows_dtype)
     return d_rows, d_cols, d_scale

@@ -69,7 +69,11 @@ class _InfClLoss(torch.autograd.Function):
         ring = RingExchange(ctx.group) if world > 1 else None
         acc = row_lse.dtype
         weight = grad_output.to(acc) / (2 * rows)  # W-scaled per-rank gradient (base.py contract)
-        d_image = torch.zeros(image_features.shape, dtype=acc, device=image_features.device)
+        # one rank: each row block's image gradient is complete after the single block call, so
+        # the kernels return it in the features' dtype (no fp32 [b, c] buffer); a ring sums
+        # every step's contribution in an fp32 accumulator
+        d_image = None if world == 1 else \
+            torch.zeros(image_features.shape, dtype=acc, device=image_features.device)
         d_scale = torch.zeros((), dtype=acc, device=image_features.device)
         texts, texts_lse, pending_acc = text_features, col_lse, None
         for step in range(world):
@@ -77,9 +81,10 @@ class _InfClLoss(torch.autograd.Function):
                 pending_texts, pending_texts_lse = ring.start(texts), ring.start(texts_lse)
             # this rank's share of the held block's column gradients: [b_local, c]
             d_texts = torch.zeros(texts.shape, dtype=acc, device=texts.device)
-            # ([2]: holding the returned accumulators would keep an fp32 [b_local, c] alive)
-            d_scale += ctx.grads_fn(image_features, texts, scale, row_lse, texts_lse, weight,
-                                    step == 0, d_rows=d_image, d_cols=d_texts)[2]
+            block_d_image, _, block_d_scale = ctx.grads_fn(
+                image_features, texts, scale, row_lse, texts_lse, weight, step == 0, d_rows=d_image,
+                d_cols=d_texts, rows_dtype=image_features.dtype if world == 1 else None)
+            d_image, d_scale = block_d_image, d_scale + block_d_scale
             if pending_acc is not None:  # earlier ranks' share arrived while we computed
                 d_texts += pending_acc.wait()
             if ring is not None:
@@ -87,7 +92,7 @@ class _InfClLoss(torch.autograd.Function):
             if step < world - 1:
                 texts, texts_lse = pending_texts.wait(), pending_texts_lse.wait()
         d_text = pending_acc.wait() if ring is not None else d_texts
-        del d_texts, pending_acc
+        del d_texts, pending_acc, block_d_image, _
         # cast one accumulator at a time, freeing each: peak stays one fp32 [b_local, c] lower
         d_text = d_text.to(text_features.dtype)
         d_image = d_image.to(image_features.dtype)
