@@ -142,7 +142,12 @@ def test_eval_options_resolve(option, data_cache):
     from megabatch.eval.datasets import resolve_eval_set
 
     cfg = compose(f"eval={option}")
-    if cfg.eval.get("task") == "retrieval":
+    if cfg.eval.get("format") == "objectnet":  # class names come from the release's mappings
+        from megabatch.config import ConfigError
+
+        with pytest.raises(ConfigError, match="eval.root is not set"):
+            resolve_eval_set(cfg.eval, cfg.data)
+    elif cfg.eval.get("task") == "retrieval":
         assert cfg.eval.chunk > 0  # its data (eval.jsonl) is exercised in tests/eval
     elif cfg.eval.name:
         classnames, templates = resolve_eval_set(cfg.eval, cfg.data)

@@ -79,3 +79,41 @@ def test_a_subset_of_imagenet_classes_uses_the_matching_names(tmp_path):
     root = image_folder(tmp_path / "imagenet_r", [wnids[1], wnids[2], wnids[999]], per_class=1)
     cfg = compose("eval=imagenet_r", f"eval.root={root}", f"eval.subset_wnids_from={tmp_path / 'wnids.txt'}")
     assert classnames(cfg.eval) == ["goldfish", "great white shark", "toilet paper"]
+
+
+def test_objectnet_keeps_the_imagenet_classes_and_crops_the_border(tmp_path):
+    """A miniature ObjectNet release: 3 class folders, 2 of which map to ImageNet; labels follow
+    the sorted ObjectNet labels and the 1-pixel red border is gone before the transform."""
+    import json
+
+    from megabatch.eval.datasets import classnames
+
+    root = tmp_path / "objectnet-1.0"
+    (root / "mappings").mkdir(parents=True)
+    folders = {"alarm_clock": "Alarm clock", "air_freshener": "Air freshener", "banana": "Banana"}
+    (root / "mappings" / "folder_to_objectnet_label.json").write_text(json.dumps(folders))
+    (root / "mappings" / "objectnet_to_imagenet_1k.json").write_text(
+        json.dumps({"Alarm clock": "analog clock; digital clock", "Banana": "banana"}))
+    for index, folder in enumerate(folders):
+        (root / "images" / folder).mkdir(parents=True)
+        pixels = np.full((12, 12, 3), 40 * (index + 1), dtype=np.uint8)
+        pixels[0, :], pixels[-1, :], pixels[:, 0], pixels[:, -1] = [255, 0, 0], [255, 0, 0], [255, 0, 0], [255, 0, 0]
+        (root / "images" / folder / "0.png").write_bytes(encode_png(pixels))
+    cfg = compose("eval=objectnet", f"eval.root={root}", "eval.num_workers=0")
+    assert classnames(cfg.eval) == ["Alarm clock", "Banana"]
+    sizes = []
+    batches = eval_batches(cfg.eval, cfg.data, lambda image: sizes.append(image.size) or
+                           torch.tensor(np.asarray(image)).permute(2, 0, 1), 2)
+    images, labels = next(batches)
+    assert labels.tolist() == [0, 1] and sizes == [(10, 10), (10, 10)]
+    assert (images[:, 0] == images[:, 1]).all()  # uniform grey: no red border left
+    assert images[0, 0, 0, 0] == 40 and images[1, 0, 0, 0] == 120  # alarm_clock, then banana
+
+
+def test_objectnet_root_without_mappings_is_a_clear_error(tmp_path):
+    from megabatch.config import ConfigError
+    from megabatch.eval.datasets import classnames
+
+    cfg = compose("eval=objectnet", f"eval.root={tmp_path}")
+    with pytest.raises(ConfigError, match="not an ObjectNet release folder"):
+        classnames(cfg.eval)

@@ -3,8 +3,9 @@
 Class names and templates are named sets (``digits``; ``imagenet`` with the ``openai`` 80-prompt
 and ``simple`` 7-prompt ensembles, taken from open_clip's package data, so nothing is downloaded)
 or explicit lists in the config. Images come from webdataset shards (``format: wds``: ``cls`` or
-``json.label`` + image) or an ImageFolder (``format: folder``: ``root/<class folder>/*``, class
-index = sorted folder order, as ImageNet's wnids).
+``json.label`` + image), an ImageFolder (``format: folder``: ``root/<class folder>/*``, class
+index = sorted folder order, as ImageNet's wnids) or an ObjectNet release (``format: objectnet``:
+its 113 ImageNet-overlapping classes, named by their ObjectNet labels).
 """
 
 from __future__ import annotations
@@ -49,7 +50,42 @@ def subset_indices(eval_cfg) -> list[int] | None:
     return [full.index(w) for w in mine]
 
 
+def objectnet_classes(root: str) -> list[tuple[str, str]]:
+    """``(folder, ObjectNet label)`` of the ObjectNet classes that overlap ImageNet-1k (113 in the
+    release), sorted by label: the class order of ``format: objectnet``.
+
+    Read from the release's ``mappings/folder_to_objectnet_label.json`` (folder -> label) and
+    ``mappings/objectnet_to_imagenet_1k.json`` (label -> ImageNet classes; only its keys are used).
+    """
+    import json
+    import os
+
+    root = os.path.expanduser(str(root))
+    files = [os.path.join(root, "mappings", name)
+             for name in ("folder_to_objectnet_label.json", "objectnet_to_imagenet_1k.json")]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise ConfigError(f"eval.root={root!r} is not an ObjectNet release folder: {missing[0]} is missing "
+                          "(eval.root must hold images/ and mappings/)")
+    folder_to_label = json.load(open(files[0]))
+    overlapping = set(json.load(open(files[1])))
+    classes = sorted(((folder, label) for folder, label in folder_to_label.items() if label in overlapping),
+                     key=lambda pair: pair[1])
+    if not classes:
+        raise ConfigError(f"eval.root={root!r}: no ObjectNet folder maps to an ImageNet class")
+    return classes
+
+
+def _objectnet_root(eval_cfg) -> str:
+    root = eval_cfg.get("root")
+    if not root:
+        raise ConfigError(f"eval.root is not set for eval={eval_cfg.name} (the ObjectNet release folder)")
+    return root
+
+
 def classnames(eval_cfg) -> list[str]:
+    if eval_cfg.get("format") == "objectnet":  # the overlapping ObjectNet labels themselves
+        return [label for _, label in objectnet_classes(_objectnet_root(eval_cfg))]
     names = _named_classnames(eval_cfg)
     subset = subset_indices(eval_cfg)
     return names if subset is None else [names[i] for i in subset]
@@ -94,6 +130,8 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
     from ..data.pipeline import expand_urls, labelled_images
 
     batch_size = int(eval_cfg.get("batch_size", 256))
+    if eval_cfg.get("format") == "objectnet":
+        return _objectnet_batches(eval_cfg, transform, batch_size)
     if eval_cfg.get("format", "wds") == "folder":
         from torch.utils.data import DataLoader
         from torchvision.datasets import ImageFolder
@@ -129,6 +167,39 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
     if not urls:
         raise ConfigError(f"eval.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
     return labelled_images(expand_urls(urls, "eval.urls"), transform, batch_size)
+
+
+def _objectnet_image(path: str):
+    """ObjectNet images carry a 1-pixel red border: open, convert, crop it off."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image = image.convert("RGB")
+    return image.crop((1, 1, image.width - 1, image.height - 1))
+
+
+def _objectnet_batches(eval_cfg, transform, batch_size: int) -> Iterator:
+    """Images of the ImageNet-overlapping ObjectNet classes, labelled in ``objectnet_classes``
+    order; the other classes' folders are not read."""
+    import os
+
+    from torch.utils.data import DataLoader
+    from torchvision.datasets import ImageFolder
+
+    root = _objectnet_root(eval_cfg)
+    classes = objectnet_classes(root)
+    images = os.path.join(os.path.expanduser(str(root)), "images")
+
+    class ObjectNetFolder(ImageFolder):
+        def find_classes(self, directory):
+            present = [folder for folder, _ in classes if os.path.isdir(os.path.join(directory, folder))]
+            if len(present) != len(classes):
+                raise ConfigError(f"eval.root={eval_cfg.root!r}: {len(classes) - len(present)} mapped class "
+                                  "folders are missing under images/")
+            return present, {folder: index for index, folder in enumerate(present)}
+
+    dataset = ObjectNetFolder(images, transform=transform, loader=_objectnet_image)
+    return iter(DataLoader(dataset, batch_size=batch_size, num_workers=int(eval_cfg.get("num_workers", 4))))
 
 
 def resolve_eval_set(eval_cfg, data_cfg) -> tuple[list[str], list[str]]:
