@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -34,6 +35,8 @@ import triton
 import triton.language as tl
 
 from .tiles import fp32_matmul
+
+log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 PARTIAL_BYTES = 256 * 2**20  # column (max, sum) partials of one forward stripe
@@ -202,12 +205,13 @@ def get_config(kernel: str, rows: torch.Tensor, precision: str) -> dict:
     key = config_key(kernel, rows.dtype, rows.shape[1], precision)
     table = _load_tables(gpu)
     if key not in table and rows.dtype == torch.float16:  # same element size: bf16's tiles fit
-        key = config_key(kernel, torch.bfloat16, rows.shape[1], precision) if \
-            config_key(kernel, torch.bfloat16, rows.shape[1], precision) in table else key
+        bf16_key = config_key(kernel, torch.bfloat16, rows.shape[1], precision)
+        key = bf16_key if bf16_key in table else key
     if key not in table:
         if os.environ.get("MEGABATCH_AUTOTUNE", "1") == "0":
             return DEFAULT_CONFIG
-        table[key] = tune(kernel, rows.dtype, rows.shape[1], precision, rows.device)
+        log.info("tuning the Triton loss kernel %s for %s (once; cached in %s)", key, gpu, _cache_file())
+        table[key] = tune(kernel, rows.dtype, rows.shape[1], precision, rows.device, verbose=False)
         save_config(gpu, key, table[key], _cache_file())
     return table[key]
 
