@@ -196,3 +196,18 @@ def test_rows_returned_in_the_features_dtype(impl, monkeypatch):
     assert cast[0].dtype == torch.bfloat16 and cast[1].dtype == torch.float32
     assert torch.equal(cast[0], full[0].to(torch.bfloat16))
     assert torch.equal(cast[1], full[1]) and torch.equal(cast[2], full[2])
+
+
+def test_kernel_only_launch_used_by_tuning(monkeypatch):
+    """Autotuning and profiling launch the G' kernel alone (no weight, no GEMMs): it runs over
+    several blocks and returns sum(G' * dots), the scale gradient before weighting."""
+    monkeypatch.setattr(contrastive, "G_BYTES", 16 * 16 * 4)
+    monkeypatch.setattr(contrastive, "G_ALIGN", 16)
+    rows, cols = features(67, 45, 48, 6, False, torch.float32)
+    scale, weight = torch.tensor(30.0, device=rows.device), torch.tensor(0.25, device=rows.device)
+    row_lse, col_lse = contrastive.block_stats(rows, cols, scale, fp32_precision="ieee")
+    dots = contrastive._grad_launch(rows, cols, scale, row_lse, col_lse, False, "ieee",
+                                    contrastive.get_config("grad", rows, "ieee"))
+    _, _, d_scale = contrastive.block_grads(rows, cols, scale, row_lse, col_lse, weight, False,
+                                            fp32_precision="ieee")
+    torch.testing.assert_close(dots * weight, d_scale)

@@ -342,8 +342,12 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
         alpha = float(scale.double() * weight.double()) / g_scale
     for row_start in range(0, m, block_m):
         row_stop = min(row_start + block_m, m)
-        row_grads = d_rows[row_start:row_stop] if rows_out is None else \
-            torch.zeros((row_stop - row_start, c), dtype=torch.float32, device=rows.device)
+        if weight is None:  # kernel only (tuning, profiling)
+            row_grads = None
+        elif rows_out is None:
+            row_grads = d_rows[row_start:row_stop]
+        else:
+            row_grads = torch.zeros((row_stop - row_start, c), dtype=torch.float32, device=rows.device)
         for col_start in range(0, n, block_n):
             col_stop = min(col_start + block_n, n)
             height, width = row_stop - row_start, col_stop - col_start
