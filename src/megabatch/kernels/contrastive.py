@@ -158,6 +158,11 @@ INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1,
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
+def default_config(dtype: torch.dtype) -> dict:
+    """Untuned tiles that fit any GPU since Ampere (fp32 halves BLOCK_K: ~100 KB shared memory)."""
+    return {**DEFAULT_CONFIG, "BLOCK_K": 32} if dtype == torch.float32 else DEFAULT_CONFIG
+
+
 def candidate_configs(dtype: torch.dtype) -> list[dict]:
     """Hopper-sized candidates (fp32 tiles take twice the shared memory per element)."""
     ks = (32, 64) if dtype == torch.float32 else (64, 128)
@@ -209,7 +214,7 @@ def get_config(kernel: str, rows: torch.Tensor, precision: str) -> dict:
         key = bf16_key if bf16_key in table else key
     if key not in table:
         if os.environ.get("MEGABATCH_AUTOTUNE", "1") == "0":
-            return DEFAULT_CONFIG
+            return default_config(rows.dtype)
         log.info("tuning the Triton loss kernel %s for %s (once; cached in %s)", key, gpu, _cache_file())
         table[key] = tune(kernel, rows.dtype, rows.shape[1], precision, rows.device, verbose=False)
         save_config(gpu, key, table[key], _cache_file())
@@ -234,8 +239,8 @@ def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: 
     cols = torch.nn.functional.normalize(torch.randn(size, c, device=device), dim=-1).to(dtype)
     scale = torch.tensor(50.0, device=device)
     row_lse, col_lse = block_stats(rows, cols, scale, fp32_precision=precision,
-                                   config=DEFAULT_CONFIG)
-    best, best_ms = DEFAULT_CONFIG, float("inf")
+                                   config=default_config(dtype))
+    best, best_ms = default_config(dtype), float("inf")
     for config in candidate_configs(dtype):
         if kernel == "stats":
             fn = functools.partial(_stats_launch, rows, cols, scale, precision, config)
