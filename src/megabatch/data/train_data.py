@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 from collections import deque
 from collections.abc import Iterator
 
@@ -128,8 +129,8 @@ class Redecoder:
     At most ``2 x workers`` sub-batches are decoded ahead of the consumer, so host memory stays
     bounded however long the replay. Results come back through shared memory (torch tensors)."""
 
-    def __init__(self, transform, seed: int, workers: int):
-        self.transform, self.seed, self.workers = transform, seed, workers
+    def __init__(self, transform, seed: int, workers: int, timeout_s: float = 600.0):
+        self.transform, self.seed, self.workers, self.timeout_s = transform, seed, workers, timeout_s
         self.pool = None
 
     def __call__(self, raw_sub_batches: list, epoch: int) -> Iterator[torch.Tensor]:
@@ -147,7 +148,13 @@ class Redecoder:
         for raw in itertools.islice(upcoming, 2 * self.workers):
             pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw)))
         while pending:
-            images = pending.popleft().get()
+            try:  # a pool does not notice a worker killed from outside (OOM): wait bounded
+                images = pending.popleft().get(timeout=self.timeout_s)
+            except multiprocessing.TimeoutError:
+                raise RuntimeError(
+                    f"an offload re-decode worker gave no sub-batch in {self.timeout_s:.0f} s (killed by "
+                    "the out-of-memory killer? see dmesg); fewer data.num_workers or trainer.offload=false"
+                ) from None
             raw = next(upcoming, None)
             if raw is not None:
                 pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw)))
