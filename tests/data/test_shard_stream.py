@@ -3,6 +3,8 @@ resampled mode repeats exactly from the same seed, and a resume continues where 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -93,3 +95,19 @@ def test_persistent_redecode_workers_reproduce_the_first_decode(shard_urls):
                 assert torch.equal(images, redecoded)
     finally:
         data.close()
+
+
+def _die(epoch, raw):
+    os._exit(1)  # a worker killed from outside (the OOM killer) looks like this to the pool
+
+
+def test_a_killed_redecode_worker_is_an_error_not_a_hang(shard_urls, monkeypatch):
+    from megabatch.data import train_data
+
+    monkeypatch.setattr(train_data, "_redecode_sub_batch", _die)
+    redecoder = train_data.Redecoder(transform=None, seed=0, workers=1, timeout_s=2)
+    try:
+        with pytest.raises(RuntimeError, match="re-decode worker gave no sub-batch"):
+            next(redecoder([[(b"", 0)]], epoch=0))
+    finally:
+        redecoder.close()
