@@ -118,9 +118,13 @@ def _init_redecode_worker(transform, seed: int) -> None:
     _worker_decoder.update(transform=transform, seed=seed)
 
 
-def _redecode_sub_batch(epoch: int, raw: list) -> torch.Tensor:
-    decoder = SampleDecoder(_worker_decoder["transform"], _worker_decoder["seed"], epoch)
+def _decode_sub_batch(decoder: SampleDecoder, raw: list) -> torch.Tensor:
+    """``[n, 3, s, s]`` uint8 images of one kept sub-batch (``(bytes, position)`` pairs)."""
     return torch.stack([decoder(data, position) for data, position in raw])
+
+
+def _redecode_sub_batch(epoch: int, raw: list) -> torch.Tensor:
+    return _decode_sub_batch(SampleDecoder(_worker_decoder["transform"], _worker_decoder["seed"], epoch), raw)
 
 
 class Redecoder:
@@ -137,7 +141,7 @@ class Redecoder:
         if self.workers == 0:
             decoder = SampleDecoder(self.transform, self.seed, epoch)
             for raw in raw_sub_batches:
-                yield torch.stack([decoder(data, position) for data, position in raw])
+                yield _decode_sub_batch(decoder, raw)
             return
         if self.pool is None:
             import torch.multiprocessing as mp

@@ -33,10 +33,6 @@ def fp32_matmul(precision: str):
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def _merge(running: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
-    return torch.logaddexp(running, partial)
-
-
 def block_stats(
     rows: torch.Tensor, cols: torch.Tensor, scale: torch.Tensor, tile: int = 4096,
     fp32_precision: str = "tf32",
@@ -53,8 +49,8 @@ def block_stats(
         for i0 in range(0, rows.shape[0], tile):
             for j0 in range(0, cols.shape[0], tile):
                 logits = (rows[i0 : i0 + tile] @ cols[j0 : j0 + tile].T).to(acc) * scale.to(acc)
-                row_lse[i0 : i0 + tile] = _merge(row_lse[i0 : i0 + tile], torch.logsumexp(logits, 1))
-                col_lse[j0 : j0 + tile] = _merge(col_lse[j0 : j0 + tile], torch.logsumexp(logits, 0))
+                row_lse[i0 : i0 + tile] = torch.logaddexp(row_lse[i0 : i0 + tile], torch.logsumexp(logits, 1))
+                col_lse[j0 : j0 + tile] = torch.logaddexp(col_lse[j0 : j0 + tile], torch.logsumexp(logits, 0))
     return row_lse, col_lse
 
 
