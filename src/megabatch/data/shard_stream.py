@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import webdataset as wds
 from torch.utils.data import get_worker_info
 
-from .pipeline import EpochBatches, decode_pair
+from .pipeline import EpochBatches, decode_pair, decode_rgb
 
 
 def slot_quota(sizes: list[int], slots: int, sub_batch: int) -> int:
@@ -84,7 +84,7 @@ class ShardBatches(EpochBatches):
             if index < skip:
                 continue  # already trained on before a resume: not decoded
             position = index * slots + slot  # unique within the epoch: seeds the augmentation
-            pair = decode_pair(raw, self.stats)
+            pair = decode_pair(raw, self.stats, decode_rgb)
             if pair is None:
                 continue
             image_bytes, image, caption = pair
