@@ -3,17 +3,22 @@
     python scripts/bench_gradcache.py --out gc.json                        # the default grid
     python scripts/bench_gradcache.py --batches 16k,64k,256k --only memory --out mem.json
 
-Synthetic inputs (one random image/token sub-batch kept on the GPU and reused, so neither side pays
-for data), the same model (open_clip ViT-B/32), precision (bf16 autocast), global batch and
-sub-batch. Ours: ``Trainer.gradients`` (encode without graph, loss once, replay) and
-``Trainer.optimizer_step``. OpenCLIP 3.3: its own ``open_clip_train.train.train_one_epoch`` with
-``--accum-freq`` (it re-forwards each sub-batch and recomputes the whole loss once per sub-batch).
+Synthetic inputs, the same for both sides: ``--data gpu`` keeps one random image/token sub-batch on
+the GPU and reuses it (neither side pays for data); ``--data loader`` feeds both from OpenCLIP's own
+synthetic dataset (a blank PIL image through its training transforms, tokenised caption) in a
+DataLoader with ``--workers`` workers and pinned memory, as OpenCLIP's ``--dataset-type synthetic``
+does (the data cost of the reference figures in ANCHORS.md). The same model (open_clip ViT-B/32),
+precision (bf16 autocast), global batch and sub-batch. Ours: ``Trainer.gradients`` (encode without
+graph, loss once, replay) and ``Trainer.optimizer_step``. OpenCLIP 3.3: its own
+``open_clip_train.train.train_one_epoch`` with ``--accum-freq`` (it re-forwards each sub-batch and
+recomputes the whole loss once per sub-batch).
 The first step of every configuration is a warm-up and not timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -58,8 +63,32 @@ def synthetic(sub_batch: int, image_size: int, context: int, device):
     return images, texts
 
 
+def loader_batches(sub_batch: int, workers: int, device):
+    """Endless ``(images, texts)`` sub-batches from OpenCLIP's SyntheticDataset, moved to ``device``."""
+    import open_clip
+    from PIL import Image
+    from torch.utils.data import DataLoader, Dataset
+
+    class Synthetic(Dataset):  # open_clip_train.data.SyntheticDataset's work (that module needs pandas)
+        def __init__(self):
+            self.image, self.transform = Image.new("RGB", (224, 224)), open_clip.image_transform(224, is_train=True)
+            self.tokens = open_clip.get_tokenizer("ViT-B-32")(["Dummy caption"])[0]
+
+        def __len__(self):
+            return 1 << 30
+
+        def __getitem__(self, index):
+            return self.transform(self.image), self.tokens
+
+    dataset = Synthetic()
+    loader = DataLoader(dataset, batch_size=sub_batch, shuffle=False, num_workers=workers,
+                        pin_memory=device.type == "cuda", drop_last=True, persistent_workers=True)
+    for images, texts in loader:
+        yield images.to(device, non_blocking=True), texts.to(device, non_blocking=True)
+
+
 def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
-         warmup: bool = True) -> dict:
+         warmup: bool = True, data: str = "gpu", workers: int = 12) -> dict:
     from megabatch.distributed import init_distributed
     from megabatch.train.loop import Trainer
 
@@ -73,9 +102,11 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
     images, texts = synthetic(sub_batch, cfg.model.image.image_size, cfg.model.text.context_length,
                               device)
 
+    stream = loader_batches(sub_batch, workers, device) if data == "loader" else None  # one for all steps
+
     def sub_batches():
         while True:
-            yield images, texts, None
+            yield (*next(stream), None) if stream is not None else (images, texts, None)
 
     times = []
     phases = {}
@@ -95,11 +126,13 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
               "samples_per_s": batch * len(times) / sum(times), "phases_s": phases,
               "peak_gpu_gb": peak_gb(device)}
     del trainer
+    if stream is not None:
+        stream.close()  # stops its loader workers
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return result
 
 
-def openclip(batch: int, sub_batch: int, steps: int, device) -> dict:
+def openclip(batch: int, sub_batch: int, steps: int, device, data: str = "gpu", workers: int = 12) -> dict:
     import open_clip
     from open_clip_train.params import parse_args
     from open_clip_train.train import train_one_epoch
@@ -116,6 +149,7 @@ def openclip(batch: int, sub_batch: int, steps: int, device) -> dict:
     loss = open_clip.create_loss(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
     images, texts = synthetic(sub_batch, 224, 77, device)
+    stream = loader_batches(sub_batch, workers, device) if data == "loader" else None
 
     class Loader:
         def __init__(self, num_batches):
@@ -123,6 +157,9 @@ def openclip(batch: int, sub_batch: int, steps: int, device) -> dict:
             self.num_samples = num_batches * sub_batch
 
         def __iter__(self):
+            if data == "loader":
+                yield from itertools.islice(stream, self.num_batches)
+                return
             for _ in range(self.num_batches):
                 yield images, texts
 
@@ -145,6 +182,8 @@ def openclip(batch: int, sub_batch: int, steps: int, device) -> dict:
               "samples_per_s": batch * steps / elapsed,
               "peak_gpu_gb": peak_gb(device)}
     del model, optimizer
+    if stream is not None:
+        stream.close()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return result
 
@@ -159,6 +198,9 @@ def main() -> None:
     parser.add_argument("--batches", default="16k,64k,256k", help="memory sweep (fixed sub-batch)")
     parser.add_argument("--memory-loss", default="infcl")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
+    parser.add_argument("--data", default="gpu", choices=["gpu", "loader"],
+                        help="throughput inputs: one sub-batch kept on the GPU, or OpenCLIP's synthetic loader")
+    parser.add_argument("--workers", type=int, default=12, help="loader workers for --data loader")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.environ.setdefault("MEGABATCH_CACHE", "/tmp/megabatch-cache")
@@ -176,10 +218,11 @@ def main() -> None:
                                               "command": " ".join(sys.argv), "results": results}, indent=1))
 
     if "throughput" in args.only:
-        record(ours("vit_b32", args.loss, sub, sub, 4 * args.steps, device))  # no sub-batching
-        record(openclip(sub, sub, 4 * args.steps, device))                    # no accumulation
-        record(ours("vit_b32", args.loss, batch, sub, args.steps, device))
-        record(openclip(batch, sub, args.steps, device))
+        data = dict(data=args.data, workers=args.workers)
+        record({**ours("vit_b32", args.loss, sub, sub, 4 * args.steps, device, **data), **data})  # no sub-batching
+        record({**openclip(sub, sub, 4 * args.steps, device, **data), **data})                    # no accumulation
+        record({**ours("vit_b32", args.loss, batch, sub, args.steps, device, **data), **data})
+        record({**openclip(batch, sub, args.steps, device, **data), **data})
     if "memory" in args.only:
         for size in args.batches.split(","):
             # one step, no warm-up: the peak memory is the point, and a 1M step takes minutes

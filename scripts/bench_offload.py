@@ -4,8 +4,10 @@
 
 Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures, so they compress like
 photos) as img2dataset shards under ``--workdir``, lists them repeatedly to reach the batch, and
-runs ``train.py``'s Trainer for one step with ``trainer.offload`` true and false. Host memory is the
-peak resident set of this process plus that of its largest loader worker.
+runs ``train.py``'s Trainer for one step with ``trainer.offload`` true and false. Host memory: the
+peak, sampled every 0.5 s, of the proportional set size (PSS: shared pages split between the
+processes sharing them) summed over this process and all its descendants (loader and re-decode
+workers), and the peak drop of the machine's available memory below its level at the start.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import resource
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +48,67 @@ def photos(count: int, size: int, seed: int = 0):
         yield Sample(buffer.getvalue(), "jpg", f"a synthetic photo number {index}")
 
 
+class HostMemory:
+    """Background sampler of this process tree's summed PSS and of the machine's used memory."""
+
+    def __init__(self, period_s: float = 0.5):
+        self.period_s, self.peak_tree_gb, self.peak_used_gb = period_s, 0.0, 0.0
+        self.baseline_kb = self._meminfo("MemTotal") - self._meminfo("MemAvailable")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _meminfo(key: str) -> int:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+        return 0
+
+    @staticmethod
+    def _tree_pss_kb() -> int:
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                    parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+        tree, frontier = {os.getpid()}, [os.getpid()]
+        while frontier:
+            parent = frontier.pop()
+            children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+            tree.update(children)
+            frontier.extend(children)
+        total = 0
+        for pid in tree:
+            try:
+                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+            except OSError:
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.sample()
+
+    def sample(self) -> None:
+        self.peak_tree_gb = max(self.peak_tree_gb, self._tree_pss_kb() * 1024 / 1e9)
+        used = self._meminfo("MemTotal") - self._meminfo("MemAvailable") - self.baseline_kb
+        self.peak_used_gb = max(self.peak_used_gb, used * 1024 / 1e9)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
 def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, workers: int, device: str,
               run_dir: str, steps: int) -> dict:
     """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
@@ -62,14 +126,16 @@ def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, worker
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sub_batches, per_step = trainer._sub_batches(), []
-    for _ in range(steps):
-        start = time.perf_counter()
-        _, phases = trainer.gradients(sub_batches)
-        trainer.optimizer_step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        trainer.step += 1
-        per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
+    with HostMemory() as host:
+        for _ in range(steps):
+            start = time.perf_counter()
+            _, phases = trainer.gradients(sub_batches)
+            trainer.optimizer_step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            trainer.step += 1
+            per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
+            print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
     later = per_step[1:] or per_step
     step_s = sum(s["step_s"] for s in later) / len(later)
     data_s = sum(s["phases_s"]["data"] for s in later) / len(later)
@@ -77,8 +143,8 @@ def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, worker
            "steady_step_s": step_s, "steady_samples_s": batch / step_s,
            "steady_data_wait_fraction": data_s / step_s, "steps": per_step,
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
-           "peak_host_gb_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-           "peak_host_gb_largest_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6}
+           "peak_host_gb_process_tree_pss": host.peak_tree_gb,
+           "peak_host_gb_machine_used_above_start": host.peak_used_gb}
     trainer.data.close()
     del trainer
     return row

@@ -81,9 +81,11 @@ class TrainData:
         return self.num_samples // global_batch
 
     def loader(self, epoch: int, start_batch: int, rank_batch: int, rank: int, world_size: int,
-               num_batches: int, sub_batch: int | None = None, keep_raw: bool = False):
+               num_batches: int, sub_batch: int | None = None, keep_raw: bool = False,
+               pin_memory: bool = False):
         """Sub-batches ``(images, texts, raw, stats)`` of global batches ``start_batch ..
-        num_batches-1`` of ``epoch`` for ``rank`` (``rank_batch / sub_batch`` per global batch)."""
+        num_batches-1`` of ``epoch`` for ``rank`` (``rank_batch / sub_batch`` per global batch).
+        ``pin_memory``: page-locked tensors, whose copy to the GPU does not wait for the GPU."""
         sub_batch = sub_batch or rank_batch
         common = dict(transform=self.transform, tokenize=self.tokenize, rank_batch=rank_batch, rank=rank,
                       world_size=world_size, num_batches=num_batches, seed=self.seed, epoch=epoch,
@@ -95,7 +97,7 @@ class TrainData:
                                    total=num_batches * (rank_batch // sub_batch), **common)
         else:
             dataset = EpochBatches(self.urls, **common)
-        return make_epoch_loader(dataset, int(self.cfg.num_workers))
+        return make_epoch_loader(dataset, int(self.cfg.num_workers), pin_memory)
 
     def redecode(self, raw_sub_batches: list, epoch: int) -> Iterator[torch.Tensor]:
         """Iterate the image tensors of kept sub-batches again, in order, decoded with the same

@@ -153,7 +153,10 @@ def replay(
             images = None
         elif images_again is not None:
             start = time.perf_counter()
-            images = next(images_again).to(device, non_blocking=True)
+            images = next(images_again)
+            if device.type == "cuda":  # page-locked: the copy need not wait for the queued kernels
+                images = images.pin_memory()
+            images = images.to(device, non_blocking=True)
             waited_s += time.perf_counter() - start
         else:
             images = encoded.images[index]

@@ -169,7 +169,8 @@ class Trainer:
             for batch in self.data.loader(epoch, start, plan.rank_batch, self.env.rank,
                                           self.env.world_size, plan.steps_per_epoch,
                                           sub_batch=plan.sub_batch,
-                                          keep_raw=self.offload and not self.model.frozen("image")):
+                                          keep_raw=self.offload and not self.model.frozen("image"),
+                                          pin_memory=self.env.device.type == "cuda"):
                 if getattr(batch, "stats", None):
                     self.data_stats[(epoch, batch.stats["worker"])] = batch.stats
                 yield batch
