@@ -97,14 +97,19 @@ class TrainData:
                                    total=num_batches * (rank_batch // sub_batch), **common)
         else:
             dataset = EpochBatches(self.urls, **common)
+        if keep_raw:  # fork the re-decode workers now, before phase 1 fills this process with bytes
+            self._ensure_redecoder().start()
         return make_epoch_loader(dataset, int(self.cfg.num_workers), pin_memory)
+
+    def _ensure_redecoder(self) -> Redecoder:
+        if self._redecoder is None:
+            self._redecoder = Redecoder(self.transform, self.seed, self.workers if self.cfg.num_workers else 0)
+        return self._redecoder
 
     def redecode(self, raw_sub_batches: list, epoch: int) -> Iterator[torch.Tensor]:
         """Iterate the image tensors of kept sub-batches again, in order, decoded with the same
         per-sample augmentation as the first time (by persistent worker processes)."""
-        if self._redecoder is None:
-            self._redecoder = Redecoder(self.transform, self.seed, self.workers if self.cfg.num_workers else 0)
-        return self._redecoder(raw_sub_batches, epoch)
+        return self._ensure_redecoder()(raw_sub_batches, epoch)
 
     def close(self) -> None:
         if self._redecoder is not None:
@@ -145,11 +150,7 @@ class Redecoder:
             for raw in raw_sub_batches:
                 yield _decode_sub_batch(decoder, raw)
             return
-        if self.pool is None:
-            import torch.multiprocessing as mp
-
-            self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_redecode_worker,
-                                                    initargs=(self.transform, self.seed))
+        self.start()
         pending, upcoming = deque(), iter(raw_sub_batches)
         for raw in itertools.islice(upcoming, 2 * self.workers):
             pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw)))
@@ -165,6 +166,15 @@ class Redecoder:
             if raw is not None:
                 pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw)))
             yield images
+
+    def start(self) -> None:
+        """Fork the worker pool (once). Forking while this process is still small keeps the fork
+        fast and the children's page tables small: after phase 1 it holds every kept image's bytes."""
+        if self.pool is None and self.workers > 0:
+            import torch.multiprocessing as mp
+
+            self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_redecode_worker,
+                                                    initargs=(self.transform, self.seed))
 
     def close(self) -> None:
         if self.pool is not None:
