@@ -110,7 +110,7 @@ class HostMemory:
 
 
 def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, workers: int, device: str,
-              run_dir: str, steps: int) -> dict:
+              run_dir: str, steps: int, offload_dir: str | None = None) -> dict:
     """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
     steady-state figures are the means over the later ones."""
     from megabatch.distributed import init_distributed
@@ -121,6 +121,7 @@ def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, worker
                   f"trainer.max_steps={steps}", "eval=none", f"data.num_workers={workers}",
                   "trainer.precision=" + ("bf16" if device == "cuda" else "fp32"))
     cfg.data.train.urls = urls
+    cfg.trainer.offload_dir = offload_dir if offload else None
     cfg.run_dir, cfg.overwrite = run_dir, True
     trainer = Trainer(cfg, init_distributed(device))
     if device == "cuda":
@@ -139,7 +140,8 @@ def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, worker
     later = per_step[1:] or per_step
     step_s = sum(s["step_s"] for s in later) / len(later)
     data_s = sum(s["phases_s"]["data"] for s in later) / len(later)
-    row = {"offload": offload, "batch": batch, "sub_batch": sub_batch, "workers": workers,
+    row = {"offload": offload, "offload_dir": cfg.trainer.offload_dir, "batch": batch, "sub_batch": sub_batch,
+           "workers": workers,
            "steady_step_s": step_s, "steady_samples_s": batch / step_s,
            "steady_data_wait_fraction": data_s / step_s, "steps": per_step,
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
@@ -161,6 +163,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=1, help="steps per mode; later ones are steady state")
     parser.add_argument("--workdir", default="/tmp/offload-bench")
+    parser.add_argument("--offload-dir", default=None, help="trainer.offload_dir: kept bytes in a file there")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     batch = parse_count(args.batch, "--batch")
@@ -171,7 +174,7 @@ def main() -> None:
     results = {"command": " ".join(sys.argv), "jpeg_kb_per_sample": mean_kb, "results": []}
     for mode in args.modes.split(","):
         row = run_steps(urls, batch, args.sub_batch, mode == "true", args.workers, args.device,
-                        f"{args.workdir}/run-{mode}", args.steps)
+                        f"{args.workdir}/run-{mode}", args.steps, args.offload_dir)
         print(json.dumps(row), flush=True)
         results["results"].append(row)
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -97,7 +97,7 @@ def test_persistent_redecode_workers_reproduce_the_first_decode(shard_urls):
         data.close()
 
 
-def _die(epoch, raw):
+def _die(epoch, raw, spill_path=None):
     os._exit(1)  # a worker killed from outside (the OOM killer) looks like this to the pool
 
 

@@ -3,10 +3,13 @@ and DDP on 2 gloo ranks, all through the trainer's own code path on the embedded
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hydra.utils import instantiate
 
+from megabatch.config import ConfigError
 from megabatch.distributed import init_distributed
 from megabatch.train.gradcache import RngState
 from megabatch.train.loop import Trainer
@@ -70,8 +73,40 @@ def test_offload_gives_the_same_gradients(tmp_path):
     on_gpu = step_gradients(0, 1, ["trainer.sub_batch=8"], str(tmp_path / "a"))
     offloaded = step_gradients(0, 1, ["trainer.sub_batch=8", "trainer.offload=true"],
                                str(tmp_path / "b"))
+    # kept on disk, read back in this process and by 2 re-decode worker processes
+    spilled = [step_gradients(0, 1, ["trainer.sub_batch=8", "trainer.offload=true",
+                                     f"data.num_workers={workers}",
+                                     f"trainer.offload_dir={tmp_path / f'spill{workers}'}"],
+                              str(tmp_path / f"c{workers}"))
+               for workers in (0, 2)]
+    assert list((tmp_path / "spill0").glob("offload-rank0-*.bin"))  # the bytes really went to disk
     for name, grad in on_gpu["grads"].items():
         assert torch.equal(grad, offloaded["grads"][name]), name
+        for result in spilled:
+            assert torch.equal(grad, result["grads"][name]), name
+
+
+def test_the_spill_file_is_rewritten_each_step_and_removed_at_the_end(tmp_path):
+    cfg = compose(*BASE, "trainer.sub_batch=8", "trainer.offload=true", f"trainer.offload_dir={tmp_path / 's'}")
+    cfg.run_dir = str(tmp_path / "run")
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    sub_batches = trainer._sub_batches()
+    sizes = []
+    for _ in range(2):
+        trainer.gradients(sub_batches)
+        trainer.optimizer_step()
+        trainer.step += 1
+        sizes.append(Path(trainer.data.spill.path).stat().st_size)
+    assert sizes[0] > 0 and sizes[1] <= 1.5 * sizes[0]  # not appended to: one step's bytes at most
+    trainer.data.close()
+    assert not list((tmp_path / "s").iterdir())
+
+
+def test_offload_dir_without_offload_is_a_clear_error(tmp_path):
+    cfg = compose(*BASE, f"trainer.offload_dir={tmp_path}")
+    cfg.run_dir = str(tmp_path / "run")
+    with pytest.raises(ConfigError, match="trainer.offload=true"):
+        Trainer(cfg, init_distributed("cpu"))
 
 
 def test_fp16_with_scaler_is_finite_and_close_to_fp32(tmp_path):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -45,6 +47,7 @@ class TrainData:
             self.num_samples = count_samples(self.urls, "data.train.urls")
         self.cfg, self.tokenize, self.seed = cfg, tokenize, seed
         self._redecoder = None
+        self.spill: SpillFile | None = None
         self.transform = train_transform(image_size, **cfg.train.augment)
         self.split = cfg.train.get("split", "position")
         self.mode = cfg.train.get("mode", "epoch")
@@ -106,15 +109,33 @@ class TrainData:
             self._redecoder = Redecoder(self.transform, self.seed, self.workers if self.cfg.num_workers else 0)
         return self._redecoder
 
+    def spill_to(self, directory: str | None, rank: int) -> None:
+        """Keep offloaded bytes in a file under ``directory`` (``None``: in host memory)."""
+        self.spill = SpillFile(directory, rank) if directory else None
+
+    def keep(self, raw: list | None) -> list | None:
+        """What phase 1 holds on to for the replay: the bytes, or their place in the spill file."""
+        return self.spill.keep(raw) if raw is not None and self.spill is not None else raw
+
+    def release_kept(self) -> None:
+        """The step's replay is over: the spill file is rewritten from its start."""
+        if self.spill is not None:
+            self.spill.reset()
+
     def redecode(self, raw_sub_batches: list, epoch: int) -> Iterator[torch.Tensor]:
         """Iterate the image tensors of kept sub-batches again, in order, decoded with the same
         per-sample augmentation as the first time (by persistent worker processes)."""
-        return self._ensure_redecoder()(raw_sub_batches, epoch)
+        if self.spill is not None:
+            self.spill.flush()
+        return self._ensure_redecoder()(raw_sub_batches, epoch, self.spill.path if self.spill else None)
 
     def close(self) -> None:
         if self._redecoder is not None:
             self._redecoder.close()
             self._redecoder = None
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
 
 
 _worker_decoder: dict = {}
@@ -125,13 +146,60 @@ def _init_redecode_worker(transform, seed: int) -> None:
     _worker_decoder.update(transform=transform, seed=seed)
 
 
-def _decode_sub_batch(decoder: SampleDecoder, raw: list) -> torch.Tensor:
-    """``[n, 3, s, s]`` uint8 images of one kept sub-batch (``(bytes, position)`` pairs)."""
-    return torch.stack([decoder(data, position) for data, position in raw])
+def _decode_sub_batch(decoder: SampleDecoder, raw: list, spill_path: str | None = None) -> torch.Tensor:
+    """``[n, 3, s, s]`` uint8 images of one kept sub-batch: ``(bytes, position)`` pairs, or with
+    ``spill_path`` ``(offset, length, position)`` references into that file (``SpillFile``)."""
+    if spill_path is None:
+        return torch.stack([decoder(data, position) for data, position in raw])
+    images = []
+    with open(spill_path, "rb") as file:
+        for offset, length, position in raw:
+            file.seek(offset)
+            images.append(decoder(file.read(length), position))
+    return torch.stack(images)
 
 
-def _redecode_sub_batch(epoch: int, raw: list) -> torch.Tensor:
-    return _decode_sub_batch(SampleDecoder(_worker_decoder["transform"], _worker_decoder["seed"], epoch), raw)
+def _redecode_sub_batch(epoch: int, raw: list, spill_path: str | None = None) -> torch.Tensor:
+    decoder = SampleDecoder(_worker_decoder["transform"], _worker_decoder["seed"], epoch)
+    return _decode_sub_batch(decoder, raw, spill_path)
+
+
+class SpillFile:
+    """``trainer.offload_dir``: a step's kept image bytes appended to one local file (per rank)
+    instead of held in host memory; the replay reads them back by (offset, length). Host memory
+    then no longer grows with the batch (the page cache holds what fits and the kernel may evict
+    it); the file is rewritten from the start every step and deleted at the end of the run."""
+
+    def __init__(self, directory: str, rank: int):
+        folder = Path(directory).expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.path = str(folder / f"offload-rank{rank}-pid{os.getpid()}.bin")
+            self.file = open(self.path, "w+b")  # noqa: SIM115 - open for the run, closed by close()
+        except OSError as error:
+            raise ConfigError(f"trainer.offload_dir={directory!r} is not a writable directory ({error}); "
+                              "give a local scratch path, or null to keep the bytes in host memory") from None
+        self.offset = 0
+
+    def keep(self, raw: list) -> list:
+        """Append ``(bytes, position)`` pairs; return their ``(offset, length, position)``."""
+        refs = []
+        for data, position in raw:
+            self.file.write(data)
+            refs.append((self.offset, len(data), position))
+            self.offset += len(data)
+        return refs
+
+    def flush(self) -> None:
+        self.file.flush()  # into the page cache, where the re-decode workers read it
+
+    def reset(self) -> None:
+        self.file.seek(0)
+        self.offset = 0
+
+    def close(self) -> None:
+        self.file.close()
+        Path(self.path).unlink(missing_ok=True)
 
 
 class Redecoder:
@@ -144,16 +212,16 @@ class Redecoder:
         self.transform, self.seed, self.workers, self.timeout_s = transform, seed, workers, timeout_s
         self.pool = None
 
-    def __call__(self, raw_sub_batches: list, epoch: int) -> Iterator[torch.Tensor]:
+    def __call__(self, raw_sub_batches: list, epoch: int, spill_path: str | None = None) -> Iterator[torch.Tensor]:
         if self.workers == 0:
             decoder = SampleDecoder(self.transform, self.seed, epoch)
             for raw in raw_sub_batches:
-                yield _decode_sub_batch(decoder, raw)
+                yield _decode_sub_batch(decoder, raw, spill_path)
             return
         self.start()
         pending, upcoming = deque(), iter(raw_sub_batches)
         for raw in itertools.islice(upcoming, 2 * self.workers):
-            pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw)))
+            pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw, spill_path)))
         while pending:
             try:  # a pool does not notice a worker killed from outside (OOM): wait bounded
                 images = pending.popleft().get(timeout=self.timeout_s)
@@ -164,7 +232,7 @@ class Redecoder:
                 ) from None
             raw = next(upcoming, None)
             if raw is not None:
-                pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw)))
+                pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw, spill_path)))
             yield images
 
     def start(self) -> None:

@@ -84,6 +84,10 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = bool(cfg.trainer.get("tf32", True))
         self.scaler = grad_scaler(self.precision, env.device)
         self.offload = bool(cfg.trainer.get("offload", False))
+        if cfg.trainer.get("offload_dir") and not self.offload:
+            raise ConfigError("trainer.offload_dir is set but trainer.offload=false; set trainer.offload=true "
+                              "or drop trainer.offload_dir")
+        self.data.spill_to(cfg.trainer.get("offload_dir") if self.offload else None, env.rank)
         self.data_stats: dict = {}
         self.feature_dtype = DTYPES[cfg.trainer.get("feature_dtype", "fp32")]
         self.step = 0
@@ -173,6 +177,8 @@ class Trainer:
                                           pin_memory=self.env.device.type == "cuda"):
                 if getattr(batch, "stats", None):
                     self.data_stats[(epoch, batch.stats["worker"])] = batch.stats
+                if getattr(batch, "raw", None) is not None:  # offload: the bytes or their place on disk
+                    batch = batch._replace(raw=self.data.keep(batch.raw))
                 yield batch
 
     def bad_input_counts(self) -> dict[str, int]:
@@ -219,6 +225,7 @@ class Trainer:
                  if self.offload and replay_images else None)
         waited = replay(self.ddp, encoded, grads, plan.sub_batch, self.precision, env.device,
                         again, progress, replay_images=replay_images, replay_texts=replay_texts)
+        self.data.release_kept()
         times["data"] += waited
         times["replay"] = self._lap(start) - waited
         progress.close()
