@@ -86,8 +86,10 @@ def test_offload_gives_the_same_gradients(tmp_path):
             assert torch.equal(grad, result["grads"][name]), name
 
 
-def test_the_spill_file_is_rewritten_each_step_and_removed_at_the_end(tmp_path):
-    cfg = compose(*BASE, "trainer.sub_batch=8", "trainer.offload=true", f"trainer.offload_dir={tmp_path / 's'}")
+@pytest.mark.parametrize("sub_batch", ["8", "null"])  # null: one sub-batch, a plain step
+def test_the_spill_file_is_rewritten_each_step_and_removed_at_the_end(tmp_path, sub_batch):
+    cfg = compose(*BASE, f"trainer.sub_batch={sub_batch}", "trainer.offload=true",
+                  f"trainer.offload_dir={tmp_path / 's'}")
     cfg.run_dir = str(tmp_path / "run")
     trainer = Trainer(cfg, init_distributed("cpu"))
     sub_batches = trainer._sub_batches()

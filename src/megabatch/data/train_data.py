@@ -118,7 +118,7 @@ class TrainData:
         return self.spill.keep(raw) if raw is not None and self.spill is not None else raw
 
     def release_kept(self) -> None:
-        """The step's replay is over: the spill file is rewritten from its start."""
+        """A new step begins: the last step's replay is over, the spill file is rewritten from its start."""
         if self.spill is not None:
             self.spill.reset()
 

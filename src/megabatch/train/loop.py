@@ -194,6 +194,7 @@ class Trainer:
         """Accumulate this step's gradients (DDP-averaged) into ``.grad``; return the loss and
         per-phase seconds. One sub-batch: a plain forward/backward. Several: GradCache."""
         plan, env, times = self.plan, self.env, {}
+        self.data.release_kept()  # the last step's kept bytes are no longer needed
         if plan.sub_batches == 1:
             start = time.perf_counter()
             images, texts = next(sub_batches)[:2]
@@ -225,7 +226,6 @@ class Trainer:
                  if self.offload and replay_images else None)
         waited = replay(self.ddp, encoded, grads, plan.sub_batch, self.precision, env.device,
                         again, progress, replay_images=replay_images, replay_texts=replay_texts)
-        self.data.release_kept()
         times["data"] += waited
         times["replay"] = self._lap(start) - waited
         progress.close()
