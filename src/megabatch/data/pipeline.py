@@ -128,14 +128,14 @@ def decode_rgb(image_bytes: bytes | None) -> torch.Tensor:
     (BMP, TIFF, ...) go through PIL."""
     if image_bytes is None:
         raise ValueError("no image file in the sample")
-    try:
-        if decode_image is None:
-            raise RuntimeError("no torchvision image decoding")
-        return decode_image(torch.frombuffer(bytearray(image_bytes), dtype=torch.uint8),
-                            mode=ImageReadMode.RGB)
-    except RuntimeError:
-        image = open_image(image_bytes).convert("RGB")
-        return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+    if decode_image is not None:
+        try:
+            return decode_image(torch.frombuffer(bytearray(image_bytes), dtype=torch.uint8),
+                                mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass  # a format torchvision does not read, or a corrupt file: PIL decides below
+    image = open_image(image_bytes).convert("RGB")
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
 
 
 def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image) -> tuple[bytes, object, str] | None:
