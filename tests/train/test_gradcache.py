@@ -86,6 +86,45 @@ def test_offload_gives_the_same_gradients(tmp_path):
             assert torch.equal(grad, result["grads"][name]), name
 
 
+def test_reading_ahead_changes_no_gradient(tmp_path, monkeypatch):
+    """Two steps with 2 loader workers, read ahead by a thread or not: the same gradients each step."""
+    import megabatch.train.loop as loop
+
+    readers = []
+
+    class Counted(loop.ReadAhead):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            readers.append(self)
+
+    monkeypatch.setattr(loop, "ReadAhead", Counted)
+    results = []
+    for prefetch in ("0", "8"):
+        cfg = compose(*BASE, "trainer.sub_batch=8", "data.num_workers=2", f"trainer.prefetch_gb={prefetch}")
+        cfg.run_dir = str(tmp_path / prefetch)
+        trainer = Trainer(cfg, init_distributed("cpu"))
+        sub_batches, steps = trainer._sub_batches(), []
+        for _ in range(2):
+            trainer.gradients(sub_batches)
+            steps.append({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
+                          if p.grad is not None})
+            trainer.optimizer_step()
+            trainer.step += 1
+        sub_batches.close()
+        results.append(steps)
+    assert len(readers) == 1 and readers[0].peak_bytes > 0  # only the second run read ahead, and it did
+    for off, on in zip(*results, strict=True):
+        for name, grad in off.items():
+            assert torch.equal(grad, on[name]), name
+
+
+def test_a_bad_prefetch_budget_is_a_clear_error(tmp_path):
+    cfg = compose(*BASE, "trainer.prefetch_gb=-1")
+    cfg.run_dir = str(tmp_path / "run")
+    with pytest.raises(ConfigError, match="trainer.prefetch_gb"):
+        Trainer(cfg, init_distributed("cpu"))
+
+
 @pytest.mark.parametrize("sub_batch", ["8", "null"])  # null: one sub-batch, a plain step
 def test_the_spill_file_is_rewritten_each_step_and_removed_at_the_end(tmp_path, sub_batch):
     cfg = compose(*BASE, f"trainer.sub_batch={sub_batch}", "trainer.offload=true",
