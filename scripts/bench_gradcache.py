@@ -7,12 +7,14 @@ Synthetic inputs, the same for both sides: ``--data gpu`` keeps one random image
 the GPU and reuses it (neither side pays for data); ``--data loader`` feeds both from OpenCLIP's own
 synthetic dataset (a blank PIL image through its training transforms, tokenised caption) in a
 DataLoader with ``--workers`` workers and pinned memory, as OpenCLIP's ``--dataset-type synthetic``
-does (the data cost of the reference figures in ANCHORS.md). The same model (open_clip ViT-B/32),
+does (the data cost of the reference figures in ANCHORS.md); our side reads that loader ahead in a
+thread as the trainer does (``trainer.prefetch_gb``, ``--prefetch-gb``: 0 compares without it), so
+its workers keep decoding the next step's inputs while the loss and the replay run. The same model (open_clip ViT-B/32),
 precision (bf16 autocast), global batch and sub-batch. Ours: ``Trainer.gradients`` (encode without
 graph, loss once, replay) and ``Trainer.optimizer_step``. OpenCLIP 3.3: its own
 ``open_clip_train.train.train_one_epoch`` with ``--accum-freq`` (it re-forwards each sub-batch and
 recomputes the whole loss once per sub-batch).
-The first step of every configuration is a warm-up and not timed.
+The first step of every configuration (``--warmup-steps``) is a warm-up and not timed.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def synthetic(sub_batch: int, image_size: int, context: int, device):
     return images, texts
 
 
-def loader_batches(sub_batch: int, workers: int, device):
-    """Endless ``(images, texts)`` sub-batches from OpenCLIP's SyntheticDataset, moved to ``device``."""
+def loader_batches(sub_batch: int, workers: int, device, move: bool = True):
+    """Endless ``(images, texts)`` sub-batches from OpenCLIP's SyntheticDataset, moved to ``device``
+    (``move=False``: left in pinned host memory, for our trainer, which moves them itself)."""
     import open_clip
     from PIL import Image
     from torch.utils.data import DataLoader, Dataset
@@ -84,11 +87,12 @@ def loader_batches(sub_batch: int, workers: int, device):
     loader = DataLoader(dataset, batch_size=sub_batch, shuffle=False, num_workers=workers,
                         pin_memory=device.type == "cuda", drop_last=True, persistent_workers=True)
     for images, texts in loader:
-        yield images.to(device, non_blocking=True), texts.to(device, non_blocking=True)
+        yield (images.to(device, non_blocking=True), texts.to(device, non_blocking=True)) if move else (images, texts)
 
 
 def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
-         warmup: bool = True, data: str = "gpu", workers: int = 12) -> dict:
+         warmup: int = 1, data: str = "gpu", workers: int = 12, prefetch_gb: float = 0) -> dict:
+    from megabatch.data.read_ahead import ReadAhead
     from megabatch.distributed import init_distributed
     from megabatch.train.loop import Trainer
 
@@ -102,7 +106,11 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
     images, texts = synthetic(sub_batch, cfg.model.image.image_size, cfg.model.text.context_length,
                               device)
 
-    stream = loader_batches(sub_batch, workers, device) if data == "loader" else None  # one for all steps
+    stream = loader = None
+    if data == "loader":  # one for all steps, read ahead as Trainer._sub_batches does (trainer.prefetch_gb)
+        stream = loader = loader_batches(sub_batch, workers, device, move=False)
+        if prefetch_gb > 0:
+            stream = ReadAhead(loader, prefetch_gb * 1e9)
 
     def sub_batches():
         while True:
@@ -111,13 +119,13 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
     times = []
     phases = {}
     reset_peak(device)
-    for step in range(steps + 1 if warmup else steps):
+    for step in range(steps + warmup):
         sync(device)
         start = time.perf_counter()
         _, phase_times = trainer.gradients(sub_batches())
         trainer.optimizer_step()
         sync(device)
-        if step > 0 or not warmup:
+        if step >= warmup:
             times.append(time.perf_counter() - start)
             for key, value in phase_times.items():
                 phases[key] = phases.get(key, 0) + value / steps
@@ -126,13 +134,16 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
               "samples_per_s": batch * len(times) / sum(times), "phases_s": phases,
               "peak_gpu_gb": peak_gb(device)}
     del trainer
-    if stream is not None:
-        stream.close()  # stops its loader workers
+    if isinstance(stream, ReadAhead):
+        stream.close()
+    if loader is not None:
+        loader.close()  # stops its loader workers
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return result
 
 
-def openclip(batch: int, sub_batch: int, steps: int, device, data: str = "gpu", workers: int = 12) -> dict:
+def openclip(batch: int, sub_batch: int, steps: int, device, data: str = "gpu", workers: int = 12,
+             warmup: int = 1) -> dict:
     import open_clip
     from open_clip_train.params import parse_args
     from open_clip_train.train import train_one_epoch
@@ -171,7 +182,7 @@ def openclip(batch: int, sub_batch: int, steps: int, device, data: str = "gpu", 
             pass
 
     reset_peak(device)
-    train_one_epoch(model, {"train": Data(accum)}, loss, 0, optimizer, None, None, None, args)  # warm-up
+    train_one_epoch(model, {"train": Data(accum * warmup)}, loss, 0, optimizer, None, None, None, args)
     sync(device)
     start = time.perf_counter()
     train_one_epoch(model, {"train": Data(accum * steps)}, loss, 1, optimizer, None, None, None, args)
@@ -201,6 +212,12 @@ def main() -> None:
     parser.add_argument("--data", default="gpu", choices=["gpu", "loader"],
                         help="throughput inputs: one sub-batch kept on the GPU, or OpenCLIP's synthetic loader")
     parser.add_argument("--workers", type=int, default=12, help="loader workers for --data loader")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first, at --batch")
+    parser.add_argument("--warmup-steps-small", type=int, default=1,
+                        help="untimed steps first at batch = --sub-batch (a host cache that fills over "
+                             "seconds, such as pinned memory for the read-ahead, needs more than one)")
+    parser.add_argument("--prefetch-gb", default="8",
+                        help="--data loader: our trainer.prefetch_gb values to compare (comma-separated)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.environ.setdefault("MEGABATCH_CACHE", "/tmp/megabatch-cache")
@@ -219,15 +236,21 @@ def main() -> None:
 
     if "throughput" in args.only:
         data = dict(data=args.data, workers=args.workers)
-        record({**ours("vit_b32", args.loss, sub, sub, 4 * args.steps, device, **data), **data})  # no sub-batching
-        record({**openclip(sub, sub, 4 * args.steps, device, **data), **data})                    # no accumulation
-        record({**ours("vit_b32", args.loss, batch, sub, args.steps, device, **data), **data})
-        record({**openclip(batch, sub, args.steps, device, **data), **data})
+        prefetch = [float(v) for v in args.prefetch_gb.split(",")] if args.data == "loader" else [0.0]
+        for gb in prefetch:  # no sub-batching
+            record({**ours("vit_b32", args.loss, sub, sub, 4 * args.steps, device, **data, prefetch_gb=gb,
+                           warmup=args.warmup_steps_small), **data, "prefetch_gb": gb})
+        record({**openclip(sub, sub, 4 * args.steps, device, **data, warmup=args.warmup_steps_small),
+                **data})  # no accumulation
+        for gb in prefetch:
+            record({**ours("vit_b32", args.loss, batch, sub, args.steps, device, **data, prefetch_gb=gb,
+                           warmup=args.warmup_steps), **data, "prefetch_gb": gb})
+        record({**openclip(batch, sub, args.steps, device, **data, warmup=args.warmup_steps), **data})
     if "memory" in args.only:
         for size in args.batches.split(","):
             # one step, no warm-up: the peak memory is the point, and a 1M step takes minutes
             record(ours("vit_b32", args.memory_loss, parse_count(size, "--batches"), sub, 1, device,
-                        warmup=False))
+                        warmup=0))
 
 
 if __name__ == "__main__":
