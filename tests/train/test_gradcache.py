@@ -118,11 +118,17 @@ def test_reading_ahead_changes_no_gradient(tmp_path, monkeypatch):
             assert torch.equal(grad, on[name]), name
 
 
-def test_a_bad_prefetch_budget_is_a_clear_error(tmp_path):
-    cfg = compose(*BASE, "trainer.prefetch_gb=-1")
-    cfg.run_dir = str(tmp_path / "run")
-    with pytest.raises(ConfigError, match="trainer.prefetch_gb"):
-        Trainer(cfg, init_distributed("cpu"))
+def test_the_read_ahead_budget_and_its_errors(tmp_path):
+    from megabatch.train.loop import read_ahead_budget
+
+    assert read_ahead_budget("auto", offload=False) == 8e9
+    assert read_ahead_budget("auto", offload=True) == 0  # offload keeps host memory small
+    assert read_ahead_budget(2, offload=True) == 2e9 and read_ahead_budget(0.5, offload=False) == 5e8
+    for bad in ("-1", "lots", "true"):
+        cfg = compose(*BASE, f"trainer.prefetch_gb={bad}")
+        cfg.run_dir = str(tmp_path / "run")
+        with pytest.raises(ConfigError, match="trainer.prefetch_gb"):
+            Trainer(cfg, init_distributed("cpu"))
 
 
 @pytest.mark.parametrize("sub_batch", ["8", "null"])  # null: one sub-batch, a plain step

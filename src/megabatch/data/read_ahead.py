@@ -8,6 +8,9 @@ a thread takes sub-batches from the DataLoader (already decoded by the worker pr
 by its pin thread on CUDA) into a queue bounded by bytes, so the workers stay busy through the
 replay and the next phase 1 finds its inputs waiting.
 
+The budget counts the items' own bytes. On CUDA they sit in page-locked blocks from torch's host
+caching allocator, which rounds each up to a power of two, so the memory held can reach twice it.
+
 Only worker-process loaders are read ahead: with ``num_workers=0`` the thread itself would run the
 augmentation, which seeds torch's global CPU generator per sample while the main thread captures
 that generator's state for the replay.

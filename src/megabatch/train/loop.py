@@ -60,6 +60,19 @@ def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
     return Path(run_dir)
 
 
+def read_ahead_budget(prefetch_gb, offload: bool) -> float:
+    """Bytes the loader may be read ahead into (``trainer.prefetch_gb``). ``auto``: 8 GB, or none
+    with data offload, whose point is a small host footprint: there the replay's re-decode workers
+    already use the cores, and a 1M step measured no faster with it, and 13 GB larger
+    (docs/bench/offload_1M_spill_readahead_h100.json against offload_1M_spill_h100.json)."""
+    if prefetch_gb == "auto":
+        return 0.0 if offload else 8e9
+    if isinstance(prefetch_gb, bool) or not isinstance(prefetch_gb, (int, float)) or prefetch_gb < 0:
+        raise ConfigError(f"trainer.prefetch_gb={prefetch_gb!r}: give the host memory (GB per rank) the "
+                          "loader may read ahead into, e.g. trainer.prefetch_gb=8, 0 to turn it off, or auto")
+    return float(prefetch_gb) * 1e9
+
+
 class Trainer:
     """Holds what a run builds once; ``fit`` runs the step loop."""
 
@@ -88,10 +101,7 @@ class Trainer:
         if cfg.trainer.get("offload_dir") and not self.offload:
             raise ConfigError("trainer.offload_dir is set but trainer.offload=false; set trainer.offload=true "
                               "or drop trainer.offload_dir")
-        prefetch_gb = cfg.trainer.get("prefetch_gb")
-        if prefetch_gb is not None and (not isinstance(prefetch_gb, (int, float)) or prefetch_gb < 0):
-            raise ConfigError(f"trainer.prefetch_gb={prefetch_gb!r}: give the host memory (GB per rank) the "
-                              "loader may read ahead into, e.g. trainer.prefetch_gb=8, or 0 to turn it off")
+        self.read_ahead_bytes = read_ahead_budget(cfg.trainer.get("prefetch_gb", "auto"), self.offload)
         self.data.spill_to(cfg.trainer.get("offload_dir") if self.offload else None, env.rank)
         self.data_stats: dict = {}
         self.feature_dtype = DTYPES[cfg.trainer.get("feature_dtype", "fp32")]
@@ -173,7 +183,7 @@ class Trainer:
         of the run, across epochs (``plan.sub_batches`` per step). Records the loader workers'
         counts of bad input in ``self.data_stats``."""
         plan = self.plan
-        budget = float(self.cfg.trainer.get("prefetch_gb") or 0) * 1e9
+        budget = self.read_ahead_bytes
         while self.step < plan.total_steps:
             epoch, start = divmod(self.step, plan.steps_per_epoch)
             loader = iter(self.data.loader(epoch, start, plan.rank_batch, self.env.rank,
