@@ -49,6 +49,29 @@ FP16_G_SCALE = 2.0**14  # |G'| <= 2: scaled into fp16's normal range, undone in 
 # Kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _dot_tile(
+    rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
+    stride_rm, stride_rk, stride_cn, stride_ck,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``rows[offs_m] @ cols[offs_n]^T`` as a [BLOCK_M, BLOCK_N] fp32 tile, the feature dimension
+    ``c`` in steps of BLOCK_K; masked rows and columns read as zeros (inlined into the kernels)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, c, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < c
+        a = tl.load(rows_ptr + offs_m[:, None] * stride_rm + offs_k[None, :] * stride_rk,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(cols_ptr + offs_k[:, None] * stride_ck + offs_n[None, :] * stride_cn,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _stats_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr,  # pointers
     m, c, col_start, col_stop, cols_per_split,  # shapes: this launch covers [col_start, col_stop)
@@ -76,17 +99,8 @@ def _stats_kernel(
     for j0 in range(split_start, split_stop, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, c, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < c
-            a = tl.load(rows_ptr + offs_m[:, None] * stride_rm + offs_k[None, :] * stride_rk,
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(cols_ptr + offs_k[:, None] * stride_ck + offs_n[None, :] * stride_cn,
-                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
+                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
         s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
         # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -125,17 +139,8 @@ def _grad_kernel(
     offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = col_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = offs_m < row_stop, offs_n < col_stop
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, c, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < c
-        a = tl.load(rows_ptr + offs_m[:, None] * stride_rm + offs_k[None, :] * stride_rk,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(cols_ptr + offs_k[:, None] * stride_ck + offs_n[None, :] * stride_cn,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
+                    stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
