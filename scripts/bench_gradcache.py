@@ -8,9 +8,10 @@ the GPU and reuses it (neither side pays for data); ``--data loader`` feeds both
 synthetic dataset (a blank PIL image through its training transforms, tokenised caption) in a
 DataLoader with ``--workers`` workers and pinned memory, as OpenCLIP's ``--dataset-type synthetic``
 does (the data cost of the reference figures in ANCHORS.md); our side reads that loader ahead in a
-thread as the trainer does (``trainer.prefetch_gb``, ``--prefetch-gb``: 0 compares without it), so
-its workers keep decoding the next step's inputs while the loss and the replay run. The same model (open_clip ViT-B/32),
-precision (bf16 autocast), global batch and sub-batch. Ours: ``Trainer.gradients`` (encode without
+thread as the trainer does (``trainer.prefetch_gb``; ``--prefetch-gb`` lists the budgets to compare,
+0 without it; the trainer itself reads ahead only in steps with a replay), so its workers keep
+decoding the next step's inputs while the loss and the replay run. The same model (open_clip
+ViT-B/32), precision (bf16 autocast), global batch and sub-batch. Ours: ``Trainer.gradients`` (encode without
 graph, loss once, replay) and ``Trainer.optimizer_step``. OpenCLIP 3.3: its own
 ``open_clip_train.train.train_one_epoch`` with ``--accum-freq`` (it re-forwards each sub-batch and
 recomputes the whole loss once per sub-batch).

@@ -191,13 +191,13 @@ class Trainer:
                                            sub_batch=plan.sub_batch,
                                            keep_raw=self.offload and not self.model.frozen("image"),
                                            pin_memory=self.env.device.type == "cuda"))
-            # workers keep decoding through the loss and the replay (see data/read_ahead.py)
-            # (only steps with a replay: a one-sub-batch step has nothing to hide it behind, and read
-            # ahead it measured 8% slower at batch 512: docs/bench/gradcache_32k_loader_readahead_warm_h200.json)
+            # workers keep decoding through the loss and the replay (see data/read_ahead.py); only
+            # steps with a replay: a one-sub-batch step has nothing to hide it behind, and read ahead
+            # it measured 8% slower at batch 512 (docs/bench/gradcache_32k_loader_readahead_warm_h200.json)
             reads_ahead = budget > 0 and int(self.cfg.data.num_workers) > 0 and plan.sub_batches > 1
             ahead = ReadAhead(loader, budget) if reads_ahead else None
             try:
-                for batch in ahead or loader:
+                for batch in ahead if ahead is not None else loader:
                     if getattr(batch, "stats", None):
                         self.data_stats[(epoch, batch.stats["worker"])] = batch.stats
                     if getattr(batch, "raw", None) is not None:  # offload: the bytes or their place on disk
