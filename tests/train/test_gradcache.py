@@ -3,6 +3,7 @@ and DDP on 2 gloo ranks, all through the trainer's own code path on the embedded
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def test_offload_gives_the_same_gradients(tmp_path):
                                      f"trainer.offload_dir={tmp_path / f'spill{workers}'}"],
                               str(tmp_path / f"c{workers}"))
                for workers in (0, 2)]
-    assert list((tmp_path / "spill0").glob("offload-rank0-*.bin"))  # the bytes really went to disk
+    assert list((tmp_path / "spill0").glob("offload-*-rank0-pid*.bin"))  # the bytes really went to disk
     for name, grad in on_gpu["grads"].items():
         assert torch.equal(grad, offloaded["grads"][name]), name
         for result in spilled:
@@ -147,6 +148,27 @@ def test_the_spill_file_is_rewritten_each_step_and_removed_at_the_end(tmp_path, 
     assert sizes[0] > 0 and sizes[1] <= 1.5 * sizes[0]  # not appended to: one step's bytes at most
     trainer.data.close()
     assert not list((tmp_path / "s").iterdir())
+
+
+def test_spill_files_of_dead_runs_on_this_host_are_removed(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from megabatch.data.train_data import SpillFile
+
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()  # its pid now names no process
+    host = socket.gethostname()
+    stale = tmp_path / f"offload-{host}-rank0-pid{finished.pid}.bin"
+    live = tmp_path / f"offload-{host}-rank1-pid{os.getppid()}.bin"  # a running process (pytest's parent)
+    elsewhere = tmp_path / f"offload-other-host-rank0-pid{finished.pid}.bin"  # a shared folder: not ours to judge
+    for path in (stale, live, elsewhere):
+        path.write_bytes(b"x" * 100)
+    spill = SpillFile(str(tmp_path), rank=0)
+    assert not stale.exists() and live.exists() and elsewhere.exists()
+    spill.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name])
 
 
 def test_offload_dir_without_offload_is_a_clear_error(tmp_path):

@@ -6,6 +6,8 @@ import itertools
 import logging
 import multiprocessing
 import os
+import re
+import socket
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,6 +166,33 @@ def _redecode_sub_batch(epoch: int, raw: list, spill_path: str | None = None) ->
     return _decode_sub_batch(decoder, raw, spill_path)
 
 
+_SPILL_NAME = re.compile(r"offload-(?P<host>.+)-rank\d+-pid(?P<pid>\d+)\.bin")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_spill_files(folder: Path) -> None:
+    """Delete spill files that runs on this host left behind when they died (killed, crashed, out of
+    memory), a whole step's bytes each. Only files named for this host whose process is gone: a
+    shared folder's files from other hosts, and live runs' files, are left alone."""
+    host = socket.gethostname()
+    for path in folder.glob("offload-*.bin"):
+        match = _SPILL_NAME.fullmatch(path.name)
+        if match and match["host"] == host and not _process_alive(int(match["pid"])):
+            size = path.stat().st_size
+            path.unlink(missing_ok=True)
+            log.warning("removed %s (%.2f GB): a spill file left by a run that ended without cleaning up",
+                        path, size / 1e9)
+
+
 class SpillFile:
     """``trainer.offload_dir``: a step's kept image bytes appended to one local file (per rank)
     instead of held in host memory; the replay reads them back by (offset, length). Host memory
@@ -174,7 +203,8 @@ class SpillFile:
         folder = Path(directory).expanduser()
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            self.path = str(folder / f"offload-rank{rank}-pid{os.getpid()}.bin")
+            remove_stale_spill_files(folder)
+            self.path = str(folder / f"offload-{socket.gethostname()}-rank{rank}-pid{os.getpid()}.bin")
             self.file = open(self.path, "w+b")  # noqa: SIM115 - open for the run, closed by close()
         except OSError as error:
             raise ConfigError(f"trainer.offload_dir={directory!r} is not a writable directory ({error}); "
