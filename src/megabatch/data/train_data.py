@@ -171,11 +171,11 @@ _SPILL_NAME = re.compile(r"offload-(?P<host>.+)-rank\d+-pid(?P<pid>\d+)\.bin")
 
 def _process_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: existence check only (PermissionError: someone else's process)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's process
-        return True
+    except PermissionError:
+        pass
     return True
 
 
@@ -187,8 +187,11 @@ def remove_stale_spill_files(folder: Path) -> None:
     for path in folder.glob("offload-*.bin"):
         match = _SPILL_NAME.fullmatch(path.name)
         if match and match["host"] == host and not _process_alive(int(match["pid"])):
-            size = path.stat().st_size
-            path.unlink(missing_ok=True)
+            try:  # the host's other ranks clean up at the same moment: whoever is first removes it
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
             log.warning("removed %s (%.2f GB): a spill file left by a run that ended without cleaning up",
                         path, size / 1e9)
 
