@@ -1,11 +1,11 @@
 # make demo: set up .venv if missing, then train the tiny CLIP on the embedded digits (CPU, ~2.5 min)
-# make test: set up .venv if missing, then run the test suite (CPU)
+# make test: set up .venv if missing, then run the test suite (CPU); make test-main-job: the main job's own test
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all lint clean
+.PHONY: setup demo test test-main-job test-all lint clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+test-main-job: setup
+	$(PY) -m pytest -m main_job
 
 test-all: setup
 	$(PY) -m pytest -m ''

@@ -4,15 +4,10 @@ Single process: `python train.py`. Several GPUs: `torchrun --nproc_per_node=8 tr
 A sweep: `python train.py -m loss=vanilla optim.lr=1e-4,5e-4`. See README.md and configs/.
 """
 
-import sys
-from pathlib import Path
-
 import hydra
 from omegaconf import DictConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # run from a checkout, uninstalled
-
-import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers before Hydra composes)
+import megabatch.config  # noqa: F401  (registers the configs' resolvers and schemas before Hydra composes)
 
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")

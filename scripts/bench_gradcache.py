@@ -11,8 +11,9 @@ does (the data cost of the reference figures in ANCHORS.md); our side reads that
 thread as the trainer does (``trainer.prefetch_gb``; ``--prefetch-gb`` lists the budgets to compare,
 0 without it; the trainer itself reads ahead only in steps with a replay), so its workers keep
 decoding the next step's inputs while the loss and the replay run. The same model (open_clip
-ViT-B/32), precision (bf16 autocast), global batch and sub-batch. Ours: ``Trainer.gradients`` (encode without
-graph, loss once, replay) and ``Trainer.optimizer_step``. OpenCLIP 3.3: its own
+ViT-B/32), precision (bf16 autocast), global batch and sub-batch. Ours: one ``TrainStep`` (encode
+without graph, loss once, replay; then ``apply``), built without a run (``megabatch.bench.build_step``).
+OpenCLIP 3.3: its own
 ``open_clip_train.train.train_one_epoch`` with ``--accum-freq`` (it re-forwards each sub-batch and
 recomputes the whole loss once per sub-batch).
 The first step of every configuration (``--warmup-steps``) is a warm-up and not timed.
@@ -24,46 +25,13 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from megabatch.config import parse_count  # noqa: E402
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_gb(device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
-
-
-def reset_peak(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def compose(*overrides: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=list(overrides))
-
-
-def synthetic(sub_batch: int, image_size: int, context: int, device):
-    generator = torch.Generator(device=device).manual_seed(0)
-    images = torch.randn(sub_batch, 3, image_size, image_size, device=device, generator=generator)
-    texts = torch.randint(1, 49407, (sub_batch, context), device=device, generator=generator)
-    texts[:, -1] = 49407
-    return images, texts
+from megabatch.bench import build_step, compose, peak_gb, repeat, reset_peak, sync, synthetic_sub_batch, write_results
+from megabatch.config import parse_count
+from megabatch.data.samples import SubBatch
 
 
 def loader_batches(sub_batch: int, workers: int, device, move: bool = True):
@@ -88,45 +56,37 @@ def loader_batches(sub_batch: int, workers: int, device, move: bool = True):
     loader = DataLoader(dataset, batch_size=sub_batch, shuffle=False, num_workers=workers,
                         pin_memory=device.type == "cuda", drop_last=True, persistent_workers=True)
     for images, texts in loader:
-        yield (images.to(device, non_blocking=True), texts.to(device, non_blocking=True)) if move else (images, texts)
+        if move:
+            yield images.to(device, non_blocking=True), texts.to(device, non_blocking=True)
+        else:
+            yield SubBatch(images, texts, None)
 
 
 def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
          warmup: int = 1, data: str = "gpu", workers: int = 12, prefetch_gb: float = 0) -> dict:
     from megabatch.data.read_ahead import ReadAhead
-    from megabatch.distributed import init_distributed
-    from megabatch.train.loop import Trainer
 
-    precision = "bf16" if device.type == "cuda" else "fp32"
-    cfg = compose(f"model={model}", f"loss={loss}", f"batch={batch}", f"trainer.sub_batch={sub_batch}",
-                  f"trainer.precision={precision}", "eval=none", "data.train.num_samples=1073741824",
-                  "optim.lr=5e-4", f"name=bench-{batch}")
-    cfg.run_dir = f"/tmp/bench_gc/{model}-{loss}-{batch}-{sub_batch}"
-    cfg.overwrite = True
-    trainer = Trainer(cfg, init_distributed(device.type))
-    images, texts = synthetic(sub_batch, cfg.model.image.image_size, cfg.model.text.context_length,
-                              device)
-
+    cfg = compose(f"model={model}", f"loss={loss}", f"batch={batch}", "optim.lr=5e-4")
+    step = build_step(cfg, device, batch // sub_batch)
     stream = loader = None
-    if data == "loader":  # one for all steps, read ahead as Trainer._sub_batches does (trainer.prefetch_gb)
+    if data == "loader":  # one for all steps, read ahead as the trainer does (trainer.prefetch_gb)
         stream = loader = loader_batches(sub_batch, workers, device, move=False)
         if prefetch_gb > 0:
             stream = ReadAhead(loader, prefetch_gb * 1e9)
-
-    def sub_batches():
-        while True:
-            yield (*next(stream), None) if stream is not None else (images, texts, None)
+    else:  # one sub-batch kept on the GPU, reused: no data cost
+        stream = repeat(synthetic_sub_batch(sub_batch, cfg.model.image.image_size,
+                                            cfg.model.text.context_length, device))
 
     times = []
     phases = {}
     reset_peak(device)
-    for step in range(steps + warmup):
+    for index in range(steps + warmup):
         sync(device)
         start = time.perf_counter()
-        _, phase_times = trainer.gradients(sub_batches())
-        trainer.optimizer_step()
+        _, phase_times = step.gradients(stream)
+        step.apply()
         sync(device)
-        if step >= warmup:
+        if index >= warmup:
             times.append(time.perf_counter() - start)
             for key, value in phase_times.items():
                 phases[key] = phases.get(key, 0) + value / steps
@@ -134,7 +94,7 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
               "sub_batch": sub_batch, "step_s": sum(times) / len(times),
               "samples_per_s": batch * len(times) / sum(times), "phases_s": phases,
               "peak_gpu_gb": peak_gb(device)}
-    del trainer
+    del step
     if isinstance(stream, ReadAhead):
         stream.close()
     if loader is not None:
@@ -160,7 +120,8 @@ def openclip(batch: int, sub_batch: int, steps: int, device, data: str = "gpu", 
     model = open_clip.create_model("ViT-B-32", precision="fp32", device=device, output_dict=True)
     loss = open_clip.create_loss(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
-    images, texts = synthetic(sub_batch, 224, 77, device)
+    fixed = synthetic_sub_batch(sub_batch, 224, 77, device)
+    images, texts = fixed.images, fixed.texts
     stream = loader_batches(sub_batch, workers, device) if data == "loader" else None
 
     class Loader:
@@ -231,9 +192,7 @@ def main() -> None:
     def record(row):
         print(json.dumps(row), flush=True)
         results.append(row)
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        Path(args.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
-                                              "command": " ".join(sys.argv), "results": results}, indent=1))
+        write_results(args.out, results)
 
     if "throughput" in args.only:
         data = dict(data=args.data, workers=args.workers)

@@ -5,32 +5,23 @@
 
 Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures that compress like
 photos) as img2dataset shards, then times ``TrainData.loader`` (ViT-B/32 transforms: 224 px
-RandomResizedCrop, open_clip tokenizer) and ``TrainData.redecode`` with each worker count.
+RandomResizedCrop, open_clip tokenizer) and ``Offload.replay_images`` with each worker count.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_gradcache import compose  # noqa: E402
-from bench_offload import photos  # noqa: E402
-
-from megabatch.data.shards import write_shards  # noqa: E402
+from megabatch.bench import compose, photo_shards, write_results
 
 
 def measure(urls: list[str], workers: int, samples: int, sub_batch: int) -> dict:
-    from megabatch.data.train_data import TrainData
-    from megabatch.models.clip import build_tokenizer
+    from megabatch.data import TrainData
+    from megabatch.data.offload import Offload
+    from megabatch.models import build_tokenizer
 
     cfg = compose("model=vit_b32", "data=webdataset", f"data.num_workers={workers}")
     cfg.data.train.urls = urls
@@ -45,9 +36,11 @@ def measure(urls: list[str], workers: int, samples: int, sub_batch: int) -> dict
             continue
         raws.append(sub.raw)
     first_pass = (len(raws) * sub_batch) / (time.perf_counter() - start)
+    offload = Offload(data.transform, seed=0, workers=workers)
     start = time.perf_counter()
-    count = sum(images.shape[0] for images in data.redecode(raws, epoch=0))
+    count = sum(images.shape[0] for images in offload.replay_images(raws, epoch=0))
     redecode = count / (time.perf_counter() - start)
+    offload.close()
     return {"workers": workers, "samples": len(raws) * sub_batch, "sub_batch": sub_batch,
             "first_pass_samples_s": first_pass, "first_pass_per_worker": first_pass / max(1, workers),
             "redecode_samples_s": redecode, "redecode_per_worker": redecode / max(1, workers)}
@@ -63,16 +56,15 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/loader-bench")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    shards = write_shards(photos(args.images, args.size), Path(args.workdir) / "shards", "photo", 512)
+    shards = photo_shards(args.images, args.size, Path(args.workdir) / "shards", per_shard=512)
     mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
     urls = shards * (4 * -(-args.samples // args.images) + 1)
-    results = {"command": " ".join(sys.argv), "cpu": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "jpeg_kb_per_sample": mean_kb, "results": []}
+    results = []
     for workers in (int(w) for w in args.workers.split(",")):
         row = measure(urls, workers, args.samples, args.sub_batch)
         print(json.dumps(row), flush=True)
-        results["results"].append(row)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        results.append(row)
+        write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
 
 
 if __name__ == "__main__":

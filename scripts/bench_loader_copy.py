@@ -12,20 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_gradcache import compose  # noqa: E402
-from bench_offload import photos  # noqa: E402
-
-from megabatch.data.shards import write_shards  # noqa: E402
+from megabatch.bench import compose, photo_shards, write_results
 
 
 def gpu_cycles_per_ms() -> float:
@@ -38,8 +30,8 @@ def gpu_cycles_per_ms() -> float:
 
 
 def main() -> None:
-    from megabatch.data.train_data import TrainData
-    from megabatch.models.clip import build_tokenizer
+    from megabatch.data import TrainData
+    from megabatch.models import build_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=16)
@@ -49,9 +41,9 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/loader-copy")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    shards = write_shards(photos(4096, 256), Path(args.workdir) / "shards", "photo", 1024)
+    shards = photo_shards(4096, 256, Path(args.workdir) / "shards")
     cycles = gpu_cycles_per_ms() * args.gpu_ms
-    results = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": []}
+    results = []
     for variant in ["none", "copy", "copy+gpu", "pinned-copy+gpu"]:
         cfg = compose("model=vit_b32", "data=webdataset", f"data.num_workers={args.workers}")
         cfg.data.train.urls = shards * (args.sub_batches * args.sub_batch // 4096 + args.workers)
@@ -72,8 +64,8 @@ def main() -> None:
         torch.cuda.synchronize()
         row = {"variant": variant, "samples_s": (len(kept) - 16) * args.sub_batch / (time.perf_counter() - start)}
         print(json.dumps(row), flush=True)
-        results["results"].append(row)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        results.append(row)
+        write_results(args.out, results)
 
 
 if __name__ == "__main__":

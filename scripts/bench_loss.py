@@ -19,20 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from megabatch.config import parse_count  # noqa: E402
-from megabatch.losses import DiscoLoss, InfClLoss, LocalLoss, VanillaLoss  # noqa: E402
+from megabatch.bench import write_results
+from megabatch.config import parse_count
+from megabatch.losses import DiscoLoss, InfClLoss, LocalLoss, VanillaLoss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,6 +57,7 @@ def make_backend(name: str, tile: int, world: int, rank: int, fp32_precision: st
 
 
 def sync() -> None:
+    """The GPU and (on a ring) every rank: around every timed region."""
     torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
@@ -173,11 +170,8 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
                 results.append(row)
     if rank == 0:
-        meta = {"gpu": torch.cuda.get_device_name(device), "gpus": world, "torch": torch.__version__,
-                "python": platform.python_version(), "tf32": bool(args.tf32), "tile": args.tile,
-                "preallocate_grads": args.preallocate_grads,
-                "command": " ".join(sys.argv)}
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        write_results(args.out, results, tf32=bool(args.tf32), tile=args.tile,
+                      preallocate_grads=args.preallocate_grads)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -4,7 +4,8 @@
 
 Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures, so they compress like
 photos) as img2dataset shards under ``--workdir``, lists them repeatedly to reach the batch, and
-runs ``train.py``'s Trainer for one step with ``trainer.offload`` true and false. Host memory: the
+runs ``--steps`` training steps with ``trainer.offload`` true and false: the run's own pieces
+(``TrainData``, ``RunInputs``, ``Offload``, ``TrainStep``) without a run directory. Host memory: the
 peak, sampled every 0.5 s, of the proportional set size (PSS: shared pages split between the
 processes sharing them) summed over this process and all its descendants (loader and re-decode
 workers), and the peak drop of the machine's available memory below its level at the start.
@@ -13,39 +14,16 @@ workers), and the peak drop of the machine's available memory below its level at
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_gradcache import compose  # noqa: E402
-
-from megabatch.config import parse_count  # noqa: E402
-from megabatch.data.shards import Sample, write_shards  # noqa: E402
-
-
-def photos(count: int, size: int, seed: int = 0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    for index in range(count):
-        coarse = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
-        image = Image.fromarray(coarse).resize((size, size), Image.BICUBIC)
-        noise = rng.normal(0, 12, (size, size, 3))
-        pixels = np.clip(np.asarray(image, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
-        buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
-        yield Sample(buffer.getvalue(), "jpg", f"a synthetic photo number {index}")
+from megabatch.bench import compose, photo_shards, write_results
+from megabatch.config import parse_count
 
 
 class HostMemory:
@@ -110,45 +88,46 @@ class HostMemory:
 
 
 def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, workers: int, device: str,
-              run_dir: str, steps: int, offload_dir: str | None = None) -> dict:
+              steps: int, offload_dir: str | None = None) -> dict:
     """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
     steady-state figures are the means over the later ones."""
+    from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
-    from megabatch.train.loop import Trainer
+    from megabatch.train.parts import RunParts
 
-    cfg = compose("model=vit_b32", "loss=infcl", "data=webdataset", f"batch={batch}",
-                  f"trainer.sub_batch={sub_batch}", f"trainer.offload={str(offload).lower()}",
-                  f"trainer.max_steps={steps}", "eval=none", f"data.num_workers={workers}",
-                  "trainer.precision=" + ("bf16" if device == "cuda" else "fp32"))
+    precision = "bf16" if device == "cuda" else "fp32"
+    cfg = compose("model=vit_b32", "loss=infcl", "data=webdataset", f"batch={batch}", "eval=none",
+                  f"data.num_workers={workers}", f"trainer.sub_batch={sub_batch}", f"trainer.max_steps={steps}",
+                  f"trainer.offload={str(offload).lower()}", f"trainer.precision={precision}")
     cfg.data.train.urls = urls
     cfg.trainer.offload_dir = offload_dir if offload else None
-    cfg.run_dir, cfg.overwrite = run_dir, True
-    trainer = Trainer(cfg, init_distributed(device))
-    if device == "cuda":
+    parts = RunParts.build(validate(cfg), init_distributed(device))
+    step, plan, device = parts.step, parts.plan, torch.device(device)
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    sub_batches, per_step = trainer._sub_batches(), []
+    sub_batches, per_step = parts.inputs(0), []
     with HostMemory() as host:
-        for _ in range(steps):
+        for index in range(steps):
             start = time.perf_counter()
-            _, phases = trainer.gradients(sub_batches)
-            trainer.optimizer_step()
-            if device == "cuda":
+            _, phases = step.gradients(sub_batches, epoch=index // plan.steps_per_epoch)
+            step.apply()
+            if device.type == "cuda":
                 torch.cuda.synchronize()
-            trainer.step += 1
             per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
             print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
     later = per_step[1:] or per_step
     step_s = sum(s["step_s"] for s in later) / len(later)
     data_s = sum(s["phases_s"]["data"] for s in later) / len(later)
-    row = {"offload": offload, "offload_dir": cfg.trainer.offload_dir, "batch": batch, "sub_batch": sub_batch,
-           "workers": workers,
+    row = {"offload": offload, "offload_dir": offload_dir if offload else None, "batch": batch,
+           "sub_batch": sub_batch, "workers": workers,
            "steady_step_s": step_s, "steady_samples_s": batch / step_s,
            "steady_data_wait_fraction": data_s / step_s, "steps": per_step,
-           "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+           "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,
            "peak_host_gb_machine_used_above_start": host.peak_used_gb}
-    trainer.data.close()
-    del trainer
+    sub_batches.close()
+    parts.close()
+    del step, parts
     return row
 
 
@@ -167,17 +146,17 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     batch = parse_count(args.batch, "--batch")
-    shards = write_shards(photos(args.images, args.size), Path(args.workdir) / "shards", "photo", 1024)
+    shards = photo_shards(args.images, args.size, Path(args.workdir) / "shards")
     mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
     # the same shards listed again until every (shard-split) loader worker can fill its share
     urls = shards * ((args.steps + 1) * -(-batch // args.images) + args.workers // len(shards) + 1)
-    results = {"command": " ".join(sys.argv), "jpeg_kb_per_sample": mean_kb, "results": []}
+    results = []
     for mode in args.modes.split(","):
-        row = run_steps(urls, batch, args.sub_batch, mode == "true", args.workers, args.device,
-                        f"{args.workdir}/run-{mode}", args.steps, args.offload_dir)
+        row = run_steps(urls, batch, args.sub_batch, mode == "true", args.workers, args.device, args.steps,
+                        args.offload_dir)
         print(json.dumps(row), flush=True)
-        results["results"].append(row)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        results.append(row)
+        write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
 
 
 if __name__ == "__main__":

@@ -5,16 +5,12 @@
 """
 
 import json
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers)
+import megabatch.config  # noqa: F401  (registers the configs' resolvers and schemas)
 
 
 @hydra.main(config_path="../configs", config_name="evaluate", version_base="1.3")

@@ -11,13 +11,9 @@ A sizes.json with each shard's sample count is written beside the shards.
 
 import argparse
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from megabatch.data.digits import digit_samples  # noqa: E402
-from megabatch.data.shards import (  # noqa: E402
+from megabatch.data.digits import digit_samples
+from megabatch.data.shard_writer import (
     samples_from_folder,
     samples_from_table,
     shard_pattern,

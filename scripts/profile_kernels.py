@@ -9,16 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from megabatch.config import parse_count  # noqa: E402
-from megabatch.kernels import contrastive  # noqa: E402
+from megabatch.bench import write_results
+from megabatch.config import parse_count
+from megabatch.kernels import triton_tiles
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -39,13 +36,13 @@ def profile(b: int, c: int, dtype: torch.dtype, precision: str) -> dict:
     rows = F.normalize(torch.randn(b, c, device="cuda"), dim=-1).to(dtype)
     cols = F.normalize(torch.randn(b, c, device="cuda"), dim=-1).to(dtype)
     scale, weight = torch.tensor(100.0, device="cuda"), torch.tensor(1.0 / (2 * b), device="cuda")
-    row_lse, col_lse = contrastive.block_stats(rows, cols, scale, fp32_precision=precision)
-    grad_config = contrastive.get_config("grad", rows, precision)
+    row_lse, col_lse = triton_tiles.block_stats(rows, cols, scale, fp32_precision=precision)
+    grad_config = triton_tiles.get_config("grad", rows, precision)
     d_rows, d_cols = torch.zeros(b, c, device="cuda"), torch.zeros(b, c, device="cuda")
-    stats_s = timed(lambda: contrastive.block_stats(rows, cols, scale, fp32_precision=precision))
-    g_kernel_s = timed(lambda: contrastive._grad_launch(rows, cols, scale, row_lse, col_lse, True, precision,
+    stats_s = timed(lambda: triton_tiles.block_stats(rows, cols, scale, fp32_precision=precision))
+    g_kernel_s = timed(lambda: triton_tiles._grad_launch(rows, cols, scale, row_lse, col_lse, True, precision,
                                                         grad_config))
-    grads_s = timed(lambda: contrastive.block_grads(rows, cols, scale, row_lse, col_lse, weight, True,
+    grads_s = timed(lambda: triton_tiles.block_grads(rows, cols, scale, row_lse, col_lse, weight, True,
                                                     d_rows, d_cols, fp32_precision=precision))
     gemm_s = grads_s - g_kernel_s
     flop = 2 * b * b * c
@@ -54,7 +51,7 @@ def profile(b: int, c: int, dtype: torch.dtype, precision: str) -> dict:
             "g_kernel_s": g_kernel_s, "g_kernel_tflops": flop / g_kernel_s / 1e12,
             "gemms_s": gemm_s, "gemms_tflops": 2 * flop / gemm_s / 1e12,
             "total_s": stats_s + grads_s, "useful_tflops": 3 * flop / (stats_s + grads_s) / 1e12,
-            "stats_config": contrastive.get_config("stats", rows, precision), "grad_config": grad_config}
+            "stats_config": triton_tiles.get_config("stats", rows, precision), "grad_config": grad_config}
 
 
 def main() -> None:
@@ -72,8 +69,7 @@ def main() -> None:
                 row = profile(b, c, DTYPES[dtype], args.fp32_precision)
                 print(json.dumps(row), flush=True)
                 results.append(row)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

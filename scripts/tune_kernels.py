@@ -9,15 +9,12 @@ The output has the layout of ``src/megabatch/kernels/tuned.json`` ({gpu name: {k
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from megabatch.kernels import contrastive  # noqa: E402
+from megabatch.kernels import triton_tiles
 
 DTYPES = {"bf16": (torch.bfloat16, "tf32"), "fp16": (torch.float16, "tf32"),
           "fp32": (torch.float32, "tf32"), "fp32_ieee": (torch.float32, "ieee")}
@@ -40,12 +37,12 @@ def main() -> None:
         for dim in (int(d) for d in args.dims.split(",")):
             for kernel in args.kernels.split(","):
                 start = time.perf_counter()
-                config = contrastive.tune(kernel, dtype, dim, precision, device, size=args.size)
-                key = contrastive.config_key(kernel, dtype, dim, precision)
+                config = triton_tiles.tune(kernel, dtype, dim, precision, device, size=args.size)
+                key = triton_tiles.config_key(kernel, dtype, dim, precision)
                 print(f"{gpu} {key}: {config} ({time.perf_counter() - start:.0f} s)", flush=True)
-                contrastive.save_config(gpu, key, config, out)
+                triton_tiles.save_config(gpu, key, config, out)
                 if args.merge:
-                    contrastive.save_config(gpu, key, config, contrastive.TUNED_FILE)
+                    triton_tiles.save_config(gpu, key, config, triton_tiles.TUNED_FILE)
 
 
 if __name__ == "__main__":

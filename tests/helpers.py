@@ -1,9 +1,11 @@
-"""Test helpers: spawn N gloo ranks on the CPU, relative errors."""
+"""Test helpers: spawn N gloo ranks on the CPU, relative errors, one step's gradients on a fixed
+batch, running the entry points as a user does."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -12,7 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from megabatch.config.compose import CONFIGS, compose
+
+ROOT = CONFIGS.parent
 
 
 def free_port() -> int:
@@ -56,3 +60,44 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Norm-wise relative error ``|a - e| / |e|`` (in float64)."""
     actual, expected = actual.double(), expected.double()
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
+
+
+GLOBAL_BATCH = 12
+
+
+def fixed_batch(text_cfg):
+    """Random images and real captions, tokenised by the configured text tower's tokenizer."""
+    from megabatch.models import build_tokenizer
+
+    generator = torch.Generator().manual_seed(123)
+    images = torch.randn(GLOBAL_BATCH, 3, 32, 32, generator=generator)
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    captions = [f"a handwritten {words[i % 10]} number {i}" for i in range(GLOBAL_BATCH)]
+    return images, build_tokenizer(**text_cfg)(captions)
+
+
+def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Tensor]:
+    """Gradients (DDP-averaged when world > 1) of one ``TrainStep`` on this rank's share of a
+    fixed global batch of ``GLOBAL_BATCH``."""
+    from hydra.utils import instantiate
+
+    from megabatch.data.samples import SubBatch
+    from megabatch.train.step import TrainStep
+
+    cfg = compose(*overrides)
+    torch.manual_seed(0)
+    model = instantiate(cfg.model, _convert_="all")
+    step = TrainStep(model, instantiate(cfg.loss), None, torch.device("cpu"), precision="fp32")
+    images, texts = fixed_batch(cfg.model.text)
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    step.gradients(iter([SubBatch(images[rows], texts[rows], None)]))
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def run_script(*args: str, cwd) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` in ``cwd`` as a user would; fail the test with its output on error."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result

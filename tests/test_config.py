@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 
 from megabatch.config import ConfigError, parse_count
 
-from .conftest import CONFIGS, compose
+from .helpers import CONFIGS, compose
 
 GROUPS = ["model", "loss", "data", "optim", "sched", "trainer", "eval", "logger", "experiment"]
 
@@ -146,11 +146,11 @@ def test_eval_options_resolve(option, data_cache):
         from megabatch.config import ConfigError
 
         with pytest.raises(ConfigError, match="eval.root is not set"):
-            resolve_eval_set(cfg.eval, cfg.data)
+            resolve_eval_set(cfg.eval)
     elif cfg.eval.get("task") == "retrieval":
         assert cfg.eval.chunk > 0  # its data (eval.jsonl) is exercised in tests/eval
     elif cfg.eval.name:
-        classnames, templates = resolve_eval_set(cfg.eval, cfg.data)
+        classnames, templates = resolve_eval_set(cfg.eval)
         assert len(classnames) == (1000 if "imagenet" in option else 10)
         assert len(templates) == (80 if "imagenet" in option else 4)
         assert all("{}" in t for t in templates)

@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from .conftest import ROOT
+from .helpers import ROOT, run_script
 
 FAST = ["batch=32", "trainer.max_steps=3", "trainer.log_every=1", "sched.warmup_steps=1"]
-
-
-def run_script(*args: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 def test_train_smoke_then_evaluate(tmp_path):

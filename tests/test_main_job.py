@@ -1,13 +1,17 @@
-"""The main job as README's `make demo` runs it: `python train.py`, no arguments."""
+"""The main job as README's `make demo` runs it: `python train.py`, no arguments. About 2.5
+minutes on 2 cores: marked ``main_job``, left out of the default run and run by CI on its own
+(`make test-main-job`, after `make test`)."""
 
 from __future__ import annotations
 
 import re
 
-from .conftest import ROOT
-from .test_entrypoints import run_script
+import pytest
+
+from .helpers import ROOT, run_script
 
 
+@pytest.mark.main_job
 def test_main_job_reaches_85_percent_zero_shot(tmp_path):
     result = run_script(str(ROOT / "train.py"), cwd=tmp_path)
     top1 = float(re.search(r"zero-shot top-1 on digits \(held out\): ([\d.]+)%", result.stdout)[1])

@@ -9,10 +9,10 @@ import os
 import numpy as np
 import webdataset as wds
 
-from megabatch.data.shards import Sample, encode_png, write_shards
+from megabatch.data.shard_writer import Sample, encode_png, write_shards
 from megabatch.train import run
 
-from ..conftest import compose
+from ..helpers import compose
 
 
 def good(index: int) -> Sample:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from megabatch.data.pipeline import decode_rgb
+from megabatch.data.samples import decode_rgb
 from megabatch.data.transforms import seeded, train_transform
 
 

@@ -13,10 +13,10 @@ import pytest
 from PIL import Image
 
 from megabatch.data.digits import CLASS_NAMES
-from megabatch.data.pipeline import count_samples, expand_urls
-from megabatch.data.shards import encode_png
+from megabatch.data.shard_writer import encode_png
+from megabatch.data.urls import count_samples, expand_urls
 
-from ..conftest import ROOT
+from ..helpers import ROOT
 
 
 def make_images(folder, count=5):

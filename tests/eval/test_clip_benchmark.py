@@ -12,7 +12,7 @@ from megabatch.eval.datasets import eval_batches, resolve_eval_set
 from megabatch.eval.zeroshot import build_classifier
 from megabatch.models import build_tokenizer
 
-from ..conftest import compose
+from ..helpers import compose
 
 zeroshot = pytest.importorskip("clip_benchmark.metrics.zeroshot_classification")
 
@@ -22,7 +22,7 @@ def test_predictions_equal_clip_benchmark(data_cache):
     torch.manual_seed(0)
     model = instantiate(cfg.model, _convert_="all").eval()
     tokenize = build_tokenizer(**cfg.model.text)
-    classnames, templates = resolve_eval_set(cfg.eval, cfg.data)
+    classnames, templates = resolve_eval_set(cfg.eval)
     batches = list(eval_batches(cfg.eval, cfg.data, eval_transform(32), len(classnames)))
     device = torch.device("cpu")
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megabatch.data.shards import encode_png
+from megabatch.data.shard_writer import encode_png
 from megabatch.eval.retrieval import recall_at_k
 
 
@@ -38,7 +38,7 @@ def test_retrieval_eval_from_jsonl(tmp_path):
     from megabatch.eval.zeroshot import run_zeroshot
     from megabatch.models import build_tokenizer
 
-    from ..conftest import compose
+    from ..helpers import compose
 
     rows = []
     for index in range(6):
@@ -60,11 +60,11 @@ def test_retrieval_eval_from_jsonl(tmp_path):
 def test_retrieval_eval_from_shards(tmp_path):
     from hydra.utils import instantiate
 
-    from megabatch.data.shards import Sample, write_shards
+    from megabatch.data.shard_writer import Sample, write_shards
     from megabatch.eval.zeroshot import run_zeroshot
     from megabatch.models import build_tokenizer
 
-    from ..conftest import compose
+    from ..helpers import compose
 
     samples = [Sample(encode_png(np.full((12, 12, 3), 30 * i, dtype=np.uint8)), "png", f"picture {i}",
                       {"captions": [f"picture {i}", f"image {i}", f"photo {i}"]}) for i in range(5)]

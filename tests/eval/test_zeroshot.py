@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from megabatch.data.shards import encode_png
+from megabatch.data.shard_writer import encode_png
 from megabatch.eval.datasets import eval_batches, templates
 from megabatch.eval.zeroshot import build_classifier, evaluate_zeroshot
 
-from ..conftest import compose
+from ..helpers import compose
 
 
 def image_folder(root, names, per_class=3, numeric=False):

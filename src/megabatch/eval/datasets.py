@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..config import ConfigError
+from ..config.schema import eval_root
 
 
 def _imagenet():
@@ -37,7 +38,7 @@ def _wnids(source: str) -> list[str]:
 def subset_indices(eval_cfg) -> list[int] | None:
     """For sets over a subset of ImageNet's classes (ImageNet-R: 200 wnid folders): the ImageNet
     class index of each of ``eval.root``'s class folders (sorted), from ``eval.subset_wnids_from``."""
-    source = eval_cfg.get("subset_wnids_from")
+    source = eval_cfg.subset_wnids_from
     if not source:
         return None
     full = _wnids(source)
@@ -76,16 +77,9 @@ def objectnet_classes(root: str) -> list[tuple[str, str]]:
     return classes
 
 
-def _objectnet_root(eval_cfg) -> str:
-    root = eval_cfg.get("root")
-    if not root:
-        raise ConfigError(f"eval.root is not set for eval={eval_cfg.name} (the ObjectNet release folder)")
-    return root
-
-
 def classnames(eval_cfg) -> list[str]:
-    if eval_cfg.get("format") == "objectnet":  # the overlapping ObjectNet labels themselves
-        return [label for _, label in objectnet_classes(_objectnet_root(eval_cfg))]
+    if eval_cfg.format == "objectnet":  # the overlapping ObjectNet labels themselves
+        return [label for _, label in objectnet_classes(eval_root(eval_cfg))]
     names = _named_classnames(eval_cfg)
     subset = subset_indices(eval_cfg)
     return names if subset is None else [names[i] for i in subset]
@@ -93,7 +87,7 @@ def classnames(eval_cfg) -> list[str]:
 
 def _named_set(eval_cfg, key: str, sets: dict) -> list[str]:
     """``eval.<key>``: an explicit list, or the name of one of ``sets`` (name -> loader)."""
-    value = eval_cfg.get(key) or eval_cfg.name
+    value = eval_cfg[key] or eval_cfg.name
     if not isinstance(value, str):
         return list(value)
     if value not in sets:
@@ -127,18 +121,16 @@ def templates(eval_cfg) -> list[str]:
 
 def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
     """``(images [n, 3, s, s], labels [n])`` batches of the evaluation set."""
-    from ..data.pipeline import expand_urls, labelled_images
+    from ..data.urls import expand_urls
 
-    batch_size = int(eval_cfg.get("batch_size", 256))
-    if eval_cfg.get("format") == "objectnet":
+    batch_size = eval_cfg.batch_size
+    if eval_cfg.format == "objectnet":
         return _objectnet_batches(eval_cfg, transform, batch_size)
-    if eval_cfg.get("format", "wds") == "folder":
+    if eval_cfg.format == "folder":
         from torch.utils.data import DataLoader
         from torchvision.datasets import ImageFolder
 
-        root = eval_cfg.get("root")
-        if not root:
-            raise ConfigError(f"eval.root is not set for eval={eval_cfg.name} (an ImageFolder path)")
+        root = eval_root(eval_cfg)
         class NumericAwareFolder(ImageFolder):
             """ImageNet-V2 names its class folders 0..999: order those by number, not as text."""
 
@@ -157,9 +149,8 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
                 f"eval.root={root!r} has {len(dataset.classes)} class folders but eval.classnames "
                 f"has {num_classes} names; they must match one to one (sorted folder order)"
             )
-        workers = int(eval_cfg.get("num_workers", 4))
-        return iter(DataLoader(dataset, batch_size=batch_size, num_workers=workers))
-    urls = eval_cfg.get("urls")
+        return iter(DataLoader(dataset, batch_size=batch_size, num_workers=eval_cfg.num_workers))
+    urls = eval_cfg.urls
     if not urls and eval_cfg.name == "digits":
         from ..data.digits import ensure_digits
 
@@ -167,6 +158,36 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
     if not urls:
         raise ConfigError(f"eval.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
     return labelled_images(expand_urls(urls, "eval.urls"), transform, batch_size)
+
+
+def labelled_images(urls: list[str], transform, batch_size: int) -> Iterator:
+    """Evaluation batches ``(images [n, 3, s, s], labels [n])`` from shards whose ``json`` (or
+    ``cls``) holds the class index, in shard order. Corrupt images are skipped and counted."""
+    import json
+
+    import torch
+    import webdataset as wds
+
+    from ..data.samples import Stats, decode_pair
+
+    stats = Stats()
+    images, labels = [], []
+    for raw in wds.tarfile_to_samples(handler=wds.warn_and_continue)(iter([{"url": u} for u in urls])):
+        if "cls" in raw:
+            label = int(raw["cls"])
+        else:
+            label = int(json.loads(raw["json"])["label"])
+        raw.setdefault("txt", b"")
+        pair = decode_pair(raw, stats)
+        if pair is None:
+            continue
+        images.append(transform(pair[1]))
+        labels.append(label)
+        if len(images) == batch_size:
+            yield torch.stack(images), torch.tensor(labels)
+            images, labels = [], []
+    if images:
+        yield torch.stack(images), torch.tensor(labels)
 
 
 def _objectnet_image(path: str):
@@ -186,7 +207,7 @@ def _objectnet_batches(eval_cfg, transform, batch_size: int) -> Iterator:
     from torch.utils.data import DataLoader
     from torchvision.datasets import ImageFolder
 
-    root = _objectnet_root(eval_cfg)
+    root = eval_root(eval_cfg)
     classes = objectnet_classes(root)
     images = os.path.join(os.path.expanduser(str(root)), "images")
 
@@ -199,10 +220,10 @@ def _objectnet_batches(eval_cfg, transform, batch_size: int) -> Iterator:
             return present, {folder: index for index, folder in enumerate(present)}
 
     dataset = ObjectNetFolder(images, transform=transform, loader=_objectnet_image)
-    return iter(DataLoader(dataset, batch_size=batch_size, num_workers=int(eval_cfg.get("num_workers", 4))))
+    return iter(DataLoader(dataset, batch_size=batch_size, num_workers=eval_cfg.num_workers))
 
 
-def resolve_eval_set(eval_cfg, data_cfg) -> tuple[list[str], list[str]]:
+def resolve_eval_set(eval_cfg) -> tuple[list[str], list[str]]:
     """``(class names, templates)`` of ``eval_cfg``, checked."""
     names, prompts = classnames(eval_cfg), templates(eval_cfg)
     if not names or not prompts:

@@ -42,7 +42,8 @@ def load_pairs_from_shards(urls: str, transform) -> tuple[list, list[str], torch
     are its ``json`` ``captions`` list when present, else its ``txt``."""
     import webdataset as wds
 
-    from ..data.pipeline import Stats, decode_pair, expand_urls
+    from ..data.samples import Stats, decode_pair
+    from ..data.urls import expand_urls
 
     stats, images, captions, owner = Stats(), [], [], []
     for raw in wds.tarfile_to_samples(handler=stats.handler)(
@@ -92,13 +93,13 @@ def recall_at_k(
 def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device) -> dict[str, float]:
     """Encode the pairs of ``eval.jsonl`` (or of the shards ``eval.urls``) in batches and compute
     Recall@K both ways."""
-    if eval_cfg.get("urls"):
+    if eval_cfg.urls:
         images, captions, owner = load_pairs_from_shards(eval_cfg.urls, transform)
         load = lambda item: item  # noqa: E731 - already decoded
     else:
         images, captions, owner = load_pairs(eval_cfg.jsonl)
         load = lambda path: transform(Image.open(path).convert("RGB"))  # noqa: E731
-    batch = int(eval_cfg.get("batch_size", 256))
+    batch = eval_cfg.batch_size
     was_training = model.training
     model.eval()
     try:
@@ -110,5 +111,5 @@ def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device) -> dic
             for i in range(0, len(captions), batch)])
     finally:
         model.train(was_training)
-    result = recall_at_k(image_features, text_features, owner, chunk=int(eval_cfg.get("chunk", 1024)))
+    result = recall_at_k(image_features, text_features, owner, chunk=eval_cfg.chunk)
     return {**result, "samples": len(images)}

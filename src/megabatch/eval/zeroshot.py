@@ -61,12 +61,12 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, image_size: int, device) -
     from ..data.transforms import eval_transform
     from .datasets import eval_batches, resolve_eval_set
 
-    if eval_cfg.get("task", "zeroshot") == "retrieval":
+    if eval_cfg.task == "retrieval":
         from .retrieval import run_retrieval
 
         return run_retrieval(model, tokenize, eval_cfg, eval_transform(image_size), device)
 
-    classnames, templates = resolve_eval_set(eval_cfg, data_cfg)
+    classnames, templates = resolve_eval_set(eval_cfg)
     was_training = model.training
     model.eval()
     try:

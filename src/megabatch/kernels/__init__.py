@@ -1,10 +1,9 @@
-"""Tile computations of the contrastive loss: Triton kernels (``contrastive``) beside the
-plain-torch reference of the same math (``tiles``). Kernels know nothing of losses or process
+"""Tile computations of the contrastive loss: fused Triton kernels (``triton_tiles``) beside the
+plain-torch reference of the same math (``torch_tiles``). Kernels know nothing of losses or process
 groups."""
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
@@ -15,21 +14,15 @@ IMPLS = ("auto", "triton", "torch")
 def tile_module(impl: str, device: torch.device) -> ModuleType:
     """The module whose ``block_stats``/``block_grads`` serve tensors on ``device``.
 
-    ``auto``: Triton on CUDA, torch elsewhere. ``triton`` on a CPU needs ``TRITON_INTERPRET=1``.
+    ``auto``: Triton on CUDA, torch elsewhere. ``triton`` on a CPU needs ``TRITON_INTERPRET=1``
+    (the kernels' own input check says so). ``impl`` is one of ``IMPLS`` (checked by the loss).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"loss.impl={impl!r}; use one of {', '.join(IMPLS)}")
     if impl == "auto":
         impl = "triton" if device.type == "cuda" else "torch"
     if impl == "torch":
-        from . import tiles
+        from . import torch_tiles
 
-        return tiles
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError(
-            f"loss.impl=triton needs CUDA tensors (these are on {device}); use loss.impl=auto or torch, "
-            "or set TRITON_INTERPRET=1 to run the kernels on the CPU (slow; for tests)"
-        )
-    from . import contrastive
+        return torch_tiles
+    from . import triton_tiles
 
-    return contrastive
+    return triton_tiles

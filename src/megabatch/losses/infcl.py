@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from ..distributed.gather import group_size
 from ..distributed.ring import RingExchange
-from ..kernels import IMPLS, tile_module
-from ..kernels.tiles import accumulation_dtype
+from ..kernels import IMPLS, tile_module, torch_tiles
+from ..kernels.torch_tiles import accumulation_dtype
 from .base import ContrastiveLoss
 
 
@@ -103,11 +103,11 @@ class InfClLoss(ContrastiveLoss):
     """Inf-CL ring loss.
 
     ``impl``: ``auto`` (Triton kernels on CUDA, plain torch elsewhere), ``triton`` or ``torch``.
-    ``tile``: rows/columns per tile of the torch implementation (memory tile^2; Triton sizes its
-    own tiles). ``fp32_precision``: ``tf32`` or ``ieee`` matmuls for fp32 features.
+    ``tile``: rows/columns per tile of the torch implementation (memory tile^2; the Triton kernels
+    size their own tiles). ``fp32_precision``: ``tf32`` or ``ieee`` matmuls for fp32 features.
     """
 
-    def __init__(self, tile: int = 4096, impl: str = "auto", fp32_precision: str = "tf32", group=None):
+    def __init__(self, tile: int = 8192, impl: str = "auto", fp32_precision: str = "tf32", group=None):
         super().__init__(group)
         if tile <= 0:
             raise ValueError(f"loss.tile={tile} must be positive")
@@ -119,7 +119,9 @@ class InfClLoss(ContrastiveLoss):
 
     def compute(self, image_features, text_features, scale) -> torch.Tensor:
         kernels = tile_module(self.impl, image_features.device)
-        options = {"tile": self.tile, "fp32_precision": self.fp32_precision}
+        options = {"fp32_precision": self.fp32_precision}
+        if kernels is torch_tiles:
+            options["tile"] = self.tile
         return _InfClLoss.apply(image_features, text_features, scale, self.group,
                                 functools.partial(kernels.block_stats, **options),
                                 functools.partial(kernels.block_grads, **options))

@@ -18,6 +18,7 @@ from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg, CustomTextCLIP
 from torch import nn
 
 from ..config import ConfigError
+from ..images import normalize_images
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ class ClipModel(nn.Module):
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """``images``: float (normalised) or uint8 ``[n, 3, s, s]`` (normalised here, on device)."""
-        from ..data.transforms import normalize_images
-
         with torch.no_grad() if self.frozen("image") else contextlib.nullcontext():
             return nn.functional.normalize(self.clip.encode_image(normalize_images(images)), dim=-1)
 

@@ -14,8 +14,9 @@ A rank's batch is split into sub-batches (``rank_batch = sub_batches x sub_batch
 
 Data offload (``trainer.offload``). Off: the sub-batches' input tensors stay on the GPU between
 phases 1 and 3 (fastest when they fit). On: only the *encoded* image bytes and each sample's stream
-position stay, in host memory; phase 3 decodes them again in the loader workers. Augmentation is
-seeded per sample by (seed, epoch, position) (``data.pipeline.SampleDecoder``), so the re-decoded
+position stay, kept by ``data.offload.Offload`` (host memory or a spill file); phase 3 gets the
+images decoded again by its worker pool. Augmentation is
+seeded per sample by (seed, epoch, position) (``data.samples.SampleDecoder``), so the re-decoded
 tensors equal the first ones bit for bit, whatever worker decodes them. Host memory is the encoded
 bytes of one rank batch (a 1M-sample batch of ~20 KB JPEGs: ~20 GB, against 150 GB as uint8
 pixels or 600 GB as float tensors), and nothing of the batch stays on the GPU but its token ids.
@@ -30,7 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .precision import autocast
+from ..data.offload import Offload
+from ..data.samples import SubBatch
+from .precision import Precision
 
 
 @dataclass
@@ -52,17 +55,37 @@ class RngState:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
+@dataclass(frozen=True)
+class ReplayInputs:
+    """What phase 1 keeps of each sub-batch for phase 3: the inputs of the towers that are replayed
+    (a frozen tower's phase-1 features are final: nothing of it is kept or encoded again), the
+    images as tensors on the device, or with ``offload`` as encoded bytes handed to it."""
+
+    images: bool
+    texts: bool
+    offload: Offload | None = None
+
+
 @dataclass
 class EncodedBatch:
     """Phase 1's result for one rank: features ``[b_rank, e]`` and what phase 3 needs."""
 
     image_features: torch.Tensor
     text_features: torch.Tensor
+    sub_batch: int
     rng: list[RngState] = field(default_factory=list)
     texts: list[torch.Tensor] = field(default_factory=list)    # token ids, on the device
     images: list[torch.Tensor] = field(default_factory=list)   # offload off: inputs on the device
-    raw: list = field(default_factory=list)                     # offload on: encoded bytes, host
+    kept: list = field(default_factory=list)                    # offload on: what Offload.keep gave
     data_s: float = 0.0                                          # time spent waiting on the loader
+
+    @property
+    def replays_images(self) -> bool:
+        return bool(self.images or self.kept)
+
+    @property
+    def replays_texts(self) -> bool:
+        return bool(self.texts)
 
 
 @dataclass
@@ -75,47 +98,37 @@ class FeatureGrads:
     scale: torch.Tensor
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # host-device sync: only for honest per-phase times
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
-def encode_without_graph(
-    model, sub_batches: Iterator, num_sub: int, sub_batch: int, precision: str,
-    device: torch.device, feature_dtype: torch.dtype, offload: bool, progress=None,
-    keep_images: bool = True,
-) -> EncodedBatch:
-    """Phase 1: encode ``num_sub`` sub-batches ``(images, texts, raw)`` from ``sub_batches``.
-    ``keep_images=False`` (a frozen image tower, never replayed) keeps no image inputs at all."""
-    encoded = None
-    for index in range(num_sub):
+def encode_without_graph(model, sub_batches: Iterator[SubBatch], count: int, precision: Precision,
+                         keep: ReplayInputs, progress=None) -> EncodedBatch:
+    """Phase 1: encode ``count`` sub-batches from ``sub_batches`` into preallocated feature buffers
+    (``precision.feature_dtype``), recording each one's RNG state and keeping what ``keep`` says."""
+    device, encoded = precision.device, None
+    for index in range(count):
         waited = time.perf_counter()
-        images, texts, raw = next(sub_batches)[:3]
-        images, texts = images.to(device, non_blocking=True), texts.to(device, non_blocking=True)
+        sub = next(sub_batches)
+        images, texts = sub.images.to(device, non_blocking=True), sub.texts.to(device, non_blocking=True)
         data_s = time.perf_counter() - waited
         rng = RngState.capture(device)
-        with autocast(precision, device):
+        with precision.autocast():
             image_features, text_features, _ = model(images, texts)
         if encoded is None:  # preallocate once the feature width is known
-            rows = num_sub * sub_batch
-            encoded = EncodedBatch(
-                image_features.new_empty((rows, image_features.shape[1]), dtype=feature_dtype),
-                text_features.new_empty((rows, text_features.shape[1]), dtype=feature_dtype),
-            )
+            rows, dtype = count * len(texts), precision.feature_dtype
+            encoded = EncodedBatch(image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
+                                   text_features.new_empty((rows, text_features.shape[1]), dtype=dtype),
+                                   sub_batch=len(texts))
         encoded.data_s += data_s
-        rows = slice(index * sub_batch, (index + 1) * sub_batch)
+        rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
         encoded.image_features[rows] = image_features
         encoded.text_features[rows] = text_features
         encoded.rng.append(rng)
-        encoded.texts.append(texts)
-        if not keep_images:
-            pass
-        elif offload:
-            if raw is None:
-                raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes")
-            encoded.raw.append(raw)
-        else:
+        if keep.texts:
+            encoded.texts.append(texts)
+        if keep.images and keep.offload is not None:
+            if sub.raw is None:
+                raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes (keep_raw)")
+            encoded.kept.append(keep.offload.keep(sub.raw))
+        elif keep.images:
             encoded.images.append(images)
         if progress is not None:
             progress.update(1)
@@ -123,33 +136,30 @@ def encode_without_graph(
 
 
 def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Tensor,
-                           scaler=None) -> FeatureGrads:
+                           precision: Precision) -> FeatureGrads:
     """Phase 2: the loss once on all of this rank's features; gradients of the (fp16: scaled)
     loss w.r.t. the features, kept in fp32, and w.r.t. the scale multiplier."""
     image_features = encoded.image_features.float().requires_grad_()
     text_features = encoded.text_features.float().requires_grad_()
     scale = logit_scale.detach().exp().float().requires_grad_()
     loss = loss_fn(image_features, text_features, scale)
-    scaled = scaler.scale(loss) if scaler is not None else loss
-    d_image, d_text, d_scale = torch.autograd.grad(scaled, [image_features, text_features, scale])
+    d_image, d_text, d_scale = torch.autograd.grad(precision.scale(loss), [image_features, text_features, scale])
     return FeatureGrads(loss.detach(), d_image, d_text, d_scale)
 
 
-def replay(
-    ddp_model, encoded: EncodedBatch, grads: FeatureGrads, sub_batch: int, precision: str,
-    device: torch.device, images_again: Iterator | None = None, progress=None,
-    replay_images: bool = True, replay_texts: bool = True,
-) -> float:
+def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precision,
+           images_again: Iterator[torch.Tensor] | None = None, progress=None) -> float:
     """Phase 3: re-encode each sub-batch with its RNG state and back-propagate its cached feature
-    gradients. ``images_again`` yields the re-decoded images when data is offloaded. A frozen
-    tower (``replay_images`` / ``replay_texts`` false) is not encoded again: its phase-1 features
-    were final. Returns the time spent waiting for re-decoded images."""
+    gradients. ``images_again`` yields the re-decoded images when data is offloaded. Only the
+    towers whose inputs phase 1 kept are encoded again. ``model`` may be DDP-wrapped: only the last
+    sub-batch's backward synchronises. Returns the time spent waiting for re-decoded images."""
+    device, sub_batch = precision.device, encoded.sub_batch
     num_sub = len(encoded.rng)
     after_encoding = RngState.capture(device)
     waited_s = 0.0
     for index in range(num_sub):
         last = index == num_sub - 1
-        if not replay_images:
+        if not encoded.replays_images:
             images = None
         elif images_again is not None:
             start = time.perf_counter()
@@ -160,15 +170,14 @@ def replay(
             waited_s += time.perf_counter() - start
         else:
             images = encoded.images[index]
-        texts = encoded.texts[index] if replay_texts else None
+        texts = encoded.texts[index] if encoded.replays_texts else None
         rows = slice(index * sub_batch, (index + 1) * sub_batch)
         encoded.rng[index].restore()
         # DDP all-reduces once per step: only the last sub-batch's backward synchronises
-        sync = contextlib.nullcontext() if last or not hasattr(ddp_model, "no_sync") \
-            else ddp_model.no_sync()
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
-            with autocast(precision, device):
-                image_features, text_features, scale = ddp_model(images, texts)
+            with precision.autocast():
+                image_features, text_features, scale = model(images, texts)
             surrogate = scale.float() * grads.scale if last else 0.0  # the temperature's
             # gradient joins DDP's synchronisation in the last sub-batch, with the rest
             if image_features is not None:

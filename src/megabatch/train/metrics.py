@@ -26,13 +26,13 @@ class MetricsLogger:
 
             self.wandb = wandb.init(
                 project=wandb_cfg.project,
-                entity=wandb_cfg.get("entity"),
-                name=wandb_cfg.get("name"),
-                mode=wandb_cfg.get("mode", "offline"),
+                entity=wandb_cfg.entity,
+                name=wandb_cfg.name,
+                mode=wandb_cfg.mode,
                 dir=str(run_dir),
                 config=config,
                 resume="allow",
-                id=wandb_cfg.get("id"),
+                id=wandb_cfg.id,
             )
 
     def log(self, record: dict[str, Any], step: int) -> None:

@@ -44,8 +44,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(cfg, model: nn.Module, global_batch: int) -> tuple[torch.optim.Optimizer, float]:
     """The configured optimizer over ``model`` and its peak learning rate."""
-    lr = scaled_lr(float(cfg.lr), cfg.get("lr_scaling"), global_batch, cfg.get("base_batch", 256))
-    if cfg.get("lr_scaling"):
+    lr = scaled_lr(float(cfg.lr), cfg.lr_scaling, global_batch, cfg.base_batch)
+    if cfg.lr_scaling not in (None, "none"):
         log.info("lr %.3g scaled (%s) from base batch %s to %d: %.3g", cfg.lr, cfg.lr_scaling,
                  cfg.base_batch, global_batch, lr)
     factory = instantiate(cfg.optimizer)

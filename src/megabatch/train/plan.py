@@ -44,8 +44,6 @@ class BatchPlan:
                 f"batch={global_batch} is larger than the training set ({num_samples} samples); "
                 "lower batch or add data"
             )
-        max_steps, epochs = cfg.trainer.get("max_steps"), cfg.trainer.get("epochs")
-        if (max_steps is None) == (epochs is None):
-            raise ConfigError("set exactly one of trainer.max_steps and trainer.epochs (the other null)")
+        max_steps, epochs = cfg.trainer.max_steps, cfg.trainer.epochs  # exactly one set (config check)
         total_steps = int(max_steps) if max_steps is not None else int(epochs) * steps_per_epoch
         return cls(global_batch, world_size, rank_batch, sub_batch, steps_per_epoch, total_steps)

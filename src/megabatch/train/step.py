@@ -1,21 +1,132 @@
-"""One training step's gradient computation (no optimizer), shared by the loop and the tests."""
+"""One rank's share of one optimizer step, apart from the run that repeats it.
+
+``TrainStep`` is built once from the model, the loss, the optimizer, the precision, the device and
+where the replay gets its inputs (on the device, or re-decoded by an ``Offload``). ``gradients``
+turns one global batch's worth of this rank's ``SubBatch``es into gradients (a plain forward and
+backward for one sub-batch, GradCache's three phases for several); ``apply`` clips and steps.
+No run directory, config or logging: a test or a benchmark drives it directly.
+
+    step = TrainStep(model, loss_fn, optimizer, torch.device("cuda"), precision="bf16", sub_batches=64)
+    loss, times = step.gradients(sub_batches)   # takes 64 SubBatch of this rank's 32k / 512
+    step.apply()
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
 
-from .precision import autocast
+from ..data.offload import Offload
+from ..data.samples import SubBatch
+from .gradcache import ReplayInputs, encode_without_graph, loss_and_feature_grads, replay
+from .precision import Precision
 
 
-def forward_backward(model, loss_fn, images, texts, precision: str, device, scaler=None) -> torch.Tensor:
-    """Encode ``images [b_rank, 3, s, s]`` and ``texts [b_rank, ctx]``, compute the global loss and
-    back-propagate it (through ``scaler`` for fp16). Returns the loss, detached.
+class TrainStep:
+    """Gradients of one step on this rank, then the optimizer update.
 
-    The loss itself runs in fp32: features are cast up so the b x b softmax never runs in half
-    precision.
+    ``model``: a ``ClipModel`` (wrapped in DDP here when a process group of several ranks is
+    initialised); ``loss_fn``: a ``ContrastiveLoss``; ``sub_batches``: how many sub-batches make
+    this rank's share of a global batch (``rank_batch = sub_batches x sub_batch``); ``precision``:
+    ``auto``, ``bf16``, ``fp16`` (with loss scaling) or ``fp32``; ``feature_dtype``: GradCache's
+    feature buffers; ``grad_clip``: max norm of the true gradient, or ``None``; ``offload``: keeps
+    the image bytes and re-decodes them for the replay (``None``: inputs stay on the device).
+    ``optimizer`` may be ``None`` where only the gradients are wanted (tests).
     """
-    with autocast(precision, device):
-        image_features, text_features, scale = model(images, texts)
-    loss = loss_fn(image_features.float(), text_features.float(), scale.float())
-    (scaler.scale(loss) if scaler is not None else loss).backward()
-    return loss.detach()
+
+    def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
+                 precision: str = "fp32", sub_batches: int = 1, feature_dtype: str = "fp32",
+                 grad_clip: float | None = None, offload: Offload | None = None,
+                 show_progress: bool = False):
+        self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
+        self.precision = Precision.create(precision, device, feature_dtype)
+        self.sub_batches, self.grad_clip, self.show_progress = sub_batches, grad_clip, show_progress
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        # DDP averages the gradients across ranks; GradCache's replay lets it synchronise once
+        self.wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) \
+            if distributed else model
+        # a frozen tower is encoded once and never replayed; images come back through the offload
+        # owner, or stay on the device
+        replay_images = not model.frozen("image")
+        self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text"),
+                                 offload=offload if replay_images else None)
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        return self.precision.scaler
+
+    def gradients(self, sub_batches: Iterator[SubBatch], epoch: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+        """Take ``self.sub_batches`` sub-batches from ``sub_batches`` (this rank's share of one
+        global batch, of ``epoch``), accumulate the step's gradients (DDP-averaged) into ``.grad``
+        and return the loss and the seconds of each phase (``data``, then ``forward_backward``, or
+        ``encode``, ``loss`` and ``replay``)."""
+        if self.keep.offload is not None:
+            self.keep.offload.new_step()  # the last step's kept bytes are no longer needed
+        if self.sub_batches == 1:
+            return self._forward_backward(next_timed(sub_batches))
+        return self._gradcache(sub_batches, epoch)
+
+    def apply(self) -> None:
+        """Clip the true (unscaled) gradient, step, clear the gradients, clamp the temperature."""
+        self.scaler.unscale_(self.optimizer)
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.clamp_logit_scale()
+
+    def _forward_backward(self, timed: tuple[SubBatch, float]) -> tuple[torch.Tensor, dict[str, float]]:
+        """One sub-batch: encode, the global loss, backward (fp16: scaled). The loss runs on fp32
+        features, so the b x b softmax never runs in half precision."""
+        sub, data_s = timed
+        if self.keep.offload is not None and sub.raw is not None:
+            # kept as before the step object existed, though nothing replays a one-sub-batch step
+            # (its test holds the spill file to one step's bytes)
+            self.keep.offload.keep(sub.raw)
+        images = sub.images.to(self.device, non_blocking=True)
+        texts = sub.texts.to(self.device)
+        start = time.perf_counter()
+        with self.precision.autocast():
+            image_features, text_features, scale = self.wrapped(images, texts)
+        loss = self.loss_fn(image_features.float(), text_features.float(), scale.float())
+        self.precision.scale(loss).backward()
+        return loss.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
+
+    def _gradcache(self, sub_batches: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """The three GradCache phases (``gradcache.py``) over ``self.sub_batches`` sub-batches."""
+        progress = tqdm(total=2 * self.sub_batches, desc="encode", leave=False, dynamic_ncols=True,
+                        disable=not self.show_progress or self.sub_batches < 8, position=1, unit="sub-batch")
+        times, start = {}, time.perf_counter()
+        encoded = encode_without_graph(self.model, sub_batches, self.sub_batches, self.precision, self.keep,
+                                       progress)
+        times["data"] = encoded.data_s
+        times["encode"] = self._lap(start) - encoded.data_s
+        start = time.perf_counter()
+        grads = loss_and_feature_grads(self.loss_fn, encoded, self.model.logit_scale, self.precision)
+        times["loss"] = self._lap(start)
+        progress.set_description("replay")
+        start = time.perf_counter()
+        again = self.keep.offload.replay_images(encoded.kept, epoch) if encoded.kept else None
+        waited = replay(self.wrapped, encoded, grads, self.precision, again, progress)
+        times["data"] += waited
+        times["replay"] = self._lap(start) - waited
+        progress.close()
+        return grads.loss, times
+
+    def _lap(self, start: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # host-device sync: honest phase times only
+        return time.perf_counter() - start
+
+
+def next_timed(items: Iterator):
+    """The next item and the seconds spent waiting for it."""
+    start = time.perf_counter()
+    item = next(items)
+    return item, time.perf_counter() - start

@@ -1,4 +1,5 @@
-"""Config helpers: human-friendly counts (``1M``, ``256k``) and errors that name the key."""
+"""Config helpers: human-friendly counts (``1M``, ``256k``) and errors that name the key; the typed
+schema and its checks are in ``schema.py``, ``compose`` in ``compose.py``."""
 
 from __future__ import annotations
 
@@ -46,12 +47,6 @@ def parse_optional_count(value: Any, key: str) -> int | None:
     return None if value is None else parse_count(value, key)
 
 
-def require(condition: bool, message: str) -> None:
-    """Raise ``ConfigError(message)`` unless ``condition`` holds."""
-    if not condition:
-        raise ConfigError(message)
-
-
 def package_dir(module: str, *parts: str) -> str:
     """Folder of an installed Python package (plus ``parts``): ``${mb.package_dir:pkg,model}``
     points a config at model files that ship inside a wheel, with no download."""
@@ -68,11 +63,14 @@ def package_dir(module: str, *parts: str) -> str:
 
 
 def register_resolvers() -> None:
-    """OmegaConf resolvers used by configs/ (idempotent)."""
+    """OmegaConf resolvers and the typed schemas (``schema.py``) used by configs/ (idempotent)."""
     from omegaconf import OmegaConf
+
+    from .schema import register
 
     if not OmegaConf.has_resolver("mb.package_dir"):
         OmegaConf.register_new_resolver("mb.package_dir", package_dir)
+    register()
 
 
 register_resolvers()

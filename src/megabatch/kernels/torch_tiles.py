@@ -4,7 +4,7 @@ A block is ``rows [m, c]`` against ``cols [n, c]`` with logits ``S = scale * row
 are one modality (images), columns the other (texts); the row log-sum-exps give the image->text
 loss and the column log-sum-exps the text->image loss. Both functions walk the block in
 ``tile x tile`` pieces, so no more than one tile of logits exists at a time. Accumulation is in
-fp32 (float64 for float64 inputs). ``contrastive.py`` implements the same math in Triton kernels
+fp32 (float64 for float64 inputs). ``triton_tiles.py`` implements the same math in Triton kernels
 behind the same signatures; the tests hold both to float64.
 """
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megabatch.data import TrainData
-from megabatch.data.shards import Sample, encode_png, write_shards
+from megabatch.data.shard_writer import Sample, encode_png, write_shards
 
-from ..conftest import compose
+from ..helpers import compose
 
 SHARDS, PER_SHARD = 8, 10
 
@@ -83,18 +83,21 @@ def test_bad_shard_layouts_are_clear_errors(shard_urls):
 def test_persistent_redecode_workers_reproduce_the_first_decode(shard_urls):
     """Offload: kept bytes re-decoded by the worker pool (2 steps in a row, bounded look-ahead)
     equal the loader's first decode bit for bit, in order."""
+    from megabatch.data.offload import Offload
+
     data = make_data(shard_urls, "data.num_workers=2")
+    offload = Offload(data.transform, data.seed, workers=2)
     try:
         for epoch in (0, 1):
             loader = data.loader(epoch=epoch, start_batch=0, rank_batch=10, rank=0, world_size=1,
                                  num_batches=3, sub_batch=5, keep_raw=True)
-            first = [(sub.images, sub.raw) for sub in loader]
-            again = list(data.redecode([raw for _, raw in first], epoch))
+            first = [(sub.images, offload.keep(sub.raw)) for sub in loader]
+            again = list(offload.replay_images([raw for _, raw in first], epoch))
             assert len(again) == len(first) == 6
             for (images, _), redecoded in zip(first, again, strict=True):
                 assert torch.equal(images, redecoded)
     finally:
-        data.close()
+        offload.close()
 
 
 def _die(epoch, raw, spill_path=None):
@@ -102,10 +105,10 @@ def _die(epoch, raw, spill_path=None):
 
 
 def test_a_killed_redecode_worker_is_an_error_not_a_hang(shard_urls, monkeypatch):
-    from megabatch.data import train_data
+    from megabatch.data import offload
 
-    monkeypatch.setattr(train_data, "_redecode_sub_batch", _die)
-    redecoder = train_data.Redecoder(transform=None, seed=0, workers=1, timeout_s=2)
+    monkeypatch.setattr(offload, "_redecode_sub_batch", _die)
+    redecoder = offload.Redecoder(transform=None, seed=0, workers=1, timeout_s=2)
     try:
         with pytest.raises(RuntimeError, match="re-decode worker gave no sub-batch"):
             next(redecoder([[(b"", 0)]], epoch=0))

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ConfigError
+from .config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Fused Triton kernels for the tiled symmetric contrastive loss on one block of the matrix.
 
-Same math and signatures as the plain-torch reference in ``tiles.py``: a block is ``rows [m, c]``
+Same math and signatures as the plain-torch reference in ``torch_tiles.py``: a block is ``rows [m, c]``
 against ``cols [n, c]``, logits ``S = scale * rows @ cols^T`` (scale applied inside the kernels).
 
 Forward, ``_stats_kernel``: one pass over the tiles gives both directions. Each program owns a
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import fp32_matmul
+from .torch_tiles import fp32_matmul
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +415,7 @@ class _SymmetricLoss(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# Functional API (same signatures as tiles.py; ``tile`` is accepted and ignored)
+# Functional API (the signatures of torch_tiles.py, less its ``tile``: the kernels size their own)
 # ----------------------------------------------------------------------------------------------
 def _check(rows: torch.Tensor, cols: torch.Tensor, precision: str) -> None:
     if rows.dtype not in (torch.bfloat16, torch.float16, torch.float32) or cols.dtype != rows.dtype:
@@ -430,8 +430,8 @@ def _check(rows: torch.Tensor, cols: torch.Tensor, precision: str) -> None:
 
 
 def block_stats(
-    rows: torch.Tensor, cols: torch.Tensor, scale: torch.Tensor, tile: int | None = None,
-    fp32_precision: str = "tf32", config: dict | None = None,
+    rows: torch.Tensor, cols: torch.Tensor, scale: torch.Tensor, fp32_precision: str = "tf32",
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column ``logsumexp`` of ``scale * rows @ cols^T``.
 
@@ -453,7 +453,6 @@ def block_grads(
     diagonal: bool,
     d_rows: torch.Tensor | None = None,
     d_cols: torch.Tensor | None = None,
-    tile: int | None = None,
     fp32_precision: str = "tf32",
     rows_dtype: torch.dtype | None = None,
     config: dict | None = None,
@@ -492,17 +491,3 @@ def symmetric_loss(
     differentiable in all three inputs. One process; ``losses.InfClLoss`` runs the ring.
     """
     return _SymmetricLoss.apply(image_features, text_features, scale, fp32_precision)
-
-
-# ----------------------------------------------------------------------------------------------
-# Module
-# ----------------------------------------------------------------------------------------------
-class SymmetricLoss(torch.nn.Module):
-    """Module form of ``symmetric_loss``."""
-
-    def __init__(self, fp32_precision: str = "tf32"):
-        super().__init__()
-        self.fp32_precision = fp32_precision
-
-    def forward(self, image_features, text_features, scale):
-        return symmetric_loss(image_features, text_features, scale, self.fp32_precision)

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 import webdataset as wds
 from torch.utils.data import get_worker_info
 
-from .pipeline import EpochBatches, decode_pair, decode_rgb
+from .position_split import PositionSplitBatches
+from .samples import decode_pair, decode_rgb
 
 
 def slot_quota(sizes: list[int], slots: int, sub_batch: int) -> int:
@@ -33,7 +34,7 @@ def slot_quota(sizes: list[int], slots: int, sub_batch: int) -> int:
     return sum(sorted(sizes)[:per_slot]) // sub_batch
 
 
-class ShardBatches(EpochBatches):
+class ShardBatches(PositionSplitBatches):
     """Sub-batches of one epoch (or resampled stretch) for one rank, split across shards.
 
     ``sources``: lists of shard urls; ``weights``: one per source (resampled mode); ``quota``:

@@ -1,0 +1,138 @@
+"""What the benchmark scripts share: GPU timing and memory helpers, synthetic inputs and shards, a
+step built without a run, and one result writer with one metadata schema.
+
+Every ``scripts/bench_*.py`` writes ``{"meta": {...}, "results": [...]}`` through ``write_results``;
+``meta`` records the command, the git commit, the GPU(s), the library versions and the time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config.compose import compose
+from .data.samples import SubBatch
+from .data.shard_writer import Sample, write_shards
+
+__all__ = ["compose", "sync", "peak_gb", "reset_peak", "photos", "photo_shards", "synthetic_sub_batch",
+           "repeat", "build_step", "metadata", "write_results"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU (no-op on the CPU): around every timed region."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gb(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def photos(count: int, size: int, seed: int = 0) -> Iterator[Sample]:
+    """``count`` distinct JPEG samples of ``size`` px: smooth random pictures with noise, which
+    compress like photos (about 33 KB at 256 px)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for index in range(count):
+        coarse = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+        image = Image.fromarray(coarse).resize((size, size), Image.BICUBIC)
+        noise = rng.normal(0, 12, (size, size, 3))
+        pixels = np.clip(np.asarray(image, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+        yield Sample(buffer.getvalue(), "jpg", f"a synthetic photo number {index}")
+
+
+def photo_shards(count: int, size: int, folder: str | Path, per_shard: int = 1024) -> list[str]:
+    """``photos`` written as img2dataset-style shards (with ``sizes.json``) under ``folder``."""
+    return write_shards(photos(count, size), Path(folder), "photo", per_shard)
+
+
+def synthetic_sub_batch(sub_batch: int, image_size: int, context: int, device) -> SubBatch:
+    """One random image/token sub-batch on ``device`` (end-of-text token last, as a tokenizer pads)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    images = torch.randn(sub_batch, 3, image_size, image_size, device=device, generator=generator)
+    texts = torch.randint(1, 49407, (sub_batch, context), device=device, generator=generator)
+    texts[:, -1] = 49407
+    return SubBatch(images, texts, None)
+
+
+def repeat(sub: SubBatch) -> Iterator[SubBatch]:
+    """The same sub-batch forever (a benchmark that pays no data cost)."""
+    while True:
+        yield sub
+
+
+def build_step(cfg, device: torch.device, sub_batches: int, offload=None):
+    """A ``TrainStep`` for one rank as a run of ``cfg`` (a composed config) builds it: the model from
+    ``cfg.model``, the optimizer at ``cfg.batch``, ``cfg.trainer``'s precision (bf16 on CUDA, fp32
+    on the CPU by default) and TF32 setting, ``sub_batches`` per step. No run directory, data or
+    logging."""
+    from hydra.utils import instantiate
+
+    from .config import parse_count
+    from .train.optim import build_optimizer
+    from .train.step import TrainStep
+
+    if device.type == "cuda":  # as the Trainer sets it (trainer.tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, _convert_="all").to(device)
+    optimizer, _ = build_optimizer(cfg.optim, model, parse_count(cfg.batch))
+    return TrainStep(model, instantiate(cfg.loss), optimizer, device, precision=cfg.trainer.precision,
+                     sub_batches=sub_batches, feature_dtype=cfg.trainer.feature_dtype,
+                     grad_clip=cfg.optim.grad_clip, offload=offload)
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _git_commit() -> str | None:
+    """HEAD, with ``+dirty`` when the working tree differs from it (what ran is then not HEAD)."""
+    commit = _git("rev-parse", "HEAD")
+    if not commit:
+        return None
+    return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def metadata(**extra) -> dict:
+    """The one metadata schema of every benchmark result."""
+    cuda = torch.cuda.is_available()
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "open_clip", "torchvision"):
+        try:
+            versions[name] = __import__(name).__version__
+        except (ImportError, AttributeError):
+            pass
+    return {"command": " ".join(sys.argv), "git_commit": _git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "gpu": torch.cuda.get_device_name() if cuda else None,
+            "gpus": int(os.environ.get("WORLD_SIZE", "1")) if cuda else 0,
+            "host": {"cpus": os.cpu_count(), "machine": platform.machine()}, "versions": versions, **extra}
+
+
+def write_results(path: str | os.PathLike, results: list, **meta) -> None:
+    """Write ``{"meta": metadata(**meta), "results": results}`` to ``path`` (rewritten after every
+    row, so a run cut short keeps what it measured)."""
+    Path(path).write_text(json.dumps({"meta": metadata(**meta), "results": results}, indent=1))

@@ -1,0 +1,277 @@
+"""The typed config and its one validation point.
+
+Types. The dataclasses below are registered in Hydra's ConfigStore as ``<group>/schema`` and named
+first in the defaults list of every option file of ``trainer``, ``data``, ``eval`` and ``optim``, so
+composing a config gives each value its type (``trainer.max_steps=abc`` is refused, naming the
+key) and refuses keys that do not exist.
+
+Defaults live once. A value every option file of a group sets lives in that YAML file
+(``configs/<group>/*.yaml``, commented there) and its field here has none (``MISSING``). A key
+only some option files set (``eval.root``, ``eval.chunk``, ...) has its default here and nowhere
+else. The code reads ``cfg.key`` in either case, never ``cfg.get(key, default)``. The groups whose
+options are ``_target_`` classes with their own arguments (``model``, ``loss``, ``sched``,
+``logger``) keep their own keys; what can be checked of them before building is checked below.
+
+Checks. ``validate(cfg)`` runs first in every run (``train.run`` and ``Trainer``), before a
+process group, a model or a loader exists: ranges, choices and combinations (``loss.impl=triton``
+without CUDA, ``trainer.offload_dir`` without ``trainer.offload``, an evaluation set without its
+data, ...). Every error is a ``ConfigError`` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from . import ConfigError, parse_count, parse_optional_count
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+FEATURE_DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int | None = MISSING
+    epochs: int | None = MISSING
+    sub_batch: Any = MISSING          # a count (512, 4k) or null
+    precision: str = MISSING
+    ckpt_every: int | None = MISSING
+    keep_ckpts: int | None = MISSING
+    log_every: int = MISSING
+    stop_at_step: int | None = MISSING
+    device: str = MISSING
+    dist_backend: str = MISSING
+    dist_timeout_s: float = MISSING
+    offload: bool = MISSING
+    offload_dir: str | None = MISSING
+    prefetch_gb: Any = MISSING        # auto or a number of GB
+    feature_dtype: str = MISSING
+    tf32: bool = MISSING
+
+
+@dataclass
+class AugmentConfig:
+    scale: list[float] = MISSING
+    ratio: list[float] = MISSING
+
+
+@dataclass
+class DataTrainConfig:
+    urls: Any = MISSING               # null (the digits), a brace pattern, ::-joined patterns, a list
+    mode: str = MISSING
+    split: str = MISSING
+    weights: list[float] | None = MISSING
+    num_samples: Any = MISSING        # a count or null (read sizes.json)
+    shuffle_buffer: int = MISSING
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class DataConfig:
+    cache_dir: str = MISSING
+    num_workers: int = MISSING
+    train: DataTrainConfig = field(default_factory=DataTrainConfig)
+
+
+@dataclass
+class EvalConfig:
+    name: str | None = MISSING     # null: no evaluation
+    every: int | None = MISSING
+    at_end: bool = MISSING
+    # only some eval options set these
+    task: str = "zeroshot"            # zeroshot | retrieval
+    format: str = "wds"               # wds | folder | objectnet
+    root: str | None = None
+    urls: str | None = None
+    jsonl: str | None = None
+    classnames: Any = None            # a named set or a list; null: the set named like eval.name
+    templates: Any = None
+    subset_wnids_from: str | None = None
+    batch_size: int = 256
+    num_workers: int = 4
+    chunk: int = 1024
+
+
+@dataclass
+class OptimConfig:
+    lr: float = MISSING
+    lr_scaling: str | None = MISSING
+    base_batch: Any = MISSING
+    weight_decay: float = MISSING
+    grad_clip: float | None = MISSING
+    optimizer: Any = MISSING          # a _partial_ torch.optim class and its arguments
+
+
+SCHEMAS = {"trainer": TrainerConfig, "data": DataConfig, "eval": EvalConfig, "optim": OptimConfig}
+
+
+def register() -> None:
+    """Store the schemas as ``<group>/schema`` (idempotent); the option files name them first."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for group, schema in SCHEMAS.items():
+        store.store(group=group, name="schema", node=schema)
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Check a composed ``train.yaml`` config; return it unchanged. Idempotent."""
+    check_run(cfg)
+    check_trainer(cfg.trainer)
+    check_data(cfg.data)
+    check_eval(cfg.eval)
+    check_optim(cfg.optim)
+    check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"))
+    check_loss(cfg.loss, cfg.trainer.device)
+    check_model(cfg.model)
+    return cfg
+
+
+def choice(value, key: str, options) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}={value!r}; use one of {', '.join(map(str, options))}")
+
+
+def at_least(value, key: str, low, example: str) -> None:
+    if value is not None and value < low:
+        raise ConfigError(f"{key}={value!r} must be at least {low}; e.g. {key}={example}")
+
+
+def check_run(cfg: DictConfig) -> None:
+    parse_count(cfg.batch, "batch")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int):
+        raise ConfigError(f"seed={cfg.seed!r} must be an integer, e.g. seed=0")
+    if cfg.resume not in (None, "", "none", "null", "latest") and not Path(str(cfg.resume)).expanduser().is_file():
+        raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file (use resume=latest or a .pt path)")
+
+
+def check_trainer(trainer: DictConfig) -> None:
+    if (trainer.max_steps is None) == (trainer.epochs is None):
+        raise ConfigError("set exactly one of trainer.max_steps and trainer.epochs (the other null)")
+    at_least(trainer.max_steps, "trainer.max_steps", 1, "500")
+    at_least(trainer.epochs, "trainer.epochs", 1, "32")
+    parse_optional_count(trainer.sub_batch, "trainer.sub_batch")
+    choice(trainer.precision, "trainer.precision", PRECISIONS)
+    choice(trainer.feature_dtype, "trainer.feature_dtype", FEATURE_DTYPES)
+    at_least(trainer.ckpt_every, "trainer.ckpt_every", 0, "100 (0 or null: only at the end)")
+    at_least(trainer.keep_ckpts, "trainer.keep_ckpts", 1, "3 (null keeps all)")
+    at_least(trainer.log_every, "trainer.log_every", 1, "10")
+    at_least(trainer.stop_at_step, "trainer.stop_at_step", 1, "1000")
+    at_least(trainer.dist_timeout_s, "trainer.dist_timeout_s", 1, "600")
+    choice(trainer.dist_backend, "trainer.dist_backend", ("auto", "nccl", "gloo"))
+    if trainer.device not in ("auto", "cpu", "cuda") and not str(trainer.device).startswith("cuda:"):
+        raise ConfigError(f"trainer.device={trainer.device!r}; use auto, cpu or cuda")
+    if trainer.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={trainer.device} but this machine has no CUDA GPU; "
+                          "use trainer.device=auto or cpu")
+    if trainer.offload_dir and not trainer.offload:
+        raise ConfigError("trainer.offload_dir is set but trainer.offload=false; set trainer.offload=true "
+                          "or drop trainer.offload_dir")
+    budget = trainer.prefetch_gb
+    if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
+        raise ConfigError(f"trainer.prefetch_gb={budget!r}: give the host memory (GB per rank) the "
+                          "loader may read ahead into, e.g. trainer.prefetch_gb=8, 0 to turn it off, or auto")
+
+
+def check_data(data: DictConfig) -> None:
+    train = data.train
+    if OmegaConf.is_missing(train, "urls"):
+        raise ConfigError("data.train.urls is not set: give your shards, e.g. "
+                          "data.train.urls='/data/cc12m/{000000..001242}.tar' (quoted: Hydra reads braces)")
+    at_least(data.num_workers, "data.num_workers", 0, "8")
+    at_least(train.shuffle_buffer, "data.train.shuffle_buffer", 1, "5000")
+    choice(train.split, "data.train.split", ("position", "shard"))
+    choice(train.mode, "data.train.mode", ("epoch", "resampled"))
+    if train.mode == "resampled" and train.split != "shard":
+        raise ConfigError("data.train.mode=resampled needs data.train.split=shard")
+    parse_optional_count(train.num_samples, "data.train.num_samples")
+    for key in ("scale", "ratio"):
+        values = train.augment[key]
+        if len(values) != 2 or not 0 < values[0] <= values[1]:
+            raise ConfigError(f"data.train.augment.{key}={list(values)}: give [low, high] with 0 < low <= high")
+    if train.weights is not None and any(w < 0 for w in train.weights):
+        raise ConfigError(f"data.train.weights={list(train.weights)}: weights must not be negative")
+
+
+def check_eval(eval_cfg: DictConfig) -> None:
+    """The evaluation section (also ``scripts/evaluate.py``'s): where its data is, checked before
+    a run spends hours training towards an evaluation that cannot start."""
+    at_least(eval_cfg.every, "eval.every", 1, "1000 (null: only at the end)")
+    at_least(eval_cfg.batch_size, "eval.batch_size", 1, "256")
+    at_least(eval_cfg.chunk, "eval.chunk", 1, "1024")
+    at_least(eval_cfg.num_workers, "eval.num_workers", 0, "4")
+    if not eval_cfg.name:
+        return
+    choice(eval_cfg.task, "eval.task", ("zeroshot", "retrieval"))
+    choice(eval_cfg.format, "eval.format", ("wds", "folder", "objectnet"))
+    if eval_cfg.task == "retrieval":
+        if not (eval_cfg.jsonl or eval_cfg.urls):
+            raise ConfigError("eval=retrieval needs eval.jsonl (a JSONL of pairs) or eval.urls (shards)")
+        return
+    if eval_cfg.format in ("folder", "objectnet"):
+        eval_root(eval_cfg)
+    if eval_cfg.format == "wds" and not eval_cfg.urls and eval_cfg.name != "digits":
+        raise ConfigError(f"eval.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
+
+
+def eval_root(eval_cfg: DictConfig) -> str:
+    """``eval.root`` of a folder-format evaluation set, which must be given."""
+    if OmegaConf.is_missing(eval_cfg, "root") or not eval_cfg.root:
+        what = "the ObjectNet release folder" if eval_cfg.format == "objectnet" else "an ImageFolder path"
+        raise ConfigError(f"eval.root is not set for eval={eval_cfg.name} ({what}), e.g. "
+                          f"eval.root=/data/{eval_cfg.name}; or eval=none")
+    return eval_cfg.root
+
+
+def check_optim(optim: DictConfig) -> None:
+    if optim.lr <= 0:
+        raise ConfigError(f"optim.lr={optim.lr} must be positive, e.g. optim.lr=5e-4")
+    at_least(optim.weight_decay, "optim.weight_decay", 0, "0.2")
+    if optim.grad_clip is not None and optim.grad_clip <= 0:
+        raise ConfigError(f"optim.grad_clip={optim.grad_clip}: give a positive max norm, e.g. "
+                          "optim.grad_clip=1.0, or null for no clipping")
+    choice(optim.lr_scaling, "optim.lr_scaling", (None, "none", "linear", "sqrt"))
+    if optim.lr_scaling not in (None, "none"):
+        parse_count(optim.base_batch, "optim.base_batch")
+
+
+def check_buildable(node: DictConfig, key: str, **kwargs) -> None:
+    """Build a cheap ``_target_`` (a loss, a schedule) once: its constructor checks its own
+    arguments, and an error surfaces now, naming ``key``, not after the model and data are built."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(node, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__ or error
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(f"{key}: {cause}") from None
+
+
+def check_loss(loss: DictConfig, device: str) -> None:
+    """The loss's own arguments (its constructor), and ``impl=triton`` only where a GPU (or the
+    interpreter, for tests) will run it."""
+    check_buildable(loss, "loss")
+    if loss.get("impl") == "triton":
+        on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if not on_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ConfigError("loss.impl=triton needs a CUDA GPU and this run is on the CPU; use "
+                              "loss.impl=auto (Triton on CUDA, torch elsewhere) or loss.impl=torch")
+
+
+def check_model(model: DictConfig) -> None:
+    """What the data pipeline needs of the model before it is built; the towers' own fields are
+    open_clip's, checked by ``build_clip`` with errors naming ``model.image`` / ``model.text``."""
+    size = model.image.image_size
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ConfigError(f"model.image.image_size={size!r} must be a positive number of pixels, e.g. 224")
+    context = model.text.context_length
+    if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
+        raise ConfigError(f"model.text.context_length={context!r} must be a positive number of tokens, e.g. 77")

@@ -1,0 +1,221 @@
+"""Data offload (``trainer.offload``): the one owner of what a GradCache step keeps between its
+first encoding (phase 1) and its replay (phase 3) instead of the input tensors.
+
+Phase 1 hands each sub-batch's encoded image bytes and stream positions to ``Offload.keep``; the
+replay asks ``Offload.replay_images`` for the images again and gets them decoded anew, with the same
+per-sample augmentation (seeded by seed, epoch and position: ``samples.SampleDecoder``), by a pool
+of worker processes that lives as long as the run. The bytes are held in host memory, or with
+``trainer.offload_dir`` appended to one local spill file per rank and read back by offset, so host
+memory stays flat however large the batch. ``Offload.new_step`` releases the last step's bytes;
+``close`` stops the workers and deletes the spill file. Spill files that killed runs left behind on
+this host are removed when the next run opens its own.
+
+    offload = Offload(transform, seed, workers=16, spill_dir="/local/scratch", rank=0)
+    kept = [offload.keep(sub.raw) for sub in sub_batches]     # phase 1
+    for images in offload.replay_images(kept, epoch): ...     # phase 3, same order
+    offload.new_step()                                         # next step
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import re
+import socket
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from .samples import SampleDecoder
+
+log = logging.getLogger(__name__)
+
+
+class Offload:
+    """Keeps a step's encoded image bytes (in host memory, or in a spill file under ``spill_dir``)
+    and re-decodes them for the replay in ``workers`` persistent processes (0: in this process).
+    The pool is forked at construction, while this process is still small (after phase 1 it holds
+    every kept image's bytes, and forking then is slow and copies large page tables)."""
+
+    def __init__(self, transform: Callable, seed: int, workers: int, spill_dir: str | None = None,
+                 rank: int = 0):
+        self.spill = SpillFile(spill_dir, rank) if spill_dir else None
+        self.redecoder = Redecoder(transform, seed, workers)
+        self.redecoder.start()
+
+    @property
+    def spill_path(self) -> str | None:
+        return self.spill.path if self.spill is not None else None
+
+    def new_step(self) -> None:
+        """A step begins: the last step's replay is over, its kept bytes are no longer needed
+        (the spill file is rewritten from its start)."""
+        if self.spill is not None:
+            self.spill.reset()
+
+    def keep(self, raw: list) -> list:
+        """What phase 1 holds on to for one sub-batch: its ``(bytes, position)`` pairs, or with a
+        spill file their ``(offset, length, position)`` there."""
+        return self.spill.keep(raw) if self.spill is not None else raw
+
+    def replay_images(self, kept: list, epoch: int) -> Iterator[torch.Tensor]:
+        """The uint8 images ``[n, 3, s, s]`` of each kept sub-batch again, in order, decoded with
+        the same per-sample augmentation as the first time."""
+        if self.spill is not None:
+            self.spill.flush()  # into the page cache, where the re-decode workers read it
+        return self.redecoder(kept, epoch, self.spill_path)
+
+    def close(self) -> None:
+        self.redecoder.close()
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+
+
+_worker_decoder: dict = {}
+
+
+def _init_redecode_worker(transform, seed: int) -> None:
+    torch.set_num_threads(1)
+    _worker_decoder.update(transform=transform, seed=seed)
+
+
+def _decode_sub_batch(decoder: SampleDecoder, raw: list, spill_path: str | None = None) -> torch.Tensor:
+    """``[n, 3, s, s]`` uint8 images of one kept sub-batch: ``(bytes, position)`` pairs, or with
+    ``spill_path`` ``(offset, length, position)`` references into that file (``SpillFile``)."""
+    if spill_path is None:
+        return torch.stack([decoder(data, position) for data, position in raw])
+    images = []
+    with open(spill_path, "rb") as file:
+        for offset, length, position in raw:
+            file.seek(offset)
+            images.append(decoder(file.read(length), position))
+    return torch.stack(images)
+
+
+def _redecode_sub_batch(epoch: int, raw: list, spill_path: str | None = None) -> torch.Tensor:
+    decoder = SampleDecoder(_worker_decoder["transform"], _worker_decoder["seed"], epoch)
+    return _decode_sub_batch(decoder, raw, spill_path)
+
+
+_SPILL_NAME = re.compile(r"offload-(?P<host>.+)-rank\d+-pid(?P<pid>\d+)\.bin")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only (PermissionError: someone else's process)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_spill_files(folder: Path) -> None:
+    """Delete spill files that runs on this host left behind when they died (killed, crashed, out of
+    memory), a whole step's bytes each. Only files named for this host whose process is gone: a
+    shared folder's files from other hosts, and live runs' files, are left alone."""
+    host = socket.gethostname()
+    for path in folder.glob("offload-*.bin"):
+        match = _SPILL_NAME.fullmatch(path.name)
+        if match and match["host"] == host and not _process_alive(int(match["pid"])):
+            try:  # the host's other ranks clean up at the same moment: whoever is first removes it
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            log.warning("removed %s (%.2f GB): a spill file left by a run that ended without cleaning up",
+                        path, size / 1e9)
+
+
+class SpillFile:
+    """``trainer.offload_dir``: a step's kept image bytes appended to one local file (per rank)
+    instead of held in host memory; the replay reads them back by (offset, length). Host memory
+    then no longer grows with the batch (the page cache holds what fits and the kernel may evict
+    it); the file is rewritten from the start every step and deleted at the end of the run."""
+
+    def __init__(self, directory: str, rank: int):
+        folder = Path(directory).expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            remove_stale_spill_files(folder)
+            self.path = str(folder / f"offload-{socket.gethostname()}-rank{rank}-pid{os.getpid()}.bin")
+            self.file = open(self.path, "w+b")  # noqa: SIM115 - open for the run, closed by close()
+        except OSError as error:
+            raise ConfigError(f"trainer.offload_dir={directory!r} is not a writable directory ({error}); "
+                              "give a local scratch path, or null to keep the bytes in host memory") from None
+        self.offset = 0
+
+    def keep(self, raw: list) -> list:
+        """Append ``(bytes, position)`` pairs; return their ``(offset, length, position)``."""
+        refs = []
+        for data, position in raw:
+            self.file.write(data)
+            refs.append((self.offset, len(data), position))
+            self.offset += len(data)
+        return refs
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def reset(self) -> None:
+        self.file.seek(0)
+        self.offset = 0
+
+    def close(self) -> None:
+        self.file.close()
+        Path(self.path).unlink(missing_ok=True)
+
+
+class Redecoder:
+    """Re-decodes offloaded sub-batches in a pool of worker processes that lives as long as the
+    run (a DataLoader per step would fork its workers again every step, seconds at 16 workers).
+    At most ``2 x workers`` sub-batches are decoded ahead of the consumer, so host memory stays
+    bounded however long the replay. Results come back through shared memory (torch tensors)."""
+
+    def __init__(self, transform, seed: int, workers: int, timeout_s: float = 600.0):
+        self.transform, self.seed, self.workers, self.timeout_s = transform, seed, workers, timeout_s
+        self.pool = None
+
+    def __call__(self, raw_sub_batches: list, epoch: int, spill_path: str | None = None) -> Iterator[torch.Tensor]:
+        if self.workers == 0:
+            decoder = SampleDecoder(self.transform, self.seed, epoch)
+            for raw in raw_sub_batches:
+                yield _decode_sub_batch(decoder, raw, spill_path)
+            return
+        self.start()
+        pending, upcoming = deque(), iter(raw_sub_batches)
+        for raw in itertools.islice(upcoming, 2 * self.workers):
+            pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw, spill_path)))
+        while pending:
+            try:  # a pool does not notice a worker killed from outside (OOM): wait bounded
+                images = pending.popleft().get(timeout=self.timeout_s)
+            except multiprocessing.TimeoutError:
+                raise RuntimeError(
+                    f"an offload re-decode worker gave no sub-batch in {self.timeout_s:.0f} s (killed by "
+                    "the out-of-memory killer? see dmesg); fewer data.num_workers or trainer.offload=false"
+                ) from None
+            raw = next(upcoming, None)
+            if raw is not None:
+                pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw, spill_path)))
+            yield images
+
+    def start(self) -> None:
+        """Fork the worker pool (once). Forking while this process is still small keeps the fork
+        fast and the children's page tables small: after phase 1 it holds every kept image's bytes."""
+        if self.pool is None and self.workers > 0:
+            import torch.multiprocessing as mp
+
+            self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_redecode_worker,
+                                                    initargs=(self.transform, self.seed))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None

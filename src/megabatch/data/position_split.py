@@ -1,0 +1,148 @@
+"""The position-split training loader, sized for exactness first: every rank (and loader worker)
+reads the same shard stream, shuffled identically from (seed, epoch), and keeps its share of the
+samples by position. Each epoch therefore uses every sample at most once across ranks, every rank
+gets the same number of batches (no DDP hang), and a position in the stream identifies a sample,
+so a resumed run skips the batches it already trained on without decoding them. LAION-scale data
+uses the shard split instead (``shard_split.py``), which builds on this class.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterator
+
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .samples import SampleDecoder, Stats, SubBatch, decode_pair, decode_rgb
+
+log = logging.getLogger(__name__)
+
+
+class PositionSplitBatches(IterableDataset):
+    """This rank's sub-batches of one epoch: ``(images [sub_batch, 3, s, s], texts [sub_batch, ctx],
+    raw)``, ``rank_batch / sub_batch`` consecutive ones per global batch.
+
+    ``raw`` is ``None``, or with ``keep_raw`` the list of ``(image bytes, stream position)`` from
+    which ``SampleDecoder`` re-creates the images exactly. ``num_batches`` global batches are
+    produced (the last incomplete one is dropped); batches before ``start_batch`` are skipped
+    without decoding. Sub-batch ``k`` (counted from the start) is built by loader worker
+    ``k % num_workers``, matching the DataLoader's round-robin order.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        transform: Callable,
+        tokenize: Callable[[list[str]], torch.Tensor],
+        rank_batch: int,
+        rank: int,
+        world_size: int,
+        num_batches: int,
+        seed: int,
+        epoch: int,
+        start_batch: int = 0,
+        shuffle_buffer: int = 1000,
+        sub_batch: int | None = None,
+        keep_raw: bool = False,
+    ):
+        super().__init__()
+        self.urls, self.tokenize = urls, tokenize
+        self.decoder = SampleDecoder(transform, seed, epoch)
+        self.rank_batch, self.rank, self.world_size = rank_batch, rank, world_size
+        self.sub_batch = sub_batch or rank_batch
+        self.num_batches, self.start_batch = num_batches, start_batch
+        self.seed, self.epoch, self.shuffle_buffer = seed, epoch, shuffle_buffer
+        self.keep_raw = keep_raw
+        self.stats = Stats()
+
+    def _stream(self) -> Iterator[dict]:
+        epoch_seed = self.seed * 100_003 + self.epoch
+        shards = list(self.urls)
+        random.Random(epoch_seed).shuffle(shards)
+        stream = wds.tarfile_to_samples(handler=self.stats.handler)(
+            iter([{"url": url} for url in shards])
+        )
+        return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=epoch_seed)(stream)
+
+    def _my_chunks(self, worker: int, num_workers: int) -> list[int]:
+        """The sub-batch (chunk) indices this worker must produce, in order."""
+        per_batch = self.rank_batch // self.sub_batch
+        first, end = self.start_batch * per_batch, self.num_batches * per_batch
+        return [c for c in range(first, end) if (c - first) % num_workers == worker]
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        global_batch = self.rank_batch * self.world_size
+        per_batch = self.rank_batch // self.sub_batch
+        first_chunk = self.start_batch * per_batch
+        self.worker = worker
+        expected = self._my_chunks(worker, num_workers)
+        produced = 0
+        pending: list[tuple[bytes, int, torch.Tensor, str]] = []
+        current = None
+        for position, raw in enumerate(self._stream()):
+            batch_index = position // global_batch
+            if batch_index >= self.num_batches:
+                break
+            if position % self.world_size != self.rank or batch_index < self.start_batch:
+                continue
+            # this rank's j-th sample of the global batch, in sub-batch (chunk) j // sub_batch
+            j = (position % global_batch) // self.world_size
+            chunk = batch_index * per_batch + j // self.sub_batch
+            if (chunk - first_chunk) % num_workers != worker:
+                continue
+            if current is not None and chunk != current:
+                # every expected chunk is produced, even one whose samples were all unusable
+                while produced < len(expected) and expected[produced] <= current:
+                    yield self._collate(pending)
+                    produced += 1
+                pending = []
+            current = chunk
+            pair = decode_pair(raw, self.stats, decode_rgb)
+            if pair is None:
+                continue
+            image_bytes, image, caption = pair
+            pending.append((image_bytes, position, self.decoder(image, position), caption))
+        # the stream may end early (a truncated shard): pad the missing sub-batches so that
+        # every rank still yields the same number and DDP never waits on a rank forever
+        while produced < len(expected):
+            yield self._collate(pending)
+            pending = []
+            produced += 1
+
+    def _collate(self, samples):
+        if len(samples) < self.sub_batch:
+            # unusable samples were skipped: repeat good ones (counted) to keep sub-batches equal
+            missing = self.sub_batch - len(samples)
+            self.stats.padded += missing
+            log.warning("sub-batch short of %d usable samples: repeating some (%s)", missing,
+                        self.stats)
+            samples = samples or list(getattr(self, "_last_samples", []))
+            if not samples:
+                raise RuntimeError(f"no usable sample to build a sub-batch from ({self.stats})")
+            samples = (samples * (self.sub_batch // len(samples) + 1))[: self.sub_batch]
+        self._last_samples = samples
+        images = torch.stack([s[2] for s in samples])
+        texts = self.tokenize([s[3] for s in samples])
+        raw = [(s[0], s[1]) for s in samples] if self.keep_raw else None
+        return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()})
+
+
+def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader over ``dataset``'s ready-made batches. With ``pin_memory`` a background thread
+    copies them into page-locked memory: a pageable copy to the GPU first waits for every kernel
+    queued before it, so the loader could not run ahead of the encoder (measured on an H200 host,
+    16 workers, 44 ms of GPU work per 512-sample sub-batch: 5,050 samples/s pageable, 6,760 pinned)."""
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=False,
+        prefetch_factor=4 if num_workers > 0 else None,
+    )

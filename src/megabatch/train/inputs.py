@@ -1,0 +1,65 @@
+"""This rank's sub-batches for a run: one loader per epoch, read ahead, bad input counted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..data import TrainData
+from ..data.read_ahead import ReadAhead
+from ..data.samples import SubBatch
+from .plan import BatchPlan
+
+
+def read_ahead_budget(prefetch_gb, offload: bool) -> float:
+    """Bytes the loader may be read ahead into (``trainer.prefetch_gb``, checked at start-up).
+    ``auto``: 8 GB, or none with data offload, whose point is a small host footprint: there the
+    replay's re-decode workers already use the cores, and a 1M step measured no faster with it,
+    and 13 GB larger (docs/bench/offload_1M_spill_readahead_h100.json against offload_1M_spill_h100.json)."""
+    if prefetch_gb == "auto":
+        return 0.0 if offload else 8e9
+    return float(prefetch_gb) * 1e9
+
+
+class RunInputs:
+    """``rank``'s sub-batches from a given step to the end of the run (``plan.sub_batches`` per
+    step), across epochs. ``keep_raw``: the loader keeps each image's encoded bytes (offload);
+    ``pin_memory``: page-locked tensors (CUDA); ``read_ahead_bytes``: a thread keeps taking
+    sub-batches from the loader during the loss and the replay (``data/read_ahead.py``)."""
+
+    def __init__(self, data: TrainData, plan: BatchPlan, rank: int, *, keep_raw: bool = False,
+                 pin_memory: bool = False, read_ahead_bytes: float = 0.0):
+        self.data, self.plan, self.rank = data, plan, rank
+        self.keep_raw, self.pin_memory, self.read_ahead_bytes = keep_raw, pin_memory, read_ahead_bytes
+        self.worker_stats: dict = {}  # (epoch, worker) -> that loader worker's cumulative counts
+
+    def __call__(self, start_step: int) -> Iterator[SubBatch]:
+        plan = self.plan
+        epoch, start = divmod(start_step, plan.steps_per_epoch)
+        while epoch * plan.steps_per_epoch + start < plan.total_steps:
+            loader = iter(self.data.loader(epoch, start, plan.rank_batch, self.rank, plan.world_size,
+                                           plan.steps_per_epoch, sub_batch=plan.sub_batch,
+                                           keep_raw=self.keep_raw, pin_memory=self.pin_memory))
+            # workers keep decoding through the loss and the replay; only steps with a replay: a
+            # one-sub-batch step has nothing to hide it behind, and read ahead it measured 8%
+            # slower at batch 512 (docs/bench/gradcache_32k_loader_readahead_warm_h200.json)
+            reads_ahead = self.read_ahead_bytes > 0 and int(self.data.cfg.num_workers) > 0 \
+                and plan.sub_batches > 1
+            ahead = ReadAhead(loader, self.read_ahead_bytes) if reads_ahead else None
+            try:
+                for sub in ahead if ahead is not None else loader:
+                    if sub.stats:
+                        self.worker_stats[(epoch, sub.stats["worker"])] = sub.stats
+                    yield sub
+            finally:
+                if ahead is not None:
+                    ahead.close()
+            epoch, start = epoch + 1, 0
+
+    def bad_input_counts(self) -> dict[str, int]:
+        """This rank's bad-input counts so far (summed over loader workers and epochs)."""
+        totals: dict[str, int] = {}
+        for stats in self.worker_stats.values():
+            for kind, count in stats.items():
+                if kind != "worker":
+                    totals[kind] = totals.get(kind, 0) + count
+        return totals
