@@ -12,9 +12,13 @@ import megabatch.config  # noqa: F401  (registers the configs' resolvers and sch
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    from megabatch.config import ConfigError
     from megabatch.train import run
 
-    return run(cfg)  # the final zero-shot top-1: what a sweeper optimises
+    try:
+        return run(cfg)  # the final zero-shot top-1: what a sweeper optimises
+    except ConfigError as error:  # the key and the fix, without a traceback
+        raise SystemExit(f"config error: {error}") from None
 
 
 if __name__ == "__main__":

@@ -15,9 +15,13 @@ import megabatch.config  # noqa: F401  (registers the configs' resolvers and sch
 
 @hydra.main(config_path="../configs", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    from megabatch.config import ConfigError
     from megabatch.eval.checkpoint import evaluate_checkpoint
 
-    result = evaluate_checkpoint(cfg)
+    try:
+        result = evaluate_checkpoint(cfg)
+    except ConfigError as error:  # the key and the fix, without a traceback
+        raise SystemExit(f"config error: {error}") from None
     output = Path(cfg.output or f"{Path(cfg.ckpt).with_suffix('')}.eval-{cfg.eval.name}.json")
     output.write_text(json.dumps(result, indent=1))
     if "top1" in result:

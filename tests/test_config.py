@@ -189,3 +189,82 @@ def test_pretrained_path_must_exist(tmp_path: Path):
     cfg = compose(f"model.pretrained={tmp_path}/missing.pt")
     with pytest.raises(Exception, match="model.pretrained"):
         instantiate(cfg.model, _convert_="all")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("trainer.max_steps=-3", "trainer.max_steps"), ("trainer.log_every=0", "trainer.log_every"),
+    ("trainer.ckpt_every=-1", "trainer.ckpt_every"), ("seed=abc", "seed"), ("optim.lr=-1", "optim.lr"),
+    ("optim.grad_clip=-1", "optim.grad_clip"), ("trainer.precision=fp64", "trainer.precision"),
+    ("trainer.sub_batch=lots", "trainer.sub_batch"), ("data.train.mode=resampled", "data.train.mode"),
+    ("data=webdataset", "data.train.urls"), ("eval=imagenet", "eval.root"), ("eval=retrieval", "eval.jsonl"),
+    ("loss=infcl loss.tile=0", "loss.tile"), ("sched.warmup_samples=1k", "sched.warmup_steps"),
+    ("+trainer.no_such_option=1", "trainer.no_such_option"), ("+data.train.augment.x=1", "data.train.augment.x"),
+    ("resume=/no/such/file.pt", "resume"), ("trainer.device=cuda", "trainer.device"),
+])
+def test_every_bad_value_is_refused_at_start_up_naming_the_key(override, key):
+    from megabatch.config.schema import validate
+
+    cfg = compose(*override.split())
+    if override == "trainer.device=cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg)
+
+
+def test_every_option_of_every_group_validates():
+    from megabatch.config.schema import validate
+
+    for group in ("model", "loss", "trainer", "optim", "sched", "logger", "experiment"):
+        for option in options(group):
+            overrides = [f"{group}={option}"]
+            if option == "vit_b16_bert":
+                overrides.append("model.text.hf_path=/models/bert")  # required; the folder is checked at build
+            validate(compose(*overrides))
+    validate(compose("loss=infcl", "loss.impl=triton"))  # tests run Triton through the interpreter
+
+
+def test_types_and_unknown_keys_are_refused_when_composing():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="trainer.max_steps"):
+        compose("trainer.max_steps=abc")
+    with pytest.raises(ConfigCompositionException, match="max_step"):
+        compose("trainer.max_step=5")
+    cfg = compose("trainer.max_steps=7", "optim.lr=1", "data.num_workers=3")
+    assert (cfg.trainer.max_steps, cfg.optim.lr, cfg.data.num_workers) == (7, 1.0, 3)
+    assert compose("eval=none").eval.chunk == 1024  # a default only some eval options set: from the schema
+
+
+def test_a_bad_config_fails_before_anything_is_built(tmp_path):
+    from megabatch.train import run
+
+    cfg = compose("trainer.log_every=0")
+    cfg.run_dir = str(tmp_path / "run")
+    with pytest.raises(ConfigError, match="trainer.log_every"):
+        run(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_imports_point_down_the_package_floors():
+    """A package imports only from packages below it (docs/ARCHITECTURE.md); no cycle."""
+    import ast
+
+    src = CONFIGS.parent / "src" / "megabatch"
+    floor = {"config": 0, "checkpoint": 1, "images": 1, "distributed": 1, "kernels": 1, "losses": 2,
+             "models": 2, "data": 2, "eval": 3, "train": 4, "bench": 5}
+    wrong = []
+    for path in src.rglob("*.py"):
+        module = path.relative_to(src).parts[0].removesuffix(".py")
+        if module == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.level == 0 and node.module.startswith("megabatch."):
+                    target = node.module.split(".")[1]
+                elif node.level >= 2 or (node.level == 1 and path.parent == src):
+                    target = node.module.split(".")[0]
+                else:
+                    continue
+                if target in floor and target != module and floor[target] >= floor[module]:
+                    wrong.append(f"{path.relative_to(src)} imports {target}")
+    assert not wrong, wrong

@@ -21,7 +21,7 @@ data, ...). Every error is a ``ConfigError`` naming the key and the fix.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,8 @@ def register() -> None:
 
 def validate(cfg: DictConfig) -> DictConfig:
     """Check a composed ``train.yaml`` config; return it unchanged. Idempotent."""
+    for group, schema in SCHEMAS.items():
+        check_known_keys(cfg[group], schema, group)
     check_run(cfg)
     check_trainer(cfg.trainer)
     check_data(cfg.data)
@@ -130,6 +132,17 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_loss(cfg.loss, cfg.trainer.device)
     check_model(cfg.model)
     return cfg
+
+
+def check_known_keys(node: DictConfig, schema: type, key: str) -> None:
+    """Refuse keys that a ``+group.key=value`` override added to a typed section: nothing reads them."""
+    known = {spec.name: spec for spec in fields(schema)}
+    for name in node:
+        if name not in known:
+            raise ConfigError(f"{key}.{name}: no such option; the options are {', '.join(sorted(known))}")
+        nested = known[name].default_factory  # a nested section (data.train, data.train.augment)
+        if isinstance(nested, type) and is_dataclass(nested):
+            check_known_keys(node[name], nested, f"{key}.{name}")
 
 
 def choice(value, key: str, options) -> None:
