@@ -119,11 +119,6 @@ class Trainer:
             payload["scaler"] = self.train_step.scaler.state_dict()
         write_run_checkpoint(self.ckpt_dir, payload, self.step, numbered, self.cfg.trainer.keep_ckpts)
 
-    def _lap(self, start: float) -> float:
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize(self.env.device)  # host-device sync: honest phase times only
-        return time.perf_counter() - start
-
     def evaluate(self) -> dict[str, float] | None:
         if not self.main or not self.cfg.eval.name:
             return None
@@ -160,9 +155,7 @@ class Trainer:
             #    when sub_batches > 1); DDP averages the gradients across ranks once per step
             loss, times = self.train_step.gradients(sub_batches, epoch=self.step // plan.steps_per_epoch)
             # 3. clip the true (unscaled) gradient, step, clear, clamp the temperature
-            start = time.perf_counter()
-            self.train_step.apply()
-            times["optimizer"] = self._lap(start)
+            times["optimizer"] = self.train_step.apply()
             for phase, seconds in times.items():
                 phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds
             self.step += 1

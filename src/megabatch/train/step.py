@@ -71,8 +71,10 @@ class TrainStep:
             return self._forward_backward(next_timed(sub_batches))
         return self._gradcache(sub_batches, epoch)
 
-    def apply(self) -> None:
-        """Clip the true (unscaled) gradient, step, clear the gradients, clamp the temperature."""
+    def apply(self) -> float:
+        """Clip the true (unscaled) gradient, step, clear the gradients, clamp the temperature;
+        return the seconds it took."""
+        start = time.perf_counter()
         self.scaler.unscale_(self.optimizer)
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -80,6 +82,7 @@ class TrainStep:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.clamp_logit_scale()
+        return self._lap(start)
 
     def _forward_backward(self, timed: tuple[SubBatch, float]) -> tuple[torch.Tensor, dict[str, float]]:
         """One sub-batch: encode, the global loss, backward (fp16: scaled). The loss runs on fp32
