@@ -4,6 +4,8 @@ Single process: `python train.py`. Several GPUs: `torchrun --nproc_per_node=8 tr
 A sweep: `python train.py -m loss=vanilla optim.lr=1e-4,5e-4`. See README.md and configs/.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -13,12 +15,16 @@ import megabatch.config  # noqa: F401  (registers the configs' resolvers and sch
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     from megabatch.config import ConfigError
-    from megabatch.train import run
+    from megabatch.train import NonFiniteError, run
 
     try:
         return run(cfg)  # the final zero-shot top-1: what a sweeper optimises
-    except ConfigError as error:  # the key and the fix, without a traceback
-        raise SystemExit(f"config error: {error}") from None
+    except ConfigError as error:  # the key and the fix, one line, no traceback; status 2 (usage)
+        print(f"config error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except NonFiniteError as error:  # diverged: what happened and what to change, status 1
+        print(f"training stopped: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 """
 
 import json
+import sys
 from pathlib import Path
 
 import hydra
@@ -20,8 +21,9 @@ def main(cfg: DictConfig) -> float:
 
     try:
         result = evaluate_checkpoint(cfg)
-    except ConfigError as error:  # the key and the fix, without a traceback
-        raise SystemExit(f"config error: {error}") from None
+    except ConfigError as error:  # the key and the fix, one line, no traceback; status 2 (usage)
+        print(f"config error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     output = Path(cfg.output or f"{Path(cfg.ckpt).with_suffix('')}.eval-{cfg.eval.name}.json")
     output.write_text(json.dumps(result, indent=1))
     if "top1" in result:

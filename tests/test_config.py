@@ -199,7 +199,7 @@ def test_pretrained_path_must_exist(tmp_path: Path):
     ("data=webdataset", "data.train.urls"), ("eval=imagenet", "eval.root"), ("eval=retrieval", "eval.jsonl"),
     ("loss=infcl loss.tile=0", "loss.tile"), ("sched.warmup_samples=1k", "sched.warmup_steps"),
     ("+trainer.no_such_option=1", "trainer.no_such_option"), ("+data.train.augment.x=1", "data.train.augment.x"),
-    ("resume=/no/such/file.pt", "resume"), ("trainer.device=cuda", "trainer.device"),
+    ("resume=/no/such/file.pt", "resume"), ("trainer.device=cuda", "trainer.device"), ("name=a/b", "name"),
 ])
 def test_every_bad_value_is_refused_at_start_up_naming_the_key(override, key):
     from megabatch.config.schema import validate
@@ -243,6 +243,17 @@ def test_a_bad_config_fails_before_anything_is_built(tmp_path):
     with pytest.raises(ConfigError, match="trainer.log_every"):
         run(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_config_error_is_one_line_and_exit_status_2(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(CONFIGS.parent / "train.py"), "trainer.log_every=0"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "config error: trainer.log_every=0 must be at least 1; e.g. trainer.log_every=10"]
 
 
 def test_imports_point_down_the_package_floors():

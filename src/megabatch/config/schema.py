@@ -51,6 +51,7 @@ class TrainerConfig:
     offload_dir: str | None = MISSING
     prefetch_gb: Any = MISSING        # auto or a number of GB
     feature_dtype: str = MISSING
+    max_bad_steps: int = MISSING
     tf32: bool = MISSING
 
 
@@ -157,6 +158,9 @@ def at_least(value, key: str, low, example: str) -> None:
 
 def check_run(cfg: DictConfig) -> None:
     parse_count(cfg.batch, "batch")
+    if not str(cfg.name) or any(sep in str(cfg.name) for sep in ("/", "\\")) or str(cfg.name) in (".", ".."):
+        raise ConfigError(f"name={cfg.name!r} names the run directory runs/<name>: give a plain name without "
+                          "path separators, e.g. name=b32-1M (run_dir=<path> places a run anywhere)")
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int):
         raise ConfigError(f"seed={cfg.seed!r} must be an integer, e.g. seed=0")
     if cfg.resume not in (None, "", "none", "null", "latest") and not Path(str(cfg.resume)).expanduser().is_file():
@@ -174,6 +178,7 @@ def check_trainer(trainer: DictConfig) -> None:
     at_least(trainer.ckpt_every, "trainer.ckpt_every", 0, "100 (0 or null: only at the end)")
     at_least(trainer.keep_ckpts, "trainer.keep_ckpts", 1, "3 (null keeps all)")
     at_least(trainer.log_every, "trainer.log_every", 1, "10")
+    at_least(trainer.max_bad_steps, "trainer.max_bad_steps", 1, "10")
     at_least(trainer.stop_at_step, "trainer.stop_at_step", 1, "1000")
     at_least(trainer.dist_timeout_s, "trainer.dist_timeout_s", 1, "600")
     choice(trainer.dist_backend, "trainer.dist_backend", ("auto", "nccl", "gloo"))

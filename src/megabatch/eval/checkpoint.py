@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from ..checkpoint import load_checkpoint
+from ..checkpoint import build_stored, load_checkpoint
 from ..config.schema import check_eval
 from ..models import build_tokenizer
 from .zeroshot import run_zeroshot
@@ -23,7 +22,7 @@ def evaluate_checkpoint(cfg) -> dict:
     train_cfg = OmegaConf.create(state["config"])
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else "cpu" if cfg.device == "auto" else cfg.device)
-    model = instantiate(train_cfg.model, _convert_="all")
+    model = build_stored(train_cfg.model, "model")  # only megabatch's own targets: a crafted file runs nothing
     model.load_state_dict(state["model"])
     model.to(device)
     tokenize = build_tokenizer(**train_cfg.model.text)

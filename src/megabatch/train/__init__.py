@@ -1,5 +1,5 @@
 """The training loop and its parts."""
 
-from .loop import run
+from .loop import NonFiniteError, run
 
-__all__ = ["run"]
+__all__ = ["NonFiniteError", "run"]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ..checkpoint import capture_rng, find_resume_path, load_checkpoint, restore_rng, write_run_checkpoint
+from ..checkpoint import capture_rng, load_resume, restore_rng, run_checkpoints, write_run_checkpoint
 from ..config import ConfigError
 from ..config.schema import validate
 from ..distributed import DistEnv, init_distributed
@@ -28,13 +28,21 @@ from .parts import RunParts
 log = logging.getLogger("megabatch")
 
 
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row with a non-finite loss or gradient (``trainer.max_bad_steps``)."""
+
+
 def run(cfg: DictConfig) -> float:
     """Train as configured; return the final zero-shot top-1 (or the last loss without eval)."""
     validate(cfg)  # every value, before a process group, a model or a loader exists
     env = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend, cfg.trainer.dist_timeout_s)
+    trainer = None
     try:
-        return Trainer(cfg, env).fit()
+        trainer = Trainer(cfg, env)
+        return trainer.fit()
     finally:
+        if trainer is not None:
+            trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -66,21 +74,24 @@ class Trainer:
         self.parts = RunParts.build(cfg, env)
         self.model, self.plan, self.train_step = self.parts.model, self.parts.plan, self.parts.step
         self.step = 0
+        self.bad_in_a_row = self.skipped_steps = 0  # steps whose update a non-finite value skipped
+        self.grad_norm = float("nan")
         self._resume()
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logger.wandb, OmegaConf.to_container(cfg, resolve=True), self.main
         )
 
     def _resume(self) -> None:
-        path = find_resume_path(self.cfg.resume, self.run_dir)
-        if path is None:
-            if (self.ckpt_dir / "last.pt").exists() and not self.cfg.overwrite:
+        found = load_resume(self.cfg.resume, self.run_dir)
+        if found is None:
+            existing = run_checkpoints(self.ckpt_dir)
+            if existing and not self.cfg.overwrite:
                 raise ConfigError(
-                    f"{self.ckpt_dir / 'last.pt'} exists: continue that run with resume=latest, "
-                    "start a new one with name=<new name>, or pass overwrite=true"
+                    f"{self.ckpt_dir} holds checkpoints ({existing[0].name} ...): continue that run with "
+                    "resume=latest, start a new one with name=<new name>, or pass overwrite=true"
                 )
             return
-        state = load_checkpoint(path)
+        path, state = found
         self.model.load_state_dict(state["model"])
         self.parts.optimizer.load_state_dict(state["optimizer"])
         if "scaler" in state:
@@ -98,6 +109,10 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
 
     def _checkpoint(self, numbered: bool) -> None:
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):  # identical on every rank
+            log.error("step %d: the weights are not finite; no checkpoint written (the last finite ones in %s "
+                      "are kept)", self.step, self.ckpt_dir)
+            return
         rng = capture_rng()
         if self.env.distributed:  # every rank's RNG, so a resumed run continues each exactly
             gathered = [None] * self.env.world_size
@@ -135,13 +150,24 @@ class Trainer:
             log.info("run dir %s; %d steps of batch %d (%d ranks x %d sub-batches x %d), %d steps per "
                      "epoch, %s", self.run_dir, plan.total_steps, plan.global_batch, env.world_size,
                      plan.sub_batches, plan.sub_batch, plan.steps_per_epoch, self.train_step.precision)
-        ckpt_every, log_every, eval_every = cfg.trainer.ckpt_every or 0, cfg.trainer.log_every, cfg.eval.every or 0
+        ckpt_every = cfg.trainer.ckpt_every or 0
         progress = tqdm(total=plan.total_steps, initial=self.step, disable=not self.main,
                         desc="train", dynamic_ncols=True, mininterval=1.0, leave=False)
         # trainer.stop_at_step ends this invocation early (a time-limited job); resume=latest
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, cfg.trainer.stop_at_step or plan.total_steps)
         sub_batches = self.parts.inputs(self.step)
+        try:
+            loss = self._loop(sub_batches, stop, progress)
+        finally:
+            progress.close()
+            sub_batches.close()  # the loader's workers and read-ahead thread
+        return self._finish(loss, numbered_just_written=bool(ckpt_every and self.step % ckpt_every == 0))
+
+    def _loop(self, sub_batches, stop: int, progress) -> torch.Tensor:
+        """Steps until ``stop``; returns the last loss."""
+        cfg, plan = self.cfg, self.plan
+        ckpt_every, log_every, eval_every = cfg.trainer.ckpt_every or 0, cfg.trainer.log_every, cfg.eval.every or 0
         loss = torch.zeros(())
         tick, last_logged = time.perf_counter(), self.step
         phase_totals: dict[str, float] = {}
@@ -154,24 +180,48 @@ class Trainer:
             #    sub_batch (1M = 2 x 1024 x 512); data, forward, global loss, backward (GradCache
             #    when sub_batches > 1); DDP averages the gradients across ranks once per step
             loss, times = self.train_step.gradients(sub_batches, epoch=self.step // plan.steps_per_epoch)
-            # 3. clip the true (unscaled) gradient, step, clear, clamp the temperature
-            times["optimizer"] = self.train_step.apply()
+            # 3. clip the true (unscaled) gradient, step, clear, clamp the temperature; a
+            #    non-finite loss or gradient on any rank skips the update on every rank
+            applied = self.train_step.apply()
+            times["optimizer"] = applied.seconds
+            self._count_bad_steps(applied, loss)
             for phase, seconds in times.items():
                 phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds
             self.step += 1
             progress.update(1)
-            if self.step % log_every == 0 or self.step == stop:
+            if self.step % log_every == 0 or self.step == stop or self.bad_in_a_row >= cfg.trainer.max_bad_steps:
                 elapsed, tick = time.perf_counter() - tick, time.perf_counter()
                 steps, last_logged = self.step - last_logged, self.step
                 self._log_interval(loss, lr, steps, elapsed, phase_totals, progress)
                 phase_totals = {}
+            self._stop_if_diverged()
             if ckpt_every and self.step % ckpt_every == 0:
                 self._checkpoint(numbered=True)
             if eval_every and self.step % eval_every == 0 and self.step < plan.total_steps:
                 self.evaluate()
-        progress.close()
-        sub_batches.close()  # the loader's workers and read-ahead thread
-        return self._finish(loss, numbered_just_written=bool(ckpt_every and self.step % ckpt_every == 0))
+        return loss
+
+    def _count_bad_steps(self, applied, loss) -> None:
+        """Count and log a skipped update (``_stop_if_diverged`` ends the run after too many)."""
+        self.grad_norm = applied.grad_norm
+        if applied.stepped:
+            self.bad_in_a_row = 0
+            return
+        self.bad_in_a_row += 1
+        self.skipped_steps += 1
+        limit = self.cfg.trainer.max_bad_steps
+        log.warning("step %d: non-finite loss (%.4g) or gradient norm (%.4g) on some rank: update skipped "
+                    "(%d in a row, %d in all; the run stops after trainer.max_bad_steps=%d in a row)",
+                    self.step + 1, float(loss), applied.grad_norm, self.bad_in_a_row, self.skipped_steps, limit)
+
+    def _stop_if_diverged(self) -> None:
+        limit = self.cfg.trainer.max_bad_steps
+        if self.bad_in_a_row >= limit:
+            raise NonFiniteError(
+                f"{self.bad_in_a_row} steps in a row (to step {self.step}) had a non-finite loss or "
+                f"gradient: stopping (trainer.max_bad_steps={limit}). The weights are those of the last "
+                f"finite step; the newest checkpoint is in {self.ckpt_dir}. Lower optim.lr, set "
+                "optim.grad_clip, or use trainer.precision=bf16 instead of fp16")
 
     def _log_interval(self, loss, lr: float, steps: int, elapsed: float,
                       phase_totals: dict[str, float], progress) -> None:
@@ -185,6 +235,7 @@ class Trainer:
             "epoch": self.step / plan.steps_per_epoch,
             **{f"time/{k}": v / steps for k, v in phase_totals.items()},
             "data_wait": phase_totals.get("data", 0.0) / elapsed,  # fraction of wall time
+            "grad_norm": self.grad_norm, "skipped_steps": self.skipped_steps,
         }
         record.update({f"data/{k}": v for k, v in self.parts.inputs.bad_input_counts().items() if v})
         if env.device.type == "cuda":
@@ -200,10 +251,14 @@ class Trainer:
                      record["samples_per_s"], 100 * record["data_wait"], phases, memory,
                      f"  bad input: {bad}" if bad else "")
 
+    def close(self) -> None:
+        """Release what the run holds (offload workers and spill file, the wandb run), also after an error."""
+        self.parts.close()
+        self.metrics.close()
+
     def _finish(self, loss, numbered_just_written: bool) -> float:
         """Last checkpoint, final evaluation; the value a sweeper optimises."""
         cfg, plan = self.cfg, self.plan
-        self.parts.close()  # the offload's re-decode workers and spill file
         if self.main:
             bad = {k: v for k, v in self.parts.inputs.bad_input_counts().items() if v}
             log.info("bad input on rank 0: %s", bad or "none")
@@ -212,10 +267,8 @@ class Trainer:
         if self.step < plan.total_steps:
             log.info("stopped at step %d of %d (trainer.stop_at_step); continue with "
                      "resume=latest name=%s", self.step, plan.total_steps, self.run_dir.name)
-            self.metrics.close()
             return float(loss)
         result = self.evaluate() if cfg.eval.at_end else None
-        self.metrics.close()
         if result is not None and "top1" in result:
             print(f"zero-shot top-1 on {cfg.eval.name} (held out): {result['top1']:.2f}% "
                   f"(top-5 {result['top5']:.2f}%, {result['samples']} images)", flush=True)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+def finite_or_none(value):
+    """A non-finite float as ``None`` (JSON ``null``): ``metrics.jsonl`` stays strict JSON."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class MetricsLogger:
@@ -38,12 +44,13 @@ class MetricsLogger:
     def log(self, record: dict[str, Any], step: int) -> None:
         if not self.enabled:
             return
-        line = {"step": step, "time": round(time.time(), 3), **record}
+        line = {"step": step, "time": round(time.time(), 3), **{k: finite_or_none(v) for k, v in record.items()}}
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(line) + "\n")
+            handle.write(json.dumps(line, allow_nan=False) + "\n")  # strict JSON: no bare NaN
         if self.wandb is not None:
             self.wandb.log(record, step=step)
 
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None

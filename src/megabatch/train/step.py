@@ -8,13 +8,14 @@ No run directory, config or logging: a test or a benchmark drives it directly.
 
     step = TrainStep(model, loss_fn, optimizer, torch.device("cuda"), precision="bf16", sub_batches=64)
     loss, times = step.gradients(sub_batches)   # takes 64 SubBatch of this rank's 32k / 512
-    step.apply()
+    applied = step.apply()                       # skipped (applied.stepped False) if not finite
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,17 @@ from ..data.offload import Offload
 from ..data.samples import SubBatch
 from .gradcache import ReplayInputs, encode_without_graph, loss_and_feature_grads, replay
 from .precision import Precision
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What ``TrainStep.apply`` did: its seconds, the gradient norm (before clipping; of the true,
+    unscaled gradient) and whether the update was made (``False``: skipped, a non-finite loss or
+    gradient on some rank)."""
+
+    seconds: float
+    grad_norm: float
+    stepped: bool
 
 
 class TrainStep:
@@ -55,6 +67,7 @@ class TrainStep:
         replay_images = not model.frozen("image")
         self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text"),
                                  offload=offload if replay_images else None)
+        self.loss: torch.Tensor | None = None  # the last gradients() call's
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
@@ -68,21 +81,41 @@ class TrainStep:
         if self.keep.offload is not None:
             self.keep.offload.new_step()  # the last step's kept bytes are no longer needed
         if self.sub_batches == 1:
-            return self._forward_backward(next_timed(sub_batches))
-        return self._gradcache(sub_batches, epoch)
+            loss, times = self._forward_backward(next_timed(sub_batches))
+        else:
+            loss, times = self._gradcache(sub_batches, epoch)
+        self.loss = loss
+        return loss, times
 
-    def apply(self) -> float:
-        """Clip the true (unscaled) gradient, step, clear the gradients, clamp the temperature;
-        return the seconds it took."""
+    def apply(self) -> Applied:
+        """Unscale (fp16) and clip the gradient, then step, unless the loss or the gradient norm is
+        not finite on some rank: then every rank skips the update (fp16's scaler lowers its scale as
+        it always does). Clear the gradients; clamp the temperature."""
         start = time.perf_counter()
         self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+            norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        else:  # the norm alone, for the finiteness check and the logs; the gradients untouched
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        finite = self._all_finite(self.loss, norm)
+        if finite or self.scaler.is_enabled():  # fp16: the scaler skips by itself and lowers its scale
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.clamp_logit_scale()
-        return self._lap(start)
+        if finite:
+            self.model.clamp_logit_scale()
+        return Applied(self._lap(start), float(norm), finite)
+
+    def _all_finite(self, loss: torch.Tensor | None, norm: torch.Tensor) -> bool:
+        """Whether the loss and the gradient norm are finite on every rank (one host sync; the ranks
+        agree, so they all skip the same steps and stay replicas)."""
+        bad = torch.logical_not(torch.isfinite(norm)).float().reshape(1)
+        if loss is not None:
+            bad = bad + torch.logical_not(torch.isfinite(loss.to(norm.device))).float()
+        if isinstance(self.wrapped, DDP):
+            dist.all_reduce(bad)
+        return bad.item() == 0  # host sync: the decision to step is made on the host
 
     def _forward_backward(self, timed: tuple[SubBatch, float]) -> tuple[torch.Tensor, dict[str, float]]:
         """One sub-batch: encode, the global loss, backward (fp16: scaled). The loss runs on fp32
