@@ -15,7 +15,7 @@ import megabatch.config  # noqa: F401  (registers the configs' resolvers and sch
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     from megabatch.config import ConfigError
-    from megabatch.train import NonFiniteError, run
+    from megabatch.train import PREEMPTED_EXIT, NonFiniteError, Preempted, run
 
     try:
         return run(cfg)  # the final zero-shot top-1: what a sweeper optimises
@@ -25,6 +25,9 @@ def main(cfg: DictConfig) -> float:
     except NonFiniteError as error:  # diverged: what happened and what to change, status 1
         print(f"training stopped: {error}", file=sys.stderr)
         raise SystemExit(1) from None
+    except Preempted as stopped:  # a signal or trainer.time_limit: checkpoint written, status 3
+        print(f"training {stopped}", file=sys.stderr)
+        raise SystemExit(PREEMPTED_EXIT) from None
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def test_a_diverging_run_stops_with_finite_checkpoints_and_strict_metrics(tmp_pa
     def strict(constant):
         raise ValueError(f"not strict JSON: {constant}")
 
-    records = [json.loads(line, parse_constant=strict) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=strict) for line in lines]
     skipped = [r["skipped_steps"] for r in records]
     assert skipped[-1] == 3 and skipped == sorted(skipped)  # counted, and logged every step
     assert any(r["loss"] is None for r in records)  # a NaN loss is written as null
@@ -146,3 +147,95 @@ def test_a_full_disk_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch
     with pytest.raises(OSError, match=f"no space left on the disk of {tmp_path}"):
         checkpoint.save_checkpoint(tmp_path / "last.pt", {"step": 1})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_run_on_a_locked_directory_fails_at_once(tmp_path):
+    from megabatch.config import ConfigError
+    from megabatch.train.run_lock import RunLock
+
+    live = RunLock(tmp_path)  # a run of this (live) process holds the directory
+    live.acquire()
+    try:
+        with pytest.raises(ConfigError, match=f"in use by pid {__import__('os').getpid()}"):
+            train(tmp_path)
+        assert not (tmp_path / "checkpoints").exists()
+    finally:
+        live.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, caplog):
+    import socket
+    import subprocess
+    import sys
+
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()  # its pid now names no process
+    (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": finished.pid}))
+    assert train(tmp_path, "trainer.max_steps=1")["step"] == 1
+    assert "taking over" in caplog.text
+    assert not (tmp_path / ".lock").exists()  # released at the end
+
+
+def test_metrics_hold_each_step_once_after_a_kill_and_resume(tmp_path):
+    train(tmp_path, "trainer.stop_at_step=5")  # checkpoints at 2 and 4, last.pt at 5
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "last.pt").write_bytes((checkpoints / "step_00000004.pt").read_bytes())  # killed at 5
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 6, "loss": 1.0')  # and cut off while writing a line
+    train(tmp_path, "resume=latest")
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_time_limit_stops_cleanly_with_a_checkpoint(tmp_path):
+    from megabatch.train import Preempted
+
+    with pytest.raises(Preempted, match="trainer.time_limit") as stopped:
+        train(tmp_path, "trainer.max_steps=1000", "trainer.time_limit=1s")
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert 1 <= state["step"] == stopped.value.step < 1000
+
+
+def torchrun(tmp_path, *args: str, **popen):
+    import os
+    import subprocess
+    import sys
+
+    from ..helpers import ROOT
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(ROOT / "train.py"),
+               "batch=64", "trainer.max_steps=12", "trainer.log_every=1", "trainer.ckpt_every=100", "eval=none",
+               "data.train.shuffle_buffer=64", "model.image.patch_dropout=0", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **popen)
+
+
+def test_sigterm_stops_two_ranks_at_one_step_and_resume_continues_bitwise(tmp_path):
+    """SIGTERM to every process of a 2-rank job (as SLURM sends it), then resume=latest."""
+    import os
+    import signal
+    import time
+
+    straight = torchrun(tmp_path, "name=straight")
+    assert straight.wait(timeout=600) == 0, straight.stdout.read()[-3000:]
+    job = torchrun(tmp_path, "name=stopped", start_new_session=True)
+    metrics = tmp_path / "runs" / "stopped" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and job.poll() is None, job.stdout.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGTERM)
+    output = job.communicate(timeout=120)[0]
+    stopped = torch.load(tmp_path / "runs" / "stopped" / "checkpoints" / "last.pt", weights_only=True)
+    assert 3 <= stopped["step"] < 12, output[-3000:]
+    assert len(stopped["rng"]) == 2  # gathered from both ranks, at the same step
+    assert f"stopped after step {stopped['step']} (SIGTERM)" in output
+    resumed = torchrun(tmp_path, "name=stopped", "resume=latest")
+    assert resumed.wait(timeout=600) == 0, resumed.stdout.read()[-3000:]
+    final = torch.load(tmp_path / "runs" / "stopped" / "checkpoints" / "last.pt", weights_only=True)
+    reference = torch.load(tmp_path / "runs" / "straight" / "checkpoints" / "last.pt", weights_only=True)
+    assert final["step"] == reference["step"] == 12
+    for name, value in reference["model"].items():
+        assert torch.equal(value, final["model"][name]), name

@@ -47,6 +47,22 @@ def parse_optional_count(value: Any, key: str) -> int | None:
     return None if value is None else parse_count(value, key)
 
 
+def parse_duration(value, key: str = "trainer.time_limit") -> float | None:
+    """``3h50m``, ``90m``, ``45s``, ``1h``, or a number of seconds; ``null`` -> None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    match = re.fullmatch(r"\s*(?:(\d+)h)?\s*(?:(\d+)m)?\s*(?:(\d+)s)?\s*", str(value))
+    if not match or not any(match.groups()):
+        raise ConfigError(f"{key}={value!r}: give a duration such as 3h50m, 90m or 45s (or seconds), or null")
+    hours, minutes, seconds = (int(part or 0) for part in match.groups())
+    total = 3600 * hours + 60 * minutes + seconds
+    if total <= 0:
+        raise ConfigError(f"{key}={value!r} must be longer than zero")
+    return float(total)
+
+
 def package_dir(module: str, *parts: str) -> str:
     """Folder of an installed Python package (plus ``parts``): ``${mb.package_dir:pkg,model}``
     points a config at model files that ship inside a wheel, with no download."""

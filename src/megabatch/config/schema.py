@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from . import ConfigError, parse_count, parse_optional_count
+from . import ConfigError, parse_count, parse_duration, parse_optional_count
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 FEATURE_DTYPES = ("fp32", "bf16")
@@ -44,6 +44,7 @@ class TrainerConfig:
     keep_ckpts: int | None = MISSING
     log_every: int = MISSING
     stop_at_step: int | None = MISSING
+    time_limit: Any = MISSING         # a duration (3h50m) or null
     device: str = MISSING
     dist_backend: str = MISSING
     dist_timeout_s: float = MISSING
@@ -180,6 +181,7 @@ def check_trainer(trainer: DictConfig) -> None:
     at_least(trainer.log_every, "trainer.log_every", 1, "10")
     at_least(trainer.max_bad_steps, "trainer.max_bad_steps", 1, "10")
     at_least(trainer.stop_at_step, "trainer.stop_at_step", 1, "1000")
+    parse_duration(trainer.time_limit, "trainer.time_limit")
     at_least(trainer.dist_timeout_s, "trainer.dist_timeout_s", 1, "600")
     choice(trainer.dist_backend, "trainer.dist_backend", ("auto", "nccl", "gloo"))
     if trainer.device not in ("auto", "cpu", "cuda") and not str(trainer.device).startswith("cuda:"):

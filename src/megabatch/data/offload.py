@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..distributed.signals import ignore_stop_signals
 from .samples import SampleDecoder
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ _worker_decoder: dict = {}
 
 def _init_redecode_worker(transform, seed: int) -> None:
     torch.set_num_threads(1)
+    ignore_stop_signals()  # the main process stops the run (train/preemption.py)
     _worker_decoder.update(transform=transform, seed=seed)
 
 
@@ -106,7 +108,8 @@ def _redecode_sub_batch(epoch: int, raw: list, spill_path: str | None = None) ->
 _SPILL_NAME = re.compile(r"offload-(?P<host>.+)-rank\d+-pid(?P<pid>\d+)\.bin")
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
     try:
         os.kill(pid, 0)  # signal 0: existence check only (PermissionError: someone else's process)
     except ProcessLookupError:
@@ -123,7 +126,7 @@ def remove_stale_spill_files(folder: Path) -> None:
     host = socket.gethostname()
     for path in folder.glob("offload-*.bin"):
         match = _SPILL_NAME.fullmatch(path.name)
-        if match and match["host"] == host and not _process_alive(int(match["pid"])):
+        if match and match["host"] == host and not process_alive(int(match["pid"])):
             try:  # the host's other ranks clean up at the same moment: whoever is first removes it
                 size = path.stat().st_size
                 path.unlink()

@@ -16,6 +16,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ..distributed.signals import ignore_stop_signals
 from .samples import SampleDecoder, Stats, SubBatch, decode_pair, decode_rgb
 
 log = logging.getLogger(__name__)
@@ -145,4 +146,5 @@ def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: boo
         pin_memory=pin_memory,
         persistent_workers=False,
         prefetch_factor=4 if num_workers > 0 else None,
+        worker_init_fn=ignore_stop_signals,  # the main process stops the run (train/preemption.py)
     )

@@ -1,5 +1,6 @@
 """The training loop and its parts."""
 
 from .loop import NonFiniteError, run
+from .preemption import PREEMPTED_EXIT, Preempted
 
-__all__ = ["NonFiniteError", "run"]
+__all__ = ["NonFiniteError", "PREEMPTED_EXIT", "Preempted", "run"]

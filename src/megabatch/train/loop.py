@@ -18,12 +18,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from ..checkpoint import capture_rng, load_resume, restore_rng, run_checkpoints, write_run_checkpoint
-from ..config import ConfigError
+from ..config import ConfigError, parse_duration
 from ..config.schema import validate
 from ..distributed import DistEnv, init_distributed
 from ..eval import run_zeroshot
 from .metrics import MetricsLogger
 from .parts import RunParts
+from .preemption import Preempted, StopRequests
+from .run_lock import RunLock
 
 log = logging.getLogger("megabatch")
 
@@ -71,6 +73,18 @@ class Trainer:
         self.run_dir = resolve_run_dir(cfg, env)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = self._lock_run_dir()  # before anything is built: a second run stops at once
+        try:
+            self._build()
+        except BaseException:
+            if getattr(self, "parts", None) is not None:
+                self.parts.close()
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _build(self) -> None:
+        cfg, env = self.cfg, self.env
         self.parts = RunParts.build(cfg, env)
         self.model, self.plan, self.train_step = self.parts.model, self.parts.plan, self.parts.step
         self.step = 0
@@ -80,6 +94,24 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logger.wandb, OmegaConf.to_container(cfg, resolve=True), self.main
         )
+        self.metrics.drop_after(self.step)  # steps after the checkpoint are redone: logged once
+        self.stops = StopRequests(parse_duration(cfg.trainer.time_limit), env.device, env.distributed)
+
+    def _lock_run_dir(self) -> RunLock | None:
+        """Rank 0 locks the run directory; every rank learns whether it could (and fails alike)."""
+        lock, error = (RunLock(self.run_dir), None) if self.main else (None, None)
+        if lock is not None:
+            try:
+                lock.acquire()
+            except ConfigError as failed:
+                error = str(failed)
+        if self.env.distributed:
+            holder = [error]
+            dist.broadcast_object_list(holder, src=0)
+            error = holder[0]
+        if error is not None:
+            raise ConfigError(error)
+        return lock
 
     def _resume(self) -> None:
         found = load_resume(self.cfg.resume, self.run_dir)
@@ -157,11 +189,13 @@ class Trainer:
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, cfg.trainer.stop_at_step or plan.total_steps)
         sub_batches = self.parts.inputs(self.step)
+        self.stops.install()  # SIGTERM, SIGINT, SIGUSR1: stop after this step, checkpoint, exit 3
         try:
             loss = self._loop(sub_batches, stop, progress)
         finally:
             progress.close()
             sub_batches.close()  # the loader's workers and read-ahead thread
+            self.stops.restore()
         return self._finish(loss, numbered_just_written=bool(ckpt_every and self.step % ckpt_every == 0))
 
     def _loop(self, sub_batches, stop: int, progress) -> torch.Tensor:
@@ -172,6 +206,7 @@ class Trainer:
         tick, last_logged = time.perf_counter(), self.step
         phase_totals: dict[str, float] = {}
         while self.step < stop:
+            started = time.perf_counter()
             # 1. learning rate for this step (peak lr x schedule multiplier)
             lr = self.parts.peak_lr * self.parts.schedule(self.step)
             for group in self.parts.optimizer.param_groups:
@@ -189,7 +224,10 @@ class Trainer:
                 phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds
             self.step += 1
             progress.update(1)
-            if self.step % log_every == 0 or self.step == stop or self.bad_in_a_row >= cfg.trainer.max_bad_steps:
+            # a signal or trainer.time_limit: stop after this step, the same one on every rank
+            stop_reason = self.stops.reason(time.perf_counter() - started)
+            if self.step % log_every == 0 or self.step == stop or stop_reason \
+                    or self.bad_in_a_row >= cfg.trainer.max_bad_steps:
                 elapsed, tick = time.perf_counter() - tick, time.perf_counter()
                 steps, last_logged = self.step - last_logged, self.step
                 self._log_interval(loss, lr, steps, elapsed, phase_totals, progress)
@@ -199,6 +237,12 @@ class Trainer:
                 self._checkpoint(numbered=True)
             if eval_every and self.step % eval_every == 0 and self.step < plan.total_steps:
                 self.evaluate()
+            if stop_reason:
+                if not (ckpt_every and self.step % ckpt_every == 0):
+                    self._checkpoint(numbered=False)
+                log.warning("stopped after step %d (%s); last.pt written: continue with resume=latest name=%s",
+                            self.step, stop_reason, self.run_dir.name)
+                raise Preempted(stop_reason, self.step, self.ckpt_dir / "last.pt")
         return loss
 
     def _count_bad_steps(self, applied, loss) -> None:
@@ -252,9 +296,12 @@ class Trainer:
                      f"  bad input: {bad}" if bad else "")
 
     def close(self) -> None:
-        """Release what the run holds (offload workers and spill file, the wandb run), also after an error."""
+        """Release what the run holds (offload workers and spill file, the wandb run, the run
+        directory's lock), also after an error."""
         self.parts.close()
         self.metrics.close()
+        if self.lock is not None:
+            self.lock.release()
 
     def _finish(self, loss, numbered_just_written: bool) -> float:
         """Last checkpoint, final evaluation; the value a sweeper optimises."""

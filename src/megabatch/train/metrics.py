@@ -41,6 +41,22 @@ class MetricsLogger:
                 id=wandb_cfg.id,
             )
 
+    def drop_after(self, step: int) -> None:
+        """Forget the records of steps after ``step`` (a resumed run redoes them; each step is then
+        logged once). A line cut short by a kill is dropped too."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
+
     def log(self, record: dict[str, Any], step: int) -> None:
         if not self.enabled:
             return
