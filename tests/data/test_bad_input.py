@@ -56,3 +56,67 @@ def test_a_run_over_bad_shards_finishes_and_reports(tmp_path):
     assert record["data/broken_shard"] >= 1
     assert record["data/padded"] > 0  # the truncated shard's missing samples were made up
     assert 0 <= record["data_wait"] <= 1
+
+
+def shards_with_junk(folder, junk: int = 1, good_shards: int = 1) -> list[str]:
+    """``good_shards`` readable shards of 40 and ``junk`` files that are not tars at all, all listed
+    in sizes.json as 40 samples."""
+    for index in range(good_shards):
+        write_shards([good(100 * index + i) for i in range(40)], folder, f"good{index}", per_shard=40)
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = json.loads((folder / "sizes.json").read_text()) if good_shards else {}
+    for index in range(junk):
+        (folder / f"junk{index}-000000.tar").write_bytes(b"this is not a tar file at all" * 50)
+        sizes[f"junk{index}-000000.tar"] = 40
+    (folder / "sizes.json").write_text(json.dumps(sizes))
+    return sorted(str(path) for path in folder.glob("*.tar"))
+
+
+def run_on(tmp_path, urls: list[str], *extra: str) -> dict:
+    cfg = compose("data=webdataset", "data.num_workers=2", "batch=16", "trainer.sub_batch=8",
+                  "trainer.max_steps=4", "trainer.log_every=4", "eval=none", *extra)
+    cfg.data.train.urls = urls
+    cfg.run_dir = str(tmp_path / "run")
+    run(cfg)
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+
+
+def test_a_worker_whose_only_shard_is_not_a_tar_borrows_and_the_run_finishes(tmp_path):
+    urls = shards_with_junk(tmp_path / "shards")  # shard split: one worker gets the junk alone
+    record = run_on(tmp_path, urls)
+    assert record["step"] == 4
+    assert record["data/broken_shard"] == 1  # counted once
+    assert record["data/padded"] > 0  # the junk's slot filled its quota from the good shard
+
+
+def test_a_broken_shard_is_counted_once_with_the_position_split(tmp_path):
+    urls = shards_with_junk(tmp_path / "shards", good_shards=2)
+    record = run_on(tmp_path, urls, "data.train.split=position")
+    assert record["data/broken_shard"] == 1  # every worker reads it; one reports it
+
+
+def test_no_readable_shard_is_an_error_naming_them(tmp_path):
+    import pytest
+
+    urls = shards_with_junk(tmp_path / "shards", junk=2, good_shards=0)
+    with pytest.raises(RuntimeError, match=r"unreadable shards.*junk0-000000\.tar"):
+        run_on(tmp_path, urls, "data.num_workers=0", "data.train.split=position")
+
+
+def test_a_shard_missing_from_sizes_json_is_a_clear_error(tmp_path):
+    import pytest
+
+    from megabatch.config import ConfigError
+
+    urls = shards_with_junk(tmp_path / "shards", junk=0)
+    (tmp_path / "shards" / "extra-000000.tar").write_bytes((tmp_path / "shards" / "good0-000000.tar").read_bytes())
+    with pytest.raises(ConfigError, match="extra-000000.tar is not listed in .*sizes.json"):
+        run_on(tmp_path, [*urls, str(tmp_path / "shards" / "extra-000000.tar")])
+
+
+def test_a_resampled_stream_over_unreadable_shards_stops_naming_them(tmp_path):
+    import pytest
+
+    urls = shards_with_junk(tmp_path / "shards", junk=2, good_shards=0)
+    with pytest.raises(RuntimeError, match=r"no readable shard.*junk"):  # not an endless loop
+        run_on(tmp_path, urls, "data.num_workers=0", "data.train.mode=resampled")

@@ -86,7 +86,9 @@ class PositionSplitBatches(IterableDataset):
         produced = 0
         pending: list[tuple[bytes, int, torch.Tensor, str]] = []
         current = None
+        self.stats.count_shards = worker == 0  # every worker reads every shard: one reports them
         for position, raw in enumerate(self._stream()):
+            self.stats.got_sample()
             batch_index = position // global_batch
             if batch_index >= self.num_batches:
                 break
@@ -125,7 +127,10 @@ class PositionSplitBatches(IterableDataset):
                         self.stats)
             samples = samples or list(getattr(self, "_last_samples", []))
             if not samples:
-                raise RuntimeError(f"no usable sample to build a sub-batch from ({self.stats})")
+                unreadable = sorted(self.stats.broken_urls)
+                raise RuntimeError("no usable sample to build a sub-batch from: "
+                                   + (f"unreadable shards {unreadable}; " if unreadable else "")
+                                   + f"{self.stats.as_dict()}")
             samples = (samples * (self.sub_batch // len(samples) + 1))[: self.sub_batch]
         self._last_samples = samples
         images = torch.stack([s[2] for s in samples])

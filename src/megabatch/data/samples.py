@@ -7,7 +7,7 @@ import io
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -31,22 +31,45 @@ IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
 
 @dataclass
 class Stats:
-    """Counts of bad input, by kind: skipped samples, unreadable shards, and samples repeated to
-    fill a sub-batch (so that every rank still gets equal batches and DDP never hangs)."""
+    """Counts of bad input, by kind: skipped samples, unreadable shards, and samples used to fill a
+    sub-batch beyond what a loader's own shards gave (repeated, or borrowed from other shards), so
+    that every rank still gets equal batches and DDP never hangs.
+
+    ``count_shards``: whether this loader reports broken shards (with the position split every
+    worker reads every shard: one per rank does). ``give_up_after``: unreadable shards in a row,
+    with no sample between them, after which the stream is declared unreadable (an endless
+    resampled stream over broken shards would otherwise spin forever)."""
 
     corrupt_image: int = 0
     missing_caption: int = 0
     broken_shard: int = 0
     padded: int = 0
+    count_shards: bool = field(default=True, repr=False)
+    give_up_after: int = field(default=0, repr=False)
+    broken_urls: set = field(default_factory=set, repr=False)
+    broken_in_a_row: int = field(default=0, repr=False)
 
     def handler(self, error: Exception) -> bool:
-        """webdataset exception handler: count and log a truncated or unreadable tar, go on."""
-        self.broken_shard += 1
-        log.warning("skipping the rest of a shard: %s", error)
+        """webdataset exception handler: count and log a truncated or unreadable tar (once per
+        shard), go on."""
+        url = str(error.args[-1]) if error.args else "?"
+        self.broken_in_a_row += 1
+        if url not in self.broken_urls:
+            self.broken_urls.add(url)
+            if self.count_shards:
+                self.broken_shard += 1
+                log.warning("skipping the rest of shard %s: %s", url, error.args[0] if error.args else error)
+        if self.give_up_after and self.broken_in_a_row >= self.give_up_after:
+            raise RuntimeError(f"no readable shard: {self.broken_in_a_row} in a row failed, e.g. "
+                               f"{', '.join(sorted(self.broken_urls)[:5])}")
         return True
 
+    def got_sample(self) -> None:
+        self.broken_in_a_row = 0
+
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        return {"corrupt_image": self.corrupt_image, "missing_caption": self.missing_caption,
+                "broken_shard": self.broken_shard, "padded": self.padded}
 
 
 class SubBatch(NamedTuple):

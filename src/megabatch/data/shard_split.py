@@ -17,6 +17,7 @@ a sample's augmentation is seeded by its (epoch, position), as in the position-s
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 
@@ -48,15 +49,20 @@ class ShardBatches(PositionSplitBatches):
         self.weights = weights or [1.0] * len(sources)
         self.loader_workers, self.total = max(1, num_workers), total
 
-    def _shards(self, slot: int, slots: int) -> Iterator[str]:
+    def _shards(self, slot: int, slots: int) -> tuple[Iterator[str], list[str]]:
+        """This slot's shards, and the fallback read only if those run short of its quota
+        (unreadable or miscounted shards): in epoch mode, the other slots' shards in the epoch's
+        order (samples taken from them count as padded); resampled mode draws forever, no fallback."""
         epoch_seed = self.seed * 100_003 + self.epoch
         if self.mode == "epoch":
             shards = list(self.urls)
             random.Random(epoch_seed).shuffle(shards)
-            yield from shards[slot::slots]
-            return
-        rng = random.Random(epoch_seed * 7_919 + slot)
-        while True:  # resampled: draw with replacement, a source by weight, then a shard
+            own = shards[slot::slots]
+            return iter(own), [url for url in shards[slot + 1:] + shards[:slot + 1] if url not in own]
+        return self._resampled(random.Random(epoch_seed * 7_919 + slot)), []
+
+    def _resampled(self, rng: random.Random) -> Iterator[str]:
+        while True:  # draw with replacement, a source by weight, then a shard
             source = rng.choices(self.sources, weights=self.weights)[0]
             yield source[rng.randrange(len(source))]
 
@@ -73,17 +79,24 @@ class ShardBatches(PositionSplitBatches):
         mine_done = consumed // workers + (logical < consumed % workers)
         slot, slots = self.rank * workers + logical, self.world_size * workers
         self.worker = worker
-        stream = wds.tarfile_to_samples(handler=self.stats.handler)(
-            iter({"url": url} for url in self._shards(slot, slots)))
+        own, fallback = self._shards(slot, slots)
+        read = wds.tarfile_to_samples(handler=self.stats.handler)
         stream = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
-                             seed=(self.seed * 100_003 + self.epoch) * 7_919 + slot)(stream)
+                             seed=(self.seed * 100_003 + self.epoch) * 7_919 + slot)(
+            read(iter({"url": url} for url in own)))
+        borrowed = read(iter({"url": url} for url in fallback))  # only pulled once the slot's own ran dry
+        stream, borrowed_urls = itertools.chain(stream, borrowed), set(fallback)
         skip = mine_done * self.sub_batch
         produced, pending = mine_done, []
+        self.stats.give_up_after = 2 * len(self.urls) + 1  # resampled: every shard failed, twice over
         for index, raw in enumerate(stream):
+            self.stats.got_sample()
             if produced >= mine_total:
                 break
             if index < skip:
                 continue  # already trained on before a resume: not decoded
+            if borrowed_urls and raw.get("__url__") in borrowed_urls:
+                self.stats.padded += 1  # borrowed from another slot's shards: this slot's ran short
             position = index * slots + slot  # unique within the epoch: seeds the augmentation
             pair = decode_pair(raw, self.stats, decode_rgb)
             if pair is None:

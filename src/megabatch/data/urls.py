@@ -45,5 +45,8 @@ def count_samples(urls: list[str], key: str) -> int:
                     "or set data.train.num_samples"
                 )
             cache[folder] = json.loads(sizes.read_text())
+        if Path(url).name not in cache[folder]:
+            raise ConfigError(f"{key}: {url} is not listed in {folder / 'sizes.json'}; add its sample count "
+                              "there (scripts/make_shards.py writes it) or set data.train.num_samples")
         total += int(cache[folder][Path(url).name])
     return total
