@@ -200,6 +200,10 @@ def test_pretrained_path_must_exist(tmp_path: Path):
     ("loss=infcl loss.tile=0", "loss.tile"), ("sched.warmup_samples=1k", "sched.warmup_steps"),
     ("+trainer.no_such_option=1", "trainer.no_such_option"), ("+data.train.augment.x=1", "data.train.augment.x"),
     ("resume=/no/such/file.pt", "resume"), ("trainer.device=cuda", "trainer.device"), ("name=a/b", "name"),
+    ("sched.warmup_steps=-5", "sched.warmup_steps"), ("sched.min_lr_ratio=2", "sched.min_lr_ratio"),
+    ("sched.decay_samples=lots", "sched.decay_samples"), ("seed=-1", "seed"),
+    ("trainer.time_limit=soon", "trainer.time_limit"),
+    ("trainer.max_bad_steps=0", "trainer.max_bad_steps"), ("eval.chunk=0", "eval.chunk"),
 ])
 def test_every_bad_value_is_refused_at_start_up_naming_the_key(override, key):
     from megabatch.config.schema import validate

@@ -130,6 +130,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_data(cfg.data)
     check_eval(cfg.eval)
     check_optim(cfg.optim)
+    check_schedule(cfg.sched)
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"))
     check_loss(cfg.loss, cfg.trainer.device)
     check_model(cfg.model)
@@ -162,8 +163,8 @@ def check_run(cfg: DictConfig) -> None:
     if not str(cfg.name) or any(sep in str(cfg.name) for sep in ("/", "\\")) or str(cfg.name) in (".", ".."):
         raise ConfigError(f"name={cfg.name!r} names the run directory runs/<name>: give a plain name without "
                           "path separators, e.g. name=b32-1M (run_dir=<path> places a run anywhere)")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int):
-        raise ConfigError(f"seed={cfg.seed!r} must be an integer, e.g. seed=0")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed!r} must be a whole number >= 0, e.g. seed=0")
     if cfg.resume not in (None, "", "none", "null", "latest") and not Path(str(cfg.resume)).expanduser().is_file():
         raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file (use resume=latest or a .pt path)")
 
@@ -258,6 +259,19 @@ def check_optim(optim: DictConfig) -> None:
     choice(optim.lr_scaling, "optim.lr_scaling", (None, "none", "linear", "sqrt"))
     if optim.lr_scaling not in (None, "none"):
         parse_count(optim.base_batch, "optim.base_batch")
+
+
+def check_schedule(sched: DictConfig) -> None:
+    """The numbers a schedule option may take (options differ in which keys they have)."""
+    for key in ("warmup_steps", "decay_steps"):
+        value = sched.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(f"sched.{key}={value!r} must be a whole number of steps >= 0 (or null)")
+    for key in ("warmup_samples", "decay_samples"):
+        parse_optional_count(sched.get(key), f"sched.{key}")
+    ratio = sched.get("min_lr_ratio")
+    if ratio is not None and not (isinstance(ratio, (int, float)) and 0 <= ratio <= 1):
+        raise ConfigError(f"sched.min_lr_ratio={ratio!r} must lie in [0, 1], e.g. 0.0")
 
 
 def check_buildable(node: DictConfig, key: str, **kwargs) -> None:
