@@ -97,7 +97,7 @@ class TrainStep:
         if self.grad_clip:
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         else:  # the norm alone, for the finiteness check and the logs; the gradients untouched
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))  # fused
         finite = self._all_finite(self.loss, norm)
         if finite or self.scaler.is_enabled():  # fp16: the scaler skips by itself and lowers its scale
             self.scaler.step(self.optimizer)
