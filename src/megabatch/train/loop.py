@@ -74,10 +74,11 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lock = self._lock_run_dir()  # before anything is built: a second run stops at once
+        self.parts: RunParts | None = None
         try:
             self._build()
-        except BaseException:
-            if getattr(self, "parts", None) is not None:
+        except BaseException:  # a failed start leaves no workers, spill file or lock behind
+            if self.parts is not None:
                 self.parts.close()
             if self.lock is not None:
                 self.lock.release()
