@@ -10,18 +10,19 @@ import hydra
 from omegaconf import DictConfig
 
 import megabatch.config  # noqa: F401  (registers the configs' resolvers and schemas before Hydra composes)
+from megabatch.config.cli import entry_args  # shard patterns reach Hydra with their braces
 
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     from megabatch.config import ConfigError
+    from megabatch.config.cli import config_error_exit
     from megabatch.train import PREEMPTED_EXIT, NonFiniteError, Preempted, run
 
     try:
         return run(cfg)  # the final zero-shot top-1: what a sweeper optimises
     except ConfigError as error:  # the key and the fix, one line, no traceback; status 2 (usage)
-        print(f"config error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise config_error_exit(error) from None
     except NonFiniteError as error:  # diverged: what happened and what to change, status 1
         print(f"training stopped: {error}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -31,4 +32,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = entry_args(sys.argv[1:])
     main()

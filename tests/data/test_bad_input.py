@@ -103,15 +103,12 @@ def test_no_readable_shard_is_an_error_naming_them(tmp_path):
         run_on(tmp_path, urls, "data.num_workers=0", "data.train.split=position")
 
 
-def test_a_shard_missing_from_sizes_json_is_a_clear_error(tmp_path):
-    import pytest
-
-    from megabatch.config import ConfigError
+def test_a_shard_missing_from_sizes_json_is_counted_from_its_headers(tmp_path):
+    from megabatch.data.urls import shard_sizes
 
     urls = shards_with_junk(tmp_path / "shards", junk=0)
     (tmp_path / "shards" / "extra-000000.tar").write_bytes((tmp_path / "shards" / "good0-000000.tar").read_bytes())
-    with pytest.raises(ConfigError, match="extra-000000.tar is not listed in .*sizes.json"):
-        run_on(tmp_path, [*urls, str(tmp_path / "shards" / "extra-000000.tar")])
+    assert shard_sizes([*urls, str(tmp_path / "shards" / "extra-000000.tar")], "k", tmp_path / "cache") == [40, 40]
 
 
 def test_a_resampled_stream_over_unreadable_shards_stops_naming_them(tmp_path):

@@ -9,7 +9,7 @@ from .digits import ensure_digits
 from .position_split import PositionSplitBatches, make_loader
 from .shard_split import ShardBatches, slot_quota
 from .transforms import train_transform
-from .urls import count_samples, expand_urls
+from .urls import expand_urls, is_remote, shard_sizes
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +23,17 @@ class TrainData:
     (shard split only). Several sources: ``urls`` as a list (or ``::``-joined) with ``weights``.
     """
 
-    def __init__(self, cfg, tokenize, image_size: int, seed: int):
+    def __init__(self, cfg, tokenize, image_size: int, seed: int, show_progress: bool = True):
         urls = cfg.train.urls or ensure_digits(cfg.cache_dir)["train"]
         patterns = [urls] if isinstance(urls, str) and "::" not in urls else (
             urls.split("::") if isinstance(urls, str) else list(urls))
         self.sources = [expand_urls(pattern, "data.train.urls") for pattern in patterns]
         self.urls = [url for source in self.sources for url in source]
         self.num_samples = parse_optional_count(cfg.train.num_samples, "data.train.num_samples")
-        if self.num_samples is None:
-            self.num_samples = count_samples(self.urls, "data.train.urls")
         self.cfg, self.tokenize, self.seed = cfg, tokenize, seed
+        self.show_progress, self._sizes = show_progress, None
+        if self.num_samples is None:
+            self.num_samples = sum(self.sizes)
         self.transform = train_transform(image_size, **cfg.train.augment)
         # split and mode are checked with the rest of the config (config/schema.py); the weights
         # against the sources the URLs expand to
@@ -43,6 +44,18 @@ class TrainData:
                                   f"{len(self.sources)} sources in data.train.urls")
             if self.mode != "resampled":
                 log.warning("data.train.weights has no effect in epoch mode (use mode=resampled)")
+
+    @property
+    def sizes(self) -> list[int]:
+        """Each shard's sample count (urls.shard_sizes), read when first needed. Streams have none:
+        with ``data.train.num_samples`` set, an even split stands in for them (a slot whose shards
+        run short reads on into the others', shard_split.py)."""
+        if self._sizes is None:
+            if self.num_samples is not None and any(is_remote(url) for url in self.urls):
+                self._sizes = [self.num_samples // len(self.urls)] * len(self.urls)
+            else:
+                self._sizes = shard_sizes(self.urls, "data.train.urls", self.cfg.cache_dir, self.show_progress)
+        return self._sizes
 
     @property
     def workers(self) -> int:
@@ -57,8 +70,7 @@ class TrainData:
                 raise ConfigError(
                     f"data.train.split=shard: {len(self.urls)} shards for {world_size} ranks x "
                     f"{self.workers} workers; use more shards, fewer data.num_workers, or split=position")
-            sizes = [count_samples([url], "data.train.urls") for url in self.urls]
-            quota = slot_quota(sizes, slots, sub_batch)
+            quota = slot_quota(self.sizes, slots, sub_batch)
             per_step = global_batch // world_size // sub_batch
             return self.workers * quota // per_step
         return self.num_samples // global_batch

@@ -1,15 +1,34 @@
-"""Shard lists: brace patterns expanded to files, and their sample counts from ``sizes.json``."""
+"""Shard lists: brace patterns expanded to files, and each shard's sample count from wherever it
+already is (``sizes.json``, img2dataset's ``<shard>_stats.json``), else from one scan of the tar's
+headers, cached under the cache dir."""
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import re
+import tarfile
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import braceexpand
+from tqdm.auto import tqdm
 
 from ..config import ConfigError
+
+log = logging.getLogger(__name__)
+
+COUNTS_CACHE = "shard_counts.json"  # under the cache dir: {realpath: [size, mtime_ns, samples]}
+SCAN_THREADS = 16                   # header scans are I/O-bound: several in flight on a network disk
+_KEY = re.compile(r"^((?:.*/|)[^./]+)\.[^/]*$")  # webdataset's grouping: the name up to the first dot
+
+
+def is_remote(url: str) -> bool:
+    """``pipe:`` commands and ``scheme://`` URLs: read as streams, never listed or scanned."""
+    return "://" in url or url.startswith("pipe:")
 
 
 def expand_urls(urls: str | list[str], key: str) -> list[str]:
@@ -19,7 +38,7 @@ def expand_urls(urls: str | list[str], key: str) -> list[str]:
     expanded: list[str] = []
     for pattern in patterns:
         for url in braceexpand.braceexpand(pattern):
-            if "://" in url or url.startswith("pipe:"):
+            if is_remote(url):
                 expanded.append(url)
                 continue
             matches = sorted(glob.glob(os.path.expanduser(url)))
@@ -31,22 +50,148 @@ def expand_urls(urls: str | list[str], key: str) -> list[str]:
     return expanded
 
 
-def count_samples(urls: list[str], key: str) -> int:
-    """Total samples in ``urls`` from the ``sizes.json`` files beside them."""
-    total = 0
-    cache: dict[Path, dict] = {}
+def count_samples(urls: list[str], key: str, cache_dir: str | os.PathLike | None = None,
+                  show_progress: bool = True) -> int:
+    """Total samples in ``urls`` (see ``shard_sizes``)."""
+    return sum(shard_sizes(urls, key, cache_dir, show_progress))
+
+
+def shard_sizes(urls: list[str], key: str, cache_dir: str | os.PathLike | None = None,
+                show_progress: bool = True, read_sizes_json: bool = True) -> list[int]:
+    """Each shard's sample count, taken from the first of: ``sizes.json`` beside it (what
+    ``scripts/make_shards.py`` writes), img2dataset's ``<shard>_stats.json`` (``successes``), the
+    counts cache under ``cache_dir`` (keyed by path, size and modification time), one scan of the
+    tar's headers (no decoding; its result is cached). Remote URLs have no counts: an error naming
+    ``data.train.num_samples``. ``read_sizes_json=False`` ignores existing ``sizes.json`` files."""
+    remote = [url for url in urls if is_remote(url)]
+    if remote:
+        raise ConfigError(
+            f"{key}: the sample count of remote shards such as {remote[0]!r} cannot be read; set "
+            "data.train.num_samples=<total> (approximate is fine with data.train.mode=resampled, which "
+            "draws shards with replacement), or list the shards locally with a sizes.json "
+            "(scripts/make_shards.py index '<pattern>')")
+    sizes: dict[str, int] = {}
+    listed: dict[Path, dict] = {}
+    unknown: list[str] = []
     for url in urls:
-        folder = Path(url).parent
-        if folder not in cache:
-            sizes = folder / "sizes.json"
-            if not sizes.exists():
-                raise ConfigError(
-                    f"{key}: no sizes.json beside {url}; write one (scripts/make_shards.py does) "
-                    "or set data.train.num_samples"
-                )
-            cache[folder] = json.loads(sizes.read_text())
-        if Path(url).name not in cache[folder]:
-            raise ConfigError(f"{key}: {url} is not listed in {folder / 'sizes.json'}; add its sample count "
-                              "there (scripts/make_shards.py writes it) or set data.train.num_samples")
-        total += int(cache[folder][Path(url).name])
-    return total
+        path = Path(os.path.expanduser(url))
+        folder = path.parent
+        if folder not in listed:
+            listed[folder] = _read_sizes_json(folder / "sizes.json") if read_sizes_json else {}
+        if path.name in listed[folder]:
+            sizes[url] = int(listed[folder][path.name])
+        elif (stats := _read_stats(path)) is not None:
+            sizes[url] = stats
+        else:
+            unknown.append(url)
+    if unknown:
+        sizes.update(_scanned_sizes(unknown, cache_dir, show_progress))
+    return [sizes[url] for url in urls]
+
+
+def _read_sizes_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path} cannot be read ({error}); fix or delete it (scripts/make_shards.py "
+                          "index rewrites it)") from None
+
+
+def _read_stats(path: Path) -> int | None:
+    """``successes`` of img2dataset's ``<stem>_stats.json`` beside ``path`` (``00042.tar`` ->
+    ``00042_stats.json``), or None."""
+    stats = path.with_name(path.name.split(".")[0] + "_stats.json")
+    if not stats.exists():
+        return None
+    try:
+        return int(json.loads(stats.read_text())["successes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        log.warning("%s has no readable 'successes' count; counting %s instead", stats, path.name)
+        return None
+
+
+def scan_tar(path: str | os.PathLike) -> int:
+    """Samples in one tar, from its headers only (consecutive members sharing a key are one sample,
+    as webdataset groups them). A truncated tar counts what precedes the damage."""
+    samples, last = 0, None
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            while (member := tar.next()) is not None:
+                match = _KEY.match(member.name) if member.isfile() else None
+                if match and match.group(1) != last:
+                    samples, last = samples + 1, match.group(1)
+                tar.members.clear()  # headers only: keep no TarInfo per member
+    except (tarfile.TarError, EOFError, OSError) as error:
+        log.warning("%s: %s; counted the %d samples before it", path, error, samples)
+    return samples
+
+
+def _scanned_sizes(urls: list[str], cache_dir, show_progress: bool) -> dict[str, int]:
+    """Counts of shards with no listed count: from the cache where the file is unchanged, else by
+    scanning (in threads, with a progress bar after two seconds), then cached."""
+    cache_file = Path(os.path.expanduser(str(cache_dir))) / COUNTS_CACHE if cache_dir else None
+    cache = _load_cache(cache_file)
+    sizes: dict[str, int] = {}
+    todo: list[tuple[str, str, list[int]]] = []
+    for url in urls:
+        real = os.path.realpath(os.path.expanduser(url))
+        stat = os.stat(real)
+        entry = cache.get(real)
+        if entry and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
+            sizes[url] = int(entry[2])
+        else:
+            todo.append((url, real, [stat.st_size, stat.st_mtime_ns]))
+    if not todo:
+        return sizes
+    log.info("counting the samples of %d shards without sizes.json or _stats.json (headers only, once; "
+             "cached in %s)", len(todo), cache_file or "memory")
+    with ThreadPoolExecutor(min(SCAN_THREADS, len(todo))) as pool:
+        counts = pool.map(scan_tar, [real for _, real, _ in todo])
+        for (url, real, key), count in tqdm(zip(todo, counts, strict=True), total=len(todo), desc="counting samples",
+                                            unit="shard", delay=2, disable=not show_progress):
+            sizes[url] = count
+            cache[real] = [*key, count]
+    _save_cache(cache_file, cache)
+    return sizes
+
+
+def _load_cache(cache_file: Path | None) -> dict:
+    if cache_file is None or not cache_file.exists():
+        return {}
+    try:
+        return json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        log.warning("%s is unreadable; counting again", cache_file)
+        return {}
+
+
+def _save_cache(cache_file: Path | None, cache: dict) -> None:
+    """Atomic replace: ranks counting the same shards at once each leave a whole file."""
+    if cache_file is None:
+        return
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_file.parent, prefix=COUNTS_CACHE, suffix=".tmp")
+        with os.fdopen(fd, "w") as out:
+            json.dump(cache, out)
+        os.replace(tmp, cache_file)
+    except OSError as error:  # a read-only cache dir costs a rescan next time, nothing else
+        log.warning("could not write the shard counts cache %s: %s", cache_file, error)
+
+
+def write_sizes(urls: list[str], cache_dir=None, show_progress: bool = True) -> dict[Path, dict[str, int]]:
+    """Write (or update) ``sizes.json`` beside ``urls`` with their counts, taken from img2dataset's
+    stats or the tars themselves (not from the ``sizes.json`` being rewritten); return each file
+    written with the counts it gained."""
+    by_folder: dict[Path, dict[str, int]] = {}
+    sizes = shard_sizes(urls, "shards", cache_dir, show_progress, read_sizes_json=False)
+    for url, size in zip(urls, sizes, strict=True):
+        path = Path(os.path.expanduser(url))
+        by_folder.setdefault(path.parent, {})[path.name] = size
+    for folder, sizes in by_folder.items():
+        existing = _read_sizes_json(folder / "sizes.json")
+        existing.update(sizes)
+        (folder / "sizes.json").write_text(json.dumps(existing, indent=1, sort_keys=True))
+    return {folder / "sizes.json": sizes for folder, sizes in by_folder.items()}

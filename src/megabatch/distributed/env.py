@@ -1,4 +1,5 @@
-"""Process-group set-up from torchrun's environment (gloo on CPU, NCCL on CUDA)."""
+"""Process-group set-up from torchrun's environment, or SLURM's under ``srun`` without torchrun
+(gloo on CPU, NCCL on CUDA)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .slurm import torchrun_env
 
 log = logging.getLogger(__name__)
 
@@ -28,19 +31,27 @@ class DistEnv:
 
 
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 600) -> DistEnv:
-    """Initialise the default process group when launched by torchrun (``WORLD_SIZE`` set).
+    """Initialise the default process group when launched by torchrun (``WORLD_SIZE`` set) or by
+    ``srun`` (``SLURM_PROCID``/``SLURM_NTASKS``, translated by ``slurm.torchrun_env``).
 
     ``timeout_s`` bounds every collective, so a stuck or dead rank fails the run instead of hanging
-    it. ``device=auto`` takes ``cuda:<local_rank>`` when CUDA is available, else the CPU.
+    it. ``device=auto`` takes ``cuda:<local_rank>`` when CUDA is available, else the CPU; a task
+    that sees one GPU (``srun --gpus-per-task=1``) takes that one.
     """
+    slurm = torchrun_env(os.environ)
+    if slurm:
+        os.environ.update(slurm)
+        log.info("SLURM task %s of %s (local %s): rendezvous at %s:%s", slurm["RANK"], slurm["WORLD_SIZE"],
+                 slurm["LOCAL_RANK"], slurm["MASTER_ADDR"], slurm["MASTER_PORT"])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        torch.cuda.set_device(local_rank)
-        torch_device = torch.device("cuda", local_rank)
+        index = 0 if torch.cuda.device_count() == 1 else local_rank
+        torch.cuda.set_device(index)
+        torch_device = torch.device("cuda", index)
     else:
         torch_device = torch.device(device)
     if world_size > 1 and not dist.is_initialized():

@@ -50,7 +50,7 @@ class RunParts:
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
         model = instantiate(cfg.model, _convert_="all").to(env.device)
         tokenize = build_tokenizer(**cfg.model.text)
-        data = TrainData(cfg.data, tokenize, cfg.model.image.image_size, cfg.seed)
+        data = TrainData(cfg.data, tokenize, cfg.model.image.image_size, cfg.seed, show_progress=env.rank == 0)
         plan = plan_batches(cfg, env.world_size, data)
         optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
         schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch)

@@ -1,0 +1,113 @@
+"""Sample counts where they are: sizes.json, img2dataset's _stats.json, a header scan and its cache
+all give the true count; streams without counts are a clear error."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from megabatch.config import ConfigError
+from megabatch.data import urls as urls_module
+from megabatch.data.urls import count_samples, expand_urls, scan_tar, shard_sizes
+
+from ..helpers import ROOT
+
+TRUTH = [7, 3, 12, 5]
+
+
+def write_tar(path, samples: int, extensions=("jpg", "txt", "json")) -> None:
+    """An img2dataset-style shard: ``samples`` keys, one member per extension each."""
+    with tarfile.open(path, "w") as tar:
+        for key in range(samples):
+            for ext in extensions:
+                data = f"{key}.{ext}".encode()
+                info = tarfile.TarInfo(f"{key:09d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture
+def shards(tmp_path):
+    folder = tmp_path / "cc12m"
+    folder.mkdir()
+    for index, samples in enumerate(TRUTH):
+        write_tar(folder / f"{index:05d}.tar", samples)
+    return folder, str(folder / "{00000..00003}.tar")
+
+
+def no_scan(path):
+    raise AssertionError(f"scanned {path}")
+
+
+def test_img2dataset_stats_give_the_counts_without_opening_a_tar(shards, tmp_path, monkeypatch):
+    folder, pattern = shards
+    for index, samples in enumerate(TRUTH):
+        (folder / f"{index:05d}_stats.json").write_text(json.dumps({"count": samples + 2, "successes": samples}))
+    monkeypatch.setattr(urls_module, "scan_tar", no_scan)
+    assert shard_sizes(expand_urls(pattern, "k"), "k", tmp_path / "cache") == TRUTH
+
+
+def test_header_scan_then_cache_then_rescan_when_a_shard_changes(shards, tmp_path, monkeypatch):
+    folder, pattern = shards
+    urls = expand_urls(pattern, "k")
+    assert [scan_tar(url) for url in urls] == TRUTH
+    assert shard_sizes(urls, "k", tmp_path / "cache") == TRUTH  # scanned
+    cached = json.loads((tmp_path / "cache" / "shard_counts.json").read_text())
+    assert sorted(entry[2] for entry in cached.values()) == sorted(TRUTH)
+    with monkeypatch.context() as patch:
+        patch.setattr(urls_module, "scan_tar", no_scan)
+        assert shard_sizes(urls, "k", tmp_path / "cache") == TRUTH  # from the cache alone
+    write_tar(folder / "00002.tar", 4)  # rewritten: new size and mtime
+    os.utime(folder / "00002.tar", ns=(1, 1))
+    assert shard_sizes(urls, "k", tmp_path / "cache") == [7, 3, 4, 5]
+
+
+def test_sizes_json_wins_and_a_shard_it_misses_is_counted(shards, tmp_path):
+    folder, pattern = shards
+    (folder / "sizes.json").write_text(json.dumps({"00000.tar": 7, "00001.tar": 3}))
+    assert count_samples(expand_urls(pattern, "k"), "k", tmp_path / "cache") == sum(TRUTH)
+
+
+def test_a_truncated_tar_counts_the_samples_before_the_damage(tmp_path):
+    write_tar(tmp_path / "a.tar", 10)
+    data = (tmp_path / "a.tar").read_bytes()
+    (tmp_path / "b.tar").write_bytes(data[: len(data) // 2])
+    assert 0 < scan_tar(tmp_path / "b.tar") < 10
+    (tmp_path / "c.tar").write_bytes(b"not a tar at all")
+    assert scan_tar(tmp_path / "c.tar") == 0
+
+
+@pytest.mark.parametrize("url", ["pipe:aws s3 cp s3://bucket/{0..3}.tar -", "https://host/{0..3}.tar"])
+def test_streams_without_counts_name_num_samples_and_resampled(url):
+    with pytest.raises(ConfigError, match=r"data\.train\.num_samples.*data\.train\.mode=resampled"):
+        count_samples(expand_urls(url, "data.train.urls"), "data.train.urls")
+
+
+def test_make_shards_index_writes_sizes_json(shards, tmp_path):
+    folder, pattern = shards
+    (folder / "00000_stats.json").write_text(json.dumps({"successes": 7}))
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shards.py"), "index", pattern],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "MEGABATCH_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    assert f"4 shards, {sum(TRUTH)} samples" in result.stdout
+    assert json.loads((folder / "sizes.json").read_text()) == {f"{i:05d}.tar": n for i, n in enumerate(TRUTH)}
+
+
+def test_training_data_counts_img2dataset_shards(shards, tmp_path):
+    from megabatch.config.compose import compose
+    from megabatch.data import TrainData
+
+    _, pattern = shards
+    cfg = compose("data=webdataset", f"data.train.urls='{pattern}'", f"data.cache_dir={tmp_path / 'cache'}")
+    data = TrainData(cfg.data, lambda texts: None, 32, seed=0, show_progress=False)
+    assert data.num_samples == sum(TRUTH) and data.sizes == TRUTH
+    streams = compose("data=webdataset", "data.train.urls='pipe:cat /d/{0..3}.tar'", "data.train.num_samples=400",
+                      "data.train.mode=resampled")
+    assert TrainData(streams.data, lambda texts: None, 32, seed=0).num_samples == 400

@@ -1,0 +1,66 @@
+"""config/cli.py: shard patterns reach Hydra intact; nothing else on the command line changes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megabatch.config import ConfigError
+from megabatch.config.cli import quote_patterns, split_top_level
+from megabatch.config.compose import compose
+
+from .helpers import ROOT
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("data.train.urls=/d/{0..9}.tar", "data.train.urls='/d/{0..9}.tar'"),
+    ("+data.train.urls=/d/{0..9}.tar", "+data.train.urls='/d/{0..9}.tar'"),
+    ("eval.urls=/d/{0..9}.tar::/e/{a,b}.tar", "eval.urls='/d/{0..9}.tar::/e/{a,b}.tar'"),
+    ("data.train.urls=/a/{0,1}.tar,/b/{2..3}.tar", "data.train.urls='/a/{0,1}.tar','/b/{2..3}.tar'"),  # a sweep
+    ("data.train.urls=[/a/{0..1}.tar,/b.tar]", "data.train.urls=['/a/{0..1}.tar',/b.tar]"),
+    ("data.train.urls='/d/{0..9}.tar'", "data.train.urls='/d/{0..9}.tar'"),      # quoted for Hydra already
+    ('data.train.urls="/d/{0..9}.tar"', 'data.train.urls="/d/{0..9}.tar"'),
+    ("data.train.urls=/it's/{0..9}.tar", 'data.train.urls="/it\'s/{0..9}.tar"'),
+    ("data.train.urls=/d/000.tar", "data.train.urls=/d/000.tar"),                 # no brace: as it came
+    ("data.train.urls=glob(*)", "data.train.urls=glob(*)"),
+    ("+model.extra={a:1}", "+model.extra={a:1}"),                                 # not a urls key
+    ("hydra.run.dir=/r/{x}", "hydra.run.dir=/r/{x}"),
+    ("batch=1M", "batch=1M"), ("-m", "-m"), ("model=vit_b32", "model=vit_b32"),
+])
+def test_only_brace_patterns_of_url_keys_are_quoted(arg, expected):
+    assert quote_patterns([arg]) == [expected]
+
+
+def test_quoted_values_compose_to_what_the_shell_passed():
+    for value in ("/d/{0..9}.tar", "/d/{0..9}.tar::/e/{a,b}.tar", "/it's/{0..9}.tar"):
+        cfg = compose("data=webdataset", *quote_patterns([f"data.train.urls={value}"]))
+        assert cfg.data.train.urls == value
+    cfg = compose("data=webdataset", *quote_patterns(["data.train.urls=[/a/{0..1}.tar,/b.tar]"]))
+    assert list(cfg.data.train.urls) == ["/a/{0..1}.tar", "/b.tar"]
+
+
+def test_split_top_level_ignores_commas_inside_braces_and_quotes():
+    assert split_top_level("/a/{0,1}.tar,'/b,c',/d") == ["/a/{0,1}.tar", "'/b,c'", "/d"]
+
+
+def test_a_pattern_the_shell_expanded_is_refused_naming_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="quote it"):
+        quote_patterns(["data.train.urls=/d/0.tar", "data.train.urls=/d/1.tar"])
+    # as a user meets it: unquoted braces expanded by bash itself
+    result = subprocess.run(["bash", "-c", f"{sys.executable} {ROOT / 'train.py'} data=webdataset "
+                             "data.train.urls=/data/{0..2}.tar"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("config error: data.train.urls is given 3 times")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_hydra_full_error_still_shows_the_traceback(tmp_path):
+    import os
+
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "trainer.log_every=0"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "ConfigError: trainer.log_every=0" in result.stderr
