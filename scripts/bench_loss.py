@@ -4,10 +4,14 @@
     torchrun --nproc_per_node=2 scripts/bench_loss.py --batches 256k,1M --out loss2.json
 
 Backends: ours (vanilla, local, disco, infcl = Triton kernels on CUDA, infcl_torch = plain-torch
-tiles) and, when importable, the reference systems side by side in the same process:
-``ref_openclip`` (OpenCLIP 3.3 ``ClipLoss(local_loss=True, gather_with_grad=True)``) and
-``ref_infcl`` (``inf_cl.cal_inf_loss`` both directions). Features are random, L2-normalised,
-``[b / W, c]`` per rank; the scale is a learnable 0-dim tensor at 100.
+tiles; the sigmoid loss: siglip = Triton kernels, siglip_torch = plain-torch tiles) and, when
+importable, the reference systems side by side in the same process: ``ref_openclip`` (OpenCLIP 3.3
+``ClipLoss(local_loss=True, gather_with_grad=True)``), ``ref_infcl`` (``inf_cl.cal_inf_loss`` both
+directions) and ``ref_siglip`` (OpenCLIP 3.3 ``SigLipLoss``: each rank's rows against every text
+block, exchanged between neighbours). Features are random, L2-normalised, ``[b / W, c]`` per rank;
+the scale is a learnable 0-dim tensor at 100; sigmoid losses add a learnable bias at -10.
+
+    python scripts/bench_loss.py --backends siglip,ref_siglip,infcl --batches 32k,64k,128k,256k,1M --out sig.json
 "extra_gb" is the peak allocated memory minus the inputs and their gradients (``.grad`` starts
 empty; the gradients the loss returns become ``.grad`` and are subtracted once). A backend that runs
 out of memory at some b is not tried at larger b. fp32 matmuls may use TF32 (``--tf32``, on by
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 
 from megabatch.bench import write_results
 from megabatch.config import parse_count
-from megabatch.losses import DiscoLoss, InfClLoss, LocalLoss, VanillaLoss
+from megabatch.losses import DiscoLoss, InfClLoss, LocalLoss, SigLipLoss, VanillaLoss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,6 +48,13 @@ def make_backend(name: str, tile: int, world: int, rank: int, fp32_precision: st
         return InfClLoss(tile=tile, fp32_precision=fp32_precision)
     if name == "infcl_torch":  # the plain-torch tile reference of the same math
         return InfClLoss(tile=tile, impl="torch", fp32_precision=fp32_precision)
+    if name in ("siglip", "siglip_torch"):
+        loss = SigLipLoss(tile=tile, impl="auto" if name == "siglip" else "torch", fp32_precision=fp32_precision)
+        return with_bias(loss)
+    if name == "ref_siglip":
+        from open_clip.loss import SigLipLoss as OpenClipSigLipLoss
+
+        return with_bias(OpenClipSigLipLoss(rank=rank, world_size=world))
     if name == "ref_openclip":
         from open_clip.loss import ClipLoss
 
@@ -54,6 +65,12 @@ def make_backend(name: str, tile: int, world: int, rank: int, fp32_precision: st
 
         return lambda i, t, s: (cal_inf_loss(i, t, scale=s) + cal_inf_loss(t, i, scale=s)) / 2
     raise ValueError(f"unknown backend {name}")
+
+
+def with_bias(loss):
+    """A sigmoid loss called as the others are, with its own learnable bias (-10, SigLIP's init)."""
+    bias = torch.tensor(-10.0, device="cuda", requires_grad=True)
+    return lambda i, t, s: loss(i, t, s, bias)
 
 
 def sync() -> None:

@@ -79,7 +79,8 @@ def test_tiny_model_forward_gives_unit_features():
     cfg = compose()
     model = instantiate(cfg.model, _convert_="all")
     tokens = build_tokenizer(**cfg.model.text)(["a handwritten 7", "the number nine"])
-    image_features, text_features, scale = model(torch.randn(2, 3, 32, 32), tokens)
+    image_features, text_features, scale, bias = model(torch.randn(2, 3, 32, 32), tokens)
+    assert bias is None  # a softmax-loss model has no logit bias
     assert image_features.shape == text_features.shape == (2, cfg.model.embed_dim)
     torch.testing.assert_close(image_features.norm(dim=-1), torch.ones(2))
     assert scale.item() == pytest.approx(1 / 0.07, rel=1e-5)

@@ -17,3 +17,12 @@ def test_main_job_reaches_85_percent_zero_shot(tmp_path):
     top1 = float(re.search(r"zero-shot top-1 on digits \(held out\): ([\d.]+)%", result.stdout)[1])
     print(f"main job zero-shot top-1: {top1:.2f}%")
     assert top1 >= 85.0
+
+
+@pytest.mark.main_job
+def test_siglip_on_the_main_job_reaches_85_percent_zero_shot(tmp_path):
+    """The sigmoid loss in the main job's budget: `python train.py loss=siglip`, nothing else."""
+    result = run_script(str(ROOT / "train.py"), "loss=siglip", cwd=tmp_path)
+    top1 = float(re.search(r"zero-shot top-1 on digits \(held out\): ([\d.]+)%", result.stdout)[1])
+    print(f"siglip main job zero-shot top-1: {top1:.2f}%")
+    assert top1 >= 85.0

@@ -216,3 +216,34 @@ def test_a_frozen_tower_is_encoded_once_and_never_replayed(tmp_path, monkeypatch
     # 1e-5, not 1e-6: MiniLM's fp32 matmuls round differently for a 4-row than a 32-row batch
     # (BLAS blocking), so the frozen text features themselves differ by ~1e-7 between the paths
     assert rel_error(flat(cached["grads"]), flat(full["grads"])) <= 1e-5
+
+
+@pytest.mark.parametrize("sub_batches", [1, 2, 4])
+def test_siglip_sub_batches_give_the_single_pass_gradients(sub_batches):
+    """The sigmoid loss through GradCache: feature, scale and bias gradients of one dense pass."""
+    full = step_gradients(0, 1, ["loss=siglip", f"loss.tile={BATCH}"])  # one tile: the dense matrix
+    cached = step_gradients(0, 1, ["loss=siglip", "loss.tile=8", f"trainer.sub_batch={BATCH // sub_batches}"])
+    assert cached["phases"] == (["data", "forward_backward"] if sub_batches == 1 else
+                                ["data", "encode", "loss", "replay"])
+    assert full["grads"].keys() == cached["grads"].keys()
+    for name in ("clip.logit_scale", "clip.logit_bias"):
+        assert full["grads"][name].abs() > 0, name
+        assert rel_error(cached["grads"][name], full["grads"][name]) <= 1e-6, name
+    assert rel_error(flat(cached["grads"]), flat(full["grads"])) <= 1e-6
+    assert rel_error(cached["loss"], full["loss"]) <= 1e-6
+
+
+def two_rank_siglip(rank: int, world: int) -> dict:
+    return step_gradients(rank, world, ["loss=siglip", "loss.tile=8", "trainer.sub_batch=4",
+                                        "model.image.patch_dropout=0", "trainer.offload=true"], step=True)
+
+
+def test_siglip_on_two_ranks_with_offload_equals_one_process(tmp_path):
+    single = step_gradients(0, 1, ["loss=siglip", "model.image.patch_dropout=0"])
+    ranks = run_ranks(2, two_rank_siglip, tmp_path=tmp_path)
+    for result in ranks:
+        assert rel_error(flat(result["grads"]), flat(single["grads"])) <= 1e-5
+        for name in ("clip.logit_scale", "clip.logit_bias"):
+            assert rel_error(result["grads"][name], single["grads"][name]) <= 1e-5, name
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name

@@ -134,6 +134,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"))
     check_loss(cfg.loss, cfg.trainer.device)
     check_model(cfg.model)
+    check_logit_bias(cfg.loss, cfg.model)
     return cfg
 
 
@@ -298,6 +299,20 @@ def check_loss(loss: DictConfig, device: str) -> None:
         if not on_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise ConfigError("loss.impl=triton needs a CUDA GPU and this run is on the CPU; use "
                               "loss.impl=auto (Triton on CUDA, torch elsewhere) or loss.impl=torch")
+
+
+def check_logit_bias(loss: DictConfig, model: DictConfig) -> None:
+    """A sigmoid loss needs the model's learnable logit bias; a softmax loss has no use for one."""
+    from hydra.utils import get_class
+
+    uses_bias = getattr(get_class(loss._target_), "uses_bias", False)
+    has_bias = model.get("init_logit_bias") is not None
+    if uses_bias and not has_bias:
+        raise ConfigError(f"{loss._target_.rsplit('.', 1)[-1]} needs a logit bias: set model.init_logit_bias "
+                          "(SigLIP's is -10; loss=siglip sets it unless overridden with null)")
+    if has_bias and not uses_bias:
+        raise ConfigError(f"model.init_logit_bias={model.init_logit_bias} but {loss._target_.rsplit('.', 1)[-1]} "
+                          "takes no bias; use loss=siglip or model.init_logit_bias=null")
 
 
 def check_model(model: DictConfig) -> None:

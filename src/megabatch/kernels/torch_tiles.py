@@ -106,3 +106,52 @@ def block_grads(
     if rows_dtype is not None:
         d_rows = d_rows.to(rows_dtype)
     return d_rows, d_cols, d_scale
+
+
+def sigmoid_block(
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    diagonal: bool,
+    d_rows: torch.Tensor | None = None,
+    d_cols: torch.Tensor | None = None,
+    tile: int = 4096,
+    fp32_precision: str = "tf32",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sigmoid (SigLIP) loss of one block and, in the same pass, its gradients.
+
+    With logits ``l = scale * rows @ cols^T + bias`` and ``z = +1`` on the diagonal of a
+    ``diagonal`` block (row i pairs with column i), ``-1`` elsewhere, each logit contributes
+    ``softplus(-z l) = -log sigmoid(z l)``, whose derivative is ``g = -z sigmoid(-z l)``. Returns
+    ``(sum softplus(-z l), sum g * rows @ cols^T, sum g)`` in the accumulation dtype: the loss sum
+    and the gradients of that sum w.r.t. ``scale`` and ``bias``. When ``d_rows [m, c]`` /
+    ``d_cols [n, c]`` (accumulation dtype) are given, ``scale * g @ cols`` and ``scale * g^T @ rows``
+    are added into them in place. No log-sum-exp: every logit's term is independent, so each tile
+    is read once, for the loss and both gradients.
+    """
+    acc = accumulation_dtype(rows.dtype)
+    scale_acc, bias_acc = scale.to(acc), bias.to(acc)
+    loss = torch.zeros((), dtype=acc, device=rows.device)
+    d_scale, d_bias = torch.zeros_like(loss), torch.zeros_like(loss)
+    with fp32_matmul(fp32_precision):
+        for i0 in range(0, rows.shape[0], tile):
+            row_tile = rows[i0 : i0 + tile].to(acc)
+            for j0 in range(0, cols.shape[0], tile):
+                col_tile = cols[j0 : j0 + tile].to(acc)
+                dots = row_tile @ col_tile.T
+                minus_z = torch.ones_like(dots)  # -z: +1 off the diagonal
+                if diagonal and i0 < j0 + col_tile.shape[0] and j0 < i0 + row_tile.shape[0]:
+                    index = torch.arange(max(i0, j0), min(i0 + row_tile.shape[0], j0 + col_tile.shape[0]),
+                                         device=rows.device)
+                    minus_z[index - i0, index - j0] = -1.0
+                margin = minus_z * (dots * scale_acc + bias_acc)  # -z l
+                loss += torch.nn.functional.softplus(margin).sum()
+                grad = minus_z * torch.sigmoid(margin)  # d softplus(-z l) / d l
+                d_scale += (grad * dots).sum()
+                d_bias += grad.sum()
+                if d_rows is not None:
+                    d_rows[i0 : i0 + tile] += scale_acc * (grad @ col_tile)
+                if d_cols is not None:
+                    d_cols[j0 : j0 + tile] += scale_acc * (grad.T @ row_tile)
+    return loss, d_scale, d_bias

@@ -49,14 +49,26 @@ FP16_G_SCALE = 2.0**14  # |G'| <= 2: scaled into fp16's normal range, undone in 
 # Kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _round_tf32(x):
+    """fp32 -> the nearest TF32 value (10 mantissa bits, ties away from zero), still as fp32.
+
+    The tensor cores' own fp32 -> TF32 conversion truncates, which shifts every product of a dot
+    the same way (towards zero) and biases every logit alike; rounded operands make the errors
+    cancel instead, as cuBLAS's TF32 GEMMs do."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dot_tile(
     rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
     stride_rm, stride_rk, stride_cn, stride_ck,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr = False,
 ):
     """``rows[offs_m] @ cols[offs_n]^T`` as a [BLOCK_M, BLOCK_N] fp32 tile, the feature dimension
-    ``c`` in steps of BLOCK_K; masked rows and columns read as zeros (inlined into the kernels)."""
+    ``c`` in steps of BLOCK_K; masked rows and columns read as zeros (inlined into the kernels).
+    ``ROUND_TF32`` (fp32 inputs, TF32 dots): operands rounded to nearest first (``_round_tf32``)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, c, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -67,6 +79,8 @@ def _dot_tile(
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
+        if ROUND_TF32:
+            a, b = _round_tf32(a), _round_tf32(b)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
@@ -77,7 +91,7 @@ def _stats_kernel(
     m, c, col_start, col_stop, cols_per_split,  # shapes: this launch covers [col_start, col_stop)
     stride_rm, stride_rk, stride_cn, stride_ck, stride_row_part, stride_col_part,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr,
 ):
     """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe.
 
@@ -100,7 +114,8 @@ def _stats_kernel(
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
         acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
-                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        ROUND_TF32)
         s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
         # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -123,7 +138,7 @@ def _grad_kernel(
     c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block of G'
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
+    DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
 ):
     """One tile of ``G' = P_row + P_col - 2 I`` (rows [row_start, row_stop) x columns
     [col_start, col_stop) of the block) into the buffer, times ``g_scale``, and the tile's
@@ -140,7 +155,8 @@ def _grad_kernel(
     offs_n = col_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = offs_m < row_stop, offs_n < col_stop
     acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
-                    stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+                    stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                    ROUND_TF32)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
@@ -153,6 +169,56 @@ def _grad_kernel(
     g_offs = (offs_m - row_start)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
     tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sigmoid_kernel(
+    rows_ptr, cols_ptr, scale_ptr, bias_ptr, g_ptr, sums_ptr,  # pointers
+    c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block
+    stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
+    WRITE_G: tl.constexpr,
+):
+    """One tile of the sigmoid loss: with ``l = scale * dots + bias`` and ``-z`` = -1 on the
+    diagonal of a DIAGONAL block, +1 elsewhere, writes ``[sum softplus(-z l), sum g * dots, sum g]``
+    at ``sums_ptr[3 * program]`` and (WRITE_G) ``g = -z sigmoid(-z l)``, times ``g_scale``, into the
+    block buffer. One exponential and one logarithm per logit."""
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(row_stop - row_start, BLOCK_M), tl.cdiv(col_stop - col_start, BLOCK_N)
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_m
+    pid_n = (pid % (GROUP_M * grid_n)) // group_m
+    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = col_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = offs_m < row_stop, offs_n < col_stop
+    dots = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
+                     stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                     ROUND_TF32)
+    scale = tl.load(scale_ptr).to(tl.float32)
+    bias = tl.load(bias_ptr).to(tl.float32)
+    margin = dots * scale + bias  # -z l, off the diagonal
+    if DIAGONAL:
+        minus_z = tl.where(offs_m[:, None] == offs_n[None, :], -1.0, 1.0)
+        margin = margin * minus_z
+    e = tl.exp(-tl.abs(margin))  # in (0, 1]: never overflows
+    u = 1.0 + e
+    # log1p(e), accurate where 1 + e rounds (SigLIP's off-diagonal terms are ~e^-10 each)
+    log1p_e = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    ok = row_ok[:, None] & col_ok[None, :]
+    loss = tl.where(ok, tl.maximum(margin, 0.0) + log1p_e, 0.0)
+    g = tl.where(margin >= 0, 1.0, e) / u  # sigmoid(-z l)
+    if DIAGONAL:
+        g = g * minus_z
+    g = tl.where(ok, g, 0.0)
+    tl.store(sums_ptr + 3 * pid, tl.sum(tl.sum(loss, 1), 0))
+    tl.store(sums_ptr + 3 * pid + 1, tl.sum(tl.sum(g * dots, 1), 0))
+    tl.store(sums_ptr + 3 * pid + 2, tl.sum(tl.sum(g, 1), 0))
+    if WRITE_G:
+        g_offs = (offs_m - row_start)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
+        tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,7 +377,8 @@ def _stats_launch(rows, cols, scale, precision, config):
             rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
             row_max.stride(0), col_max.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            UPCAST=_upcast(rows), num_warps=config["num_warps"], num_stages=config["num_stages"],
+            UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
         # rows: merge this stripe's splits into the running (max, sum), base 2
         part_max, part_sum = row_max[:active], row_sum[:active]
@@ -325,34 +392,41 @@ def _stats_launch(rows, cols, scale, precision, config):
     return (run_max + torch.log2(run_sum)) / LOG2E, col_lse
 
 
-def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, config,
-                 weight=None, d_rows=None, d_cols=None, rows_out=None):
-    """Block by block of G' (at most ``G_BYTES``): the kernel writes it, then cuBLAS multiplies it
-    into ``d_rows`` and ``d_cols`` (fp32 out). Blocks are near-square, so both GEMMs have a long
-    inner dimension and stay compute-bound at any b. Without ``weight`` (autotuning) only the
-    kernel runs. With ``rows_out`` (instead of ``d_rows``) each row block's gradient is summed in
-    an fp32 scratch and written to ``rows_out`` (any dtype) once complete. Returns
-    ``sum(G' * dots)`` (fp32, unweighted).
-    """
-    m, c = rows.shape
-    n = cols.shape[0]
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+def _round_tf32_flag(rows: torch.Tensor, precision: str) -> bool:
+    return rows.dtype == torch.float32 and precision == "tf32"
+
+
+def _block_sides(rows: torch.Tensor, m: int, n: int) -> tuple[int, int]:
+    """Near-square blocks of at most ``G_BYTES`` of G: both GEMMs then have a long inner dimension
+    and stay compute-bound at any b."""
     elements, align = G_BYTES // rows.element_size(), G_ALIGN
     side = max(align, math.isqrt(elements) // align * align)
     block_m = min(side, triton.cdiv(m, align) * align)
     block_n = min(max(align, elements // block_m // align * align), triton.cdiv(n, align) * align)
-    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0
-    g = torch.empty((block_m * block_n,), dtype=rows.dtype, device=rows.device)
-    partials = torch.empty((triton.cdiv(block_m, bm) * triton.cdiv(block_n, bn),), dtype=torch.float32,
+    return block_m, block_n
+
+
+def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d_rows=None, d_cols=None,
+              rows_out=None, write_g: bool = True):
+    """Walk the ``rows x cols`` matrix block by block of G (at most ``G_BYTES``): ``fill(g_block,
+    partials, row_start, row_stop, col_start, col_stop, programs)`` launches a kernel that writes
+    the block of G (times ``g_scale``) and ``sums`` fp32 partial sums per program; then, unless
+    ``alpha`` is None, cuBLAS adds ``alpha * G @ cols`` into ``d_rows`` and ``alpha * G^T @ rows``
+    into ``d_cols`` (fp32 out). With ``rows_out`` (instead of ``d_rows``) each row block's gradient
+    is summed in an fp32 scratch and written to ``rows_out`` (any dtype) once complete. Without
+    ``write_g`` no G buffer exists (the kernel writes only its sums). Returns the ``[sums]`` totals
+    of the partials (fp32)."""
+    m, c = rows.shape
+    n = cols.shape[0]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    block_m, block_n = _block_sides(rows, m, n)
+    g = torch.empty((block_m * block_n if write_g else 1,), dtype=rows.dtype, device=rows.device)
+    partials = torch.empty((triton.cdiv(block_m, bm) * triton.cdiv(block_n, bn), sums), dtype=torch.float32,
                            device=rows.device)
-    d_scale = torch.zeros((), dtype=torch.float32, device=rows.device)
-    alpha = None
-    if weight is not None:
-        # host sync: cuBLAS takes alpha as a number (once per block call, not per tile)
-        alpha = float(scale.double() * weight.double()) / g_scale
+    totals = torch.zeros((sums,), dtype=torch.float32, device=rows.device)
     for row_start in range(0, m, block_m):
         row_stop = min(row_start + block_m, m)
-        if weight is None:  # kernel only (tuning, profiling)
+        if alpha is None:  # kernel only (the loss without gradients, tuning, profiling)
             row_grads = None
         elif rows_out is None:
             row_grads = d_rows[row_start:row_stop]
@@ -362,24 +436,65 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
             col_stop = min(col_start + block_n, n)
             height, width = row_stop - row_start, col_stop - col_start
             programs = triton.cdiv(height, bm) * triton.cdiv(width, bn)
-            g_block = g[: height * width].view(height, width)
-            _grad_kernel[(programs,)](
-                rows, cols, scale, row_lse, col_lse, g_block, partials,
-                c, row_start, row_stop, col_start, col_stop, g_scale,
-                rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
-                g_block.stride(0), g_block.stride(1),
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-                DIAGONAL=diagonal, UPCAST=_upcast(rows), GROUP_M=8,
-                num_warps=config["num_warps"], num_stages=config["num_stages"],
-            )
-            d_scale += partials[:programs].sum()
-            if weight is not None:
+            g_block = g[: height * width].view(height, width) if write_g else g.view(1, 1)
+            fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs)
+            totals += partials[:programs].sum(0)
+            if alpha is not None:
                 with fp32_matmul(precision):
                     _accumulate(row_grads, g_block, cols[col_start:col_stop], alpha)
                     _accumulate(d_cols[col_start:col_stop], g_block.T, rows[row_start:row_stop], alpha)
-        if rows_out is not None and weight is not None:
+        if rows_out is not None and alpha is not None:
             rows_out[row_start:row_stop] = row_grads
-    return d_scale
+    return totals
+
+
+def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, config,
+                 weight=None, d_rows=None, d_cols=None, rows_out=None):
+    """The softmax backward over ``_g_blocks``: the kernel writes ``G' = P_row + P_col - 2 I``,
+    cuBLAS multiplies it into ``d_rows`` and ``d_cols``. Without ``weight`` (autotuning) only the
+    kernel runs. Returns ``sum(G' * dots)`` (fp32, unweighted)."""
+    c = rows.shape[1]
+    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0
+    alpha = None
+    if weight is not None:
+        # host sync: cuBLAS takes alpha as a number (once per block call, not per tile)
+        alpha = float(scale.double() * weight.double()) / g_scale
+
+    def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
+        _grad_kernel[(programs,)](
+            rows, cols, scale, row_lse, col_lse, g_block, partials,
+            c, row_start, row_stop, col_start, col_stop, g_scale,
+            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+            g_block.stride(0), g_block.stride(1),
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+            DIAGONAL=diagonal, UPCAST=_upcast(rows), GROUP_M=8, ROUND_TF32=_round_tf32_flag(rows, precision),
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+
+    return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, rows_out)[0]
+
+
+def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows=None, d_cols=None,
+                    grads: bool = True):
+    """The sigmoid loss over ``_g_blocks``: the kernel writes ``g`` and the tile sums, cuBLAS
+    multiplies ``g`` into ``d_rows``/``d_cols`` (``grads``). Returns ``[loss, d_scale, d_bias]``
+    sums (fp32)."""
+    c = rows.shape[1]
+    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0  # |g| <= 1
+    alpha = float(scale.double()) / g_scale if grads else None  # host sync, once per block call
+
+    def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
+        _sigmoid_kernel[(programs,)](
+            rows, cols, scale, bias, g_block, partials,
+            c, row_start, row_stop, col_start, col_stop, g_scale,
+            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+            g_block.stride(0), g_block.stride(1),
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+            DIAGONAL=diagonal, UPCAST=_upcast(rows), GROUP_M=8, ROUND_TF32=_round_tf32_flag(rows, precision),
+            WRITE_G=grads, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+
+    return _g_blocks(rows, cols, config, fill, 3, precision, alpha, d_rows, d_cols, write_g=grads)
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
@@ -479,6 +594,31 @@ def block_grads(
                         col_lse.float().contiguous(), diagonal, fp32_precision, config,
                         weight, d_rows, d_cols, rows_out)
     return (d_rows if rows_out is None else rows_out), d_cols, dots * weight
+
+
+def sigmoid_block(
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    diagonal: bool,
+    d_rows: torch.Tensor | None = None,
+    d_cols: torch.Tensor | None = None,
+    fp32_precision: str = "tf32",
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sigmoid loss of one block and its gradients in one pass (``torch_tiles.sigmoid_block``'s
+    contract): returns ``(sum softplus(-z l), sum g * dots, sum g)`` in fp32 and, when ``d_rows`` /
+    ``d_cols`` (fp32, contiguous) are given, adds ``scale * g @ cols`` / ``scale * g^T @ rows`` into
+    them. Without either, only the loss kernel runs (no G is written)."""
+    _check(rows, cols, fp32_precision)
+    config = config or get_config("grad", rows, fp32_precision)
+    grads = d_rows is not None or d_cols is not None
+    if grads and (d_rows is None or d_cols is None):
+        raise ValueError("sigmoid_block: give both d_rows and d_cols, or neither")
+    sums = _sigmoid_launch(rows, cols, scale.reshape(()).float(), bias.reshape(()).float(), diagonal,
+                           fp32_precision, config, d_rows, d_cols, grads)
+    return sums[0], sums[1], sums[2]
 
 
 def symmetric_loss(

@@ -21,3 +21,12 @@ def clip_loss_reference(
     logits = upcast(image_features @ text_features.T) * scale
     labels = torch.arange(logits.shape[0], device=logits.device)
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def siglip_loss_reference(
+    image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """``-(1/b) sum_ij log sigmoid(z_ij (scale * I T^T + bias)_ij)``, ``z = 2 I - 1``, dense."""
+    logits = upcast(image_features @ text_features.T) * scale + bias
+    signs = 2 * torch.eye(logits.shape[0], dtype=logits.dtype, device=logits.device) - 1
+    return -F.logsigmoid(signs * logits).sum() / logits.shape[0]

@@ -26,11 +26,12 @@ MAX_LOGIT_SCALE = math.log(100.0)
 
 
 class ClipModel(nn.Module):
-    """An open_clip ``CLIP`` returning L2-normalised features and the scale multiplier.
+    """An open_clip ``CLIP`` returning L2-normalised features, the scale multiplier and the bias.
 
     ``forward(images [b, 3, s, s], texts [b, ctx])`` -> ``(image_features [b, e], text_features
-    [b, e], scale [])`` with ``scale = logit_scale.exp()``. Both towers live in one module so that
-    one DDP wrapper synchronises them together.
+    [b, e], scale [], bias)`` with ``scale = logit_scale.exp()`` and ``bias`` the learnable logit
+    bias [] of a sigmoid-loss model (``init_logit_bias``), else ``None``. Both towers live in one
+    module so that one DDP wrapper synchronises them together.
     """
 
     def __init__(self, clip: CLIP | CustomTextCLIP, name: str):
@@ -65,6 +66,10 @@ class ClipModel(nn.Module):
     def logit_scale(self) -> nn.Parameter:
         return self.clip.logit_scale
 
+    @property
+    def logit_bias(self) -> nn.Parameter | None:
+        return getattr(self.clip, "logit_bias", None)
+
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """``images``: float (normalised) or uint8 ``[n, 3, s, s]`` (normalised here, on device)."""
         with torch.no_grad() if self.frozen("image") else contextlib.nullcontext():
@@ -79,7 +84,7 @@ class ClipModel(nn.Module):
         skips a frozen tower. A frozen tower always runs without autograd."""
         image_features = None if images is None else self.encode_image(images)
         text_features = None if texts is None else self.encode_text(texts)
-        return image_features, text_features, self.clip.logit_scale.exp()
+        return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
@@ -102,6 +107,7 @@ def build_clip(
     text: dict[str, Any],
     quick_gelu: bool = False,
     init_logit_scale: float = math.log(1 / 0.07),
+    init_logit_bias: float | None = None,
     pretrained: str | None = None,
     grad_checkpointing: bool = False,
     lock_image: bool = False,
@@ -114,6 +120,7 @@ def build_clip(
     the last N layers trainable), and for a Hugging Face text tower ``text.hf_path`` (a local model
     folder: weights and tokenizer), ``text.pooling`` (``cls`` or ``mean``) and ``text.proj``
     (``linear`` or ``mlp``). ``pretrained`` is a local open_clip checkpoint of the whole model.
+    ``init_logit_bias``: a learnable logit bias with this initial value (the sigmoid loss's).
     ``lock_image`` / ``lock_text`` freeze a whole tower, projection included (LiT).
     """
     image, text = dict(image), dict(text)
@@ -125,13 +132,13 @@ def build_clip(
     if hf_path:
         clip = CustomTextCLIP(embed_dim=embed_dim, vision_cfg=vision_cfg,
                               text_cfg=_hf_text_cfg(hf_path, text), quick_gelu=quick_gelu,
-                              init_logit_scale=init_logit_scale)
+                              init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias)
     else:
         for key in ("pooling", "proj"):
             text.pop(key, None)
         clip = CLIP(embed_dim=embed_dim, vision_cfg=vision_cfg,
                     text_cfg=CLIPTextCfg(**_dataclass_kwargs(CLIPTextCfg, text, "model.text")),
-                    quick_gelu=quick_gelu, init_logit_scale=init_logit_scale)
+                    quick_gelu=quick_gelu, init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias)
     if pretrained:
         _load_local(clip, pretrained, "model.pretrained", prefix="")
     if image_ckpt:

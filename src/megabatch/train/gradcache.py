@@ -6,10 +6,10 @@ A rank's batch is split into sub-batches (``rank_batch = sub_batches x sub_batch
    features into preallocated buffers, and record each sub-batch's RNG state (CPU and CUDA,
    captured explicitly, so dropout / patch dropout can be replayed).
 2. ``loss_and_feature_grads``: the configured loss once, on all of this rank's features, gives the
-   feature gradients (fp32) and the scale gradient.
+   feature gradients (fp32) and the scale gradient (and the logit bias's, for the sigmoid loss).
 3. ``replay``: re-encode each sub-batch with its RNG state restored and back-propagate the cached
    feature gradients through a surrogate ``sum(features * feature_grads)``. The last sub-batch's
-   surrogate also carries ``scale * d_scale``, so the temperature's gradient enters DDP's one
+   surrogate also carries ``scale * d_scale`` (and ``bias * d_bias``), so the temperature's gradient enters DDP's one
    synchronisation (``no_sync`` on all but the last sub-batch) like every other parameter's.
 
 Data offload (``trainer.offload``). Off: the sub-batches' input tensors stay on the GPU between
@@ -90,12 +90,14 @@ class EncodedBatch:
 
 @dataclass
 class FeatureGrads:
-    """Phase 2's result: ``d loss / d features`` (fp32, W-scaled per the loss contract) and scale."""
+    """Phase 2's result: ``d loss / d features`` (fp32, W-scaled per the loss contract), scale and
+    bias (``None`` for a model without a logit bias)."""
 
     loss: torch.Tensor
     image: torch.Tensor
     text: torch.Tensor
     scale: torch.Tensor
+    bias: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -111,7 +113,7 @@ def encode_without_graph(model, sub_batches: Iterator[SubBatch], count: int, pre
         data_s = time.perf_counter() - waited
         rng = RngState.capture(device)
         with precision.autocast():
-            image_features, text_features, _ = model(images, texts)
+            image_features, text_features, *_ = model(images, texts)
         if encoded is None:  # preallocate once the feature width is known
             rows, dtype = count * len(texts), precision.feature_dtype
             encoded = EncodedBatch(image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
@@ -136,15 +138,16 @@ def encode_without_graph(model, sub_batches: Iterator[SubBatch], count: int, pre
 
 
 def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Tensor,
-                           precision: Precision) -> FeatureGrads:
+                           logit_bias: torch.Tensor | None, precision: Precision) -> FeatureGrads:
     """Phase 2: the loss once on all of this rank's features; gradients of the (fp16: scaled)
-    loss w.r.t. the features, kept in fp32, and w.r.t. the scale multiplier."""
+    loss w.r.t. the features, kept in fp32, and w.r.t. the scale multiplier and the bias."""
     image_features = encoded.image_features.float().requires_grad_()
     text_features = encoded.text_features.float().requires_grad_()
-    scale = logit_scale.detach().exp().float().requires_grad_()
-    loss = loss_fn(image_features, text_features, scale)
-    d_image, d_text, d_scale = torch.autograd.grad(precision.scale(loss), [image_features, text_features, scale])
-    return FeatureGrads(loss.detach(), d_image, d_text, d_scale)
+    inputs = [image_features, text_features, logit_scale.detach().exp().float().requires_grad_()]
+    if logit_bias is not None:
+        inputs.append(logit_bias.detach().float().requires_grad_())
+    loss = loss_fn(*inputs)
+    return FeatureGrads(loss.detach(), *torch.autograd.grad(precision.scale(loss), inputs))
 
 
 def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precision,
@@ -177,9 +180,11 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with precision.autocast():
-                image_features, text_features, scale = model(images, texts)
-            surrogate = scale.float() * grads.scale if last else 0.0  # the temperature's
-            # gradient joins DDP's synchronisation in the last sub-batch, with the rest
+                image_features, text_features, scale, bias = model(images, texts)
+            surrogate = scale.float() * grads.scale if last else 0.0  # the temperature's (and
+            # the bias's) gradient joins DDP's synchronisation in the last sub-batch, with the rest
+            if last and bias is not None:
+                surrogate = surrogate + (bias.float() * grads.bias).sum()
             if image_features is not None:
                 surrogate = surrogate + (image_features.float() * grads.image[rows]).sum()
             if text_features is not None:

@@ -129,8 +129,9 @@ class TrainStep:
         texts = sub.texts.to(self.device)
         start = time.perf_counter()
         with self.precision.autocast():
-            image_features, text_features, scale = self.wrapped(images, texts)
-        loss = self.loss_fn(image_features.float(), text_features.float(), scale.float())
+            image_features, text_features, scale, bias = self.wrapped(images, texts)
+        loss = self.loss_fn(image_features.float(), text_features.float(), scale.float(),
+                            *(() if bias is None else (bias.float(),)))
         self.precision.scale(loss).backward()
         return loss.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
 
@@ -144,7 +145,8 @@ class TrainStep:
         times["data"] = encoded.data_s
         times["encode"] = self._lap(start) - encoded.data_s
         start = time.perf_counter()
-        grads = loss_and_feature_grads(self.loss_fn, encoded, self.model.logit_scale, self.precision)
+        grads = loss_and_feature_grads(self.loss_fn, encoded, self.model.logit_scale, self.model.logit_bias,
+                                       self.precision)
         times["loss"] = self._lap(start)
         progress.set_description("replay")
         start = time.perf_counter()
