@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", default="512,768")
     parser.add_argument("--dtypes", default="bf16,fp32")
-    parser.add_argument("--kernels", default="stats,grad")
+    parser.add_argument("--kernels", default="stats,grad,sigmoid")
     parser.add_argument("--size", type=int, default=16384, help="rows and columns of the tuning block")
     parser.add_argument("--out", required=True)
     parser.add_argument("--merge", action="store_true", help="also merge into the committed tuned.json")

@@ -178,12 +178,13 @@ def _sigmoid_kernel(
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
-    WRITE_G: tl.constexpr,
+    WRITE_G: tl.constexpr, SCALE_SUM: tl.constexpr,
 ):
     """One tile of the sigmoid loss: with ``l = scale * dots + bias`` and ``-z`` = -1 on the
     diagonal of a DIAGONAL block, +1 elsewhere, writes ``[sum softplus(-z l), sum g * dots, sum g]``
-    at ``sums_ptr[3 * program]`` and (WRITE_G) ``g = -z sigmoid(-z l)``, times ``g_scale``, into the
-    block buffer. One exponential and one logarithm per logit."""
+    at ``sums_ptr[3 * program]`` and ``g = -z sigmoid(-z l)``, times ``g_scale``, into the block
+    buffer (WRITE_G; without it only the loss sum; without SCALE_SUM not ``sum g * dots``). One
+    exponential, one logarithm and one division per logit."""
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(row_stop - row_start, BLOCK_M), tl.cdiv(col_stop - col_start, BLOCK_N)
     group = pid // (GROUP_M * grid_n)
@@ -197,26 +198,29 @@ def _sigmoid_kernel(
     dots = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
                      stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                      ROUND_TF32)
-    scale = tl.load(scale_ptr).to(tl.float32)
-    bias = tl.load(bias_ptr).to(tl.float32)
-    margin = dots * scale + bias  # -z l, off the diagonal
+    # log2 units: exp2/log2 are the hardware's own (no multiply inside)
+    scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
+    bias2 = tl.load(bias_ptr).to(tl.float32) * 1.4426950408889634
+    margin = dots * scale2 + bias2  # -z l / ln 2, off the diagonal
     if DIAGONAL:
-        minus_z = tl.where(offs_m[:, None] == offs_n[None, :], -1.0, 1.0)
-        margin = margin * minus_z
-    e = tl.exp(-tl.abs(margin))  # in (0, 1]: never overflows
-    u = 1.0 + e
-    # log1p(e), accurate where 1 + e rounds (SigLIP's off-diagonal terms are ~e^-10 each)
-    log1p_e = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+        diagonal = offs_m[:, None] == offs_n[None, :]
+        margin = tl.where(diagonal, -margin, margin)
     ok = row_ok[:, None] & col_ok[None, :]
-    loss = tl.where(ok, tl.maximum(margin, 0.0) + log1p_e, 0.0)
-    g = tl.where(margin >= 0, 1.0, e) / u  # sigmoid(-z l)
-    if DIAGONAL:
-        g = g * minus_z
-    g = tl.where(ok, g, 0.0)
-    tl.store(sums_ptr + 3 * pid, tl.sum(tl.sum(loss, 1), 0))
-    tl.store(sums_ptr + 3 * pid + 1, tl.sum(tl.sum(g * dots, 1), 0))
-    tl.store(sums_ptr + 3 * pid + 2, tl.sum(tl.sum(g, 1), 0))
+    e = tl.exp2(-tl.abs(margin))  # in (0, 1]: never overflows
+    u = 1.0 + e
+    r = 1.0 / u  # the one division, shared by log1p and the sigmoid
+    # softplus(-z l) / ln 2 = max(margin, 0) + log2(1 + e); the last term corrects the rounding of
+    # 1 + e (SigLIP's off-diagonal terms are ~e^-10 each: 1 + e keeps few of their bits)
+    loss = tl.maximum(margin, 0.0) + tl.log2(u) + (e - (u - 1.0)) * r * 1.4426950408889634
+    tl.store(sums_ptr + 3 * pid, tl.sum(tl.sum(tl.where(ok, loss, 0.0), 1), 0) * 0.6931471805599453)
     if WRITE_G:
+        g = tl.where(margin >= 0, 1.0, e) * r  # sigmoid(-z l)
+        if DIAGONAL:
+            g = tl.where(diagonal, -g, g)
+        g = tl.where(ok, g, 0.0)
+        if SCALE_SUM:  # else the launcher takes sum(g * dots) from the row gradients
+            tl.store(sums_ptr + 3 * pid + 1, tl.sum(tl.sum(g * dots, 1), 0))
+        tl.store(sums_ptr + 3 * pid + 2, tl.sum(tl.sum(g, 1), 0))
         g_offs = (offs_m - row_start)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
         tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
 
@@ -315,6 +319,9 @@ def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: 
     for config in candidate_configs(dtype):
         if kernel == "stats":
             fn = functools.partial(_stats_launch, rows, cols, scale, precision, config)
+        elif kernel == "sigmoid":
+            fn = functools.partial(_sigmoid_launch, rows, cols, scale, torch.tensor(-10.0, device=device), True,
+                                   precision, config, grads=False, write_g=True)
         else:
             fn = functools.partial(_grad_launch, rows, cols, scale, row_lse, col_lse, True,
                                    precision, config)
@@ -407,28 +414,31 @@ def _block_sides(rows: torch.Tensor, m: int, n: int) -> tuple[int, int]:
 
 
 def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d_rows=None, d_cols=None,
-              rows_out=None, write_g: bool = True):
+              rows_out=None, write_g: bool = True, row_done=None):
     """Walk the ``rows x cols`` matrix block by block of G (at most ``G_BYTES``): ``fill(g_block,
     partials, row_start, row_stop, col_start, col_stop, programs)`` launches a kernel that writes
     the block of G (times ``g_scale``) and ``sums`` fp32 partial sums per program; then, unless
     ``alpha`` is None, cuBLAS adds ``alpha * G @ cols`` into ``d_rows`` and ``alpha * G^T @ rows``
     into ``d_cols`` (fp32 out). With ``rows_out`` (instead of ``d_rows``) each row block's gradient
     is summed in an fp32 scratch and written to ``rows_out`` (any dtype) once complete. Without
-    ``write_g`` no G buffer exists (the kernel writes only its sums). Returns the ``[sums]`` totals
-    of the partials (fp32)."""
+    ``write_g`` no G buffer exists (the kernel writes only its sums). ``row_done(row_start,
+    row_stop, row_grads)``, if given, receives each row block's gradient (an fp32 scratch) once
+    complete, instead of ``d_rows``/``rows_out``. Returns the ``[sums]`` totals of the partials
+    (fp32)."""
     m, c = rows.shape
     n = cols.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     block_m, block_n = _block_sides(rows, m, n)
     g = torch.empty((block_m * block_n if write_g else 1,), dtype=rows.dtype, device=rows.device)
-    partials = torch.empty((triton.cdiv(block_m, bm) * triton.cdiv(block_n, bn), sums), dtype=torch.float32,
+    # zeros: a sum a kernel does not write stays 0 (the sigmoid kernel's without WRITE_G/SCALE_SUM)
+    partials = torch.zeros((triton.cdiv(block_m, bm) * triton.cdiv(block_n, bn), sums), dtype=torch.float32,
                            device=rows.device)
     totals = torch.zeros((sums,), dtype=torch.float32, device=rows.device)
     for row_start in range(0, m, block_m):
         row_stop = min(row_start + block_m, m)
         if alpha is None:  # kernel only (the loss without gradients, tuning, profiling)
             row_grads = None
-        elif rows_out is None:
+        elif rows_out is None and row_done is None:
             row_grads = d_rows[row_start:row_stop]
         else:
             row_grads = torch.zeros((row_stop - row_start, c), dtype=torch.float32, device=rows.device)
@@ -443,7 +453,9 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
                 with fp32_matmul(precision):
                     _accumulate(row_grads, g_block, cols[col_start:col_stop], alpha)
                     _accumulate(d_cols[col_start:col_stop], g_block.T, rows[row_start:row_stop], alpha)
-        if rows_out is not None and alpha is not None:
+        if row_done is not None and alpha is not None:
+            row_done(row_start, row_stop, row_grads)
+        elif rows_out is not None and alpha is not None:
             rows_out[row_start:row_stop] = row_grads
     return totals
 
@@ -475,10 +487,12 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
 
 
 def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows=None, d_cols=None,
-                    grads: bool = True):
+                    grads: bool = True, write_g: bool | None = None):
     """The sigmoid loss over ``_g_blocks``: the kernel writes ``g`` and the tile sums, cuBLAS
-    multiplies ``g`` into ``d_rows``/``d_cols`` (``grads``). Returns ``[loss, d_scale, d_bias]``
-    sums (fp32)."""
+    multiplies ``g`` into ``d_rows``/``d_cols`` (``grads``). ``write_g`` (default: ``grads``)
+    without ``grads``: the kernel alone, as the backward runs it (tuning). Returns
+    ``[loss, d_scale, d_bias]`` sums (fp32)."""
+    write_g = grads if write_g is None else write_g
     c = rows.shape[1]
     g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0  # |g| <= 1
     alpha = float(scale.double()) / g_scale if grads else None  # host sync, once per block call
@@ -491,10 +505,22 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             DIAGONAL=diagonal, UPCAST=_upcast(rows), GROUP_M=8, ROUND_TF32=_round_tf32_flag(rows, precision),
-            WRITE_G=grads, num_warps=config["num_warps"], num_stages=config["num_stages"],
+            WRITE_G=write_g, SCALE_SUM=not grads, num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
-    return _g_blocks(rows, cols, config, fill, 3, precision, alpha, d_rows, d_cols, write_g=grads)
+    if not grads:
+        return _g_blocks(rows, cols, config, fill, 3, precision, write_g=write_g)
+    # sum(g * dots) = sum_i <rows_i, (g @ cols)_i>: one [block, c] dot per row block from its
+    # gradient instead of a product and a sum per logit in the kernel
+    scale_sum = torch.zeros((), dtype=torch.float32, device=rows.device)
+
+    def row_done(row_start, row_stop, row_grads):
+        nonlocal scale_sum
+        d_rows[row_start:row_stop] += row_grads
+        scale_sum = scale_sum + (rows[row_start:row_stop].float() * row_grads).sum()
+
+    partial_sums = _g_blocks(rows, cols, config, fill, 3, precision, alpha, d_rows, d_cols, row_done=row_done)
+    return torch.stack([partial_sums[0], scale_sum / scale, partial_sums[2]])
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
@@ -612,7 +638,7 @@ def sigmoid_block(
     ``d_cols`` (fp32, contiguous) are given, adds ``scale * g @ cols`` / ``scale * g^T @ rows`` into
     them. Without either, only the loss kernel runs (no G is written)."""
     _check(rows, cols, fp32_precision)
-    config = config or get_config("grad", rows, fp32_precision)
+    config = config or get_config("sigmoid", rows, fp32_precision)
     grads = d_rows is not None or d_cols is not None
     if grads and (d_rows is None or d_cols is None):
         raise ValueError("sigmoid_block: give both d_rows and d_cols, or neither")
