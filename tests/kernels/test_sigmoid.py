@@ -44,7 +44,8 @@ def test_sigmoid_block_matches_the_float64_reference(case, m, n, c, diagonal):
 
 
 def test_sigmoid_block_wants_both_accumulators_or_neither():
-    rows, cols = block(8, 8, 16, seed=0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, cols = (x.float().to(device) for x in block(8, 8, 16, seed=0))
     with pytest.raises(ValueError, match="both d_rows and d_cols"):
-        triton_tiles.sigmoid_block(rows.float(), cols.float(), torch.tensor(1.0), torch.tensor(0.0), True,
-                                   d_rows=torch.zeros(8, 16))
+        triton_tiles.sigmoid_block(rows, cols, torch.tensor(1.0, device=device), torch.tensor(0.0, device=device),
+                                   True, d_rows=torch.zeros(8, 16, device=device))

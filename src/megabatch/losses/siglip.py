@@ -67,9 +67,17 @@ class _SigLipLoss(torch.autograd.Function):
         rows, image_dtype, text_dtype, scale_dtype, scale_shape, bias_dtype, bias_shape = ctx.meta
         # W * dL/d(local): L divides by b = W * rows, so each rank's sums are weighted by 1 / rows
         weight = grad_output.to(d_scale.dtype) / rows
-        return ((weight * d_image).to(image_dtype), (weight * d_text).to(text_dtype),
+        return (_scaled(d_image, weight, image_dtype), _scaled(d_text, weight, text_dtype),
                 (weight * d_scale).to(scale_dtype).reshape(scale_shape),
                 (weight * d_bias).to(bias_dtype).reshape(bias_shape), None, None)
+
+
+def _scaled(accumulator: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, chunk: int = 65536) -> torch.Tensor:
+    """``(weight * accumulator).to(dtype)`` a chunk of rows at a time: no second [b, c] fp32 buffer."""
+    out = torch.empty(accumulator.shape, dtype=dtype, device=accumulator.device)
+    for start in range(0, accumulator.shape[0], chunk):
+        out[start : start + chunk] = accumulator[start : start + chunk] * weight
+    return out
 
 
 class SigLipLoss(ContrastiveLoss):
