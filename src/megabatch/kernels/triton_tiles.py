@@ -133,6 +133,24 @@ def _stats_kernel(
 
 
 @triton.jit
+def _block_tile(row_start, row_stop, col_start, col_stop,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's tile of the block ``[row_start, row_stop) x [col_start, col_stop)``:
+    ``(program, row offsets, column offsets, row mask, column mask)``. Grouped order: GROUP_M row
+    blocks share each column tile while it is in L2."""
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(row_stop - row_start, BLOCK_M), tl.cdiv(col_stop - col_start, BLOCK_N)
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_m
+    pid_n = (pid % (GROUP_M * grid_n)) // group_m
+    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = col_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid, offs_m, offs_n, offs_m < row_stop, offs_n < col_stop
+
+
+@triton.jit
 def _grad_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, dscale_ptr,  # pointers
     c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block of G'
@@ -143,17 +161,8 @@ def _grad_kernel(
     """One tile of ``G' = P_row + P_col - 2 I`` (rows [row_start, row_stop) x columns
     [col_start, col_stop) of the block) into the buffer, times ``g_scale``, and the tile's
     ``sum(G' * rows @ cols^T)`` into ``dscale_ptr[program]``."""
-    # grouped order: GROUP_M row blocks share each column tile while it is in L2
-    pid = tl.program_id(0)
-    grid_m, grid_n = tl.cdiv(row_stop - row_start, BLOCK_M), tl.cdiv(col_stop - col_start, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    group_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_m
-    pid_n = (pid % (GROUP_M * grid_n)) // group_m
-    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = col_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = offs_m < row_stop, offs_n < col_stop
+    pid, offs_m, offs_n, row_ok, col_ok = _block_tile(row_start, row_stop, col_start, col_stop,
+                                                      BLOCK_M, BLOCK_N, GROUP_M)
     acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
                     stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                     ROUND_TF32)
@@ -185,16 +194,8 @@ def _sigmoid_kernel(
     at ``sums_ptr[3 * program]`` and ``g = -z sigmoid(-z l)``, times ``g_scale``, into the block
     buffer (WRITE_G; without it only the loss sum; without SCALE_SUM not ``sum g * dots``). One
     exponential, one logarithm and one division per logit."""
-    pid = tl.program_id(0)
-    grid_m, grid_n = tl.cdiv(row_stop - row_start, BLOCK_M), tl.cdiv(col_stop - col_start, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    group_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_m
-    pid_n = (pid % (GROUP_M * grid_n)) // group_m
-    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = col_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = offs_m < row_stop, offs_n < col_stop
+    pid, offs_m, offs_n, row_ok, col_ok = _block_tile(row_start, row_stop, col_start, col_stop,
+                                                      BLOCK_M, BLOCK_N, GROUP_M)
     dots = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
                      stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                      ROUND_TF32)

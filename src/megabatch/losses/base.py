@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from ..distributed.gather import check_equal_batch
+from ..kernels import IMPLS, tile_module, torch_tiles
 
 
 class ContrastiveLoss(nn.Module):
@@ -54,3 +57,30 @@ class ContrastiveLoss(nn.Module):
         self, image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor
     ) -> torch.Tensor:
         raise NotImplementedError
+
+
+class TiledLoss(ContrastiveLoss):
+    """A loss whose tile work runs in ``kernels`` (``infcl``, ``siglip``).
+
+    ``impl``: ``auto`` (Triton kernels on CUDA, plain torch elsewhere), ``triton`` or ``torch``.
+    ``tile``: rows/columns per tile of the torch implementation (memory tile^2; the Triton kernels
+    size their own tiles). ``fp32_precision``: ``tf32`` or ``ieee`` dots for fp32 features.
+    """
+
+    def __init__(self, tile: int = 8192, impl: str = "auto", fp32_precision: str = "tf32", group=None):
+        super().__init__(group)
+        if tile <= 0:
+            raise ValueError(f"loss.tile={tile} must be positive")
+        if fp32_precision not in ("tf32", "ieee"):
+            raise ValueError(f"loss.fp32_precision={fp32_precision!r}; use tf32 or ieee")
+        if impl not in IMPLS:
+            raise ValueError(f"loss.impl={impl!r}; use one of {', '.join(IMPLS)}")
+        self.tile, self.impl, self.fp32_precision = tile, impl, fp32_precision
+
+    def tile_functions(self, device: torch.device, *names: str) -> list:
+        """The kernels module's functions ``names`` for tensors on ``device``, with this loss's options."""
+        kernels = tile_module(self.impl, device)
+        options = {"fp32_precision": self.fp32_precision}
+        if kernels is torch_tiles:
+            options["tile"] = self.tile
+        return [functools.partial(getattr(kernels, name), **options) for name in names]

@@ -14,16 +14,13 @@ plain-torch reference of the same math (``impl=torch``, the CPU path).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
 from ..distributed.gather import group_size
 from ..distributed.ring import RingExchange
-from ..kernels import IMPLS, tile_module, torch_tiles
 from ..kernels.torch_tiles import accumulation_dtype
-from .base import ContrastiveLoss
+from .base import TiledLoss
 
 
 def _row_dots(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, chunk: int = 65536) -> torch.Tensor:
@@ -99,29 +96,9 @@ class _InfClLoss(torch.autograd.Function):
         return d_image, d_text, d_scale.to(scale.dtype).reshape(scale.shape), None, None, None
 
 
-class InfClLoss(ContrastiveLoss):
-    """Inf-CL ring loss.
-
-    ``impl``: ``auto`` (Triton kernels on CUDA, plain torch elsewhere), ``triton`` or ``torch``.
-    ``tile``: rows/columns per tile of the torch implementation (memory tile^2; the Triton kernels
-    size their own tiles). ``fp32_precision``: ``tf32`` or ``ieee`` matmuls for fp32 features.
-    """
-
-    def __init__(self, tile: int = 8192, impl: str = "auto", fp32_precision: str = "tf32", group=None):
-        super().__init__(group)
-        if tile <= 0:
-            raise ValueError(f"loss.tile={tile} must be positive")
-        if fp32_precision not in ("tf32", "ieee"):
-            raise ValueError(f"loss.fp32_precision={fp32_precision!r}; use tf32 or ieee")
-        if impl not in IMPLS:
-            raise ValueError(f"loss.impl={impl!r}; use one of {', '.join(IMPLS)}")
-        self.tile, self.impl, self.fp32_precision = tile, impl, fp32_precision
+class InfClLoss(TiledLoss):
+    """Inf-CL ring loss (options: ``base.TiledLoss``)."""
 
     def compute(self, image_features, text_features, scale) -> torch.Tensor:
-        kernels = tile_module(self.impl, image_features.device)
-        options = {"fp32_precision": self.fp32_precision}
-        if kernels is torch_tiles:
-            options["tile"] = self.tile
-        return _InfClLoss.apply(image_features, text_features, scale, self.group,
-                                functools.partial(kernels.block_stats, **options),
-                                functools.partial(kernels.block_grads, **options))
+        stats_fn, grads_fn = self.tile_functions(image_features.device, "block_stats", "block_grads")
+        return _InfClLoss.apply(image_features, text_features, scale, self.group, stats_fn, grads_fn)

@@ -15,16 +15,13 @@ CUDA) or of ``torch_tiles`` (the plain-torch reference, the CPU path).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
 from ..distributed.gather import group_size
 from ..distributed.ring import RingExchange
-from ..kernels import IMPLS, tile_module, torch_tiles
 from ..kernels.torch_tiles import accumulation_dtype
-from .base import ContrastiveLoss
+from .base import TiledLoss
 
 
 class _SigLipLoss(torch.autograd.Function):
@@ -80,32 +77,15 @@ def _scaled(accumulator: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
     return out
 
 
-class SigLipLoss(ContrastiveLoss):
-    """SigLIP's sigmoid loss over the global batch, tiled, on a ring of GPUs.
-
-    Called as ``loss_fn(image_features, text_features, scale, bias)``. ``impl``: ``auto`` (Triton
-    kernels on CUDA, plain torch elsewhere), ``triton`` or ``torch``. ``tile``: rows/columns per
-    tile of the torch implementation. ``fp32_precision``: ``tf32`` or ``ieee`` dots for fp32
-    features. The contract of ``base.ContrastiveLoss`` extends to the bias: the mean over ranks of
-    its gradient is ``dL/dt``.
+class SigLipLoss(TiledLoss):
+    """SigLIP's sigmoid loss over the global batch, tiled, on a ring of GPUs (options:
+    ``base.TiledLoss``). Called as ``loss_fn(image_features, text_features, scale, bias)``; the
+    contract of ``base.ContrastiveLoss`` extends to the bias: the mean over ranks of its gradient is
+    ``dL/dt``.
     """
 
     uses_bias = True
 
-    def __init__(self, tile: int = 8192, impl: str = "auto", fp32_precision: str = "tf32", group=None):
-        super().__init__(group)
-        if tile <= 0:
-            raise ValueError(f"loss.tile={tile} must be positive")
-        if fp32_precision not in ("tf32", "ieee"):
-            raise ValueError(f"loss.fp32_precision={fp32_precision!r}; use tf32 or ieee")
-        if impl not in IMPLS:
-            raise ValueError(f"loss.impl={impl!r}; use one of {', '.join(IMPLS)}")
-        self.tile, self.impl, self.fp32_precision = tile, impl, fp32_precision
-
     def compute(self, image_features, text_features, scale, bias=None) -> torch.Tensor:
-        kernels = tile_module(self.impl, image_features.device)
-        options = {"fp32_precision": self.fp32_precision}
-        if kernels is torch_tiles:
-            options["tile"] = self.tile
-        return _SigLipLoss.apply(image_features, text_features, scale, bias, self.group,
-                                 functools.partial(kernels.sigmoid_block, **options))
+        (block_fn,) = self.tile_functions(image_features.device, "sigmoid_block")
+        return _SigLipLoss.apply(image_features, text_features, scale, bias, self.group, block_fn)
