@@ -90,7 +90,8 @@ def test_tiny_model_forward_gives_unit_features():
 def test_loss_options_instantiate(option):
     loss_fn = instantiate(compose(f"loss={option}").loss)
     features = torch.nn.functional.normalize(torch.randn(6, 8), dim=-1)
-    assert torch.isfinite(loss_fn(features, features, torch.tensor(10.0)))
+    bias = [torch.tensor(-10.0)] if loss_fn.uses_bias else []  # the sigmoid loss's
+    assert torch.isfinite(loss_fn(features, features, torch.tensor(10.0), *bias))
 
 
 @pytest.mark.parametrize("option", options("data"))
