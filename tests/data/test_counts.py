@@ -111,3 +111,30 @@ def test_training_data_counts_img2dataset_shards(shards, tmp_path):
     streams = compose("data=webdataset", "data.train.urls='pipe:cat /d/{0..3}.tar'", "data.train.num_samples=400",
                       "data.train.mode=resampled")
     assert TrainData(streams.data, lambda texts: None, 32, seed=0).num_samples == 400
+
+
+def counted_on_two_ranks(rank: int, world: int, pattern: str, cache: str, broken: bool):
+    """Rank 1 must not scan: its counts come from rank 0 (or rank 0's error reaches it)."""
+    from megabatch.config.compose import compose
+    from megabatch.data import TrainData
+
+    if rank == 1:
+        urls_module.scan_tar = no_scan
+    urls = "pipe:cat /d/{0..3}.tar" if broken else pattern
+    cfg = compose("data=webdataset", f"data.train.urls='{urls}'", f"data.cache_dir={cache}")
+    try:
+        return TrainData(cfg.data, lambda texts: None, 32, seed=0, show_progress=False).sizes
+    except ConfigError as error:
+        return f"ConfigError: {error}"
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_rank_zero_counts_for_every_rank(shards, tmp_path, broken):
+    from ..helpers import run_ranks
+
+    _, pattern = shards
+    results = run_ranks(2, counted_on_two_ranks, pattern, str(tmp_path / "cache"), broken, tmp_path=tmp_path)
+    if broken:  # rank 0's error, on both ranks, instead of rank 1 waiting for counts
+        assert all(r.startswith("ConfigError: data.train.urls: the sample count of remote shards") for r in results)
+    else:
+        assert results == [TRUTH, TRUTH]

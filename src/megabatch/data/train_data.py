@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from ..config import ConfigError, parse_optional_count
+from ..distributed.once import on_rank_zero
 from .digits import ensure_digits
 from .position_split import PositionSplitBatches, make_loader
 from .shard_split import ShardBatches, slot_quota
@@ -47,14 +48,16 @@ class TrainData:
 
     @property
     def sizes(self) -> list[int]:
-        """Each shard's sample count (urls.shard_sizes), read when first needed. Streams have none:
+        """Each shard's sample count (urls.shard_sizes), read when first needed, by rank 0 for every
+        rank (all ranks reach this at the same point: the config decides when). Streams have none:
         with ``data.train.num_samples`` set, an even split stands in for them (a slot whose shards
         run short reads on into the others', shard_split.py)."""
         if self._sizes is None:
             if self.num_samples is not None and any(is_remote(url) for url in self.urls):
                 self._sizes = [self.num_samples // len(self.urls)] * len(self.urls)
-            else:
-                self._sizes = shard_sizes(self.urls, "data.train.urls", self.cfg.cache_dir, self.show_progress)
+            else:  # counted by rank 0 alone (a header scan of 41k shards once, not once per rank)
+                self._sizes = on_rank_zero(lambda: shard_sizes(self.urls, "data.train.urls", self.cfg.cache_dir,
+                                                               self.show_progress))
         return self._sizes
 
     @property
