@@ -14,7 +14,7 @@ import pytest
 
 from megabatch.config import ConfigError
 from megabatch.data import urls as urls_module
-from megabatch.data.urls import count_samples, expand_urls, scan_tar, shard_sizes
+from megabatch.data.urls import expand_urls, scan_tar, shard_sizes
 
 from ..helpers import ROOT
 
@@ -71,7 +71,7 @@ def test_header_scan_then_cache_then_rescan_when_a_shard_changes(shards, tmp_pat
 def test_sizes_json_wins_and_a_shard_it_misses_is_counted(shards, tmp_path):
     folder, pattern = shards
     (folder / "sizes.json").write_text(json.dumps({"00000.tar": 7, "00001.tar": 3}))
-    assert count_samples(expand_urls(pattern, "k"), "k", tmp_path / "cache") == sum(TRUTH)
+    assert sum(shard_sizes(expand_urls(pattern, "k"), "k", tmp_path / "cache")) == sum(TRUTH)
 
 
 def test_a_truncated_tar_counts_the_samples_before_the_damage(tmp_path):
@@ -86,7 +86,7 @@ def test_a_truncated_tar_counts_the_samples_before_the_damage(tmp_path):
 @pytest.mark.parametrize("url", ["pipe:aws s3 cp s3://bucket/{0..3}.tar -", "https://host/{0..3}.tar"])
 def test_streams_without_counts_name_num_samples_and_resampled(url):
     with pytest.raises(ConfigError, match=r"data\.train\.num_samples.*data\.train\.mode=resampled"):
-        count_samples(expand_urls(url, "data.train.urls"), "data.train.urls")
+        sum(shard_sizes(expand_urls(url, "data.train.urls"), "data.train.urls"))
 
 
 def test_make_shards_index_writes_sizes_json(shards, tmp_path):

@@ -50,12 +50,6 @@ def expand_urls(urls: str | list[str], key: str) -> list[str]:
     return expanded
 
 
-def count_samples(urls: list[str], key: str, cache_dir: str | os.PathLike | None = None,
-                  show_progress: bool = True) -> int:
-    """Total samples in ``urls`` (see ``shard_sizes``)."""
-    return sum(shard_sizes(urls, key, cache_dir, show_progress))
-
-
 def shard_sizes(urls: list[str], key: str, cache_dir: str | os.PathLike | None = None,
                 show_progress: bool = True, read_sizes_json: bool = True) -> list[int]:
     """Each shard's sample count, taken from the first of: ``sizes.json`` beside it (what
