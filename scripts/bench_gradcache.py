@@ -74,8 +74,7 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
         if prefetch_gb > 0:
             stream = ReadAhead(loader, prefetch_gb * 1e9)
     else:  # one sub-batch kept on the GPU, reused: no data cost
-        stream = repeat(synthetic_sub_batch(sub_batch, cfg.model.image.image_size,
-                                            cfg.model.text.context_length, device))
+        stream = repeat(synthetic_sub_batch(sub_batch, step.model.image_size, step.model.context_length, device))
 
     times = []
     phases = {}

@@ -19,13 +19,15 @@ from megabatch.bench import compose, photo_shards, write_results
 
 
 def measure(urls: list[str], workers: int, samples: int, sub_batch: int) -> dict:
+    from hydra.utils import instantiate
+
     from megabatch.data import TrainData
     from megabatch.data.offload import Offload
-    from megabatch.models import build_tokenizer
 
     cfg = compose("model=vit_b32", "data=webdataset", f"data.num_workers={workers}")
     cfg.data.train.urls = urls
-    data = TrainData(cfg.data, build_tokenizer(**cfg.model.text), cfg.model.image.image_size, seed=0)
+    model = instantiate(cfg.model, _convert_="all")  # its tokenizer and preprocessing
+    data = TrainData(cfg.data, model.tokenizer(), model.preprocess, seed=0)
     batches = samples // sub_batch
     loader = data.loader(epoch=0, start_batch=0, rank_batch=sub_batch, rank=0, world_size=1,
                          num_batches=batches + 1, sub_batch=sub_batch, keep_raw=True)

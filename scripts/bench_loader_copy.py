@@ -30,8 +30,9 @@ def gpu_cycles_per_ms() -> float:
 
 
 def main() -> None:
+    from hydra.utils import instantiate
+
     from megabatch.data import TrainData
-    from megabatch.models import build_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=16)
@@ -47,7 +48,8 @@ def main() -> None:
     for variant in ["none", "copy", "copy+gpu", "pinned-copy+gpu"]:
         cfg = compose("model=vit_b32", "data=webdataset", f"data.num_workers={args.workers}")
         cfg.data.train.urls = shards * (args.sub_batches * args.sub_batch // 4096 + args.workers)
-        data = TrainData(cfg.data, build_tokenizer(**cfg.model.text), 224, seed=0)
+        model = instantiate(cfg.model, _convert_="all")  # its tokenizer and preprocessing
+        data = TrainData(cfg.data, model.tokenizer(), model.preprocess, seed=0)
         loader = data.loader(epoch=0, start_batch=0, rank_batch=args.sub_batch * args.sub_batches, rank=0,
                              world_size=1, num_batches=1, sub_batch=args.sub_batch, keep_raw=True)
         kept, start = [], None

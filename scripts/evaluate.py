@@ -1,7 +1,8 @@
-"""Zero-shot evaluation of a checkpoint.
+"""Zero-shot evaluation of a checkpoint, on one set or several.
 
     python scripts/evaluate.py ckpt=runs/<name>/checkpoints/last.pt            # embedded digits
-    python scripts/evaluate.py ckpt=... eval=<set> eval.urls=... eval.batch_size=1024
+    python scripts/evaluate.py ckpt=... eval=<set> eval.<set>.urls=... eval.<set>.batch_size=1024
+    python scripts/evaluate.py ckpt=... 'eval=[imagenet,imagenet_v2]' eval.imagenet.root=... eval.imagenet_v2.root=...
 """
 
 import json
@@ -19,20 +20,23 @@ from megabatch.config.cli import entry_args  # shard patterns reach Hydra with t
 def main(cfg: DictConfig) -> float:
     from megabatch.config import ConfigError
     from megabatch.config.cli import config_error_exit
+    from megabatch.eval import headline, summary
     from megabatch.eval.checkpoint import evaluate_checkpoint
 
     try:
-        result = evaluate_checkpoint(cfg)
+        results = evaluate_checkpoint(cfg)
     except ConfigError as error:  # the key and the fix, one line, no traceback; status 2 (usage)
         raise config_error_exit(error) from None
-    output = Path(cfg.output or f"{Path(cfg.ckpt).with_suffix('')}.eval-{cfg.eval.name}.json")
-    output.write_text(json.dumps(result, indent=1))
-    if "top1" in result:
-        print(f"{cfg.eval.name}: top-1 {result['top1']:.2f}%, top-5 {result['top5']:.2f}% "
-              f"({result['samples']} images, step {result['step']}) -> {output}")
-        return result["top1"]
-    print(f"{cfg.eval.name}: {json.dumps(result)} -> {output}")
-    return result["image_to_text_R@1"]
+    stem = Path(cfg.ckpt).with_suffix("")
+    if cfg.output:  # one file: the result, or {set: result} for several sets
+        Path(cfg.output).write_text(json.dumps(next(iter(results.values())) if len(results) == 1 else results,
+                                               indent=1))
+    for name, result in results.items():
+        output = Path(cfg.output or f"{stem}.eval-{name}.json")
+        if not cfg.output:
+            output.write_text(json.dumps(result, indent=1))
+        print(f"{summary(name, result)}, step {result['step']} -> {output}", flush=True)
+    return headline(next(iter(results.values())))
 
 
 if __name__ == "__main__":

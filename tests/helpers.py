@@ -65,15 +65,20 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 GLOBAL_BATCH = 12
 
 
-def fixed_batch(text_cfg):
-    """Random images and real captions, tokenised by the configured text tower's tokenizer."""
-    from megabatch.models import build_tokenizer
+def preprocess(size: int = 32, **overrides) -> dict:
+    """A model's preprocessing config (OpenAI CLIP's values unless overridden) at ``size`` pixels."""
+    from megabatch.models.preprocess import resolve_preprocess
 
+    return resolve_preprocess({}, overrides, size, "model.preprocess")
+
+
+def fixed_batch(tokenize):
+    """Random images and real captions, tokenised by ``tokenize`` (the model's tokenizer)."""
     generator = torch.Generator().manual_seed(123)
     images = torch.randn(GLOBAL_BATCH, 3, 32, 32, generator=generator)
     words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     captions = [f"a handwritten {words[i % 10]} number {i}" for i in range(GLOBAL_BATCH)]
-    return images, build_tokenizer(**text_cfg)(captions)
+    return images, tokenize(captions)
 
 
 def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Tensor]:
@@ -88,7 +93,7 @@ def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Te
     torch.manual_seed(0)
     model = instantiate(cfg.model, _convert_="all")
     step = TrainStep(model, instantiate(cfg.loss), None, torch.device("cpu"), precision="fp32")
-    images, texts = fixed_batch(cfg.model.text)
+    images, texts = fixed_batch(model.tokenizer())
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
     step.gradients(iter([SubBatch(images[rows], texts[rows], None)]))
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

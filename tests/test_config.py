@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 
 from megabatch.config import ConfigError, parse_count
 
-from .helpers import CONFIGS, compose
+from .helpers import CONFIGS, compose, preprocess
 
 GROUPS = ["model", "loss", "data", "optim", "sched", "trainer", "eval", "logger", "experiment"]
 
@@ -70,15 +70,15 @@ def test_model_options_build(option):
         model = instantiate(cfg.model, _convert_="all")
     assert abs(model.logit_scale.item() - torch.tensor(1 / 0.07).log().item()) < 1e-5 \
         if device == "cpu" else model.logit_scale.shape == ()
-    assert model.clip.visual.image_size == (cfg.model.image.image_size,) * 2
+    assert model.clip.visual.image_size == (cfg.model.image.get("image_size", 224),) * 2
+    assert model.preprocess["size"] == cfg.model.image.get("image_size", 224)
 
 
 def test_tiny_model_forward_gives_unit_features():
-    from megabatch.models import build_tokenizer
 
     cfg = compose()
     model = instantiate(cfg.model, _convert_="all")
-    tokens = build_tokenizer(**cfg.model.text)(["a handwritten 7", "the number nine"])
+    tokens = model.tokenizer()(["a handwritten 7", "the number nine"])
     image_features, text_features, scale, bias = model(torch.randn(2, 3, 32, 32), tokens)
     assert bias is None  # a softmax-loss model has no logit bias
     assert image_features.shape == text_features.shape == (2, cfg.model.embed_dim)
@@ -103,7 +103,7 @@ def test_data_options_instantiate(option, data_cache):
     if option != "digits":  # point a user-shards config at the embedded shards
         overrides.append(f"data.train.urls='{ensure_digits(data_cache)['train']}'")  # quoted: braces
     cfg = compose(*overrides)
-    data = TrainData(cfg.data, lambda texts: torch.zeros(len(texts), 4), 32, seed=0)
+    data = TrainData(cfg.data, lambda texts: torch.zeros(len(texts), 4), preprocess(32), seed=0)
     assert data.num_samples == 1437
     images, texts, raw, stats = next(iter(data.loader(0, 0, rank_batch=8, rank=0, world_size=1,
                                                        num_batches=1)))
@@ -144,15 +144,19 @@ def test_eval_options_resolve(option, data_cache):
     from megabatch.eval.datasets import resolve_eval_set
 
     cfg = compose(f"eval={option}")
-    if cfg.eval.get("format") == "objectnet":  # class names come from the release's mappings
+    if option == "none":
+        assert len(cfg.eval) == 0
+        return
+    eval_set = cfg.eval[option]  # each set in its own package: eval.<name>
+    if eval_set.format == "objectnet":  # class names come from the release's mappings
         from megabatch.config import ConfigError
 
-        with pytest.raises(ConfigError, match="eval.root is not set"):
-            resolve_eval_set(cfg.eval)
-    elif cfg.eval.get("task") == "retrieval":
-        assert cfg.eval.chunk > 0  # its data (eval.jsonl) is exercised in tests/eval
-    elif cfg.eval.name:
-        classnames, templates = resolve_eval_set(cfg.eval)
+        with pytest.raises(ConfigError, match="eval.objectnet.root is not set"):
+            resolve_eval_set(eval_set)
+    elif eval_set.task == "retrieval":
+        assert eval_set.chunk > 0  # its data (eval.retrieval.jsonl) is exercised in tests/eval
+    else:
+        classnames, templates = resolve_eval_set(eval_set)
         assert len(classnames) == (1000 if "imagenet" in option else 10)
         assert len(templates) == (80 if "imagenet" in option else 4)
         assert all("{}" in t for t in templates)
@@ -198,14 +202,16 @@ def test_pretrained_path_must_exist(tmp_path: Path):
     ("trainer.ckpt_every=-1", "trainer.ckpt_every"), ("seed=abc", "seed"), ("optim.lr=-1", "optim.lr"),
     ("optim.grad_clip=-1", "optim.grad_clip"), ("trainer.precision=fp64", "trainer.precision"),
     ("trainer.sub_batch=lots", "trainer.sub_batch"), ("data.train.mode=resampled", "data.train.mode"),
-    ("data=webdataset", "data.train.urls"), ("eval=imagenet", "eval.root"), ("eval=retrieval", "eval.jsonl"),
+    ("data=webdataset", "data.train.urls"), ("eval=imagenet", "eval.imagenet.root"),
+    ("eval=retrieval", "eval.retrieval.jsonl"), ("eval=[digits,imagenet_v2]", "eval.imagenet_v2.root"),
     ("loss=infcl loss.tile=0", "loss.tile"), ("sched.warmup_samples=1k", "sched.warmup_steps"),
     ("+trainer.no_such_option=1", "trainer.no_such_option"), ("+data.train.augment.x=1", "data.train.augment.x"),
     ("resume=/no/such/file.pt", "resume"), ("trainer.device=cuda", "trainer.device"), ("name=a/b", "name"),
     ("sched.warmup_steps=-5", "sched.warmup_steps"), ("sched.min_lr_ratio=2", "sched.min_lr_ratio"),
     ("sched.decay_samples=lots", "sched.decay_samples"), ("seed=-1", "seed"),
     ("trainer.time_limit=soon", "trainer.time_limit"),
-    ("trainer.max_bad_steps=0", "trainer.max_bad_steps"), ("eval.chunk=0", "eval.chunk"),
+    ("trainer.max_bad_steps=0", "trainer.max_bad_steps"), ("eval.digits.chunk=0", "eval.digits.chunk"),
+    ("+eval.digits.no_such=1", "eval.digits.no_such"), ("+model.preprocess.size=64", "model.preprocess"),
 ])
 def test_every_bad_value_is_refused_at_start_up_naming_the_key(override, key):
     from megabatch.config.schema import validate
@@ -238,7 +244,9 @@ def test_types_and_unknown_keys_are_refused_when_composing():
         compose("trainer.max_step=5")
     cfg = compose("trainer.max_steps=7", "optim.lr=1", "data.num_workers=3")
     assert (cfg.trainer.max_steps, cfg.optim.lr, cfg.data.num_workers) == (7, 1.0, 3)
-    assert compose("eval=none").eval.chunk == 1024  # a default only some eval options set: from the schema
+    assert compose().eval.digits.chunk == 1024  # a default only some eval options set: from the schema
+    both = compose("eval=[digits,retrieval]", "eval.retrieval.jsonl=/r.jsonl", "eval.digits.every=5")
+    assert list(both.eval) == ["digits", "retrieval"] and both.eval.digits.every == 5
 
 
 def test_a_bad_config_fails_before_anything_is_built(tmp_path):

@@ -29,3 +29,30 @@ def test_multirun_sweep(tmp_path):
     for job in ("0", "1"):
         assert (tmp_path / "runs" / "sweep" / job / "checkpoints" / "last.pt").exists()
         assert (tmp_path / "runs" / "sweep" / job / "metrics.jsonl").exists()
+
+
+def test_two_evaluation_sets_in_one_run_both_report(tmp_path):
+    """``eval=[digits,retrieval]``: during training (every 2 steps and at the end) and in
+    evaluate.py, each set under its own name."""
+    import numpy as np
+
+    from megabatch.data.shard_writer import encode_png
+
+    rows = []
+    for index in range(5):
+        (tmp_path / f"{index}.png").write_bytes(encode_png(np.full((12, 12, 3), 40 * index, dtype=np.uint8)))
+        rows.append({"image": str(tmp_path / f"{index}.png"), "captions": [f"a handwritten {index}"]})
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    sets = ["eval=[digits,retrieval]", f"eval.retrieval.jsonl={tmp_path / 'pairs.jsonl'}", "eval.digits.every=2"]
+    result = run_script(str(ROOT / "train.py"), *FAST, "name=two", *sets, cwd=tmp_path)
+    assert "zero-shot top-1 on digits (held out)" in result.stdout and "retrieval: image_to_text_R@1" in result.stdout
+    records = [json.loads(line) for line in (tmp_path / "runs" / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval/digits/top1" in r] == [2, 3]  # every 2 steps, and at the end
+    assert [r["step"] for r in records if "eval/retrieval/text_to_image_R@1" in r] == [3]  # at the end only
+    ckpt = tmp_path / "runs" / "two" / "checkpoints" / "last.pt"
+    evaluated = run_script(str(ROOT / "scripts" / "evaluate.py"), f"ckpt={ckpt}", *sets[:2], cwd=tmp_path)
+    assert "digits" in evaluated.stdout and "retrieval" in evaluated.stdout
+    digits = json.loads(ckpt.with_name("last.eval-digits.json").read_text())
+    retrieval = json.loads(ckpt.with_name("last.eval-retrieval.json").read_text())
+    assert digits["top1"] == next(r["eval/digits/top1"] for r in records if r["step"] == 3 and "eval/digits/top1" in r)
+    assert retrieval["samples"] == 5

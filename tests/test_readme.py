@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -105,11 +106,15 @@ def test_readme_command_composes(command):
     if script.endswith(".sh"):  # docker/smoke.sh: its own test (tests/test_docker.py)
         return
     check_launcher(before)
-    if script.endswith("make_shards.py"):
-        spec = importlib.util.spec_from_file_location("make_shards", ROOT / "scripts" / "make_shards.py")
+    if script.endswith(("make_shards.py", "export.py")):
+        name = Path(script).stem
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        module.build_parser().parse_args(args)
+        if name == "export":
+            module.parse(args)  # key=value arguments: unknown or missing keys exit
+        else:
+            module.build_parser().parse_args(args)
         return
     assert script in ENTRY_POINTS, f"README runs {script}: teach this test to check it"
     overrides, multirun = hydra_overrides(quote_patterns(args))
@@ -131,9 +136,9 @@ def test_brace_patterns_compose_with_and_without_inner_quotes():
         assert cfg.data.train.urls == pattern, arg
     joined = "/a/{0..3}.tar::/b/{00..09}.tar"
     assert compose("data=webdataset", *quote_patterns([f"data.train.urls={joined}"])).data.train.urls == joined
-    evaluated = compose("eval=imagenet", *quote_patterns(["eval.urls=/in1k/{000..063}.tar"]),
+    evaluated = compose("eval=imagenet", *quote_patterns(["eval.imagenet.urls=/in1k/{000..063}.tar"]),
                         config_name="evaluate")
-    assert evaluated.eval.urls == "/in1k/{000..063}.tar"
+    assert evaluated.eval.imagenet.urls == "/in1k/{000..063}.tar"
 
 
 @pytest.mark.parametrize("command", [
@@ -141,6 +146,8 @@ def test_brace_patterns_compose_with_and_without_inner_quotes():
     "python train.py model=vit_b99",                                        # an option that is not there
     "torchrun --nproc-per-gpu=8 train.py",                                  # a launcher flag that is not there
     "python scripts/make_shards.py tables --out s/",                        # a subcommand that is not there
+    "python scripts/export.py ckpt=a.pt",                                   # export without out=
+    "python scripts/evaluate.py ckpt=a.pt eval=imagenet eval.root=/d",      # a set's key outside eval.<name>
     "python train.py optim.lr=1e-4,5e-4",                                   # a sweep without -m
 ])
 def test_a_drifted_command_fails(command):

@@ -16,7 +16,7 @@ from megabatch.config import ConfigError
 from megabatch.data import urls as urls_module
 from megabatch.data.urls import expand_urls, scan_tar, shard_sizes
 
-from ..helpers import ROOT
+from ..helpers import ROOT, preprocess
 
 TRUTH = [7, 3, 12, 5]
 
@@ -106,11 +106,11 @@ def test_training_data_counts_img2dataset_shards(shards, tmp_path):
 
     _, pattern = shards
     cfg = compose("data=webdataset", f"data.train.urls='{pattern}'", f"data.cache_dir={tmp_path / 'cache'}")
-    data = TrainData(cfg.data, lambda texts: None, 32, seed=0, show_progress=False)
+    data = TrainData(cfg.data, lambda texts: None, preprocess(32), seed=0, show_progress=False)
     assert data.num_samples == sum(TRUTH) and data.sizes == TRUTH
     streams = compose("data=webdataset", "data.train.urls='pipe:cat /d/{0..3}.tar'", "data.train.num_samples=400",
                       "data.train.mode=resampled")
-    assert TrainData(streams.data, lambda texts: None, 32, seed=0).num_samples == 400
+    assert TrainData(streams.data, lambda texts: None, preprocess(32), seed=0).num_samples == 400
 
 
 def counted_on_two_ranks(rank: int, world: int, pattern: str, cache: str, broken: bool):
@@ -123,7 +123,7 @@ def counted_on_two_ranks(rank: int, world: int, pattern: str, cache: str, broken
     urls = "pipe:cat /d/{0..3}.tar" if broken else pattern
     cfg = compose("data=webdataset", f"data.train.urls='{urls}'", f"data.cache_dir={cache}")
     try:
-        return TrainData(cfg.data, lambda texts: None, 32, seed=0, show_progress=False).sizes
+        return TrainData(cfg.data, lambda texts: None, preprocess(32), seed=0, show_progress=False).sizes
     except ConfigError as error:
         return f"ConfigError: {error}"
 

@@ -12,7 +12,7 @@ import torch
 from megabatch.data import TrainData
 from megabatch.data.shard_writer import Sample, encode_png, write_shards
 
-from ..helpers import compose
+from ..helpers import compose, preprocess
 
 SHARDS, PER_SHARD = 8, 10
 
@@ -35,7 +35,7 @@ def make_data(urls, *overrides) -> TrainData:
     cfg = compose("data=webdataset", "data.num_workers=2", "data.train.shuffle_buffer=7", *overrides)
     cfg.data.train.urls = urls
     ids = lambda captions: torch.tensor([int(c.split()[-1]) for c in captions])  # noqa: E731
-    return TrainData(cfg.data, ids, image_size=8, seed=cfg.seed)
+    return TrainData(cfg.data, ids, preprocess(8), seed=cfg.seed)
 
 
 def epoch_ids(data: TrainData, rank: int, steps: int, start: int = 0, epoch: int = 0) -> list[list[int]]:

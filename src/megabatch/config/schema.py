@@ -7,7 +7,7 @@ key) and refuses keys that do not exist.
 
 Defaults live once. A value every option file of a group sets lives in that YAML file
 (``configs/<group>/*.yaml``, commented there) and its field here has none (``MISSING``). A key
-only some option files set (``eval.root``, ``eval.chunk``, ...) has its default here and nowhere
+only some option files set (``eval.<name>.root``, ``eval.<name>.chunk``, ...) has its default here and nowhere
 else. The code reads ``cfg.key`` in either case, never ``cfg.get(key, default)``. The groups whose
 options are ``_target_`` classes with their own arguments (``model``, ``loss``, ``sched``,
 ``logger``) keep their own keys; what can be checked of them before building is checked below.
@@ -32,6 +32,10 @@ from . import ConfigError, parse_count, parse_duration, parse_optional_count
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 FEATURE_DTYPES = ("fp32", "bf16")
+# model.preprocess.* (open_clip's PreprocessCfg less the size, which is the model's)
+PREPROCESS_KEYS = ("mean", "std", "interpolation", "resize_mode", "fill_color")
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
+RESIZE_MODES = ("shortest", "longest", "squash")
 
 
 @dataclass
@@ -82,7 +86,8 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    name: str | None = MISSING     # null: no evaluation
+    """One evaluation set, ``eval.<name>`` (``eval=[imagenet,imagenet_v2,retrieval]`` selects several)."""
+    name: str = MISSING               # the set's name: its package, its log key eval/<name>/...
     every: int | None = MISSING
     at_end: bool = MISSING
     # only some eval options set these
@@ -109,15 +114,16 @@ class OptimConfig:
     optimizer: Any = MISSING          # a _partial_ torch.optim class and its arguments
 
 
-SCHEMAS = {"trainer": TrainerConfig, "data": DataConfig, "eval": EvalConfig, "optim": OptimConfig}
+SCHEMAS = {"trainer": TrainerConfig, "data": DataConfig, "optim": OptimConfig}  # eval: per set (check_eval)
 
 
 def register() -> None:
-    """Store the schemas as ``<group>/schema`` (idempotent); the option files name them first."""
+    """Store the schemas as ``<group>/schema`` (idempotent); the option files name them first.
+    Each evaluation set sits in its own package (``eval.<name>``) and types itself with ``eval/schema``."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    for group, schema in SCHEMAS.items():
+    for group, schema in {**SCHEMAS, "eval": EvalConfig}.items():
         store.store(group=group, name="schema", node=schema)
 
 
@@ -220,33 +226,39 @@ def check_data(data: DictConfig) -> None:
         raise ConfigError(f"data.train.weights={list(train.weights)}: weights must not be negative")
 
 
-def check_eval(eval_cfg: DictConfig) -> None:
-    """The evaluation section (also ``scripts/evaluate.py``'s): where its data is, checked before
-    a run spends hours training towards an evaluation that cannot start."""
-    at_least(eval_cfg.every, "eval.every", 1, "1000 (null: only at the end)")
-    at_least(eval_cfg.batch_size, "eval.batch_size", 1, "256")
-    at_least(eval_cfg.chunk, "eval.chunk", 1, "1024")
-    at_least(eval_cfg.num_workers, "eval.num_workers", 0, "4")
-    if not eval_cfg.name:
-        return
-    choice(eval_cfg.task, "eval.task", ("zeroshot", "retrieval"))
-    choice(eval_cfg.format, "eval.format", ("wds", "folder", "objectnet"))
+def check_eval(eval_sets: DictConfig) -> None:
+    """The evaluation sets (``eval.<name>``, also ``scripts/evaluate.py``'s): each one's values and
+    where its data is, checked before a run spends hours training towards an evaluation that
+    cannot start."""
+    for name in eval_sets:
+        check_known_keys(eval_sets[name], EvalConfig, f"eval.{name}")
+        check_eval_set(eval_sets[name])
+
+
+def check_eval_set(eval_cfg: DictConfig) -> None:
+    key = f"eval.{eval_cfg.name}"
+    at_least(eval_cfg.every, f"{key}.every", 1, "1000 (null: only at the end)")
+    at_least(eval_cfg.batch_size, f"{key}.batch_size", 1, "256")
+    at_least(eval_cfg.chunk, f"{key}.chunk", 1, "1024")
+    at_least(eval_cfg.num_workers, f"{key}.num_workers", 0, "4")
+    choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval"))
+    choice(eval_cfg.format, f"{key}.format", ("wds", "folder", "objectnet"))
     if eval_cfg.task == "retrieval":
         if not (eval_cfg.jsonl or eval_cfg.urls):
-            raise ConfigError("eval=retrieval needs eval.jsonl (a JSONL of pairs) or eval.urls (shards)")
+            raise ConfigError(f"eval={eval_cfg.name} needs {key}.jsonl (a JSONL of pairs) or {key}.urls (shards)")
         return
     if eval_cfg.format in ("folder", "objectnet"):
         eval_root(eval_cfg)
     if eval_cfg.format == "wds" and not eval_cfg.urls and eval_cfg.name != "digits":
-        raise ConfigError(f"eval.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
+        raise ConfigError(f"{key}.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
 
 
 def eval_root(eval_cfg: DictConfig) -> str:
-    """``eval.root`` of a folder-format evaluation set, which must be given."""
+    """``eval.<name>.root`` of a folder-format evaluation set, which must be given."""
     if OmegaConf.is_missing(eval_cfg, "root") or not eval_cfg.root:
         what = "the ObjectNet release folder" if eval_cfg.format == "objectnet" else "an ImageFolder path"
-        raise ConfigError(f"eval.root is not set for eval={eval_cfg.name} ({what}), e.g. "
-                          f"eval.root=/data/{eval_cfg.name}; or eval=none")
+        raise ConfigError(f"eval.{eval_cfg.name}.root is not set for eval={eval_cfg.name} ({what}), e.g. "
+                          f"eval.{eval_cfg.name}.root=/data/{eval_cfg.name}; or eval=none")
     return eval_cfg.root
 
 
@@ -307,7 +319,7 @@ def check_logit_bias(loss: DictConfig, model: DictConfig) -> None:
 
     uses_bias = getattr(get_class(loss._target_), "uses_bias", False)
     has_bias = model.get("init_logit_bias") is not None
-    if uses_bias and not has_bias:
+    if uses_bias and not has_bias and "arch" not in model:  # an open_clip architecture may have its own
         raise ConfigError(f"{loss._target_.rsplit('.', 1)[-1]} needs a logit bias: set model.init_logit_bias "
                           "(SigLIP's is -10; loss=siglip sets it unless overridden with null)")
     if has_bias and not uses_bias:
@@ -316,11 +328,21 @@ def check_logit_bias(loss: DictConfig, model: DictConfig) -> None:
 
 
 def check_model(model: DictConfig) -> None:
-    """What the data pipeline needs of the model before it is built; the towers' own fields are
-    open_clip's, checked by ``build_clip`` with errors naming ``model.image`` / ``model.text``."""
-    size = model.image.image_size
+    """What can be checked of the model before it is built: the sizes a built-in shape gives.
+    The towers' own fields are open_clip's, checked by the builders with errors naming
+    ``model.image`` / ``model.text``; an open_clip architecture's sizes are its own."""
+    size = model.image.get("image_size", 224)
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise ConfigError(f"model.image.image_size={size!r} must be a positive number of pixels, e.g. 224")
-    context = model.text.context_length
+    context = model.text.get("context_length", 77)
     if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
         raise ConfigError(f"model.text.context_length={context!r} must be a positive number of tokens, e.g. 77")
+    preprocess = model.get("preprocess") or {}
+    unknown = sorted(set(preprocess) - set(PREPROCESS_KEYS))
+    if unknown:
+        raise ConfigError(f"model.preprocess: unknown option(s) {unknown}; the options are "
+                          f"{', '.join(PREPROCESS_KEYS)} "
+                          "(the image size is the model's: model.image.image_size)")
+    for key, options in (("interpolation", INTERPOLATIONS), ("resize_mode", RESIZE_MODES)):
+        if preprocess.get(key) is not None:
+            choice(preprocess[key], f"model.preprocess.{key}", options)

@@ -24,7 +24,7 @@ class TrainData:
     (shard split only). Several sources: ``urls`` as a list (or ``::``-joined) with ``weights``.
     """
 
-    def __init__(self, cfg, tokenize, image_size: int, seed: int, show_progress: bool = True):
+    def __init__(self, cfg, tokenize, preprocess: dict, seed: int, show_progress: bool = True):
         urls = cfg.train.urls or ensure_digits(cfg.cache_dir)["train"]
         patterns = [urls] if isinstance(urls, str) and "::" not in urls else (
             urls.split("::") if isinstance(urls, str) else list(urls))
@@ -35,7 +35,7 @@ class TrainData:
         self.show_progress, self._sizes = show_progress, None
         if self.num_samples is None:
             self.num_samples = sum(self.sizes)
-        self.transform = train_transform(image_size, **cfg.train.augment)
+        self.transform = train_transform(preprocess["size"], preprocess["interpolation"], **cfg.train.augment)
         # split and mode are checked with the rest of the config (config/schema.py); the weights
         # against the sources the URLs expand to
         self.split, self.mode, self.weights = cfg.train.split, cfg.train.mode, cfg.train.weights

@@ -2,39 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-from torchvision import transforms as T
 from torchvision.transforms import v2 as T2
-
-from ..images import CLIP_MEAN, CLIP_STD
 
 
 def train_transform(
-    image_size: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (0.75, 4 / 3)
+    image_size: int | Sequence[int], interpolation: str = "bicubic", scale: Sequence[float] = (0.08, 1.0),
+    ratio: Sequence[float] = (0.75, 4 / 3),
 ) -> T2.RandomResizedCrop:
-    """RandomResizedCrop (Inf-CL paper defaults: scale 0.08-1.0, ratio 0.75-1.33, bicubic with
-    antialiasing) of a uint8 RGB ``[3, h, w]`` tensor (``samples.decode_rgb``) to uint8
-    ``[3, s, s]``: the crop is cut before resizing, so only the crop's pixels are interpolated.
-    Normalisation happens on the model's device (``images.normalize_images``): uint8 moves 4x fewer bytes
-    from the loader workers and to the GPU than float32."""
+    """RandomResizedCrop (Inf-CL paper defaults: scale 0.08-1.0, ratio 0.75-1.33, with antialiasing;
+    ``interpolation`` is the model's, ``preprocess.interpolation``) of a uint8 RGB ``[3, h, w]``
+    tensor (``samples.decode_rgb``) to uint8 ``[3, s, s]``: the crop is cut before resizing, so only
+    the crop's pixels are interpolated. Normalisation, with the model's mean and std, happens on the
+    model's device (``ClipModel.encode_image``): uint8 moves 4x fewer bytes from the loader workers
+    and to the GPU than float32."""
     # transforms.v2 resizes uint8 directly (v1 converts to float first: 3x slower per sample)
-    return T2.RandomResizedCrop(image_size, scale=tuple(scale), ratio=tuple(ratio),
-                                interpolation=T2.InterpolationMode.BICUBIC, antialias=True)
+    size = image_size if isinstance(image_size, int) else list(image_size)
+    return T2.RandomResizedCrop(size, scale=tuple(scale), ratio=tuple(ratio),
+                                interpolation=T2.InterpolationMode(interpolation), antialias=True)
 
 
-def eval_transform(image_size: int) -> T.Compose:
-    """Resize the short side to ``image_size``, centre crop, normalise."""
-    return T.Compose(
-        [
-            T.Lambda(lambda image: image.convert("RGB")),
-            T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC),
-            T.CenterCrop(image_size),
-            T.ToTensor(),
-            T.Normalize(CLIP_MEAN, CLIP_STD),
-        ]
-    )
+def eval_transform(preprocess: dict[str, Any]) -> Callable:
+    """open_clip's own evaluation transform for the model's preprocessing (``ClipModel.preprocess``:
+    resize by ``resize_mode`` with its ``interpolation``, centre crop, RGB, normalise with its mean
+    and std): evaluated images are what open_clip and CLIP_benchmark feed the same model."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in preprocess.items()}
+    return image_transform_v2(PreprocessCfg(**fields), is_train=False)
 
 
 def seeded(transform, image, seed: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Evaluate a training checkpoint: rebuild the model from the config stored inside it."""
+"""Evaluate a training checkpoint: rebuild the model from the description stored inside it."""
 
 from __future__ import annotations
 
@@ -9,24 +9,41 @@ from omegaconf import OmegaConf
 
 from ..checkpoint import build_stored, load_checkpoint
 from ..config.schema import check_eval
-from ..models import build_tokenizer
+from ..models import ClipModel, from_description
 from .zeroshot import run_zeroshot
 
 log = logging.getLogger(__name__)
 
 
-def evaluate_checkpoint(cfg) -> dict:
-    """Zero-shot ``cfg.eval`` on the model in ``cfg.ckpt``; returns top-1/top-5 and the step."""
-    check_eval(cfg.eval)  # the evaluation set's data is given, before the model is built
+def model_from_checkpoint(state: dict) -> ClipModel:
+    """The checkpoint's model with its weights: built from its open_clip description (architecture,
+    preprocessing, tokenizer; no pretrained file needed), or for checkpoints older than the
+    description from the stored config (only megabatch's own targets: a crafted file runs nothing)."""
+    if "open_clip" in state:
+        model = from_description(state["open_clip"])
+    else:
+        model = build_stored(OmegaConf.create(state["config"]).model, "model")
+    model.load_state_dict(state["model"])
+    return model
+
+
+def evaluate_checkpoint(cfg) -> dict[str, dict]:
+    """Every set of ``cfg.eval`` on the model in ``cfg.ckpt``: ``{set name: result}`` (top-1/top-5
+    or recalls, and the step)."""
+    check_eval(cfg.eval)  # each evaluation set's data is given, before the model is built
+    if not cfg.eval:
+        from ..config import ConfigError
+
+        raise ConfigError("eval=none: name the evaluation set(s), e.g. eval=imagenet or eval=[imagenet,imagenet_v2]")
     state = load_checkpoint(cfg.ckpt)
-    train_cfg = OmegaConf.create(state["config"])
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else "cpu" if cfg.device == "auto" else cfg.device)
-    model = build_stored(train_cfg.model, "model")  # only megabatch's own targets: a crafted file runs nothing
-    model.load_state_dict(state["model"])
-    model.to(device)
-    tokenize = build_tokenizer(**train_cfg.model.text)
-    log.info("evaluating %s (step %d) on %s", cfg.ckpt, state["step"], cfg.eval.name)
+    model = model_from_checkpoint(state).to(device)
+    tokenize = model.tokenizer()
     data_cfg = OmegaConf.create({"cache_dir": cfg.cache_dir})
-    result = run_zeroshot(model, tokenize, cfg.eval, data_cfg, train_cfg.model.image.image_size, device)
-    return {**result, "step": int(state["step"]), "ckpt": str(cfg.ckpt)}
+    results = {}
+    for name, eval_cfg in cfg.eval.items():
+        log.info("evaluating %s (step %d) on %s", cfg.ckpt, state["step"], name)
+        result = run_zeroshot(model, tokenize, eval_cfg, data_cfg, device)
+        results[name] = {**result, "step": int(state["step"]), "ckpt": str(cfg.ckpt)}
+    return results

@@ -32,7 +32,7 @@ def _wnids(source: str) -> list[str]:
         return sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
     if os.path.isfile(path):
         return [line.strip() for line in open(path) if line.strip()]
-    raise ConfigError(f"eval.subset_wnids_from={source!r}: neither an ImageNet folder nor a wnid list")
+    raise ConfigError(f"subset_wnids_from={source!r}: neither an ImageNet folder nor a wnid list")
 
 
 def subset_indices(eval_cfg) -> list[int] | None:
@@ -43,11 +43,13 @@ def subset_indices(eval_cfg) -> list[int] | None:
         return None
     full = _wnids(source)
     if len(full) != 1000:
-        raise ConfigError(f"eval.subset_wnids_from={source!r} lists {len(full)} wnids, not ImageNet's 1000")
+        raise ConfigError(f"eval.{eval_cfg.name}.subset_wnids_from={source!r} lists {len(full)} wnids, "
+                          "not ImageNet's 1000")
     mine = _wnids(eval_cfg.root)
     unknown = [w for w in mine if w not in full]
     if unknown:
-        raise ConfigError(f"eval.root={eval_cfg.root!r}: class folders {unknown[:3]}... are not ImageNet wnids")
+        raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r}: class folders {unknown[:3]}... are not "
+                          "ImageNet wnids")
     return [full.index(w) for w in mine]
 
 
@@ -91,7 +93,7 @@ def _named_set(eval_cfg, key: str, sets: dict) -> list[str]:
     if not isinstance(value, str):
         return list(value)
     if value not in sets:
-        raise ConfigError(f"eval.{key}={value!r}: use one of {sorted(sets)} or a list")
+        raise ConfigError(f"eval.{eval_cfg.name}.{key}={value!r}: use one of {sorted(sets)} or a list")
     return list(sets[value]())
 
 
@@ -143,10 +145,10 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
         try:
             dataset = NumericAwareFolder(str(root), transform=transform)
         except (FileNotFoundError, OSError) as error:
-            raise ConfigError(f"eval.root={root!r}: not a readable ImageFolder ({error})") from error
+            raise ConfigError(f"eval.{eval_cfg.name}.root={root!r}: not a readable ImageFolder ({error})") from error
         if len(dataset.classes) != num_classes:
             raise ConfigError(
-                f"eval.root={root!r} has {len(dataset.classes)} class folders but eval.classnames "
+                f"eval.{eval_cfg.name}.root={root!r} has {len(dataset.classes)} class folders but the class names "
                 f"has {num_classes} names; they must match one to one (sorted folder order)"
             )
         return iter(DataLoader(dataset, batch_size=batch_size, num_workers=eval_cfg.num_workers))
@@ -156,8 +158,8 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
 
         urls = ensure_digits(data_cfg.cache_dir)["test"]
     if not urls:
-        raise ConfigError(f"eval.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
-    return labelled_images(expand_urls(urls, "eval.urls"), transform, batch_size)
+        raise ConfigError(f"eval.{eval_cfg.name}.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
+    return labelled_images(expand_urls(urls, f"eval.{eval_cfg.name}.urls"), transform, batch_size)
 
 
 def labelled_images(urls: list[str], transform, batch_size: int) -> Iterator:
@@ -215,7 +217,8 @@ def _objectnet_batches(eval_cfg, transform, batch_size: int) -> Iterator:
         def find_classes(self, directory):
             present = [folder for folder, _ in classes if os.path.isdir(os.path.join(directory, folder))]
             if len(present) != len(classes):
-                raise ConfigError(f"eval.root={eval_cfg.root!r}: {len(classes) - len(present)} mapped class "
+                raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r}: "
+                                  f"{len(classes) - len(present)} mapped class "
                                   "folders are missing under images/")
             return present, {folder: index for index, folder in enumerate(present)}
 

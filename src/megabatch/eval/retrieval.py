@@ -20,10 +20,11 @@ def load_pairs(jsonl: str | None) -> tuple[list[Path], list[str], torch.Tensor]:
     """Rows ``{"image": path, "captions": [...]}`` (or ``"caption": str``) -> image paths, all
     captions, and for each caption the index of its image."""
     if not jsonl:
-        raise ConfigError("eval=retrieval needs eval.jsonl (a JSONL of pairs) or eval.urls (shards)")
+        raise ConfigError("eval=retrieval needs eval.retrieval.jsonl (a JSONL of pairs) or eval.retrieval.urls "
+                          "(shards)")
     path = Path(jsonl).expanduser()
     if not path.is_file():
-        raise ConfigError(f"eval.jsonl={jsonl!r} does not exist")
+        raise ConfigError(f"eval.retrieval.jsonl={jsonl!r} does not exist")
     images, captions, owner = [], [], []
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -47,7 +48,7 @@ def load_pairs_from_shards(urls: str, transform) -> tuple[list, list[str], torch
 
     stats, images, captions, owner = Stats(), [], [], []
     for raw in wds.tarfile_to_samples(handler=stats.handler)(
-            iter({"url": u} for u in expand_urls(urls, "eval.urls"))):
+            iter({"url": u} for u in expand_urls(urls, "eval.retrieval.urls"))):
         pair = decode_pair(raw, stats)
         if pair is None:
             continue

@@ -55,23 +55,36 @@ def evaluate_zeroshot(
     return {"top1": 100.0 * correct1 / total, "top5": 100.0 * correct5 / total, "samples": total}
 
 
-def run_zeroshot(model, tokenize, eval_cfg, data_cfg, image_size: int, device) -> dict[str, float]:
-    """Evaluate ``model`` on ``eval_cfg``: zero-shot classification (class names, templates,
-    images), or image-text retrieval when ``eval.task=retrieval``."""
+def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device) -> dict[str, float]:
+    """Evaluate ``model`` on one set ``eval_cfg``: zero-shot classification (class names,
+    templates, images), or image-text retrieval when ``task=retrieval``. Images are preprocessed
+    as the model says (``model.preprocess``: open_clip's evaluation transform)."""
     from ..data.transforms import eval_transform
     from .datasets import eval_batches, resolve_eval_set
 
-    if eval_cfg.task == "retrieval":
-        from .retrieval import run_retrieval
-
-        return run_retrieval(model, tokenize, eval_cfg, eval_transform(image_size), device)
-
-    classnames, templates = resolve_eval_set(eval_cfg)
+    transform = eval_transform(model.preprocess)
     was_training = model.training
     model.eval()
     try:
+        if eval_cfg.task == "retrieval":
+            from .retrieval import run_retrieval
+
+            return run_retrieval(model, tokenize, eval_cfg, transform, device)
+        classnames, templates = resolve_eval_set(eval_cfg)
         classifier = build_classifier(model, tokenize, classnames, templates, device)
-        batches = eval_batches(eval_cfg, data_cfg, eval_transform(image_size), len(classnames))
+        batches = eval_batches(eval_cfg, data_cfg, transform, len(classnames))
         return evaluate_zeroshot(model, batches, classifier, device)
     finally:
         model.train(was_training)
+
+
+def headline(result: dict[str, float]) -> float:
+    """The one number of a set's result: zero-shot top-1, or image-to-text R@1 for retrieval."""
+    return result["top1"] if "top1" in result else result["image_to_text_R@1"]
+
+
+def summary(name: str, result: dict[str, float]) -> str:
+    if "top1" in result:
+        return (f"zero-shot top-1 on {name} (held out): {result['top1']:.2f}% (top-5 {result['top5']:.2f}%, "
+                f"{result['samples']} images)")
+    return f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in result.items() if isinstance(v, float))

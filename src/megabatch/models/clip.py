@@ -1,6 +1,8 @@
-"""CLIP models built through open_clip from per-tower configs (``model.image.*``, ``model.text.*``).
+"""CLIP models built through open_clip from per-tower configs (``model.image.*``, ``model.text.*``):
+the built-in shapes (``configs/model/*.yaml``). ``openclip.py`` builds any open_clip architecture by
+name; both return a ``ClipModel``, which carries its open_clip config, preprocessing and tokenizer.
 
-Weights start random; pretrained weights come only from a local file (``model.pretrained``), never
+Weights start random; pretrained weights come only from local paths (``model.pretrained``), never
 from a hub.
 """
 
@@ -10,15 +12,17 @@ import contextlib
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Any
 
-import open_clip
 import torch
-from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg, CustomTextCLIP
+from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg, CustomTextCLIP, set_model_preprocess_cfg
 from torch import nn
 
 from ..config import ConfigError
 from ..images import normalize_images
+from .preprocess import build_tokenizer, resolve_preprocess
+from .pretrained import load_weights, resolve_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +38,39 @@ class ClipModel(nn.Module):
     module so that one DDP wrapper synchronises them together.
     """
 
-    def __init__(self, clip: CLIP | CustomTextCLIP, name: str):
+    def __init__(self, clip: CLIP | CustomTextCLIP, name: str, model_cfg: dict[str, Any],
+                 arch: str | None = None, tokenizer_folder: str | None = None):
         super().__init__()
         self.clip = clip
         self.name = name
+        self.model_cfg = model_cfg                # open_clip's model config (open_clip_config.json's model_cfg)
+        self.arch = arch                          # the open_clip architecture name, if built from one
+        self.tokenizer_folder = tokenizer_folder  # a pretrained folder holding the HF tokenizer
+
+    @property
+    def preprocess(self) -> dict[str, Any]:
+        """open_clip's preprocessing config of this model (``size``, ``mean``, ``std``,
+        ``interpolation``, ``resize_mode``, ``fill_color``): what training, the on-device
+        normalisation and evaluation use, and what a checkpoint and an export record."""
+        return self.clip.visual.preprocess_cfg
+
+    @property
+    def image_size(self) -> int | tuple[int, int]:
+        return self.preprocess["size"]
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model_cfg["text_cfg"].get("context_length", 77))
+
+    def tokenizer(self):
+        """The text tower's tokenizer (built from local files only)."""
+        return build_tokenizer(self.model_cfg, self.arch, self.tokenizer_folder)
+
+    def description(self) -> dict[str, Any]:
+        """What rebuilds this model without its config files (``from_description``): stored in
+        checkpoints and written by ``scripts/export.py``."""
+        return {"name": self.name, "arch": self.arch, "model_cfg": _plain(self.model_cfg),
+                "preprocess_cfg": _plain(self.preprocess), "tokenizer_folder": self.tokenizer_folder}
 
     def tower_parameters(self, tower: str):
         """``(name, parameter)`` pairs of the ``image`` or ``text`` tower (projection included)."""
@@ -73,7 +106,8 @@ class ClipModel(nn.Module):
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """``images``: float (normalised) or uint8 ``[n, 3, s, s]`` (normalised here, on device)."""
         with torch.no_grad() if self.frozen("image") else contextlib.nullcontext():
-            return nn.functional.normalize(self.clip.encode_image(normalize_images(images)), dim=-1)
+            images = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
+            return nn.functional.normalize(self.clip.encode_image(images), dim=-1)
 
     def encode_text(self, texts: torch.Tensor) -> torch.Tensor:
         with torch.no_grad() if self.frozen("text") else contextlib.nullcontext():
@@ -109,6 +143,7 @@ def build_clip(
     init_logit_scale: float = math.log(1 / 0.07),
     init_logit_bias: float | None = None,
     pretrained: str | None = None,
+    preprocess: dict[str, Any] | None = None,
     grad_checkpointing: bool = False,
     lock_image: bool = False,
     lock_text: bool = False,
@@ -119,7 +154,9 @@ def build_clip(
     ``image.ckpt`` (a local image-tower state dict), ``*.unlocked_layers`` (with ``lock_*``: keep
     the last N layers trainable), and for a Hugging Face text tower ``text.hf_path`` (a local model
     folder: weights and tokenizer), ``text.pooling`` (``cls`` or ``mean``) and ``text.proj``
-    (``linear`` or ``mlp``). ``pretrained`` is a local open_clip checkpoint of the whole model.
+    (``linear`` or ``mlp``). ``pretrained``: local weights of the whole model (a file or an
+    open_clip folder, ``pretrained.resolve_pretrained``). ``preprocess``: ``model.preprocess.*``
+    (null values: the pretrained folder's, else OpenAI CLIP's).
     ``init_logit_bias``: a learnable logit bias with this initial value (the sigmoid loss's).
     ``lock_image`` / ``lock_text`` freeze a whole tower, projection included (LiT).
     """
@@ -127,35 +164,66 @@ def build_clip(
     image_ckpt = image.pop("ckpt", None)
     image_unlocked = int(image.pop("unlocked_layers", 0) or 0)
     text_unlocked = int(text.pop("unlocked_layers", 0) or 0)
-    vision_cfg = CLIPVisionCfg(**_dataclass_kwargs(CLIPVisionCfg, image, "model.image"))
+    vision_cfg = _dataclass_kwargs(CLIPVisionCfg, image, "model.image")
+    model_cfg: dict[str, Any] = {"embed_dim": embed_dim, "quick_gelu": quick_gelu, "vision_cfg": vision_cfg}
+    if init_logit_bias is not None:
+        model_cfg["init_logit_bias"] = init_logit_bias
     hf_path = text.pop("hf_path", None)
     if hf_path:
-        clip = CustomTextCLIP(embed_dim=embed_dim, vision_cfg=vision_cfg,
-                              text_cfg=_hf_text_cfg(hf_path, text), quick_gelu=quick_gelu,
+        model_cfg.update(custom_text=True, text_cfg=_hf_text_cfg(hf_path, text))
+        clip = CustomTextCLIP(embed_dim=embed_dim, vision_cfg=CLIPVisionCfg(**vision_cfg),
+                              text_cfg=CLIPTextCfg(**model_cfg["text_cfg"]), quick_gelu=quick_gelu,
                               init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias)
     else:
         for key in ("pooling", "proj"):
             text.pop(key, None)
-        clip = CLIP(embed_dim=embed_dim, vision_cfg=vision_cfg,
-                    text_cfg=CLIPTextCfg(**_dataclass_kwargs(CLIPTextCfg, text, "model.text")),
+        model_cfg["text_cfg"] = _dataclass_kwargs(CLIPTextCfg, text, "model.text")
+        clip = CLIP(embed_dim=embed_dim, vision_cfg=CLIPVisionCfg(**vision_cfg),
+                    text_cfg=CLIPTextCfg(**model_cfg["text_cfg"]),
                     quick_gelu=quick_gelu, init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias)
-    if pretrained:
-        _load_local(clip, pretrained, "model.pretrained", prefix="")
+    source = resolve_pretrained(pretrained)
+    if source is not None:
+        load_weights(clip, source.weights, "model.pretrained", f"model={name}")
     if image_ckpt:
-        _load_local(clip.visual, image_ckpt, "model.image.ckpt", prefix="visual.")
+        image_path = os.path.expanduser(str(image_ckpt))
+        if not os.path.isfile(image_path):
+            raise ConfigError(f"model.image.ckpt={image_ckpt!r} is not a file; pretrained weights load only "
+                              "from local paths")
+        load_weights(clip.visual, Path(image_path), "model.image.ckpt", f"model={name}'s image tower",
+                     prefix="visual.")
+    set_model_preprocess_cfg(clip, resolve_preprocess(
+        source.config.get("preprocess_cfg", {}) if source and source.config else {}, preprocess or {},
+        clip.visual.image_size, "model.preprocess"))
     if grad_checkpointing:
         clip.set_grad_checkpointing(True)
-    model = ClipModel(clip, name)
+    model = ClipModel(clip, name, model_cfg)
+    lock_towers(model, lock_image, lock_text, image_unlocked, text_unlocked,
+                image_pretrained=bool(image_ckpt or source), text_pretrained=bool(hf_path or source))
+    return model
+
+
+def lock_towers(model: ClipModel, lock_image: bool, lock_text: bool, image_unlocked: int, text_unlocked: int,
+                image_pretrained: bool, text_pretrained: bool) -> None:
+    """``model.lock_image`` / ``model.lock_text``: freeze a tower (LiT), all but its last
+    ``*.unlocked_layers`` layers if given; warn when the frozen tower was never trained."""
     if lock_image:
-        if not (image_ckpt or pretrained):
-            log.warning("model.lock_image=true on a randomly initialised image tower: set "
-                        "model.image.ckpt to a local state dict (LiT locks a pretrained tower)")
+        if not image_pretrained:
+            log.warning("model.lock_image=true on a randomly initialised image tower: give model.pretrained "
+                        "(or model.image.ckpt) local weights (LiT locks a pretrained tower)")
         _lock(model, "image", image_unlocked)
     if lock_text:
-        if not (hf_path or pretrained):
+        if not text_pretrained:
             log.warning("model.lock_text=true on a randomly initialised text tower")
         _lock(model, "text", text_unlocked)
-    return model
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, recursively: what JSON and ``torch.load(weights_only=True)`` keep as is."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _lock_hf_text(text: nn.Module, unlocked_layers: int) -> None:
@@ -176,7 +244,7 @@ def _lock_hf_text(text: nn.Module, unlocked_layers: int) -> None:
             module.requires_grad_(True)
 
 
-def _hf_text_cfg(hf_path: str, text: dict[str, Any]) -> CLIPTextCfg:
+def _hf_text_cfg(hf_path: str, text: dict[str, Any]) -> dict[str, Any]:
     """open_clip's Hugging Face text tower over a *local* model folder (never a hub name)."""
     path = os.path.expanduser(str(hf_path))
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -195,9 +263,8 @@ def _hf_text_cfg(hf_path: str, text: dict[str, Any]) -> CLIPTextCfg:
     ignored = sorted(k for k in text if k not in ("vocab_size", "width", "heads", "layers", "mlp_ratio"))
     if ignored:
         raise ConfigError(f"model.text: {ignored} do not apply to a Hugging Face text tower")
-    return CLIPTextCfg(hf_model_name=path, hf_tokenizer_name=path, hf_model_pretrained=True,
-                       hf_pooler_type=poolers[pooling], hf_proj_type=proj,
-                       context_length=context_length)
+    return {"hf_model_name": path, "hf_tokenizer_name": path, "hf_model_pretrained": True,
+            "hf_pooler_type": poolers[pooling], "hf_proj_type": proj, "context_length": context_length}
 
 
 def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
@@ -216,28 +283,15 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
     model.train(model.training)  # frozen towers switch to eval mode
 
 
-def _load_local(module: nn.Module, path: str, key: str, prefix: str) -> None:
-    path = os.path.expanduser(path)
-    if not os.path.isfile(path):
-        raise ConfigError(f"{key}={path!r} is not a file; pretrained weights load only from local paths")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    state = state.get("state_dict", state.get("model", state))
-    state = {k.removeprefix("module.").removeprefix("clip."): v for k, v in state.items()}
-    if prefix and any(k.startswith(prefix) for k in state):
-        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ConfigError(
-            f"{key}={path!r} does not match the configured model: missing {missing[:5]}..., "
-            f"unexpected {unexpected[:5]}... (check model.image / model.text sizes)"
-        )
-    log.info("loaded %s from %s", key, path)
+def build_model(node) -> ClipModel:
+    """``instantiate`` the ``model`` config; a ``ConfigError`` raised while building reaches the
+    caller as itself (one line naming the key), not wrapped in Hydra's exception."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
 
-
-def build_tokenizer(context_length: int = 77, hf_path: str | None = None, **_: Any):
-    """The text tower's tokenizer: the Hugging Face model's own (from ``hf_path``, local), else
-    open_clip's CLIP BPE tokenizer (its vocabulary ships inside the package)."""
-    if hf_path:
-        return open_clip.tokenizer.HFTokenizer(os.path.expanduser(str(hf_path)),
-                                               context_length=context_length)
-    return open_clip.tokenizer.SimpleTokenizer(context_length=context_length)
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ConfigError):
+            raise error.__cause__ from None
+        raise

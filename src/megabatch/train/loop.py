@@ -21,7 +21,7 @@ from ..checkpoint import capture_rng, load_resume, restore_rng, run_checkpoints,
 from ..config import ConfigError, parse_duration
 from ..config.schema import validate
 from ..distributed import DistEnv, init_distributed
-from ..eval import run_zeroshot
+from ..eval import headline, run_zeroshot, summary
 from .metrics import MetricsLogger
 from .parts import RunParts
 from .preemption import Preempted, StopRequests
@@ -162,20 +162,33 @@ class Trainer:
             "global_batch": self.plan.global_batch,
             "rng": rng,
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
+            "open_clip": self.model.description(),  # architecture and preprocessing, for evaluation and export
         }
         if self.train_step.scaler.is_enabled():
             payload["scaler"] = self.train_step.scaler.state_dict()
         write_run_checkpoint(self.ckpt_dir, payload, self.step, numbered, self.cfg.trainer.keep_ckpts)
 
-    def evaluate(self) -> dict[str, float] | None:
-        if not self.main or not self.cfg.eval.name:
-            return None
-        result = run_zeroshot(self.model, self.parts.tokenize, self.cfg.eval, self.cfg.data,
-                              self.cfg.model.image.image_size, self.env.device)
-        log.info("eval %s at step %d: %s", self.cfg.eval.name, self.step,
-                 ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
-        self.metrics.log({f"eval/{self.cfg.eval.name}/{k}": v for k, v in result.items()}, self.step)
-        return result
+    def evaluate(self, final: bool) -> dict[str, dict[str, float]]:
+        """Evaluate the sets due now (``eval.<name>.at_end`` when ``final``, else those whose
+        ``every`` divides the step), each logged under ``eval/<name>/``. Rank 0 evaluates alone,
+        set after set, while the other ranks wait at the next collective: together the sets must
+        finish within ``trainer.dist_timeout_s``."""
+        due = [s for s in self.cfg.eval.values() if (s.at_end if final else s.every and self.step % s.every == 0)]
+        if not self.main or not due:
+            return {}
+        started, results = time.perf_counter(), {}
+        for eval_cfg in due:
+            result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
+            log.info("eval %s at step %d: %s", eval_cfg.name, self.step,
+                     ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
+            self.metrics.log({f"eval/{eval_cfg.name}/{k}": v for k, v in result.items()}, self.step)
+            results[eval_cfg.name] = result
+        seconds = time.perf_counter() - started
+        if self.env.distributed and seconds > 0.5 * self.cfg.trainer.dist_timeout_s:
+            log.warning("evaluation took %.0f s on rank 0, more than half of trainer.dist_timeout_s=%s that the "
+                        "other ranks wait: raise trainer.dist_timeout_s or evaluate less (eval.<name>.every)",
+                        seconds, self.cfg.trainer.dist_timeout_s)
+        return results
 
     def fit(self) -> float:
         cfg, plan, env = self.cfg, self.plan, self.env
@@ -202,7 +215,7 @@ class Trainer:
     def _loop(self, sub_batches, stop: int, progress) -> torch.Tensor:
         """Steps until ``stop``; returns the last loss."""
         cfg, plan = self.cfg, self.plan
-        ckpt_every, log_every, eval_every = cfg.trainer.ckpt_every or 0, cfg.trainer.log_every, cfg.eval.every or 0
+        ckpt_every, log_every = cfg.trainer.ckpt_every or 0, cfg.trainer.log_every
         loss = torch.zeros(())
         tick, last_logged = time.perf_counter(), self.step
         phase_totals: dict[str, float] = {}
@@ -236,8 +249,8 @@ class Trainer:
             self._stop_if_diverged()
             if ckpt_every and self.step % ckpt_every == 0:
                 self._checkpoint(numbered=True)
-            if eval_every and self.step % eval_every == 0 and self.step < plan.total_steps:
-                self.evaluate()
+            if self.step < plan.total_steps:
+                self.evaluate(final=False)  # the sets whose eval.<name>.every divides the step
             if stop_reason:
                 if not (ckpt_every and self.step % ckpt_every == 0):
                     self._checkpoint(numbered=False)
@@ -306,7 +319,7 @@ class Trainer:
 
     def _finish(self, loss, numbered_just_written: bool) -> float:
         """Last checkpoint, final evaluation; the value a sweeper optimises."""
-        cfg, plan = self.cfg, self.plan
+        plan = self.plan
         if self.main:
             bad = {k: v for k, v in self.parts.inputs.bad_input_counts().items() if v}
             log.info("bad input on rank 0: %s", bad or "none")
@@ -316,12 +329,9 @@ class Trainer:
             log.info("stopped at step %d of %d (trainer.stop_at_step); continue with "
                      "resume=latest name=%s", self.step, plan.total_steps, self.run_dir.name)
             return float(loss)
-        result = self.evaluate() if cfg.eval.at_end else None
-        if result is not None and "top1" in result:
-            print(f"zero-shot top-1 on {cfg.eval.name} (held out): {result['top1']:.2f}% "
-                  f"(top-5 {result['top5']:.2f}%, {result['samples']} images)", flush=True)
-            return result["top1"]
-        if result is not None:
-            print(f"{cfg.eval.name}: {result}", flush=True)
-            return result.get("image_to_text_R@1", float(loss))
+        results = self.evaluate(final=True)
+        for name, result in results.items():
+            print(summary(name, result), flush=True)
+        if results:  # the first set's headline number is what a sweeper optimises
+            return headline(next(iter(results.values())))
         return float(loss)

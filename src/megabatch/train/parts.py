@@ -20,7 +20,8 @@ from ..config import ConfigError
 from ..data import TrainData
 from ..data.offload import Offload
 from ..distributed import DistEnv
-from ..models import ClipModel, build_tokenizer
+from ..models import ClipModel, build_model
+from ..models.preprocess import describe_preprocess
 from .inputs import RunInputs, read_ahead_budget
 from .optim import build_optimizer
 from .plan import BatchPlan
@@ -48,10 +49,14 @@ class RunParts:
         starts from the same weights, and with ``cfg.seed + 1000 x rank`` last, so each rank
         draws its own dropout and patch-dropout masks."""
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
-        model = instantiate(cfg.model, _convert_="all").to(env.device)
-        tokenize = build_tokenizer(**cfg.model.text)
-        data = TrainData(cfg.data, tokenize, cfg.model.image.image_size, cfg.seed, show_progress=env.rank == 0)
+        model = build_model(cfg.model).to(env.device)
+        tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below
+        if env.rank == 0:
+            log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
+        data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0)
         plan = plan_batches(cfg, env.world_size, data)
+        loss = instantiate(cfg.loss)
+        check_bias(model, loss)
         optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
         schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch)
         if env.device.type == "cuda":  # TF32 for fp32 matmuls (the loss on fp32 features)
@@ -61,7 +66,7 @@ class RunParts:
         inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
                            pin_memory=env.device.type == "cuda",
                            read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload))
-        step = TrainStep(model, instantiate(cfg.loss), optimizer, env.device, precision=cfg.trainer.precision,
+        step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
                          sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
                          grad_clip=cfg.optim.grad_clip, offload=offload, show_progress=env.rank == 0)
         torch.manual_seed(cfg.seed + 1000 * env.rank)  # per-rank randomness (dropout, ...)
@@ -71,6 +76,19 @@ class RunParts:
         """Stop the offload's re-decode workers and delete its spill file."""
         if self.offload is not None:
             self.offload.close()
+
+
+def check_bias(model: ClipModel, loss) -> None:
+    """A sigmoid loss needs the model's logit bias; a softmax loss leaves it without a gradient
+    (which DDP refuses). ``validate`` checks the configured bias; this, the built model's (an
+    open_clip architecture or pretrained folder may bring one)."""
+    uses_bias = getattr(loss, "uses_bias", False)
+    if uses_bias and model.logit_bias is None:
+        raise ConfigError(f"{type(loss).__name__} needs a logit bias and model {model.name} has none: set "
+                          "model.init_logit_bias (SigLIP's is -10)")
+    if model.logit_bias is not None and not uses_bias:
+        raise ConfigError(f"model {model.name} has a logit bias (a sigmoid-loss model) but {type(loss).__name__} "
+                          "takes none: train it with loss=siglip")
 
 
 def plan_batches(cfg: DictConfig, world_size: int, data: TrainData) -> BatchPlan:

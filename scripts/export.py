@@ -1,0 +1,67 @@
+"""Export a checkpoint as an open_clip model folder (``open_clip_model.safetensors`` +
+``open_clip_config.json``, and a Hugging Face text tower's config and tokenizer), loadable by
+open_clip and what builds on it (CLIP_benchmark):
+
+    python scripts/export.py ckpt=runs/b32-1M/checkpoints/last.pt out=exports/b32-1M
+    python -c "import open_clip; m, _, t = open_clip.create_model_and_transforms('local-dir:exports/b32-1M')"
+
+Options (key=value): ckpt (required), out (required), overwrite=false (replace an export in out),
+check=true (load the export back with open_clip and compare its embeddings with megabatch's).
+"""
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+OPTIONS = {"ckpt": None, "out": None, "overwrite": "false", "check": "true"}
+
+
+def parse(argv: list[str]) -> dict[str, str]:
+    """``key=value`` arguments (as scripts/evaluate.py takes them); unknown or missing keys exit 2."""
+    values = dict(OPTIONS)
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in OPTIONS:
+            sys.exit(f"config error: {arg!r}: give key=value with key one of {', '.join(OPTIONS)}, e.g. "
+                     "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>")
+        values[key] = value
+    missing = [key for key, value in values.items() if value is None]
+    if missing:
+        sys.exit(f"config error: {' and '.join(missing)} not given: python scripts/export.py "
+                 "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>")
+    for key in ("overwrite", "check"):
+        if values[key].lower() not in ("true", "false"):
+            sys.exit(f"config error: {key}={values[key]!r}: use true or false")
+    return values
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    logging.getLogger("megabatch").setLevel(logging.INFO)  # open_clip logs its loading at INFO: quiet
+    args = parse(argv)
+    from megabatch.checkpoint import load_checkpoint
+    from megabatch.config import ConfigError
+    from megabatch.eval.checkpoint import model_from_checkpoint
+    from megabatch.models.export import check_export, export_open_clip
+
+    try:
+        state = load_checkpoint(args["ckpt"])
+        model = model_from_checkpoint(state)
+        out = export_open_clip(model, Path(args["out"]), overwrite=args["overwrite"].lower() == "true",
+                               extra={"ckpt": str(Path(args["ckpt"]).resolve()), "step": int(state["step"]),
+                                      "name": model.name, "arch": model.arch})
+    except ConfigError as error:
+        sys.exit(f"config error: {error}")
+    print(f"exported {args['ckpt']} (step {state['step']}) -> {out}: open_clip.create_model_and_transforms("
+          f"'local-dir:{out}'), open_clip.get_tokenizer('local-dir:{out}')", flush=True)
+    if args["check"].lower() == "true":
+        error = check_export(model, out)
+        print(f"open_clip loads it back: embeddings within {error:.1e} (relative) of megabatch's", flush=True)
+        if error > 1e-4:
+            sys.exit(f"the export does not reproduce the model (relative difference {error:.1e}); please report")
+    print(json.dumps({"out": str(out), "step": int(state["step"])}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
