@@ -4,6 +4,7 @@ that goes with them, and exports that open_clip loads unchanged. Nothing is down
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import types
 from pathlib import Path
@@ -161,7 +162,7 @@ def test_a_non_openai_mean_and_std_reach_training_and_evaluation(tmp_path, data_
     parts.close()
 
 
-def test_train_export_and_open_clip_give_the_same_embeddings(tmp_path, data_cache):
+def test_train_export_and_open_clip_give_the_same_embeddings_and_top1(tmp_path, data_cache):
     from megabatch.checkpoint import load_checkpoint
     from megabatch.eval.checkpoint import model_from_checkpoint
 
@@ -182,6 +183,17 @@ def test_train_export_and_open_clip_give_the_same_embeddings(tmp_path, data_cach
     assert rel_error(ours_image, theirs_image) <= 1e-6 and rel_error(ours_text, theirs_text) <= 1e-6
     failed = run_script_status(ROOT / "scripts" / "export.py", f"ckpt={ckpt}", f"out={out}", cwd=tmp_path)
     assert failed.returncode != 0 and "overwrite=true" in failed.stderr
+    # the same top-1 on the digits: megabatch's evaluation of the checkpoint, open_clip's and
+    # CLIP_benchmark's of the export
+    from megabatch.eval import agreement
+    from megabatch.eval.checkpoint import evaluate_checkpoint
+
+    ours_top1 = evaluate_checkpoint(compose(f"ckpt={ckpt}", config_name="evaluate"))["digits"]["top1"]
+    assert agreement.open_clip_top1(out, data_cache) == pytest.approx(ours_top1, abs=1e-9)
+    if importlib.util.find_spec("clip_benchmark") is not None:
+        root = agreement.digits_for_clip_benchmark(data_cache, tmp_path / "cb")
+        theirs = agreement.clip_benchmark_top1(out, root, tmp_path / "cb.json")
+        assert theirs == pytest.approx(ours_top1, abs=1e-9), (theirs, ours_top1)
 
 
 def run_script_status(script: Path, *args: str, cwd):
@@ -205,3 +217,26 @@ def test_exports_of_other_towers_load_in_open_clip(tmp_path, option):
     assert check_export(model, out) <= 1e-6
     if option == "tiny_minilm":
         assert (out / "tokenizer_config.json").is_file() and (out / "config.json").is_file()
+
+
+def test_an_open_clip_folder_fine_tunes_with_its_image_tower_locked(tmp_path):
+    """``model=openclip model.arch=null model.pretrained=<folder> model.lock_image=true``: the
+    trainer runs end to end; the locked tower keeps its weights but for its last unlocked block,
+    the text tower and the scale move, and evaluation of the checkpoint uses the folder's preprocessing."""
+    from megabatch.checkpoint import load_checkpoint
+    from megabatch.eval.checkpoint import model_from_checkpoint
+
+    from ..helpers import ROOT, run_script
+
+    reference, config = open_clip_model()
+    folder = save_folder(reference, config, tmp_path / "saved", PREPROCESS)
+    run_script(str(ROOT / "train.py"), "model=openclip", "model.arch=null", f"model.pretrained={folder}",
+               "model.lock_image=true", "+model.image.unlocked_layers=1", "batch=32", "trainer.max_steps=2",
+               "optim.lr=1e-3", "sched.warmup_steps=0", "name=lit", cwd=tmp_path)
+    state = load_checkpoint(tmp_path / "runs" / "lit" / "checkpoints" / "last.pt")
+    assert state["open_clip"]["preprocess_cfg"]["resize_mode"] == "squash"
+    tuned = model_from_checkpoint(state).clip.state_dict()
+    before = reference.state_dict()
+    assert torch.equal(tuned["visual.conv1.weight"], before["visual.conv1.weight"])  # locked
+    assert not torch.equal(tuned["visual.proj"], before["visual.proj"])  # unlocked: the last group trains
+    assert not torch.equal(tuned["text_projection"], before["text_projection"])

@@ -18,11 +18,13 @@ this host are removed when the next run opens its own.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import multiprocessing
 import os
 import re
+import signal
 import socket
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -81,10 +83,19 @@ class Offload:
 _worker_decoder: dict = {}
 
 
-def _init_redecode_worker(transform, seed: int) -> None:
+def _init_redecode_worker(transform, seed: int, closing) -> None:
     torch.set_num_threads(1)
-    ignore_stop_signals()  # the main process stops the run (train/preemption.py)
+    ignore_stop_signals()  # the main process stops the run (train/preemption.py) ...
+    # ... but Redecoder.close() stops the pool with SIGTERM: obey it then, and only then
+    signal.signal(signal.SIGTERM, functools.partial(_exit_when_closing, closing))
     _worker_decoder.update(transform=transform, seed=seed)
+
+
+def _exit_when_closing(closing, signum, frame) -> None:
+    """A worker's SIGTERM handler: exit if the pool is being closed (``closing``, shared memory
+    without a lock: safe in a handler), else ignore it (a job's stop signal reaches every process)."""
+    if closing.value:
+        os._exit(0)
 
 
 def _decode_sub_batch(decoder: SampleDecoder, raw: list, spill_path: str | None = None) -> torch.Tensor:
@@ -184,6 +195,7 @@ class Redecoder:
     def __init__(self, transform, seed: int, workers: int, timeout_s: float = 600.0):
         self.transform, self.seed, self.workers, self.timeout_s = transform, seed, workers, timeout_s
         self.pool = None
+        self.closing = multiprocessing.get_context("fork").RawValue("b", 0)  # inherited by the workers
 
     def __call__(self, raw_sub_batches: list, epoch: int, spill_path: str | None = None) -> Iterator[torch.Tensor]:
         if self.workers == 0:
@@ -214,11 +226,23 @@ class Redecoder:
         if self.pool is None and self.workers > 0:
             import torch.multiprocessing as mp
 
+            self.closing.value = 0
             self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_redecode_worker,
-                                                    initargs=(self.transform, self.seed))
+                                                    initargs=(self.transform, self.seed, self.closing))
+
+    def __del__(self) -> None:
+        """Not closed (a test, a notebook): the pool's own finalizer terminates it; let the workers obey."""
+        closing = getattr(self, "closing", None)
+        if closing is not None:
+            closing.value = 1
 
     def close(self) -> None:
+        """Stop the workers: ``Pool.terminate()`` sends them SIGTERM, which they otherwise ignore
+        (a job's stop signal is the main process's to handle). Ignored, it would leave a worker
+        that had not yet taken its stop sentinel waiting forever on the task queue's lock, which
+        terminating holds: ``closing`` tells them to obey it."""
         if self.pool is not None:
+            self.closing.value = 1
             self.pool.terminate()
             self.pool.join()
             self.pool = None
