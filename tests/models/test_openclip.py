@@ -240,3 +240,21 @@ def test_an_open_clip_folder_fine_tunes_with_its_image_tower_locked(tmp_path):
     assert torch.equal(tuned["visual.conv1.weight"], before["visual.conv1.weight"])  # locked
     assert not torch.equal(tuned["visual.proj"], before["visual.proj"])  # unlocked: the last group trains
     assert not torch.equal(tuned["text_projection"], before["text_projection"])
+
+
+def test_an_architecture_by_name_with_the_tiny_fields_is_the_tiny_model():
+    """``model=openclip`` builds through open_clip what ``build_clip`` builds by hand: with the
+    tiny shape's fields, the same seed gives the same weights and features."""
+    tiny = compose().model
+    fields = [*[f"+model.image.{k}={v}" for k, v in tiny.image.items() if k != "ckpt"],
+              *[f"+model.text.{k}={v}" for k, v in tiny.text.items()]]
+    torch.manual_seed(0)
+    ours = build_model(compose("model=openclip", "model.arch=ViT-B-32", f"model.embed_dim={tiny.embed_dim}",
+                               *fields).model)
+    torch.manual_seed(0)
+    reference = build_model(tiny)
+    theirs = reference.clip.state_dict()
+    assert ours.clip.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(value, theirs[name]) for name, value in ours.clip.state_dict().items())
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    assert torch.equal(ours.encode_image(images), reference.encode_image(images))
