@@ -19,20 +19,26 @@ OPTIONS = {"ckpt": None, "out": None, "overwrite": "false", "check": "true"}
 
 def parse(argv: list[str]) -> dict[str, str]:
     """``key=value`` arguments (as scripts/evaluate.py takes them); unknown or missing keys exit 2."""
+    from megabatch.config import ConfigError
+    from megabatch.config.cli import config_error_exit
+
     values = dict(OPTIONS)
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in OPTIONS:
-            sys.exit(f"config error: {arg!r}: give key=value with key one of {', '.join(OPTIONS)}, e.g. "
-                     "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>")
-        values[key] = value
-    missing = [key for key, value in values.items() if value is None]
-    if missing:
-        sys.exit(f"config error: {' and '.join(missing)} not given: python scripts/export.py "
-                 "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>")
-    for key in ("overwrite", "check"):
-        if values[key].lower() not in ("true", "false"):
-            sys.exit(f"config error: {key}={values[key]!r}: use true or false")
+    try:
+        for arg in argv:
+            key, sep, value = arg.partition("=")
+            if not sep or key not in OPTIONS:
+                raise ConfigError(f"{arg!r}: give key=value with key one of {', '.join(OPTIONS)}, e.g. "
+                                  "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>")
+            values[key] = value
+        missing = [key for key, value in values.items() if value is None]
+        if missing:
+            raise ConfigError(f"{' and '.join(missing)} not given: python scripts/export.py "
+                              "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>")
+        for key in ("overwrite", "check"):
+            if values[key].lower() not in ("true", "false"):
+                raise ConfigError(f"{key}={values[key]!r}: use true or false")
+    except ConfigError as error:  # one line, status 2, as the other entry points
+        raise config_error_exit(error) from None
     return values
 
 
@@ -42,6 +48,7 @@ def main(argv: list[str]) -> None:
     args = parse(argv)
     from megabatch.checkpoint import load_checkpoint
     from megabatch.config import ConfigError
+    from megabatch.config.cli import config_error_exit
     from megabatch.eval.checkpoint import model_from_checkpoint
     from megabatch.models.export import check_export, export_open_clip
 
@@ -52,7 +59,7 @@ def main(argv: list[str]) -> None:
                                extra={"ckpt": str(Path(args["ckpt"]).resolve()), "step": int(state["step"]),
                                       "name": model.name, "arch": model.arch})
     except ConfigError as error:
-        sys.exit(f"config error: {error}")
+        raise config_error_exit(error) from None
     print(f"exported {args['ckpt']} (step {state['step']}) -> {out}: open_clip.create_model_and_transforms("
           f"'local-dir:{out}'), open_clip.get_tokenizer('local-dir:{out}')", flush=True)
     if args["check"].lower() == "true":
