@@ -177,6 +177,9 @@ def test_train_export_and_open_clip_give_the_same_embeddings_and_top1(tmp_path, 
     config = json.loads((out / "open_clip_config.json").read_text())
     assert config["preprocess_cfg"]["mean"] == [0.5, 0.5, 0.5] and config["megabatch"]["step"] == 2
     ours = model_from_checkpoint(load_checkpoint(ckpt))  # what megabatch's evaluation builds
+    older = load_checkpoint(ckpt)
+    del older["open_clip"]  # a checkpoint written before the description: rebuilt from its stored config
+    assert model_from_checkpoint(older).preprocess == ours.preprocess
     images = photos()
     ours_image, ours_text = embeddings_ours(ours, images)
     theirs_image, theirs_text, _ = embeddings_theirs(f"local-dir:{out}", images)
