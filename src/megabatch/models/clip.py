@@ -12,7 +12,6 @@ import contextlib
 import logging
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -184,12 +183,9 @@ def build_clip(
     source = resolve_pretrained(pretrained)
     if source is not None:
         load_weights(clip, source.weights, "model.pretrained", f"model={name}")
-    if image_ckpt:
-        image_path = os.path.expanduser(str(image_ckpt))
-        if not os.path.isfile(image_path):
-            raise ConfigError(f"model.image.ckpt={image_ckpt!r} is not a file; pretrained weights load only "
-                              "from local paths")
-        load_weights(clip.visual, Path(image_path), "model.image.ckpt", f"model={name}'s image tower",
+    image_source = resolve_pretrained(image_ckpt, "model.image.ckpt")
+    if image_source is not None:
+        load_weights(clip.visual, image_source.weights, "model.image.ckpt", f"model={name}'s image tower",
                      prefix="visual.")
     set_model_preprocess_cfg(clip, resolve_preprocess(
         source.config.get("preprocess_cfg", {}) if source and source.config else {}, preprocess or {},

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from ..images import normalize_images
 from .clip import ClipModel
 from .pretrained import CONFIG_NAME
 
@@ -73,9 +74,7 @@ def check_export(model: ClipModel, out: Path, samples: int = 4) -> float:
     size = ours.image_size if isinstance(ours.image_size, int) else ours.image_size[0]
     generator = torch.Generator().manual_seed(0)
     pixels = torch.randint(0, 256, (samples, 3, size, size), generator=generator, dtype=torch.uint8)
-    mean = torch.tensor(ours.preprocess["mean"]).view(1, 3, 1, 1)
-    std = torch.tensor(ours.preprocess["std"]).view(1, 3, 1, 1)
-    normalised = (pixels.float() / 255 - mean) / std  # what open_clip's transform would hand it
+    normalised = normalize_images(pixels, ours.preprocess["mean"], ours.preprocess["std"])  # open_clip's input
     captions = [f"a photo of the number {i}" for i in range(samples)]
     worst = 0.0
     for mine, other in (

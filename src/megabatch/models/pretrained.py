@@ -124,18 +124,14 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A whole-model state dict from ``path`` with open_clip's key names: safetensors or a torch
     file holding a bare state dict, open_clip's training checkpoint (``state_dict``, ``module.``
     prefixes) or a megabatch checkpoint (``model``, ``clip.`` prefixes)."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    from open_clip.factory import load_state_dict  # safetensors or torch; `state_dict` unwrapped, `module.` dropped
 
-        state = load_file(str(path), device="cpu")
-    else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 - truncated, pickled code, not torch: many kinds
-            raise ConfigError(f"{path} cannot be read as weights: {str(error).strip().splitlines()[0][:200]}") from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    elif isinstance(state, dict) and isinstance(state.get("model"), dict) and "step" in state:
+    try:
+        state = load_state_dict(str(path))
+    except Exception as error:  # noqa: BLE001 - truncated, pickled code, not torch, empty: many kinds
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{path} cannot be read as weights: {reason}") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict) and "step" in state:
         state = state["model"]  # a megabatch checkpoint
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{path} does not hold a state dict of tensors")
