@@ -20,16 +20,25 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING)
     args = dict(arg.partition("=")[::2] for arg in argv)
     if set(args) != {"ckpt", "export"}:
-        sys.exit("usage: python scripts/compare_export.py ckpt=<checkpoint .pt> export=<folder written by export.py>")
+        print("usage: python scripts/compare_export.py ckpt=<checkpoint .pt> export=<folder written by export.py>",
+              file=sys.stderr)
+        sys.exit(2)
+    from megabatch.config import ConfigError
+    from megabatch.config.cli import config_error_exit
     from megabatch.config.compose import compose
     from megabatch.eval import agreement
     from megabatch.eval.checkpoint import evaluate_checkpoint
 
     cache = os.path.expanduser(os.environ.get("MEGABATCH_CACHE", "~/.cache/megabatch"))
     export = Path(args["export"]).resolve()
-    result = {"ckpt": args["ckpt"], "export": str(export),
-              "megabatch_top1": evaluate_checkpoint(compose(f"ckpt={args['ckpt']}", config_name="evaluate"))
-              ["digits"]["top1"],
+    if not (export / "open_clip_config.json").is_file():
+        raise config_error_exit(ConfigError(f"export={export} holds no open_clip_config.json: write it first with "
+                                            "python scripts/export.py ckpt=<checkpoint> out=<folder>"))
+    try:
+        ours = evaluate_checkpoint(compose(f"ckpt={args['ckpt']}", config_name="evaluate"))["digits"]["top1"]
+    except ConfigError as error:
+        raise config_error_exit(error) from None
+    result = {"ckpt": args["ckpt"], "export": str(export), "megabatch_top1": ours,
               "open_clip_top1": agreement.open_clip_top1(export, cache)}
     if importlib.util.find_spec("clip_benchmark") is not None:
         with tempfile.TemporaryDirectory() as tmp:

@@ -73,5 +73,5 @@ def build_tokenizer(model_cfg: dict[str, Any], arch: str | None = None, folder: 
                           f"({type(error).__name__}: "
                           f"{str(error).strip().splitlines()[0][:160] if str(error).strip() else ''}); give "
                           "model.pretrained a folder that holds it (open_clip saves it beside the weights), or "
-                          "model.text.hf_tokenizer_name=<a local tokenizer folder>") from None
+                          "+model.text.hf_tokenizer_name=<a local tokenizer folder>") from None
     return open_clip.tokenizer.SimpleTokenizer(context_length=context_length, **kwargs)
