@@ -22,14 +22,23 @@ The first step of every configuration (``--warmup-steps``) is a warm-up and not 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import time
 
 import torch
 
-from megabatch.bench import build_step, compose, peak_gb, repeat, reset_peak, sync, synthetic_sub_batch, write_results
+from megabatch.bench import (
+    build_step,
+    compose,
+    openclip_training,
+    peak_gb,
+    repeat,
+    reset_peak,
+    sync,
+    synthetic_sub_batch,
+    write_results,
+)
 from megabatch.config import parse_count
 from megabatch.data.samples import SubBatch
 
@@ -104,59 +113,12 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
 
 def openclip(batch: int, sub_batch: int, steps: int, device, data: str = "gpu", workers: int = 12,
              warmup: int = 1) -> dict:
-    import open_clip
-    from open_clip_train.params import parse_args
-    from open_clip_train.train import train_one_epoch
-
-    accum = batch // sub_batch
-    args = parse_args(["--model", "ViT-B-32", "--precision", "amp_bf16", "--batch-size",
-                       str(sub_batch), "--accum-freq", str(accum), "--local-loss",
-                       "--gather-with-grad", "--lr", "5e-4", "--log-every-n-steps", "1000000"])
-    args.device, args.distributed, args.world_size, args.rank, args.local_rank = str(device), False, 1, 0, 0
-    args.wandb = args.tensorboard = False
-    args.skip_scheduler = True
-    args.distill = False
-    model = open_clip.create_model("ViT-B-32", precision="fp32", device=device, output_dict=True)
-    loss = open_clip.create_loss(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    """OpenCLIP 3.3's own training loop (``megabatch.bench.openclip_training``) on the same inputs."""
     fixed = synthetic_sub_batch(sub_batch, 224, 77, device)
-    images, texts = fixed.images, fixed.texts
-    stream = loader_batches(sub_batch, workers, device) if data == "loader" else None
-
-    class Loader:
-        def __init__(self, num_batches):
-            self.num_batches = num_batches
-            self.num_samples = num_batches * sub_batch
-
-        def __iter__(self):
-            if data == "loader":
-                yield from itertools.islice(stream, self.num_batches)
-                return
-            for _ in range(self.num_batches):
-                yield images, texts
-
-    class Data:
-        def __init__(self, num_batches):
-            self.dataloader = Loader(num_batches)
-
-        def set_epoch(self, epoch):
-            pass
-
-    reset_peak(device)
-    train_one_epoch(model, {"train": Data(accum * warmup)}, loss, 0, optimizer, None, None, None, args)
-    sync(device)
-    start = time.perf_counter()
-    train_one_epoch(model, {"train": Data(accum * steps)}, loss, 1, optimizer, None, None, None, args)
-    sync(device)
-    elapsed = time.perf_counter() - start
-    result = {"system": "openclip-3.3", "model": "vit_b32", "loss": "local", "batch": batch,
-              "sub_batch": sub_batch, "accum_freq": accum, "step_s": elapsed / steps,
-              "samples_per_s": batch * steps / elapsed,
-              "peak_gpu_gb": peak_gb(device)}
-    del model, optimizer
-    if stream is not None:
+    stream = loader_batches(sub_batch, workers, device) if data == "loader" else repeat((fixed.images, fixed.texts))
+    result = openclip_training(stream, batch, sub_batch, steps, device, warmup=warmup)
+    if data == "loader":
         stream.close()
-    torch.cuda.empty_cache() if device.type == "cuda" else None
     return result
 
 

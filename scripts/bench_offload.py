@@ -1,11 +1,19 @@
-"""GradCache steps on real JPEG shards, data offload on and off: time, peak GPU and host memory.
+"""Training steps on real JPEG shards, data offload on and off: time, phases, MFU, peak GPU and host
+memory; optionally OpenCLIP 3.3's own training loop fed by the same loader.
 
     python scripts/bench_offload.py --batch 64k --sub-batch 512 --out offload.json
+    python scripts/bench_offload.py --batch 1M --modes true --set data.decode=gpu model.compile=true --out 1m.json
+    python scripts/bench_offload.py --batch 32k --modes false --openclip --set data.decode=gpu model.compile=true \
+        --out vs_openclip.json
 
 Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures, so they compress like
 photos) as img2dataset shards under ``--workdir``, lists them repeatedly to reach the batch, and
 runs ``--steps`` training steps with ``trainer.offload`` true and false: the run's own pieces
-(``TrainData``, ``RunInputs``, ``Offload``, ``TrainStep``) without a run directory. Host memory: the
+(``TrainData``, ``RunInputs``, ``Offload``, ``TrainStep``) without a run directory, with the config
+overrides of ``--set`` (``data.decode=gpu``, ``model.compile=true``, ``trainer.sub_batch=auto``, ...).
+MFU: the run's own figures (``train/utilization.py``). ``--openclip``: then OpenCLIP's
+``train_one_epoch`` with ``--accum-freq batch / sub-batch`` and its best flags (``--torchcompile``,
+``--precision amp_bf16``; ``megabatch.bench.openclip_training``) on the same loader's sub-batches. Host memory: the
 peak, sampled every 0.5 s, of the proportional set size (PSS: shared pages split between the
 processes sharing them) summed over this process and all its descendants (loader and re-decode
 workers), and the peak drop of the machine's available memory below its level at the start.
@@ -87,21 +95,28 @@ class HostMemory:
         self.sample()
 
 
-def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, workers: int, device: str,
-              steps: int, offload_dir: str | None = None) -> dict:
-    """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
-    steady-state figures are the means over the later ones."""
+def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
+                offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32"):
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
     from megabatch.train.parts import RunParts
 
     precision = "bf16" if device == "cuda" else "fp32"
-    cfg = compose("model=vit_b32", "loss=infcl", "data=webdataset", f"batch={batch}", "eval=none",
+    cfg = compose(f"model={model}", "loss=infcl", "data=webdataset", f"batch={batch}", "eval=none",
                   f"data.num_workers={workers}", f"trainer.sub_batch={sub_batch}", f"trainer.max_steps={steps}",
-                  f"trainer.offload={str(offload).lower()}", f"trainer.precision={precision}")
+                  f"trainer.offload={str(offload).lower()}", f"trainer.precision={precision}", *overrides)
     cfg.data.train.urls = urls
     cfg.trainer.offload_dir = offload_dir if offload else None
-    parts = RunParts.build(validate(cfg), init_distributed(device))
+    return RunParts.build(validate(cfg), init_distributed(device))
+
+
+def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
+              offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32") -> dict:
+    """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
+    steady-state figures are the means over the later ones."""
+    from megabatch.train.utilization import utilization
+
+    parts = build_parts(urls, batch, sub_batch, offload, workers, device, steps, offload_dir, overrides, model)
     step, plan, device = parts.step, parts.plan, torch.device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -118,9 +133,13 @@ def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, worker
     later = per_step[1:] or per_step
     step_s = sum(s["step_s"] for s in later) / len(later)
     data_s = sum(s["phases_s"]["data"] for s in later) / len(later)
-    row = {"offload": offload, "offload_dir": offload_dir if offload else None, "batch": batch,
-           "sub_batch": sub_batch, "workers": workers,
+    row = {"system": "megabatch", "model": model, "overrides": list(overrides), "offload": offload,
+           "offload_dir": offload_dir if offload else None, "batch": batch,
+           "sub_batch": plan.sub_batch, "workers": workers,
            "steady_step_s": step_s, "steady_samples_s": batch / step_s,
+           **utilization(parts.flops, parts.peak, batch / step_s),
+           "peak_tflops": parts.peak.tflops if parts.peak else None,
+           "model_gflop_per_sample": parts.flops.per_sample / 1e9,
            "steady_data_wait_fraction": data_s / step_s, "steps": per_step,
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,
@@ -131,10 +150,28 @@ def run_steps(urls: list[str], batch: int, sub_batch: int, offload: bool, worker
     return row
 
 
+def openclip_on_our_loader(urls: list[str], batch: int, sub_batch: int, workers: int, steps: int,
+                           overrides: tuple[str, ...]) -> dict:
+    """OpenCLIP 3.3's training loop with its best flags, fed by our loader (the same shards, workers
+    and ``--set`` data options; images normalised on the GPU as our model does)."""
+    from megabatch.bench import openclip_training
+    from megabatch.images import normalize_images
+
+    parts = build_parts(urls, batch, sub_batch, False, workers, "cuda", steps + 1, None, overrides)
+    device, mean, std = torch.device("cuda"), parts.model.preprocess["mean"], parts.model.preprocess["std"]
+    sub_batches = parts.inputs(0)
+    stream = ((normalize_images(sub.images.to(device, non_blocking=True), mean, std),
+               sub.texts.to(device, non_blocking=True)) for sub in sub_batches)
+    row = openclip_training(stream, batch, sub_batch, steps - 1, device, warmup=1, torchcompile=True)
+    sub_batches.close()
+    parts.close()
+    return {**row, "workers": workers, "overrides": list(overrides), "loader": "megabatch (same as ours)"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="64k")
-    parser.add_argument("--sub-batch", type=int, default=512)
+    parser.add_argument("--sub-batch", default="512", help="a number, or auto (trainer.sub_batch=auto)")
     parser.add_argument("--images", type=int, default=4096)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=14)
@@ -143,6 +180,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="steps per mode; later ones are steady state")
     parser.add_argument("--workdir", default="/tmp/offload-bench")
     parser.add_argument("--offload-dir", default=None, help="trainer.offload_dir: kept bytes in a file there")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides for our runs, e.g. data.decode=gpu")
+    parser.add_argument("--model", default="vit_b32", help="our model option (model=...)")
+    parser.add_argument("--openclip", action="store_true", help="then OpenCLIP 3.3 with --torchcompile on our loader")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     batch = parse_count(args.batch, "--batch")
@@ -153,7 +193,12 @@ def main() -> None:
     results = []
     for mode in args.modes.split(","):
         row = run_steps(urls, batch, args.sub_batch, mode == "true", args.workers, args.device, args.steps,
-                        args.offload_dir)
+                        args.offload_dir, tuple(args.set), args.model)
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
+    if args.openclip:
+        row = openclip_on_our_loader(urls, batch, int(args.sub_batch), args.workers, args.steps, tuple(args.set))
         print(json.dumps(row), flush=True)
         results.append(row)
         write_results(args.out, results, jpeg_kb_per_sample=mean_kb)

@@ -25,7 +25,7 @@ from .data.samples import SubBatch
 from .data.shard_writer import Sample, write_shards
 
 __all__ = ["compose", "sync", "peak_gb", "reset_peak", "photos", "photo_shards", "synthetic_sub_batch",
-           "repeat", "build_step", "metadata", "write_results"]
+           "repeat", "build_step", "openclip_training", "metadata", "write_results"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,6 +100,59 @@ def build_step(cfg, device: torch.device, sub_batches: int, offload=None):
     return TrainStep(model, instantiate(cfg.loss), optimizer, device, precision=cfg.trainer.precision,
                      sub_batches=sub_batches, feature_dtype=cfg.trainer.feature_dtype,
                      grad_clip=cfg.optim.grad_clip, offload=offload)
+
+
+def openclip_training(batches: Iterator, batch: int, sub_batch: int, steps: int, device: torch.device,
+                      warmup: int = 1, torchcompile: bool = False) -> dict:
+    """OpenCLIP 3.3's own ``train_one_epoch`` on ``batches`` (``(images, texts)`` sub-batches, float
+    images normalised): ViT-B-32, ``--precision amp_bf16 --batch-size <sub_batch> --accum-freq
+    <batch / sub_batch> --local-loss --gather-with-grad`` and with ``torchcompile`` its
+    ``--torchcompile`` (``torch.compile`` of the whole model, as its ``main`` does). ``warmup``
+    untimed steps first (compilation happens there). Returns its steady step time and samples/s."""
+    import itertools
+
+    import open_clip
+    from open_clip_train.params import parse_args
+    from open_clip_train.train import train_one_epoch
+
+    accum = batch // sub_batch
+    args = parse_args(["--model", "ViT-B-32", "--precision", "amp_bf16", "--batch-size", str(sub_batch),
+                       "--accum-freq", str(accum), "--local-loss", "--gather-with-grad", "--lr", "5e-4",
+                       "--log-every-n-steps", "1000000"] + (["--torchcompile"] if torchcompile else []))
+    args.device, args.distributed, args.world_size, args.rank, args.local_rank = str(device), False, 1, 0, 0
+    args.wandb = args.tensorboard = False
+    args.skip_scheduler = True
+    args.distill = False
+    model = open_clip.create_model("ViT-B-32", precision="fp32", device=device, output_dict=True)
+    loss = open_clip.create_loss(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    trained = torch.compile(model) if torchcompile else model
+
+    class Data:  # what train_one_epoch reads: data["train"].dataloader (num_batches, num_samples)
+        def __init__(self, num_batches):
+            self.dataloader = self
+            self.num_batches, self.num_samples = num_batches, num_batches * sub_batch
+
+        def __iter__(self):
+            return itertools.islice(batches, self.num_batches)
+
+        def set_epoch(self, epoch):
+            pass
+
+    reset_peak(device)
+    train_one_epoch(trained, {"train": Data(accum * warmup)}, loss, 0, optimizer, None, None, None, args)
+    sync(device)
+    start = time.perf_counter()
+    train_one_epoch(trained, {"train": Data(accum * steps)}, loss, 1, optimizer, None, None, None, args)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    result = {"system": "openclip-3.3", "model": "vit_b32", "loss": "local", "batch": batch, "sub_batch": sub_batch,
+              "accum_freq": accum, "torchcompile": torchcompile, "step_s": elapsed / steps,
+              "samples_per_s": batch * steps / elapsed, "peak_gpu_gb": peak_gb(device)}
+    del model, trained, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def _git(*args: str) -> str | None:

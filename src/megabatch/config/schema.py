@@ -31,7 +31,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from . import ConfigError, parse_count, parse_duration, parse_optional_count
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-FEATURE_DTYPES = ("fp32", "bf16")
+FEATURE_DTYPES = ("auto", "fp32", "bf16")
+DECODES = ("auto", "cpu", "gpu")
 # model.preprocess.* (open_clip's PreprocessCfg less the size, which is the model's)
 PREPROCESS_KEYS = ("mean", "std", "interpolation", "resize_mode", "fill_color")
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
@@ -42,7 +43,8 @@ RESIZE_MODES = ("shortest", "longest", "squash")
 class TrainerConfig:
     max_steps: int | None = MISSING
     epochs: int | None = MISSING
-    sub_batch: Any = MISSING          # a count (512, 4k) or null
+    sub_batch: Any = MISSING          # a count (512, 4k), auto or null
+    memory_fraction: float = MISSING
     precision: str = MISSING
     ckpt_every: int | None = MISSING
     keep_ckpts: int | None = MISSING
@@ -81,6 +83,7 @@ class DataTrainConfig:
 class DataConfig:
     cache_dir: str = MISSING
     num_workers: int = MISSING
+    decode: str = MISSING
     train: DataTrainConfig = field(default_factory=DataTrainConfig)
 
 
@@ -181,7 +184,11 @@ def check_trainer(trainer: DictConfig) -> None:
         raise ConfigError("set exactly one of trainer.max_steps and trainer.epochs (the other null)")
     at_least(trainer.max_steps, "trainer.max_steps", 1, "500")
     at_least(trainer.epochs, "trainer.epochs", 1, "32")
-    parse_optional_count(trainer.sub_batch, "trainer.sub_batch")
+    if trainer.sub_batch != "auto":
+        parse_optional_count(trainer.sub_batch, "trainer.sub_batch")
+    if not 0 < trainer.memory_fraction <= 1:
+        raise ConfigError(f"trainer.memory_fraction={trainer.memory_fraction}: give the share of GPU memory a step "
+                          "may use, in (0, 1], e.g. 0.9")
     choice(trainer.precision, "trainer.precision", PRECISIONS)
     choice(trainer.feature_dtype, "trainer.feature_dtype", FEATURE_DTYPES)
     at_least(trainer.ckpt_every, "trainer.ckpt_every", 0, "100 (0 or null: only at the end)")
@@ -212,6 +219,7 @@ def check_data(data: DictConfig) -> None:
         raise ConfigError("data.train.urls is not set: give your shards, e.g. "
                           "data.train.urls='/data/cc12m/{000000..001242}.tar' (quoted: Hydra reads braces)")
     at_least(data.num_workers, "data.num_workers", 0, "8")
+    choice(data.decode, "data.decode", DECODES)
     at_least(train.shuffle_buffer, "data.train.shuffle_buffer", 1, "5000")
     choice(train.split, "data.train.split", ("position", "shard"))
     choice(train.mode, "data.train.mode", ("epoch", "resampled"))
@@ -331,6 +339,8 @@ def check_model(model: DictConfig) -> None:
     """What can be checked of the model before it is built: the sizes a built-in shape gives.
     The towers' own fields are open_clip's, checked by the builders with errors naming
     ``model.image`` / ``model.text``; an open_clip architecture's sizes are its own."""
+    if not isinstance(model.get("compile", False), bool):
+        raise ConfigError(f"model.compile={model.compile!r}: give true or false")
     size = model.image.get("image_size", 224)
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise ConfigError(f"model.image.image_size={size!r} must be a positive number of pixels, e.g. 224")

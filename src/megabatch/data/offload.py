@@ -34,7 +34,8 @@ import torch
 
 from ..config import ConfigError
 from ..distributed.signals import ignore_stop_signals
-from .samples import SampleDecoder
+from .gpu_decode import GpuDecoder, decode_ahead
+from .samples import JpegBatch, SampleDecoder
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,11 @@ class Offload:
     every kept image's bytes, and forking then is slow and copies large page tables)."""
 
     def __init__(self, transform: Callable, seed: int, workers: int, spill_dir: str | None = None,
-                 rank: int = 0):
+                 rank: int = 0, gpu: GpuDecoder | None = None):
         self.spill = SpillFile(spill_dir, rank) if spill_dir else None
-        self.redecoder = Redecoder(transform, seed, workers)
+        self.transform, self.seed, self.gpu = transform, seed, gpu
+        # data.decode=gpu: the replay decodes on the GPU too; no worker pool is needed
+        self.redecoder = Redecoder(transform, seed, 0 if gpu is not None else workers)
         self.redecoder.start()
 
     @property
@@ -71,7 +74,22 @@ class Offload:
         the same per-sample augmentation as the first time."""
         if self.spill is not None:
             self.spill.flush()  # into the page cache, where the re-decode workers read it
+        if self.gpu is not None:
+            return self._replay_on_gpu(kept, epoch)
         return self.redecoder(kept, epoch, self.spill_path)
+
+    def _replay_on_gpu(self, kept: list, epoch: int) -> Iterator[torch.Tensor]:
+        """``data.decode=gpu``: a thread reads each kept sub-batch's bytes back, draws the same crop
+        boxes from the same seeds and has the GPU decode them (``gpu_decode.decode_ahead``); the
+        images come out on the device."""
+        decoder, gpu = SampleDecoder(self.transform, self.seed, epoch, gpu=True), self.gpu
+        spill_path = self.spill_path
+
+        def again(raw: list) -> torch.Tensor:
+            images = decoder.again(_read_back(raw, spill_path))
+            return gpu(images) if isinstance(images, JpegBatch) else images.to(gpu.device, non_blocking=True)
+
+        return decode_ahead(iter(kept), again, gpu.device)
 
     def close(self) -> None:
         self.redecoder.close()
@@ -101,14 +119,19 @@ def _exit_when_closing(closing, signum, frame) -> None:
 def _decode_sub_batch(decoder: SampleDecoder, raw: list, spill_path: str | None = None) -> torch.Tensor:
     """``[n, 3, s, s]`` uint8 images of one kept sub-batch: ``(bytes, position)`` pairs, or with
     ``spill_path`` ``(offset, length, position)`` references into that file (``SpillFile``)."""
+    return torch.stack([decoder(data, position) for data, position in _read_back(raw, spill_path)])
+
+
+def _read_back(raw: list, spill_path: str | None) -> list:
+    """A kept sub-batch's ``(bytes, position)`` pairs (read from the spill file when kept there)."""
     if spill_path is None:
-        return torch.stack([decoder(data, position) for data, position in raw])
-    images = []
+        return raw
+    pairs = []
     with open(spill_path, "rb") as file:
         for offset, length, position in raw:
             file.seek(offset)
-            images.append(decoder(file.read(length), position))
-    return torch.stack(images)
+            pairs.append((file.read(length), position))
+    return pairs
 
 
 def _redecode_sub_batch(epoch: int, raw: list, spill_path: str | None = None) -> torch.Tensor:

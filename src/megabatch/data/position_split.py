@@ -17,14 +17,14 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..distributed.signals import ignore_stop_signals
-from .samples import SampleDecoder, Stats, SubBatch, decode_pair, decode_rgb
+from .samples import SampleDecoder, Stats, SubBatch, decode_pair
 
 log = logging.getLogger(__name__)
 
 
 class PositionSplitBatches(IterableDataset):
-    """This rank's sub-batches of one epoch: ``(images [sub_batch, 3, s, s], texts [sub_batch, ctx],
-    raw)``, ``rank_batch / sub_batch`` consecutive ones per global batch.
+    """This rank's sub-batches of one epoch: ``(images [sub_batch, 3, s, s] (with ``gpu_decode`` a
+    ``JpegBatch``), texts [sub_batch, ctx], raw)``, ``rank_batch / sub_batch`` consecutive ones per global batch.
 
     ``raw`` is ``None``, or with ``keep_raw`` the list of ``(image bytes, stream position)`` from
     which ``SampleDecoder`` re-creates the images exactly. ``num_batches`` global batches are
@@ -49,10 +49,12 @@ class PositionSplitBatches(IterableDataset):
         shuffle_buffer: int = 1000,
         sub_batch: int | None = None,
         keep_raw: bool = False,
+        gpu_decode: bool = False,
     ):
         super().__init__()
         self.urls, self.tokenize = urls, tokenize
-        self.decoder = SampleDecoder(transform, seed, epoch)
+        # gpu_decode (data.decode=gpu): JPEGs are left encoded, with their crop boxes, for the GPU
+        self.decoder = SampleDecoder(transform, seed, epoch, gpu=gpu_decode)
         self.rank_batch, self.rank, self.world_size = rank_batch, rank, world_size
         self.sub_batch = sub_batch or rank_batch
         self.num_batches, self.start_batch = num_batches, start_batch
@@ -106,7 +108,7 @@ class PositionSplitBatches(IterableDataset):
                     produced += 1
                 pending = []
             current = chunk
-            pair = decode_pair(raw, self.stats, decode_rgb)
+            pair = decode_pair(raw, self.stats, self.decoder.decode)
             if pair is None:
                 continue
             image_bytes, image, caption = pair
@@ -133,7 +135,7 @@ class PositionSplitBatches(IterableDataset):
                                    + f"{self.stats.as_dict()}")
             samples = (samples * (self.sub_batch // len(samples) + 1))[: self.sub_batch]
         self._last_samples = samples
-        images = torch.stack([s[2] for s in samples])
+        images = self.decoder.collate([s[2] for s in samples], [s[0] for s in samples])
         texts = self.tokenize([s[3] for s in samples])
         raw = [(s[0], s[1]) for s in samples] if self.keep_raw else None
         return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()})

@@ -13,13 +13,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from PIL import Image
+from torchvision.transforms import v2 as T2
 
 try:
     from torchvision.io import ImageReadMode, decode_image
 except ImportError:  # a torchvision without image decoding (deprecated since 0.29): PIL decodes
     decode_image = None
 
-from .transforms import seeded
+from .transforms import crop_box, resized_crop, seeded
 
 log = logging.getLogger(__name__)
 # torchvision >= 0.29 warns on every decode that TorchCodec will take its decoders over one day
@@ -128,16 +129,96 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image) -> tu
     return image_bytes, image, caption.decode("utf-8") if isinstance(caption, bytes) else caption
 
 
+@dataclass(frozen=True)
+class JpegHeader:
+    """A JPEG the GPU decodes (``data.decode=gpu``), as far as a loader worker reads it: its header."""
+
+    height: int
+    width: int
+
+
+def probe_jpeg(image_bytes: bytes | None) -> JpegHeader | torch.Tensor:
+    """``data.decode=gpu``'s decoder in a loader worker: the header of a complete baseline or
+    progressive JPEG in RGB or grayscale (nvJPEG decodes it on the GPU later), read without decoding;
+    any other image decoded here (``decode_rgb``: raises on a corrupt one, which is skipped and
+    counted as on the CPU path). A JPEG cut short (no end-of-image marker) is decoded here too, so
+    that its error is raised, and counted, in the worker."""
+    if image_bytes and image_bytes[:3] == b"\xff\xd8\xff" and image_bytes.rstrip(b"\x00")[-2:] == b"\xff\xd9":
+        try:
+            with Image.open(io.BytesIO(image_bytes)) as image:
+                if image.format == "JPEG" and image.mode in ("RGB", "L"):
+                    return JpegHeader(image.height, image.width)
+        except Exception:  # noqa: BLE001 - an unreadable header: decode_rgb below decides
+            pass
+    return decode_rgb(image_bytes)
+
+
+class JpegBatch(NamedTuple):
+    """A sub-batch's images left for the GPU to decode (``data.decode=gpu``; ``data/gpu_decode.py``).
+
+    ``data``: each row's encoded bytes; ``boxes [n, 4]`` int64: each row's crop (top, left, height,
+    width), drawn on the CPU from the sample's seed (``SampleDecoder.box``); ``cpu_rows``: rows the
+    GPU does not decode (not a JPEG nvJPEG reads), already decoded and cropped, ``decoded [k, 3, s,
+    s]`` uint8; ``size`` ``(s, s)`` and ``interpolation``: the training crop's."""
+
+    data: list
+    boxes: torch.Tensor
+    cpu_rows: list
+    decoded: torch.Tensor | None
+    size: tuple
+    interpolation: str
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
 class SampleDecoder:
     """Image tensor of the sample at ``position`` of an epoch's stream, augmented with randomness
     seeded by (seed, epoch, position) alone: decoding the same bytes again gives the same tensor,
-    whichever process does it and whenever (the GradCache data offload relies on this)."""
+    whichever process does it and whenever (the GradCache data offload relies on this).
 
-    def __init__(self, transform: Callable, seed: int, epoch: int):
-        self.transform, self.seed, self.epoch = transform, seed, epoch
+    ``gpu``: ``data.decode=gpu``: ``decode`` reads only JPEG headers (``probe_jpeg``) and a JPEG's
+    sample becomes its crop box; ``collate`` then makes a ``JpegBatch`` whose pixels the GPU makes
+    (``data/gpu_decode.py``) with the same box, drawn here from the same seed."""
 
-    def __call__(self, image: torch.Tensor | bytes, position: int) -> torch.Tensor:
+    def __init__(self, transform: Callable, seed: int, epoch: int, gpu: bool = False):
+        self.transform, self.seed, self.epoch, self.gpu = transform, seed, epoch, gpu
+        self.decode = probe_jpeg if gpu else decode_rgb
+
+    def sample_seed(self, position: int) -> int:
+        return (self.seed * 1_000_003 + self.epoch) * 10_000_019 + position
+
+    def box(self, height: int, width: int, position: int) -> tuple[int, int, int, int]:
+        """The random-resized-crop box ``(top, left, height, width)`` of the sample at ``position``
+        in an image of ``height x width``: a pure function of them and the seed, shared by the CPU
+        and GPU paths (``transforms.crop_box``)."""
+        return crop_box(self.transform, height, width, self.sample_seed(position))
+
+    def __call__(self, image: torch.Tensor | bytes | JpegHeader, position: int):
+        """The uint8 ``[3, s, s]`` crop of ``image`` (bytes are decoded first); a ``JpegHeader``
+        gives its box instead (the GPU cuts it)."""
+        if isinstance(image, JpegHeader):
+            return self.box(image.height, image.width, position)
         if isinstance(image, bytes):
             image = decode_rgb(image)
-        sample_seed = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + position
-        return seeded(self.transform, image, sample_seed)
+        if isinstance(self.transform, T2.RandomResizedCrop):
+            return resized_crop(self.transform, image, self.box(image.shape[-2], image.shape[-1], position))
+        return seeded(self.transform, image, self.sample_seed(position))
+
+    def collate(self, images: list, data: list) -> torch.Tensor | JpegBatch:
+        """Stack a sub-batch's ``__call__`` results (``data``: the rows' encoded bytes); with any
+        box among them, a ``JpegBatch``."""
+        if all(torch.is_tensor(image) for image in images):
+            return torch.stack(images)
+        cpu_rows = [row for row, image in enumerate(images) if torch.is_tensor(image)]
+        boxes = torch.tensor([(0, 0, 0, 0) if torch.is_tensor(image) else image for image in images],
+                             dtype=torch.int64)
+        decoded = torch.stack([images[row] for row in cpu_rows]) if cpu_rows else None
+        size = tuple(self.transform.size)
+        return JpegBatch(list(data), boxes, cpu_rows, decoded, size, self.transform.interpolation.value)
+
+    def again(self, raw: list) -> torch.Tensor | JpegBatch:
+        """A kept sub-batch's ``(bytes, position)`` pairs made into images again: what the first
+        pass made of them (the GPU path: the same boxes and rows, for the GPU to decode again)."""
+        items = [self(self.decode(data), position) for data, position in raw]
+        return self.collate(items, [data for data, _ in raw])

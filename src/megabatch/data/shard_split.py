@@ -25,7 +25,7 @@ import webdataset as wds
 from torch.utils.data import get_worker_info
 
 from .position_split import PositionSplitBatches
-from .samples import decode_pair, decode_rgb
+from .samples import decode_pair
 
 
 def slot_quota(sizes: list[int], slots: int, sub_batch: int) -> int:
@@ -98,7 +98,7 @@ class ShardBatches(PositionSplitBatches):
             if borrowed_urls and raw.get("__url__") in borrowed_urls:
                 self.stats.padded += 1  # borrowed from another slot's shards: this slot's ran short
             position = index * slots + slot  # unique within the epoch: seeds the augmentation
-            pair = decode_pair(raw, self.stats, decode_rgb)
+            pair = decode_pair(raw, self.stats, self.decoder.decode)
             if pair is None:
                 continue
             image_bytes, image, caption = pair

@@ -80,15 +80,16 @@ class TrainData:
 
     def loader(self, epoch: int, start_batch: int, rank_batch: int, rank: int, world_size: int,
                num_batches: int, sub_batch: int | None = None, keep_raw: bool = False,
-               pin_memory: bool = False):
+               pin_memory: bool = False, gpu_decode: bool = False):
         """Sub-batches ``(images, texts, raw, stats)`` of global batches ``start_batch ..
         num_batches-1`` of ``epoch`` for ``rank`` (``rank_batch / sub_batch`` per global batch).
-        ``pin_memory``: page-locked tensors, whose copy to the GPU does not wait for the GPU."""
+        ``pin_memory``: page-locked tensors, whose copy to the GPU does not wait for the GPU.
+        ``gpu_decode``: JPEGs come encoded, as ``JpegBatch`` images (``data.decode=gpu``)."""
         sub_batch = sub_batch or rank_batch
         common = dict(transform=self.transform, tokenize=self.tokenize, rank_batch=rank_batch, rank=rank,
                       world_size=world_size, num_batches=num_batches, seed=self.seed, epoch=epoch,
                       start_batch=start_batch, shuffle_buffer=int(self.cfg.train.shuffle_buffer),
-                      sub_batch=sub_batch, keep_raw=keep_raw)
+                      sub_batch=sub_batch, keep_raw=keep_raw, gpu_decode=gpu_decode)
         if self.split == "shard":
             dataset = ShardBatches(self.sources, mode=self.mode, weights=self.weights,
                                    num_workers=int(self.cfg.num_workers),

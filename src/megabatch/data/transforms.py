@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torchvision.transforms import v2 as T2
+from torchvision.transforms.v2 import functional as TF
 
 
 def train_transform(
@@ -33,6 +34,25 @@ def eval_transform(preprocess: dict[str, Any]) -> Callable:
 
     fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in preprocess.items()}
     return image_transform_v2(PreprocessCfg(**fields), is_train=False)
+
+
+def crop_box(transform: T2.RandomResizedCrop, height: int, width: int, seed: int) -> tuple[int, int, int, int]:
+    """The crop ``(top, left, height, width)`` that ``transform`` cuts from an image of ``height x
+    width`` when torch's CPU generator is seeded with ``seed``: the parameters alone, drawn exactly
+    as the transform draws them (the same calls, in the same order), without the pixels. The CPU path
+    (``resized_crop``) and the GPU path (``data/gpu_decode.py``) both cut this box."""
+    shape_only = torch.zeros((), dtype=torch.uint8).expand(3, height, width)  # no memory: a size to read
+    make_params = getattr(transform, "make_params", None) or transform._get_params  # torchvision < 0.21
+    params = seeded(lambda image: make_params([image]), shape_only, seed)
+    return int(params["top"]), int(params["left"]), int(params["height"]), int(params["width"])
+
+
+def resized_crop(transform: T2.RandomResizedCrop, image: torch.Tensor,
+                 box: tuple[int, int, int, int]) -> torch.Tensor:
+    """``transform``'s crop of ``box`` from ``image``, resized as the transform does (what
+    ``transform(image)`` gives when it draws ``box``)."""
+    return TF.resized_crop(image, *box, size=list(transform.size), interpolation=transform.interpolation,
+                           antialias=transform.antialias)
 
 
 def seeded(transform, image, seed: int) -> torch.Tensor:

@@ -45,6 +45,7 @@ class ClipModel(nn.Module):
         self.model_cfg = model_cfg                # open_clip's model config (open_clip_config.json's model_cfg)
         self.arch = arch                          # the open_clip architecture name, if built from one
         self.tokenizer_folder = tokenizer_folder  # a pretrained folder holding the HF tokenizer
+        self._compiled: dict | None = None        # compile_towers(): the compiled encoders, and their batch
 
     @property
     def preprocess(self) -> dict[str, Any]:
@@ -105,24 +106,74 @@ class ClipModel(nn.Module):
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """``images``: float (normalised) or uint8 ``[n, 3, s, s]`` (normalised here, on device)."""
         with torch.no_grad() if self.frozen("image") else contextlib.nullcontext():
-            images = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
-            return nn.functional.normalize(self.clip.encode_image(images), dim=-1)
+            return self._image_features(images)
 
     def encode_text(self, texts: torch.Tensor) -> torch.Tensor:
         with torch.no_grad() if self.frozen("text") else contextlib.nullcontext():
-            return nn.functional.normalize(self.clip.encode_text(texts), dim=-1)
+            return self._text_features(texts)
+
+    def _image_features(self, images: torch.Tensor) -> torch.Tensor:
+        images = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
+        return nn.functional.normalize(self.clip.encode_image(images), dim=-1)
+
+    def _text_features(self, texts: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(self.clip.encode_text(texts), dim=-1)
+
+    def _encode(self, tower: str, inputs: torch.Tensor) -> torch.Tensor:
+        """A tower's features, compiled after ``compile_towers`` (a frozen tower without autograd)."""
+        if self._compiled is None:
+            return self.encode_image(inputs) if tower == "image" else self.encode_text(inputs)
+        with torch.no_grad() if self.frozen(tower) else contextlib.nullcontext():
+            return self._compiled[tower](inputs)
 
     def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None):
         """Either input may be ``None`` (its features are then ``None``): GradCache's replay
-        skips a frozen tower. A frozen tower always runs without autograd."""
-        image_features = None if images is None else self.encode_image(images)
-        text_features = None if texts is None else self.encode_text(texts)
+        skips a frozen tower. A frozen tower always runs without autograd. After
+        ``compile_towers`` the towers run compiled (evaluation's ``encode_*`` calls stay eager)."""
+        image_features = None if images is None else self._encode("image", images)
+        text_features = None if texts is None else self._encode("text", texts)
         return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias
+
+    def compile_towers(self, rows: int) -> None:
+        """``model.compile=true``: ``torch.compile`` each tower's encoder (normalisation of the
+        images and of the features included), static shapes for ``rows`` inputs. A call with fewer
+        rows (a short last sub-batch) is padded to ``rows`` and its output cut, a call with more
+        goes through in chunks of ``rows``: neither recompiles. Gradient mode is part of what a
+        compiled graph assumes, so GradCache's graph-free encoding, the replay and a frozen tower's
+        no-grad pass each compile once. Random ops (dropout, patch dropout) draw from torch's
+        generator as in eager mode (inductor's ``fallback_random``), so the replay redraws them."""
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fallback_random = True
+        compiled = {"image": torch.compile(self._image_features, dynamic=False),
+                    "text": torch.compile(self._text_features, dynamic=False)}
+        self._compiled = {tower: _FixedRows(fn, rows) for tower, fn in compiled.items()}
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
         """Keep the temperature in [0, log 100] (CLIP's clamp), after each optimizer step."""
         self.clip.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+
+
+class _FixedRows:
+    """Calls ``fn`` on exactly ``rows`` rows: fewer are padded (zeros) and the output cut, more go in
+    chunks. A compiled function then sees one shape whatever the batch."""
+
+    def __init__(self, fn, rows: int):
+        self.fn, self.rows = fn, int(rows)
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        n = inputs.shape[0]
+        if n == self.rows:
+            return self.fn(inputs)
+        outputs = []
+        for start in range(0, n, self.rows):
+            chunk = inputs[start:start + self.rows]
+            short = self.rows - chunk.shape[0]
+            if short:
+                chunk = torch.cat([chunk, chunk.new_zeros((short, *chunk.shape[1:]))])
+            outputs.append(self.fn(chunk)[: self.rows - short])
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def _dataclass_kwargs(cls, values: dict[str, Any], key: str) -> dict[str, Any]:
@@ -284,7 +335,10 @@ def build_model(node) -> ClipModel:
     caller as itself (one line naming the key), not wrapped in Hydra's exception."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
+    if "compile" in node:  # a run setting (ClipModel.compile_towers), not a builder argument
+        node = OmegaConf.masked_copy(node, [key for key in node if key != "compile"])
     try:
         return instantiate(node, _convert_="all")
     except InstantiationException as error:

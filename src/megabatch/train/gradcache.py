@@ -166,9 +166,9 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
             images = None
         elif images_again is not None:
             start = time.perf_counter()
-            images = next(images_again)
-            if device.type == "cuda":  # page-locked: the copy need not wait for the queued kernels
-                images = images.pin_memory()
+            images = next(images_again)  # on the device already when decoded there (data.decode=gpu)
+            if device.type == "cuda" and images.device.type == "cpu":
+                images = images.pin_memory()  # page-locked: the copy need not wait for the queued kernels
             images = images.to(device, non_blocking=True)
             waited_s += time.perf_counter() - start
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..data import TrainData
+from ..data.gpu_decode import GpuDecoder, decode_ahead
 from ..data.read_ahead import ReadAhead
 from ..data.samples import SubBatch
 from .plan import BatchPlan
@@ -24,12 +25,15 @@ class RunInputs:
     """``rank``'s sub-batches from a given step to the end of the run (``plan.sub_batches`` per
     step), across epochs. ``keep_raw``: the loader keeps each image's encoded bytes (offload);
     ``pin_memory``: page-locked tensors (CUDA); ``read_ahead_bytes``: a thread keeps taking
-    sub-batches from the loader during the loss and the replay (``data/read_ahead.py``)."""
+    sub-batches from the loader during the loss and the replay (``data/read_ahead.py``);
+    ``gpu_decoder`` (``data.decode=gpu``): the workers leave JPEGs encoded and a thread decodes them
+    on the GPU a few sub-batches ahead (``data/gpu_decode.py``): the images come out on the device."""
 
     def __init__(self, data: TrainData, plan: BatchPlan, rank: int, *, keep_raw: bool = False,
-                 pin_memory: bool = False, read_ahead_bytes: float = 0.0):
+                 pin_memory: bool = False, read_ahead_bytes: float = 0.0, gpu_decoder: GpuDecoder | None = None):
         self.data, self.plan, self.rank = data, plan, rank
         self.keep_raw, self.pin_memory, self.read_ahead_bytes = keep_raw, pin_memory, read_ahead_bytes
+        self.gpu_decoder = gpu_decoder
         self.worker_stats: dict = {}  # (epoch, worker) -> that loader worker's cumulative counts
 
     def __call__(self, start_step: int) -> Iterator[SubBatch]:
@@ -38,26 +42,35 @@ class RunInputs:
         while epoch * plan.steps_per_epoch + start < plan.total_steps:
             loader = iter(self.data.loader(epoch, start, plan.rank_batch, self.rank, plan.world_size,
                                            plan.steps_per_epoch, sub_batch=plan.sub_batch,
-                                           keep_raw=self.keep_raw, pin_memory=self.pin_memory))
+                                           keep_raw=self.keep_raw, pin_memory=self.pin_memory,
+                                           gpu_decode=self.gpu_decoder is not None))
             # workers keep decoding through the loss and the replay; only steps with a replay: a
             # one-sub-batch step has nothing to hide it behind, and read ahead it measured 8%
             # slower at batch 512 (docs/bench/gradcache_32k_loader_readahead_warm_h200.json)
             reads_ahead = self.read_ahead_bytes > 0 and int(self.data.cfg.num_workers) > 0 \
                 and plan.sub_batches > 1
             ahead = ReadAhead(loader, self.read_ahead_bytes) if reads_ahead else None
+            source = ahead if ahead is not None else loader
+            if self.gpu_decoder is not None:
+                source = decode_ahead(source, self.gpu_decoder.sub_batch, self.gpu_decoder.device)
             try:
-                for sub in ahead if ahead is not None else loader:
+                for sub in source:
                     if sub.stats:
                         self.worker_stats[(epoch, sub.stats["worker"])] = sub.stats
                     yield sub
             finally:
+                if self.gpu_decoder is not None:
+                    source.close()  # stops the decoding thread
                 if ahead is not None:
                     ahead.close()
             epoch, start = epoch + 1, 0
 
     def bad_input_counts(self) -> dict[str, int]:
-        """This rank's bad-input counts so far (summed over loader workers and epochs)."""
+        """This rank's bad-input counts so far (summed over loader workers and epochs; with
+        ``data.decode=gpu`` also the images only the GPU found corrupt)."""
         totals: dict[str, int] = {}
+        if self.gpu_decoder is not None and self.gpu_decoder.corrupt_image:
+            totals["corrupt_image"] = self.gpu_decoder.corrupt_image
         for stats in self.worker_stats.values():
             for kind, count in stats.items():
                 if kind != "worker":

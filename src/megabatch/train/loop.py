@@ -26,6 +26,7 @@ from .metrics import MetricsLogger
 from .parts import RunParts
 from .preemption import Preempted, StopRequests
 from .run_lock import RunLock
+from .utilization import utilization
 
 log = logging.getLogger("megabatch")
 
@@ -295,6 +296,8 @@ class Trainer:
             "data_wait": phase_totals.get("data", 0.0) / elapsed,  # fraction of wall time
             "grad_norm": self.grad_norm, "skipped_steps": self.skipped_steps,
         }
+        # model TFLOP/s per GPU and MFU (utilization.py: model FLOPs counted at start-up, the GPU's bf16 peak)
+        record.update(utilization(self.parts.flops, self.parts.peak, record["samples_per_s"] / env.world_size))
         record.update({f"data/{k}": v for k, v in self.parts.inputs.bad_input_counts().items() if v})
         if env.device.type == "cuda":
             record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(env.device) / 1e9
@@ -303,6 +306,9 @@ class Trainer:
         if self.main:
             phases = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in record.items() if k.startswith("time/"))
             memory = f"  peak {record['peak_gpu_gb']:.1f} GB" if "peak_gpu_gb" in record else ""
+            if "model_tflops_per_gpu" in record:
+                memory += f"  {record['model_tflops_per_gpu']:.0f} TFLOP/s per GPU" + (
+                    f", MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
             bad = {k[5:]: v for k, v in record.items() if k.startswith("data/")}
             log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s  data wait %.0f%%  "
                      "[%s]%s%s", self.step, plan.total_steps, loss_value, lr, record["logit_scale"],

@@ -9,23 +9,29 @@ stream and the step. No run directory, checkpoints or logs: those are the ``Trai
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from ..config import ConfigError
 from ..data import TrainData
+from ..data.gpu_decode import GpuDecoder, resolve_decode
 from ..data.offload import Offload
 from ..distributed import DistEnv
 from ..models import ClipModel, build_model
 from ..models.preprocess import describe_preprocess
 from .inputs import RunInputs, read_ahead_budget
+from .memory_plan import MemoryFit, batch_bytes, plan_sub_batch, probe_peak_memory
 from .optim import build_optimizer
 from .plan import BatchPlan
+from .precision import Precision
 from .step import TrainStep
+from .utilization import ModelFlops, Peak, count_model_flops, gpu_peak
 
 log = logging.getLogger("megabatch")
 
@@ -42,6 +48,8 @@ class RunParts:
     offload: Offload | None
     inputs: RunInputs
     step: TrainStep
+    flops: ModelFlops                  # model FLOPs per sample (utilization.py)
+    peak: Peak | None                  # the GPU's dense bf16 peak
 
     @classmethod
     def build(cls, cfg: DictConfig, env: DistEnv) -> RunParts:
@@ -54,7 +62,14 @@ class RunParts:
         if env.rank == 0:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
         data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0)
-        plan = plan_batches(cfg, env.world_size, data)
+        precision = Precision.create(cfg.trainer.precision, env.device, cfg.trainer.feature_dtype)
+        plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision))
+        decode = resolve_decode(cfg.data.decode, env.device)
+        gpu_decoder = GpuDecoder(env.device) if decode == "gpu" else None
+        flops, peak = count_model_flops(model, *synthetic_inputs(model, min(plan.sub_batch, 256), env.device)), \
+            gpu_peak(env.device)
+        if env.rank == 0:
+            log_utilization_basis(flops, peak, decode)
         loss = instantiate(cfg.loss)
         check_bias(model, loss)
         optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
@@ -62,15 +77,18 @@ class RunParts:
         if env.device.type == "cuda":  # TF32 for fp32 matmuls (the loss on fp32 features)
             torch.backends.cuda.matmul.allow_tf32 = cfg.trainer.tf32
             torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
-        offload = build_offload(cfg, model, data, env.rank)
+        offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
         inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
                            pin_memory=env.device.type == "cuda",
-                           read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload))
+                           read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
+                           gpu_decoder=gpu_decoder)
+        if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
+            model.compile_towers(plan.sub_batch)
         step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
                          sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
                          grad_clip=cfg.optim.grad_clip, offload=offload, show_progress=env.rank == 0)
         torch.manual_seed(cfg.seed + 1000 * env.rank)  # per-rank randomness (dropout, ...)
-        return cls(model, tokenize, data, plan, optimizer, peak_lr, schedule, offload, inputs, step)
+        return cls(model, tokenize, data, plan, optimizer, peak_lr, schedule, offload, inputs, step, flops, peak)
 
     def close(self) -> None:
         """Stop the offload's re-decode workers and delete its spill file."""
@@ -91,9 +109,10 @@ def check_bias(model: ClipModel, loss) -> None:
                           "takes none: train it with loss=siglip")
 
 
-def plan_batches(cfg: DictConfig, world_size: int, data: TrainData) -> BatchPlan:
-    """The batch arithmetic, with the epoch length the data can give every rank."""
-    plan = BatchPlan.from_config(cfg, world_size, data.num_samples)
+def plan_batches(cfg: DictConfig, world_size: int, data: TrainData, sub_batch: int | None = None) -> BatchPlan:
+    """The batch arithmetic, with the epoch length the data can give every rank (``sub_batch``:
+    ``trainer.sub_batch=auto``'s choice)."""
+    plan = BatchPlan.from_config(cfg, world_size, data.num_samples, sub_batch=sub_batch)
     steps = data.steps_per_epoch(plan.global_batch, world_size, plan.sub_batch)
     if steps == plan.steps_per_epoch:
         return plan
@@ -101,10 +120,62 @@ def plan_batches(cfg: DictConfig, world_size: int, data: TrainData) -> BatchPlan
         raise ConfigError(f"batch={plan.global_batch} is larger than what the shards give each of "
                           f"{world_size} ranks x {data.workers} workers in one epoch; lower batch or "
                           "data.num_workers")
-    return BatchPlan.from_config(cfg, world_size, data.num_samples, steps_per_epoch=steps)
+    return BatchPlan.from_config(cfg, world_size, data.num_samples, steps_per_epoch=steps, sub_batch=sub_batch)
 
 
-def build_offload(cfg: DictConfig, model: ClipModel, data: TrainData, rank: int) -> Offload | None:
+def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: TrainData,
+                     precision: Precision) -> int | None:
+    """``trainer.sub_batch=auto``: the largest divisor of the per-rank batch whose forward-backward
+    fits ``trainer.memory_fraction`` of the GPU (``memory_plan.py``), the smallest over the ranks
+    (they must agree); ``None`` when the config gives a number or null."""
+    if cfg.trainer.sub_batch != "auto":
+        return None
+    rank_batch = BatchPlan.from_config(cfg, env.world_size, data.num_samples, sub_batch=1).rank_batch
+    if env.device.type != "cuda":
+        log.info("trainer.sub_batch=auto on the CPU: no GPU memory to fit, the whole per-rank batch (%d)", rank_batch)
+        return rank_batch
+    probes = [(rows, probe_peak_memory(model, rows, precision, env.device))
+              for rows in sorted({min(rank_batch, 32), min(rank_batch, 64)})]
+    if len(probes) == 1:  # a per-rank batch of at most 32: the probe ran it whole
+        return rank_batch
+    offload, replayed = cfg.trainer.offload, not model.frozen("image")
+    kept_per_row = model.context_length * 8 + (0 if offload or not replayed else 3 * math.prod(
+        (model.image_size,) * 2 if isinstance(model.image_size, int) else model.image_size))
+    held = batch_bytes(rank_batch, int(model.model_cfg["embed_dim"]), precision.feature_dtype.itemsize, kept_per_row,
+                       sum(p.numel() for p in model.parameters() if p.requires_grad))
+    capacity = torch.cuda.get_device_properties(env.device).total_memory
+    choice = plan_sub_batch(rank_batch, MemoryFit.through(probes), capacity, cfg.trainer.memory_fraction, held)
+    sub_batch = choice.sub_batch
+    if env.distributed:  # every rank must split its batch alike: the smallest choice wins
+        agreed = torch.tensor([sub_batch], device=env.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        sub_batch = int(agreed.item())
+    if env.rank == 0:
+        log.info("trainer.sub_batch=auto: %d (peak memory measured at %s: %.2f GB + %.1f MB per sample; with "
+                 "%.1f GB held for the per-rank batch of %d, %.1f of %.1f GB predicted, trainer.memory_fraction=%s)",
+                 sub_batch,
+                 " and ".join(f"{rows} ({peak / 1e9:.2f} GB)" for rows, peak in probes), choice.fit.fixed / 1e9,
+                 choice.fit.per_row / 1e6, held / 1e9, rank_batch, choice.predicted_bytes / 1e9, capacity / 1e9,
+                 cfg.trainer.memory_fraction)
+    return sub_batch
+
+
+def synthetic_inputs(model: ClipModel, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` uint8 images of the model's size and token ids: what the FLOP count runs on."""
+    size = (model.image_size,) * 2 if isinstance(model.image_size, int) else tuple(model.image_size)
+    return (torch.zeros((rows, 3, *size), dtype=torch.uint8, device=device),
+            torch.ones((rows, model.context_length), dtype=torch.long, device=device))
+
+
+def log_utilization_basis(flops: ModelFlops, peak: Peak | None, decode: str) -> None:
+    log.info("model FLOPs per sample: image %.2f + text %.2f GFLOP forward, %.2f GFLOP per trained sample; GPU peak "
+             "%s; JPEG decoding on the %s (data.decode)", flops.image_forward / 1e9, flops.text_forward / 1e9,
+             flops.per_sample / 1e9, f"{peak.tflops:.0f} TFLOP/s bf16, {peak.source}" if peak else "none (CPU)",
+             decode.upper() if decode == "gpu" else "CPU")
+
+
+def build_offload(cfg: DictConfig, model: ClipModel, data: TrainData, rank: int,
+                  gpu_decoder: GpuDecoder | None = None) -> Offload | None:
     """The owner of the image bytes a GradCache step keeps for its replay (``trainer.offload``)."""
     if not cfg.trainer.offload:
         return None
@@ -112,4 +183,4 @@ def build_offload(cfg: DictConfig, model: ClipModel, data: TrainData, rank: int)
         log.warning("trainer.offload has no effect with a locked image tower: its images are "
                     "encoded once and never replayed")
         return None
-    return Offload(data.transform, cfg.seed, cfg.data.num_workers, cfg.trainer.offload_dir, rank)
+    return Offload(data.transform, cfg.seed, cfg.data.num_workers, cfg.trainer.offload_dir, rank, gpu_decoder)

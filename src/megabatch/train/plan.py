@@ -23,7 +23,9 @@ class BatchPlan:
         return self.rank_batch // self.sub_batch
 
     @classmethod
-    def from_config(cls, cfg, world_size: int, num_samples: int, steps_per_epoch: int | None = None) -> BatchPlan:
+    def from_config(cls, cfg, world_size: int, num_samples: int, steps_per_epoch: int | None = None,
+                    sub_batch: int | None = None) -> BatchPlan:
+        """``sub_batch``: the size ``trainer.sub_batch=auto`` chose (required with auto)."""
         global_batch = parse_count(cfg.batch, "batch")
         if global_batch % world_size:
             raise ConfigError(
@@ -31,7 +33,8 @@ class BatchPlan:
                 f"{world_size} (e.g. batch={world_size * max(1, global_batch // world_size)})"
             )
         rank_batch = global_batch // world_size
-        sub_batch = parse_optional_count(cfg.trainer.sub_batch, "trainer.sub_batch") or rank_batch
+        if sub_batch is None:
+            sub_batch = parse_optional_count(cfg.trainer.sub_batch, "trainer.sub_batch") or rank_batch
         if rank_batch % sub_batch:
             raise ConfigError(
                 f"trainer.sub_batch={sub_batch} does not divide the per-rank batch {rank_batch} "

@@ -29,8 +29,10 @@ class Precision:
     scaler: torch.amp.GradScaler
 
     @classmethod
-    def create(cls, name: str, device: torch.device, feature_dtype: str = "fp32") -> Precision:
+    def create(cls, name: str, device: torch.device, feature_dtype: str = "auto") -> Precision:
         name = resolve_precision(name, device)
+        if feature_dtype == "auto":  # towers computing in bf16 give features of bf16 precision already
+            feature_dtype = "bf16" if name == "bf16" else "fp32"
         scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
         return cls(name, device, DTYPES[feature_dtype], scaler)
 

@@ -46,13 +46,14 @@ class TrainStep:
     initialised); ``loss_fn``: a ``ContrastiveLoss``; ``sub_batches``: how many sub-batches make
     this rank's share of a global batch (``rank_batch = sub_batches x sub_batch``); ``precision``:
     ``auto``, ``bf16``, ``fp16`` (with loss scaling) or ``fp32``; ``feature_dtype``: GradCache's
-    feature buffers; ``grad_clip``: max norm of the true gradient, or ``None``; ``offload``: keeps
+    feature buffers (``auto``: bf16 with bf16 towers, else fp32);
+    ``grad_clip``: max norm of the true gradient, or ``None``; ``offload``: keeps
     the image bytes and re-decodes them for the replay (``None``: inputs stay on the device).
     ``optimizer`` may be ``None`` where only the gradients are wanted (tests).
     """
 
     def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
-                 precision: str = "fp32", sub_batches: int = 1, feature_dtype: str = "fp32",
+                 precision: str = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
                  grad_clip: float | None = None, offload: Offload | None = None,
                  show_progress: bool = False):
         self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device

@@ -1,0 +1,100 @@
+"""``trainer.sub_batch=auto``: the largest sub-batch that fits the GPU, from two measurements.
+
+The Inf-CL paper's memory model (its Eq. 10) is linear in the sub-batch: an encoder's peak memory
+during one forward-backward is a constant (weights, gradients, workspaces) plus a cost per sample
+(activations). ``probe_peak_memory`` measures that peak at two sizes; ``plan_sub_batch`` fits the
+line through them, adds what the step holds for the whole per-rank batch (GradCache's feature
+buffers and their gradients, the inputs it keeps on the device, Adam's two moments) and picks the
+largest divisor of the per-rank batch whose predicted peak fits ``memory_fraction`` of the GPU.
+The loss's own working memory is not in the fit (the Inf-CL and local losses' is small next to the
+encoders'; a vanilla loss at a large batch needs a lower ``memory_fraction``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ConfigError
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """``peak(rows) = fixed + per_row x rows`` (bytes), fitted through two probes."""
+
+    fixed: float
+    per_row: float
+
+    @classmethod
+    def through(cls, probes: list[tuple[int, int]]) -> MemoryFit:
+        """The line through two ``(rows, peak bytes)`` probes."""
+        (rows_a, peak_a), (rows_b, peak_b) = sorted(probes)
+        if rows_a == rows_b:
+            raise ValueError("two probes of different sizes are needed")
+        per_row = max(0.0, (peak_b - peak_a) / (rows_b - rows_a))
+        return cls(peak_a - per_row * rows_a, per_row)
+
+    def peak(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows
+
+
+@dataclass(frozen=True)
+class SubBatchChoice:
+    sub_batch: int
+    predicted_bytes: float
+    budget_bytes: float
+    fit: MemoryFit
+
+
+def plan_sub_batch(rank_batch: int, fit: MemoryFit, capacity_bytes: float, memory_fraction: float,
+                   batch_bytes: float = 0.0) -> SubBatchChoice:
+    """The largest divisor of ``rank_batch`` whose predicted peak (``fit``, plus ``batch_bytes``
+    held for the whole per-rank batch) fits ``memory_fraction x capacity_bytes``."""
+    budget = memory_fraction * capacity_bytes - batch_bytes
+    fitting = [d for d in divisors(rank_batch) if fit.peak(d) <= budget]
+    if not fitting:
+        raise ConfigError(
+            f"trainer.sub_batch=auto: not even one sample fits: the per-rank batch {rank_batch} holds "
+            f"{batch_bytes / 1e9:.1f} GB and the model {fit.fixed / 1e9:.1f} GB, against "
+            f"{memory_fraction} x {capacity_bytes / 1e9:.1f} GB (trainer.memory_fraction); use "
+            "trainer.offload=true, a smaller batch, or more GPUs")
+    best = max(fitting)
+    return SubBatchChoice(best, fit.peak(best) + batch_bytes, memory_fraction * capacity_bytes, fit)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def batch_bytes(rank_batch: int, embed_dim: int, feature_bytes: int, kept_input_bytes_per_row: int,
+                trainable_params: int) -> float:
+    """What a GradCache step holds for the whole per-rank batch besides one sub-batch's encoders:
+    both towers' feature buffers (``feature_bytes`` each), the loss's fp32 copies of them and their
+    fp32 gradients, the inputs kept on the device for the replay, and Adam's two fp32 moments."""
+    features = rank_batch * embed_dim * 2 * (feature_bytes + 4 + 4)
+    return features + rank_batch * kept_input_bytes_per_row + 2 * 4 * trainable_params
+
+
+def probe_peak_memory(model, rows: int, precision, device: torch.device) -> int:
+    """Peak allocated bytes of one forward-backward of ``rows`` synthetic samples (uint8 images,
+    token ids) under ``precision``'s autocast; the gradients are cleared after."""
+    size = model.image_size if isinstance(model.image_size, (tuple, list)) else (model.image_size,) * 2
+    images = torch.randint(0, 256, (rows, 3, *size), dtype=torch.uint8, device=device)
+    texts = torch.randint(1, 1000, (rows, model.context_length), device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with precision.autocast():
+        image_features, text_features, scale, _ = model(images, texts)
+    surrogate = scale.float()
+    for features in (image_features, text_features):
+        if features.requires_grad:
+            surrogate = surrogate + features.float().sum()
+    surrogate.backward()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    model.zero_grad(set_to_none=True)
+    del images, texts, image_features, text_features, surrogate
+    torch.cuda.empty_cache()
+    return peak

@@ -1,0 +1,104 @@
+"""How well a run uses its GPUs: model FLOPs per sample, counted once at start-up, and the GPU's
+dense bf16 peak, so that every logged step says its model TFLOP/s per GPU and its MFU.
+
+Model FLOPs are those of the towers' matrix products (``torch.utils.flop_counter``: matmuls,
+convolutions, attention), counted on one forward of one sub-batch: a trained tower costs three
+times its forward (forward, and a backward of twice its FLOPs), a frozen one its forward. GradCache's
+graph-free first encoding is not counted (like activation recomputation, it is work the method adds,
+not work the model needs), nor is the loss; MFU is then comparable across sub-batch sizes and with
+other trainers' MFU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets. The first
+# name found in torch.cuda.get_device_name() wins: the more specific ones come first.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H100", 989.4), ("H200", 989.4),
+    ("H800", 989.4), ("B200", 2250.0), ("B100", 1750.0), ("A100", 312.0), ("A800", 312.0),
+    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
+    ("RTX 4090", 165.2), ("RTX 6000 Ada", 364.2),
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A device's dense bf16 peak and where the figure comes from (``table`` or ``measured``)."""
+
+    tflops: float
+    source: str
+
+
+def gpu_peak(device: torch.device) -> Peak | None:
+    """The peak of ``device`` from the table, else measured (a large bf16 matmul, the best of a few:
+    a lower bound of the true peak, so MFU reads high); ``None`` on the CPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in name:
+            return Peak(tflops, f"table ({key})")
+    return Peak(measure_matmul_tflops(device), "measured (bf16 8192^3 matmul)")
+
+
+def measure_matmul_tflops(device: torch.device, size: int = 8192, repeats: int = 10) -> float:
+    """bf16 ``size^3`` matmul TFLOP/s on ``device``, the best of ``repeats``."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms up cuBLAS
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Forward FLOPs per sample of each tower, and which towers train."""
+
+    image_forward: float
+    text_forward: float
+    image_trained: bool
+    text_trained: bool
+
+    @property
+    def per_sample(self) -> float:
+        """Model FLOPs of one training sample: 3 x forward for a trained tower, 1 x for a frozen one."""
+        return (self.image_forward * (3 if self.image_trained else 1)
+                + self.text_forward * (3 if self.text_trained else 1))
+
+
+def count_model_flops(model, images: torch.Tensor, texts: torch.Tensor) -> ModelFlops:
+    """Count the towers' forward FLOPs on one sub-batch (``images [n, 3, s, s]``, ``texts [n,
+    ctx]``), without autograd, in the model's current mode (training: the attention's training
+    path). Returns them per sample."""
+    counts = {}
+    with torch.no_grad():
+        for tower, encode, inputs in (("image", model.encode_image, images), ("text", model.encode_text, texts)):
+            with FlopCounterMode(display=False) as counter:
+                encode(inputs)
+            counts[tower] = counter.get_total_flops() / len(inputs)
+    return ModelFlops(counts["image"], counts["text"], not model.frozen("image"), not model.frozen("text"))
+
+
+def utilization(flops: ModelFlops | None, peak: Peak | None, samples_per_s_per_gpu: float) -> dict[str, float]:
+    """The metrics of one log interval: ``model_tflops_per_gpu`` and, with a peak, ``mfu``."""
+    if flops is None:
+        return {}
+    achieved = flops.per_sample * samples_per_s_per_gpu / 1e12
+    metrics = {"model_tflops_per_gpu": achieved}
+    if peak is not None:
+        metrics["mfu"] = achieved / peak.tflops
+    return metrics

@@ -1,0 +1,140 @@
+"""data.decode=gpu: the loader workers keep JPEG bytes and draw the crop boxes on the CPU from the
+per-sample seed with the CPU path's own function; the GPU decodes and cuts the same boxes. CPU
+tests check the boxes, the rows the GPU would not decode, the decoder's logic (run on the CPU) and
+the errors; the GPU tests check the pixels bit for bit between two decodes (phase 1 and the
+offload replay) and against the CPU path."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from megabatch.config import ConfigError
+from megabatch.data.gpu_decode import GpuDecoder, decode_ahead, resolve_decode
+from megabatch.data.samples import JpegBatch, JpegHeader, SampleDecoder, decode_rgb, probe_jpeg
+from megabatch.data.transforms import crop_box, resized_crop, train_transform
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def jpeg(seed: int = 0, size=(48, 64), mode: str = "RGB", subsampling: int = 2) -> bytes:
+    rng = np.random.default_rng(seed)
+    coarse = Image.fromarray(rng.integers(0, 255, (6, 8, 3), dtype=np.uint8)).resize(size[::-1], Image.BICUBIC)
+    buffer = io.BytesIO()
+    coarse.convert(mode).save(buffer, format="JPEG", quality=90, subsampling=subsampling)
+    return buffer.getvalue()
+
+
+def png(seed: int = 0) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_the_crop_box_is_a_pure_function_of_the_seed_shared_with_the_cpu_path():
+    transform = train_transform(24)
+    boxes = {seed: crop_box(transform, 48, 64, seed) for seed in range(8)}
+    assert boxes[3] == crop_box(transform, 48, 64, 3)  # the same seed, the same box ...
+    assert len(set(boxes.values())) > 4                 # ... another seed, another box
+    torch.randn(5)  # whatever else drew random numbers in between changes nothing
+    assert boxes[5] == crop_box(transform, 48, 64, 5)
+    # the GPU path's box (from the header alone) is the box the CPU path cuts from the pixels
+    data = jpeg()
+    gpu_side, cpu_side = SampleDecoder(transform, seed=1, epoch=2, gpu=True), SampleDecoder(transform, 1, 2)
+    header = gpu_side.decode(data)
+    assert header == JpegHeader(48, 64)
+    box = gpu_side(header, position=17)
+    image = decode_rgb(data)
+    assert torch.equal(cpu_side(image, 17), resized_crop(transform, image, box))
+    assert box == cpu_side.box(48, 64, 17) and box != cpu_side.box(48, 64, 18)
+
+
+def test_only_complete_rgb_or_grey_jpegs_are_left_to_the_gpu():
+    assert probe_jpeg(jpeg(mode="L")) == JpegHeader(48, 64)
+    for other in (png(), jpeg(mode="CMYK")):
+        decoded = probe_jpeg(other)
+        assert torch.is_tensor(decoded) and decoded.shape[0] == 3  # decoded in the worker, as before
+    with pytest.raises((ValueError, OSError, RuntimeError)):
+        probe_jpeg(jpeg()[:300])  # cut short: decoded here, so its error is counted in the worker
+
+
+def batch_of(datas: list[bytes], size: int = 24, epoch: int = 0) -> tuple[JpegBatch, SampleDecoder]:
+    decoder = SampleDecoder(train_transform(size), seed=0, epoch=epoch, gpu=True)
+    return decoder.again([(data, position) for position, data in enumerate(datas)]), decoder
+
+
+def test_a_mixed_sub_batch_keeps_other_formats_decoded_and_the_decoder_cuts_the_boxes_on_cpu():
+    datas = [jpeg(0), png(1), jpeg(2, subsampling=0), jpeg(3, mode="L")]
+    batch, sample_decoder = batch_of(datas)
+    assert isinstance(batch, JpegBatch) and batch.cpu_rows == [1] and batch.decoded.shape == (1, 3, 24, 24)
+    images = GpuDecoder(torch.device("cpu"))(batch)  # the GPU decoder's logic, with the CPU's decoder
+    cpu_path = torch.stack([SampleDecoder(sample_decoder.transform, 0, 0)(data, row) for row, data in enumerate(datas)])
+    assert images.dtype == torch.uint8 and images.shape == (4, 3, 24, 24)
+    assert torch.equal(images[1], cpu_path[1])
+    # the same decoder (libjpeg-turbo on the CPU): only the resize's float rounding may differ
+    assert (images.int() - cpu_path.int()).abs().max() <= 1
+
+
+def test_a_corrupt_jpeg_body_becomes_a_counted_black_image():
+    good = jpeg(0)
+    broken = good[:200] + bytes(len(good) - 202) + good[-2:]  # header intact, body zeroed, end marker kept
+    batch, _ = batch_of([good, broken])
+    decoder = GpuDecoder(torch.device("cpu"))
+    images = decoder(batch)
+    assert images.shape == (2, 3, 24, 24)
+    if decoder.corrupt_image:  # libjpeg-turbo may also decode such a body to grey without an error
+        assert decoder.corrupt_image == 1 and images[1].sum() == 0
+
+
+def test_decode_gpu_without_cuda_is_a_clear_error():
+    assert resolve_decode("auto", torch.device("cpu")) == "cpu"
+    assert resolve_decode("cpu", torch.device("cpu")) == "cpu"
+    with pytest.raises(ConfigError, match="data.decode=gpu .* CUDA .* data.decode=cpu"):
+        resolve_decode("gpu", torch.device("cpu"))
+
+
+@cuda
+def test_gpu_decoding_twice_gives_the_same_pixels_and_matches_the_cpu_path():
+    device = torch.device("cuda")
+    for subsampling, mean_tolerance, max_tolerance in ((0, 0.05, 2), (2, 2.5, 40)):
+        datas = [jpeg(seed, size=(96, 128), subsampling=subsampling) for seed in range(16)]
+        batch, sample_decoder = batch_of(datas, size=64)
+        decoder = GpuDecoder(device)
+        first, again = decoder(batch), decoder(batch)
+        assert first.is_cuda and torch.equal(first, again)  # phase 1 and the replay: bit for bit
+        cpu_path = torch.stack([SampleDecoder(sample_decoder.transform, 0, 0)(d, row) for row, d in enumerate(datas)])
+        diff = (first.cpu().int() - cpu_path.int()).abs().float()
+        # 4:4:4: nvJPEG and libjpeg-turbo agree, the resize's float rounding aside; 4:2:0: nvJPEG
+        # upsamples the chroma differently (see data/gpu_decode.py)
+        assert diff.mean() <= mean_tolerance and diff.max() <= max_tolerance, (subsampling, diff.mean(), diff.max())
+
+
+@cuda
+def test_the_offload_replay_decodes_on_the_gpu_the_same_pixels_as_phase_1(tmp_path):
+    from megabatch.bench import photo_shards
+    from megabatch.data.offload import Offload
+    from megabatch.data.position_split import PositionSplitBatches, make_loader
+
+    device = torch.device("cuda")
+    urls = photo_shards(48, 64, tmp_path / "shards", per_shard=16)
+    transform = train_transform(32)
+    def tokenize(captions):
+        return torch.zeros(len(captions), 4, dtype=torch.long)
+
+    dataset = PositionSplitBatches(urls, transform=transform, tokenize=tokenize,
+                                   rank_batch=48, rank=0, world_size=1, num_batches=1, seed=0, epoch=0,
+                                   sub_batch=16, keep_raw=True, gpu_decode=True)
+    decoder = GpuDecoder(device)
+    first = list(decode_ahead(iter(make_loader(dataset, 2)), decoder.sub_batch, device))
+    assert all(sub.images.is_cuda and sub.images.shape == (16, 3, 32, 32) for sub in first)
+    for spill_dir in (None, str(tmp_path / "spill")):
+        offload = Offload(transform, seed=0, workers=2, spill_dir=spill_dir, gpu=decoder)
+        kept = [offload.keep(sub.raw) for sub in first]
+        replayed = list(offload.replay_images(kept, epoch=0))
+        offload.close()
+        for sub, images in zip(first, replayed, strict=True):
+            assert torch.equal(sub.images, images)
