@@ -110,6 +110,23 @@ def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: 
     return RunParts.build(validate(cfg), init_distributed(device))
 
 
+def compile_towers_now(parts) -> float:
+    """Compile the towers (``model.compile=true``) before the timed steps, on synthetic inputs of one
+    sub-batch: the graph-free pass's graphs and the replay's (forward and backward). Returns seconds."""
+    from megabatch.train.parts import synthetic_inputs
+
+    device, model, start = parts.step.device, parts.model, time.perf_counter()
+    images, texts = synthetic_inputs(model, parts.plan.sub_batch, device)
+    with torch.no_grad(), parts.step.precision.autocast():
+        model(images, texts)
+    with parts.step.precision.autocast():
+        image_features, text_features, _, _ = model(images, texts)
+    (image_features.float().sum() + text_features.float().sum()).backward()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    return time.perf_counter() - start
+
+
 def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
               offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32") -> dict:
     """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
@@ -118,6 +135,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
 
     parts = build_parts(urls, batch, sub_batch, offload, workers, device, steps, offload_dir, overrides, model)
     step, plan, device = parts.step, parts.plan, torch.device(device)
+    compile_s = compile_towers_now(parts) if "model.compile=true" in overrides else 0.0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sub_batches, per_step = parts.inputs(0), []
@@ -139,7 +157,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
            "steady_step_s": step_s, "steady_samples_s": batch / step_s,
            **utilization(parts.flops, parts.peak, batch / step_s),
            "peak_tflops": parts.peak.tflops if parts.peak else None,
-           "model_gflop_per_sample": parts.flops.per_sample / 1e9,
+           "model_gflop_per_sample": parts.flops.per_sample / 1e9, "compile_s_untimed": compile_s,
            "steady_data_wait_fraction": data_s / step_s, "steps": per_step,
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,

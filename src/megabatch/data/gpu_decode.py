@@ -36,6 +36,8 @@ from ..config import ConfigError
 from .samples import JpegBatch, SubBatch, decode_rgb
 
 log = logging.getLogger(__name__)
+# F.interpolate(mode, antialias=True, align_corners=False)'s kernels
+_ANTIALIASED = {"bicubic": torch._C._nn._upsample_bicubic2d_aa, "bilinear": torch._C._nn._upsample_bilinear2d_aa}
 
 
 def check_gpu_decode(device: torch.device) -> None:
@@ -85,19 +87,23 @@ class GpuDecoder:
         return out
 
     def sub_batch(self, sub: SubBatch) -> SubBatch:
-        """``sub`` with its images on the device: its JPEGs decoded there."""
+        """``sub`` with its images on the device: its JPEGs decoded there. An all-JPEG sub-batch keeps
+        its crop boxes (``SubBatch.boxes``): the offload replay cuts them again without redrawing."""
         if isinstance(sub.images, JpegBatch):
-            return sub._replace(images=self(sub.images))
+            boxes = None if sub.images.cpu_rows else sub.images.boxes
+            return sub._replace(images=self(sub.images), boxes=boxes)
         return sub._replace(images=sub.images.to(self.device, non_blocking=True))
 
     @staticmethod
     def _resize(image: torch.Tensor, box: list[int], batch: JpegBatch) -> torch.Tensor:
+        """One crop, resized in float as ``F.interpolate(..., antialias=True)`` does (its kernels
+        called directly: a sub-batch makes hundreds of these calls from Python)."""
         top, left, height, width = box
         crop = image[:, top:top + height, left:left + width].unsqueeze(0).float()
-        mode = batch.interpolation
-        if mode == "nearest":
-            return F.interpolate(crop, size=batch.size, mode=mode)
-        return F.interpolate(crop, size=batch.size, mode=mode, align_corners=False, antialias=True)
+        resize = _ANTIALIASED.get(batch.interpolation)
+        if resize is None:  # nearest
+            return F.interpolate(crop, size=batch.size, mode=batch.interpolation)
+        return resize(crop, list(batch.size), False, None)
 
     def _decode(self, data: list[bytes]) -> list[torch.Tensor | None]:
         """nvJPEG on the whole list at once; if it refuses the list, row by row, a row it refuses on
@@ -133,58 +139,70 @@ class _Done:
         self.error = error
 
 
-def decode_ahead(items: Iterator, work: Callable, device: torch.device, depth: int = 3) -> Iterator:
-    """``work(item)`` for each item of ``items``, run in a thread on its own CUDA stream up to
-    ``depth`` items ahead of the consumer (the GPU decodes while the step computes). Each result is
-    yielded once the consumer's stream is made to wait for the work (no host sync) and the result's
-    memory is marked as used on that stream. An exception in the thread is raised here; closing the
-    generator stops the thread."""
-    results: queue.Queue = queue.Queue(maxsize=depth)
+def decode_ahead(items: Iterator, work: Callable, device: torch.device, depth: int = 4,
+                 threads: int = 2) -> Iterator:
+    """``work(item)`` for each item of ``items``, in order, run by ``threads`` threads (each on its
+    own CUDA stream) up to ``depth`` items ahead of the consumer: the GPU decodes while the step
+    computes, and one thread's Python (crop boxes, resize calls) overlaps another's nvJPEG call.
+    Each result is yielded once the consumer's stream is made to wait for its work (no host sync)
+    and its tensors are marked as used on that stream. An exception in a thread is raised here;
+    closing the generator stops the threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    local = threading.local()
+
+    def on_own_stream(item):
+        if not hasattr(local, "stream"):
+            local.stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(local.stream):
+            result = work(item)
+            event = torch.cuda.Event()
+            event.record(local.stream)
+        return result, event
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="megabatch-gpu-decode")
+    futures: queue.Queue = queue.Queue(maxsize=depth)  # in order; bounded: at most depth ahead
     stop = threading.Event()
-    stream = torch.cuda.Stream(device)
 
     def put(value) -> bool:
         while not stop.is_set():
             try:
-                results.put(value, timeout=0.1)
+                futures.put(value, timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def run() -> None:
+    def feed() -> None:  # the source is read by this one thread, in order
         try:
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                for item in items:
-                    result = work(item)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    if not put((result, event)):
-                        return
+            for item in items:
+                if not put(pool.submit(on_own_stream, item)):
+                    return
         except BaseException as error:  # handed to the consumer, raised there
             put(_Done(error))
             return
         put(_Done())
 
-    thread = threading.Thread(target=run, name="megabatch-gpu-decode", daemon=True)
-    thread.start()
+    feeder = threading.Thread(target=feed, name="megabatch-gpu-decode-feed", daemon=True)
+    feeder.start()
     try:
         while True:
-            got = results.get()
+            got = futures.get()
             if isinstance(got, _Done):
                 if got.error is not None:
                     raise got.error
                 return
-            result, event = got
+            result, event = got.result()
             consumer = torch.cuda.current_stream(device)
             consumer.wait_event(event)
             for tensor in _tensors(result):
                 if tensor.device.type == "cuda":
-                    tensor.record_stream(consumer)  # made on the decode stream, used on this one
+                    tensor.record_stream(consumer)  # made on a decode stream, used on this one
             yield result
     finally:
         stop.set()
-        thread.join(timeout=10)
+        feeder.join(timeout=10)
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -64,10 +64,12 @@ class Offload:
         if self.spill is not None:
             self.spill.reset()
 
-    def keep(self, raw: list) -> list:
+    def keep(self, raw: list, boxes: torch.Tensor | None = None):
         """What phase 1 holds on to for one sub-batch: its ``(bytes, position)`` pairs, or with a
-        spill file their ``(offset, length, position)`` there."""
-        return self.spill.keep(raw) if self.spill is not None else raw
+        spill file their ``(offset, length, position)`` there; decoding on the GPU, with the crop
+        ``boxes`` of an all-JPEG sub-batch (``SubBatch.boxes``; ``None``: drawn again)."""
+        kept = self.spill.keep(raw) if self.spill is not None else raw
+        return (kept, boxes) if self.gpu is not None else kept
 
     def replay_images(self, kept: list, epoch: int) -> Iterator[torch.Tensor]:
         """The uint8 images ``[n, 3, s, s]`` of each kept sub-batch again, in order, decoded with
@@ -85,8 +87,13 @@ class Offload:
         decoder, gpu = SampleDecoder(self.transform, self.seed, epoch, gpu=True), self.gpu
         spill_path = self.spill_path
 
-        def again(raw: list) -> torch.Tensor:
-            images = decoder.again(_read_back(raw, spill_path))
+        def again(kept: tuple) -> torch.Tensor:
+            raw, boxes = kept
+            pairs = _read_back(raw, spill_path)
+            if boxes is not None:  # all JPEGs: the boxes phase 1 cut, the bytes it read
+                size, interpolation = tuple(self.transform.size), self.transform.interpolation.value
+                return gpu(JpegBatch([data for data, _ in pairs], boxes, [], None, size, interpolation))
+            images = decoder.again(pairs)  # rows the CPU decodes: drawn and decoded again
             return gpu(images) if isinstance(images, JpegBatch) else images.to(gpu.device, non_blocking=True)
 
         return decode_ahead(iter(kept), again, gpu.device)

@@ -82,6 +82,7 @@ class SubBatch(NamedTuple):
     texts: torch.Tensor
     raw: list | None
     stats: dict | None = None
+    boxes: torch.Tensor | None = None  # data.decode=gpu: the crop boxes of an all-JPEG sub-batch (offload keeps them)
 
 
 def open_image(image_bytes: bytes | None) -> Image.Image:

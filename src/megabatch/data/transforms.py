@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,13 +39,32 @@ def eval_transform(preprocess: dict[str, Any]) -> Callable:
 
 def crop_box(transform: T2.RandomResizedCrop, height: int, width: int, seed: int) -> tuple[int, int, int, int]:
     """The crop ``(top, left, height, width)`` that ``transform`` cuts from an image of ``height x
-    width`` when torch's CPU generator is seeded with ``seed``: the parameters alone, drawn exactly
-    as the transform draws them (the same calls, in the same order), without the pixels. The CPU path
+    width`` when torch's CPU generator is seeded with ``seed``, without the pixels. The draws are
+    torchvision's (``RandomResizedCrop.make_params``: the same calls, dtypes and order; a test holds
+    them equal) made on a private generator seeded alike, so a thread may draw boxes while another
+    uses the global generator (GradCache's replay restores and draws from it). The CPU path
     (``resized_crop``) and the GPU path (``data/gpu_decode.py``) both cut this box."""
-    shape_only = torch.zeros((), dtype=torch.uint8).expand(3, height, width)  # no memory: a size to read
-    make_params = getattr(transform, "make_params", None) or transform._get_params  # torchvision < 0.21
-    params = seeded(lambda image: make_params([image]), shape_only, seed)
-    return int(params["top"]), int(params["left"]), int(params["height"]), int(params["width"])
+    generator = torch.Generator().manual_seed(seed)  # the same stream as the global one seeded so
+    scale, ratio = transform.scale, transform.ratio
+    log_ratio = torch.log(torch.tensor(ratio))
+    area = height * width
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=generator)).item()
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
+            return top, left, h, w
+    in_ratio = width / height  # ten misses: the central crop, clamped to the ratio range
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
 
 
 def resized_crop(transform: T2.RandomResizedCrop, image: torch.Tensor,

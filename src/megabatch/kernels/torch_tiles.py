@@ -25,12 +25,17 @@ def fp32_matmul(precision: str):
     """cuBLAS fp32 matmuls in ``tf32`` or exact ``ieee`` inside the block (restored after)."""
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"fp32 matmul precision {precision!r}: use tf32 or ieee")
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    matmul = torch.backends.cuda.matmul
+    # restore the exact previous setting: torch >= 2.9 keeps it as fp32_precision ("none", "tf32",
+    # "ieee"), and allow_tf32 = False after True leaves "ieee", not the "none" it was; compiled
+    # towers guard on this state and would recompile after every loss
+    key = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
+    previous = getattr(matmul, key)
+    setattr(matmul, key, precision if key == "fp32_precision" else precision == "tf32")
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        setattr(matmul, key, previous)
 
 
 def block_stats(

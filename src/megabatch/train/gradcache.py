@@ -129,7 +129,7 @@ def encode_without_graph(model, sub_batches: Iterator[SubBatch], count: int, pre
         if keep.images and keep.offload is not None:
             if sub.raw is None:
                 raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes (keep_raw)")
-            encoded.kept.append(keep.offload.keep(sub.raw))
+            encoded.kept.append(keep.offload.keep(sub.raw, sub.boxes))
         elif keep.images:
             encoded.images.append(images)
         if progress is not None:

@@ -66,6 +66,10 @@ class RunParts:
         plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision))
         decode = resolve_decode(cfg.data.decode, env.device)
         gpu_decoder = GpuDecoder(env.device) if decode == "gpu" else None
+        if gpu_decoder is not None:
+            # this thread's work leaves the legacy default stream: nvJPEG's calls synchronise with
+            # that stream, so decoding ahead would otherwise wait for the step's queued kernels
+            torch.cuda.set_stream(torch.cuda.Stream(env.device))
         flops, peak = count_model_flops(model, *synthetic_inputs(model, min(plan.sub_batch, 256), env.device)), \
             gpu_peak(env.device)
         if env.rank == 0:

@@ -43,11 +43,16 @@ def gpu_peak(device: torch.device) -> Peak | None:
     a lower bound of the true peak, so MFU reads high); ``None`` on the CPU."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return table_peak(torch.cuda.get_device_name(device)) or Peak(measure_matmul_tflops(device),
+                                                                  "measured (bf16 8192^3 matmul)")
+
+
+def table_peak(name: str) -> Peak | None:
+    """The table's peak for a device named ``name`` (``torch.cuda.get_device_name``), if listed."""
     for key, tflops in PEAK_BF16_TFLOPS:
         if key in name:
             return Peak(tflops, f"table ({key})")
-    return Peak(measure_matmul_tflops(device), "measured (bf16 8192^3 matmul)")
+    return None
 
 
 def measure_matmul_tflops(device: torch.device, size: int = 8192, repeats: int = 10) -> float:

@@ -1,0 +1,72 @@
+"""model.compile=true: torch.compile per tower gives the eager gradients (CPU, inductor), for a plain
+step and for GradCache's three phases, with patch dropout replayed and with a frozen tower; a short
+input is padded to the compiled size instead of recompiling; trainer.feature_dtype=auto."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megabatch.config.schema import validate
+from megabatch.distributed import init_distributed
+from megabatch.models import build_model
+from megabatch.train.parts import RunParts
+from megabatch.train.precision import Precision
+
+from ..helpers import compose, rel_error
+
+BASE = ["batch=32", "eval=none", "optim=sgd", "trainer.max_steps=1", "data.train.shuffle_buffer=64",
+        "model.image.patch_dropout=0.25"]
+
+
+def gradients(*overrides: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    parts = RunParts.build(validate(compose(*BASE, *overrides)), init_distributed("cpu"))
+    loss, _ = parts.step.gradients(parts.inputs(0))
+    grads = {n: p.grad.detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
+    parts.close()
+    return loss, grads
+
+
+@pytest.mark.parametrize("overrides", [(), ("trainer.sub_batch=8",), ("trainer.sub_batch=8", "model.lock_image=true")],
+                         ids=["plain", "gradcache", "gradcache-frozen-image"])
+def test_compiled_towers_give_the_eager_gradients(overrides):
+    eager_loss, eager = gradients(*overrides)
+    compiled_loss, compiled = gradients(*overrides, "model.compile=true")
+    assert eager.keys() == compiled.keys()
+    assert torch.allclose(compiled_loss, eager_loss, rtol=1e-5)
+    for name, grad in eager.items():  # fp32 on the CPU: only the order of floating-point sums differs
+        assert rel_error(compiled[name], grad) <= 1e-4, name
+
+
+def test_a_short_batch_is_padded_to_the_compiled_size_not_recompiled():
+    torch.manual_seed(0)
+    model = build_model(compose("model=tiny").model)
+    images = torch.randint(0, 255, (8, 3, 32, 32), dtype=torch.uint8)
+    texts = torch.randint(1, 400, (8, 16))
+    with torch.no_grad():
+        eager = model(images, texts)
+        model.compile_towers(rows=4)
+        torch._dynamo.reset()
+        counts = torch._dynamo.utils.counters
+        counts.clear()
+        short = model(images[:3], texts[:3])   # padded to 4
+        long = model(images, texts)             # two chunks of 4
+    assert counts["stats"]["unique_graphs"] == 2  # one graph per tower, whatever the row count
+    for got, rows in ((short, 3), (long, 8)):
+        for index in (0, 1):
+            assert got[index].shape[0] == rows
+            assert torch.allclose(got[index], eager[index][:rows], atol=1e-5)
+
+
+def test_feature_dtype_auto_follows_the_towers_precision():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert Precision.create("auto", cpu, "auto").feature_dtype == torch.float32  # fp32 on the CPU
+    assert Precision.create("fp16", cuda, "auto").feature_dtype == torch.float32
+    assert Precision.create("bf16", cuda, "auto").feature_dtype == torch.bfloat16
+    assert Precision.create("bf16", cuda, "fp32").feature_dtype == torch.float32  # an explicit choice wins
+
+
+def test_sub_batch_auto_on_the_cpu_is_the_whole_per_rank_batch():
+    parts = RunParts.build(validate(compose(*BASE, "trainer.sub_batch=auto")), init_distributed("cpu"))
+    assert parts.plan.sub_batch == parts.plan.rank_batch == 32
+    parts.close()

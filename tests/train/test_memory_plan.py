@@ -1,0 +1,59 @@
+"""trainer.sub_batch=auto: the planner fits the Inf-CL paper's linear memory model through two
+probes and picks the largest divisor of the per-rank batch that fits; the config keys' checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from megabatch.config import ConfigError
+from megabatch.config.schema import validate
+from megabatch.train.memory_plan import MemoryFit, batch_bytes, divisors, plan_sub_batch
+
+from ..helpers import compose
+
+GB = 1e9
+
+
+def test_the_line_through_two_probes():
+    fit = MemoryFit.through([(64, 3.25 * GB), (32, 2.11 * GB)])  # ViT-B/32 bf16 on an H100 (measured)
+    assert fit.per_row == pytest.approx(1.14 * GB / 32)
+    assert fit.peak(32) == pytest.approx(2.11 * GB) and fit.peak(64) == pytest.approx(3.25 * GB)
+    with pytest.raises(ValueError):
+        MemoryFit.through([(32, GB), (32, 2 * GB)])
+
+
+def test_the_largest_divisor_that_fits_is_chosen():
+    fit = MemoryFit(fixed=1 * GB, per_row=0.1 * GB)  # 1 GB + 100 MB per sample
+    # 0.9 x 80 GB = 72 GB, less 2 GB held for the batch: 70 GB -> at most 690 rows -> 512 divides 32k
+    choice = plan_sub_batch(32768, fit, 80 * GB, 0.9, batch_bytes=2 * GB)
+    assert choice.sub_batch == 512 and choice.predicted_bytes == pytest.approx(1 * GB + 51.2 * GB + 2 * GB)
+    # a batch of 3 x 1000: the largest divisor up to 690 is 600
+    assert plan_sub_batch(3000, fit, 80 * GB, 0.9, batch_bytes=2 * GB).sub_batch == 600
+    # a lower memory fraction, a smaller choice
+    assert plan_sub_batch(32768, fit, 80 * GB, 0.5, batch_bytes=2 * GB).sub_batch == 256
+    # everything fits: the whole per-rank batch (no GradCache needed)
+    assert plan_sub_batch(256, fit, 80 * GB, 0.9).sub_batch == 256
+
+
+def test_nothing_fitting_is_a_clear_error():
+    with pytest.raises(ConfigError, match="trainer.sub_batch=auto: not even one sample fits.*trainer.offload=true"):
+        plan_sub_batch(1024, MemoryFit(fixed=70 * GB, per_row=0.1 * GB), 80 * GB, 0.9, batch_bytes=5 * GB)
+
+
+def test_what_the_batch_holds():
+    # 1024 rows x 512 dims x 2 towers x (bf16 buffer + fp32 copy + fp32 gradient) + kept inputs + Adam
+    held = batch_bytes(1024, 512, 2, kept_input_bytes_per_row=77 * 8, trainable_params=1000)
+    assert held == 1024 * 512 * 2 * (2 + 4 + 4) + 1024 * 77 * 8 + 8 * 1000
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_the_keys_are_checked():
+    validate(compose("trainer.sub_batch=auto", "trainer.memory_fraction=0.8"))
+    with pytest.raises(ConfigError, match="trainer.memory_fraction=1.5"):
+        validate(compose("trainer.memory_fraction=1.5"))
+    with pytest.raises(ConfigError, match="trainer.sub_batch"):
+        validate(compose("trainer.sub_batch=most"))
+    with pytest.raises(ConfigError, match="data.decode"):
+        validate(compose("data.decode=fpga"))
+    with pytest.raises(ConfigError, match="model.compile"):
+        validate(compose("model.compile=maybe"))

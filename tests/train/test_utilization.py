@@ -1,0 +1,50 @@
+"""Utilisation in the logs: the towers' FLOPs counted by torch's flop counter equal a count by hand,
+a trained tower costs three forwards and a frozen one one, and GPUs find their peak in the table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megabatch.models import build_model
+from megabatch.train.parts import synthetic_inputs
+from megabatch.train.utilization import ModelFlops, Peak, count_model_flops, table_peak, utilization
+
+from ..helpers import compose
+
+
+def transformer_layer(tokens: int, width: int, hidden: int) -> int:
+    """Matmul FLOPs of one pre-norm transformer layer: q, k, v; scores and weighted sum; output; MLP."""
+    return (2 * tokens * width * 3 * width + 4 * tokens * tokens * width + 2 * tokens * width * width
+            + 2 * 2 * tokens * width * hidden)
+
+
+def test_the_tiny_models_flops_equal_a_count_by_hand():
+    model = build_model(compose("model=tiny").model)  # configs/model/tiny.yaml
+    flops = count_model_flops(model, *synthetic_inputs(model, 4, torch.device("cpu")))
+    patches, width = (32 // 4) ** 2, 96                 # 8 x 8 patches of 4 px, width 96
+    image = (2 * patches * width * 3 * 4 * 4            # patch embedding (a 4x4 convolution)
+             + 3 * transformer_layer(patches + 1, width, 192)  # 3 layers over 64 patches + the class token
+             + 2 * width * 64)                           # projection of the class token to 64
+    text = 2 * transformer_layer(16, 64, 128) + 2 * 64 * 64  # 2 layers over 16 tokens; projection of one
+    assert flops.image_forward == image and flops.text_forward == text
+    assert flops.per_sample == 3 * (image + text)  # forward + backward (twice the forward) per tower
+
+
+def test_a_frozen_tower_costs_its_forward_only():
+    flops = ModelFlops(image_forward=10.0, text_forward=2.0, image_trained=False, text_trained=True)
+    assert flops.per_sample == 10.0 + 3 * 2.0
+    assert utilization(flops, Peak(100.0, "table"), samples_per_s_per_gpu=1e12) == {
+        "model_tflops_per_gpu": 16.0, "mfu": 0.16}
+    assert utilization(flops, None, 1e12) == {"model_tflops_per_gpu": 16.0}
+
+
+@pytest.mark.parametrize("name,tflops", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),
+                                         ("NVIDIA H200", 989.4), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                         ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0)])
+def test_known_gpus_find_their_dense_bf16_peak(name, tflops):
+    assert table_peak(name).tflops == tflops
+
+
+def test_an_unknown_gpu_is_not_in_the_table():
+    assert table_peak("Some Future Accelerator") is None  # gpu_peak then measures a bf16 matmul
