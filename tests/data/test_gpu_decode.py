@@ -106,6 +106,31 @@ def test_a_corrupt_jpeg_body_becomes_a_counted_black_image():
         assert decoder.corrupt_image == 1 and images[1].sum() == 0
 
 
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear", "nearest"])
+def test_batched_crops_resize_as_torch_interpolate_does(mode):
+    """The GPU path's batched crop-and-resize (two products with resampling matrices) gives
+    F.interpolate's antialiased result for every crop, up to ties in the final rounding."""
+    import torch.nn.functional as F
+
+    from megabatch.data.gpu_decode import resample_matrices, resized_crops
+
+    generator = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+              for shape in [(3, 60, 80)] * 5 + [(3, 33, 47)]]
+    boxes = torch.tensor([[0, 0, 60, 80], [5, 7, 20, 30], [10, 3, 5, 9], [0, 0, 1, 1], [2, 2, 58, 12], [1, 2, 30, 40]])
+    got = resized_crops(images, boxes, (24, 24), mode, chunk_bytes=50_000)  # small chunks: several per shape
+    options = {} if mode == "nearest" else {"align_corners": False, "antialias": True}
+    for image, (top, left, height, width), pixels in zip(images, boxes.tolist(), got, strict=True):
+        crop = image[None, :, top:top + height, left:left + width].double()
+        expected = F.interpolate(crop, size=(24, 24), mode=mode, **options).clamp(0, 255).round()[0]
+        assert (pixels.double() - expected).abs().max() <= 1
+    for length in (1, 5, 20, 60, 256):  # the weights themselves: F.interpolate's, to float64 rounding
+        eye = torch.eye(length, dtype=torch.float64)[None, None]
+        expected = F.interpolate(eye, size=(24, length), mode=mode, **options)[0, 0]
+        mine = resample_matrices(torch.tensor([0]), torch.tensor([length]), length, 24, mode)[0]
+        assert torch.allclose(mine, expected, atol=1e-12)
+
+
 def test_decode_gpu_without_cuda_is_a_clear_error():
     assert resolve_decode("auto", torch.device("cpu")) == "cpu"
     assert resolve_decode("cpu", torch.device("cpu")) == "cpu"

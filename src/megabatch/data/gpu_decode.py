@@ -30,14 +30,71 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ConfigError
 from .samples import JpegBatch, SubBatch, decode_rgb
 
 log = logging.getLogger(__name__)
-# F.interpolate(mode, antialias=True, align_corners=False)'s kernels
-_ANTIALIASED = {"bicubic": torch._C._nn._upsample_bicubic2d_aa, "bilinear": torch._C._nn._upsample_bilinear2d_aa}
+def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int],
+                  interpolation: str, chunk_bytes: float = 512e6) -> torch.Tensor:
+    """Each uint8 image ``[3, h_i, w_i]`` cut to its box (``boxes [n, 4]``: top, left, height,
+    width) and resized to ``size`` as ``F.interpolate(..., antialias=True)`` resizes (bicubic or
+    bilinear; nearest without antialiasing), then clamped and rounded to uint8 like the CPU path:
+    ``[n, 3, s, s]``. Batched, whatever the crops: each crop-and-resize is two matrix products with
+    per-sample resampling matrices (``resample_matrices``: the crop offset is their zero columns),
+    in float64 (exact, and free of the TF32 setting), over images of one size at a time: a
+    sub-batch costs a few dozen GPU calls, not several per image (from Python, hundreds of small
+    calls contend for the interpreter lock with the step's own thread)."""
+    device = boxes.device
+    out = torch.empty((len(images), 3, *size), dtype=torch.uint8, device=device)
+    by_shape: dict[tuple, list[int]] = {}
+    for row, image in enumerate(images):
+        by_shape.setdefault(tuple(image.shape), []).append(row)
+    for (_, height, width), rows in by_shape.items():
+        step = max(1, int(chunk_bytes // (3 * height * width * 8)))  # float64 images per chunk
+        for start in range(0, len(rows), step):
+            chunk = rows[start:start + step]
+            index = torch.tensor(chunk, device=device)
+            pixels = torch.stack([images[row] for row in chunk]).double()  # [m, 3, H, W]
+            crop = boxes[index]
+            along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation)  # [m, s, H]
+            along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation)   # [m, s, W]
+            resized = along_h.unsqueeze(1) @ pixels @ along_w.transpose(1, 2).unsqueeze(1)
+            out[index] = resized.clamp_(0, 255).round_().to(torch.uint8)
+    return out
+
+
+def resample_matrices(start: torch.Tensor, length: torch.Tensor, full: int, out: int,
+                      interpolation: str) -> torch.Tensor:
+    """``[m, out, full]``: row ``i`` of sample ``k`` holds the weights that output pixel ``i`` gives
+    the input pixels ``start[k] .. start[k] + length[k]`` along one axis (zero elsewhere): PyTorch's
+    antialiased resampling (``aten/src/ATen/native/cpu/UpSampleKernel.cpp``, ``align_corners=False``):
+    the filter widened by the scale when shrinking, cut to the window ``[xmin, xmax)``, normalised."""
+    start, length = start.double()[:, None, None], length.double()[:, None, None]
+    scale = length / out
+    i = torch.arange(out, device=start.device, dtype=torch.float64)[None, :, None]
+    j = torch.arange(full, device=start.device, dtype=torch.float64)[None, None, :] - start  # within the crop
+    if interpolation == "nearest":  # F.interpolate's nearest: source floor(i * scale)
+        source = torch.minimum(torch.floor(i * scale), length - 1)
+        return (j == source).double()
+    half = 2.0 if interpolation == "bicubic" else 1.0  # the filter's support: 2 (bicubic), 1 (bilinear)
+    shrinking = scale >= 1.0
+    support = torch.where(shrinking, half * scale, torch.full_like(scale, half))
+    invscale = torch.where(shrinking, 1.0 / scale, torch.ones_like(scale))
+    center = scale * (i + 0.5)
+    xmin = torch.clamp(torch.trunc(center - support + 0.5), min=0.0)
+    xmax = torch.minimum(torch.trunc(center + support + 0.5), length)
+    x = ((j - center + 0.5) * invscale).abs()
+    if interpolation == "bicubic":  # Keys' cubic with a = -0.5, as PIL and PyTorch's antialiasing
+        a = -0.5
+        weights = torch.where(x < 1.0, ((a + 2) * x - (a + 3)) * x * x + 1,
+                              torch.where(x < 2.0, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, torch.zeros_like(x)))
+    else:
+        weights = torch.clamp(1.0 - x, min=0.0)
+    weights = torch.where((j >= xmin) & (j < xmax), weights, torch.zeros_like(weights))
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total != 0, weights / total, weights)
+
 
 
 def check_gpu_decode(device: torch.device) -> None:
@@ -75,12 +132,12 @@ class GpuDecoder:
         gpu_rows = [row for row in range(n) if row not in cpu_rows]
         if gpu_rows:
             images = self._decode([batch.data[row] for row in gpu_rows])
-            boxes = batch.boxes[gpu_rows].tolist()
-            black = torch.zeros((1, 3, *batch.size), device=self.device)  # for a row nothing decodes
-            crops = [self._resize(image, box, batch) if image is not None else black
-                     for image, box in zip(images, boxes, strict=True)]
-            # the CPU path's order: interpolate in float, clamp, round, back to uint8
-            pixels = torch.cat(crops).clamp_(0, 255).round_().to(torch.uint8)
+            boxes = batch.boxes[gpu_rows].clone()
+            for index, image in enumerate(images):
+                if image is None:  # nothing decodes it: a black image, counted in _decode
+                    images[index] = torch.zeros((3, 1, 1), dtype=torch.uint8, device=self.device)
+                    boxes[index] = torch.tensor([0, 0, 1, 1])
+            pixels = resized_crops(images, boxes.to(self.device, non_blocking=True), batch.size, batch.interpolation)
             out[torch.tensor(gpu_rows, device=self.device)] = pixels
         if cpu_rows:
             out[torch.tensor(batch.cpu_rows, device=self.device)] = batch.decoded.to(self.device, non_blocking=True)
@@ -93,17 +150,6 @@ class GpuDecoder:
             boxes = None if sub.images.cpu_rows else sub.images.boxes
             return sub._replace(images=self(sub.images), boxes=boxes)
         return sub._replace(images=sub.images.to(self.device, non_blocking=True))
-
-    @staticmethod
-    def _resize(image: torch.Tensor, box: list[int], batch: JpegBatch) -> torch.Tensor:
-        """One crop, resized in float as ``F.interpolate(..., antialias=True)`` does (its kernels
-        called directly: a sub-batch makes hundreds of these calls from Python)."""
-        top, left, height, width = box
-        crop = image[:, top:top + height, left:left + width].unsqueeze(0).float()
-        resize = _ANTIALIASED.get(batch.interpolation)
-        if resize is None:  # nearest
-            return F.interpolate(crop, size=batch.size, mode=batch.interpolation)
-        return resize(crop, list(batch.size), False, None)
 
     def _decode(self, data: list[bytes]) -> list[torch.Tensor | None]:
         """nvJPEG on the whole list at once; if it refuses the list, row by row, a row it refuses on
