@@ -16,17 +16,17 @@ import time
 from pathlib import Path
 
 from megabatch.bench import compose, photo_shards, write_results
+from megabatch.models import build_model
 
 
 def measure(urls: list[str], workers: int, samples: int, sub_batch: int) -> dict:
-    from hydra.utils import instantiate
 
     from megabatch.data import TrainData
     from megabatch.data.offload import Offload
 
     cfg = compose("model=vit_b32", "data=webdataset", f"data.num_workers={workers}")
     cfg.data.train.urls = urls
-    model = instantiate(cfg.model, _convert_="all")  # its tokenizer and preprocessing
+    model = build_model(cfg.model)  # its tokenizer and preprocessing
     data = TrainData(cfg.data, model.tokenizer(), model.preprocess, seed=0)
     batches = samples // sub_batch
     loader = data.loader(epoch=0, start_batch=0, rank_batch=sub_batch, rank=0, world_size=1,

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from megabatch.bench import compose, photo_shards, write_results
+from megabatch.models import build_model
 
 
 def gpu_cycles_per_ms() -> float:
@@ -30,7 +31,6 @@ def gpu_cycles_per_ms() -> float:
 
 
 def main() -> None:
-    from hydra.utils import instantiate
 
     from megabatch.data import TrainData
 
@@ -48,7 +48,7 @@ def main() -> None:
     for variant in ["none", "copy", "copy+gpu", "pinned-copy+gpu"]:
         cfg = compose("model=vit_b32", "data=webdataset", f"data.num_workers={args.workers}")
         cfg.data.train.urls = shards * (args.sub_batches * args.sub_batch // 4096 + args.workers)
-        model = instantiate(cfg.model, _convert_="all")  # its tokenizer and preprocessing
+        model = build_model(cfg.model)  # its tokenizer and preprocessing
         data = TrainData(cfg.data, model.tokenizer(), model.preprocess, seed=0)
         loader = data.loader(epoch=0, start_batch=0, rank_batch=args.sub_batch * args.sub_batches, rank=0,
                              world_size=1, num_batches=1, sub_batch=args.sub_batch, keep_raw=True)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megabatch.config.compose import CONFIGS, compose
+from megabatch.models import build_model
 
 ROOT = CONFIGS.parent
 
@@ -91,7 +92,7 @@ def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Te
 
     cfg = compose(*overrides)
     torch.manual_seed(0)
-    model = instantiate(cfg.model, _convert_="all")
+    model = build_model(cfg.model)
     step = TrainStep(model, instantiate(cfg.loss), None, torch.device("cpu"), precision="fp32")
     images, texts = fixed_batch(model.tokenizer())
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)

@@ -9,6 +9,7 @@ import torch
 from hydra.utils import instantiate
 
 from megabatch.config import ConfigError, parse_count
+from megabatch.models import build_model
 
 from .helpers import CONFIGS, compose, preprocess
 
@@ -67,7 +68,7 @@ def test_model_options_build(option):
     # big towers: shapes only, no memory (Hugging Face towers load real weights: on the CPU)
     device = "cpu" if option.startswith("tiny") or "bert" in option else "meta"
     with torch.device(device):
-        model = instantiate(cfg.model, _convert_="all")
+        model = build_model(cfg.model)
     assert abs(model.logit_scale.item() - torch.tensor(1 / 0.07).log().item()) < 1e-5 \
         if device == "cpu" else model.logit_scale.shape == ()
     assert model.clip.visual.image_size == (cfg.model.image.get("image_size", 224),) * 2
@@ -77,7 +78,7 @@ def test_model_options_build(option):
 def test_tiny_model_forward_gives_unit_features():
 
     cfg = compose()
-    model = instantiate(cfg.model, _convert_="all")
+    model = build_model(cfg.model)
     tokens = model.tokenizer()(["a handwritten 7", "the number nine"])
     image_features, text_features, scale, bias = model(torch.randn(2, 3, 32, 32), tokens)
     assert bias is None  # a softmax-loss model has no logit bias
@@ -116,7 +117,7 @@ def test_optim_options_instantiate(option):
     from megabatch.train.optim import build_optimizer
 
     cfg = compose(f"optim={option}", "optim.lr_scaling=sqrt", "optim.base_batch=64")
-    model = instantiate(cfg.model, _convert_="all")
+    model = build_model(cfg.model)
     optimizer, lr = build_optimizer(cfg.optim, model, global_batch=256)
     assert lr == pytest.approx(cfg.optim.lr * 2)
     no_decay = {id(p) for p in optimizer.param_groups[1]["params"]}
@@ -188,13 +189,13 @@ def test_every_group_has_options():
 def test_unknown_tower_option_is_named():
     cfg = compose("+model.image.no_such_option=3")
     with pytest.raises(Exception, match="model.image"):
-        instantiate(cfg.model, _convert_="all")
+        build_model(cfg.model)
 
 
 def test_pretrained_path_must_exist(tmp_path: Path):
     cfg = compose(f"model.pretrained={tmp_path}/missing.pt")
     with pytest.raises(Exception, match="model.pretrained"):
-        instantiate(cfg.model, _convert_="all")
+        build_model(cfg.model)
 
 
 @pytest.mark.parametrize("override,key", [

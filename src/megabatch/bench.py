@@ -89,13 +89,14 @@ def build_step(cfg, device: torch.device, sub_batches: int, offload=None):
     from hydra.utils import instantiate
 
     from .config import parse_count
+    from .models import build_model
     from .train.optim import build_optimizer
     from .train.step import TrainStep
 
     if device.type == "cuda":  # as the Trainer sets it (trainer.tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
     torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model, _convert_="all").to(device)
+    model = build_model(cfg.model).to(device)
     optimizer, _ = build_optimizer(cfg.optim, model, parse_count(cfg.batch))
     return TrainStep(model, instantiate(cfg.loss), optimizer, device, precision=cfg.trainer.precision,
                      sub_batches=sub_batches, feature_dtype=cfg.trainer.feature_dtype,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra.utils import instantiate
 
 from megabatch.data.transforms import eval_transform
 from megabatch.eval.datasets import eval_batches, resolve_eval_set
 from megabatch.eval.zeroshot import build_classifier
+from megabatch.models import build_model
 
 from ..helpers import compose
 
@@ -19,7 +19,7 @@ zeroshot = pytest.importorskip("clip_benchmark.metrics.zeroshot_classification")
 def test_predictions_equal_clip_benchmark(data_cache):
     cfg = compose()
     torch.manual_seed(0)
-    model = instantiate(cfg.model, _convert_="all").eval()
+    model = build_model(cfg.model).eval()
     tokenize = model.tokenizer()
     classnames, templates = resolve_eval_set(cfg.eval.digits)
     batches = list(eval_batches(cfg.eval.digits, cfg.data, eval_transform(model.preprocess), len(classnames)))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megabatch.data.shard_writer import encode_png
 from megabatch.eval.retrieval import recall_at_k
+from megabatch.models import build_model
 
 
 def brute_force(images, texts, owner, k):
@@ -33,7 +34,6 @@ def test_chunked_recall_matches_brute_force():
 
 
 def test_retrieval_eval_from_jsonl(tmp_path):
-    from hydra.utils import instantiate
 
     from megabatch.eval.zeroshot import run_zeroshot
 
@@ -47,7 +47,7 @@ def test_retrieval_eval_from_jsonl(tmp_path):
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = compose("eval=retrieval", f"eval.retrieval.jsonl={tmp_path / 'pairs.jsonl'}", "eval.retrieval.chunk=4")
     torch.manual_seed(0)
-    model = instantiate(cfg.model, _convert_="all")
+    model = build_model(cfg.model)
     result = run_zeroshot(model, model.tokenizer(), cfg.eval.retrieval, cfg.data, torch.device("cpu"))
     assert result["samples"] == 6
     assert result["text_to_image_R@10"] == 100.0  # K >= 6 images: every caption is a hit
@@ -56,7 +56,6 @@ def test_retrieval_eval_from_jsonl(tmp_path):
 
 
 def test_retrieval_eval_from_shards(tmp_path):
-    from hydra.utils import instantiate
 
     from megabatch.data.shard_writer import Sample, write_shards
     from megabatch.eval.zeroshot import run_zeroshot
@@ -68,6 +67,6 @@ def test_retrieval_eval_from_shards(tmp_path):
     write_shards(samples, tmp_path, "pairs", per_shard=3)
     cfg = compose("eval=retrieval", f"eval.retrieval.urls='{tmp_path}/pairs-{{000000..000001}}.tar'")
     torch.manual_seed(0)
-    model = instantiate(cfg.model, _convert_="all")
+    model = build_model(cfg.model)
     result = run_zeroshot(model, model.tokenizer(), cfg.eval.retrieval, cfg.data, torch.device("cpu"))
     assert result["samples"] == 5 and result["text_to_image_R@5"] == 100.0

