@@ -106,10 +106,9 @@ def test_data_options_instantiate(option, data_cache):
     cfg = compose(*overrides)
     data = TrainData(cfg.data, lambda texts: torch.zeros(len(texts), 4), preprocess(32), seed=0)
     assert data.num_samples == 1437
-    images, texts, raw, stats = next(iter(data.loader(0, 0, rank_batch=8, rank=0, world_size=1,
-                                                       num_batches=1)))
-    assert raw is None and stats["corrupt_image"] == 0
-    assert images.shape == (8, 3, 32, 32) and texts.shape == (8, 4)
+    sub = next(iter(data.loader(0, 0, rank_batch=8, rank=0, world_size=1, num_batches=1)))
+    assert sub.raw is None and sub.stats["corrupt_image"] == 0 and sub.boxes is None
+    assert sub.images.shape == (8, 3, 32, 32) and sub.texts.shape == (8, 4)
 
 
 @pytest.mark.parametrize("option", options("optim"))

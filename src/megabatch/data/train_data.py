@@ -81,7 +81,7 @@ class TrainData:
     def loader(self, epoch: int, start_batch: int, rank_batch: int, rank: int, world_size: int,
                num_batches: int, sub_batch: int | None = None, keep_raw: bool = False,
                pin_memory: bool = False, gpu_decode: bool = False):
-        """Sub-batches ``(images, texts, raw, stats)`` of global batches ``start_batch ..
+        """``SubBatch``es ``(images, texts, raw, stats, boxes)`` of global batches ``start_batch ..
         num_batches-1`` of ``epoch`` for ``rank`` (``rank_batch / sub_batch`` per global batch).
         ``pin_memory``: page-locked tensors, whose copy to the GPU does not wait for the GPU.
         ``gpu_decode``: JPEGs come encoded, as ``JpegBatch`` images (``data.decode=gpu``)."""

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from ..checkpoint import build_stored, load_checkpoint
 from ..config.schema import check_eval
 from ..models import ClipModel, from_description
+from ..models.clip import builder_node
 from .zeroshot import run_zeroshot
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ def model_from_checkpoint(state: dict) -> ClipModel:
     if "open_clip" in state:
         model = from_description(state["open_clip"])
     else:
-        model = build_stored(OmegaConf.create(state["config"]).model, "model")
+        model = build_stored(builder_node(OmegaConf.create(state["config"]).model), "model")
     model.load_state_dict(state["model"])
     return model
 

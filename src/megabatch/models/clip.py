@@ -330,17 +330,21 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
     model.train(model.training)  # frozen towers switch to eval mode
 
 
+def builder_node(node):
+    """The ``model`` config less ``compile``: a run setting (``ClipModel.compile_towers``), not a
+    builder argument."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.masked_copy(node, [key for key in node if key != "compile"]) if "compile" in node else node
+
+
 def build_model(node) -> ClipModel:
     """``instantiate`` the ``model`` config; a ``ConfigError`` raised while building reaches the
     caller as itself (one line naming the key), not wrapped in Hydra's exception."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    if "compile" in node:  # a run setting (ClipModel.compile_towers), not a builder argument
-        node = OmegaConf.masked_copy(node, [key for key in node if key != "compile"])
     try:
-        return instantiate(node, _convert_="all")
+        return instantiate(builder_node(node), _convert_="all")
     except InstantiationException as error:
         if isinstance(error.__cause__, ConfigError):
             raise error.__cause__ from None

@@ -91,7 +91,7 @@ def count_model_flops(model, images: torch.Tensor, texts: torch.Tensor) -> Model
     path). Returns them per sample."""
     counts = {}
     with torch.no_grad():
-        for tower, encode, inputs in (("image", model.encode_image, images), ("text", model.encode_text, texts)):
+        for tower, encode, inputs in (("image", model._image_features, images), ("text", model._text_features, texts)):
             with FlopCounterMode(display=False) as counter:
                 encode(inputs)
             counts[tower] = counter.get_total_flops() / len(inputs)
