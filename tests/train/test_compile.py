@@ -13,7 +13,7 @@ from megabatch.models import build_model
 from megabatch.train.parts import RunParts
 from megabatch.train.precision import Precision
 
-from ..helpers import compose, rel_error
+from ..helpers import compose, rel_error, run_ranks
 
 BASE = ["batch=32", "eval=none", "optim=sgd", "trainer.max_steps=1", "data.train.shuffle_buffer=64",
         "model.image.patch_dropout=0.25"]
@@ -36,6 +36,21 @@ def test_compiled_towers_give_the_eager_gradients(overrides):
     assert torch.allclose(compiled_loss, eager_loss, rtol=1e-5)
     for name, grad in eager.items():  # fp32 on the CPU: only the order of floating-point sums differs
         assert rel_error(compiled[name], grad) <= 1e-4, name
+
+
+def compiled_two_rank_step(rank: int, world: int) -> dict:
+    """One GradCache step on this rank of 2 (gloo), towers compiled, DDP around them."""
+    torch.set_num_threads(1)
+    _, grads = gradients("trainer.sub_batch=4", "model.image.patch_dropout=0", "model.compile=true")
+    return grads
+
+
+def test_compiled_towers_under_ddp_give_the_one_process_gradients(tmp_path):
+    single_loss, single = gradients("trainer.sub_batch=4", "model.image.patch_dropout=0")
+    for grads in run_ranks(2, compiled_two_rank_step, tmp_path=tmp_path):
+        assert grads.keys() == single.keys()
+        flat = torch.cat([g.flatten() for g in grads.values()])
+        assert rel_error(flat, torch.cat([g.flatten() for g in single.values()])) <= 1e-4
 
 
 def test_a_short_batch_is_padded_to_the_compiled_size_not_recompiled():
