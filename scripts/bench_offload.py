@@ -113,10 +113,8 @@ def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: 
 def compile_towers_now(parts) -> float:
     """Compile the towers (``model.compile=true``) before the timed steps, on synthetic inputs of one
     sub-batch: the graph-free pass's graphs and the replay's (forward and backward). Returns seconds."""
-    from megabatch.train.parts import synthetic_inputs
-
     device, model, start = parts.step.device, parts.model, time.perf_counter()
-    images, texts = synthetic_inputs(model, parts.plan.sub_batch, device)
+    images, texts = model.example_inputs(parts.plan.sub_batch, device)
     with torch.no_grad(), parts.step.precision.autocast():
         model(images, texts)
     with parts.step.precision.autocast():

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from megabatch.models import build_model
-from megabatch.train.parts import synthetic_inputs
 from megabatch.train.utilization import ModelFlops, Peak, count_model_flops, table_peak, utilization
 
 from ..helpers import compose
@@ -21,7 +20,7 @@ def transformer_layer(tokens: int, width: int, hidden: int) -> int:
 
 def test_the_tiny_models_flops_equal_a_count_by_hand():
     model = build_model(compose("model=tiny").model)  # configs/model/tiny.yaml
-    flops = count_model_flops(model, *synthetic_inputs(model, 4, torch.device("cpu")))
+    flops = count_model_flops(model, *model.example_inputs(4, torch.device("cpu")))
     patches, width = (32 // 4) ** 2, 96                 # 8 x 8 patches of 4 px, width 96
     image = (2 * patches * width * 3 * 4 * 4            # patch embedding (a 4x4 convolution)
              + 3 * transformer_layer(patches + 1, width, 192)  # 3 layers over 64 patches + the class token

@@ -91,8 +91,7 @@ class Offload:
             raw, boxes = kept
             pairs = _read_back(raw, spill_path)
             if boxes is not None:  # all JPEGs: the boxes phase 1 cut, the bytes it read
-                size, interpolation = tuple(self.transform.size), self.transform.interpolation.value
-                return gpu(JpegBatch([data for data, _ in pairs], boxes, [], None, size, interpolation))
+                return gpu(decoder.jpeg_batch([data for data, _ in pairs], boxes))
             images = decoder.again(pairs)  # rows the CPU decodes: drawn and decoded again
             return gpu(images) if isinstance(images, JpegBatch) else images.to(gpu.device, non_blocking=True)
 

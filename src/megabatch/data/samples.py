@@ -183,7 +183,7 @@ class SampleDecoder:
     (``data/gpu_decode.py``) with the same box, drawn here from the same seed."""
 
     def __init__(self, transform: Callable, seed: int, epoch: int, gpu: bool = False):
-        self.transform, self.seed, self.epoch, self.gpu = transform, seed, epoch, gpu
+        self.transform, self.seed, self.epoch = transform, seed, epoch
         self.decode = probe_jpeg if gpu else decode_rgb
 
     def sample_seed(self, position: int) -> int:
@@ -215,8 +215,13 @@ class SampleDecoder:
         boxes = torch.tensor([(0, 0, 0, 0) if torch.is_tensor(image) else image for image in images],
                              dtype=torch.int64)
         decoded = torch.stack([images[row] for row in cpu_rows]) if cpu_rows else None
-        size = tuple(self.transform.size)
-        return JpegBatch(list(data), boxes, cpu_rows, decoded, size, self.transform.interpolation.value)
+        return self.jpeg_batch(data, boxes, cpu_rows, decoded)
+
+    def jpeg_batch(self, data: list, boxes: torch.Tensor, cpu_rows: list | None = None,
+                   decoded: torch.Tensor | None = None) -> JpegBatch:
+        """A ``JpegBatch`` of this decoder's crop size and interpolation."""
+        return JpegBatch(list(data), boxes, cpu_rows or [], decoded, tuple(self.transform.size),
+                         self.transform.interpolation.value)
 
     def again(self, raw: list) -> torch.Tensor | JpegBatch:
         """A kept sub-batch's ``(bytes, position)`` pairs made into images again: what the first

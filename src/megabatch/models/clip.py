@@ -58,6 +58,13 @@ class ClipModel(nn.Module):
     def image_size(self) -> int | tuple[int, int]:
         return self.preprocess["size"]
 
+    def example_inputs(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` uint8 images of the model's size and token ids (all ones): inputs of the right
+        shapes for a FLOP count, a memory probe or a compile warm-up."""
+        size = (self.image_size,) * 2 if isinstance(self.image_size, int) else tuple(self.image_size)
+        return (torch.zeros((rows, 3, *size), dtype=torch.uint8, device=device),
+                torch.ones((rows, self.context_length), dtype=torch.long, device=device))
+
     @property
     def context_length(self) -> int:
         return int(self.model_cfg["text_cfg"].get("context_length", 77))

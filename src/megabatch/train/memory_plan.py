@@ -78,11 +78,9 @@ def batch_bytes(rank_batch: int, embed_dim: int, feature_bytes: int, kept_input_
 
 
 def probe_peak_memory(model, rows: int, precision, device: torch.device) -> int:
-    """Peak allocated bytes of one forward-backward of ``rows`` synthetic samples (uint8 images,
-    token ids) under ``precision``'s autocast; the gradients are cleared after."""
-    size = model.image_size if isinstance(model.image_size, (tuple, list)) else (model.image_size,) * 2
-    images = torch.randint(0, 256, (rows, 3, *size), dtype=torch.uint8, device=device)
-    texts = torch.randint(1, 1000, (rows, model.context_length), device=device)
+    """Peak allocated bytes of one forward-backward of ``rows`` synthetic samples
+    (``ClipModel.example_inputs``) under ``precision``'s autocast; the gradients are cleared after."""
+    images, texts = model.example_inputs(rows, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     with precision.autocast():

@@ -9,7 +9,6 @@ stream and the step. No run directory, checkpoints or logs: those are the ``Trai
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,7 +69,7 @@ class RunParts:
             # this thread's work leaves the legacy default stream: nvJPEG's calls synchronise with
             # that stream, so decoding ahead would otherwise wait for the step's queued kernels
             torch.cuda.set_stream(torch.cuda.Stream(env.device))
-        flops, peak = count_model_flops(model, *synthetic_inputs(model, min(plan.sub_batch, 256), env.device)), \
+        flops, peak = count_model_flops(model, *model.example_inputs(min(plan.sub_batch, 256), env.device)), \
             gpu_peak(env.device)
         if env.rank == 0:
             log_utilization_basis(flops, peak, decode)
@@ -143,8 +142,8 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
     if len(probes) == 1:  # a per-rank batch of at most 32: the probe ran it whole
         return rank_batch
     offload, replayed = cfg.trainer.offload, not model.frozen("image")
-    kept_per_row = model.context_length * 8 + (0 if offload or not replayed else 3 * math.prod(
-        (model.image_size,) * 2 if isinstance(model.image_size, int) else model.image_size))
+    images, texts = model.example_inputs(1, torch.device("meta"))  # one row's shapes
+    kept_per_row = texts.numel() * 8 + (0 if offload or not replayed else images.numel())
     held = batch_bytes(rank_batch, int(model.model_cfg["embed_dim"]), precision.feature_dtype.itemsize, kept_per_row,
                        sum(p.numel() for p in model.parameters() if p.requires_grad))
     capacity = torch.cuda.get_device_properties(env.device).total_memory
@@ -162,13 +161,6 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
                  choice.fit.per_row / 1e6, held / 1e9, rank_batch, choice.predicted_bytes / 1e9, capacity / 1e9,
                  cfg.trainer.memory_fraction)
     return sub_batch
-
-
-def synthetic_inputs(model: ClipModel, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` uint8 images of the model's size and token ids: what the FLOP count runs on."""
-    size = (model.image_size,) * 2 if isinstance(model.image_size, int) else tuple(model.image_size)
-    return (torch.zeros((rows, 3, *size), dtype=torch.uint8, device=device),
-            torch.ones((rows, model.context_length), dtype=torch.long, device=device))
 
 
 def log_utilization_basis(flops: ModelFlops, peak: Peak | None, decode: str) -> None:
