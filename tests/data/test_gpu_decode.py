@@ -7,6 +7,8 @@ offload replay) and against the CPU path."""
 from __future__ import annotations
 
 import io
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from PIL import Image
 
 from megabatch.config import ConfigError
 from megabatch.data.gpu_decode import GpuDecoder, decode_ahead, resolve_decode
-from megabatch.data.samples import JpegBatch, JpegHeader, SampleDecoder, decode_rgb, probe_jpeg
+from megabatch.data.samples import EncodedImages, JpegBatch, JpegHeader, SampleDecoder, decode_rgb, probe_jpeg
 from megabatch.data.transforms import crop_box, resized_crop, seeded, train_transform
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -77,7 +79,7 @@ def test_only_complete_rgb_or_grey_jpegs_are_left_to_the_gpu():
 
 def batch_of(datas: list[bytes], size: int = 24, epoch: int = 0) -> tuple[JpegBatch, SampleDecoder]:
     decoder = SampleDecoder(train_transform(size), seed=0, epoch=epoch, gpu=True)
-    return decoder.again([(data, position) for position, data in enumerate(datas)]), decoder
+    return decoder.again(EncodedImages.from_bytes(datas, list(range(len(datas))))), decoder
 
 
 def test_a_mixed_sub_batch_keeps_other_formats_decoded_and_the_decoder_cuts_the_boxes_on_cpu():
@@ -131,6 +133,76 @@ def test_batched_crops_resize_as_torch_interpolate_does(mode):
         assert torch.allclose(mine, expected, atol=1e-12)
 
 
+def test_a_sub_batchs_encoded_images_cross_the_loader_as_one_tensor(tmp_path):
+    """Loader workers send a sub-batch's files as one shared-memory tensor (not hundreds of pickled
+    byte strings): the rows are the shards' bytes, the JpegBatch and the offload's bytes are one
+    object, and the pin step moves them out of shared memory."""
+    import tarfile
+
+    from megabatch.bench import photo_shards
+    from megabatch.data.position_split import PositionSplitBatches, make_loader
+    from megabatch.data.read_ahead import held_bytes
+
+    urls = photo_shards(24, 40, tmp_path / "shards", per_shard=12)
+    originals = {}
+    for url in urls:
+        with tarfile.open(url) as tar:
+            originals.update({m.name.split(".")[0]: tar.extractfile(m).read() for m in tar if m.name.endswith(".jpg")})
+    dataset = PositionSplitBatches(urls, transform=train_transform(16), tokenize=lambda c: torch.zeros(len(c), 2),
+                                   rank_batch=24, rank=0, world_size=1, num_batches=1, seed=0, epoch=0,
+                                   sub_batch=8, keep_raw=True, gpu_decode=True)
+    subs = list(make_loader(dataset, 2))
+    assert len(subs) == 3
+    seen = []
+    for sub in subs:
+        encoded = sub.raw
+        assert isinstance(encoded, EncodedImages) and sub.images.data is encoded and len(encoded) == 8
+        assert encoded.blob.is_shared() and not encoded.pin_memory().blob.is_shared()
+        rows = [data for data, _ in encoded]
+        assert [bytes(view.numpy()) for view in encoded.views()] == rows
+        assert encoded.nbytes() == sum(len(row) for row in rows)
+        seen += rows
+    assert sorted(seen) == sorted(originals.values())  # every sample once, byte for byte
+    sub = subs[0]
+    assert held_bytes(sub) == sub.raw.nbytes() + held_bytes([sub.texts, sub.images.boxes])  # the shared bytes once
+
+
+def test_the_decoding_threads_serve_the_replay_first_and_decode_ahead_in_order():
+    """One pool serves phase 1's look-ahead and the replay: a replay task waiting behind look-ahead
+    tasks runs next; ``decode_ahead`` yields in order, stays within its depth, and raises a task's error."""
+    from megabatch.data.gpu_decode import DecodePool
+
+    pool = DecodePool(torch.device("cpu"), threads=1)
+    ran, release = [], threading.Event()
+    pool.submit(lambda _: release.wait(10), None, DecodePool.LOOK_AHEAD)  # keeps the one thread busy
+    futures = [pool.submit(ran.append, name, priority) for name, priority in
+               (("ahead-1", DecodePool.LOOK_AHEAD), ("ahead-2", DecodePool.LOOK_AHEAD), ("replay", DecodePool.REPLAY))]
+    release.set()
+    for future in futures:
+        future.result(timeout=10)
+    assert ran == ["replay", "ahead-1", "ahead-2"]
+
+    started = []
+    def source():
+        for index in range(50):
+            started.append(index)
+            yield index
+
+    ahead = decode_ahead(source(), lambda x: x * x, pool, depth=3)
+    assert next(ahead) == 0
+    time.sleep(0.2)
+    assert len(started) <= 1 + 3 + 1  # taken, at most depth queued, one waiting to be queued
+    assert list(ahead) == [x * x for x in range(1, 50)]
+
+    def fails(x):
+        if x == 2:
+            raise ValueError("bad sub-batch")
+        return x
+    with pytest.raises(ValueError, match="bad sub-batch"):
+        list(decode_ahead(iter(range(5)), fails, pool))
+    pool.close()
+
+
 def test_decode_gpu_without_cuda_is_a_clear_error():
     assert resolve_decode("auto", torch.device("cpu")) == "cpu"
     assert resolve_decode("cpu", torch.device("cpu")) == "cpu"
@@ -171,7 +243,7 @@ def test_the_offload_replay_decodes_on_the_gpu_the_same_pixels_as_phase_1(tmp_pa
                                    rank_batch=48, rank=0, world_size=1, num_batches=1, seed=0, epoch=0,
                                    sub_batch=16, keep_raw=True, gpu_decode=True)
     decoder = GpuDecoder(device)
-    first = list(decode_ahead(iter(make_loader(dataset, 2)), decoder.sub_batch, device))
+    first = list(decode_ahead(iter(make_loader(dataset, 2)), decoder.sub_batch, decoder.pool))
     assert all(sub.images.is_cuda and sub.images.shape == (16, 3, 32, 32) for sub in first)
     for spill_dir in (None, str(tmp_path / "spill")):
         offload = Offload(transform, seed=0, workers=2, spill_dir=spill_dir, gpu=decoder)

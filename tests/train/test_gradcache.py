@@ -247,3 +247,20 @@ def test_siglip_on_two_ranks_with_offload_equals_one_process(tmp_path):
             assert rel_error(result["grads"][name], single["grads"][name]) <= 1e-5, name
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+def test_a_re_decode_pool_nobody_closed_stops_when_garbage_collected():
+    """The pool's own finalizer (what garbage collection runs, perhaps before Redecoder.__del__)
+    terminates its workers: they obey its SIGTERM instead of leaving its join waiting forever."""
+    import threading
+
+    from megabatch.data.offload import Redecoder
+    from megabatch.data.transforms import train_transform
+
+    redecoder = Redecoder(train_transform(16), seed=0, workers=2)
+    redecoder.start()
+    workers = list(redecoder.pool._pool)
+    finalizer = threading.Thread(target=redecoder.pool._terminate, daemon=True)
+    finalizer.start()
+    finalizer.join(timeout=20)
+    assert not finalizer.is_alive() and not any(worker.is_alive() for worker in workers)

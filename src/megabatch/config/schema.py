@@ -84,6 +84,7 @@ class DataConfig:
     cache_dir: str = MISSING
     num_workers: int = MISSING
     decode: str = MISSING
+    decode_ahead_gb: Any = MISSING    # auto or a number of GB
     train: DataTrainConfig = field(default_factory=DataTrainConfig)
 
 
@@ -220,6 +221,10 @@ def check_data(data: DictConfig) -> None:
                           "data.train.urls='/data/cc12m/{000000..001242}.tar' (quoted: Hydra reads braces)")
     at_least(data.num_workers, "data.num_workers", 0, "8")
     choice(data.decode, "data.decode", DECODES)
+    ahead = data.decode_ahead_gb
+    if ahead != "auto" and (isinstance(ahead, bool) or not isinstance(ahead, (int, float)) or ahead < 0):
+        raise ConfigError(f"data.decode_ahead_gb={ahead!r}: give the GPU memory (GB per rank) that sub-batches "
+                          "decoded ahead of the step may take, e.g. data.decode_ahead_gb=2, or auto (4% of the GPU)")
     at_least(train.shuffle_buffer, "data.train.shuffle_buffer", 1, "5000")
     choice(train.split, "data.train.split", ("position", "shard"))
     choice(train.mode, "data.train.mode", ("epoch", "resampled"))

@@ -9,7 +9,7 @@ function), so the GPU cuts the same crop. ``GpuDecoder`` decodes a sub-batch's J
 nvJPEG call, cuts each box and resizes it with the model's interpolation (antialiased, as the CPU
 path does), and rounds to uint8: ``[n, 3, s, s]`` on the device, as the CPU path's tensors are once
 copied there. ``decode_ahead`` runs it in a thread on its own CUDA stream, a few sub-batches ahead
-of the step, for phase 1 and for the offload replay alike.
+of the step, for phase 1 and for the offload replay alike; the replay's sub-batches first (``DecodePool``).
 
 Pixels: decoding the same bytes twice on the GPU gives the same tensor bit for bit (the replay
 relies on it). Against the CPU path (libjpeg-turbo) they are equal for 4:4:4 JPEGs; for chroma-
@@ -24,10 +24,12 @@ and logged: the sample is already in the sub-batch, and sub-batches keep their s
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 import torch
 
@@ -37,31 +39,51 @@ from .samples import JpegBatch, SubBatch, decode_rgb
 log = logging.getLogger(__name__)
 def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int],
                   interpolation: str, chunk_bytes: float = 512e6) -> torch.Tensor:
-    """Each uint8 image ``[3, h_i, w_i]`` cut to its box (``boxes [n, 4]``: top, left, height,
-    width) and resized to ``size`` as ``F.interpolate(..., antialias=True)`` resizes (bicubic or
-    bilinear; nearest without antialiasing), then clamped and rounded to uint8 like the CPU path:
-    ``[n, 3, s, s]``. Batched, whatever the crops: each crop-and-resize is two matrix products with
-    per-sample resampling matrices (``resample_matrices``: the crop offset is their zero columns),
-    in float64 (exact, and free of the TF32 setting), over images of one size at a time: a
-    sub-batch costs a few dozen GPU calls, not several per image (from Python, hundreds of small
-    calls contend for the interpreter lock with the step's own thread)."""
-    device = boxes.device
-    out = torch.empty((len(images), 3, *size), dtype=torch.uint8, device=device)
+    """Each uint8 image ``[3, h_i, w_i]`` (on the GPU) cut to its box (``boxes [n, 4]`` on the CPU:
+    top, left, height, width) and resized to ``size`` as ``F.interpolate(..., antialias=True)``
+    resizes (bicubic or bilinear; nearest without antialiasing), then clamped and rounded to uint8
+    like the CPU path: ``[n, 3, s, s]``. Batched, whatever the crops: each crop-and-resize is two
+    matrix products with per-sample resampling matrices (``resample_matrices``: the crop offset is
+    their zero columns), in float64 (exact, and free of the TF32 setting), over images of one size
+    at a time: a sub-batch costs a few dozen GPU calls, not several per image. Nothing here waits
+    for the GPU: the boxes and the row order travel in page-locked memory (a pageable copy would
+    wait for every kernel queued before it)."""
+    device, n = images[0].device if images else boxes.device, len(images)
     by_shape: dict[tuple, list[int]] = {}
     for row, image in enumerate(images):
         by_shape.setdefault(tuple(image.shape), []).append(row)
+    order = [row for rows in by_shape.values() for row in rows]  # rows grouped by image size
+    on_device = to_device(boxes[order] if order != list(range(n)) else boxes, device)
+    out = torch.empty((n, 3, *size), dtype=torch.uint8, device=device)
+    done = 0
     for (_, height, width), rows in by_shape.items():
         step = max(1, int(chunk_bytes // (3 * height * width * 8)))  # float64 images per chunk
         for start in range(0, len(rows), step):
             chunk = rows[start:start + step]
-            index = torch.tensor(chunk, device=device)
             pixels = torch.stack([images[row] for row in chunk]).double()  # [m, 3, H, W]
-            crop = boxes[index]
+            crop = on_device[done:done + len(chunk)]
             along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation)  # [m, s, H]
             along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation)   # [m, s, W]
             resized = along_h.unsqueeze(1) @ pixels @ along_w.transpose(1, 2).unsqueeze(1)
-            out[index] = resized.clamp_(0, 255).round_().to(torch.uint8)
-    return out
+            out[done:done + len(chunk)] = resized.clamp_(0, 255).round_()
+            done += len(chunk)
+    return in_row_order(out, order)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor copied to ``device`` without waiting for the GPU (through page-locked memory)."""
+    if device.type == "cuda" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def in_row_order(out: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """``out``'s rows, which are rows ``order`` of a batch, put back in the batch's order."""
+    if order == list(range(len(order))):
+        return out
+    inverse = torch.empty(len(order), dtype=torch.int64)
+    inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
+    return out[to_device(inverse, out.device)]
 
 
 def resample_matrices(start: torch.Tensor, length: torch.Tensor, full: int, out: int,
@@ -124,24 +146,40 @@ class GpuDecoder:
     def __init__(self, device: torch.device):
         self.device = device
         self.corrupt_image = 0
+        self._pool: DecodePool | None = None
+
+    @property
+    def pool(self) -> DecodePool:
+        """The decoding threads (``DecodePool``), started on first use."""
+        if self._pool is None:
+            self._pool = DecodePool(self.device)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def __call__(self, batch: JpegBatch) -> torch.Tensor:
-        n = len(batch)
-        out = torch.empty((n, 3, *batch.size), dtype=torch.uint8, device=self.device)
-        cpu_rows = set(batch.cpu_rows)
+        n, cpu_rows = len(batch), set(batch.cpu_rows)
         gpu_rows = [row for row in range(n) if row not in cpu_rows]
+        parts = []
         if gpu_rows:
-            images = self._decode([batch.data[row] for row in gpu_rows])
-            boxes = batch.boxes[gpu_rows].clone()
-            for index, image in enumerate(images):
-                if image is None:  # nothing decodes it: a black image, counted in _decode
-                    images[index] = torch.zeros((3, 1, 1), dtype=torch.uint8, device=self.device)
-                    boxes[index] = torch.tensor([0, 0, 1, 1])
-            pixels = resized_crops(images, boxes.to(self.device, non_blocking=True), batch.size, batch.interpolation)
-            out[torch.tensor(gpu_rows, device=self.device)] = pixels
+            encoded = batch.data.views()
+            images = self._decode([encoded[row] for row in gpu_rows])
+            boxes = batch.boxes if not cpu_rows else batch.boxes[gpu_rows]
+            if any(image is None for image in images):
+                boxes = boxes.clone()
+                for index, image in enumerate(images):
+                    if image is None:  # nothing decodes it: a black image, counted in _decode
+                        images[index] = torch.zeros((3, 1, 1), dtype=torch.uint8, device=self.device)
+                        boxes[index] = torch.tensor([0, 0, 1, 1])
+            parts.append(resized_crops(images, boxes, batch.size, batch.interpolation))
         if cpu_rows:
-            out[torch.tensor(batch.cpu_rows, device=self.device)] = batch.decoded.to(self.device, non_blocking=True)
-        return out
+            parts.append(to_device(batch.decoded, self.device))
+        if not cpu_rows or not gpu_rows:
+            return parts[0]
+        return in_row_order(torch.cat(parts), gpu_rows + list(batch.cpu_rows))
 
     def sub_batch(self, sub: SubBatch) -> SubBatch:
         """``sub`` with its images on the device: its JPEGs decoded there. An all-JPEG sub-batch keeps
@@ -151,31 +189,82 @@ class GpuDecoder:
             return sub._replace(images=self(sub.images), boxes=boxes)
         return sub._replace(images=sub.images.to(self.device, non_blocking=True))
 
-    def _decode(self, data: list[bytes]) -> list[torch.Tensor | None]:
-        """nvJPEG on the whole list at once; if it refuses the list, row by row, a row it refuses on
-        the CPU, and a row nothing decodes as ``None`` (counted)."""
+    def _decode(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """nvJPEG on the whole list of encoded images (uint8 CPU tensors) at once; if it refuses the
+        list, row by row, a row it refuses on the CPU, and a row nothing decodes as ``None`` (counted)."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        encoded = [torch.frombuffer(bytearray(item), dtype=torch.uint8) for item in data]
         try:
             return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=self.device)
         except RuntimeError:
             pass
         images = []
-        for item, raw in zip(encoded, data, strict=True):
+        for item in encoded:
             try:
                 images.append(decode_jpeg([item], mode=ImageReadMode.RGB, device=self.device)[0])
                 continue
             except RuntimeError:
                 pass
             try:
-                images.append(decode_rgb(raw).to(self.device))
+                images.append(decode_rgb(item.numpy().tobytes()).to(self.device))
             except Exception as error:  # noqa: BLE001 - any decoder failure means a corrupt image
                 self.corrupt_image += 1
                 log.warning("an image whose JPEG header reads well does not decode (%s): a black image "
                             "takes its place in the sub-batch (%d so far)", error, self.corrupt_image)
                 images.append(None)
         return images
+
+
+class DecodePool:
+    """The GPU decoding threads of a run (each on its own CUDA stream), shared by phase 1's look-ahead
+    and the offload replay. Tasks run by ``priority`` (lower first), then in submission order: the
+    replay's go first, since the step is waiting for them, and the next phase 1's look-ahead takes
+    what decoding capacity the replay leaves (nvJPEG decodes one call at a time, so the two would
+    otherwise take turns, and the replay would wait for images the next step does not need yet).
+    A task's result comes with an event recorded on its thread's stream after its work."""
+
+    REPLAY, LOOK_AHEAD = 0, 1
+
+    def __init__(self, device: torch.device, threads: int = 2):
+        self.device = device
+        self._tasks: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._run, name=f"megabatch-gpu-decode_{index}", daemon=True)
+                         for index in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, work: Callable, item, priority: int) -> Future:
+        """A future of ``(work(item), event)``."""
+        future: Future = Future()
+        self._tasks.put((priority, next(self._order), future, work, item))
+        return future
+
+    def _run(self) -> None:
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        while True:
+            _, _, future, work, item = self._tasks.get()
+            if future is None:  # close()
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if stream is None:
+                    future.set_result((work(item), None))
+                    continue
+                with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                    result = work(item)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                future.set_result((result, event))
+            except BaseException as error:  # handed to whoever waits on the future
+                future.set_exception(error)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._tasks.put((-1, next(self._order), None, None, None))
+        for thread in self._threads:
+            thread.join(timeout=10)
 
 
 class _Done:
@@ -185,70 +274,81 @@ class _Done:
         self.error = error
 
 
-def decode_ahead(items: Iterator, work: Callable, device: torch.device, depth: int = 4,
-                 threads: int = 2) -> Iterator:
-    """``work(item)`` for each item of ``items``, in order, run by ``threads`` threads (each on its
-    own CUDA stream) up to ``depth`` items ahead of the consumer: the GPU decodes while the step
-    computes, and one thread's Python (crop boxes, resize calls) overlaps another's nvJPEG call.
-    Each result is yielded once the consumer's stream is made to wait for its work (no host sync)
-    and its tensors are marked as used on that stream. An exception in a thread is raised here;
-    closing the generator stops the threads."""
-    from concurrent.futures import ThreadPoolExecutor
+class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
+    """``work(item)`` for each item of ``items``, in order, run by ``pool``'s threads up to ``depth``
+    items ahead of the consumer, from the moment it is called: the GPU decodes while the step
+    computes. Each result is yielded once the consumer's stream is made to wait for its work (no
+    host sync) and its tensors are marked as used on that stream. An exception in a thread is
+    raised by ``next``; ``close`` stops reading ``items`` and cancels what has not started."""
 
-    local = threading.local()
+    def __init__(self, items: Iterator, work: Callable, pool: DecodePool, depth: int = 4,
+                 priority: int = DecodePool.LOOK_AHEAD):
+        self.device = pool.device
+        self._futures: queue.Queue = queue.Queue(maxsize=depth)  # in order; bounded: at most depth ahead
+        self._stop = threading.Event()
+        self._finished = False
+        self._feeder = threading.Thread(target=self._feed, args=(items, work, pool, priority),
+                                        name="megabatch-gpu-decode-feed", daemon=True)
+        self._feeder.start()
 
-    def on_own_stream(item):
-        if not hasattr(local, "stream"):
-            local.stream = torch.cuda.Stream(device)
-        with torch.cuda.device(device), torch.cuda.stream(local.stream):
-            result = work(item)
-            event = torch.cuda.Event()
-            event.record(local.stream)
-        return result, event
-
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="megabatch-gpu-decode")
-    futures: queue.Queue = queue.Queue(maxsize=depth)  # in order; bounded: at most depth ahead
-    stop = threading.Event()
-
-    def put(value) -> bool:
-        while not stop.is_set():
+    def _put(self, value) -> bool:
+        while not self._stop.is_set():
             try:
-                futures.put(value, timeout=0.1)
+                self._futures.put(value, timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def feed() -> None:  # the source is read by this one thread, in order
-        try:
+    def _feed(self, items: Iterator, work: Callable, pool: DecodePool, priority: int) -> None:
+        try:  # the source is read by this one thread, in order
             for item in items:
-                if not put(pool.submit(on_own_stream, item)):
+                if not self._put(pool.submit(work, item, priority)):
                     return
         except BaseException as error:  # handed to the consumer, raised there
-            put(_Done(error))
+            self._put(_Done(error))
             return
-        put(_Done())
+        self._put(_Done())
 
-    feeder = threading.Thread(target=feed, name="megabatch-gpu-decode-feed", daemon=True)
-    feeder.start()
-    try:
-        while True:
-            got = futures.get()
-            if isinstance(got, _Done):
-                if got.error is not None:
-                    raise got.error
-                return
+    def __iter__(self) -> decode_ahead:
+        return self
+
+    def __next__(self):
+        if self._finished:
+            raise StopIteration
+        got = self._futures.get()
+        if isinstance(got, _Done):
+            self._finished = True
+            self.close()
+            if got.error is not None:
+                raise got.error
+            raise StopIteration
+        try:
             result, event = got.result()
-            consumer = torch.cuda.current_stream(device)
+        except BaseException:
+            self.close()
+            raise
+        if event is not None:
+            consumer = torch.cuda.current_stream(self.device)
             consumer.wait_event(event)
             for tensor in _tensors(result):
                 if tensor.device.type == "cuda":
                     tensor.record_stream(consumer)  # made on a decode stream, used on this one
-            yield result
-    finally:
-        stop.set()
-        feeder.join(timeout=10)
-        pool.shutdown(wait=True, cancel_futures=True)
+        return result
+
+    def close(self) -> None:
+        self._finished = True
+        self._stop.set()
+        self._feeder.join(timeout=10)
+        while not self._futures.empty():
+            got = self._futures.get_nowait()
+            if not isinstance(got, _Done):
+                got.cancel()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ memory stays flat however large the batch. ``Offload.new_step`` releases the las
 this host are removed when the next run opens its own.
 
     offload = Offload(transform, seed, workers=16, spill_dir="/local/scratch", rank=0)
-    kept = [offload.keep(sub.raw) for sub in sub_batches]     # phase 1
+    kept = [offload.keep(sub.raw) for sub in sub_batches]     # phase 1 (EncodedImages)
     for images in offload.replay_images(kept, epoch): ...     # phase 3, same order
     offload.new_step()                                         # next step
 """
@@ -29,13 +29,14 @@ import socket
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from ..config import ConfigError
 from ..distributed.signals import ignore_stop_signals
-from .gpu_decode import GpuDecoder, decode_ahead
-from .samples import JpegBatch, SampleDecoder
+from .gpu_decode import DecodePool, GpuDecoder, decode_ahead
+from .samples import EncodedImages, JpegBatch, SampleDecoder
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,12 @@ class Offload:
         if self.spill is not None:
             self.spill.reset()
 
-    def keep(self, raw: list, boxes: torch.Tensor | None = None):
-        """What phase 1 holds on to for one sub-batch: its ``(bytes, position)`` pairs, or with a
-        spill file their ``(offset, length, position)`` there; decoding on the GPU, with the crop
-        ``boxes`` of an all-JPEG sub-batch (``SubBatch.boxes``; ``None``: drawn again)."""
-        kept = self.spill.keep(raw) if self.spill is not None else raw
+    def keep(self, raw: EncodedImages, boxes: torch.Tensor | None = None):
+        """What phase 1 holds on to for one sub-batch: its encoded images and positions (in
+        ordinary memory: ``EncodedImages.private``), or with a spill file where they are there
+        (``Spilled``); decoding on the GPU, with the crop ``boxes`` of an all-JPEG sub-batch
+        (``SubBatch.boxes``; ``None``: drawn again)."""
+        kept = self.spill.keep(raw) if self.spill is not None else raw.private()
         return (kept, boxes) if self.gpu is not None else kept
 
     def replay_images(self, kept: list, epoch: int) -> Iterator[torch.Tensor]:
@@ -89,13 +91,13 @@ class Offload:
 
         def again(kept: tuple) -> torch.Tensor:
             raw, boxes = kept
-            pairs = _read_back(raw, spill_path)
+            encoded = _read_back(raw, spill_path)
             if boxes is not None:  # all JPEGs: the boxes phase 1 cut, the bytes it read
-                return gpu(decoder.jpeg_batch([data for data, _ in pairs], boxes))
-            images = decoder.again(pairs)  # rows the CPU decodes: drawn and decoded again
+                return gpu(decoder.jpeg_batch(encoded, boxes))
+            images = decoder.again(encoded)  # rows the CPU decodes: drawn and decoded again
             return gpu(images) if isinstance(images, JpegBatch) else images.to(gpu.device, non_blocking=True)
 
-        return decode_ahead(iter(kept), again, gpu.device)
+        return decode_ahead(iter(kept), again, gpu.pool, priority=DecodePool.REPLAY)
 
     def close(self) -> None:
         self.redecoder.close()
@@ -122,25 +124,27 @@ def _exit_when_closing(closing, signum, frame) -> None:
         os._exit(0)
 
 
-def _decode_sub_batch(decoder: SampleDecoder, raw: list, spill_path: str | None = None) -> torch.Tensor:
-    """``[n, 3, s, s]`` uint8 images of one kept sub-batch: ``(bytes, position)`` pairs, or with
-    ``spill_path`` ``(offset, length, position)`` references into that file (``SpillFile``)."""
+def _decode_sub_batch(decoder: SampleDecoder, raw: EncodedImages | Spilled,
+                      spill_path: str | None = None) -> torch.Tensor:
+    """``[n, 3, s, s]`` uint8 images of one kept sub-batch (``Spilled``: in the file ``spill_path``)."""
     return torch.stack([decoder(data, position) for data, position in _read_back(raw, spill_path)])
 
 
-def _read_back(raw: list, spill_path: str | None) -> list:
-    """A kept sub-batch's ``(bytes, position)`` pairs (read from the spill file when kept there)."""
-    if spill_path is None:
+def _read_back(raw: EncodedImages | Spilled, spill_path: str | None) -> EncodedImages:
+    """A kept sub-batch's encoded images (read from the spill file, in one read, when kept there)."""
+    if not isinstance(raw, Spilled):
         return raw
-    pairs = []
     with open(spill_path, "rb") as file:
-        for offset, length, position in raw:
-            file.seek(offset)
-            pairs.append((file.read(length), position))
-    return pairs
+        file.seek(raw.offset)
+        data = bytearray(file.read(raw.length))
+    if len(data) != raw.length:
+        raise RuntimeError(f"the offload spill file {spill_path} ends {raw.length - len(data)} bytes short of "
+                           "what this step kept there (was it truncated or deleted during the step?)")
+    blob = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return EncodedImages(blob, raw.offsets, raw.positions)
 
 
-def _redecode_sub_batch(epoch: int, raw: list, spill_path: str | None = None) -> torch.Tensor:
+def _redecode_sub_batch(epoch: int, raw: EncodedImages | Spilled, spill_path: str | None = None) -> torch.Tensor:
     decoder = SampleDecoder(_worker_decoder["transform"], _worker_decoder["seed"], epoch)
     return _decode_sub_batch(decoder, raw, spill_path)
 
@@ -176,6 +180,16 @@ def remove_stale_spill_files(folder: Path) -> None:
                         path, size / 1e9)
 
 
+class Spilled(NamedTuple):
+    """Where a kept sub-batch's ``EncodedImages`` are in the spill file: ``length`` bytes at
+    ``offset``, with the rows' ``offsets`` within them and their ``positions``."""
+
+    offset: int
+    length: int
+    offsets: torch.Tensor
+    positions: torch.Tensor
+
+
 class SpillFile:
     """``trainer.offload_dir``: a step's kept image bytes appended to one local file (per rank)
     instead of held in host memory; the replay reads them back by (offset, length). Host memory
@@ -194,14 +208,12 @@ class SpillFile:
                               "give a local scratch path, or null to keep the bytes in host memory") from None
         self.offset = 0
 
-    def keep(self, raw: list) -> list:
-        """Append ``(bytes, position)`` pairs; return their ``(offset, length, position)``."""
-        refs = []
-        for data, position in raw:
-            self.file.write(data)
-            refs.append((self.offset, len(data), position))
-            self.offset += len(data)
-        return refs
+    def keep(self, raw: EncodedImages) -> Spilled:
+        """Append a sub-batch's encoded images (one write); return where they are."""
+        self.file.write(raw.blob.numpy().data)
+        kept = Spilled(self.offset, raw.nbytes(), raw.offsets.clone(), raw.positions.clone())  # not shared memory
+        self.offset += kept.length
+        return kept
 
     def flush(self) -> None:
         self.file.flush()
@@ -213,6 +225,22 @@ class SpillFile:
     def close(self) -> None:
         self.file.close()
         Path(self.path).unlink(missing_ok=True)
+
+
+def _obedient_pool(closing) -> type:
+    """A ``multiprocessing`` pool class whose termination first sets ``closing``, so that its workers
+    obey the SIGTERM it sends, however it is terminated: by ``Redecoder.close`` or by the pool's own
+    finalizer when garbage collection reaches a pool nobody closed (which may run before
+    ``Redecoder.__del__``: the workers would then ignore the signal and the join would wait forever)."""
+    import multiprocessing.pool
+
+    class ObedientPool(multiprocessing.pool.Pool):
+        @classmethod
+        def _terminate_pool(cls, *args, **kwargs):
+            closing.value = 1
+            return super()._terminate_pool(*args, **kwargs)
+
+    return ObedientPool
 
 
 class Redecoder:
@@ -256,8 +284,9 @@ class Redecoder:
             import torch.multiprocessing as mp
 
             self.closing.value = 0
-            self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_redecode_worker,
-                                                    initargs=(self.transform, self.seed, self.closing))
+            self.pool = _obedient_pool(self.closing)(self.workers, initializer=_init_redecode_worker,
+                                                     initargs=(self.transform, self.seed, self.closing),
+                                                     context=mp.get_context("fork"))
 
     def __del__(self) -> None:
         """Not closed (a test, a notebook): the pool's own finalizer terminates it; let the workers obey."""

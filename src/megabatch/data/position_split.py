@@ -17,7 +17,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..distributed.signals import ignore_stop_signals
-from .samples import SampleDecoder, Stats, SubBatch, decode_pair
+from .samples import EncodedImages, SampleDecoder, Stats, SubBatch, decode_pair
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,8 @@ class PositionSplitBatches(IterableDataset):
     """This rank's sub-batches of one epoch: ``(images [sub_batch, 3, s, s] (with ``gpu_decode`` a
     ``JpegBatch``), texts [sub_batch, ctx], raw)``, ``rank_batch / sub_batch`` consecutive ones per global batch.
 
-    ``raw`` is ``None``, or with ``keep_raw`` the list of ``(image bytes, stream position)`` from
-    which ``SampleDecoder`` re-creates the images exactly. ``num_batches`` global batches are
+    ``raw`` is ``None``, or with ``keep_raw`` the sub-batch's encoded images and stream positions
+    (``EncodedImages``), from which ``SampleDecoder`` re-creates the images exactly. ``num_batches`` global batches are
     produced (the last incomplete one is dropped); batches before ``start_batch`` are skipped
     without decoding. Sub-batch ``k`` (counted from the start) is built by loader worker
     ``k % num_workers``, matching the DataLoader's round-robin order.
@@ -59,7 +59,7 @@ class PositionSplitBatches(IterableDataset):
         self.sub_batch = sub_batch or rank_batch
         self.num_batches, self.start_batch = num_batches, start_batch
         self.seed, self.epoch, self.shuffle_buffer = seed, epoch, shuffle_buffer
-        self.keep_raw = keep_raw
+        self.keep_raw, self.gpu_decode = keep_raw, gpu_decode
         self.stats = Stats()
 
     def _stream(self) -> Iterator[dict]:
@@ -135,9 +135,11 @@ class PositionSplitBatches(IterableDataset):
                                    + f"{self.stats.as_dict()}")
             samples = (samples * (self.sub_batch // len(samples) + 1))[: self.sub_batch]
         self._last_samples = samples
-        images = self.decoder.collate([s[2] for s in samples], [s[0] for s in samples])
+        encoded = EncodedImages.from_bytes([s[0] for s in samples], [s[1] for s in samples]) \
+            if self.keep_raw or self.gpu_decode else None
+        images = self.decoder.collate([s[2] for s in samples], encoded)
         texts = self.tokenize([s[3] for s in samples])
-        raw = [(s[0], s[1]) for s in samples] if self.keep_raw else None
+        raw = encoded if self.keep_raw else None
         return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()})
 
 

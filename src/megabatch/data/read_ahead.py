@@ -24,17 +24,26 @@ from collections.abc import Iterator
 
 import torch
 
+from .samples import EncodedImages
 
-def held_bytes(item) -> int:
-    """Host bytes an item holds: its tensors' and byte strings' sizes, through tuples, lists and dicts."""
+
+def held_bytes(item, seen: set | None = None) -> int:
+    """Host bytes an item holds: its tensors', byte strings' and ``EncodedImages``' sizes (each of
+    those once: a sub-batch's images and its offload bytes share one), through tuples, lists and dicts."""
+    seen = set() if seen is None else seen
+    if isinstance(item, EncodedImages):
+        if id(item) in seen:
+            return 0
+        seen.add(id(item))
+        return item.nbytes()
     if isinstance(item, torch.Tensor):
         return item.numel() * item.element_size()
     if isinstance(item, (bytes, bytearray, memoryview)):
         return len(item)
     if isinstance(item, dict):
-        return sum(held_bytes(value) for value in item.values())
+        return sum(held_bytes(value, seen) for value in item.values())
     if isinstance(item, (tuple, list)):
-        return sum(held_bytes(value) for value in item)
+        return sum(held_bytes(value, seen) for value in item)
     return 0
 
 

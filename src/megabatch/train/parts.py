@@ -65,6 +65,7 @@ class RunParts:
         plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision))
         decode = resolve_decode(cfg.data.decode, env.device)
         gpu_decoder = GpuDecoder(env.device) if decode == "gpu" else None
+        ahead = decode_ahead_depth(cfg, plan, model, env.device) if gpu_decoder is not None else 0
         if gpu_decoder is not None:
             # this thread's work leaves the legacy default stream: nvJPEG's calls synchronise with
             # that stream, so decoding ahead would otherwise wait for the step's queued kernels
@@ -72,7 +73,7 @@ class RunParts:
         flops, peak = count_model_flops(model, *model.example_inputs(min(plan.sub_batch, 256), env.device)), \
             gpu_peak(env.device)
         if env.rank == 0:
-            log_utilization_basis(flops, peak, decode)
+            log_utilization_basis(flops, peak, decode, ahead)
         loss = instantiate(cfg.loss)
         check_bias(model, loss)
         optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
@@ -84,7 +85,7 @@ class RunParts:
         inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
                            pin_memory=env.device.type == "cuda",
                            read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
-                           gpu_decoder=gpu_decoder)
+                           gpu_decoder=gpu_decoder, decode_ahead=ahead)
         if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
             model.compile_towers(plan.sub_batch)
         step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
@@ -94,9 +95,11 @@ class RunParts:
         return cls(model, tokenize, data, plan, optimizer, peak_lr, schedule, offload, inputs, step, flops, peak)
 
     def close(self) -> None:
-        """Stop the offload's re-decode workers and delete its spill file."""
+        """Stop the offload's re-decode workers, delete its spill file, stop the GPU decoding threads."""
         if self.offload is not None:
             self.offload.close()
+        if self.inputs.gpu_decoder is not None:
+            self.inputs.gpu_decoder.close()
 
 
 def check_bias(model: ClipModel, loss) -> None:
@@ -147,6 +150,8 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
     held = batch_bytes(rank_batch, int(model.model_cfg["embed_dim"]), precision.feature_dtype.itemsize, kept_per_row,
                        sum(p.numel() for p in model.parameters() if p.requires_grad))
     capacity = torch.cuda.get_device_properties(env.device).total_memory
+    if resolve_decode(cfg.data.decode, env.device) == "gpu":
+        held += decode_ahead_bytes(cfg, capacity)  # images decoded ahead of the step
     choice = plan_sub_batch(rank_batch, MemoryFit.through(probes), capacity, cfg.trainer.memory_fraction, held)
     sub_batch = choice.sub_batch
     if env.distributed:  # every rank must split its batch alike: the smallest choice wins
@@ -163,11 +168,28 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
     return sub_batch
 
 
-def log_utilization_basis(flops: ModelFlops, peak: Peak | None, decode: str) -> None:
+def decode_ahead_bytes(cfg: DictConfig, capacity: float) -> float:
+    """``data.decode_ahead_gb`` in bytes (``auto``: 4% of the GPU's ``capacity``)."""
+    budget = cfg.data.decode_ahead_gb
+    return 0.04 * capacity if budget == "auto" else float(budget) * 1e9
+
+
+def decode_ahead_depth(cfg: DictConfig, plan: BatchPlan, model: ClipModel, device: torch.device) -> int:
+    """Sub-batches the GPU decodes ahead of the step (``data.decode=gpu``): as many as
+    ``data.decode_ahead_gb`` holds as uint8 images, at most one step's, at least 2. Decoding goes on
+    through the loss and the replay, so the next phase 1 finds its first sub-batches decoded."""
+    images, _ = model.example_inputs(1, torch.device("meta"))
+    per_sub_batch = plan.sub_batch * images.numel()  # uint8 pixels
+    budget = decode_ahead_bytes(cfg, torch.cuda.get_device_properties(device).total_memory)
+    return max(2, min(plan.sub_batches, int(budget // per_sub_batch)))
+
+
+def log_utilization_basis(flops: ModelFlops, peak: Peak | None, decode: str, ahead: int) -> None:
     log.info("model FLOPs per sample: image %.2f + text %.2f GFLOP forward, %.2f GFLOP per trained sample; GPU peak "
-             "%s; JPEG decoding on the %s (data.decode)", flops.image_forward / 1e9, flops.text_forward / 1e9,
+             "%s; JPEG decoding on the %s (data.decode)%s", flops.image_forward / 1e9, flops.text_forward / 1e9,
              flops.per_sample / 1e9, f"{peak.tflops:.0f} TFLOP/s bf16, {peak.source}" if peak else "none (CPU)",
-             decode.upper() if decode == "gpu" else "CPU")
+             decode.upper() if decode == "gpu" else "CPU",
+             f", up to {ahead} sub-batches ahead of the step (data.decode_ahead_gb)" if decode == "gpu" else "")
 
 
 def build_offload(cfg: DictConfig, model: ClipModel, data: TrainData, rank: int,

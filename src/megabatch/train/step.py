@@ -146,12 +146,13 @@ class TrainStep:
         times["data"] = encoded.data_s
         times["encode"] = self._lap(start) - encoded.data_s
         start = time.perf_counter()
+        # decoding on the GPU, the offload's re-decoding starts now: the replay's first images are ready after the loss
+        again = self.keep.offload.replay_images(encoded.kept, epoch) if encoded.kept else None
         grads = loss_and_feature_grads(self.loss_fn, encoded, self.model.logit_scale, self.model.logit_bias,
                                        self.precision)
         times["loss"] = self._lap(start)
         progress.set_description("replay")
         start = time.perf_counter()
-        again = self.keep.offload.replay_images(encoded.kept, epoch) if encoded.kept else None
         waited = replay(self.wrapped, encoded, grads, self.precision, again, progress)
         times["data"] += waited
         times["replay"] = self._lap(start) - waited
