@@ -24,12 +24,14 @@ and logged: the sample is already in the sub-batch, and sub-batches keep their s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 
@@ -38,35 +40,47 @@ from .samples import JpegBatch, SubBatch, decode_rgb
 
 log = logging.getLogger(__name__)
 def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int],
-                  interpolation: str, chunk_bytes: float = 512e6) -> torch.Tensor:
+                  interpolation: str, chunk_bytes: float = 256e6) -> torch.Tensor:
     """Each uint8 image ``[3, h_i, w_i]`` (on the GPU) cut to its box (``boxes [n, 4]`` on the CPU:
     top, left, height, width) and resized to ``size`` as ``F.interpolate(..., antialias=True)``
     resizes (bicubic or bilinear; nearest without antialiasing), then clamped and rounded to uint8
     like the CPU path: ``[n, 3, s, s]``. Batched, whatever the crops: each crop-and-resize is two
     matrix products with per-sample resampling matrices (``resample_matrices``: the crop offset is
-    their zero columns), in float64 (exact, and free of the TF32 setting), over images of one size
-    at a time: a sub-batch costs a few dozen GPU calls, not several per image. Nothing here waits
-    for the GPU: the boxes and the row order travel in page-locked memory (a pageable copy would
-    wait for every kernel queued before it)."""
+    their zero columns), over images of one size at a time, in fp32 with TF32 off (the result
+    rounds as float64's but where an exact value lies within ~1e-5 of a half; the same inputs give
+    the same bits, which the replay needs). A sub-batch costs a few dozen GPU calls, not several
+    per image, and nothing here waits for the GPU: the boxes and the row order travel in
+    page-locked memory (a pageable copy would wait for every kernel queued before it)."""
+    from ..kernels.torch_tiles import fp32_matmul
+
     device, n = images[0].device if images else boxes.device, len(images)
     by_shape: dict[tuple, list[int]] = {}
     for row, image in enumerate(images):
         by_shape.setdefault(tuple(image.shape), []).append(row)
     order = [row for rows in by_shape.values() for row in rows]  # rows grouped by image size
-    on_device = to_device(boxes[order] if order != list(range(n)) else boxes, device)
+    boxes = boxes[order] if order != list(range(n)) else boxes
+    on_device = to_device(boxes, device)
     out = torch.empty((n, 3, *size), dtype=torch.uint8, device=device)
+    exact = fp32_matmul("ieee") if device.type == "cuda" else contextlib.nullcontext()
     done = 0
     for (_, height, width), rows in by_shape.items():
-        step = max(1, int(chunk_bytes // (3 * height * width * 8)))  # float64 images per chunk
+        step = max(1, int(chunk_bytes // (3 * height * width * 4)))  # fp32 images per chunk
         for start in range(0, len(rows), step):
-            chunk = rows[start:start + step]
-            pixels = torch.stack([images[row] for row in chunk]).double()  # [m, 3, H, W]
-            crop = on_device[done:done + len(chunk)]
-            along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation)  # [m, s, H]
-            along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation)   # [m, s, W]
-            resized = along_h.unsqueeze(1) @ pixels @ along_w.transpose(1, 2).unsqueeze(1)
-            out[done:done + len(chunk)] = resized.clamp_(0, 255).round_()
-            done += len(chunk)
+            m = len(rows[start:start + step])
+            # rows first, the three channels side by side: [m, H, 3W] (one product per sample, no
+            # broadcast copies of the resampling matrices)
+            pixels = torch.stack([images[row] for row in order[done:done + m]])
+            pixels = pixels.permute(0, 2, 1, 3).reshape(m, height, 3 * width)
+            crop, cpu_crop = on_device[done:done + m], boxes[done:done + m]
+            along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation, torch.float32,
+                                        taps(cpu_crop[:, 2], size[0], interpolation))  # [m, s, H]
+            along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation, torch.float32,
+                                        taps(cpu_crop[:, 3], size[1], interpolation))  # [m, s, W]
+            with exact:
+                tall = torch.bmm(along_h, pixels.float()).view(m, size[0] * 3, width)  # [m, s*3, W]
+                resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
+            out[done:done + m] = resized.clamp_(0, 255).round_().permute(0, 2, 1, 3)
+            done += m
     return in_row_order(out, order)
 
 
@@ -86,37 +100,55 @@ def in_row_order(out: torch.Tensor, order: list[int]) -> torch.Tensor:
     return out[to_device(inverse, out.device)]
 
 
-def resample_matrices(start: torch.Tensor, length: torch.Tensor, full: int, out: int,
-                      interpolation: str) -> torch.Tensor:
+def taps(lengths: torch.Tensor, out: int, interpolation: str) -> int:
+    """The most input pixels one output pixel reads along an axis, for crops of ``lengths`` (CPU)
+    resized to ``out``: the filter's support, widened by the scale when shrinking, both sides."""
+    if interpolation == "nearest" or len(lengths) == 0:
+        return 1
+    half = 2.0 if interpolation == "bicubic" else 1.0
+    return int(2 * half * max(int(lengths.max()) / out, 1.0)) + 2
+
+
+def resample_matrices(start: torch.Tensor, length: torch.Tensor, full: int, out: int, interpolation: str,
+                      dtype: torch.dtype = torch.float64, taps_per_pixel: int | None = None) -> torch.Tensor:
     """``[m, out, full]``: row ``i`` of sample ``k`` holds the weights that output pixel ``i`` gives
     the input pixels ``start[k] .. start[k] + length[k]`` along one axis (zero elsewhere): PyTorch's
     antialiased resampling (``aten/src/ATen/native/cpu/UpSampleKernel.cpp``, ``align_corners=False``):
-    the filter widened by the scale when shrinking, cut to the window ``[xmin, xmax)``, normalised."""
-    start, length = start.double()[:, None, None], length.double()[:, None, None]
+    the filter widened by the scale when shrinking, cut to the window ``[xmin, xmax)``, normalised.
+    The weights are computed in float64 over each output pixel's window only (``taps_per_pixel``
+    input pixels, ``taps``: from the CPU's copy of the lengths, so nothing waits for the GPU) and
+    scattered into the matrix of ``dtype``."""
+    device = start.device
+    start, length = start.double()[:, None], length.double()[:, None]  # [m, 1]
     scale = length / out
-    i = torch.arange(out, device=start.device, dtype=torch.float64)[None, :, None]
-    j = torch.arange(full, device=start.device, dtype=torch.float64)[None, None, :] - start  # within the crop
+    i = torch.arange(out, device=device, dtype=torch.float64)[None, :]  # [1, out]
     if interpolation == "nearest":  # F.interpolate's nearest: source floor(i * scale)
-        source = torch.minimum(torch.floor(i * scale), length - 1)
-        return (j == source).double()
-    half = 2.0 if interpolation == "bicubic" else 1.0  # the filter's support: 2 (bicubic), 1 (bilinear)
-    shrinking = scale >= 1.0
-    support = torch.where(shrinking, half * scale, torch.full_like(scale, half))
-    invscale = torch.where(shrinking, 1.0 / scale, torch.ones_like(scale))
-    center = scale * (i + 0.5)
-    xmin = torch.clamp(torch.trunc(center - support + 0.5), min=0.0)
-    xmax = torch.minimum(torch.trunc(center + support + 0.5), length)
-    x = ((j - center + 0.5) * invscale).abs()
-    if interpolation == "bicubic":  # Keys' cubic with a = -0.5, as PIL and PyTorch's antialiasing
-        a = -0.5
-        weights = torch.where(x < 1.0, ((a + 2) * x - (a + 3)) * x * x + 1,
-                              torch.where(x < 2.0, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, torch.zeros_like(x)))
+        within = torch.minimum(torch.floor(i * scale), length - 1)[..., None]  # [m, out, 1]
+        weights = torch.ones_like(within)
     else:
-        weights = torch.clamp(1.0 - x, min=0.0)
-    weights = torch.where((j >= xmin) & (j < xmax), weights, torch.zeros_like(weights))
-    total = weights.sum(-1, keepdim=True)
-    return torch.where(total != 0, weights / total, weights)
-
+        half = 2.0 if interpolation == "bicubic" else 1.0  # the filter's support: 2 (bicubic), 1 (bilinear)
+        shrinking = scale >= 1.0
+        support = torch.where(shrinking, half * scale, torch.full_like(scale, half))
+        invscale = torch.where(shrinking, 1.0 / scale, torch.ones_like(scale))
+        center = scale * (i + 0.5)  # [m, out]
+        xmin = torch.clamp(torch.trunc(center - support + 0.5), min=0.0)
+        xmax = torch.minimum(torch.trunc(center + support + 0.5), length)
+        if taps_per_pixel is None:
+            taps_per_pixel = taps(length.cpu(), out, interpolation)
+        within = xmin[..., None] + torch.arange(taps_per_pixel, device=device, dtype=torch.float64)  # [m, out, K]
+        x = ((within - center[..., None] + 0.5) * invscale[..., None]).abs()
+        if interpolation == "bicubic":  # Keys' cubic with a = -0.5, as PIL and PyTorch's antialiasing
+            a = -0.5
+            weights = torch.where(x < 1.0, ((a + 2) * x - (a + 3)) * x * x + 1,
+                                  torch.where(x < 2.0, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, torch.zeros_like(x)))
+        else:
+            weights = torch.clamp(1.0 - x, min=0.0)
+        weights = torch.where(within < xmax[..., None], weights, torch.zeros_like(weights))
+        total = weights.sum(-1, keepdim=True)
+        weights = torch.where(total != 0, weights / total, weights)
+    columns = (within + start[..., None]).clamp_(max=full - 1).long()  # taps past the window weigh 0
+    matrices = torch.zeros((len(start), out, full), dtype=dtype, device=device)
+    return matrices.scatter_add_(2, columns, weights.to(dtype))
 
 
 def check_gpu_decode(device: torch.device) -> None:
@@ -139,9 +171,32 @@ def resolve_decode(decode: str, device: torch.device) -> str:
     return decode
 
 
+class Decoded(NamedTuple):
+    """A ``JpegBatch`` decoded on the GPU but not yet cut: ``images``, the full decoded images of the
+    rows the GPU decoded (``gpu_rows``), their crop ``boxes`` (CPU), and the other rows' crops
+    (``cpu_images``, on the device), for ``GpuDecoder.finish``."""
+
+    images: list
+    boxes: torch.Tensor | None
+    gpu_rows: list
+    cpu_images: torch.Tensor | None
+    cpu_rows: list
+    size: tuple
+    interpolation: str
+
+    def nbytes(self) -> int:
+        tensors = [*self.images, *([self.cpu_images] if self.cpu_images is not None else [])]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
 class GpuDecoder:
     """Turns a ``JpegBatch`` into uint8 images ``[n, 3, s, s]`` on ``device``, on the current CUDA
-    stream. ``corrupt_image``: rows nothing could decode (black images), counted for the logs."""
+    stream, in two halves: ``decode`` (nvJPEG: one call that waits for the GPU, run by the decoding
+    threads) and ``finish`` (the crops and resizes: a few dozen short GPU calls, run by the thread
+    that uses the images, which holds the interpreter lock anyway: from a decoding thread each call
+    would wait to take the lock back from the step's thread, and decoding a sub-batch took 100-200 ms
+    instead of 36, measured on an H100). ``corrupt_image``: rows nothing could decode (black
+    images), counted for the logs."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -161,12 +216,15 @@ class GpuDecoder:
             self._pool = None
 
     def __call__(self, batch: JpegBatch) -> torch.Tensor:
+        return self.finish(self.decode(batch))
+
+    def decode(self, batch: JpegBatch) -> Decoded:
         n, cpu_rows = len(batch), set(batch.cpu_rows)
         gpu_rows = [row for row in range(n) if row not in cpu_rows]
-        parts = []
+        images, boxes = [], None
         if gpu_rows:
             encoded = batch.data.views()
-            images = self._decode([encoded[row] for row in gpu_rows])
+            images = self._decode(encoded if not cpu_rows else [encoded[row] for row in gpu_rows])
             boxes = batch.boxes if not cpu_rows else batch.boxes[gpu_rows]
             if any(image is None for image in images):
                 boxes = boxes.clone()
@@ -174,20 +232,33 @@ class GpuDecoder:
                     if image is None:  # nothing decodes it: a black image, counted in _decode
                         images[index] = torch.zeros((3, 1, 1), dtype=torch.uint8, device=self.device)
                         boxes[index] = torch.tensor([0, 0, 1, 1])
-            parts.append(resized_crops(images, boxes, batch.size, batch.interpolation))
-        if cpu_rows:
-            parts.append(to_device(batch.decoded, self.device))
-        if not cpu_rows or not gpu_rows:
+        cpu_images = to_device(batch.decoded, self.device) if cpu_rows else None
+        return Decoded(images, boxes, gpu_rows, cpu_images, list(batch.cpu_rows), batch.size, batch.interpolation)
+
+    def finish(self, decoded: Decoded | torch.Tensor) -> torch.Tensor:
+        """The uint8 crops ``[n, 3, s, s]`` of a ``decode`` result (a tensor is returned as it is)."""
+        if torch.is_tensor(decoded):
+            return decoded
+        parts = []
+        if decoded.gpu_rows:
+            parts.append(resized_crops(decoded.images, decoded.boxes, decoded.size, decoded.interpolation))
+        if decoded.cpu_rows:
+            parts.append(decoded.cpu_images)
+        if not decoded.cpu_rows or not decoded.gpu_rows:
             return parts[0]
-        return in_row_order(torch.cat(parts), gpu_rows + list(batch.cpu_rows))
+        return in_row_order(torch.cat(parts), decoded.gpu_rows + decoded.cpu_rows)
 
     def sub_batch(self, sub: SubBatch) -> SubBatch:
-        """``sub`` with its images on the device: its JPEGs decoded there. An all-JPEG sub-batch keeps
-        its crop boxes (``SubBatch.boxes``): the offload replay cuts them again without redrawing."""
+        """``sub`` with its JPEGs decoded on the device (``Decoded``, for ``finish_sub_batch``), its
+        other images copied there. An all-JPEG sub-batch keeps its crop boxes (``SubBatch.boxes``):
+        the offload replay cuts them again without redrawing."""
         if isinstance(sub.images, JpegBatch):
             boxes = None if sub.images.cpu_rows else sub.images.boxes
-            return sub._replace(images=self(sub.images), boxes=boxes)
-        return sub._replace(images=sub.images.to(self.device, non_blocking=True))
+            return sub._replace(images=self.decode(sub.images), boxes=boxes)
+        return sub._replace(images=to_device(sub.images, self.device))
+
+    def finish_sub_batch(self, sub: SubBatch) -> SubBatch:
+        return sub._replace(images=self.finish(sub.images))
 
     def _decode(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """nvJPEG on the whole list of encoded images (uint8 CPU tensors) at once; if it refuses the
@@ -226,7 +297,7 @@ class DecodePool:
     REPLAY, LOOK_AHEAD = 0, 1
 
     def __init__(self, device: torch.device, threads: int = 2):
-        self.device = device
+        self.device, self.threads = device, threads
         self._tasks: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._threads = [threading.Thread(target=self._run, name=f"megabatch-gpu-decode_{index}", daemon=True)
@@ -275,16 +346,21 @@ class _Done:
 
 
 class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
-    """``work(item)`` for each item of ``items``, in order, run by ``pool``'s threads up to ``depth``
-    items ahead of the consumer, from the moment it is called: the GPU decodes while the step
-    computes. Each result is yielded once the consumer's stream is made to wait for its work (no
-    host sync) and its tensors are marked as used on that stream. An exception in a thread is
+    """``work(item)`` for each item of ``items``, in order, run by ``pool``'s threads from the moment
+    it is called, up to ``depth`` items and ``budget_bytes`` of results (``held_bytes``; at least
+    one item) ahead of the consumer: the GPU decodes while the step computes. Each result is passed
+    to ``finish`` in the consumer's thread, once the consumer's stream is made to wait for its work
+    (no host sync) and its tensors are marked as used on that stream. An exception in a thread is
     raised by ``next``; ``close`` stops reading ``items`` and cancels what has not started."""
 
     def __init__(self, items: Iterator, work: Callable, pool: DecodePool, depth: int = 4,
-                 priority: int = DecodePool.LOOK_AHEAD):
-        self.device = pool.device
+                 priority: int = DecodePool.LOOK_AHEAD, finish: Callable | None = None,
+                 budget_bytes: float = float("inf")):
+        self.device, self._finish, self._budget = pool.device, finish, budget_bytes
         self._futures: queue.Queue = queue.Queue(maxsize=depth)  # in order; bounded: at most depth ahead
+        self._held = 0  # bytes of results done and not yet taken
+        self._running, self._threads = 0, pool.threads  # submitted and not done; at most one per thread
+        self._room = threading.Condition()
         self._stop = threading.Event()
         self._finished = False
         self._feeder = threading.Thread(target=self._feed, args=(items, work, pool, priority),
@@ -300,10 +376,30 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
                 continue
         return False
 
+    def _wait_for_room(self) -> bool:
+        """Wait until the results waiting for the consumer are under the budget and a thread is free
+        (a result's size is known only once it is done)."""
+        with self._room:
+            while (self._held >= self._budget or self._running >= self._threads) and not self._stop.is_set():
+                self._room.wait(timeout=0.1)
+            self._running += 1
+        return not self._stop.is_set()
+
+    def _done(self, future: Future) -> None:
+        done = not future.cancelled() and future.exception() is None
+        with self._room:
+            self._running -= 1
+            self._held += held_bytes(future.result()[0]) if done else 0
+            self._room.notify_all()
+
     def _feed(self, items: Iterator, work: Callable, pool: DecodePool, priority: int) -> None:
         try:  # the source is read by this one thread, in order
             for item in items:
-                if not self._put(pool.submit(work, item, priority)):
+                if not self._wait_for_room():
+                    return
+                future = pool.submit(work, item, priority)
+                future.add_done_callback(self._done)
+                if not self._put(future):
                     return
         except BaseException as error:  # handed to the consumer, raised there
             self._put(_Done(error))
@@ -328,13 +424,16 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         except BaseException:
             self.close()
             raise
+        with self._room:
+            self._held -= held_bytes(result)
+            self._room.notify_all()
         if event is not None:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_event(event)
             for tensor in _tensors(result):
                 if tensor.device.type == "cuda":
                     tensor.record_stream(consumer)  # made on a decode stream, used on this one
-        return result
+        return self._finish(result) if self._finish is not None else result
 
     def close(self) -> None:
         self._finished = True
@@ -349,6 +448,11 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+
+
+def held_bytes(result) -> int:
+    """Device bytes a decoding result holds: its device tensors', through tuples and lists."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in _tensors(result) if tensor.device.type != "cpu")
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -35,7 +35,7 @@ import torch
 
 from ..config import ConfigError
 from ..distributed.signals import ignore_stop_signals
-from .gpu_decode import DecodePool, GpuDecoder, decode_ahead
+from .gpu_decode import DecodePool, GpuDecoder, decode_ahead, to_device
 from .samples import EncodedImages, JpegBatch, SampleDecoder
 
 log = logging.getLogger(__name__)
@@ -89,15 +89,15 @@ class Offload:
         decoder, gpu = SampleDecoder(self.transform, self.seed, epoch, gpu=True), self.gpu
         spill_path = self.spill_path
 
-        def again(kept: tuple) -> torch.Tensor:
+        def again(kept: tuple):
             raw, boxes = kept
             encoded = _read_back(raw, spill_path)
             if boxes is not None:  # all JPEGs: the boxes phase 1 cut, the bytes it read
-                return gpu(decoder.jpeg_batch(encoded, boxes))
+                return gpu.decode(decoder.jpeg_batch(encoded, boxes))
             images = decoder.again(encoded)  # rows the CPU decodes: drawn and decoded again
-            return gpu(images) if isinstance(images, JpegBatch) else images.to(gpu.device, non_blocking=True)
+            return gpu.decode(images) if isinstance(images, JpegBatch) else to_device(images, gpu.device)
 
-        return decode_ahead(iter(kept), again, gpu.pool, priority=DecodePool.REPLAY)
+        return decode_ahead(iter(kept), again, gpu.pool, priority=DecodePool.REPLAY, finish=gpu.finish)
 
     def close(self) -> None:
         self.redecoder.close()

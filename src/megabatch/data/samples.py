@@ -103,9 +103,8 @@ class EncodedImages:
             yield data[offsets[row]:offsets[row + 1]], position
 
     def views(self) -> list[torch.Tensor]:
-        """Each row's bytes as a uint8 tensor viewing ``blob``."""
-        offsets = self.offsets.tolist()
-        return [self.blob[offsets[row]:offsets[row + 1]] for row in range(len(self))]
+        """Each row's bytes as a uint8 tensor viewing ``blob`` (one call, not one per row)."""
+        return list(torch.split(self.blob, self.offsets.diff().tolist()))
 
     def nbytes(self) -> int:
         return self.blob.numel()

@@ -27,15 +27,15 @@ class RunInputs:
     ``pin_memory``: page-locked tensors (CUDA); ``read_ahead_bytes``: a thread keeps taking
     sub-batches from the loader during the loss and the replay (``data/read_ahead.py``);
     ``gpu_decoder`` (``data.decode=gpu``): the workers leave JPEGs encoded and a thread decodes them
-    on the GPU up to ``decode_ahead`` sub-batches ahead (``data/gpu_decode.py``): the images come
-    out on the device."""
+    on the GPU ahead of the step, within ``decode_ahead_bytes`` of GPU memory (``data/gpu_decode.py``):
+    the images come out on the device."""
 
     def __init__(self, data: TrainData, plan: BatchPlan, rank: int, *, keep_raw: bool = False,
                  pin_memory: bool = False, read_ahead_bytes: float = 0.0, gpu_decoder: GpuDecoder | None = None,
-                 decode_ahead: int = 4):
+                 decode_ahead_bytes: float = 0.0):
         self.data, self.plan, self.rank = data, plan, rank
         self.keep_raw, self.pin_memory, self.read_ahead_bytes = keep_raw, pin_memory, read_ahead_bytes
-        self.gpu_decoder, self.decode_ahead = gpu_decoder, decode_ahead
+        self.gpu_decoder, self.decode_ahead_bytes = gpu_decoder, decode_ahead_bytes
         self.worker_stats: dict = {}  # (epoch, worker) -> that loader worker's cumulative counts
 
     def __call__(self, start_step: int) -> Iterator[SubBatch]:
@@ -54,8 +54,9 @@ class RunInputs:
             ahead = ReadAhead(loader, self.read_ahead_bytes) if reads_ahead else None
             source = ahead if ahead is not None else loader
             if self.gpu_decoder is not None:
-                source = decode_ahead(source, self.gpu_decoder.sub_batch, self.gpu_decoder.pool,
-                                      depth=self.decode_ahead)
+                gpu = self.gpu_decoder
+                source = decode_ahead(source, gpu.sub_batch, gpu.pool, depth=max(2, plan.sub_batches),
+                                      finish=gpu.finish_sub_batch, budget_bytes=self.decode_ahead_bytes)
             try:
                 for sub in source:
                     if sub.stats:

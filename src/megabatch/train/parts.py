@@ -65,7 +65,8 @@ class RunParts:
         plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision))
         decode = resolve_decode(cfg.data.decode, env.device)
         gpu_decoder = GpuDecoder(env.device) if decode == "gpu" else None
-        ahead = decode_ahead_depth(cfg, plan, model, env.device) if gpu_decoder is not None else 0
+        ahead = decode_ahead_bytes(cfg, torch.cuda.get_device_properties(env.device).total_memory) \
+            if gpu_decoder is not None else 0.0
         if gpu_decoder is not None:
             # this thread's work leaves the legacy default stream: nvJPEG's calls synchronise with
             # that stream, so decoding ahead would otherwise wait for the step's queued kernels
@@ -85,7 +86,7 @@ class RunParts:
         inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
                            pin_memory=env.device.type == "cuda",
                            read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
-                           gpu_decoder=gpu_decoder, decode_ahead=ahead)
+                           gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead)
         if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
             model.compile_towers(plan.sub_batch)
         step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
@@ -169,27 +170,19 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
 
 
 def decode_ahead_bytes(cfg: DictConfig, capacity: float) -> float:
-    """``data.decode_ahead_gb`` in bytes (``auto``: 4% of the GPU's ``capacity``)."""
+    """``data.decode_ahead_gb`` in bytes (``auto``: 4% of the GPU's ``capacity``): decoding goes on
+    through the loss and the replay, so the next phase 1 finds its first sub-batches decoded."""
     budget = cfg.data.decode_ahead_gb
     return 0.04 * capacity if budget == "auto" else float(budget) * 1e9
 
 
-def decode_ahead_depth(cfg: DictConfig, plan: BatchPlan, model: ClipModel, device: torch.device) -> int:
-    """Sub-batches the GPU decodes ahead of the step (``data.decode=gpu``): as many as
-    ``data.decode_ahead_gb`` holds as uint8 images, at most one step's, at least 2. Decoding goes on
-    through the loss and the replay, so the next phase 1 finds its first sub-batches decoded."""
-    images, _ = model.example_inputs(1, torch.device("meta"))
-    per_sub_batch = plan.sub_batch * images.numel()  # uint8 pixels
-    budget = decode_ahead_bytes(cfg, torch.cuda.get_device_properties(device).total_memory)
-    return max(2, min(plan.sub_batches, int(budget // per_sub_batch)))
-
-
-def log_utilization_basis(flops: ModelFlops, peak: Peak | None, decode: str, ahead: int) -> None:
+def log_utilization_basis(flops: ModelFlops, peak: Peak | None, decode: str, ahead: float) -> None:
     log.info("model FLOPs per sample: image %.2f + text %.2f GFLOP forward, %.2f GFLOP per trained sample; GPU peak "
              "%s; JPEG decoding on the %s (data.decode)%s", flops.image_forward / 1e9, flops.text_forward / 1e9,
              flops.per_sample / 1e9, f"{peak.tflops:.0f} TFLOP/s bf16, {peak.source}" if peak else "none (CPU)",
              decode.upper() if decode == "gpu" else "CPU",
-             f", up to {ahead} sub-batches ahead of the step (data.decode_ahead_gb)" if decode == "gpu" else "")
+             f", up to {ahead / 1e9:.1f} GB of images decoded ahead of the step (data.decode_ahead_gb)"
+             if decode == "gpu" else "")
 
 
 def build_offload(cfg: DictConfig, model: ClipModel, data: TrainData, rank: int,
