@@ -137,15 +137,20 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sub_batches, per_step = parts.inputs(0), []
-    with HostMemory() as host:
-        for index in range(steps):
-            start = time.perf_counter()
-            _, phases = step.gradients(sub_batches, epoch=index // plan.steps_per_epoch)
-            step.apply()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
-            print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
+    try:
+        with HostMemory() as host:
+            for index in range(steps):
+                start = time.perf_counter()
+                _, phases = step.gradients(sub_batches, epoch=index // plan.steps_per_epoch)
+                step.apply()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
+                print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
+    except BaseException:
+        sub_batches.close()  # the loader's workers ignore stop signals: left running, exit would wait on them
+        parts.close()
+        raise
     later = per_step[1:] or per_step
     step_s = sum(s["step_s"] for s in later) / len(later)
     data_s = sum(s["phases_s"]["data"] for s in later) / len(later)

@@ -24,7 +24,6 @@ and logged: the sample is already in the sub-batch, and sub-batches keep their s
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import queue
@@ -61,7 +60,6 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[i
     boxes = boxes[order] if order != list(range(n)) else boxes
     on_device = to_device(boxes, device)
     out = torch.empty((n, 3, *size), dtype=torch.uint8, device=device)
-    exact = fp32_matmul("ieee") if device.type == "cuda" else contextlib.nullcontext()
     done = 0
     for (_, height, width), rows in by_shape.items():
         step = max(1, int(chunk_bytes // (3 * height * width * 4)))  # fp32 images per chunk
@@ -76,7 +74,7 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[i
                                         taps(cpu_crop[:, 2], size[0], interpolation))  # [m, s, H]
             along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation, torch.float32,
                                         taps(cpu_crop[:, 3], size[1], interpolation))  # [m, s, W]
-            with exact:
+            with fp32_matmul("ieee"):  # (a CUDA setting: on the CPU fp32 products are exact anyway)
                 tall = torch.bmm(along_h, pixels.float()).view(m, size[0] * 3, width)  # [m, s*3, W]
                 resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
             out[done:done + m] = resized.clamp_(0, 255).round_().permute(0, 2, 1, 3)
