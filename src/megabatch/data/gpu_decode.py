@@ -357,7 +357,9 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         self.device, self._finish, self._budget = pool.device, finish, budget_bytes
         self._futures: queue.Queue = queue.Queue(maxsize=depth)  # in order; bounded: at most depth ahead
         self._held = 0  # bytes of results done and not yet taken
-        self._running, self._threads = 0, pool.threads  # submitted and not done; at most one per thread
+        # submitted and not done: at most one per thread, and one for the look-ahead, so that a thread
+        # is always free for the replay, whose step is waiting (nvJPEG itself decodes one call at a time)
+        self._running, self._threads = 0, 1 if priority == DecodePool.LOOK_AHEAD else pool.threads
         self._room = threading.Condition()
         self._stop = threading.Event()
         self._finished = False
