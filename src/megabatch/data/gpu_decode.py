@@ -5,11 +5,14 @@ a step the host cores, not the GPU, set the pace (16 cores decode ~4,500 samples
 graph-free forward takes ~11,000 on an H100), and data offload decodes every image twice. With
 ``gpu`` the workers only read tar members, keep the bytes and read each JPEG's header; the crop box
 is still drawn on the CPU from the sample's seed (``SampleDecoder.box``, the CPU path's own
-function), so the GPU cuts the same crop. ``GpuDecoder`` decodes a sub-batch's JPEGs in one batched
-nvJPEG call, cuts each box and resizes it with the model's interpolation (antialiased, as the CPU
-path does), and rounds to uint8: ``[n, 3, s, s]`` on the device, as the CPU path's tensors are once
-copied there. ``decode_ahead`` runs it in a thread on its own CUDA stream, a few sub-batches ahead
-of the step, for phase 1 and for the offload replay alike; the replay's sub-batches first (``DecodePool``).
+function), so the GPU cuts the same crop. ``GpuDecoder.decode`` decodes a sub-batch's JPEGs in one
+batched nvJPEG call; ``GpuDecoder.finish`` cuts each box and resizes it with the model's
+interpolation (antialiased, as the CPU path does) and rounds to uint8: ``[n, 3, s, s]`` on the
+device, as the CPU path's tensors are once copied there. ``decode_ahead`` runs ``decode`` in the
+threads of a ``DecodePool`` (each on its own CUDA stream), ahead of the step within a byte budget,
+for phase 1 and for the offload replay alike, the replay's sub-batches first; ``finish`` runs in the
+thread that takes the images (the step's), since from a decoding thread each of its short GPU calls
+would wait to take the interpreter lock back from the step's thread.
 
 Pixels: decoding the same bytes twice on the GPU gives the same tensor bit for bit (the replay
 relies on it). Against the CPU path (libjpeg-turbo) they are equal for 4:4:4 JPEGs; for chroma-
