@@ -264,3 +264,19 @@ def test_a_re_decode_pool_nobody_closed_stops_when_garbage_collected():
     finalizer.start()
     finalizer.join(timeout=20)
     assert not finalizer.is_alive() and not any(worker.is_alive() for worker in workers)
+
+
+def test_a_spilled_sub_batch_reads_back_whole_or_says_the_file_is_short(tmp_path):
+    from megabatch.data.offload import SpillFile, _read_back
+    from megabatch.data.samples import EncodedImages
+
+    spill = SpillFile(str(tmp_path), rank=0)
+    first = EncodedImages.from_bytes([b"abc", b"", b"defgh"], [7, 8, 9])
+    second = EncodedImages.from_bytes([b"xy"], [10])
+    kept = [spill.keep(first), spill.keep(second)]
+    spill.flush()
+    assert [list(_read_back(k, spill.path)) for k in kept] == [list(first), list(second)]
+    Path(spill.path).write_bytes(b"abcdefg")  # cut short
+    with pytest.raises(RuntimeError, match="spill file .* short"):
+        _read_back(kept[0], spill.path)
+    spill.close()

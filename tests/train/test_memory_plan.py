@@ -55,5 +55,9 @@ def test_the_keys_are_checked():
         validate(compose("trainer.sub_batch=most"))
     with pytest.raises(ConfigError, match="data.decode"):
         validate(compose("data.decode=fpga"))
+    validate(compose("data.decode_ahead_gb=2.5"))
+    for bad in ("-1", "lots", "true"):
+        with pytest.raises(ConfigError, match="data.decode_ahead_gb"):
+            validate(compose(f"data.decode_ahead_gb={bad}"))
     with pytest.raises(ConfigError, match="model.compile"):
         validate(compose("model.compile=maybe"))
