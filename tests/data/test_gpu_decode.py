@@ -202,6 +202,9 @@ def test_the_decoding_threads_serve_the_replay_first_and_decode_ahead_in_order()
     time.sleep(0.2)
     assert 3 <= len(started) <= 1 + 3 + 1 + 1
     assert sum(ahead) == 49 * 100
+    zero = decode_ahead(iter(range(5)), lambda x: torch.full((2,), x, device="meta"), pool, budget_bytes=0,
+                        finish=lambda result: result.numel())
+    assert list(zero) == [2] * 5  # a budget of 0 still decodes one ahead
 
     def fails(x):
         if x == 2:

@@ -383,10 +383,13 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         """Wait until the results waiting for the consumer are under the budget and a thread is free
         (a result's size is known only once it is done)."""
         with self._room:
-            while (self._held >= self._budget or self._running >= self._threads) and not self._stop.is_set():
+            while (self._full() or self._running >= self._threads) and not self._stop.is_set():
                 self._room.wait(timeout=0.1)
             self._running += 1
         return not self._stop.is_set()
+
+    def _full(self) -> bool:
+        return self._held > 0 and self._held >= self._budget  # a budget of 0 still lets one result wait
 
     def _done(self, future: Future) -> None:
         done = not future.cancelled() and future.exception() is None
