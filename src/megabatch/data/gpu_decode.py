@@ -41,6 +41,8 @@ from ..config import ConfigError
 from .samples import JpegBatch, SubBatch, decode_rgb
 
 log = logging.getLogger(__name__)
+
+
 def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int],
                   interpolation: str, chunk_bytes: float = 256e6) -> torch.Tensor:
     """Each uint8 image ``[3, h_i, w_i]`` (on the GPU) cut to its box (``boxes [n, 4]`` on the CPU:
@@ -77,7 +79,7 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[i
                                         taps(cpu_crop[:, 2], size[0], interpolation))  # [m, s, H]
             along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation, torch.float32,
                                         taps(cpu_crop[:, 3], size[1], interpolation))  # [m, s, W]
-            with fp32_matmul("ieee"):  # (a CUDA setting: on the CPU fp32 products are exact anyway)
+            with fp32_matmul("ieee"):  # (a CUDA setting; CPU products are plain fp32 anyway)
                 tall = torch.bmm(along_h, pixels.float()).view(m, size[0] * 3, width)  # [m, s*3, W]
                 resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
             out[done:done + m] = resized.clamp_(0, 255).round_().permute(0, 2, 1, 3)
