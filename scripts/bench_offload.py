@@ -147,10 +147,9 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
                     torch.cuda.synchronize()
                 per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
                 print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
-    except BaseException:
-        sub_batches.close()  # the loader's workers ignore stop signals: left running, exit would wait on them
+    finally:  # also when a step raises: the loader's workers ignore stop signals, and exit would wait on them
+        sub_batches.close()
         parts.close()
-        raise
     later = per_step[1:] or per_step
     step_s = sum(s["step_s"] for s in later) / len(later)
     data_s = sum(s["phases_s"]["data"] for s in later) / len(later)
@@ -165,8 +164,6 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,
            "peak_host_gb_machine_used_above_start": host.peak_used_gb}
-    sub_batches.close()
-    parts.close()
     del step, parts
     return row
 

@@ -69,7 +69,7 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[i
     for (_, height, width), rows in by_shape.items():
         step = max(1, int(chunk_bytes // (3 * height * width * 4)))  # fp32 images per chunk
         for start in range(0, len(rows), step):
-            m = len(rows[start:start + step])
+            m = min(step, len(rows) - start)
             # rows first, the three channels side by side: [m, H, 3W] (one product per sample, no
             # broadcast copies of the resampling matrices)
             pixels = torch.stack([images[row] for row in order[done:done + m]])
@@ -186,10 +186,6 @@ class Decoded(NamedTuple):
     cpu_rows: list
     size: tuple
     interpolation: str
-
-    def nbytes(self) -> int:
-        tensors = [*self.images, *([self.cpu_images] if self.cpu_images is not None else [])]
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 class GpuDecoder:
@@ -350,7 +346,7 @@ class _Done:
 
 class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
     """``work(item)`` for each item of ``items``, in order, run by ``pool``'s threads from the moment
-    it is called, up to ``depth`` items and ``budget_bytes`` of results (``held_bytes``; at least
+    it is called, up to ``depth`` items and ``budget_bytes`` of results (``device_bytes``; at least
     one item) ahead of the consumer: the GPU decodes while the step computes. Each result is passed
     to ``finish`` in the consumer's thread, once the consumer's stream is made to wait for its work
     (no host sync) and its tensors are marked as used on that stream. An exception in a thread is
@@ -397,7 +393,7 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         done = not future.cancelled() and future.exception() is None
         with self._room:
             self._running -= 1
-            self._held += held_bytes(future.result()[0]) if done else 0
+            self._held += device_bytes(future.result()[0]) if done else 0
             self._room.notify_all()
 
     def _feed(self, items: Iterator, work: Callable, pool: DecodePool, priority: int) -> None:
@@ -433,7 +429,7 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
             self.close()
             raise
         with self._room:
-            self._held -= held_bytes(result)
+            self._held -= device_bytes(result)
             self._room.notify_all()
         if event is not None:
             consumer = torch.cuda.current_stream(self.device)
@@ -458,7 +454,7 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
             stop.set()
 
 
-def held_bytes(result) -> int:
+def device_bytes(result) -> int:
     """Device bytes a decoding result holds: its device tensors', through tuples and lists."""
     return sum(tensor.numel() * tensor.element_size() for tensor in _tensors(result) if tensor.device.type != "cpu")
 

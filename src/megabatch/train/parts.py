@@ -62,11 +62,11 @@ class RunParts:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
         data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0)
         precision = Precision.create(cfg.trainer.precision, env.device, cfg.trainer.feature_dtype)
-        plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision))
         decode = resolve_decode(cfg.data.decode, env.device)
         gpu_decoder = GpuDecoder(env.device) if decode == "gpu" else None
         ahead = decode_ahead_bytes(cfg, torch.cuda.get_device_properties(env.device).total_memory) \
             if gpu_decoder is not None else 0.0
+        plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
         if gpu_decoder is not None:
             # this thread's work leaves the legacy default stream: nvJPEG's calls synchronise with
             # that stream, so decoding ahead would otherwise wait for the step's queued kernels
@@ -131,10 +131,11 @@ def plan_batches(cfg: DictConfig, world_size: int, data: TrainData, sub_batch: i
 
 
 def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: TrainData,
-                     precision: Precision) -> int | None:
+                     precision: Precision, decode_ahead: float = 0.0) -> int | None:
     """``trainer.sub_batch=auto``: the largest divisor of the per-rank batch whose forward-backward
     fits ``trainer.memory_fraction`` of the GPU (``memory_plan.py``), the smallest over the ranks
-    (they must agree); ``None`` when the config gives a number or null."""
+    (they must agree); ``None`` when the config gives a number or null. ``decode_ahead``: the GPU bytes
+    kept for images decoded ahead of the step (``data.decode_ahead_gb``), left free."""
     if cfg.trainer.sub_batch != "auto":
         return None
     rank_batch = BatchPlan.from_config(cfg, env.world_size, data.num_samples, sub_batch=1).rank_batch
@@ -150,9 +151,8 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
     kept_per_row = texts.numel() * 8 + (0 if offload or not replayed else images.numel())
     held = batch_bytes(rank_batch, int(model.model_cfg["embed_dim"]), precision.feature_dtype.itemsize, kept_per_row,
                        sum(p.numel() for p in model.parameters() if p.requires_grad))
+    held += decode_ahead  # images decoded ahead of the step (data.decode_ahead_gb)
     capacity = torch.cuda.get_device_properties(env.device).total_memory
-    if resolve_decode(cfg.data.decode, env.device) == "gpu":
-        held += decode_ahead_bytes(cfg, capacity)  # images decoded ahead of the step
     choice = plan_sub_batch(rank_batch, MemoryFit.through(probes), capacity, cfg.trainer.memory_fraction, held)
     sub_batch = choice.sub_batch
     if env.distributed:  # every rank must split its batch alike: the smallest choice wins
