@@ -48,8 +48,10 @@ def test_the_crop_box_is_a_pure_function_of_the_seed_shared_with_the_cpu_path():
     data = jpeg()
     gpu_side, cpu_side = SampleDecoder(transform, seed=1, epoch=2, gpu=True), SampleDecoder(transform, 1, 2)
     header = gpu_side.decode(data)
-    assert header == JpegHeader(48, 64)
-    box = gpu_side(header, position=17)
+    assert header == JpegHeader(48, 64, hardware=True)
+    row = gpu_side(header, position=17)  # the box, then the header (a JpegBatch.boxes row)
+    box = row[:4]
+    assert row[4:] == (48, 64, 1)
     image = decode_rgb(data)
     assert torch.equal(cpu_side(image, 17), resized_crop(transform, image, box))
     assert box == cpu_side.box(48, 64, 17) and box != cpu_side.box(48, 64, 18)
@@ -68,8 +70,19 @@ def test_the_crop_box_draws_what_torchvision_draws(size, scale, ratio):
             assert crop_box(transform, height, width, seed) == expected, (height, width, seed)
 
 
+def progressive(data: bytes) -> bytes:
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(data)).save(buffer, format="JPEG", quality=90, progressive=True)
+    return buffer.getvalue()
+
+
 def test_only_complete_rgb_or_grey_jpegs_are_left_to_the_gpu():
-    assert probe_jpeg(jpeg(mode="L")) == JpegHeader(48, 64)
+    assert probe_jpeg(jpeg(mode="L")) == JpegHeader(48, 64, hardware=True)
+    # the hardware decoder takes baseline JPEGs in 4:4:4, 4:2:2, 4:2:0 or grey; progressive ones go to
+    # nvJPEG's CUDA decoder
+    for subsampling in (0, 1, 2):
+        assert probe_jpeg(jpeg(subsampling=subsampling)) == JpegHeader(48, 64, hardware=True)
+    assert probe_jpeg(progressive(jpeg())) == JpegHeader(48, 64, hardware=False)
     for other in (png(), jpeg(mode="CMYK")):
         decoded = probe_jpeg(other)
         assert torch.is_tensor(decoded) and decoded.shape[0] == 3  # decoded in the worker, as before
@@ -92,6 +105,81 @@ def test_a_mixed_sub_batch_keeps_other_formats_decoded_and_the_decoder_cuts_the_
     assert torch.equal(images[1], cpu_path[1])
     # the same decoder (libjpeg-turbo on the CPU): only the resize's float rounding may differ
     assert (images.int() - cpu_path.int()).abs().max() <= 1
+
+
+class FakeHardware:
+    """``nvjpeg.HardwareDecoder``'s interface on the CPU: decodes with libjpeg-turbo and writes each
+    image through the output descriptors that ``Layout`` makes for nvJPEG."""
+
+    def __init__(self, fail: bool = False):
+        self.seen, self.fail = [], fail
+
+    def decode(self, blob, starts, lengths, shapes):
+        from megabatch.data.nvjpeg import Layout, NvJpegError
+
+        if self.fail:
+            raise NvJpegError("batched decode", 4)
+        hw = shapes.numpy().astype(np.int64)
+        plan = Layout.of(hw)
+        out = torch.full((plan.total,), 7, dtype=torch.uint8)
+        planes = plan.destinations(0, hw)  # addresses relative to the buffer
+        for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+            data = bytes(blob[start:start + length].numpy())
+            self.seen.append(data)
+            image = decode_rgb(data)
+            assert tuple(image.shape[1:]) == tuple(hw[row])
+            for channel in range(3):
+                at, pitch = int(planes[row, channel]), int(planes[row, 4 + channel])
+                assert pitch == hw[row, 1]
+                out[at:at + image[channel].numel()] = image[channel].flatten()
+        return [(torch.from_numpy(rows), out[at:at + len(rows) * 3 * h * w].view(len(rows), 3, h, w))
+                for rows, at, (h, w) in plan.groups()]
+
+
+def test_the_layout_of_a_hardware_batch_puts_each_size_in_one_tensor():
+    from megabatch.data.nvjpeg import Layout
+
+    shapes = np.array([[2, 3], [4, 5], [2, 3], [1, 1], [4, 5]])
+    plan = Layout.of(shapes)
+    assert plan.total == 3 * (6 + 20 + 6 + 1 + 20)
+    spans = sorted((int(plan.at[row]), int(plan.at[row]) + 3 * h * w) for row, (h, w) in enumerate(shapes))
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # packed, no overlap
+    groups = {(h, w): (rows.tolist(), at) for rows, at, (h, w) in plan.groups()}
+    assert groups == {(1, 1): ([3], plan.at[3]), (2, 3): ([0, 2], plan.at[0]), (4, 5): ([1, 4], plan.at[1])}
+    assert plan.at[2] == plan.at[0] + 18 and plan.at[4] == plan.at[1] + 60  # a group's rows follow each other
+    planes = plan.destinations(1000, shapes)
+    assert planes[1, :3].tolist() == [1000 + plan.at[1] + c * 20 for c in range(3)]
+    assert planes[1, 4:7].tolist() == [5] * 3
+    assert planes[:, 3].tolist() == [0] * 5 and planes[:, 7].tolist() == [0] * 5
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_hardware_decoder_takes_its_rows_and_the_cuda_decoder_the_rest(monkeypatch, caplog, fail):
+    """The hardware decoder gets the rows whose header it takes, grouped by size; progressive JPEGs go
+    to nvJPEG's CUDA decoder, other formats stay decoded by the workers; a batch the hardware refuses
+    goes to the CUDA decoder whole. The images are those of the CUDA decoder alone (here both are
+    libjpeg-turbo on the CPU)."""
+    from megabatch.data import nvjpeg
+
+    datas = [jpeg(0), progressive(jpeg(1)), png(2), jpeg(3, size=(40, 56), subsampling=0), jpeg(4, mode="L"),
+             jpeg(5)]
+    batch, _ = batch_of(datas)
+    assert batch.boxes[:, 4:].tolist() == [[48, 64, 1], [48, 64, 0], [0, 0, 0], [40, 56, 1], [48, 64, 1],
+                                           [48, 64, 1]]
+    fake = FakeHardware(fail=fail)
+    monkeypatch.setattr(nvjpeg, "hardware_decoder", lambda device: fake)
+    with_hardware = GpuDecoder(torch.device("cpu"))
+    with_hardware.hardware = True
+    decoded = with_hardware.decode(batch)
+    if not fail:
+        assert sorted(fake.seen) == sorted(datas[row] for row in (0, 3, 4, 5))
+        assert len(decoded.groups) == 3  # 48x64 (rows 0, 4, 5), 40x56 (row 3), the progressive row
+    else:
+        assert "refused" in caplog.text
+    images = with_hardware.finish(decoded)
+    alone = GpuDecoder(torch.device("cpu"))(batch)
+    assert torch.equal(images, alone)
+    assert images.shape == (6, 3, 24, 24)
 
 
 def test_a_corrupt_jpeg_body_becomes_a_counted_black_image():
@@ -237,6 +325,22 @@ def test_gpu_decoding_twice_gives_the_same_pixels_and_matches_the_cpu_path():
         # the GPU, fixed point on the CPU; measured on an H100: mean 0.19). 4:2:0: nvJPEG upsamples the
         # chroma differently (see data/gpu_decode.py)
         assert diff.mean() <= mean_tolerance and diff.max() <= max_tolerance, (subsampling, diff.mean(), diff.max())
+
+
+@cuda
+def test_the_hardware_and_cuda_decoders_give_the_same_pixels():
+    """Where the GPU has hardware JPEG decoders, they decode what they take to the pixels of nvJPEG's
+    CUDA decoder, bit for bit (a sub-batch's rows may take either path)."""
+    device = torch.device("cuda")
+    datas = [jpeg(seed, size=(96, 128), subsampling=s) for seed in range(4) for s in (0, 1, 2)]
+    datas += [jpeg(9, mode="L"), progressive(jpeg(10)), jpeg(11, size=(50, 70))]
+    batch, _ = batch_of(datas, size=64)
+    hardware = GpuDecoder(device)
+    first = hardware(batch)
+    if not hardware.hardware:
+        pytest.skip("this GPU has no hardware JPEG decoder")
+    assert torch.equal(first, hardware(batch))
+    assert torch.equal(first, GpuDecoder(device, hardware=False)(batch))
 
 
 @cuda

@@ -45,35 +45,45 @@ log = logging.getLogger(__name__)
 
 def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int],
                   interpolation: str, chunk_bytes: float = 256e6) -> torch.Tensor:
-    """Each uint8 image ``[3, h_i, w_i]`` (on the GPU) cut to its box (``boxes [n, 4]`` on the CPU:
-    top, left, height, width) and resized to ``size`` as ``F.interpolate(..., antialias=True)``
-    resizes (bicubic or bilinear; nearest without antialiasing), then clamped and rounded to uint8
-    like the CPU path: ``[n, 3, s, s]``. Batched, whatever the crops: each crop-and-resize is two
-    matrix products with per-sample resampling matrices (``resample_matrices``: the crop offset is
-    their zero columns), over images of one size at a time, in fp32 with TF32 off (the result
-    rounds as float64's but where an exact value lies within ~1e-5 of a half; the same inputs give
-    the same bits, which the replay needs). A sub-batch costs a few dozen GPU calls, not several
-    per image, and nothing here waits for the GPU: the boxes and the row order travel in
-    page-locked memory (a pageable copy would wait for every kernel queued before it)."""
-    from ..kernels.torch_tiles import fp32_matmul
-
-    device, n = images[0].device if images else boxes.device, len(images)
+    """Each uint8 image ``[3, h_i, w_i]`` (on the GPU) cut to its box (``boxes [n, 4+]`` on the CPU:
+    top, left, height, width) and resized to ``size``: ``cropped_groups`` on the images grouped by size."""
     by_shape: dict[tuple, list[int]] = {}
     for row, image in enumerate(images):
         by_shape.setdefault(tuple(image.shape), []).append(row)
-    order = [row for rows in by_shape.values() for row in rows]  # rows grouped by image size
+    groups = [(rows, torch.stack([images[row] for row in rows])) for rows in by_shape.values()]
+    return cropped_groups(groups, boxes, size, interpolation, chunk_bytes)
+
+
+def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, int], interpolation: str,
+                   chunk_bytes: float = 256e6) -> torch.Tensor:
+    """Rows ``rows`` of a batch as uint8 images ``pixels [m, 3, h, w]`` of one size (on the GPU), per
+    ``(rows, pixels)`` group, each row cut to its box (``boxes [n, 4+]`` on the CPU: top, left,
+    height, width) and resized to ``size`` as ``F.interpolate(..., antialias=True)`` resizes (bicubic
+    or bilinear; nearest without antialiasing), then clamped and rounded to uint8 like the CPU path:
+    ``[n, 3, s, s]`` in the batch's row order. Batched, whatever the crops: each crop-and-resize is
+    two matrix products with per-sample resampling matrices (``resample_matrices``: the crop offset
+    is their zero columns), in fp32 with TF32 off (the result rounds as float64's but where an exact
+    value lies within ~1e-5 of a half; the same inputs give the same bits, which the replay needs).
+    A sub-batch costs a few dozen GPU calls, not several per image, and nothing here waits for the
+    GPU: the boxes and the row order travel in page-locked memory (a pageable copy would wait for
+    every kernel queued before it)."""
+    from ..kernels.torch_tiles import fp32_matmul
+
+    n = len(boxes)
+    device = groups[0][1].device if groups else boxes.device
+    order = [int(row) for rows, _ in groups for row in rows]  # rows grouped by image size
     boxes = boxes[order] if order != list(range(n)) else boxes
     on_device = to_device(boxes, device)
     out = torch.empty((n, 3, *size), dtype=torch.uint8, device=device)
     done = 0
-    for (_, height, width), rows in by_shape.items():
+    for _, images in groups:
+        count, _, height, width = images.shape
         step = max(1, int(chunk_bytes // (3 * height * width * 4)))  # fp32 images per chunk
-        for start in range(0, len(rows), step):
-            m = min(step, len(rows) - start)
+        for start in range(0, count, step):
+            m = min(step, count - start)
             # rows first, the three channels side by side: [m, H, 3W] (one product per sample, no
             # broadcast copies of the resampling matrices)
-            pixels = torch.stack([images[row] for row in order[done:done + m]])
-            pixels = pixels.permute(0, 2, 1, 3).reshape(m, height, 3 * width)
+            pixels = images[start:start + m].permute(0, 2, 1, 3).reshape(m, height, 3 * width)
             crop, cpu_crop = on_device[done:done + m], boxes[done:done + m]
             along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation, torch.float32,
                                         taps(cpu_crop[:, 2], size[0], interpolation))  # [m, s, H]
@@ -175,11 +185,12 @@ def resolve_decode(decode: str, device: torch.device) -> str:
 
 
 class Decoded(NamedTuple):
-    """A ``JpegBatch`` decoded on the GPU but not yet cut: ``images``, the full decoded images of the
-    rows the GPU decoded (``gpu_rows``), their crop ``boxes`` (CPU), and the other rows' crops
-    (``cpu_images``, on the device), for ``GpuDecoder.finish``."""
+    """A ``JpegBatch`` decoded on the GPU but not yet cut: ``groups``, the full decoded images of the
+    rows the GPU decoded (``gpu_rows``) as ``(rows, pixels [m, 3, h, w])`` per image size, ``rows``
+    indexing ``gpu_rows``; their crop ``boxes`` (CPU); and the other rows' crops (``cpu_images``, on
+    the device), for ``GpuDecoder.finish``."""
 
-    images: list
+    groups: list
     boxes: torch.Tensor | None
     gpu_rows: list
     cpu_images: torch.Tensor | None
@@ -194,19 +205,31 @@ class GpuDecoder:
     threads) and ``finish`` (the crops and resizes: a few dozen short GPU calls, run by the thread
     that uses the images, which holds the interpreter lock anyway: from a decoding thread each call
     would wait to take the lock back from the step's thread, and decoding a sub-batch took 100-200 ms
-    instead of 36, measured on an H100). ``corrupt_image``: rows nothing could decode (black
-    images), counted for the logs."""
+    instead of 36, measured on an H100).
 
-    def __init__(self, device: torch.device):
+    Two decoders: the GPU's hardware JPEG engines (``data/nvjpeg.py``, one decoder per thread) for
+    the JPEGs they take (``JpegHeader.hardware``), where the GPU has them and ``hardware`` allows
+    (``None``: wherever they exist); nvJPEG's CUDA decoder through ``torchvision.io.decode_jpeg``
+    for the others. Both give the same pixels (measured on an H100: equal bit for bit), and a row
+    takes the same path every time it is decoded. ``corrupt_image``: rows nothing could decode
+    (black images), counted for the logs."""
+
+    def __init__(self, device: torch.device, hardware: bool | None = None):
         self.device = device
         self.corrupt_image = 0
+        self.hardware = hardware if device.type == "cuda" else False
         self._pool: DecodePool | None = None
 
     @property
     def pool(self) -> DecodePool:
-        """The decoding threads (``DecodePool``), started on first use."""
+        """The decoding threads (``DecodePool``), started on first use: with the hardware decoders,
+        three (each its own decoder), two of them for the look-ahead; with nvJPEG's CUDA decoder
+        alone, which decodes one call at a time (a mutex in torchvision), two, one for the look-ahead."""
         if self._pool is None:
-            self._pool = DecodePool(self.device)
+            if self._hardware_decoder() is not None:
+                self._pool = DecodePool(self.device, threads=3, look_ahead_threads=2)
+            else:
+                self._pool = DecodePool(self.device, threads=2, look_ahead_threads=1)
         return self._pool
 
     def close(self) -> None:
@@ -220,19 +243,12 @@ class GpuDecoder:
     def decode(self, batch: JpegBatch) -> Decoded:
         n, cpu_rows = len(batch), set(batch.cpu_rows)
         gpu_rows = [row for row in range(n) if row not in cpu_rows]
-        images, boxes = [], None
+        groups, boxes = [], None
         if gpu_rows:
-            encoded = batch.data.views()
-            images = self._decode(encoded if not cpu_rows else [encoded[row] for row in gpu_rows])
             boxes = batch.boxes if not cpu_rows else batch.boxes[gpu_rows]
-            if any(image is None for image in images):
-                boxes = boxes.clone()
-                for index, image in enumerate(images):
-                    if image is None:  # nothing decodes it: a black image, counted in _decode
-                        images[index] = torch.zeros((3, 1, 1), dtype=torch.uint8, device=self.device)
-                        boxes[index] = torch.tensor([0, 0, 1, 1])
+            groups, boxes = self._decode(batch.data, gpu_rows, boxes)
         cpu_images = to_device(batch.decoded, self.device) if cpu_rows else None
-        return Decoded(images, boxes, gpu_rows, cpu_images, list(batch.cpu_rows), batch.size, batch.interpolation)
+        return Decoded(groups, boxes, gpu_rows, cpu_images, list(batch.cpu_rows), batch.size, batch.interpolation)
 
     def finish(self, decoded: Decoded | torch.Tensor) -> torch.Tensor:
         """The uint8 crops ``[n, 3, s, s]`` of a ``decode`` result (a tensor is returned as it is)."""
@@ -240,7 +256,7 @@ class GpuDecoder:
             return decoded
         parts = []
         if decoded.gpu_rows:
-            parts.append(resized_crops(decoded.images, decoded.boxes, decoded.size, decoded.interpolation))
+            parts.append(cropped_groups(decoded.groups, decoded.boxes, decoded.size, decoded.interpolation))
         if decoded.cpu_rows:
             parts.append(decoded.cpu_images)
         if not decoded.cpu_rows or not decoded.gpu_rows:
@@ -259,9 +275,70 @@ class GpuDecoder:
     def finish_sub_batch(self, sub: SubBatch) -> SubBatch:
         return sub._replace(images=self.finish(sub.images))
 
-    def _decode(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """nvJPEG on the whole list of encoded images (uint8 CPU tensors) at once; if it refuses the
-        list, row by row, a row it refuses on the CPU, and a row nothing decodes as ``None`` (counted)."""
+    def _hardware_decoder(self):
+        """This thread's hardware decoder (``nvjpeg.HardwareDecoder``), or ``None`` where there is
+        none or ``hardware`` is off; the first try decides for the run, and says so in the log."""
+        if self.hardware is False:
+            return None
+        from . import nvjpeg
+
+        try:
+            decoder = nvjpeg.hardware_decoder(self.device)
+        except (nvjpeg.NvJpegError, OSError) as error:
+            if self.hardware:
+                raise RuntimeError(f"the GPU's hardware JPEG decoder was asked for and fails: {error}") from None
+            log.info("JPEGs decode with nvJPEG's CUDA decoder (no hardware JPEG decoder: %s)", error)
+            self.hardware = False
+            return None
+        if self.hardware is None:
+            log.info("JPEGs decode on the GPU's hardware JPEG decoder (nvJPEG), the others with its CUDA decoder")
+            self.hardware = True
+        return decoder
+
+    def _decode(self, data, rows: list[int], boxes: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """Rows ``rows`` of ``data`` (``EncodedImages``), whose ``boxes`` rows are theirs, decoded:
+        ``(groups, boxes)`` as ``Decoded`` holds them, the boxes of rows nothing decodes made (0, 0,
+        1, 1) over a black 1x1 image. The hardware takes the rows it decodes in one call; the rest
+        (and all of them if its call fails) go to ``_decode_each``."""
+        groups, rest = [], list(range(len(rows)))
+        hardware = self._hardware_decoder() if boxes.shape[1] > 6 else None
+        if hardware is not None:
+            takes = torch.nonzero(boxes[:, 6] == 1).flatten()
+            if len(takes):
+                from .nvjpeg import NvJpegError
+
+                index = torch.tensor(rows, dtype=torch.int64)[takes]
+                starts, ends = data.offsets[index], data.offsets[index + 1]
+                try:
+                    groups = [(takes[local], pixels)
+                              for local, pixels in hardware.decode(data.blob, starts, ends - starts, boxes[takes, 4:6])]
+                    taken = set(takes.tolist())
+                    rest = [local for local in rest if local not in taken]
+                except NvJpegError as error:  # a JPEG its header misjudged, a corrupt one: every row below
+                    log.warning("the hardware JPEG decoder refused a sub-batch (%s): nvJPEG's CUDA decoder "
+                                "decodes it instead", error)
+        if not rest:
+            return groups, boxes
+        encoded = data.views()
+        images = self._decode_each([encoded[rows[local]] for local in rest])
+        if any(image is None for image in images):
+            boxes = boxes.clone()
+            for local, image in zip(rest, images, strict=True):
+                if image is None:  # nothing decodes it: a black image, counted in _decode_each
+                    boxes[local, :4] = torch.tensor([0, 0, 1, 1])
+        by_shape: dict[tuple | None, list[int]] = {}
+        for index, image in enumerate(images):
+            by_shape.setdefault(None if image is None else tuple(image.shape), []).append(index)
+        for shape, indices in by_shape.items():
+            pixels = (torch.zeros((len(indices), 3, 1, 1), dtype=torch.uint8, device=self.device) if shape is None
+                      else torch.stack([images[index] for index in indices]))
+            groups.append((torch.tensor([rest[index] for index in indices], dtype=torch.int64), pixels))
+        return groups, boxes
+
+    def _decode_each(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """nvJPEG's CUDA decoder on the whole list of encoded images (uint8 CPU tensors) at once; if it
+        refuses the list, row by row, a row it refuses on the CPU, and a row nothing decodes as
+        ``None`` (counted)."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
         try:
@@ -295,8 +372,8 @@ class DecodePool:
 
     REPLAY, LOOK_AHEAD = 0, 1
 
-    def __init__(self, device: torch.device, threads: int = 2):
-        self.device, self.threads = device, threads
+    def __init__(self, device: torch.device, threads: int = 2, look_ahead_threads: int = 1):
+        self.device, self.threads, self.look_ahead_threads = device, threads, look_ahead_threads
         self._tasks: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._threads = [threading.Thread(target=self._run, name=f"megabatch-gpu-decode_{index}", daemon=True)
@@ -311,7 +388,9 @@ class DecodePool:
         return future
 
     def _run(self) -> None:
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # the highest priority: a decode's few kernels go before the step's queued ones, so the
+        # images the step waits for are not decoded behind it
+        stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         while True:
             _, _, future, work, item = self._tasks.get()
             if future is None:  # close()
@@ -358,9 +437,10 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         self.device, self._finish, self._budget = pool.device, finish, budget_bytes
         self._futures: queue.Queue = queue.Queue(maxsize=depth)  # in order; bounded: at most depth ahead
         self._held = 0  # bytes of results done and not yet taken
-        # submitted and not done: at most one per thread, and one for the look-ahead, so that a thread
-        # is always free for the replay, whose step is waiting (nvJPEG itself decodes one call at a time)
-        self._running, self._threads = 0, 1 if priority == DecodePool.LOOK_AHEAD else pool.threads
+        # submitted and not done: at most one per thread, and fewer for the look-ahead, so that a thread
+        # is always free for the replay, whose step is waiting
+        self._running = 0
+        self._threads = pool.look_ahead_threads if priority == DecodePool.LOOK_AHEAD else pool.threads
         self._room = threading.Condition()
         self._stop = threading.Event()
         self._finished = False

@@ -181,10 +181,13 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image) -> tu
 
 @dataclass(frozen=True)
 class JpegHeader:
-    """A JPEG the GPU decodes (``data.decode=gpu``), as far as a loader worker reads it: its header."""
+    """A JPEG the GPU decodes (``data.decode=gpu``), as far as a loader worker reads it: its header.
+    ``hardware``: nvJPEG's hardware decoder takes it (``data/nvjpeg.py``: 8-bit baseline, grayscale
+    or 4:4:4, 4:2:2, 4:2:0 chroma); the others go to nvJPEG's CUDA decoder."""
 
     height: int
     width: int
+    hardware: bool = False
 
 
 def probe_jpeg(image_bytes: bytes | None) -> JpegHeader | torch.Tensor:
@@ -197,17 +200,29 @@ def probe_jpeg(image_bytes: bytes | None) -> JpegHeader | torch.Tensor:
         try:
             with Image.open(io.BytesIO(image_bytes)) as image:
                 if image.format == "JPEG" and image.mode in ("RGB", "L"):
-                    return JpegHeader(image.height, image.width)
+                    return JpegHeader(image.height, image.width, hardware_decodes(image))
         except Exception:  # noqa: BLE001 - an unreadable header: decode_rgb below decides
             pass
     return decode_rgb(image_bytes)
 
 
+def hardware_decodes(image: Image.Image) -> bool:
+    """Whether nvJPEG's hardware decoder takes this opened JPEG: one baseline scan of 8-bit samples
+    in grayscale or YCbCr with 4:4:4, 4:2:2 or 4:2:0 chroma (the engines also refuse 4:1:1 and
+    4:1:0; PIL reads 4:4:0 as "unknown", and it goes to the CUDA decoder too)."""
+    from PIL import JpegImagePlugin
+
+    if image.info.get("progressive") or image.info.get("progression") or getattr(image, "bits", 8) != 8:
+        return False
+    return image.mode == "L" or JpegImagePlugin.get_sampling(image) in (0, 1, 2)
+
+
 class JpegBatch(NamedTuple):
     """A sub-batch's images left for the GPU to decode (``data.decode=gpu``; ``data/gpu_decode.py``).
 
-    ``data``: the rows' encoded bytes (``EncodedImages``); ``boxes [n, 4]`` int64: each row's crop (top, left, height,
-    width), drawn on the CPU from the sample's seed (``SampleDecoder.box``); ``cpu_rows``: rows the
+    ``data``: the rows' encoded bytes (``EncodedImages``); ``boxes [n, 7]`` int64: each row's crop (top, left, height,
+    width), drawn on the CPU from the sample's seed (``SampleDecoder.box``), then its image's height, width and
+    whether nvJPEG's hardware decoder takes it (``JpegHeader``; zeros for CPU rows); ``cpu_rows``: rows the
     GPU does not decode (not a JPEG nvJPEG reads), already decoded and cropped, ``decoded [k, 3, s,
     s]`` uint8; ``size`` ``(s, s)`` and ``interpolation``: the training crop's."""
 
@@ -246,9 +261,9 @@ class SampleDecoder:
 
     def __call__(self, image: torch.Tensor | bytes | JpegHeader, position: int):
         """The uint8 ``[3, s, s]`` crop of ``image`` (bytes are decoded first); a ``JpegHeader``
-        gives its box instead (the GPU cuts it)."""
+        gives its box instead (the GPU cuts it), followed by the header (``JpegBatch.boxes``'s row)."""
         if isinstance(image, JpegHeader):
-            return self.box(image.height, image.width, position)
+            return (*self.box(image.height, image.width, position), image.height, image.width, int(image.hardware))
         if isinstance(image, bytes):
             image = decode_rgb(image)
         if isinstance(self.transform, T2.RandomResizedCrop):
@@ -261,7 +276,7 @@ class SampleDecoder:
         if all(torch.is_tensor(image) for image in images):
             return torch.stack(images)
         cpu_rows = [row for row, image in enumerate(images) if torch.is_tensor(image)]
-        boxes = torch.tensor([(0, 0, 0, 0) if torch.is_tensor(image) else image for image in images],
+        boxes = torch.tensor([(0,) * 7 if torch.is_tensor(image) else image for image in images],
                              dtype=torch.int64)
         decoded = torch.stack([images[row] for row in cpu_rows]) if cpu_rows else None
         return self.jpeg_batch(data, boxes, cpu_rows, decoded)
