@@ -371,3 +371,44 @@ def test_the_offload_replay_decodes_on_the_gpu_the_same_pixels_as_phase_1(tmp_pa
             for sub, images in zip(first, replayed, strict=True):
                 assert torch.equal(sub.images, images)
         offload.close()
+
+
+def test_importing_megabatch_asks_cuda_for_32_hardware_queues_unless_set():
+    """With CUDA's default 8 queues a decode stream shares one with the step's kernels and waits
+    behind all of them (docs/bench/decode_connections8_h100.json): megabatch asks for 32 before
+    CUDA starts, and a value the user set stays."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, megabatch; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])"
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    def run(environment):
+        return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert run(env) == "32"
+    assert run({**env, "CUDA_DEVICE_MAX_CONNECTIONS": "4"}) == "4"
+
+
+def test_a_gpu_without_hardware_jpeg_decoders_decodes_with_the_cuda_decoder(monkeypatch, caplog):
+    """No hardware decoder (nvJPEG says "arch mismatch"): under ``auto`` the run says so once and
+    decodes everything with nvJPEG's CUDA decoder; asked for explicitly, it is a clear error."""
+    import logging
+
+    from megabatch.data import nvjpeg
+
+    def missing(device):
+        raise nvjpeg.NvJpegError("create (hardware backend)", 7)
+
+    monkeypatch.setattr(nvjpeg, "hardware_decoder", missing)
+    batch, _ = batch_of([jpeg(0), jpeg(1)])
+    decoder = GpuDecoder(torch.device("cpu"))
+    decoder.hardware = None  # auto, as on a CUDA device
+    with caplog.at_level(logging.INFO, logger="megabatch.data.gpu_decode"):
+        images = decoder(batch)
+    assert decoder.hardware is False and "no hardware JPEG decoder" in caplog.text and "arch mismatch" in caplog.text
+    assert torch.equal(images, GpuDecoder(torch.device("cpu"))(batch))
+    decoder.hardware = True  # asked for
+    with pytest.raises(RuntimeError, match="hardware JPEG decoder was asked for"):
+        decoder(batch)

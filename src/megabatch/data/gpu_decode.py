@@ -1,4 +1,5 @@
-"""JPEG decoding on the GPU (``data.decode=gpu``): nvJPEG through ``torchvision.io.decode_jpeg``.
+"""JPEG decoding on the GPU (``data.decode=gpu``): nvJPEG, on the GPU's hardware JPEG decoders
+where it has them (``data/nvjpeg.py``), else through ``torchvision.io.decode_jpeg``.
 
 With ``data.decode=cpu`` every loader worker decodes, crops and resizes its samples: at 1M samples
 a step the host cores, not the GPU, set the pace (16 cores decode ~4,500 samples/s; a ViT-B/32's
@@ -6,10 +7,11 @@ graph-free forward takes ~11,000 on an H100), and data offload decodes every ima
 ``gpu`` the workers only read tar members, keep the bytes and read each JPEG's header; the crop box
 is still drawn on the CPU from the sample's seed (``SampleDecoder.box``, the CPU path's own
 function), so the GPU cuts the same crop. ``GpuDecoder.decode`` decodes a sub-batch's JPEGs in one
-batched nvJPEG call; ``GpuDecoder.finish`` cuts each box and resizes it with the model's
-interpolation (antialiased, as the CPU path does) and rounds to uint8: ``[n, 3, s, s]`` on the
-device, as the CPU path's tensors are once copied there. ``decode_ahead`` runs ``decode`` in the
-threads of a ``DecodePool`` (each on its own CUDA stream), ahead of the step within a byte budget,
+batched nvJPEG call per decoder (the hardware one for the JPEGs it takes, the CUDA one for the
+rest); ``GpuDecoder.finish`` cuts each box and resizes it with the model's interpolation
+(antialiased, as the CPU path does) and rounds to uint8: ``[n, 3, s, s]`` on the device, as the CPU
+path's tensors are once copied there. ``decode_ahead`` runs ``decode`` in the threads of a
+``DecodePool`` (each on its own high-priority CUDA stream), ahead of the step within a byte budget,
 for phase 1 and for the offload replay alike, the replay's sub-batches first; ``finish`` runs in the
 thread that takes the images (the step's), since from a decoding thread each of its short GPU calls
 would wait to take the interpreter lock back from the step's thread.

@@ -1,0 +1,124 @@
+"""JPEG decoding on the GPU, side by side: nvJPEG's CUDA decoder through torchvision's
+``decode_jpeg(..., device="cuda")`` (the reference: one decoder per process, behind a mutex) against
+nvJPEG's hardware decoders through ``megabatch.data.nvjpeg`` (one per thread), on 512-image
+sub-batches of 256 px photo-like JPEGs, 1-3 decoding threads (each on its own high-priority stream,
+as ``DecodePool`` runs them), with the GPU idle and beside a load that keeps it busy (bf16 matrix
+products kept ~80 ms deep on the default stream, as a training step queues its kernels). Each row:
+samples/s and the median and longest call. ``meta`` records CUDA_DEVICE_MAX_CONNECTIONS (importing
+megabatch sets 32 unless set: run once with it set to 8, CUDA's default, to see why).
+
+    python scripts/bench_decode.py --out docs/bench/decode_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+import torch
+
+from megabatch.bench import photos, write_results
+from megabatch.data.samples import EncodedImages
+
+
+def load(stop: threading.Event, device: torch.device) -> None:
+    """bf16 products on the default stream, ~40 queued at any time, until ``stop``."""
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    events = []
+    while not stop.is_set():
+        for _ in range(5):
+            x @ x
+        event = torch.cuda.Event()
+        event.record()
+        events.append(event)
+        if len(events) > 8:
+            events.pop(0).synchronize()
+    torch.cuda.synchronize(device)
+
+
+def decoder(name: str, encoded: EncodedImages, device: torch.device):
+    """A function that decodes the sub-batch once on the current stream and waits for it."""
+    if name == "torchvision":
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        views = encoded.views()
+
+        def run():
+            decode_jpeg(views, mode=ImageReadMode.RGB, device=device)
+            torch.cuda.current_stream(device).synchronize()
+        return run
+    from megabatch.data import nvjpeg
+
+    starts, lengths = encoded.offsets[:-1], encoded.offsets.diff()
+    shapes = torch.tensor([[256, 256]] * len(encoded))
+
+    def run():  # (the hardware decoder waits for its own work)
+        nvjpeg.hardware_decoder(device).decode(encoded.blob, starts, lengths, shapes)
+    return run
+
+
+def measure(name: str, encoded: EncodedImages, device: torch.device, threads: int, seconds: float) -> dict:
+    times, stop_at = [], time.perf_counter() + seconds
+
+    def work():
+        stream = torch.cuda.Stream(device, priority=-1)
+        with torch.cuda.stream(stream):
+            run = decoder(name, encoded, device)
+            run()  # warm: the thread's decoder made, buffers allocated
+            while time.perf_counter() < stop_at:
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    wall = time.perf_counter() - start
+    times.sort()
+    return {"samples_s": round(len(times) * len(encoded) / wall), "calls": len(times),
+            "median_ms": round(1e3 * times[len(times) // 2], 1) if times else None,
+            "max_ms": round(1e3 * times[-1], 1) if times else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=512, help="images per decode call (a sub-batch)")
+    parser.add_argument("--threads", default="1,2,3")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per row")
+    parser.add_argument("--decoders", default="torchvision,hardware")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode.py measures GPU decoding and needs a CUDA GPU")
+    device = torch.device("cuda")
+    encoded = EncodedImages.from_bytes([sample.image for sample in photos(args.images, 256)],
+                                       list(range(args.images)))
+    results = []
+    for busy in (False, True):
+        stop = threading.Event()
+        loader = threading.Thread(target=load, args=(stop, device)) if busy else None
+        if loader is not None:
+            loader.start()
+            time.sleep(0.5)
+        try:
+            for name in args.decoders.split(","):
+                for threads in (int(t) for t in args.threads.split(",")):
+                    row = {"decoder": name, "threads": threads, "gpu_busy": busy,
+                           **measure(name, encoded, device, threads, args.seconds)}
+                    print(json.dumps(row), flush=True)
+                    results.append(row)
+                    write_results(args.out, results, images_per_call=args.images, jpeg_px=256,
+                                  cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        finally:
+            stop.set()
+            if loader is not None:
+                loader.join()
+
+
+if __name__ == "__main__":
+    main()
