@@ -73,7 +73,7 @@ def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, in
 
     n = len(boxes)
     device = groups[0][1].device if groups else boxes.device
-    order = [int(row) for rows, _ in groups for row in rows]  # rows grouped by image size
+    order = [row for rows, _ in groups for row in (rows.tolist() if torch.is_tensor(rows) else rows)]  # by size
     boxes = boxes[order] if order != list(range(n)) else boxes
     on_device = to_device(boxes, device)
     out = torch.empty((n, 3, *size), dtype=torch.uint8, device=device)
@@ -393,6 +393,14 @@ class DecodePool:
         # the highest priority: a decode's few kernels go before the step's queued ones, so the
         # images the step waits for are not decoded behind it
         stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        try:
+            self._serve(stream)
+        finally:
+            from .nvjpeg import release_thread_decoders
+
+            release_thread_decoders()  # this thread's hardware decoders, if it made any
+
+    def _serve(self, stream) -> None:
         while True:
             _, _, future, work, item = self._tasks.get()
             if future is None:  # close()

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["HardwareDecoder", "Layout", "NvJpegError", "hardware_decoder", "library_path"]
+__all__ = ["HardwareDecoder", "Layout", "NvJpegError", "hardware_decoder", "library_path", "release_thread_decoders"]
 
 BACKEND_HARDWARE = 3
 OUTPUT_RGB = 3  # planar RGB: three planes, as torchvision's [3, h, w]
@@ -235,3 +235,10 @@ def hardware_decoder(device: torch.device) -> HardwareDecoder:
     if device not in decoders:
         decoders[device] = HardwareDecoder(device)
     return decoders[device]
+
+
+def release_thread_decoders() -> None:
+    """Close this thread's hardware decoders (a decoding thread calls it as it ends)."""
+    for decoder in getattr(_local, "decoders", {}).values():
+        decoder.close()
+    _local.decoders = {}
