@@ -412,3 +412,17 @@ def test_a_gpu_without_hardware_jpeg_decoders_decodes_with_the_cuda_decoder(monk
     decoder.hardware = True  # asked for
     with pytest.raises(RuntimeError, match="hardware JPEG decoder was asked for"):
         decoder(batch)
+
+
+def test_the_libnvjpeg_torchvision_ships_has_what_the_hardware_binding_calls():
+    """``data/nvjpeg.py`` binds the libnvjpeg beside torchvision: every function it declares is there
+    (a torchvision upgrade that dropped or renamed one would fall back to the CUDA decoder)."""
+    import ctypes
+
+    from megabatch.data import nvjpeg
+
+    if nvjpeg.library_path() is None:
+        pytest.skip("this torchvision ships no libnvjpeg")
+    quick, slow = nvjpeg._bind()
+    assert slow.nvjpegDecodeBatched.argtypes[-1] is not None and quick.nvjpegJpegStreamParseHeader.argtypes
+    assert ctypes.sizeof(nvjpeg._Image) == 64  # nvjpegImage_t: 4 plane pointers and 4 size_t pitches

@@ -286,7 +286,7 @@ class GpuDecoder:
 
         try:
             decoder = nvjpeg.hardware_decoder(self.device)
-        except (nvjpeg.NvJpegError, OSError) as error:
+        except (nvjpeg.NvJpegError, OSError, AttributeError) as error:  # (AttributeError: an nvJPEG too old)
             if self.hardware:
                 raise RuntimeError(f"the GPU's hardware JPEG decoder was asked for and fails: {error}") from None
             log.info("JPEGs decode with nvJPEG's CUDA decoder (no hardware JPEG decoder: %s)", error)

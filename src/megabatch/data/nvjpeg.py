@@ -40,8 +40,8 @@ STATUS = {0: "success", 1: "not initialized", 2: "invalid parameter", 3: "bad jp
 class NvJpegError(RuntimeError):
     """An nvJPEG call that did not succeed (``status``: its code)."""
 
-    def __init__(self, call: str, status: int):
-        super().__init__(f"nvJPEG {call}: {STATUS.get(status, f'status {status}')}")
+    def __init__(self, call: str, status: int, detail: str | None = None):
+        super().__init__(f"nvJPEG {call}: {detail or STATUS.get(status, f'status {status}')}")
         self.status = status
 
 
@@ -83,7 +83,8 @@ def _bind():
         if _libraries is None:
             path = library_path()
             if path is None:
-                raise NvJpegError("load", 1)
+                raise NvJpegError("load", 1, "no libnvjpeg beside torchvision, in the NVIDIA wheels or on the "
+                                              "library path")
             quick, slow = ctypes.PyDLL(path), ctypes.CDLL(path)
             p, n = ctypes.c_void_p, ctypes.c_int
             out = ctypes.POINTER
