@@ -424,5 +424,5 @@ def test_the_libnvjpeg_torchvision_ships_has_what_the_hardware_binding_calls():
     if nvjpeg.library_path() is None:
         pytest.skip("this torchvision ships no libnvjpeg")
     quick, slow = nvjpeg._bind()
-    assert slow.nvjpegDecodeBatched.argtypes[-1] is not None and quick.nvjpegJpegStreamParseHeader.argtypes
+    assert slow.nvjpegDecodeBatched.argtypes[-1] is not None and quick.nvjpegDecodeBatchedInitialize.argtypes
     assert ctypes.sizeof(nvjpeg._Image) == 64  # nvjpegImage_t: 4 plane pointers and 4 size_t pitches

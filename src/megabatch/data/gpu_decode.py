@@ -49,11 +49,15 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[i
                   interpolation: str, chunk_bytes: float = 256e6) -> torch.Tensor:
     """Each uint8 image ``[3, h_i, w_i]`` (on the GPU) cut to its box (``boxes [n, 4+]`` on the CPU:
     top, left, height, width) and resized to ``size``: ``cropped_groups`` on the images grouped by size."""
+    return cropped_groups(stacked_by_size(images), boxes, size, interpolation, chunk_bytes)
+
+
+def stacked_by_size(images: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """``(indices, pixels [m, 3, h, w])`` for each image size among ``images``, in first-seen order."""
     by_shape: dict[tuple, list[int]] = {}
-    for row, image in enumerate(images):
-        by_shape.setdefault(tuple(image.shape), []).append(row)
-    groups = [(rows, torch.stack([images[row] for row in rows])) for rows in by_shape.values()]
-    return cropped_groups(groups, boxes, size, interpolation, chunk_bytes)
+    for index, image in enumerate(images):
+        by_shape.setdefault(tuple(image.shape), []).append(index)
+    return [(indices, torch.stack([images[index] for index in indices])) for indices in by_shape.values()]
 
 
 def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, int], interpolation: str,
@@ -303,7 +307,7 @@ class GpuDecoder:
         1, 1) over a black 1x1 image. The hardware takes the rows it decodes in one call; the rest
         (and all of them if its call fails) go to ``_decode_each``."""
         groups, rest = [], list(range(len(rows)))
-        hardware = self._hardware_decoder() if boxes.shape[1] > 6 else None
+        hardware = self._hardware_decoder()
         if hardware is not None:
             takes = torch.nonzero(boxes[:, 6] == 1).flatten()
             if len(takes):
@@ -328,12 +332,8 @@ class GpuDecoder:
             for local, image in zip(rest, images, strict=True):
                 if image is None:  # nothing decodes it: a black image, counted in _decode_each
                     boxes[local, :4] = torch.tensor([0, 0, 1, 1])
-        by_shape: dict[tuple | None, list[int]] = {}
-        for index, image in enumerate(images):
-            by_shape.setdefault(None if image is None else tuple(image.shape), []).append(index)
-        for shape, indices in by_shape.items():
-            pixels = (torch.zeros((len(indices), 3, 1, 1), dtype=torch.uint8, device=self.device) if shape is None
-                      else torch.stack([images[index] for index in indices]))
+        black = torch.zeros((3, 1, 1), dtype=torch.uint8, device=self.device)
+        for indices, pixels in stacked_by_size([black if image is None else image for image in images]):
             groups.append((torch.tensor([rest[index] for index in indices], dtype=torch.int64), pixels))
         return groups, boxes
 

@@ -9,12 +9,11 @@ use no SMs, so decoding runs beside the step instead of between its kernels. Thi
 backend from the ``libnvjpeg`` that torchvision ships (no new dependency, no compiler): one
 ``HardwareDecoder`` per decoding thread (each its own handle and state, no shared lock).
 
-The backend takes baseline JPEGs of one scan in 4:4:4, 4:2:2, 4:2:0, 4:4:0 or grayscale; others
-(progressive, 4:1:1, ...) are left to the caller (``None`` rows), which decodes them as before. The
-same bytes always take the same path, and the engine gives the same pixels for the same bytes, so
-the offload replay stays bit-identical. The short per-image calls (header parsing) hold the
-interpreter lock, so that they do not hand it back and forth with the step's thread hundreds of
-times per sub-batch; the decode call itself releases it.
+The backend takes 8-bit baseline JPEGs in 4:4:4, 4:2:2, 4:2:0 or grayscale; the loader workers
+judge which from the header (``samples.hardware_decodes``) and the caller decodes the others as
+before. The same bytes always take the same path, and the engine gives the same pixels for the same
+bytes, so the offload replay stays bit-identical. The call's arrays are made with numpy (no Python
+per image), the short setup calls hold the interpreter lock, and the decode call releases it.
 """
 
 from __future__ import annotations
@@ -93,11 +92,6 @@ def _bind():
                 lib.nvjpegDestroy.argtypes = [p]
                 lib.nvjpegJpegStateCreate.argtypes = [p, out(p)]
                 lib.nvjpegJpegStateDestroy.argtypes = [p]
-                lib.nvjpegJpegStreamCreate.argtypes = [p, out(p)]
-                lib.nvjpegJpegStreamDestroy.argtypes = [p]
-                lib.nvjpegJpegStreamParseHeader.argtypes = [p, p, ctypes.c_size_t, p]
-                lib.nvjpegDecodeBatchedSupported.argtypes = [p, p, out(n)]
-                lib.nvjpegJpegStreamGetFrameDimensions.argtypes = [p, out(ctypes.c_uint), out(ctypes.c_uint)]
                 lib.nvjpegDecodeBatchedInitialize.argtypes = [p, p, n, n, n]
                 lib.nvjpegDecodeBatched.argtypes = [p, p, out(p), out(ctypes.c_size_t), out(_Image), p]
             _libraries = (quick, slow)
@@ -154,31 +148,15 @@ class HardwareDecoder:
     """One nvJPEG handle on the ``HARDWARE`` backend with its batched-decoding state: used by one
     thread at a time. Raises ``NvJpegError`` when the GPU has no hardware JPEG decoder."""
 
-    def __init__(self, device: torch.device, flags: int = 0):
+    def __init__(self, device: torch.device):
         self.device = device
         self._quick, self._slow = _bind()
-        self._handle, self._state, self._stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self._handle, self._state = ctypes.c_void_p(), ctypes.c_void_p()
         with torch.cuda.device(device):
             _check("create (hardware backend)",
-                   self._quick.nvjpegCreateEx(BACKEND_HARDWARE, None, None, flags, ctypes.byref(self._handle)))
+                   self._quick.nvjpegCreateEx(BACKEND_HARDWARE, None, None, 0, ctypes.byref(self._handle)))
             _check("state", self._quick.nvjpegJpegStateCreate(self._handle, ctypes.byref(self._state)))
-            _check("stream", self._quick.nvjpegJpegStreamCreate(self._handle, ctypes.byref(self._stream)))
         self._batch = 0  # the batch size the state is initialised for
-
-    def header(self, address: int, length: int) -> tuple[int, int] | None:
-        """``(height, width)`` of the JPEG at ``address`` if the hardware decodes it, else ``None``
-        (nvJPEG's own judgement; the loader workers judge from the header as PIL reads it)."""
-        quick, supported = self._quick, ctypes.c_int(1)
-        if quick.nvjpegJpegStreamParseHeader(self._handle, address, length, self._stream) != 0:
-            return None
-        if quick.nvjpegDecodeBatchedSupported(self._handle, self._stream, ctypes.byref(supported)) != 0:
-            return None
-        if supported.value != 0:
-            return None
-        width, height = ctypes.c_uint(), ctypes.c_uint()
-        if quick.nvjpegJpegStreamGetFrameDimensions(self._stream, ctypes.byref(width), ctypes.byref(height)) != 0:
-            return None
-        return (height.value, width.value) if width.value and height.value else None
 
     def decode(self, blob: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
                shapes: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -214,14 +192,11 @@ class HardwareDecoder:
                 for rows, start, (h, w) in plan.groups()]
 
     def close(self) -> None:
-        quick = self._quick
-        if self._stream:
-            quick.nvjpegJpegStreamDestroy(self._stream)
         if self._state:
-            quick.nvjpegJpegStateDestroy(self._state)
+            self._quick.nvjpegJpegStateDestroy(self._state)
         if self._handle:
-            quick.nvjpegDestroy(self._handle)
-        self._handle = self._state = self._stream = ctypes.c_void_p()
+            self._quick.nvjpegDestroy(self._handle)
+        self._handle, self._state = ctypes.c_void_p(), ctypes.c_void_p()
 
 
 _local = threading.local()
