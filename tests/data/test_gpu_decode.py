@@ -258,7 +258,7 @@ def test_a_sub_batchs_encoded_images_cross_the_loader_as_one_tensor(tmp_path):
 def test_the_decoding_threads_serve_the_replay_first_and_decode_ahead_in_order():
     """One pool serves phase 1's look-ahead and the replay: a replay task waiting behind look-ahead
     tasks runs next; ``decode_ahead`` yields in order, stays within its depth and its byte budget,
-    finishes each result in the consumer's thread, and raises a task's error."""
+    and raises a task's error."""
     from megabatch.data.gpu_decode import DecodePool
 
     pool = DecodePool(torch.device("cpu"), threads=1)
@@ -284,15 +284,13 @@ def test_the_decoding_threads_serve_the_replay_first_and_decode_ahead_in_order()
     assert list(ahead) == [x * x for x in range(1, 50)]
 
     started.clear()  # within a byte budget: 400-byte results, 1000 bytes: at most 3 done ahead, one more started
-    ahead = decode_ahead(source(), lambda x: torch.empty(100, device="meta"), pool, depth=40, budget_bytes=1000,
-                         finish=lambda result: result.numel())
-    assert next(ahead) == 100
+    ahead = decode_ahead(source(), lambda x: torch.empty(100, device="meta"), pool, depth=40, budget_bytes=1000)
+    assert next(ahead).numel() == 100
     time.sleep(0.2)
     assert 3 <= len(started) <= 1 + 3 + 1 + 1
-    assert sum(ahead) == 49 * 100
-    zero = decode_ahead(iter(range(5)), lambda x: torch.full((2,), x, device="meta"), pool, budget_bytes=0,
-                        finish=lambda result: result.numel())
-    assert list(zero) == [2] * 5  # a budget of 0 still decodes one ahead
+    assert sum(result.numel() for result in ahead) == 49 * 100
+    zero = decode_ahead(iter(range(5)), lambda x: torch.full((2,), x, device="meta"), pool, budget_bytes=0)
+    assert [result.numel() for result in zero] == [2] * 5  # a budget of 0 still decodes one ahead
 
     def fails(x):
         if x == 2:
@@ -359,8 +357,7 @@ def test_the_offload_replay_decodes_on_the_gpu_the_same_pixels_as_phase_1(tmp_pa
                                    rank_batch=48, rank=0, world_size=1, num_batches=1, seed=0, epoch=0,
                                    sub_batch=16, keep_raw=True, gpu_decode=True)
     decoder = GpuDecoder(device)
-    first = list(decode_ahead(iter(make_loader(dataset, 2)), decoder.sub_batch, decoder.pool,
-                              finish=decoder.finish_sub_batch))
+    first = list(decode_ahead(iter(make_loader(dataset, 2)), decoder.sub_batch, decoder.pool))
     assert all(sub.images.is_cuda and sub.images.shape == (16, 3, 32, 32) for sub in first)
     for spill_dir in (None, str(tmp_path / "spill")):
         offload = Offload(transform, seed=0, workers=2, spill_dir=spill_dir, gpu=decoder)

@@ -224,7 +224,7 @@ def check_data(data: DictConfig) -> None:
     ahead = data.decode_ahead_gb
     if ahead != "auto" and (isinstance(ahead, bool) or not isinstance(ahead, (int, float)) or ahead < 0):
         raise ConfigError(f"data.decode_ahead_gb={ahead!r}: give the GPU memory (GB per rank) that sub-batches "
-                          "decoded ahead of the step may take, e.g. data.decode_ahead_gb=2, or auto (8% of the GPU)")
+                          "decoded ahead of the step may take, e.g. data.decode_ahead_gb=2, or auto (2.5% of the GPU)")
     at_least(train.shuffle_buffer, "data.train.shuffle_buffer", 1, "5000")
     choice(train.split, "data.train.split", ("position", "shard"))
     choice(train.mode, "data.train.mode", ("epoch", "resampled"))

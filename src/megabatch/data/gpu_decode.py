@@ -10,11 +10,11 @@ function), so the GPU cuts the same crop. ``GpuDecoder.decode`` decodes a sub-ba
 batched nvJPEG call per decoder (the hardware one for the JPEGs it takes, the CUDA one for the
 rest); ``GpuDecoder.finish`` cuts each box and resizes it with the model's interpolation
 (antialiased, as the CPU path does) and rounds to uint8: ``[n, 3, s, s]`` on the device, as the CPU
-path's tensors are once copied there. ``decode_ahead`` runs ``decode`` in the threads of a
+path's tensors are once copied there. ``decode_ahead`` runs both in the threads of a
 ``DecodePool`` (each on its own high-priority CUDA stream), ahead of the step within a byte budget,
-for phase 1 and for the offload replay alike, the replay's sub-batches first; ``finish`` runs in the
-thread that takes the images (the step's), since from a decoding thread each of its short GPU calls
-would wait to take the interpreter lock back from the step's thread.
+for phase 1 and for the offload replay alike, the replay's sub-batches first: the step's thread
+takes finished images and waits for nothing it could have done earlier (with ``finish`` in the
+step's thread, its ~10 ms a sub-batch were 17% of a 16k offload step, measured on an H100).
 
 Pixels: decoding the same bytes twice on the GPU gives the same tensor bit for bit (the replay
 relies on it). Against the CPU path (libjpeg-turbo) they are equal for 4:4:4 JPEGs; for chroma-
@@ -68,13 +68,12 @@ def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, in
     or bilinear; nearest without antialiasing), then clamped and rounded to uint8 like the CPU path:
     ``[n, 3, s, s]`` in the batch's row order. Batched, whatever the crops: each crop-and-resize is
     two matrix products with per-sample resampling matrices (``resample_matrices``: the crop offset
-    is their zero columns), in fp32 with TF32 off (the result rounds as float64's but where an exact
-    value lies within ~1e-5 of a half; the same inputs give the same bits, which the replay needs).
-    A sub-batch costs a few dozen GPU calls, not several per image, and nothing here waits for the
-    GPU: the boxes and the row order travel in page-locked memory (a pageable copy would wait for
-    every kernel queued before it)."""
-    from ..kernels.torch_tiles import fp32_matmul
-
+    is their zero columns), in float64: exact to the final rounding, and the same inputs give the
+    same bits, which the replay needs. Not fp32: TF32 is one switch for the whole process, which
+    the step's loss turns while the decoding threads run this beside it (an H100 does the ~80
+    GFLOP of a 512-image sub-batch in float64 in a few milliseconds). A sub-batch costs a few dozen
+    GPU calls, not several per image, and nothing here waits for the GPU: the boxes and the row
+    order travel in page-locked memory (a pageable copy would wait for every kernel queued before it)."""
     n = len(boxes)
     device = groups[0][1].device if groups else boxes.device
     order = [row for rows, _ in groups for row in (rows.tolist() if torch.is_tensor(rows) else rows)]  # by size
@@ -84,20 +83,19 @@ def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, in
     done = 0
     for _, images in groups:
         count, _, height, width = images.shape
-        step = max(1, int(chunk_bytes // (3 * height * width * 4)))  # fp32 images per chunk
+        step = max(1, int(chunk_bytes // (3 * height * width * 8)))  # float64 images per chunk
         for start in range(0, count, step):
             m = min(step, count - start)
             # rows first, the three channels side by side: [m, H, 3W] (one product per sample, no
             # broadcast copies of the resampling matrices)
             pixels = images[start:start + m].permute(0, 2, 1, 3).reshape(m, height, 3 * width)
             crop, cpu_crop = on_device[done:done + m], boxes[done:done + m]
-            along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation, torch.float32,
+            along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation, torch.float64,
                                         taps(cpu_crop[:, 2], size[0], interpolation))  # [m, s, H]
-            along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation, torch.float32,
+            along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation, torch.float64,
                                         taps(cpu_crop[:, 3], size[1], interpolation))  # [m, s, W]
-            with fp32_matmul("ieee"):  # (a CUDA setting; CPU products are plain fp32 anyway)
-                tall = torch.bmm(along_h, pixels.float()).view(m, size[0] * 3, width)  # [m, s*3, W]
-                resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
+            tall = torch.bmm(along_h, pixels.double()).view(m, size[0] * 3, width)  # [m, s*3, W]
+            resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
             out[done:done + m] = resized.clamp_(0, 255).round_().permute(0, 2, 1, 3)
             done += m
     return in_row_order(out, order)
@@ -207,11 +205,9 @@ class Decoded(NamedTuple):
 
 class GpuDecoder:
     """Turns a ``JpegBatch`` into uint8 images ``[n, 3, s, s]`` on ``device``, on the current CUDA
-    stream, in two halves: ``decode`` (nvJPEG: one call that waits for the GPU, run by the decoding
-    threads) and ``finish`` (the crops and resizes: a few dozen short GPU calls, run by the thread
-    that uses the images, which holds the interpreter lock anyway: from a decoding thread each call
-    would wait to take the lock back from the step's thread, and decoding a sub-batch took 100-200 ms
-    instead of 36, measured on an H100).
+    stream, in two halves: ``decode`` (nvJPEG: one call that waits for the GPU) and ``finish`` (the
+    crops and resizes: a few dozen short GPU calls that wait for nothing, and change no setting the
+    step's thread reads). A decoding thread runs both (``sub_batch``, ``__call__``).
 
     Two decoders: the GPU's hardware JPEG engines (``data/nvjpeg.py``, one decoder per thread) for
     the JPEGs they take (``JpegHeader.hardware``), where the GPU has them and ``hardware`` allows
@@ -270,16 +266,13 @@ class GpuDecoder:
         return in_row_order(torch.cat(parts), decoded.gpu_rows + decoded.cpu_rows)
 
     def sub_batch(self, sub: SubBatch) -> SubBatch:
-        """``sub`` with its JPEGs decoded on the device (``Decoded``, for ``finish_sub_batch``), its
-        other images copied there. An all-JPEG sub-batch keeps its crop boxes (``SubBatch.boxes``):
-        the offload replay cuts them again without redrawing."""
+        """``sub`` with its JPEGs decoded and cut on the device, its other images copied there. An
+        all-JPEG sub-batch keeps its crop boxes (``SubBatch.boxes``): the offload replay cuts them
+        again without redrawing."""
         if isinstance(sub.images, JpegBatch):
             boxes = None if sub.images.cpu_rows else sub.images.boxes
-            return sub._replace(images=self.decode(sub.images), boxes=boxes)
+            return sub._replace(images=self(sub.images), boxes=boxes)
         return sub._replace(images=to_device(sub.images, self.device))
-
-    def finish_sub_batch(self, sub: SubBatch) -> SubBatch:
-        return sub._replace(images=self.finish(sub.images))
 
     def _hardware_decoder(self):
         """This thread's hardware decoder (``nvjpeg.HardwareDecoder``), or ``None`` where there is
@@ -436,15 +429,14 @@ class _Done:
 class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
     """``work(item)`` for each item of ``items``, in order, run by ``pool``'s threads from the moment
     it is called, up to ``depth`` items and ``budget_bytes`` of results (``device_bytes``; at least
-    one item) ahead of the consumer: the GPU decodes while the step computes. Each result is passed
-    to ``finish`` in the consumer's thread, once the consumer's stream is made to wait for its work
-    (no host sync) and its tensors are marked as used on that stream. An exception in a thread is
-    raised by ``next``; ``close`` stops reading ``items`` and cancels what has not started."""
+    one item) ahead of the consumer: the GPU decodes while the step computes. ``next`` returns a
+    result once the consumer's stream is made to wait for its work (no host sync) and its tensors
+    are marked as used on that stream. An exception in a thread is raised by ``next``; ``close``
+    stops reading ``items`` and cancels what has not started."""
 
     def __init__(self, items: Iterator, work: Callable, pool: DecodePool, depth: int = 4,
-                 priority: int = DecodePool.LOOK_AHEAD, finish: Callable | None = None,
-                 budget_bytes: float = float("inf")):
-        self.device, self._finish, self._budget = pool.device, finish, budget_bytes
+                 priority: int = DecodePool.LOOK_AHEAD, budget_bytes: float = float("inf")):
+        self.device, self._budget = pool.device, budget_bytes
         self._futures: queue.Queue = queue.Queue(maxsize=depth)  # in order; bounded: at most depth ahead
         self._held = 0  # bytes of results done and not yet taken
         # submitted and not done: at most one per thread, and fewer for the look-ahead, so that a thread
@@ -527,7 +519,7 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
             for tensor in _tensors(result):
                 if tensor.device.type == "cuda":
                     tensor.record_stream(consumer)  # made on a decode stream, used on this one
-        return self._finish(result) if self._finish is not None else result
+        return result
 
     def close(self) -> None:
         self._finished = True

@@ -93,11 +93,11 @@ class Offload:
             raw, boxes = kept
             encoded = _read_back(raw, spill_path)
             if boxes is not None:  # all JPEGs: the boxes phase 1 cut, the bytes it read
-                return gpu.decode(decoder.jpeg_batch(encoded, boxes))
+                return gpu(decoder.jpeg_batch(encoded, boxes))
             images = decoder.again(encoded)  # rows the CPU decodes: drawn and decoded again
-            return gpu.decode(images) if isinstance(images, JpegBatch) else to_device(images, gpu.device)
+            return gpu(images) if isinstance(images, JpegBatch) else to_device(images, gpu.device)
 
-        return decode_ahead(iter(kept), again, gpu.pool, priority=DecodePool.REPLAY, finish=gpu.finish)
+        return decode_ahead(iter(kept), again, gpu.pool, priority=DecodePool.REPLAY)
 
     def close(self) -> None:
         self.redecoder.close()

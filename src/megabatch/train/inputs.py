@@ -56,7 +56,7 @@ class RunInputs:
             if self.gpu_decoder is not None:
                 gpu = self.gpu_decoder
                 source = decode_ahead(source, gpu.sub_batch, gpu.pool, depth=max(2, plan.sub_batches),
-                                      finish=gpu.finish_sub_batch, budget_bytes=self.decode_ahead_bytes)
+                                      budget_bytes=self.decode_ahead_bytes)
             try:
                 for sub in source:
                     if sub.stats:
