@@ -208,7 +208,7 @@ def test_batched_crops_resize_as_torch_interpolate_does(mode):
     images = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
               for shape in [(3, 60, 80)] * 5 + [(3, 33, 47)]]
     boxes = torch.tensor([[0, 0, 60, 80], [5, 7, 20, 30], [10, 3, 5, 9], [0, 0, 1, 1], [2, 2, 58, 12], [1, 2, 30, 40]])
-    got = resized_crops(images, boxes, (24, 24), mode, chunk_bytes=50_000)  # small chunks: several per shape
+    got = resized_crops(images, boxes, (24, 24), mode, chunk_bytes=50_000, kernel=False)  # several chunks a shape
     options = {} if mode == "nearest" else {"align_corners": False, "antialias": True}
     for image, (top, left, height, width), pixels in zip(images, boxes.tolist(), got, strict=True):
         crop = image[None, :, top:top + height, left:left + width].double()
@@ -219,6 +219,33 @@ def test_batched_crops_resize_as_torch_interpolate_does(mode):
         expected = F.interpolate(eye, size=(24, length), mode=mode, **options)[0, 0]
         mine = resample_matrices(torch.tensor([0]), torch.tensor([length]), length, 24, mode)[0]
         assert torch.allclose(mine, expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear", "nearest"])
+def test_the_crop_kernel_gives_the_dense_forms_pixels(mode):
+    """The Triton crop-and-resize (``kernels/crops.py``, here through the interpreter) gives the
+    plain-torch form's pixels: equal, but where the exact value is a tie (x.5) that float64 noise
+    rounds either way. Rows come out in the batch's order, whatever the size groups; a black 1x1
+    image (a corrupt row) too."""
+    import torch.nn.functional as F
+
+    from megabatch.data.gpu_decode import resized_crops
+
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(3, 20, 24), (3, 17, 13), (3, 20, 24), (3, 1, 1), (3, 17, 13), (3, 20, 24)]
+    images = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator) for shape in shapes]
+    boxes = torch.tensor([[0, 0, 20, 24], [3, 2, 14, 11], [5, 7, 6, 9], [0, 0, 1, 1], [0, 0, 17, 13], [2, 1, 18, 22]])
+    kernel = resized_crops(images, boxes, (16, 16), mode, kernel=True)
+    dense = resized_crops(images, boxes, (16, 16), mode, kernel=False)
+    assert kernel.dtype == torch.uint8 and kernel.shape == (6, 3, 16, 16)
+    options = {} if mode == "nearest" else {"align_corners": False, "antialias": True}
+    for row, channel, y, x in (kernel.int() - dense.int()).nonzero().tolist():
+        assert abs(int(kernel[row, channel, y, x]) - int(dense[row, channel, y, x])) == 1
+        top, left, height, width = boxes[row].tolist()
+        crop = images[row][None, :, top:top + height, left:left + width].double()
+        exact = F.interpolate(crop, size=(16, 16), mode=mode, **options)[0, channel, y, x].item()
+        assert abs(exact % 1 - 0.5) < 1e-9  # a tie
+    assert (kernel != dense).float().mean() < 0.01
 
 
 def test_a_sub_batchs_encoded_images_cross_the_loader_as_one_tensor(tmp_path):

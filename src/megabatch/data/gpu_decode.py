@@ -46,10 +46,10 @@ log = logging.getLogger(__name__)
 
 
 def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int],
-                  interpolation: str, chunk_bytes: float = 256e6) -> torch.Tensor:
+                  interpolation: str, chunk_bytes: float = 256e6, kernel: bool | None = None) -> torch.Tensor:
     """Each uint8 image ``[3, h_i, w_i]`` (on the GPU) cut to its box (``boxes [n, 4+]`` on the CPU:
     top, left, height, width) and resized to ``size``: ``cropped_groups`` on the images grouped by size."""
-    return cropped_groups(stacked_by_size(images), boxes, size, interpolation, chunk_bytes)
+    return cropped_groups(stacked_by_size(images), boxes, size, interpolation, chunk_bytes, kernel)
 
 
 def stacked_by_size(images: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
@@ -61,19 +61,43 @@ def stacked_by_size(images: list[torch.Tensor]) -> list[tuple[list[int], torch.T
 
 
 def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, int], interpolation: str,
-                   chunk_bytes: float = 256e6) -> torch.Tensor:
+                   chunk_bytes: float = 256e6, kernel: bool | None = None) -> torch.Tensor:
     """Rows ``rows`` of a batch as uint8 images ``pixels [m, 3, h, w]`` of one size (on the GPU), per
     ``(rows, pixels)`` group, each row cut to its box (``boxes [n, 4+]`` on the CPU: top, left,
     height, width) and resized to ``size`` as ``F.interpolate(..., antialias=True)`` resizes (bicubic
     or bilinear; nearest without antialiasing), then clamped and rounded to uint8 like the CPU path:
-    ``[n, 3, s, s]`` in the batch's row order. Batched, whatever the crops: each crop-and-resize is
-    two matrix products with per-sample resampling matrices (``resample_matrices``: the crop offset
-    is their zero columns), in float64: exact to the final rounding, and the same inputs give the
-    same bits, which the replay needs. Not fp32: TF32 is one switch for the whole process, which
-    the step's loss turns while the decoding threads run this beside it (an H100 does the ~80
-    GFLOP of a 512-image sub-batch in float64 in a few milliseconds). A sub-batch costs a few dozen
-    GPU calls, not several per image, and nothing here waits for the GPU: the boxes and the row
-    order travel in page-locked memory (a pageable copy would wait for every kernel queued before it)."""
+    ``[n, 3, s, s]`` in the batch's row order. Batched, whatever the crops, in float64 (exact to the
+    final rounding; the same inputs give the same bits, which the replay needs; no TF32, a switch
+    for the whole process that the step's loss turns while the decoding threads run this).
+
+    ``kernel`` (``None``: on CUDA): one Triton launch per image size (``kernels/crops.py``; on the
+    CPU it needs ``TRITON_INTERPRET=1``). Otherwise the plain-torch form, ``dense_crops``. Either
+    way nothing here waits for the GPU: the boxes travel in page-locked memory (a pageable copy
+    would wait for every kernel queued before it)."""
+    device = groups[0][1].device if groups else boxes.device
+    if kernel is None:
+        kernel = device.type == "cuda"
+    if not kernel:
+        return dense_crops(groups, boxes, size, interpolation, chunk_bytes)
+    from ..kernels.crops import crop_groups
+
+    order = [row for rows, _ in groups for row in (rows.tolist() if torch.is_tensor(rows) else rows)]  # by size
+    table = torch.empty((len(boxes), 5), dtype=torch.int64)
+    table[:, :4] = boxes[order, :4]
+    table[:, 4] = torch.tensor(order, dtype=torch.int64)
+    group_taps, done = [], 0
+    for _, pixels in groups:
+        rows = table[done:done + len(pixels)]
+        group_taps.append((taps(rows[:, 2], size[0], interpolation), taps(rows[:, 3], size[1], interpolation)))
+        done += len(pixels)
+    return crop_groups(groups, to_device(table, device), size, interpolation, group_taps)
+
+
+def dense_crops(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, int], interpolation: str,
+                chunk_bytes: float = 256e6) -> torch.Tensor:
+    """``cropped_groups`` in plain torch: each crop-and-resize is two float64 matrix products with
+    per-sample resampling matrices (``resample_matrices``: the crop offset is their zero columns),
+    a few hundred short GPU calls a sub-batch (the Triton kernel's reference, and the CPU's form)."""
     n = len(boxes)
     device = groups[0][1].device if groups else boxes.device
     order = [row for rows, _ in groups for row in (rows.tolist() if torch.is_tensor(rows) else rows)]  # by size
