@@ -222,30 +222,25 @@ def test_batched_crops_resize_as_torch_interpolate_does(mode):
 
 
 @pytest.mark.parametrize("mode", ["bicubic", "bilinear", "nearest"])
-def test_the_crop_kernel_gives_the_dense_forms_pixels(mode):
-    """The Triton crop-and-resize (``kernels/crops.py``, here through the interpreter) gives the
-    plain-torch form's pixels: equal, but where the exact value is a tie (x.5) that float64 noise
-    rounds either way. Rows come out in the batch's order, whatever the size groups; a black 1x1
-    image (a corrupt row) too."""
-    import torch.nn.functional as F
+def test_the_matrix_kernel_builds_the_torch_resampling_matrices(mode):
+    """The Triton resampling matrices (``kernels/crops.py``, here through the interpreter) are
+    ``resample_matrices``' to float64 rounding, for shrinking and enlarging crops, at any offset, the
+    window against the image's edge; and the crops made with them equal the plain-torch ones."""
+    from megabatch.data.gpu_decode import resample_matrices, resized_crops, taps
+    from megabatch.kernels.crops import resample_matrix
 
-    from megabatch.data.gpu_decode import resized_crops
-
+    boxes = torch.tensor([[0, 0, 20, 24], [3, 2, 14, 11], [5, 7, 6, 9], [0, 0, 1, 1], [0, 0, 17, 13], [2, 1, 18, 23]])
+    for axis, full in ((0, 20), (1, 24)):
+        starts, lengths = boxes[:, axis], boxes[:, axis + 2]
+        count = taps(lengths, 16, mode)
+        expected = resample_matrices(starts, lengths, full, 16, mode, torch.float64, count)
+        got = resample_matrix(boxes, axis, full, 16, mode, count)
+        assert got.shape == expected.shape == (6, 16, full)
+        assert torch.allclose(got, expected, rtol=0, atol=1e-12)
     generator = torch.Generator().manual_seed(1)
-    shapes = [(3, 20, 24), (3, 17, 13), (3, 20, 24), (3, 1, 1), (3, 17, 13), (3, 20, 24)]
-    images = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator) for shape in shapes]
-    boxes = torch.tensor([[0, 0, 20, 24], [3, 2, 14, 11], [5, 7, 6, 9], [0, 0, 1, 1], [0, 0, 17, 13], [2, 1, 18, 22]])
-    kernel = resized_crops(images, boxes, (16, 16), mode, kernel=True)
-    dense = resized_crops(images, boxes, (16, 16), mode, kernel=False)
-    assert kernel.dtype == torch.uint8 and kernel.shape == (6, 3, 16, 16)
-    options = {} if mode == "nearest" else {"align_corners": False, "antialias": True}
-    for row, channel, y, x in (kernel.int() - dense.int()).nonzero().tolist():
-        assert abs(int(kernel[row, channel, y, x]) - int(dense[row, channel, y, x])) == 1
-        top, left, height, width = boxes[row].tolist()
-        crop = images[row][None, :, top:top + height, left:left + width].double()
-        exact = F.interpolate(crop, size=(16, 16), mode=mode, **options)[0, channel, y, x].item()
-        assert abs(exact % 1 - 0.5) < 1e-9  # a tie
-    assert (kernel != dense).float().mean() < 0.01
+    images = [torch.randint(0, 256, (3, 20, 24), dtype=torch.uint8, generator=generator) for _ in boxes]
+    assert torch.equal(resized_crops(images, boxes, (16, 16), mode, kernel=True),
+                       resized_crops(images, boxes, (16, 16), mode, kernel=False))
 
 
 def test_a_sub_batchs_encoded_images_cross_the_loader_as_one_tensor(tmp_path):

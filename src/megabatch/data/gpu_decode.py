@@ -66,40 +66,22 @@ def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, in
     ``(rows, pixels)`` group, each row cut to its box (``boxes [n, 4+]`` on the CPU: top, left,
     height, width) and resized to ``size`` as ``F.interpolate(..., antialias=True)`` resizes (bicubic
     or bilinear; nearest without antialiasing), then clamped and rounded to uint8 like the CPU path:
-    ``[n, 3, s, s]`` in the batch's row order. Batched, whatever the crops, in float64 (exact to the
-    final rounding; the same inputs give the same bits, which the replay needs; no TF32, a switch
-    for the whole process that the step's loss turns while the decoding threads run this).
+    ``[n, 3, s, s]`` in the batch's row order. Batched, whatever the crops: each crop-and-resize is
+    two matrix products with per-sample resampling matrices (the crop offset is their zero
+    columns), in float64: exact to the final rounding, and the same inputs give the same bits, which
+    the replay needs. Not fp32: TF32 is one switch for the whole process, which the step's loss
+    turns while the decoding threads run this beside it.
 
-    ``kernel`` (``None``: on CUDA): one Triton launch per image size (``kernels/crops.py``; on the
-    CPU it needs ``TRITON_INTERPRET=1``). Otherwise the plain-torch form, ``dense_crops``. Either
-    way nothing here waits for the GPU: the boxes travel in page-locked memory (a pageable copy
-    would wait for every kernel queued before it)."""
-    device = groups[0][1].device if groups else boxes.device
-    if kernel is None:
-        kernel = device.type == "cuda"
-    if not kernel:
-        return dense_crops(groups, boxes, size, interpolation, chunk_bytes)
-    from ..kernels.crops import crop_groups
+    ``kernel`` (``None``: on CUDA, unless ``TRITON_INTERPRET=1``): the matrices come from one Triton
+    launch each (``kernels/crops.py``), else from ``resample_matrices`` (plain torch, ~30 calls
+    each). Nothing here waits for the GPU: the boxes and the row order travel in page-locked memory
+    (a pageable copy would wait for every kernel queued before it)."""
+    from ..kernels.triton_tiles import interpreting
 
-    order = [row for rows, _ in groups for row in (rows.tolist() if torch.is_tensor(rows) else rows)]  # by size
-    table = torch.empty((len(boxes), 5), dtype=torch.int64)
-    table[:, :4] = boxes[order, :4]
-    table[:, 4] = torch.tensor(order, dtype=torch.int64)
-    group_taps, done = [], 0
-    for _, pixels in groups:
-        rows = table[done:done + len(pixels)]
-        group_taps.append((taps(rows[:, 2], size[0], interpolation), taps(rows[:, 3], size[1], interpolation)))
-        done += len(pixels)
-    return crop_groups(groups, to_device(table, device), size, interpolation, group_taps)
-
-
-def dense_crops(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, int], interpolation: str,
-                chunk_bytes: float = 256e6) -> torch.Tensor:
-    """``cropped_groups`` in plain torch: each crop-and-resize is two float64 matrix products with
-    per-sample resampling matrices (``resample_matrices``: the crop offset is their zero columns),
-    a few hundred short GPU calls a sub-batch (the Triton kernel's reference, and the CPU's form)."""
     n = len(boxes)
     device = groups[0][1].device if groups else boxes.device
+    if kernel is None:
+        kernel = device.type == "cuda" and not interpreting()
     order = [row for rows, _ in groups for row in (rows.tolist() if torch.is_tensor(rows) else rows)]  # by size
     boxes = boxes[order] if order != list(range(n)) else boxes
     on_device = to_device(boxes, device)
@@ -114,10 +96,17 @@ def dense_crops(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, int],
             # broadcast copies of the resampling matrices)
             pixels = images[start:start + m].permute(0, 2, 1, 3).reshape(m, height, 3 * width)
             crop, cpu_crop = on_device[done:done + m], boxes[done:done + m]
-            along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation, torch.float64,
-                                        taps(cpu_crop[:, 2], size[0], interpolation))  # [m, s, H]
-            along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation, torch.float64,
-                                        taps(cpu_crop[:, 3], size[1], interpolation))  # [m, s, W]
+            taps_h, taps_w = taps(cpu_crop[:, 2], size[0], interpolation), taps(cpu_crop[:, 3], size[1], interpolation)
+            if kernel:
+                from ..kernels.crops import resample_matrix
+
+                along_h = resample_matrix(crop, 0, height, size[0], interpolation, taps_h)  # [m, s, H]
+                along_w = resample_matrix(crop, 1, width, size[1], interpolation, taps_w)  # [m, s, W]
+            else:
+                along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation, torch.float64,
+                                            taps_h)
+                along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation, torch.float64,
+                                            taps_w)
             tall = torch.bmm(along_h, pixels.double()).view(m, size[0] * 3, width)  # [m, s*3, W]
             resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
             out[done:done + m] = resized.clamp_(0, 255).round_().permute(0, 2, 1, 3)
