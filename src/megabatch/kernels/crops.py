@@ -4,13 +4,12 @@ pixel ``i`` gives the input pixels of the sample's crop window along one axis, a
 ``gpu_decode.resample_matrices`` computes them in plain torch (PyTorch's antialiased resampling:
 bicubic or bilinear; nearest without antialiasing), in float64.
 
-Why a kernel: the plain-torch form is ~30 short GPU calls per matrix, two matrices per chunk, and
-the decoding threads build them beside the step: every call takes the interpreter lock, which the
-step's own thread then waits for (measured on an H100: the step's phases grew by ~9 ms a 512-image
-sub-batch). Here a matrix is two calls (zeros, then this kernel); the products stay cuBLAS's
-float64 ones (no TF32: a process-wide switch the step's loss turns). A first form that resampled
-each output pixel in the kernel itself, gathering every tap's input pixel, took 157 ms a 512-image
-sub-batch on an H100 (the dense float64 products: ~8 ms).
+Why a kernel: the plain-torch form is ~30 short GPU calls per matrix, two matrices per chunk, run
+by the decoding threads beside the step. Measured on an H100 (512 images of 256 px to 224, bicubic):
+the whole crop-and-resize takes 1.7 ms of CPU and 4.2 ms of GPU with this kernel, 6.2 and 6.2 ms
+with the plain-torch matrices. The products stay cuBLAS's float64 ones (no TF32: a process-wide
+switch the step's loss turns). A first form that resampled each output pixel in the kernel itself,
+gathering every tap's input pixel, took 157 ms of GPU a sub-batch and was dropped.
 """
 
 from __future__ import annotations
