@@ -82,6 +82,15 @@ def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, in
     device = groups[0][1].device if groups else boxes.device
     if kernel is None:
         kernel = device.type == "cuda" and not interpreting()
+    if kernel:
+        from ..kernels.crops import resample_matrix
+
+    def matrices(crop: torch.Tensor, axis: int, full: int, out_size: int, count: int) -> torch.Tensor:
+        """``[m, out_size, full]`` for the crops' windows along ``axis`` (0: rows, 1: columns)."""
+        if kernel:
+            return resample_matrix(crop, axis, full, out_size, interpolation, count)
+        return resample_matrices(crop[:, axis], crop[:, axis + 2], full, out_size, interpolation, torch.float64, count)
+
     order = [row for rows, _ in groups for row in (rows.tolist() if torch.is_tensor(rows) else rows)]  # by size
     boxes = boxes[order] if order != list(range(n)) else boxes
     on_device = to_device(boxes, device)
@@ -96,17 +105,8 @@ def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, in
             # broadcast copies of the resampling matrices)
             pixels = images[start:start + m].permute(0, 2, 1, 3).reshape(m, height, 3 * width)
             crop, cpu_crop = on_device[done:done + m], boxes[done:done + m]
-            taps_h, taps_w = taps(cpu_crop[:, 2], size[0], interpolation), taps(cpu_crop[:, 3], size[1], interpolation)
-            if kernel:
-                from ..kernels.crops import resample_matrix
-
-                along_h = resample_matrix(crop, 0, height, size[0], interpolation, taps_h)  # [m, s, H]
-                along_w = resample_matrix(crop, 1, width, size[1], interpolation, taps_w)  # [m, s, W]
-            else:
-                along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation, torch.float64,
-                                            taps_h)
-                along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation, torch.float64,
-                                            taps_w)
+            along_h = matrices(crop, 0, height, size[0], taps(cpu_crop[:, 2], size[0], interpolation))  # [m, s, H]
+            along_w = matrices(crop, 1, width, size[1], taps(cpu_crop[:, 3], size[1], interpolation))  # [m, s, W]
             tall = torch.bmm(along_h, pixels.double()).view(m, size[0] * 3, width)  # [m, s*3, W]
             resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
             out[done:done + m] = resized.clamp_(0, 255).round_().permute(0, 2, 1, 3)
