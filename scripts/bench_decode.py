@@ -8,11 +8,20 @@ samples/s and the median and longest call. ``meta`` records CUDA_DEVICE_MAX_CONN
 megabatch sets 32 unless set: run once with it set to 8, CUDA's default, to see why).
 
     python scripts/bench_decode.py --out docs/bench/decode_h100.json
+
+``--crops``: the crop-and-resize that follows the decoding instead (``gpu_decode.cropped_groups``),
+on the same sub-batch decoded once, with ViT training's random-resized-crop boxes (scale 0.9-1.0,
+bicubic, 224 px): the Triton passes (``kernels/crops.py``) against the dense float64 products of
+the plain-torch form, on an idle GPU; each row: the CPU time of a call and the GPU time of its
+kernels (median of calls, CUDA events), and the largest pixel difference against the dense form.
+
+    python scripts/bench_decode.py --crops --out docs/bench/crops_h100.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import threading
@@ -85,12 +94,57 @@ def measure(name: str, encoded: EncodedImages, device: torch.device, threads: in
             "max_ms": round(1e3 * times[-1], 1) if times else None}
 
 
+def crops(encoded: EncodedImages, device: torch.device, seconds: float) -> list[dict]:
+    """``cropped_groups`` on ``encoded`` decoded once, with and without the Triton kernel."""
+    import torchvision.transforms.v2 as T2
+
+    from megabatch.data.gpu_decode import cropped_groups, stacked_by_size
+    from megabatch.data.transforms import crop_box
+
+    decoded = [image.to(device) for image in _decoded(encoded, device)]
+    transform = T2.RandomResizedCrop(224, scale=(0.9, 1.0), interpolation=T2.InterpolationMode.BICUBIC)
+    boxes = torch.tensor([crop_box(transform, *image.shape[1:], seed) for seed, image in enumerate(decoded)])
+    groups = stacked_by_size(decoded)
+    rows, reference = [], None
+    for kernel in (False, True):
+        run = functools.partial(cropped_groups, groups, boxes, (224, 224), "bicubic", kernel=kernel)
+        result = run()  # warm: compiled, buffers allocated
+        torch.cuda.synchronize(device)
+        cpu, gpu, stop_at = [], [], time.perf_counter() + seconds
+        while time.perf_counter() < stop_at:
+            start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = time.perf_counter()
+            start_event.record()
+            run()
+            end_event.record()
+            cpu.append(time.perf_counter() - start)
+            end_event.synchronize()
+            gpu.append(start_event.elapsed_time(end_event) / 1e3)
+        reference = result if reference is None else reference
+        cpu.sort()
+        gpu.sort()
+        rows.append({"crops": "triton" if kernel else "dense_float64_products", "images": len(decoded),
+                     "calls": len(cpu), "cpu_ms": round(1e3 * cpu[len(cpu) // 2], 2),
+                     "gpu_ms": round(1e3 * gpu[len(gpu) // 2], 2),
+                     "max_difference": int((result.int() - reference.int()).abs().max()),
+                     "differing_fraction": float((result != reference).float().mean())})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _decoded(encoded: EncodedImages, device: torch.device) -> list[torch.Tensor]:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    return decode_jpeg(encoded.views(), mode=ImageReadMode.RGB, device=device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=512, help="images per decode call (a sub-batch)")
     parser.add_argument("--threads", default="1,2,3")
     parser.add_argument("--seconds", type=float, default=3.0, help="per row")
     parser.add_argument("--decoders", default="torchvision,hardware")
+    parser.add_argument("--crops", action="store_true", help="measure the crop-and-resize, not the decoding")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -98,6 +152,9 @@ def main() -> None:
     device = torch.device("cuda")
     encoded = EncodedImages.from_bytes([sample.image for sample in photos(args.images, 256)],
                                        list(range(args.images)))
+    if args.crops:
+        write_results(args.out, crops(encoded, device, args.seconds), images_per_call=args.images, jpeg_px=256)
+        return
     results = []
     for busy in (False, True):
         stop = threading.Event()

@@ -222,28 +222,35 @@ def test_batched_crops_resize_as_torch_interpolate_does(mode):
 
 
 @pytest.mark.parametrize("mode", ["bicubic", "bilinear", "nearest"])
-def test_the_matrix_kernel_builds_the_torch_resampling_matrices(mode):
-    """The Triton resampling matrices (``kernels/crops.py``; on a CPU through the interpreter) are
-    ``resample_matrices``' to float64 rounding, for shrinking and enlarging crops, at any offset, the
-    window against the image's edge; and the crops made with them are the plain-torch ones (but
-    where an exact tie, x.5, rounds the other way)."""
-    from megabatch.data.gpu_decode import resample_matrices, resized_crops, taps
-    from megabatch.kernels.crops import resample_matrix
+def test_the_crop_kernel_gives_the_plain_torch_crops(mode):
+    """The two Triton passes (``kernels/crops.py``; on a CPU through the interpreter) give the dense
+    plain-torch crops and F.interpolate's, for shrinking and enlarging crops, at any offset, the
+    window against the image's edge, two image sizes, a chunk boundary inside a size (but where an
+    exact tie, x.5, rounds the other way); and the same bits twice."""
+    import torch.nn.functional as F
+
+    from megabatch.data.gpu_decode import resized_crops
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (CPU: TRITON_INTERPRET=1)
-    boxes = torch.tensor([[0, 0, 20, 24], [3, 2, 14, 11], [5, 7, 6, 9], [0, 0, 1, 1], [0, 0, 17, 13], [2, 1, 18, 23]])
-    for axis, full in ((0, 20), (1, 24)):
-        starts, lengths = boxes[:, axis], boxes[:, axis + 2]
-        count = taps(lengths, 16, mode)
-        expected = resample_matrices(starts, lengths, full, 16, mode, torch.float64, count)
-        got = resample_matrix(boxes.to(device), axis, full, 16, mode, count).cpu()
-        assert got.shape == expected.shape == (6, 16, full)
-        assert torch.allclose(got, expected, rtol=0, atol=1e-12)
     generator = torch.Generator().manual_seed(1)
-    images = [torch.randint(0, 256, (3, 20, 24), dtype=torch.uint8, generator=generator).to(device) for _ in boxes]
-    with_kernel = resized_crops(images, boxes, (16, 16), mode, kernel=True).int()
+    shapes = [(3, 20, 70)] * 5 + [(3, 9, 13)] * 2
+    images = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator) for shape in shapes]
+    boxes = torch.tensor([[0, 0, 20, 70], [3, 2, 14, 11], [5, 60, 6, 10], [0, 0, 1, 1], [19, 3, 1, 67],
+                          [0, 0, 9, 13], [2, 1, 7, 5]])
+    on_device = [image.to(device) for image in images]
+    chunk = 3 * 16 * 70 * 8 * 3  # three of the first size's images a chunk
+    with_kernel = resized_crops(on_device, boxes, (16, 16), mode, chunk_bytes=chunk, kernel=True)
+    again = resized_crops(on_device, boxes, (16, 16), mode, chunk_bytes=chunk, kernel=True)
     plain = resized_crops(images, boxes, (16, 16), mode, kernel=False).int()
-    assert (with_kernel - plain).abs().max() <= 1 and (with_kernel != plain).float().mean() < 0.01
+    assert torch.equal(with_kernel, again) and with_kernel.dtype == torch.uint8
+    with_kernel = with_kernel.cpu().int()
+    assert (with_kernel - plain).abs().max() <= 1 and (with_kernel != plain).float().mean() < 0.002
+    options = {} if mode == "nearest" else {"align_corners": False, "antialias": True}
+    for image, (top, left, height, width), pixels in zip(images, boxes.tolist(), with_kernel, strict=True):
+        crop = image[None, :, top:top + height, left:left + width].double()
+        expected = F.interpolate(crop, size=(16, 16), mode=mode, **options).clamp(0, 255).round()[0]
+        assert (pixels.double() - expected).abs().max() <= 1
+        assert (pixels.double() != expected).float().mean() < 0.002
 
 
 def test_a_sub_batchs_encoded_images_cross_the_loader_as_one_tensor(tmp_path):

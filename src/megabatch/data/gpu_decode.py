@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int],
-                  interpolation: str, chunk_bytes: float = 256e6, kernel: bool | None = None) -> torch.Tensor:
+                  interpolation: str, chunk_bytes: float = 128e6, kernel: bool | None = None) -> torch.Tensor:
     """Each uint8 image ``[3, h_i, w_i]`` (on the GPU) cut to its box (``boxes [n, 4+]`` on the CPU:
     top, left, height, width) and resized to ``size``: ``cropped_groups`` on the images grouped by size."""
     return cropped_groups(stacked_by_size(images), boxes, size, interpolation, chunk_bytes, kernel)
@@ -61,21 +61,23 @@ def stacked_by_size(images: list[torch.Tensor]) -> list[tuple[list[int], torch.T
 
 
 def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, int], interpolation: str,
-                   chunk_bytes: float = 256e6, kernel: bool | None = None) -> torch.Tensor:
+                   chunk_bytes: float = 128e6, kernel: bool | None = None) -> torch.Tensor:
     """Rows ``rows`` of a batch as uint8 images ``pixels [m, 3, h, w]`` of one size (on the GPU), per
     ``(rows, pixels)`` group, each row cut to its box (``boxes [n, 4+]`` on the CPU: top, left,
     height, width) and resized to ``size`` as ``F.interpolate(..., antialias=True)`` resizes (bicubic
     or bilinear; nearest without antialiasing), then clamped and rounded to uint8 like the CPU path:
-    ``[n, 3, s, s]`` in the batch's row order. Batched, whatever the crops: each crop-and-resize is
-    two matrix products with per-sample resampling matrices (the crop offset is their zero
-    columns), in float64: exact to the final rounding, and the same inputs give the same bits, which
-    the replay needs. Not fp32: TF32 is one switch for the whole process, which the step's loss
-    turns while the decoding threads run this beside it.
+    ``[n, 3, s, s]`` in the batch's row order. Batched, whatever the crops, in float64: exact to the
+    final rounding, and the same inputs give the same bits, which the replay needs. Not fp32: TF32
+    is one switch for the whole process, which the step's loss turns while the decoding threads run
+    this beside it.
 
-    ``kernel`` (``None``: on CUDA, unless ``TRITON_INTERPRET=1``): the matrices come from one Triton
-    launch each (``kernels/crops.py``), else from ``resample_matrices`` (plain torch, ~30 calls
-    each). Nothing here waits for the GPU: the boxes and the row order travel in page-locked memory
-    (a pageable copy would wait for every kernel queued before it)."""
+    ``kernel`` (``None``: on CUDA, unless ``TRITON_INTERPRET=1``): two Triton passes a chunk
+    (``kernels/crops.py``: down the rows, then along the columns, each output pixel reading only its
+    filter's taps). Otherwise (CPUs, and the kernel's reference) two dense products a chunk with
+    per-sample resampling matrices from ``resample_matrices`` (the crop offset is their zero
+    columns). ``chunk_bytes`` bounds the float64 held at once. Nothing here waits for the GPU: the
+    boxes and the row order travel in page-locked memory (a pageable copy would wait for every
+    kernel queued before it)."""
     from ..kernels.triton_tiles import interpreting
 
     n = len(boxes)
@@ -83,13 +85,7 @@ def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, in
     if kernel is None:
         kernel = device.type == "cuda" and not interpreting()
     if kernel:
-        from ..kernels.crops import resample_matrix
-
-    def matrices(crop: torch.Tensor, axis: int, full: int, out_size: int, count: int) -> torch.Tensor:
-        """``[m, out_size, full]`` for the crops' windows along ``axis`` (0: rows, 1: columns)."""
-        if kernel:
-            return resample_matrix(crop, axis, full, out_size, interpolation, count)
-        return resample_matrices(crop[:, axis], crop[:, axis + 2], full, out_size, interpolation, torch.float64, count)
+        from ..kernels.crops import resize_crops
 
     order = [row for rows, _ in groups for row in (rows.tolist() if torch.is_tensor(rows) else rows)]  # by size
     boxes = boxes[order] if order != list(range(n)) else boxes
@@ -98,20 +94,34 @@ def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, in
     done = 0
     for _, images in groups:
         count, _, height, width = images.shape
-        step = max(1, int(chunk_bytes // (3 * height * width * 8)))  # float64 images per chunk
-        for start in range(0, count, step):
+        held = 3 * size[0] * width if kernel else 3 * height * width  # float64 values an image, at most
+        step = max(1, int(chunk_bytes // (held * 8)))
+        crops, cpu_crops = on_device[done:done + count], boxes[done:done + count]
+        taps_h, taps_w = taps(cpu_crops[:, 2], size[0], interpolation), taps(cpu_crops[:, 3], size[1], interpolation)
+        if kernel:
+            resize_crops(images, crops, out[done:done + count], interpolation, taps_h, taps_w, step)
+        for start in range(0, 0 if kernel else count, step):
             m = min(step, count - start)
-            # rows first, the three channels side by side: [m, H, 3W] (one product per sample, no
-            # broadcast copies of the resampling matrices)
-            pixels = images[start:start + m].permute(0, 2, 1, 3).reshape(m, height, 3 * width)
-            crop, cpu_crop = on_device[done:done + m], boxes[done:done + m]
-            along_h = matrices(crop, 0, height, size[0], taps(cpu_crop[:, 2], size[0], interpolation))  # [m, s, H]
-            along_w = matrices(crop, 1, width, size[1], taps(cpu_crop[:, 3], size[1], interpolation))  # [m, s, W]
-            tall = torch.bmm(along_h, pixels.double()).view(m, size[0] * 3, width)  # [m, s*3, W]
-            resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
-            out[done:done + m] = resized.clamp_(0, 255).round_().permute(0, 2, 1, 3)
-            done += m
+            out[done + start:done + start + m] = dense_crops(images[start:start + m], crops[start:start + m], size,
+                                                             interpolation, taps_h, taps_w)
+        done += count
     return in_row_order(out, order)
+
+
+def dense_crops(images: torch.Tensor, crop: torch.Tensor, size: tuple[int, int], interpolation: str,
+                taps_h: int, taps_w: int) -> torch.Tensor:
+    """``cropped_groups``' plain-torch form for one chunk: ``images [m, 3, h, w]`` uint8 cut to
+    ``crop [m, 4+]`` (on their device) and resized to ``size``, as two float64 products with
+    per-sample resampling matrices; uint8 ``[m, 3, s, s]``."""
+    m, _, height, width = images.shape
+    # rows first, the three channels side by side: [m, H, 3W] (one product per sample, no broadcast
+    # copies of the resampling matrices)
+    pixels = images.permute(0, 2, 1, 3).reshape(m, height, 3 * width)
+    along_h = resample_matrices(crop[:, 0], crop[:, 2], height, size[0], interpolation, torch.float64, taps_h)
+    along_w = resample_matrices(crop[:, 1], crop[:, 3], width, size[1], interpolation, torch.float64, taps_w)
+    tall = torch.bmm(along_h, pixels.double()).view(m, size[0] * 3, width)  # [m, s*3, W]
+    resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
+    return resized.clamp_(0, 255).round_().permute(0, 2, 1, 3)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
