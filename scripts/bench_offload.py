@@ -5,6 +5,8 @@ memory; optionally OpenCLIP 3.3's own training loop fed by the same loader.
     python scripts/bench_offload.py --batch 1M --modes true --set data.decode=gpu model.compile=true --out 1m.json
     python scripts/bench_offload.py --batch 32k --modes false --openclip --set data.decode=gpu model.compile=true \
         --out vs_openclip.json
+    python scripts/bench_offload.py --batch 32k --sub-batch 1024,auto --openclip-sub-batch 512 --modes false \
+        --openclip --set model.compile=true --out sub_batches_vs_openclip.json
 
 Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures, so they compress like
 photos) as img2dataset shards under ``--workdir``, lists them repeatedly to reach the batch, and
@@ -12,7 +14,8 @@ runs ``--steps`` training steps with ``trainer.offload`` true and false: the run
 (``TrainData``, ``RunInputs``, ``Offload``, ``TrainStep``) without a run directory, with the config
 overrides of ``--set`` (``data.decode=gpu``, ``model.compile=true``, ``trainer.sub_batch=auto``, ...).
 MFU: the run's own figures (``train/utilization.py``). ``--openclip``: then OpenCLIP's
-``train_one_epoch`` with ``--accum-freq batch / sub-batch`` and its best flags (``--torchcompile``,
+``train_one_epoch`` with ``--accum-freq batch / sub-batch`` (``--openclip-sub-batch`` where ours are
+several or ``auto``) and its best flags (``--torchcompile``,
 ``--precision amp_bf16``; ``megabatch.bench.openclip_training``) on the same loader's sub-batches. Host memory: the
 peak, sampled every 0.5 s, of the proportional set size (PSS: shared pages split between the
 processes sharing them) summed over this process and all its descendants (loader and re-decode
@@ -155,7 +158,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     data_s = sum(s["phases_s"]["data"] for s in later) / len(later)
     row = {"system": "megabatch", "model": model, "overrides": list(overrides), "offload": offload,
            "offload_dir": offload_dir if offload else None, "batch": batch,
-           "sub_batch": plan.sub_batch, "workers": workers,
+           "sub_batch": plan.sub_batch, "sub_batch_setting": str(sub_batch), "workers": workers,
            "steady_step_s": step_s, "steady_samples_s": batch / step_s,
            **utilization(parts.flops, parts.peak, batch / step_s),
            "peak_tflops": parts.peak.tflops if parts.peak else None,
@@ -189,7 +192,8 @@ def openclip_on_our_loader(urls: list[str], batch: int, sub_batch: int, workers:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="64k")
-    parser.add_argument("--sub-batch", default="512", help="a number, or auto (trainer.sub_batch=auto)")
+    parser.add_argument("--sub-batch", default="512",
+                        help="a number, or auto (trainer.sub_batch=auto); several, comma-separated, run in turn")
     parser.add_argument("--images", type=int, default=4096)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=14)
@@ -201,8 +205,14 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for our runs, e.g. data.decode=gpu")
     parser.add_argument("--model", default="vit_b32", help="our model option (model=...)")
     parser.add_argument("--openclip", action="store_true", help="then OpenCLIP 3.3 with --torchcompile on our loader")
+    parser.add_argument("--openclip-sub-batch", type=int, default=None,
+                        help="OpenCLIP's micro-batch (--accum-freq batch / this; default: --sub-batch, a number)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    sub_batches = args.sub_batch.split(",")
+    openclip_sub_batch = args.openclip_sub_batch or (int(sub_batches[0]) if sub_batches[0].isdigit() else None)
+    if args.openclip and openclip_sub_batch is None:
+        parser.error("--openclip with --sub-batch auto needs --openclip-sub-batch (OpenCLIP's micro-batch)")
     batch = parse_count(args.batch, "--batch")
     shards = photo_shards(args.images, args.size, Path(args.workdir) / "shards")
     mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
@@ -210,13 +220,14 @@ def main() -> None:
     urls = shards * ((args.steps + 1) * -(-batch // args.images) + args.workers // len(shards) + 1)
     results = []
     for mode in args.modes.split(","):
-        row = run_steps(urls, batch, args.sub_batch, mode == "true", args.workers, args.device, args.steps,
-                        args.offload_dir, tuple(args.set), args.model)
-        print(json.dumps(row), flush=True)
-        results.append(row)
-        write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
+        for sub_batch in sub_batches:
+            row = run_steps(urls, batch, sub_batch, mode == "true", args.workers, args.device, args.steps,
+                            args.offload_dir, tuple(args.set), args.model)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+            write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
     if args.openclip:
-        row = openclip_on_our_loader(urls, batch, int(args.sub_batch), args.workers, args.steps, tuple(args.set))
+        row = openclip_on_our_loader(urls, batch, openclip_sub_batch, args.workers, args.steps, tuple(args.set))
         print(json.dumps(row), flush=True)
         results.append(row)
         write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
