@@ -100,10 +100,11 @@ def cropped_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, in
         taps_h, taps_w = taps(cpu_crops[:, 2], size[0], interpolation), taps(cpu_crops[:, 3], size[1], interpolation)
         if kernel:
             resize_crops(images, crops, out[done:done + count], interpolation, taps_h, taps_w, step)
-        for start in range(0, 0 if kernel else count, step):
-            m = min(step, count - start)
-            out[done + start:done + start + m] = dense_crops(images[start:start + m], crops[start:start + m], size,
-                                                             interpolation, taps_h, taps_w)
+        else:
+            for start in range(0, count, step):
+                rows = slice(start, min(start + step, count))
+                out[done + start:done + rows.stop] = dense_crops(images[rows], crops[rows], size, interpolation,
+                                                                 taps_h, taps_w)
         done += count
     return in_row_order(out, order)
 
