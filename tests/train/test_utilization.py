@@ -3,11 +3,22 @@ a trained tower costs three forwards and a frozen one one, and GPUs find their p
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 from megabatch.models import build_model
-from megabatch.train.utilization import ModelFlops, Peak, count_model_flops, table_peak, utilization
+from megabatch.train.utilization import (
+    ModelFlops,
+    Peak,
+    attention_flop_formulas,
+    count_model_flops,
+    table_peak,
+    utilization,
+)
 
 from ..helpers import compose
 
@@ -18,9 +29,18 @@ def transformer_layer(tokens: int, width: int, hidden: int) -> int:
             + 2 * 2 * tokens * width * hidden)
 
 
-def test_the_tiny_models_flops_equal_a_count_by_hand():
-    model = build_model(compose("model=tiny").model)  # configs/model/tiny.yaml
-    flops = count_model_flops(model, *model.example_inputs(4, torch.device("cpu")))
+def tiny_model_flops(device: torch.device, backend=None) -> ModelFlops:
+    """The tiny model's FLOPs on ``device``, its attention forced onto one SDPA ``backend`` if given."""
+    model = build_model(compose("model=tiny").model).to(device)  # configs/model/tiny.yaml
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        return count_model_flops(model, *model.example_inputs(4, device))
+
+
+# Whatever kernel runs the attention (on CPU: the flash kernel, which torch 2.14's counter counted as
+# 0 FLOPs, or the unfused matmuls), the count is the same.
+@pytest.mark.parametrize("backend", [None, SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
+def test_the_tiny_models_flops_equal_a_count_by_hand(backend):
+    flops = tiny_model_flops(torch.device("cpu"), backend)
     patches, width = (32 // 4) ** 2, 96                 # 8 x 8 patches of 4 px, width 96
     image = (2 * patches * width * 3 * 4 * 4            # patch embedding (a 4x4 convolution)
              + 3 * transformer_layer(patches + 1, width, 192)  # 3 layers over 64 patches + the class token
@@ -28,6 +48,31 @@ def test_the_tiny_models_flops_equal_a_count_by_hand():
     text = 2 * transformer_layer(16, 64, 128) + 2 * 64 * 64  # 2 layers over 16 tokens; projection of one
     assert flops.image_forward == image and flops.text_forward == text
     assert flops.per_sample == 3 * (image + text)  # forward + backward (twice the forward) per tower
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                     SDPBackend.CUDNN_ATTENTION])
+def test_every_cuda_attention_kernel_counts_the_same(backend):
+    expected = tiny_model_flops(torch.device("cpu"), SDPBackend.MATH)
+    try:
+        assert tiny_model_flops(torch.device("cuda"), backend) == expected
+    except RuntimeError as error:  # this GPU or torch has no such kernel for these shapes
+        if "No available kernel" not in str(error):
+            raise
+        pytest.skip(f"{backend.name} does not run here: {error}")
+
+
+def test_attention_backward_counts_twice_its_forward_on_every_cpu_kernel():
+    """The formulas cover the backward operators too: 4 matmuls (gradients of q, k, v and the scores)
+    against the forward's 2, as the unfused form counts."""
+    q, k, v = (torch.randn(2, 3, 17, 8, requires_grad=True) for _ in range(3))
+    forward = 2 * 2 * 3 * 17 * 17 * (8 + 8)
+    for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend), FlopCounterMode(display=False, custom_mapping=attention_flop_formulas()) as counter:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+        assert counter.get_total_flops() == 3 * forward, backend
 
 
 def test_a_frozen_tower_costs_its_forward_only():

@@ -2,11 +2,14 @@
 dense bf16 peak, so that every logged step says its model TFLOP/s per GPU and its MFU.
 
 Model FLOPs are those of the towers' matrix products (``torch.utils.flop_counter``: matmuls,
-convolutions, attention), counted on one forward of one sub-batch: a trained tower costs three
-times its forward (forward, and a backward of twice its FLOPs), a frozen one its forward. GradCache's
-graph-free first encoding is not counted (like activation recomputation, it is work the method adds,
-not work the model needs), nor is the loss; MFU is then comparable across sub-batch sizes and with
-other trainers' MFU.
+convolutions, attention), counted on one forward of one sub-batch. Attention counts the same
+whichever SDPA kernel runs: torch's counter knows the CUDA flash, efficient and cuDNN kernels but
+not every kernel of every version (torch 2.14's CPU flash kernel counted 0), so
+``attention_flop_formulas`` gives each SDPA operator it lacks the unfused form's count. A trained
+tower costs three times its forward (forward, and a backward of twice its FLOPs), a frozen one its
+forward. GradCache's graph-free first encoding is not counted (like activation recomputation, it is
+work the method adds, not work the model needs), nor is the loss; MFU is then comparable across
+sub-batch sizes and with other trainers' MFU.
 """
 
 from __future__ import annotations
@@ -85,6 +88,46 @@ class ModelFlops:
                 + self.text_forward * (3 if self.text_trained else 1))
 
 
+# Every fused scaled-dot-product-attention operator, forward and backward; q, k, v are the first three
+# arguments of a forward, the gradient of the output then q, k, v those of a backward. torch.ops.aten
+# lists the ones this torch has.
+SDPA_FORWARD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps")
+SDPA_BACKWARD = tuple(f"{name}_backward" for name in SDPA_FORWARD[:-1])
+
+
+def attention_forward_flops(query: torch.Size, key: torch.Size, value: torch.Size) -> int:
+    """Matmul FLOPs of attention over ``query [b, h, s_q, d]``, ``key [b, h_kv, s_k, d]``, ``value [b,
+    h_kv, s_k, d_v]``: the scores (2 s_q s_k d) and their weighted sum of the values (2 s_q s_k d_v)
+    per query head, as the unfused form's two batched matmuls count (causal masking not discounted)."""
+    batch, heads, queries, depth = query
+    keys, value_depth = key[-2], value[-1]
+    return 2 * batch * heads * queries * keys * (depth + value_depth)
+
+
+def _forward_formula(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return attention_forward_flops(query, key, value)
+
+
+def _backward_formula(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return 2 * attention_forward_flops(query, key, value)  # gradients of q, k, v and the scores: 4 matmuls
+
+
+def attention_flop_formulas() -> dict:
+    """Formulas for the SDPA operators that ``torch.utils.flop_counter`` does not count on this torch
+    (``FlopCounterMode(custom_mapping=...)``), so that attention counts the same on every kernel."""
+    from torch.utils.flop_counter import flop_registry
+
+    formulas = {}
+    for names, formula in ((SDPA_FORWARD, _forward_formula), (SDPA_BACKWARD, _backward_formula)):
+        for name in names:
+            packet = getattr(torch.ops.aten, name, None)
+            if packet is not None and packet not in flop_registry and packet.default not in flop_registry:
+                formulas[packet] = formula
+    return formulas
+
+
 def count_model_flops(model, images: torch.Tensor, texts: torch.Tensor) -> ModelFlops:
     """Count the towers' forward FLOPs on one sub-batch (``images [n, 3, s, s]``, ``texts [n,
     ctx]``), without autograd, in the model's current mode (training: the attention's training
@@ -92,7 +135,7 @@ def count_model_flops(model, images: torch.Tensor, texts: torch.Tensor) -> Model
     counts = {}
     with torch.no_grad():
         for tower, encode, inputs in (("image", model._image_features, images), ("text", model._text_features, texts)):
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False, custom_mapping=attention_flop_formulas()) as counter:
                 encode(inputs)
             counts[tower] = counter.get_total_flops() / len(inputs)
     return ModelFlops(counts["image"], counts["text"], not model.frozen("image"), not model.frozen("text"))
