@@ -16,16 +16,17 @@ from megabatch.config.cli import entry_args  # shard patterns reach Hydra with t
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     from megabatch.config import ConfigError
-    from megabatch.config.cli import config_error_exit
+    from megabatch.config.cli import config_error_exit, job_exit
     from megabatch.train import PREEMPTED_EXIT, NonFiniteError, Preempted, run
 
+    # in a multirun (-m) a failed job is recorded (status.json, the sweep's summary) and the others run
     try:
         return run(cfg)  # the final zero-shot top-1: what a sweeper optimises
     except ConfigError as error:  # the key and the fix, one line, no traceback; status 2 (usage)
-        raise config_error_exit(error) from None
+        raise job_exit(config_error_exit(error), f"config error: {error}") from None
     except NonFiniteError as error:  # diverged: what happened and what to change, status 1
         print(f"training stopped: {error}", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise job_exit(SystemExit(1), f"training stopped: {error}") from None
     except Preempted as stopped:  # a signal or trainer.time_limit: checkpoint written, status 3
         print(f"training {stopped}", file=sys.stderr)
         raise SystemExit(PREEMPTED_EXIT) from None

@@ -42,6 +42,29 @@ def parse_count(value: Any, key: str = "batch") -> int:
     return number
 
 
+_DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_TOTAL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbBgGtT]?)\s*$")
+
+
+def parse_samples_total(value: Any, key: str = "trainer.max_samples") -> int:
+    """Parse a number of samples seen: ``12.8M`` (= 12,800,000), ``1.28B``, ``400000``.
+
+    Decimal suffixes (k = 1e3, M = 1e6, B or G = 1e9), as data-seen budgets are quoted (DataComp's
+    12.8M, 128M, 1.28B); batch sizes (``parse_count``) are binary. Raises ``ConfigError`` naming ``key``.
+    """
+    if isinstance(value, bool):
+        number = None
+    elif isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        number = int(value)
+    else:
+        match = _TOTAL.match(str(value))
+        number = round(float(match.group(1)) * _DECIMAL[match.group(2).lower()]) if match else None
+    if number is None or number <= 0:
+        raise ConfigError(f"{key}={value!r} is not a positive number of samples; use e.g. {key}=12.8M "
+                          f"(12,800,000: k, M and B are decimal here), {key}=1B or {key}=400000")
+    return number
+
+
 def parse_optional_count(value: Any, key: str) -> int | None:
     """Like ``parse_count`` but ``None`` stays ``None`` (an unset option)."""
     return None if value is None else parse_count(value, key)

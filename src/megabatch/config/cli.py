@@ -94,6 +94,22 @@ def config_error_exit(error: ConfigError) -> SystemExit:
     return SystemExit(2)
 
 
+class JobFailed(Exception):
+    """A multirun job's error: Hydra records the job as failed and runs the others; the sweep's summary
+    shows it, and the sweep ends with its error once every job has run."""
+
+
+def job_exit(status: SystemExit, message: str) -> BaseException:
+    """What an entry point raises to end with ``status``: that ``SystemExit`` in a single run; in a
+    Hydra multirun a ``JobFailed`` instead, since a ``SystemExit`` would end the whole sweep at once."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return JobFailed(message)
+    return status
+
+
 def entry_args(args: list[str]) -> list[str]:
     """``quote_patterns`` for an entry point's ``sys.argv[1:]``, its errors as ``config_error_exit``."""
     try:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from . import ConfigError, parse_count, parse_duration, parse_optional_count
+from . import ConfigError, parse_count, parse_duration, parse_optional_count, parse_samples_total
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 FEATURE_DTYPES = ("auto", "fp32", "bf16")
@@ -43,6 +43,7 @@ RESIZE_MODES = ("shortest", "longest", "squash")
 class TrainerConfig:
     max_steps: int | None = MISSING
     epochs: int | None = MISSING
+    max_samples: Any = MISSING        # samples seen (12.8M, 1B: decimal) or null
     sub_batch: Any = MISSING          # a count (512, 4k), auto or null
     memory_fraction: float = MISSING
     precision: str = MISSING
@@ -118,7 +119,26 @@ class OptimConfig:
     optimizer: Any = MISSING          # a _partial_ torch.optim class and its arguments
 
 
+@dataclass
+class WandbConfig:
+    project: str = MISSING
+    entity: str | None = MISSING
+    name: str | None = MISSING        # null: the run's name (in a sweep, <sweep>/<job>)
+    group: str | None = MISSING       # null: the sweep's name in a multirun (its jobs grouped), none otherwise
+    id: str | None = MISSING
+    mode: str = MISSING
+
+
+@dataclass
+class TensorboardConfig:
+    dir: str | None = MISSING         # null: <run_dir>/tensorboard
+    flush_secs: float = MISSING
+
+
 SCHEMAS = {"trainer": TrainerConfig, "data": DataConfig, "optim": OptimConfig}  # eval: per set (check_eval)
+# logger: several options combine in one section ('logger=[tensorboard,wandb]'), so its keys are checked at
+# validation rather than by a schema in each option (which would reset the sections set before it)
+LOGGER_SECTIONS = {"wandb": WandbConfig, "tensorboard": TensorboardConfig}  # eval: per set (check_eval)
 
 
 def register() -> None:
@@ -136,6 +156,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     for group, schema in SCHEMAS.items():
         check_known_keys(cfg[group], schema, group)
     check_run(cfg)
+    check_logger(cfg.logger)
     check_trainer(cfg.trainer)
     check_data(cfg.data)
     check_eval(cfg.eval)
@@ -169,6 +190,19 @@ def at_least(value, key: str, low, example: str) -> None:
         raise ConfigError(f"{key}={value!r} must be at least {low}; e.g. {key}={example}")
 
 
+def check_logger(logger: DictConfig) -> None:
+    for name in logger:
+        if name not in LOGGER_SECTIONS:
+            raise ConfigError(f"logger.{name}: no such logger; choose with logger=jsonl|tensorboard|wandb or "
+                              "several: 'logger=[jsonl,tensorboard,wandb]'")
+        if logger[name] is not None:
+            check_known_keys(logger[name], LOGGER_SECTIONS[name], f"logger.{name}")
+    if logger.wandb is not None:
+        choice(logger.wandb.mode, "logger.wandb.mode", ("offline", "online", "disabled"))
+    if logger.tensorboard is not None and not logger.tensorboard.flush_secs > 0:
+        raise ConfigError(f"logger.tensorboard.flush_secs={logger.tensorboard.flush_secs}: give seconds > 0, e.g. 30")
+
+
 def check_run(cfg: DictConfig) -> None:
     parse_count(cfg.batch, "batch")
     if not str(cfg.name) or any(sep in str(cfg.name) for sep in ("/", "\\")) or str(cfg.name) in (".", ".."):
@@ -181,8 +215,13 @@ def check_run(cfg: DictConfig) -> None:
 
 
 def check_trainer(trainer: DictConfig) -> None:
-    if (trainer.max_steps is None) == (trainer.epochs is None):
-        raise ConfigError("set exactly one of trainer.max_steps and trainer.epochs (the other null)")
+    lengths = {key: trainer[key] for key in ("max_steps", "epochs", "max_samples") if trainer[key] is not None}
+    if len(lengths) != 1:
+        given = ", ".join(f"trainer.{k}={v}" for k, v in lengths.items()) or "none of them"
+        raise ConfigError(f"set exactly one of trainer.max_steps, trainer.epochs and trainer.max_samples, the others "
+                          f"null (given: {given}); e.g. trainer.max_steps=null trainer.max_samples=12.8M")
+    if trainer.max_samples is not None:
+        parse_samples_total(trainer.max_samples, "trainer.max_samples")
     at_least(trainer.max_steps, "trainer.max_steps", 1, "500")
     at_least(trainer.epochs, "trainer.epochs", 1, "32")
     if trainer.sub_batch != "auto":

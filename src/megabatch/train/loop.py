@@ -9,6 +9,7 @@ evaluations.
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ..config import ConfigError, parse_duration
 from ..config.schema import validate
 from ..distributed import DistEnv, init_distributed
 from ..eval import headline, run_zeroshot, summary
+from ..report import RunStatus
 from .metrics import MetricsLogger
 from .parts import RunParts
 from .preemption import Preempted, StopRequests
@@ -42,7 +44,16 @@ def run(cfg: DictConfig) -> float:
     trainer = None
     try:
         trainer = Trainer(cfg, env)
-        return trainer.fit()
+        result = trainer.fit()
+        trainer.status.end("completed" if trainer.step >= trainer.plan.total_steps else "stopped", result=result)
+        return result
+    except Preempted as stopped:
+        trainer.status.end("stopped", error=str(stopped))
+        raise
+    except BaseException as error:  # status.json says why, for a sweep's summary
+        if trainer is not None:
+            trainer.status.end("failed", error=f"{type(error).__name__}: {error}")
+        raise
     finally:
         if trainer is not None:
             trainer.close()
@@ -64,6 +75,17 @@ def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
     return Path(run_dir)
 
 
+def sweep_job() -> tuple[str, str] | None:
+    """(the sweep's name, this job's number) in a Hydra multirun, else ``None``."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra = HydraConfig.get()
+    return Path(hydra.sweep.dir).name, str(hydra.job.num)
+
+
 class Trainer:
     """A run of ``RunParts`` (``parts.py``): ``fit`` runs the step loop in ``run_dir``, resuming
     from and writing checkpoints, logging metrics and evaluating."""
@@ -75,10 +97,13 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lock = self._lock_run_dir()  # before anything is built: a second run stops at once
+        self.status = RunStatus(self.run_dir, enabled=self.main)  # status.json: running, then how it ended
+        self.status.start()
         self.parts: RunParts | None = None
         try:
             self._build()
-        except BaseException:  # a failed start leaves no workers, spill file or lock behind
+        except BaseException as error:  # a failed start leaves no workers, spill file or lock behind
+            self.status.end("failed", error=f"{type(error).__name__}: {error}")
             if self.parts is not None:
                 self.parts.close()
             if self.lock is not None:
@@ -89,14 +114,13 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.parts = RunParts.build(cfg, env)
         self.model, self.plan, self.train_step = self.parts.model, self.parts.plan, self.parts.step
-        self.step = 0
+        self.step = self.samples_seen = 0
         self.bad_in_a_row = self.skipped_steps = 0  # steps whose update a non-finite value skipped
         self.grad_norm = float("nan")
         self._resume()
-        self.metrics = MetricsLogger(
-            self.run_dir, cfg.logger.wandb, OmegaConf.to_container(cfg, resolve=True), self.main
-        )
-        self.metrics.drop_after(self.step)  # steps after the checkpoint are redone: logged once
+        # steps after the checkpoint are redone: each logged once
+        self.metrics = MetricsLogger(self.run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), self.main,
+                                     resumed_step=self.step, sweep=sweep_job())
         self.stops = StopRequests(parse_duration(cfg.trainer.time_limit), env.device, env.distributed)
 
     def _lock_run_dir(self) -> RunLock | None:
@@ -131,6 +155,8 @@ class Trainer:
         if "scaler" in state:
             self.train_step.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
+        # samples seen so far (checkpoints before it was stored: the steps at the checkpoint's batch)
+        self.samples_seen = int(state.get("samples_seen", self.step * int(state["global_batch"])))
         if int(state["global_batch"]) != self.plan.global_batch:
             log.warning("checkpoint trained with batch=%s, resuming with %s: the data order "
                         "within the epoch changes", state["global_batch"], self.plan.global_batch)
@@ -160,6 +186,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.parts.optimizer.state_dict(),
             "step": self.step,
+            "samples_seen": self.samples_seen,
             "global_batch": self.plan.global_batch,
             "rng": rng,
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
@@ -194,9 +221,10 @@ class Trainer:
     def fit(self) -> float:
         cfg, plan, env = self.cfg, self.plan, self.env
         if self.main:
-            log.info("run dir %s; %d steps of batch %d (%d ranks x %d sub-batches x %d), %d steps per "
-                     "epoch, %s", self.run_dir, plan.total_steps, plan.global_batch, env.world_size,
-                     plan.sub_batches, plan.sub_batch, plan.steps_per_epoch, self.train_step.precision)
+            log.info("run dir %s; %d steps of batch %d (%d ranks x %d sub-batches x %d) = %s samples, %d steps "
+                     "per epoch, %s", self.run_dir, plan.total_steps, plan.global_batch, env.world_size,
+                     plan.sub_batches, plan.sub_batch, f"{plan.total_steps * plan.global_batch:,}",
+                     plan.steps_per_epoch, self.train_step.precision)
         ckpt_every = cfg.trainer.ckpt_every or 0
         progress = tqdm(total=plan.total_steps, initial=self.step, disable=not self.main,
                         desc="train", dynamic_ncols=True, mininterval=1.0, leave=False)
@@ -238,6 +266,7 @@ class Trainer:
             for phase, seconds in times.items():
                 phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds
             self.step += 1
+            self.samples_seen += plan.global_batch
             progress.update(1)
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
             stop_reason = self.stops.reason(time.perf_counter() - started)
@@ -291,6 +320,7 @@ class Trainer:
             "loss": loss_value, "lr": lr,
             "logit_scale": self.model.logit_scale.exp().item(),
             "samples_per_s": plan.global_batch * steps / elapsed,
+            "samples_seen": self.samples_seen,
             "epoch": self.step / plan.steps_per_epoch,
             **{f"time/{k}": v / steps for k, v in phase_totals.items()},
             "data_wait": phase_totals.get("data", 0.0) / elapsed,  # fraction of wall time
@@ -301,6 +331,7 @@ class Trainer:
         record.update({f"data/{k}": v for k, v in self.parts.inputs.bad_input_counts().items() if v})
         if env.device.type == "cuda":
             record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(env.device) / 1e9
+        record["peak_host_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # this process; kB on Linux
         progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", sps=f"{record['samples_per_s']:.0f}")
         self.metrics.log(record, self.step)
         if self.main:

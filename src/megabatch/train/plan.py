@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError, parse_count, parse_optional_count
+from ..config import ConfigError, parse_count, parse_optional_count, parse_samples_total
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,15 @@ class BatchPlan:
                 f"batch={global_batch} is larger than the training set ({num_samples} samples); "
                 "lower batch or add data"
             )
-        max_steps, epochs = cfg.trainer.max_steps, cfg.trainer.epochs  # exactly one set (config check)
-        total_steps = int(max_steps) if max_steps is not None else int(epochs) * steps_per_epoch
+        total_steps = run_length(cfg.trainer, global_batch, steps_per_epoch)
         return cls(global_batch, world_size, rank_batch, sub_batch, steps_per_epoch, total_steps)
+
+
+def run_length(trainer, global_batch: int, steps_per_epoch: int) -> int:
+    """The run's steps from exactly one of ``trainer.max_steps``, ``trainer.epochs`` and
+    ``trainer.max_samples`` (``ceil(max_samples / global_batch)``: at least that many samples seen)."""
+    if trainer.max_steps is not None:
+        return int(trainer.max_steps)
+    if trainer.epochs is not None:
+        return int(trainer.epochs) * steps_per_epoch
+    return -(-parse_samples_total(trainer.max_samples, "trainer.max_samples") // global_batch)
