@@ -14,6 +14,13 @@ if not torch.cuda.is_available():
     # before megabatch.kernels.triton_tiles is imported; spawned ranks inherit it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one pytest-xdist worker per core: one thread each, and in the processes a test
+    # starts (train.py, torchrun, spawned ranks), so that the workers do not fight over the cores
+    # (two threads each made the slowest test 4x slower)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers and schemas)
 
 

@@ -44,19 +44,19 @@ def test_a_multirun_writes_its_summary_with_a_failed_job_among_the_rows(tmp_path
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     sweep = tmp_path / "runs" / "sweep"
-    assert "sweep summary" in result.stdout and "| 2 | 4096 | failed |" in result.stdout
+    assert "sweep summary" in result.stdout and "| 2 |  | 4096 | failed |" in result.stdout
     for name in ("summary.csv", "summary.md", "summary.png"):
         assert (sweep / name).stat().st_size > 0, name
     assert (sweep / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = list(csv.DictReader((sweep / "summary.csv").open()))
-    assert [(r["run"].split()[0], r["batch"], r["status"]) for r in rows] == [
+    assert [(r["run"], r["batch"], r["status"]) for r in rows] == [
         ("0", "32", "completed"), ("1", "64", "completed"), ("2", "4096", "failed")]
     assert [r["steps"] for r in rows[:2]] == ["6", "3"] and [r["samples seen"] for r in rows[:2]] == ["192", "192"]
     assert "larger than the training set" in rows[2]["error"]
     for row in rows[:2]:
         assert float(row["digits/top1"]) >= 0 and float(row["last loss"]) > 0 and float(row["samples/s"]) > 0
         assert row["checkpoint"].endswith("checkpoints/last.pt") and float(row["peak host GB"]) > 0
-    assert "(best)" in rows[0]["run"] + rows[1]["run"]
+    assert sorted(r["best"] for r in rows) == ["", "", "best"] and rows[2]["best"] == ""
     # the jobs' TensorBoard scalars are those of metrics.jsonl
     records = [json.loads(line) for line in (sweep / "1" / "metrics.jsonl").read_text().splitlines()]
     logged = scalars(sweep / "1" / "tensorboard")
@@ -80,7 +80,7 @@ def test_report_reads_a_run_in_progress_with_a_line_cut_short(tmp_path):
     assert result.returncode == 0, result.stderr
     row = read_run(run)
     assert (row.status, row.steps, row.samples_seen, row.last_loss, row.best_loss) == ("running", 2, 128, 3.5, 3.5)
-    assert "| live | running | 2 | 128 | 3.5000 |" in result.stdout
+    assert "| live |  | running | 2 | 128 | 3.5000 |" in result.stdout
     assert (tmp_path / "runs" / "summary.png").exists()
     old = time.time() - 600  # the lock not refreshed for 10 minutes: the process is gone
     os.utime(run / ".lock", (old, old))
@@ -128,7 +128,7 @@ def test_tensorboard_holds_the_logged_scalars_and_a_resume_hides_the_redone_step
 
 
 def test_wandb_groups_a_sweeps_jobs_under_the_sweep(tmp_path, monkeypatch):
-    import wandb
+    wandb = pytest.importorskip("wandb")  # the GPU machines' image has none
 
     calls = []
     monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs))
@@ -147,4 +147,4 @@ def test_a_summary_of_runs_without_evaluations_ranks_by_loss(tmp_path):
                    for i, loss in enumerate(losses)]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = write_summary([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
-    assert "| b (best) |" in text and "| a |" in text and (tmp_path / "out" / "summary.png").exists()
+    assert "| b | best |" in text and "| a |  |" in text and (tmp_path / "out" / "summary.png").exists()

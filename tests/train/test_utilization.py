@@ -30,9 +30,11 @@ def transformer_layer(tokens: int, width: int, hidden: int) -> int:
 
 
 def tiny_model_flops(device: torch.device, backend=None) -> ModelFlops:
-    """The tiny model's FLOPs on ``device``, its attention forced onto one SDPA ``backend`` if given."""
+    """The tiny model's FLOPs on ``device`` (under bf16 autocast on CUDA, as training runs, so that the
+    flash and cuDNN kernels can take the attention), its attention forced onto one SDPA ``backend`` if given."""
     model = build_model(compose("model=tiny").model).to(device)  # configs/model/tiny.yaml
-    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+    with (sdpa_kernel(backend) if backend is not None else contextlib.nullcontext(),
+          torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()):
         return count_model_flops(model, *model.example_inputs(4, device))
 
 

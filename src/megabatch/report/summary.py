@@ -64,37 +64,60 @@ def headline_metric(rows: list[RunRow]) -> str | None:
     return keys[0] if keys else None
 
 
-def table(rows: list[RunRow]) -> tuple[list[str], list[list[str]]]:
-    """The summary's header and one row of strings per run."""
+def table(rows: list[RunRow]) -> tuple[list[str], list[list]]:
+    """The summary's header and one row of values per run (numbers as numbers, ``None`` where a run has
+    no such value): the CSV holds them as they are, ``markdown`` formats them."""
     swept = swept_keys(rows)
     metrics = list(dict.fromkeys(k for r in rows for k in r.evals))
     best = best_run(rows, headline_metric(rows)) if len(rows) > 1 else None
-    header = ["run", *swept, "status", "steps", "samples seen", "last loss", "best loss"]
+    header = ["run", "best", *swept, "status", "steps", "samples seen", "last loss", "best loss"]
     for metric in metrics:
         header += [metric.removeprefix("eval/"), f"best {metric.removeprefix('eval/')}"]
-    header += ["samples/s", "MFU %", "peak GPU GB", "peak host GB", "wall", "checkpoint", "overrides", "error"]
+    header += ["samples/s", "MFU %", "peak GPU GB", "peak host GB", "wall s", "checkpoint", "overrides", "error"]
     body = []
     for row in rows:
         overrides = _as_dict(row)
-        line = [row.name + (" (best)" if row is best else ""), *(overrides.get(k, "") for k in swept), row.status,
-                str(row.steps), _count(row.samples_seen), _num(row.last_loss, 4), _num(row.best_loss, 4)]
+        line = [row.name, "best" if row is best else "", *(overrides.get(k, "") for k in swept), row.status,
+                row.steps, row.samples_seen, _round(row.last_loss, 4), _round(row.best_loss, 4)]
         for metric in metrics:
-            line += [_num(row.evals.get(metric), 2), _num(row.best_evals.get(metric), 2)]
-        line += [_num(row.samples_per_s, 0), _num(None if row.mfu is None else 100 * row.mfu, 1),
-                 _num(row.peak_gpu_gb, 1), _num(row.peak_host_gb, 1), _duration(row.wall_s),
-                 row.checkpoint or "", " ".join(row.overrides), row.error.splitlines()[0][:200] if row.error else ""]
+            line += [_round(row.evals.get(metric), 2), _round(row.best_evals.get(metric), 2)]
+        line += [_round(row.samples_per_s, 1), _round(None if row.mfu is None else 100 * row.mfu, 2),
+                 _round(row.peak_gpu_gb, 2), _round(row.peak_host_gb, 2), _round(row.wall_s, 1),
+                 row.checkpoint, " ".join(row.overrides), row.error.splitlines()[0][:200] if row.error else None]
         body.append(line)
     return header, body
 
 
-def markdown(header: list[str], body: list[list[str]], rows: list[RunRow]) -> str:
-    """The table less its ``overrides`` column (the CSV keeps it): the overrides every run shares are
-    one line above it, the swept ones are columns."""
+def markdown(header: list[str], body: list[list], rows: list[RunRow]) -> str:
+    """The table for reading: numbers formatted, wall time as 1h02m, the ``overrides`` column left out
+    (the CSV keeps it): the overrides every run shares are one line above it, the swept ones are columns."""
     keep = [i for i, name in enumerate(header) if name != "overrides"]
-    cells = lambda values: "| " + " | ".join(values[i].replace("|", "\\|") for i in keep) + " |"
+    names = [("wall" if header[i] == "wall s" else header[i]) for i in keep]
+    cells = lambda values: "| " + " | ".join(str(v).replace("|", "\\|") for v in values) + " |"
     shared = [o for o in (rows[0].overrides if rows else []) if all(o in r.overrides for r in rows)]
     lines = [f"shared overrides: `{' '.join(shared)}`", ""] if shared else []
-    return "\n".join([*lines, cells(header), "|" + "---|" * len(keep), *map(cells, body)]) + "\n"
+    formatted = [[_cell(header[i], line[i]) for i in keep] for line in body]
+    return "\n".join([*lines, cells(names), "|" + "---|" * len(keep), *map(cells, formatted)]) + "\n"
+
+
+def _cell(name: str, value) -> str:
+    if value is None:
+        return ""
+    if name == "wall s":
+        return _duration(value)
+    if name in ("samples seen", "samples/s", "steps"):
+        return f"{value:,.0f}"
+    if name in ("MFU %", "peak GPU GB", "peak host GB"):
+        return f"{value:.1f}"
+    if isinstance(value, float):
+        return f"{value:.4f}" if "loss" in name else f"{value:.2f}"
+    return str(value)
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    return round(value, digits)
 
 
 def write_summary(paths: list[Path], out_dir: Path, title: str | None = None) -> str:
@@ -107,7 +130,7 @@ def write_summary(paths: list[Path], out_dir: Path, title: str | None = None) ->
     with open(out_dir / "summary.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
-        writer.writerows(body)
+        writer.writerows([["" if v is None else v for v in line] for line in body])
     text = markdown(header, body, rows)
     (out_dir / "summary.md").write_text(f"# {title or out_dir.name}\n\n{text}")
     plot(rows, out_dir / "summary.png", title or out_dir.name)
@@ -121,6 +144,7 @@ def plot(rows: list[RunRow], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")  # files only; no display
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     swept = swept_keys(rows)
     metrics = plotted_metrics(rows)
@@ -152,7 +176,9 @@ def plot(rows: list[RunRow], path: Path, title: str) -> None:
         values = [positions[id(r)] for r in rows if id(r) in positions]
         if values and min(values) > 0 and (key == "batch" or max(values) / min(values) >= 8):
             metric_axis.set_xscale("log", base=2 if key == "batch" else 10)
-        metric_axis.set_xticks(sorted(set(values)), [_count(v) for v in sorted(set(values))])
+        texts = {positions[id(r)]: _as_dict(r)[key] for r in rows if id(r) in positions}  # as the user wrote them
+        metric_axis.set_xticks(sorted(texts), [texts[v] for v in sorted(texts)])
+        metric_axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         metric_axis.set_xlabel(key)
     else:
         metric_axis.set_xticks(range(len(rows)), [labels[id(r)] for r in rows], rotation=30, ha="right", fontsize=8)
@@ -202,21 +228,6 @@ def _value(text: str) -> float | None:
 
 def _as_dict(row: RunRow) -> dict[str, str]:
     return dict(o.partition("=")[::2] for o in row.overrides)
-
-
-def _num(value: float | None, digits: int) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return ""
-    return f"{value:,.{digits}f}" if digits == 0 else f"{value:.{digits}f}"
-
-
-def _count(value: float) -> str:
-    """1,048,576 as 1M, 32,768 as 32k (binary, as batch sizes are written); others in full."""
-    value = int(value)
-    for size, suffix in ((1024**3, "G"), (1024**2, "M"), (1024, "k")):
-        if value >= size and value % size == 0:
-            return f"{value // size}{suffix}"
-    return f"{value:,}"
 
 
 def _duration(seconds: float | None) -> str:
