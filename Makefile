@@ -21,14 +21,17 @@ setup: $(STAMP)
 demo: setup
 	$(PY) train.py
 
+# one pytest-xdist worker per core (tests/conftest.py gives each one thread); worksteal balances the long tests
+XDIST := -n auto --dist worksteal
+
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 
 test-main-job: setup
-	$(PY) -m pytest -m main_job
+	$(PY) -m pytest $(XDIST) -m main_job
 
 test-all: setup
-	$(PY) -m pytest -m ''
+	$(PY) -m pytest $(XDIST) -m ''
 
 lint: setup
 	$(PY) -m ruff check src tests scripts train.py

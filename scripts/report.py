@@ -13,12 +13,17 @@ from pathlib import Path
 from megabatch.report import find_runs, write_summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, help="sweep directories (runs/<sweep>) or run directories")
     parser.add_argument("--out", type=Path, help="where to write summary.{csv,md,png} (default: the one "
                         "directory given; required for several)")
     parser.add_argument("--title", help="the title of the table and the picture (default: the output folder's name)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.out is None and len(args.paths) > 1:
         parser.error("several directories: say where the summary goes with --out DIR")

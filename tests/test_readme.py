@@ -109,7 +109,7 @@ def test_readme_command_composes(command):
     if script.endswith("compare_export.py"):  # key=value: exactly these two
         assert sorted(arg.partition("=")[0] for arg in args) == ["ckpt", "export"], args
         return
-    if script.endswith(("make_shards.py", "export.py")):
+    if script.endswith(("make_shards.py", "export.py", "report.py")):
         name = Path(script).stem
         spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
@@ -150,6 +150,7 @@ def test_brace_patterns_compose_with_and_without_inner_quotes():
     "torchrun --nproc-per-gpu=8 train.py",                                  # a launcher flag that is not there
     "python scripts/make_shards.py tables --out s/",                        # a subcommand that is not there
     "python scripts/export.py ckpt=a.pt",                                   # export without out=
+    "python scripts/report.py --output s/ runs/sweep",                      # a flag that is not there
     "python scripts/evaluate.py ckpt=a.pt eval=imagenet eval.root=/d",      # a set's key outside eval.<name>
     "python train.py optim.lr=1e-4,5e-4",                                   # a sweep without -m
 ])

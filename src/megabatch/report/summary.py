@@ -8,8 +8,11 @@ directories; ``write_summary`` writes the three files and returns the Markdown t
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
+import os
+import threading
 from pathlib import Path
 
 from .runs import RunRow, is_run_dir, read_run
@@ -127,14 +130,28 @@ def write_summary(paths: list[Path], out_dir: Path, title: str | None = None) ->
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     header, body = table(rows)
-    with open(out_dir / "summary.csv", "w", newline="") as handle:
+    text = markdown(header, body, rows)
+    # each file written whole then renamed: a sweep's jobs on several nodes may rewrite them at once
+    with _replaced(out_dir / "summary.csv") as tmp, open(tmp, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
         writer.writerows([["" if v is None else v for v in line] for line in body])
-    text = markdown(header, body, rows)
-    (out_dir / "summary.md").write_text(f"# {title or out_dir.name}\n\n{text}")
-    plot(rows, out_dir / "summary.png", title or out_dir.name)
+    with _replaced(out_dir / "summary.md") as tmp:
+        tmp.write_text(f"# {title or out_dir.name}\n\n{text}")
+    with _replaced(out_dir / "summary.png") as tmp:
+        plot(rows, tmp, title or out_dir.name)
     return text
+
+
+@contextlib.contextmanager
+def _replaced(path: Path):
+    """A temporary file beside ``path`` that replaces it when the block ends without an error."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp{path.suffix}")
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def plot(rows: list[RunRow], path: Path, title: str) -> None:

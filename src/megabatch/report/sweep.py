@@ -37,9 +37,11 @@ class SweepSummary(Callback):
 
     def on_job_end(self, config, job_return, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
 
-        if not self.enabled or self.sweep_dir is None:  # a single run: nothing to put side by side
+        if not self.enabled or config.hydra.mode != RunMode.MULTIRUN:  # a single run: nothing to put side by side
             return
+        sweep_dir = Path(config.hydra.sweep.dir)  # from the job's config: a launcher may run it in another process
         if job_return.status == JobStatus.FAILED:
             run_dir = Path(config.run_dir or job_return.hydra_cfg.hydra.runtime.output_dir)
             status = read_status(run_dir)
@@ -47,9 +49,9 @@ class SweepSummary(Callback):
                 error = job_return._return_value
                 write_status(run_dir, {**status, "status": "failed", "error": f"{type(error).__name__}: {error}"})
         try:
-            write_summary([self.sweep_dir], self.sweep_dir)
+            write_summary([sweep_dir], sweep_dir)
         except Exception as error:  # a summary must never cost the sweep its next job
-            log.warning("could not write the sweep summary in %s: %s", self.sweep_dir, error)
+            log.warning("could not write the sweep summary in %s: %s", sweep_dir, error)
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
         self._print_once()
