@@ -54,8 +54,8 @@ def test_the_tiny_models_flops_equal_a_count_by_hand(backend):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                     SDPBackend.CUDNN_ATTENTION])
+# not FLASH_ATTENTION: it takes no mask, and the text tower has one (the next test counts it alone)
+@pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
 def test_every_cuda_attention_kernel_counts_the_same(backend):
     expected = tiny_model_flops(torch.device("cpu"), SDPBackend.MATH)
     try:
@@ -66,15 +66,30 @@ def test_every_cuda_attention_kernel_counts_the_same(backend):
         pytest.skip(f"{backend.name} does not run here: {error}")
 
 
-def test_attention_backward_counts_twice_its_forward_on_every_cpu_kernel():
-    """The formulas cover the backward operators too: 4 matmuls (gradients of q, k, v and the scores)
-    against the forward's 2, as the unfused form counts."""
-    q, k, v = (torch.randn(2, 3, 17, 8, requires_grad=True) for _ in range(3))
-    forward = 2 * 2 * 3 * 17 * 17 * (8 + 8)
-    for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
+KERNELS = [("cpu", SDPBackend.MATH), ("cpu", SDPBackend.FLASH_ATTENTION)] + [
+    pytest.param("cuda", backend, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs CUDA")])
+    for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.CUDNN_ATTENTION)]
+
+
+@pytest.mark.parametrize("device,backend", KERNELS)
+def test_attention_counts_the_same_on_every_kernel_forward_and_backward(device, backend):
+    """One attention without a mask (which every kernel takes): the forward's 2 matmuls, and the
+    backward's 4 (gradients of q, k, v and the scores), as the unfused form counts; bf16 on CUDA."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.randn(2, 3, 17, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    forward = 2 * 2 * 3 * 17 * 17 * (64 + 64)
+    try:
         with sdpa_kernel(backend), FlopCounterMode(display=False, custom_mapping=attention_flop_formulas()) as counter:
-            torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
-        assert counter.get_total_flops() == 3 * forward, backend
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            counted_forward = counter.get_total_flops()
+            out.float().sum().backward()
+    except RuntimeError as error:
+        if "No available kernel" not in str(error):
+            raise
+        pytest.skip(f"{backend.name} does not run here: {error}")
+    assert (counted_forward, counter.get_total_flops()) == (forward, 3 * forward)
 
 
 def test_a_frozen_tower_costs_its_forward_only():

@@ -115,16 +115,22 @@ def _backward_formula(grad_out, query, key, value, *args, out_shape=None, **kwar
 
 
 def attention_flop_formulas() -> dict:
-    """Formulas for the SDPA operators that ``torch.utils.flop_counter`` does not count on this torch
-    (``FlopCounterMode(custom_mapping=...)``), so that attention counts the same on every kernel."""
+    """Formulas for ``FlopCounterMode(custom_mapping=...)`` so that attention counts the same on every
+    kernel: the forward of each SDPA operator torch's counter lacks (its own formulas are the same
+    count), and the backward of every one. torch counts the fused kernels' backward as 5 matmuls (the
+    scores recomputed) but the unfused form's as 4; model FLOPs leave recomputation out, as they leave
+    out activation checkpointing, so every backward counts 4 (twice the forward)."""
     from torch.utils.flop_counter import flop_registry
 
     formulas = {}
-    for names, formula in ((SDPA_FORWARD, _forward_formula), (SDPA_BACKWARD, _backward_formula)):
-        for name in names:
-            packet = getattr(torch.ops.aten, name, None)
-            if packet is not None and packet not in flop_registry and packet.default not in flop_registry:
-                formulas[packet] = formula
+    for name in SDPA_FORWARD:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and packet not in flop_registry and packet.default not in flop_registry:
+            formulas[packet] = _forward_formula
+    for name in SDPA_BACKWARD:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            formulas[packet] = _backward_formula
     return formulas
 
 
