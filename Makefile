@@ -21,8 +21,9 @@ setup: $(STAMP)
 demo: setup
 	$(PY) train.py
 
-# one pytest-xdist worker per core (tests/conftest.py gives each one thread); worksteal balances the long tests
-XDIST := -n auto --dist worksteal
+# one pytest-xdist worker per core (tests/conftest.py gives each one thread); worksteal balances the long
+# tests; the ten slowest are listed, so that a CI log shows where its 20-minute budget goes
+XDIST := -n auto --dist worksteal --durations=10
 
 test: setup
 	$(PY) -m pytest $(XDIST)
