@@ -138,7 +138,7 @@ class TensorboardConfig:
 SCHEMAS = {"trainer": TrainerConfig, "data": DataConfig, "optim": OptimConfig}  # eval: per set (check_eval)
 # logger: several options combine in one section ('logger=[tensorboard,wandb]'), so its keys are checked at
 # validation rather than by a schema in each option (which would reset the sections set before it)
-LOGGER_SECTIONS = {"wandb": WandbConfig, "tensorboard": TensorboardConfig}  # eval: per set (check_eval)
+LOGGER_SECTIONS = {"wandb": WandbConfig, "tensorboard": TensorboardConfig}
 
 
 def register() -> None:

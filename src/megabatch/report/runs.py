@@ -17,11 +17,13 @@ from typing import Any
 
 import yaml
 
+from ..checkpoint import run_checkpoints
+from ..config import ConfigError, parse_count
+
 STATUS_FILE = "status.json"
 # A run's status: running; completed; stopped (before its last step, by a signal, trainer.time_limit or
 # trainer.stop_at_step: resume=latest continues it); failed (an error); interrupted (it said "running"
 # but its lock is no longer refreshed: killed without a word, by SIGKILL or a lost node).
-STATUSES = ("running", "completed", "stopped", "failed", "interrupted")
 
 
 class RunStatus:
@@ -43,12 +45,20 @@ class RunStatus:
     def end(self, status: str, error: str | None = None, result: float | None = None) -> None:
         self._write(status=status, error=error, result=result, ended=round(time.time(), 3))
 
+    def fail(self, error: BaseException) -> None:
+        self.end("failed", error=failure(error))
+
     def _write(self, **fields: Any) -> None:
         if not self.enabled:
             return
         record = {"started": round(self.started, 3), "host": socket.gethostname(), "pid": os.getpid(),
                   "wall_s": round(self.earlier_wall_s + time.time() - self.started, 3), **fields}
         write_status(self.path.parent, record)
+
+
+def failure(error: BaseException) -> str:
+    """How ``status.json`` (and so a sweep's summary) names an error."""
+    return f"{type(error).__name__}: {error}"
 
 
 def write_status(run_dir: Path, record: dict) -> None:
@@ -107,7 +117,6 @@ class RunRow:
     wall_s: float | None = None
     checkpoint: str | None = None
     error: str | None = None
-    batch: int | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)  # (samples seen, loss) of each logged step
 
     @property
@@ -121,7 +130,7 @@ def read_run(run_dir: Path) -> RunRow:
     records = read_metrics(run_dir)
     steps = [r for r in records if r.get("loss") is not None or "samples_seen" in r]
     batch = _configured_batch(run_dir)
-    row = RunRow(path=run_dir, overrides=_overrides(run_dir), status=_status(run_dir, status), batch=batch,
+    row = RunRow(path=run_dir, overrides=_overrides(run_dir), status=_status(run_dir, status),
                  wall_s=status.get("wall_s"), error=status.get("error"), checkpoint=_last_checkpoint(run_dir))
     if steps:
         last = steps[-1]
@@ -166,8 +175,6 @@ def _overrides(run_dir: Path) -> list[str]:
 
 
 def _configured_batch(run_dir: Path) -> int | None:
-    from ..config import ConfigError, parse_count
-
     try:
         config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
         return parse_count(config["batch"])
@@ -176,11 +183,8 @@ def _configured_batch(run_dir: Path) -> int | None:
 
 
 def _last_checkpoint(run_dir: Path) -> str | None:
-    ckpts = run_dir / "checkpoints"
-    if (ckpts / "last.pt").exists():
-        return str(ckpts / "last.pt")
-    numbered = sorted(ckpts.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1])) if ckpts.is_dir() else []
-    return str(numbered[-1]) if numbered else None
+    newest_first = run_checkpoints(run_dir / "checkpoints")
+    return str(newest_first[0]) if newest_first else None
 
 
 def _finite(value) -> bool:

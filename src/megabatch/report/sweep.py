@@ -16,7 +16,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from .runs import read_status, write_status
+from .runs import failure, read_status, write_status
 from .summary import write_summary
 
 log = logging.getLogger("megabatch")
@@ -46,8 +46,7 @@ class SweepSummary(Callback):
             run_dir = Path(config.run_dir or job_return.hydra_cfg.hydra.runtime.output_dir)
             status = read_status(run_dir)
             if status.get("status") in (None, "running"):  # it failed before (or without) saying so
-                error = job_return._return_value
-                write_status(run_dir, {**status, "status": "failed", "error": f"{type(error).__name__}: {error}"})
+                write_status(run_dir, {**status, "status": "failed", "error": failure(job_return._return_value)})
         try:
             write_summary([sweep_dir], sweep_dir)
         except Exception as error:  # a summary must never cost the sweep its next job

@@ -52,7 +52,7 @@ def run(cfg: DictConfig) -> float:
         raise
     except BaseException as error:  # status.json says why, for a sweep's summary
         if trainer is not None:
-            trainer.status.end("failed", error=f"{type(error).__name__}: {error}")
+            trainer.status.fail(error)
         raise
     finally:
         if trainer is not None:
@@ -103,7 +103,7 @@ class Trainer:
         try:
             self._build()
         except BaseException as error:  # a failed start leaves no workers, spill file or lock behind
-            self.status.end("failed", error=f"{type(error).__name__}: {error}")
+            self.status.fail(error)
             if self.parts is not None:
                 self.parts.close()
             if self.lock is not None:
