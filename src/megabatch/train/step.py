@@ -48,14 +48,16 @@ class TrainStep:
     ``auto``, ``bf16``, ``fp16`` (with loss scaling) or ``fp32``; ``feature_dtype``: GradCache's
     feature buffers (``auto``: bf16 with bf16 towers, else fp32);
     ``grad_clip``: max norm of the true gradient, or ``None``; ``offload``: keeps
-    the image bytes and re-decodes them for the replay (``None``: inputs stay on the device).
+    the image bytes and re-decodes them for the replay (``None``: inputs stay on the device);
+    ``keep_graph``: GradCache's last sub-batch keeps its phase-1 graph instead of being encoded
+    again. Captions are cut to their length where ``model.text_trim`` is set (``trim_text``).
     ``optimizer`` may be ``None`` where only the gradients are wanted (tests).
     """
 
     def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
                  precision: str = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
                  grad_clip: float | None = None, offload: Offload | None = None,
-                 show_progress: bool = False):
+                 keep_graph: bool = True, show_progress: bool = False):
         self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
         self.precision = Precision.create(precision, device, feature_dtype)
         self.sub_batches, self.grad_clip, self.show_progress = sub_batches, grad_clip, show_progress
@@ -67,7 +69,8 @@ class TrainStep:
         # owner, or stay on the device
         replay_images = not model.frozen("image")
         self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text"),
-                                 offload=offload if replay_images else None)
+                                 offload=offload if replay_images else None, text_trim=model.text_trim,
+                                 keep_graph=keep_graph)
         self.loss: torch.Tensor | None = None  # the last gradients() call's
 
     @property
@@ -127,7 +130,8 @@ class TrainStep:
             # (its test holds the spill file to one step's bytes)
             self.keep.offload.keep(sub.raw)
         images = sub.images.to(self.device, non_blocking=True)
-        texts = sub.texts.to(self.device)
+        trim = self.keep.text_trim  # cut on the host, where the token ids are: no sync
+        texts = (sub.texts if trim is None else trim.cut(sub.texts)).to(self.device)
         start = time.perf_counter()
         with self.precision.autocast():
             image_features, text_features, scale, bias = self.wrapped(images, texts)
