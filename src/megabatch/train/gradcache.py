@@ -90,7 +90,7 @@ class EncodedBatch:
     texts: list[torch.Tensor] = field(default_factory=list)    # token ids, on the device
     images: list[torch.Tensor] = field(default_factory=list)   # offload off: inputs on the device
     kept: list = field(default_factory=list)                    # offload on: what Offload.keep gave
-    graph: tuple | None = None                                  # keep_graph: the last (image, text) features, with graph
+    graph: tuple | None = None                                  # keep_graph: last (image, text) features + graph
     data_s: float = 0.0                                          # time spent waiting on the loader
 
     @property
