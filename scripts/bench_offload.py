@@ -7,6 +7,10 @@ memory; optionally OpenCLIP 3.3's own training loop fed by the same loader.
         --out vs_openclip.json
     python scripts/bench_offload.py --batch 32k --sub-batch 1024,auto --openclip-sub-batch 512 --modes false \
         --openclip --set model.compile=true --out sub_batches_vs_openclip.json
+    python scripts/bench_offload.py --model vit_b16 --batch 4k --modes false --openclip --steps 5 \
+        --set data.decode=gpu model.compile=true --variant 'all-off: model.trim_text=false trainer.keep_graph=false' \
+        --variant 'trim: trainer.keep_graph=false' --variant 'keep-graph: model.trim_text=false' --variant 'all-on:' \
+        --out vit_b16_4k_vs_openclip.json
 
 Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures, so they compress like
 photos) as img2dataset shards under ``--workdir``, lists them repeatedly to reach the batch, and
@@ -171,19 +175,24 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     return row
 
 
+OPENCLIP_ARCHS = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14"}  # our shapes' open_clip names
+
+
 def openclip_on_our_loader(urls: list[str], batch: int, sub_batch: int, workers: int, steps: int,
-                           overrides: tuple[str, ...]) -> dict:
+                           overrides: tuple[str, ...], model: str = "vit_b32", arch: str | None = None) -> dict:
     """OpenCLIP 3.3's training loop with its best flags, fed by our loader (the same shards, workers
-    and ``--set`` data options; images normalised on the GPU as our model does)."""
+    and ``--set`` data options; images normalised on the GPU as our model does), training ``arch``
+    (default: the open_clip architecture of our ``model``)."""
     from megabatch.bench import openclip_training
     from megabatch.images import normalize_images
 
-    parts = build_parts(urls, batch, sub_batch, False, workers, "cuda", steps + 1, None, overrides)
+    parts = build_parts(urls, batch, sub_batch, False, workers, "cuda", steps + 1, None, overrides, model)
+    arch = arch or parts.model.arch or OPENCLIP_ARCHS[model]
     device, mean, std = torch.device("cuda"), parts.model.preprocess["mean"], parts.model.preprocess["std"]
     sub_batches = parts.inputs(0)
     stream = ((normalize_images(sub.images.to(device, non_blocking=True), mean, std),
                sub.texts.to(device, non_blocking=True)) for sub in sub_batches)
-    row = openclip_training(stream, batch, sub_batch, steps - 1, device, warmup=1, torchcompile=True)
+    row = openclip_training(stream, batch, sub_batch, steps - 1, device, warmup=1, torchcompile=True, arch=arch)
     sub_batches.close()
     parts.close()
     return {**row, "workers": workers, "overrides": list(overrides), "loader": "megabatch (same as ours)"}
@@ -204,7 +213,11 @@ def main() -> None:
     parser.add_argument("--offload-dir", default=None, help="trainer.offload_dir: kept bytes in a file there")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for our runs, e.g. data.decode=gpu")
     parser.add_argument("--model", default="vit_b32", help="our model option (model=...)")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="'name: override override ...': a row per variant, each with --set and its own overrides "
+                             "(e.g. 'exact-off: model.trim_text=false trainer.keep_graph=false'); default one row")
     parser.add_argument("--openclip", action="store_true", help="then OpenCLIP 3.3 with --torchcompile on our loader")
+    parser.add_argument("--openclip-arch", default=None, help="its architecture (default: our --model's)")
     parser.add_argument("--openclip-sub-batch", type=int, default=None,
                         help="OpenCLIP's micro-batch (--accum-freq batch / this; default: --sub-batch, a number)")
     parser.add_argument("--out", required=True)
@@ -218,16 +231,20 @@ def main() -> None:
     mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
     # the same shards listed again until every (shard-split) loader worker can fill its share
     urls = shards * ((args.steps + 1) * -(-batch // args.images) + args.workers // len(shards) + 1)
+    variants = [(name.strip(), tuple(rest.split())) for name, _, rest in (v.partition(":") for v in args.variant)]
     results = []
     for mode in args.modes.split(","):
         for sub_batch in sub_batches:
-            row = run_steps(urls, batch, sub_batch, mode == "true", args.workers, args.device, args.steps,
-                            args.offload_dir, tuple(args.set), args.model)
-            print(json.dumps(row), flush=True)
-            results.append(row)
-            write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
+            for variant, extra in variants or [(None, ())]:
+                row = run_steps(urls, batch, sub_batch, mode == "true", args.workers, args.device, args.steps,
+                                args.offload_dir, (*args.set, *extra), args.model)
+                row["variant"] = variant
+                print(json.dumps(row), flush=True)
+                results.append(row)
+                write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
     if args.openclip:
-        row = openclip_on_our_loader(urls, batch, openclip_sub_batch, args.workers, args.steps, tuple(args.set))
+        row = openclip_on_our_loader(urls, batch, openclip_sub_batch, args.workers, args.steps, tuple(args.set),
+                                     args.model, args.openclip_arch)
         print(json.dumps(row), flush=True)
         results.append(row)
         write_results(args.out, results, jpeg_kb_per_sample=mean_kb)

@@ -49,4 +49,18 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> tuple[torch.opt
         log.info("lr %.3g scaled (%s) from base batch %s to %d: %.3g", cfg.lr, cfg.lr_scaling,
                  cfg.base_batch, global_batch, lr)
     factory = instantiate(cfg.optimizer)
-    return factory(param_groups(model, float(cfg.weight_decay)), lr=lr), lr
+    kwargs = {}
+    if "fused" not in cfg.optimizer and _takes_fused(factory) and next(model.parameters()).is_cuda:
+        kwargs["fused"] = True  # one kernel for the whole update (CUDA); optim.optimizer.fused=false: foreach
+    return factory(param_groups(model, float(cfg.weight_decay)), lr=lr, **kwargs), lr
+
+
+def _takes_fused(factory) -> bool:
+    """Whether the configured optimizer class (a ``functools.partial``) has a ``fused`` option."""
+    import inspect
+
+    cls = getattr(factory, "func", factory)
+    try:
+        return "fused" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
