@@ -51,7 +51,7 @@ def photos(count: int, size: int, seed: int = 0) -> Iterator[Sample]:
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    for index in range(count):
+    for _ in range(count):
         coarse = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
         image = Image.fromarray(coarse).resize((size, size), Image.BICUBIC)
         noise = rng.normal(0, 12, (size, size, 3))

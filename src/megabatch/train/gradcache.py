@@ -186,12 +186,12 @@ def encode_captions(model, encoded: EncodedBatch, texts: torch.Tensor, precision
     for index, rows in enumerate(chunks):
         with_graph = keep.keep_graph and index == len(chunks) - 1
         length = trim.bucket(int(lengths[rows].max()))  # a host tensor: no sync
-        chunk = texts.index_select(0, encoded.text_rows(index))[:, :length].contiguous()
+        on_device = encoded.text_rows(index)  # this chunk's rows, as indices on the device
+        chunk = texts.index_select(0, on_device)[:, :length].contiguous()
         encoded.text_rng.append(RngState.capture(device))
         with torch.enable_grad() if with_graph else contextlib.nullcontext(), precision.autocast():
             _, text_features, *_ = model(None, chunk)
-        encoded.text_features.index_copy_(0, encoded.text_rows(index),
-                                          text_features.detach().to(encoded.text_features.dtype))
+        encoded.text_features.index_copy_(0, on_device, text_features.detach().to(encoded.text_features.dtype))
         if with_graph:
             encoded.graph = (encoded.graph[0], text_features)
         elif keep.texts:
