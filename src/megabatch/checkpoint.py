@@ -2,16 +2,27 @@
 
 Layout: ``<run_dir>/checkpoints/last.pt`` plus ``step_<N>.pt`` every ``trainer.ckpt_every`` steps.
 Written by rank 0 to a temporary file and renamed, so a crash mid-write never corrupts ``last.pt``.
+
+Sharded runs (``trainer.parallel=fsdp``) write ``last.dcp/`` and ``step_<N>.dcp/`` folders instead,
+with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards of the weights and
+of AdamW's moments, rank 0 adds ``meta.pt`` (the step, the RNG states, the config, the model's
+description). The folder is written under a temporary name and renamed once every rank has
+finished and DCP's ``.metadata`` is down: complete or absent, as a ``.pt``. ``last.dcp`` next to a
+numbered one is made of hard links to its files (no second write). DCP reshards on load: a sharded
+checkpoint resumes on any number of ranks, sharded or not, and evaluation and export read it whole
+(``load_checkpoint``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +33,9 @@ from .config import ConfigError
 
 log = logging.getLogger(__name__)
 
-_STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+_STEP_FILE = re.compile(r"^step_(\d+)\.(pt|dcp)$")
+SHARDED = ".dcp"      # a sharded checkpoint's folder suffix
+META = "meta.pt"      # a sharded checkpoint's step, RNG states, config and model description
 
 
 def capture_rng() -> dict[str, Any]:
@@ -91,17 +104,21 @@ def write_run_checkpoint(
     save_checkpoint(ckpt_dir / "last.pt", payload)
     if numbered:
         save_checkpoint(ckpt_dir / f"step_{step:08d}.pt", payload)
-        if keep:
-            numbered_files = sorted(p for p in ckpt_dir.iterdir() if _STEP_FILE.match(p.name))
-            for old in numbered_files[:-keep]:
-                old.unlink()
+        _prune(ckpt_dir, keep)
     log.info("checkpoint at step %d -> %s", step, ckpt_dir / "last.pt")
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict[str, Any]:
     """Load a checkpoint on the CPU with ``weights_only=True``; an unreadable one is a
-    ``ConfigError`` naming the file."""
+    ``ConfigError`` naming the file. A sharded one (a ``.dcp`` folder) gives its ``meta.pt`` and,
+    with ``weights``, its whole model state dict under ``model`` (read from every rank's shards)."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        return load_sharded_meta(path, weights)
+    return _load_file(path, required=("model", "step"))
+
+
+def _load_file(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"checkpoint {path} does not exist")
     try:
@@ -110,20 +127,144 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         raise ConfigError(f"checkpoint {path} cannot be loaded: {reason} (truncated or not a megabatch "
                           "checkpoint?)") from None
-    missing = {"model", "step"} - set(state) if isinstance(state, dict) else {"model", "step"}
+    missing = set(required) - set(state) if isinstance(state, dict) else set(required)
     if missing:
         raise ConfigError(f"checkpoint {path} is not a megabatch checkpoint: no {sorted(missing)}")
     return state
 
 
 def run_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """A run's checkpoints, newest first: ``last.pt`` (written with every numbered one and at the
-    end), then ``step_<N>.pt`` by decreasing N."""
+    """A run's checkpoints, newest first: ``last.pt`` / ``last.dcp`` (written with every numbered
+    one and at the end; the newer first if a run changed ``trainer.parallel``), then ``step_<N>``
+    by decreasing N."""
     if not ckpt_dir.is_dir():
         return []
-    numbered = sorted((p for p in ckpt_dir.iterdir() if _STEP_FILE.match(p.name)), reverse=True)
-    last = ckpt_dir / "last.pt"
-    return ([last] if last.is_file() else []) + numbered
+    numbered = sorted((p for p in ckpt_dir.iterdir() if _STEP_FILE.match(p.name)),
+                      key=lambda p: (int(_STEP_FILE.match(p.name).group(1)), p.suffix == SHARDED), reverse=True)
+    last = [p for p in (ckpt_dir / "last.pt", ckpt_dir / f"last{SHARDED}") if p.exists()]
+    return sorted(last, key=lambda p: p.stat().st_mtime, reverse=True) + numbered
+
+
+def load_sharded_meta(path: Path, weights: bool = True) -> dict[str, Any]:
+    """A sharded checkpoint's ``meta.pt``, and with ``weights`` its whole model state dict
+    (``model``). One whose writing did not finish (no DCP ``.metadata`` or no ``meta.pt``: torn) is
+    a ``ConfigError``."""
+    missing = [name for name in (".metadata", META) if not (path / name).is_file()]
+    if missing:
+        raise ConfigError(f"checkpoint {path} is incomplete (no {' or '.join(missing)}: its writing was "
+                          "interrupted)")
+    state = _load_file(path / META, required=("step",))
+    if weights:
+        state["model"] = _read_sharded(path, "model")
+    return state
+
+
+def _read_sharded(path: Path, key: str) -> dict[str, torch.Tensor]:
+    """Entry ``key`` of a DCP checkpoint, every tensor whole, in this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    # DCP's own consolidation (format_utils.dcp_to_torch_save) reads this way, without a target
+    # state dict; public dcp.load fills only the keys it is given
+    state: dict[str, Any] = {}
+    with _one_process_quietly():
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)),
+                         planner=_EmptyStateDictLoadPlanner(keys={key}), no_dist=True)
+    return state[key]
+
+
+def write_sharded_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optimizer, meta: dict[str, Any] | None,
+                             step: int, numbered: bool, keep: int | None) -> None:
+    """Every rank: write its shards of ``model`` and ``optimizer`` as ``step_<N>.dcp`` (``numbered``)
+    or ``last.dcp``; rank 0 (the one given ``meta``) adds ``meta.pt``, publishes the folder by
+    renaming it once all are done, links ``last.dcp`` to a numbered one, and prunes old ones."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    distributed = dist.is_available() and dist.is_initialized()
+    name = f"step_{step:08d}{SHARDED}" if numbered else f"last{SHARDED}"
+    tmp = ckpt_dir / f".{name}.tmp"
+    if meta is not None:  # rank 0 clears what an interrupted writer left
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if distributed:
+        dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    try:
+        with _one_process_quietly():
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp), no_dist=not distributed)
+    except BaseException as error:
+        if _disk_full(error):
+            free = shutil.disk_usage(ckpt_dir).free / 1e9
+            raise OSError(errno.ENOSPC, f"no space left on the disk of {ckpt_dir} ({free:.2f} GB free) while "
+                          f"writing checkpoint {name}; free space, lower trainer.keep_ckpts, or give a run_dir on "
+                          "a larger disk") from error
+        raise
+    if meta is not None:
+        save_checkpoint(tmp / META, meta)
+        _publish(tmp, ckpt_dir / name)
+        if numbered:
+            _publish(_linked_copy(ckpt_dir / name, ckpt_dir / f".last{SHARDED}.tmp"), ckpt_dir / f"last{SHARDED}")
+            _prune(ckpt_dir, keep)
+        log.info("checkpoint at step %d -> %s (sharded)", step, ckpt_dir / name)
+    if distributed:
+        dist.barrier()  # no rank goes on (and may be stopped) before the folder is in place
+
+
+def load_sharded_state(path: Path, model: torch.nn.Module, optimizer) -> None:
+    """Load a sharded checkpoint's weights and AdamW state into ``model`` and ``optimizer``, sharded
+    or not, on any number of ranks (DCP reads each rank's part of every tensor)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    with _one_process_quietly():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not (dist.is_available() and dist.is_initialized()))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+@contextlib.contextmanager
+def _one_process_quietly():
+    """DCP warns on every call without a process group that it assumes one process: that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``final``, replacing an older one."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _linked_copy(source: Path, target: Path) -> Path:
+    """``target``: a folder of hard links to ``source``'s files (copies where the disk has none)."""
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir()
+    for item in source.iterdir():
+        try:
+            os.link(item, target / item.name)
+        except OSError:
+            shutil.copy2(item, target / item.name)
+    return target
+
+
+def _prune(ckpt_dir: Path, keep: int | None) -> None:
+    """Keep the ``keep`` newest numbered checkpoints (``None``: all)."""
+    if not keep:
+        return
+    numbered = sorted((p for p in ckpt_dir.iterdir() if _STEP_FILE.match(p.name)),
+                      key=lambda p: int(_STEP_FILE.match(p.name).group(1)))
+    for old in numbered[:-keep]:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def check_stored_targets(node: Any, where: str = "config") -> None:
@@ -176,7 +317,7 @@ def load_resume(resume: str | None, run_dir: Path) -> tuple[Path, dict[str, Any]
     if resume in (None, "", "none", "null"):
         return None
     if resume != "latest":
-        return Path(str(resume)).expanduser(), load_checkpoint(resume)
+        return Path(str(resume)).expanduser(), load_checkpoint(resume, weights=False)
     candidates = run_checkpoints(run_dir / "checkpoints")
     if not candidates:
         log.info("resume=latest: no checkpoint in %s yet, starting fresh", run_dir)
@@ -184,7 +325,7 @@ def load_resume(resume: str | None, run_dir: Path) -> tuple[Path, dict[str, Any]
     reasons = []
     for path in candidates:
         try:
-            return path, load_checkpoint(path)
+            return path, load_checkpoint(path, weights=False)
         except ConfigError as error:
             log.warning("resume=latest: skipping %s", error)
             reasons.append(str(error))

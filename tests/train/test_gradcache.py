@@ -12,6 +12,7 @@ import torch
 from megabatch.config import ConfigError
 from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
+from megabatch.distributed.fsdp import full
 from megabatch.models import build_model
 from megabatch.train.gradcache import RngState
 from megabatch.train.parts import RunParts
@@ -33,12 +34,12 @@ def step_gradients(rank: int, world: int, overrides: list[str], step: bool = Fal
     parts = build(*overrides)
     loss, times = parts.step.gradients(parts.inputs(0))
     parts.step.scaler.unscale_(parts.optimizer)  # fp16: the true gradient
-    grads = {n: p.grad.detach().clone() for n, p in parts.model.named_parameters()
-             if p.grad is not None}
+    grads = {n: full(p.grad).detach().clone() for n, p in parts.model.named_parameters()
+             if p.grad is not None}  # FSDP: gathered from every rank's shard
     result = {"loss": loss, "grads": grads, "phases": sorted(times)}
     if step:
         parts.step.scaler.step(parts.optimizer)
-        result["params"] = {n: p.detach().clone() for n, p in parts.model.named_parameters()}
+        result["params"] = {n: full(p).detach().clone() for n, p in parts.model.named_parameters()}
     return result  # parts left open: the spill file stays for the caller to inspect
 
 

@@ -67,3 +67,37 @@ def test_resume_from_a_given_path(tmp_path):
     train(tmp_path / "a", "trainer.stop_at_step=2")
     state = train(tmp_path / "b", f"resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002.pt'}")
     assert state["step"] == 4
+
+
+def test_sharded_checkpoints_resume_bitwise_and_a_torn_one_is_skipped(tmp_path, caplog):
+    """trainer.parallel=fsdp on one process: the checkpoints are DCP folders all the same."""
+    import logging
+
+    from megabatch.checkpoint import _read_sharded, load_checkpoint
+
+    caplog.set_level(logging.INFO)
+
+    def trained(run_dir, *extra):
+        cfg = compose(*TINY, "trainer.parallel=fsdp", *extra)
+        cfg.run_dir = str(run_dir)
+        run(cfg)
+        path = run_dir / "checkpoints" / "last.dcp"
+        return load_checkpoint(path), _read_sharded(path, "optimizer")
+
+    straight, straight_optim = trained(tmp_path / "straight")
+    assert sorted(p.name for p in (tmp_path / "straight" / "checkpoints").iterdir()) == [
+        "last.dcp", "step_00000002.dcp", "step_00000004.dcp"]
+    trained(tmp_path / "resumed", "trainer.stop_at_step=3")  # step_2.dcp, then last.dcp at step 3
+    torn = tmp_path / "resumed" / "checkpoints" / "last.dcp"
+    (torn / ".metadata").unlink()  # as if the writers had been killed before DCP finished
+    resumed, resumed_optim = trained(tmp_path / "resumed", "resume=latest")
+    assert "skipping checkpoint" in caplog.text and "incomplete" in caplog.text
+    assert "resumed from" in caplog.text and "step_00000002.dcp at step 2" in caplog.text
+    assert straight["step"] == resumed["step"] == 4
+    for name, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][name]), name
+    moments = list(straight_optim["state"])
+    assert moments and straight_optim["state"].keys() == resumed_optim["state"].keys()
+    for key in moments:
+        for name, value in straight_optim["state"][key].items():
+            assert torch.equal(value, resumed_optim["state"][key][name]), (key, name)

@@ -59,6 +59,8 @@ class TrainerConfig:
     offload_dir: str | None = MISSING
     prefetch_gb: Any = MISSING        # auto or a number of GB
     feature_dtype: str = MISSING
+    parallel: str = MISSING
+    fsdp_reduce: str = MISSING
     keep_graph: bool = MISSING
     max_bad_steps: int = MISSING
     tf32: bool = MISSING
@@ -211,8 +213,8 @@ def check_run(cfg: DictConfig) -> None:
                           "path separators, e.g. name=b32-1M (run_dir=<path> places a run anywhere)")
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed!r} must be a whole number >= 0, e.g. seed=0")
-    if cfg.resume not in (None, "", "none", "null", "latest") and not Path(str(cfg.resume)).expanduser().is_file():
-        raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file (use resume=latest or a .pt path)")
+    if cfg.resume not in (None, "", "none", "null", "latest") and not Path(str(cfg.resume)).expanduser().exists():
+        raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint (use resume=latest, a .pt file or a .dcp folder)")
 
 
 def check_trainer(trainer: DictConfig) -> None:
@@ -232,6 +234,8 @@ def check_trainer(trainer: DictConfig) -> None:
                           "may use, in (0, 1], e.g. 0.9")
     choice(trainer.precision, "trainer.precision", PRECISIONS)
     choice(trainer.feature_dtype, "trainer.feature_dtype", FEATURE_DTYPES)
+    choice(trainer.parallel, "trainer.parallel", ("ddp", "fsdp"))
+    choice(trainer.fsdp_reduce, "trainer.fsdp_reduce", ("sub_batch", "step"))
     at_least(trainer.ckpt_every, "trainer.ckpt_every", 0, "100 (0 or null: only at the end)")
     at_least(trainer.keep_ckpts, "trainer.keep_ckpts", 1, "3 (null keeps all)")
     at_least(trainer.log_every, "trainer.log_every", 1, "10")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -211,23 +211,43 @@ def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Te
     return FeatureGrads(loss.detach(), *torch.autograd.grad(precision.scale(loss), inputs))
 
 
+@dataclass(frozen=True)
+class GradSync:
+    """When the replay's backward passes reduce the gradients across ranks. ``hold``: a context
+    for the backward passes of all but the last replayed sub-batch (DDP's ``no_sync``; FSDP's
+    ``no_gradient_sync`` when it reduces once per step; ``None``: every backward reduces, FSDP's
+    default, or a single process). ``kept``: the same for the graph phase 1 kept (``None`` under
+    DDP: that graph was built by the unwrapped model, outside DDP's bookkeeping)."""
+
+    hold: Callable[[], contextlib.AbstractContextManager] | None = None
+    kept: Callable[[], contextlib.AbstractContextManager] | None = None
+
+    @classmethod
+    def of(cls, model) -> GradSync:
+        """A DDP-wrapped model's (``no_sync`` held), else reducing on every backward."""
+        return cls(hold=model.no_sync) if hasattr(model, "no_sync") else cls()
+
+
 def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precision,
-           images_again: Iterator[torch.Tensor] | None = None, progress=None) -> float:
+           images_again: Iterator[torch.Tensor] | None = None, progress=None, sync: GradSync | None = None) -> float:
     """Phase 3: back-propagate the cached feature gradients, first through the graph phase 1 kept
     (if any), then through each other sub-batch re-encoded with its RNG state (and its caption
     chunk's). ``images_again`` yields the re-decoded images when data is offloaded. Only the
-    towers whose inputs phase 1 kept are encoded again. ``model`` may be DDP-wrapped: only the last
-    replayed sub-batch's backward synchronises (the kept graph, built by the unwrapped model in
-    phase 1, is back-propagated first, outside DDP's bookkeeping; its gradients join the
-    synchronisation with the others'). Returns the time spent waiting for re-decoded images."""
+    towers whose inputs phase 1 kept are encoded again. ``sync`` says which backward passes reduce
+    the gradients across ranks (default ``GradSync.of(model)``): with DDP only the last replayed
+    sub-batch's (the kept graph, built by the unwrapped model in phase 1, is back-propagated first,
+    outside DDP's bookkeeping; its gradients join the synchronisation with the others'). Returns
+    the time spent waiting for re-decoded images."""
     device, replayed = precision.device, encoded.num_replayed
+    sync = GradSync.of(model) if sync is None else sync
     after_encoding = RngState.capture(device)
     waited_s = 0.0
     if encoded.graph is not None:
         index = encoded.num_sub - 1
         surrogate = _surrogate(*encoded.graph, grads, index, encoded)
         if surrogate is not None:
-            surrogate.backward()
+            with contextlib.nullcontext() if sync.kept is None else sync.kept():
+                surrogate.backward()
         encoded.graph = None  # its activations are freed
         if progress is not None:
             progress.update(1)
@@ -248,8 +268,7 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
         encoded.rng[index].restore()
         before_text = encoded.text_rng[index].restore if encoded.text_rng else None
         # DDP all-reduces once per step: only the last sub-batch's backward synchronises
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
+        with contextlib.nullcontext() if last or sync.hold is None else sync.hold():
             with precision.autocast():
                 image_features, text_features, scale, bias = model(images, texts, before_text=before_text)
             # the temperature's (and the bias's) gradient joins DDP's synchronisation in the last

@@ -18,10 +18,19 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ..checkpoint import capture_rng, load_resume, restore_rng, run_checkpoints, write_run_checkpoint
+from ..checkpoint import (
+    capture_rng,
+    load_resume,
+    load_sharded_state,
+    restore_rng,
+    run_checkpoints,
+    write_run_checkpoint,
+    write_sharded_checkpoint,
+)
 from ..config import ConfigError, parse_duration
 from ..config.schema import validate
 from ..distributed import DistEnv, init_distributed
+from ..distributed.fsdp import is_sharded, local
 from ..eval import headline, run_zeroshot, summary
 from ..report import RunStatus
 from .metrics import MetricsLogger
@@ -114,6 +123,8 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.parts = RunParts.build(cfg, env)
         self.model, self.plan, self.train_step = self.parts.model, self.parts.plan, self.parts.step
+        self.sharded = is_sharded(self.model)  # FSDP across several ranks
+        self.sharded_ckpt = cfg.trainer.parallel == "fsdp"  # DCP folders, also on one rank
         self.step = self.samples_seen = 0
         self.bad_in_a_row = self.skipped_steps = 0  # steps whose update a non-finite value skipped
         self.grad_norm = float("nan")
@@ -150,8 +161,15 @@ class Trainer:
                 )
             return
         path, state = found
-        self.model.load_state_dict(state["model"])
-        self.parts.optimizer.load_state_dict(state["optimizer"])
+        if path.is_dir():  # a sharded checkpoint (any number of ranks wrote it): each rank reads its part
+            load_sharded_state(path, self.model, self.parts.optimizer)
+        elif self.sharded:
+            raise ConfigError(f"resume={path}: a whole-model checkpoint cannot resume a sharded run "
+                              "(trainer.parallel=fsdp) yet; resume it with trainer.parallel=ddp, whose next "
+                              "checkpoints the FSDP run can read only if written sharded, or start anew")
+        else:
+            self.model.load_state_dict(state["model"])
+            self.parts.optimizer.load_state_dict(state["optimizer"])
         if "scaler" in state:
             self.train_step.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
@@ -168,8 +186,18 @@ class Trainer:
                         len(rng), self.env.world_size)
         log.info("resumed from %s at step %d", path, self.step)
 
+    def _weights_finite(self) -> bool:
+        """Whether every weight is finite (the same answer on every rank: replicas agree, and
+        FSDP's shards are checked together)."""
+        finite = torch.stack([torch.isfinite(local(p)).all() for p in self.model.parameters()]).all()
+        if self.sharded and self.env.distributed:
+            flag = finite.float().reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            finite = flag[0] > 0
+        return bool(finite)
+
     def _checkpoint(self, numbered: bool) -> None:
-        if not all(torch.isfinite(p).all() for p in self.model.parameters()):  # identical on every rank
+        if not self._weights_finite():
             log.error("step %d: the weights are not finite; no checkpoint written (the last finite ones in %s "
                       "are kept)", self.step, self.ckpt_dir)
             return
@@ -180,11 +208,7 @@ class Trainer:
             rng = gathered
         else:
             rng = [rng]
-        if not self.main:
-            return
-        payload = {
-            "model": self.model.state_dict(),
-            "optimizer": self.parts.optimizer.state_dict(),
+        meta = {
             "step": self.step,
             "samples_seen": self.samples_seen,
             "global_batch": self.plan.global_batch,
@@ -193,26 +217,35 @@ class Trainer:
             "open_clip": self.model.description(),  # architecture and preprocessing, for evaluation and export
         }
         if self.train_step.scaler.is_enabled():
-            payload["scaler"] = self.train_step.scaler.state_dict()
-        write_run_checkpoint(self.ckpt_dir, payload, self.step, numbered, self.cfg.trainer.keep_ckpts)
+            meta["scaler"] = self.train_step.scaler.state_dict()
+        keep = self.cfg.trainer.keep_ckpts
+        if self.sharded_ckpt:  # every rank writes its shards
+            write_sharded_checkpoint(self.ckpt_dir, self.model, self.parts.optimizer, meta if self.main else None,
+                                     self.step, numbered, keep)
+        elif self.main:
+            payload = {"model": self.model.state_dict(), "optimizer": self.parts.optimizer.state_dict(), **meta}
+            write_run_checkpoint(self.ckpt_dir, payload, self.step, numbered, keep)
 
     def evaluate(self, final: bool) -> dict[str, dict[str, float]]:
         """Evaluate the sets due now (``eval.<name>.at_end`` when ``final``, else those whose
         ``every`` divides the step), each logged under ``eval/<name>/``. Rank 0 evaluates alone,
         set after set, while the other ranks wait at the next collective: together the sets must
-        finish within ``trainer.dist_timeout_s``."""
+        finish within ``trainer.dist_timeout_s``. A sharded model (FSDP) is evaluated by every rank
+        together (each forward gathers the weights from all of them); rank 0 reports."""
         due = [s for s in self.cfg.eval.values() if (s.at_end if final else s.every and self.step % s.every == 0)]
-        if not self.main or not due:
+        if not due or not (self.main or self.sharded):
             return {}
         started, results = time.perf_counter(), {}
         for eval_cfg in due:
             result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
+            if not self.main:
+                continue
             log.info("eval %s at step %d: %s", eval_cfg.name, self.step,
                      ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
             self.metrics.log({f"eval/{eval_cfg.name}/{k}": v for k, v in result.items()}, self.step)
             results[eval_cfg.name] = result
         seconds = time.perf_counter() - started
-        if self.env.distributed and seconds > 0.5 * self.cfg.trainer.dist_timeout_s:
+        if self.env.distributed and not self.sharded and seconds > 0.5 * self.cfg.trainer.dist_timeout_s:
             log.warning("evaluation took %.0f s on rank 0, more than half of trainer.dist_timeout_s=%s that the "
                         "other ranks wait: raise trainer.dist_timeout_s or evaluate less (eval.<name>.every)",
                         seconds, self.cfg.trainer.dist_timeout_s)

@@ -22,6 +22,7 @@ from ..data import TrainData
 from ..data.gpu_decode import GpuDecoder, resolve_decode
 from ..data.offload import Offload
 from ..distributed import DistEnv
+from ..distributed.fsdp import shard_model
 from ..models import ClipModel, build_model
 from ..models.preprocess import describe_preprocess
 from .inputs import RunInputs, read_ahead_budget
@@ -80,6 +81,7 @@ class RunParts:
             log_utilization_basis(flops, peak, decode, ahead)
         loss = instantiate(cfg.loss)
         check_bias(model, loss)
+        shard(cfg, model, env, precision)  # trainer.parallel=fsdp: before the optimizer takes the parameters
         optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
         schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch)
         if env.device.type == "cuda":  # TF32 for fp32 matmuls (the loss on fp32 features)
@@ -98,7 +100,7 @@ class RunParts:
         step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
                          sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
                          grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
-                         show_progress=env.rank == 0)
+                         fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0)
         torch.manual_seed(cfg.seed + 1000 * env.rank)  # per-rank randomness (dropout, ...)
         return cls(model, tokenize, data, plan, optimizer, peak_lr, schedule, offload, inputs, step, flops, peak)
 
@@ -108,6 +110,21 @@ class RunParts:
             self.offload.close()
         if self.inputs.gpu_decoder is not None:
             self.inputs.gpu_decoder.close()
+
+
+def shard(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision) -> None:
+    """``trainer.parallel=fsdp``: shard the model across the ranks (``distributed/fsdp.py``); on one
+    rank there is nothing to shard, and the model stays whole (its checkpoints are still sharded ones)."""
+    if cfg.trainer.parallel != "fsdp":
+        return
+    if not env.distributed:
+        log.info("trainer.parallel=fsdp on one rank: nothing to shard, the model stays whole")
+        return
+    groups = shard_model(model, env.device, bf16=precision.name == "bf16")
+    if env.rank == 0:
+        log.info("FSDP: %d groups sharded across %d ranks (%s of each rank's weights, gradients and AdamW moments); "
+                 "gradients reduce-scattered %s", groups, env.world_size, f"1/{env.world_size}",
+                 "after each sub-batch" if cfg.trainer.fsdp_reduce == "sub_batch" else "once per step")
 
 
 def check_bias(model: ClipModel, loss) -> None:

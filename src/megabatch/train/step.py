@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 from ..data.offload import Offload
 from ..data.samples import SubBatch
-from .gradcache import ReplayInputs, encode_without_graph, loss_and_feature_grads, replay
+from ..distributed.fsdp import full, is_sharded, no_gradient_sync, reduce_replicated
+from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay
 from .precision import Precision
 
 
@@ -42,29 +43,41 @@ class Applied:
 class TrainStep:
     """Gradients of one step on this rank, then the optimizer update.
 
-    ``model``: a ``ClipModel`` (wrapped in DDP here when a process group of several ranks is
-    initialised); ``loss_fn``: a ``ContrastiveLoss``; ``sub_batches``: how many sub-batches make
-    this rank's share of a global batch (``rank_batch = sub_batches x sub_batch``); ``precision``:
+    ``model``: a ``ClipModel``, wrapped in DDP here when a process group of several ranks is
+    initialised, unless it is already sharded by FSDP (``distributed.fsdp.shard_model``);
+    ``loss_fn``: a ``ContrastiveLoss``; ``sub_batches``: how many sub-batches make this rank's
+    share of a global batch (``rank_batch = sub_batches x sub_batch``); ``precision``:
     ``auto``, ``bf16``, ``fp16`` (with loss scaling) or ``fp32``; ``feature_dtype``: GradCache's
     feature buffers (``auto``: bf16 with bf16 towers, else fp32);
     ``grad_clip``: max norm of the true gradient, or ``None``; ``offload``: keeps
     the image bytes and re-decodes them for the replay (``None``: inputs stay on the device);
     ``keep_graph``: GradCache's last sub-batch keeps its phase-1 graph instead of being encoded
     again. Captions are cut to their length where ``model.text_trim`` is set (``trim_text``).
+    ``fsdp_reduce`` (a sharded model): ``sub_batch`` reduce-scatters each replayed sub-batch's
+    gradients (sharded gradients accumulate: least memory), ``step`` once per step (unsharded
+    gradients accumulate until the last sub-batch: fewer collectives, a whole model's gradients held).
     ``optimizer`` may be ``None`` where only the gradients are wanted (tests).
     """
 
     def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
                  precision: str = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
                  grad_clip: float | None = None, offload: Offload | None = None,
-                 keep_graph: bool = True, show_progress: bool = False):
+                 keep_graph: bool = True, fsdp_reduce: str = "sub_batch", show_progress: bool = False):
         self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
         self.precision = Precision.create(precision, device, feature_dtype)
         self.sub_batches, self.grad_clip, self.show_progress = sub_batches, grad_clip, show_progress
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        # DDP averages the gradients across ranks; GradCache's replay lets it synchronise once
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.sharded = is_sharded(model)
+        # DDP averages the gradients across ranks; GradCache's replay lets it synchronise once.
+        # FSDP's hooks are on the model itself: it reduce-scatters after each backward, or once per
+        # step with the others held (fsdp_reduce)
         self.wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) \
-            if distributed else model
+            if self.distributed and not self.sharded else model
+        if self.sharded:
+            held = (lambda: no_gradient_sync(model)) if fsdp_reduce == "step" else None
+            self.sync = GradSync(hold=held, kept=held)
+        else:
+            self.sync = GradSync.of(self.wrapped)
         # a frozen tower is encoded once and never replayed; images come back through the offload
         # owner, or stay on the device
         replay_images = not model.frozen("image")
@@ -88,6 +101,8 @@ class TrainStep:
             loss, times = self._forward_backward(next_timed(sub_batches))
         else:
             loss, times = self._gradcache(sub_batches, epoch)
+        if self.sharded and self.distributed:
+            reduce_replicated(self.model)  # the scalars FSDP leaves whole
         self.loss = loss
         return loss, times
 
@@ -98,7 +113,11 @@ class TrainStep:
         start = time.perf_counter()
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.grad_clip:
+        if self.sharded:  # the norm over every rank's shards
+            norm = full(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
+            if self.grad_clip:
+                torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=True)
+        elif self.grad_clip:
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         else:  # the norm alone, for the finiteness check and the logs; the gradients untouched
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))  # fused
@@ -117,7 +136,7 @@ class TrainStep:
         bad = torch.logical_not(torch.isfinite(norm)).float().reshape(1)
         if loss is not None:
             bad = bad + torch.logical_not(torch.isfinite(loss.to(norm.device))).float()
-        if isinstance(self.wrapped, DDP):
+        if self.distributed:
             dist.all_reduce(bad)
         return bad.item() == 0  # host sync: the decision to step is made on the host
 
@@ -152,12 +171,13 @@ class TrainStep:
         start = time.perf_counter()
         # decoding on the GPU, the offload's re-decoding starts now: the replay's first images are ready after the loss
         again = self.keep.offload.replay_images(encoded.kept, epoch) if encoded.kept else None
-        grads = loss_and_feature_grads(self.loss_fn, encoded, self.model.logit_scale, self.model.logit_bias,
-                                       self.precision)
+        bias = self.model.logit_bias
+        grads = loss_and_feature_grads(self.loss_fn, encoded, full(self.model.logit_scale),
+                                       None if bias is None else full(bias), self.precision)
         times["loss"] = self._lap(start)
         progress.set_description("replay")
         start = time.perf_counter()
-        waited = replay(self.wrapped, encoded, grads, self.precision, again, progress)
+        waited = replay(self.wrapped, encoded, grads, self.precision, again, progress, self.sync)
         times["data"] += waited
         times["replay"] = self._lap(start) - waited
         progress.close()
