@@ -2,16 +2,20 @@
 (read, decode, augment, tokenise) and for the offload re-decode of kept bytes.
 
     python scripts/bench_loader.py --workers 1,2 --samples 4096 --out loader.json
+    python scripts/bench_loader.py --workers 14 --splits shard,indexed --out splits.json   # side by side
 
 Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures that compress like
 photos) as img2dataset shards, then times ``TrainData.loader`` (ViT-B/32 transforms: 224 px
-RandomResizedCrop, open_clip tokenizer) and ``Offload.replay_images`` with each worker count.
+RandomResizedCrop, open_clip tokenizer) and ``Offload.replay_images`` with each worker count and
+each ``data.train.split`` of ``--splits`` (``indexed`` twice: its tar indexes built during the
+first pass, ``cold``, then read from the cache, ``warm``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -19,13 +23,16 @@ from megabatch.bench import compose, photo_shards, write_results
 from megabatch.models import build_model
 
 
-def measure(urls: list[str], workers: int, samples: int, sub_batch: int) -> dict:
+def measure(urls: list[str], workers: int, samples: int, sub_batch: int, split: str = "shard",
+            cache_dir: str | None = None) -> dict:
 
     from megabatch.data import TrainData
     from megabatch.data.offload import Offload
 
-    cfg = compose("model=vit_b32", "data=webdataset", f"data.num_workers={workers}")
+    cfg = compose("model=vit_b32", "data=webdataset", f"data.num_workers={workers}", f"data.train.split={split}")
     cfg.data.train.urls = urls
+    if cache_dir:
+        cfg.data.cache_dir = cache_dir
     model = build_model(cfg.model)  # its tokenizer and preprocessing
     data = TrainData(cfg.data, model.tokenizer(), model.preprocess, seed=0)
     batches = samples // sub_batch
@@ -43,7 +50,7 @@ def measure(urls: list[str], workers: int, samples: int, sub_batch: int) -> dict
     count = sum(images.shape[0] for images in offload.replay_images(raws, epoch=0))
     redecode = count / (time.perf_counter() - start)
     offload.close()
-    return {"workers": workers, "samples": len(raws) * sub_batch, "sub_batch": sub_batch,
+    return {"split": split, "workers": workers, "samples": len(raws) * sub_batch, "sub_batch": sub_batch,
             "first_pass_samples_s": first_pass, "first_pass_per_worker": first_pass / max(1, workers),
             "redecode_samples_s": redecode, "redecode_per_worker": redecode / max(1, workers)}
 
@@ -56,6 +63,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--workdir", default="/tmp/loader-bench")
+    parser.add_argument("--splits", default="shard", help="data.train.split values, side by side")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     shards = photo_shards(args.images, args.size, Path(args.workdir) / "shards", per_shard=512)
@@ -63,10 +71,15 @@ def main() -> None:
     urls = shards * (4 * -(-args.samples // args.images) + 1)
     results = []
     for workers in (int(w) for w in args.workers.split(",")):
-        row = measure(urls, workers, args.samples, args.sub_batch)
-        print(json.dumps(row), flush=True)
-        results.append(row)
-        write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
+        cache = Path(args.workdir) / f"cache-{workers}"
+        shutil.rmtree(cache, ignore_errors=True)  # the indexed split's first pass builds its indexes
+        for split in args.splits.split(","):
+            for index_cache in ("cold", "warm") if split == "indexed" else ("",):
+                row = measure(urls, workers, args.samples, args.sub_batch, split, str(cache))
+                row["index_cache"] = index_cache or None
+                print(json.dumps(row), flush=True)
+                results.append(row)
+                write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
 
 
 if __name__ == "__main__":

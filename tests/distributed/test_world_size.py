@@ -1,6 +1,6 @@
 """A run continues exactly on another number of ranks, loader workers and sub-batch size: 1 -> 2 -> 3
-ranks (FSDP's sharded checkpoints resharded, then read whole by DDP) ends with the weights of the
-uninterrupted run. And two torchrun launches of one rank each (``--nnodes=2``, a c10d rendezvous)
+ranks (FSDP's sharded checkpoints resharded, then read whole by DDP; the indexed loader) ends with
+the weights of the uninterrupted run. And two torchrun launches of one rank each (``--nnodes=2``, a c10d rendezvous)
 train together as one job."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..helpers import ROOT, free_port, rel_error
 
 RUN = ["batch=48", "trainer.max_steps=6", "trainer.log_every=1", "trainer.ckpt_every=2", "eval=none",
        "data.train.shuffle_buffer=64", "model.image.patch_dropout=0"]
+INDEXED = "data.train.split=indexed"
 
 
 def launch(tmp_path, ranks: int, *args: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
@@ -34,17 +35,18 @@ def finished(job: subprocess.Popen) -> str:
 
 
 def test_a_run_resumed_on_1_then_2_then_3_ranks_ends_as_the_uninterrupted_one(tmp_path):
-    straight = finished(launch(tmp_path, 1, "name=straight"))
+    """The LAION-scale loader (data.train.split=indexed: each worker reads only its samples)."""
+    straight = finished(launch(tmp_path, 1, "name=straight", INDEXED))
     assert "step 6/6" in straight
     # 1 rank, GradCache 3 x 16, no loader worker; FSDP's checkpoints (DCP folders)
-    finished(launch(tmp_path, 1, "name=moved", "trainer.parallel=fsdp", "trainer.sub_batch=16",
+    finished(launch(tmp_path, 1, "name=moved", INDEXED, "trainer.parallel=fsdp", "trainer.sub_batch=16",
                     "trainer.stop_at_step=2"))
     # 2 ranks sharded, 2 workers each, 2 x 12 per rank: the step-2 shards read resharded
-    second = finished(launch(tmp_path, 2, "name=moved", "resume=latest", "trainer.parallel=fsdp",
+    second = finished(launch(tmp_path, 2, "name=moved", INDEXED, "resume=latest", "trainer.parallel=fsdp",
                              "trainer.sub_batch=12", "data.num_workers=2", "trainer.stop_at_step=4"))
     assert ".dcp at step 2" in second
     # 3 ranks replicated (DDP), 1 worker each, 2 x 8 per rank: the step-4 shards read whole
-    third = finished(launch(tmp_path, 3, "name=moved", "resume=latest", "trainer.sub_batch=8",
+    third = finished(launch(tmp_path, 3, "name=moved", INDEXED, "resume=latest", "trainer.sub_batch=8",
                             "data.num_workers=1"))
     assert ".dcp at step 4" in third and "step 6/6" in third
     reference = load_checkpoint(tmp_path / "runs" / "straight" / "checkpoints" / "last.pt")

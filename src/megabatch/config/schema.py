@@ -80,6 +80,7 @@ class DataTrainConfig:
     weights: list[float] | None = MISSING
     num_samples: Any = MISSING        # a count or null (read sizes.json)
     shuffle_buffer: int = MISSING
+    streams: int = MISSING
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -270,7 +271,8 @@ def check_data(data: DictConfig) -> None:
         raise ConfigError(f"data.decode_ahead_gb={ahead!r}: give the GPU memory (GB per rank) that sub-batches "
                           "decoded ahead of the step may take, e.g. data.decode_ahead_gb=2, or auto (2.5% of the GPU)")
     at_least(train.shuffle_buffer, "data.train.shuffle_buffer", 1, "5000")
-    choice(train.split, "data.train.split", ("position", "shard"))
+    choice(train.split, "data.train.split", ("position", "shard", "indexed"))
+    at_least(train.streams, "data.train.streams", 1, "256")
     choice(train.mode, "data.train.mode", ("epoch", "resampled"))
     if train.mode == "resampled" and train.split != "shard":
         raise ConfigError("data.train.mode=resampled needs data.train.split=shard")

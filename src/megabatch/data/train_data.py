@@ -7,6 +7,7 @@ import logging
 from ..config import ConfigError, parse_optional_count
 from ..distributed.once import on_rank_zero
 from .digits import ensure_digits
+from .indexed_split import EpochOrder, IndexedBatches
 from .position_split import PositionSplitBatches, make_loader
 from .shard_split import ShardBatches, slot_quota
 from .transforms import train_transform
@@ -19,9 +20,12 @@ class TrainData:
     """Shards named by ``data.train.urls`` (``null``: the embedded digits, built on first use).
 
     ``data.train.split``: ``position`` (every rank and worker reads all shards and keeps its share
-    by sample position: exact for any shard layout, for small data) or ``shard`` (each worker of
-    each rank reads its own shards: LAION scale). ``data.train.mode``: ``epoch`` or ``resampled``
-    (shard split only). Several sources: ``urls`` as a list (or ``::``-joined) with ``weights``.
+    by sample position: exact for any shard layout, for small data), ``shard`` (each worker of
+    each rank reads its own shards: LAION scale, streams included; the order depends on ranks x
+    workers) or ``indexed`` (local shards read by random access, each worker only its samples, in
+    an order that depends on no rank or worker count: ``indexed_split.py``). ``data.train.mode``:
+    ``epoch`` or ``resampled`` (shard split only). Several sources: ``urls`` as a list (or
+    ``::``-joined) with ``weights``.
     """
 
     def __init__(self, cfg, tokenize, preprocess: dict, seed: int, show_progress: bool = True):
@@ -76,7 +80,13 @@ class TrainData:
             quota = slot_quota(self.sizes, slots, sub_batch)
             per_step = global_batch // world_size // sub_batch
             return self.workers * quota // per_step
+        if self.split == "indexed":
+            return len(self.order(epoch=0)) // global_batch
         return self.num_samples // global_batch
+
+    def order(self, epoch: int) -> EpochOrder:
+        """The indexed split's sample order of ``epoch`` (its length is the same every epoch)."""
+        return EpochOrder(self.sizes, self.seed, epoch, int(self.cfg.train.streams), int(self.cfg.train.shuffle_buffer))
 
     def loader(self, epoch: int, start_batch: int, rank_batch: int, rank: int, world_size: int,
                num_batches: int, sub_batch: int | None = None, keep_raw: bool = False,
@@ -94,6 +104,9 @@ class TrainData:
             dataset = ShardBatches(self.sources, mode=self.mode, weights=self.weights,
                                    num_workers=int(self.cfg.num_workers),
                                    total=num_batches * (rank_batch // sub_batch), **common)
+        elif self.split == "indexed":
+            dataset = IndexedBatches(self.urls, sizes=self.sizes, streams=int(self.cfg.train.streams),
+                                     cache_dir=self.cfg.cache_dir, **common)
         else:
             dataset = PositionSplitBatches(self.urls, **common)
         return make_loader(dataset, int(self.cfg.num_workers), pin_memory)

@@ -181,10 +181,25 @@ class Trainer:
         rng = state["rng"]
         if len(rng) == self.env.world_size:
             restore_rng(rng[self.env.rank])
-        else:
-            log.warning("checkpoint has RNG states of %d ranks, this run has %d: RNG reseeded",
-                        len(rng), self.env.world_size)
+        self._log_data_order_on_resume(len(rng), state.get("loader_slots"))
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _log_data_order_on_resume(self, ranks_before: int, slots_before: int | None) -> None:
+        """Say whether the resumed run reads what the uninterrupted one would have (rank 0)."""
+        train, ranks = self.cfg.data.train, self.env.world_size
+        slots = ranks * max(1, int(self.cfg.data.num_workers))
+        if not self.main:
+            return
+        if train.split == "shard" and (train.mode == "resampled" or slots_before not in (None, slots)):
+            log.warning("data.train.split=shard deals the shards to ranks x loader workers = %d slots (%s before "
+                        "this resume): the rest of the run reads %s. data.train.split=indexed reads the same "
+                        "samples in the same order on any number of GPUs and workers", slots,
+                        slots_before or "unknown", "other shard draws" if train.mode == "resampled" else
+                        "this epoch in another order, some samples twice and some not at all")
+        elif ranks_before != ranks:
+            log.info("resumed on %d ranks (%d before): the same samples in the same steps, each augmented as "
+                     "before (data.train.split=%s); only the towers' random draws (dropout, patch dropout), "
+                     "per rank, start from new seeds", ranks, ranks_before, train.split)
 
     def _weights_finite(self) -> bool:
         """Whether every weight is finite (the same answer on every rank: replicas agree, and
@@ -212,6 +227,7 @@ class Trainer:
             "step": self.step,
             "samples_seen": self.samples_seen,
             "global_batch": self.plan.global_batch,
+            "loader_slots": self.env.world_size * max(1, int(self.cfg.data.num_workers)),  # the shard split's
             "rng": rng,
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
             "open_clip": self.model.description(),  # architecture and preprocessing, for evaluation and export
