@@ -169,6 +169,11 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"))
     check_loss(cfg.loss, cfg.trainer.device)
     check_model(cfg.model)
+    if cfg.model.get("fp8", False):  # the GPU's own capability is checked once it is chosen (models/fp8.py)
+        device = str(cfg.trainer.device)
+        if not (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())):
+            raise ConfigError("model.fp8=true trains the towers' matmuls in FP8 on a GPU's FP8 tensor cores, and this "
+                              "run is on the CPU: set model.fp8=false")
     check_logit_bias(cfg.loss, cfg.model)
     return cfg
 
@@ -390,7 +395,7 @@ def check_model(model: DictConfig) -> None:
     """What can be checked of the model before it is built: the sizes a built-in shape gives.
     The towers' own fields are open_clip's, checked by the builders with errors naming
     ``model.image`` / ``model.text``; an open_clip architecture's sizes are its own."""
-    for key in ("compile", "trim_text"):
+    for key in ("compile", "trim_text", "fp8"):
         if not isinstance(model.get(key, False), bool):
             raise ConfigError(f"model.{key}={model[key]!r}: give true or false")
     size = model.image.get("image_size", 224)

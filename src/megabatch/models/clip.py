@@ -357,7 +357,7 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
     model.train(model.training)  # frozen towers switch to eval mode
 
 
-RUN_SETTINGS = ("compile", "trim_text")  # model.* keys the run applies to a built model, not builder arguments
+RUN_SETTINGS = ("compile", "trim_text", "fp8")  # model.* keys the run applies to a built model, not builder arguments
 
 
 def builder_node(node):

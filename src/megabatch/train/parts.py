@@ -24,6 +24,7 @@ from ..data.offload import Offload
 from ..distributed import DistEnv
 from ..distributed.fsdp import shard_model
 from ..models import ClipModel, build_model
+from ..models.fp8 import convert_to_fp8
 from ..models.preprocess import describe_preprocess
 from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import MemoryFit, batch_bytes, plan_sub_batch, probe_peak_memory
@@ -81,6 +82,11 @@ class RunParts:
             log_utilization_basis(flops, peak, decode, ahead)
         loss = instantiate(cfg.loss)
         check_bias(model, loss)
+        if cfg.model.fp8:  # the towers' Linear layers in FP8 (models/fp8.py), before sharding and the optimizer
+            converted = convert_to_fp8(model, env.device)
+            if env.rank == 0:
+                log.info("model.fp8: %d Linear layers train in FP8 (torchao)%s", converted, "" if cfg.model.compile else
+                         "; without model.compile the casts cost more than FP8 saves: set model.compile=true")
         shard(cfg, model, env, precision)  # trainer.parallel=fsdp: before the optimizer takes the parameters
         optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
         schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch)
