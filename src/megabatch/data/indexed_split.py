@@ -20,7 +20,6 @@ offset (``split=shard`` reads those).
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 import random
@@ -91,16 +90,16 @@ class TarIndex:
     def __init__(self, cache_dir: str | os.PathLike | None, keep: int = 64):
         self.cache = Path(os.path.expanduser(str(cache_dir))) / INDEX_DIR if cache_dir else None
         self.keep = keep
-        self._open: OrderedDict[str, tuple[np.ndarray, io.BufferedReader]] = OrderedDict()
+        self._open: OrderedDict[str, tuple[np.ndarray, int]] = OrderedDict()
 
     def read(self, url: str, sample: int) -> dict | None:
         """Sample ``sample`` of shard ``url`` as webdataset would give it, or ``None`` where the shard
         has fewer (truncated, or fewer than its listed count)."""
-        offsets, handle = self._shard(url)
+        offsets, fd = self._shard(url)
         if sample + 1 >= len(offsets):
             return None
-        handle.seek(int(offsets[sample]))
-        chunk = handle.read(int(offsets[sample + 1] - offsets[sample]))
+        start = int(offsets[sample])
+        chunk = os.pread(fd, int(offsets[sample + 1]) - start, start)  # one system call, no buffer to refill
         fields: dict = {"__url__": url}
         for name, data in tar_members(chunk):
             folder, _, base = name.rpartition("/")
@@ -110,20 +109,20 @@ class TarIndex:
         return fields
 
     def close(self) -> None:
-        for _, handle in self._open.values():
-            handle.close()
+        for _, fd in self._open.values():
+            os.close(fd)
         self._open.clear()
 
-    def _shard(self, url: str) -> tuple[np.ndarray, io.BufferedReader]:
+    def _shard(self, url: str) -> tuple[np.ndarray, int]:
         if url in self._open:
             self._open.move_to_end(url)
             return self._open[url]
         path = Path(os.path.expanduser(url))
         offsets = self._cached(path)
-        entry = (offsets, open(path, "rb"))  # noqa: SIM115 - kept open for the next samples, closed on eviction
+        entry = (offsets, os.open(path, os.O_RDONLY))  # kept open for the next samples, closed on eviction
         self._open[url] = entry
         if len(self._open) > self.keep:
-            self._open.popitem(last=False)[1][1].close()
+            os.close(self._open.popitem(last=False)[1][1])
         return entry
 
     def _cached(self, path: Path) -> np.ndarray:
