@@ -164,9 +164,9 @@ class Trainer:
         if path.is_dir():  # a sharded checkpoint (any number of ranks wrote it): each rank reads its part
             load_sharded_state(path, self.model, self.parts.optimizer)
         elif self.sharded:
-            raise ConfigError(f"resume={path}: a whole-model checkpoint cannot resume a sharded run "
-                              "(trainer.parallel=fsdp) yet; resume it with trainer.parallel=ddp, whose next "
-                              "checkpoints the FSDP run can read only if written sharded, or start anew")
+            raise ConfigError(f"resume={path}: a sharded run (trainer.parallel=fsdp) resumes from sharded checkpoints "
+                              "(.dcp folders) only, and this one is a whole-model .pt: resume it with "
+                              "trainer.parallel=ddp (where the model fits on one GPU), or start a new run")
         else:
             self.model.load_state_dict(state["model"])
             self.parts.optimizer.load_state_dict(state["optimizer"])
