@@ -79,11 +79,15 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     except BaseException as error:
         tmp.unlink(missing_ok=True)
         if _disk_full(error):
-            free = shutil.disk_usage(path.parent).free / 1e9
-            raise OSError(errno.ENOSPC, f"no space left on the disk of {path.parent} ({free:.2f} GB free) "
-                          f"while writing checkpoint {path.name}; free space, lower trainer.keep_ckpts, or "
-                          "give a run_dir on a larger disk") from error
+            raise _no_space(path.parent, path.name) from error
         raise
+
+
+def _no_space(folder: Path, name: str) -> OSError:
+    """A full disk, named with its folder and what is free, and what to do."""
+    free = shutil.disk_usage(folder).free / 1e9
+    return OSError(errno.ENOSPC, f"no space left on the disk of {folder} ({free:.2f} GB free) while writing "
+                   f"checkpoint {name}; free space, lower trainer.keep_ckpts, or give a run_dir on a larger disk")
 
 
 def _disk_full(error: BaseException) -> bool:
@@ -197,10 +201,7 @@ def write_sharded_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optimizer, 
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp), no_dist=not distributed)
     except BaseException as error:
         if _disk_full(error):
-            free = shutil.disk_usage(ckpt_dir).free / 1e9
-            raise OSError(errno.ENOSPC, f"no space left on the disk of {ckpt_dir} ({free:.2f} GB free) while "
-                          f"writing checkpoint {name}; free space, lower trainer.keep_ckpts, or give a run_dir on "
-                          "a larger disk") from error
+            raise _no_space(ckpt_dir, name) from error
         raise
     if meta is not None:
         save_checkpoint(tmp / META, meta)

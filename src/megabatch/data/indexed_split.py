@@ -34,6 +34,7 @@ from torch.utils.data import get_worker_info
 from ..config import ConfigError
 from .position_split import PositionSplitBatches
 from .samples import decode_pair
+from .urls import _KEY as SAMPLE_KEY
 from .urls import is_remote
 
 log = logging.getLogger(__name__)
@@ -205,12 +206,11 @@ def scan_offsets(path: Path) -> np.ndarray:
     try:
         with tarfile.open(path, "r:") as tar:
             while (member := tar.next()) is not None:
-                if member.isfile():
-                    folder, _, name = member.name.rpartition("/")
-                    key = f"{folder}/{name.split('.', 1)[0]}"
-                    if key != last:
+                match = SAMPLE_KEY.match(member.name) if member.isfile() else None
+                if match:  # grouped as urls.scan_tar counts them, so the index and the counts agree
+                    if match.group(1) != last:
                         starts.append(member.offset)
-                        last = key
+                        last = match.group(1)
                     end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
                 tar.members.clear()
     except (tarfile.TarError, EOFError, OSError) as error:
