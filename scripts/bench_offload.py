@@ -132,10 +132,43 @@ def compile_towers_now(parts) -> float:
     return time.perf_counter() - start
 
 
+def host_syncs(step, sub_batches, epoch: int) -> dict:
+    """One more step under ``torch.cuda.set_sync_debug_mode("warn")``: every operation that made the
+    host wait for the GPU, counted by where in megabatch it was called (the innermost megabatch
+    frame) and by thread (the GPU decoding threads are not the step's)."""
+    import traceback
+    import warnings
+
+    where: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "megabatch" in f.filename or "scripts" in f.filename]
+        frame = frames[-1] if frames else None
+        key = (f"{threading.current_thread().name}: " + (f"{Path(frame.filename).name}:{frame.lineno} "
+               f"{frame.name}" if frame else f"{Path(filename).name}:{lineno}"))
+        where[key] = where.get(key, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step.gradients(sub_batches, epoch=epoch)
+            step.apply()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return dict(sorted(where.items(), key=lambda item: -item[1]))
+
+
 def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
-              offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32") -> dict:
+              offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32",
+              sync_debug: bool = False) -> dict:
     """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
-    steady-state figures are the means over the later ones."""
+    steady-state figures are the means over the later ones. ``sync_debug``: then one untimed step
+    that counts the host syncs (``host_syncs``)."""
     from megabatch.train.utilization import utilization
 
     parts = build_parts(urls, batch, sub_batch, offload, workers, device, steps, offload_dir, overrides, model)
@@ -154,6 +187,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
                     torch.cuda.synchronize()
                 per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
                 print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
+            syncs = host_syncs(step, sub_batches, steps // plan.steps_per_epoch) if sync_debug else None
     finally:  # also when a step raises: the loader's workers ignore stop signals, and exit would wait on them
         sub_batches.close()
         parts.close()
@@ -170,7 +204,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
            "steady_data_wait_fraction": data_s / step_s, "steps": per_step,
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,
-           "peak_host_gb_machine_used_above_start": host.peak_used_gb}
+           "peak_host_gb_machine_used_above_start": host.peak_used_gb, "host_syncs_one_step": syncs}
     del step, parts
     return row
 
@@ -220,6 +254,8 @@ def main() -> None:
     parser.add_argument("--openclip-arch", default=None, help="its architecture (default: our --model's)")
     parser.add_argument("--openclip-sub-batch", type=int, default=None,
                         help="OpenCLIP's micro-batch (--accum-freq batch / this; default: --sub-batch, a number)")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="then one untimed step per row counting host syncs (torch.cuda.set_sync_debug_mode)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     sub_batches = args.sub_batch.split(",")
@@ -230,14 +266,14 @@ def main() -> None:
     shards = photo_shards(args.images, args.size, Path(args.workdir) / "shards")
     mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
     # the same shards listed again until every (shard-split) loader worker can fill its share
-    urls = shards * ((args.steps + 1) * -(-batch // args.images) + args.workers // len(shards) + 1)
+    urls = shards * ((args.steps + 2) * -(-batch // args.images) + args.workers // len(shards) + 1)
     variants = [(name.strip(), tuple(rest.split())) for name, _, rest in (v.partition(":") for v in args.variant)]
     results = []
     for mode in args.modes.split(","):
         for sub_batch in sub_batches:
             for variant, extra in variants or [(None, ())]:
                 row = run_steps(urls, batch, sub_batch, mode == "true", args.workers, args.device, args.steps,
-                                args.offload_dir, (*args.set, *extra), args.model)
+                                args.offload_dir, (*args.set, *extra), args.model, args.sync_debug)
                 row["variant"] = variant
                 print(json.dumps(row), flush=True)
                 results.append(row)

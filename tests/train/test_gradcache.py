@@ -286,25 +286,33 @@ def test_a_spilled_sub_batch_reads_back_whole_or_says_the_file_is_short(tmp_path
 
 @pytest.mark.parametrize("loss", ["vanilla", "infcl"])
 def test_every_exact_option_on_gives_the_gradients_of_all_off(loss, monkeypatch):
-    """Captions cut and grouped by length, the last sub-batch's graph kept: the gradients of the
-    plain path (and of the one-pass step) within fp32 rounding, and trimming really took place."""
+    """Captions cut and grouped by length, the last sub-batch's graph kept, attention on views
+    (``model.direct_attention``): the gradients of the plain path (and of the one-pass step) within
+    fp32 rounding, and trimming and the direct attention really took place."""
+    from megabatch.models.attention import DirectAttentionBlock
     from megabatch.models.clip import ClipModel
 
-    lengths = []
-    original = ClipModel._text_features
+    lengths, direct = [], []
+    original, original_attention = ClipModel._text_features, DirectAttentionBlock.attention
 
     def recording(self, texts):
         lengths.append(texts.shape[1])
         return original(self, texts)
 
+    def counted(self, *args, **kwargs):
+        direct.append(1)
+        return original_attention(self, *args, **kwargs)
+
     monkeypatch.setattr(ClipModel, "_text_features", recording)
+    monkeypatch.setattr(DirectAttentionBlock, "attention", counted)
     extra = [f"loss={loss}", "model.image.patch_dropout=0"] + (["loss.tile=8"] if loss == "infcl" else [])
-    off = ["model.trim_text=false", "trainer.keep_graph=false"]
+    off = ["model.trim_text=false", "trainer.keep_graph=false", "model.direct_attention=false"]
     full = step_gradients(0, 1, extra + off)
     plain = step_gradients(0, 1, extra + off + [f"trainer.sub_batch={BATCH // 4}"])
-    assert set(lengths) == {16}  # the tiny model's whole context
+    assert set(lengths) == {16} and not direct  # the tiny model's whole context, nn.MultiheadAttention
     lengths.clear()
     exact = step_gradients(0, 1, extra + [f"trainer.sub_batch={BATCH // 4}"])
+    assert direct
     assert lengths[0] == 16  # the FLOP count at start-up: model FLOPs of the whole context
     assert min(lengths[1:]) < 16  # the digits' captions are shorter than the context
     assert len(lengths) == 1 + 4 + 3  # 4 chunks in phase 1, 3 replayed: the last kept its graph

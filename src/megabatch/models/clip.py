@@ -357,12 +357,14 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
     model.train(model.training)  # frozen towers switch to eval mode
 
 
-RUN_SETTINGS = ("compile", "trim_text", "fp8")  # model.* keys the run applies to a built model, not builder arguments
+# model.* keys the run applies to a built model, not builder arguments
+RUN_SETTINGS = ("compile", "trim_text", "direct_attention", "fp8")
 
 
 def builder_node(node):
     """The ``model`` config less its run settings (``compile``: ``ClipModel.compile_towers``;
-    ``trim_text``: ``ClipModel.trim_text``)."""
+    ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``: ``models/attention.py``; ``fp8``:
+    ``models/fp8.py``)."""
     from omegaconf import OmegaConf
 
     if not any(key in node for key in RUN_SETTINGS):

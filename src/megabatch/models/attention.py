@@ -1,0 +1,64 @@
+"""``model.direct_attention=true``: open_clip's attention blocks call SDPA on views of their packed
+projection instead of going through ``nn.MultiheadAttention``.
+
+``nn.MultiheadAttention``'s training path (``F.multi_head_attention_forward``) works sequence-first:
+a batch-first input is transposed, the packed q/k/v projection is split with a copy, the heads are
+laid out with another, and the output is made contiguous and transposed back, each copy again in
+the backward. On a ViT-B/16 sub-batch these copies and transposes are several percent of the GPU
+time. ``DirectAttentionBlock.attention`` computes the same function with the same parameters
+(``attn.in_proj_weight``, ``attn.in_proj_bias``, ``attn.out_proj``) on views: one projection
+``[b, s, 3e]`` viewed as ``[b, s, 3, h, d]``, q/k/v as strided ``[b, h, s, d]`` views, SDPA, and one
+transpose before the output projection. State dicts, checkpoints and exports are unchanged (the block's
+class changes, not its parameters), and the features equal the module's up to the rounding of a
+reordered sum (tests/models/test_attention.py).
+
+Only self-attention blocks of open_clip's ``ResidualAttentionBlock`` with a plain batch-first
+``nn.MultiheadAttention`` are changed (no ``bias_k``/``bias_v``, no ``add_zero_attn``, one embedding
+size for q/k/v); cross-attention (CoCa's decoder), attentional pooling and open_clip's own
+``CustomResidualAttentionBlock`` (which already calls SDPA) keep theirs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from open_clip.transformer import ResidualAttentionBlock
+from torch import nn
+
+
+class DirectAttentionBlock(ResidualAttentionBlock):
+    """An open_clip ``ResidualAttentionBlock`` whose self-attention calls SDPA directly (see the module)."""
+
+    def attention(self, q_x: torch.Tensor, k_x: torch.Tensor | None = None, v_x: torch.Tensor | None = None,
+                  attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``q_x [b, s, e]`` -> ``[b, s, e]``; ``attn_mask [s, s]`` additive (open_clip's causal mask)."""
+        if k_x is not None or v_x is not None:  # cross-attention: the module's own path
+            return super().attention(q_x, k_x, v_x, attn_mask)
+        attn = self.attn
+        batch, length, width = q_x.shape
+        heads = attn.num_heads
+        qkv = F.linear(q_x, attn.in_proj_weight, attn.in_proj_bias).view(batch, length, 3, heads, width // heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [b, h, s, d] views of the one projection
+        mask = attn_mask.to(q_x.dtype) if attn_mask is not None else None  # as open_clip's attention() casts it
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             dropout_p=attn.dropout if self.training else 0.0)
+        return attn.out_proj(out.transpose(1, 2).reshape(batch, length, width))
+
+
+def eligible(block: nn.Module) -> bool:
+    """Whether ``block`` is a plain open_clip self-attention block that ``DirectAttentionBlock`` computes."""
+    attn = getattr(block, "attn", None)
+    return (type(block) is ResidualAttentionBlock and isinstance(attn, nn.MultiheadAttention)
+            and attn.batch_first and attn._qkv_same_embed_dim and attn.bias_k is None and not attn.add_zero_attn
+            and not hasattr(block, "ln_1_kv"))
+
+
+def use_direct_attention(model: nn.Module) -> int:
+    """Turn every eligible block of ``model`` into a ``DirectAttentionBlock`` (in place, parameters
+    kept). Returns how many were changed. Call before sharding or compiling."""
+    changed = 0
+    for module in model.modules():
+        if eligible(module):
+            module.__class__ = DirectAttentionBlock
+            changed += 1
+    return changed

@@ -1,0 +1,82 @@
+"""``model.direct_attention``: open_clip's attention blocks computed on views of the packed projection
+give the features and gradients of ``nn.MultiheadAttention`` (fp32, rounding only), keep the state
+dict, and leave cross-attention blocks alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from open_clip.transformer import ResidualAttentionBlock
+
+from megabatch.models import ClipModel
+from megabatch.models.attention import DirectAttentionBlock, use_direct_attention
+
+from ..helpers import rel_error
+from .test_text_length import SMALL_IMAGE, SMALL_TEXT, built, captions
+
+MODELS = {  # name -> (overrides, blocks changed)
+    "tiny": (["model=tiny"], 5),
+    "vit_b32": (["model=vit_b32", "model.text.layers=2", "model.image.layers=2"], 4),
+    "ViT-B-32": (["model=openclip", "model.arch=ViT-B-32", *SMALL_TEXT, *SMALL_IMAGE], 3),
+    "ViT-L-14-worldwide": (["model=openclip", "model.arch=ViT-L-14-worldwide", "+model.text.vocab_size=512",
+                            *SMALL_TEXT, *SMALL_IMAGE], 3),
+}
+
+
+def images(model: ClipModel, rows: int) -> torch.Tensor:
+    shape = model.example_inputs(rows, torch.device("cpu"))[0].shape
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+
+
+def features_and_grads(model: ClipModel, pixels: torch.Tensor, texts: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    image, text, scale, _ = model(pixels, texts)
+    weights = torch.linspace(-1, 1, image.numel()).view_as(image)  # a loss that weighs every feature differently
+    (scale * (image * weights).sum() + (image @ text.T).square().sum()).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return image.detach(), text.detach(), grads
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_direct_attention_gives_the_modules_features_and_gradients(name):
+    overrides, blocks = MODELS[name]
+    module = built(overrides).train()
+    direct = copy.deepcopy(module)
+    assert use_direct_attention(direct) == blocks
+    assert use_direct_attention(direct) == 0  # applied once
+    assert direct.state_dict().keys() == module.state_dict().keys()
+    module.trim_text()
+    direct.trim_text()
+    pixels, texts = images(module, 5), captions(module, 5)
+    short = module.text_trim.cut(texts[1:])  # cut captions: the causal mask's prefix
+    for inputs in ((pixels, texts), (pixels[1:], short)):
+        expected, got = features_and_grads(module, *inputs), features_and_grads(direct, *inputs)
+        for want, have in zip(expected, got, strict=True):
+            assert rel_error(have, want) <= 1e-6
+    # a state dict of one loads into the other
+    direct.load_state_dict(module.state_dict())
+
+
+def test_cross_attention_blocks_are_left_alone():
+    coca = built(["model=openclip", "model.arch=coca_ViT-B-32", *SMALL_TEXT, *SMALL_IMAGE])
+    use_direct_attention(coca)
+    kinds = {name: type(m) for name, m in coca.named_modules() if isinstance(m, ResidualAttentionBlock)}
+    crossing = [name for name, m in coca.named_modules() if hasattr(m, "ln_1_kv")]
+    assert crossing and all(kinds[name] is ResidualAttentionBlock for name in crossing)
+    assert any(kind is DirectAttentionBlock for kind in kinds.values())  # its self-attention blocks
+
+
+def test_the_run_applies_it_by_default_and_can_turn_it_off():
+    from megabatch.config.schema import validate
+    from megabatch.distributed import init_distributed
+    from megabatch.train.parts import RunParts
+
+    from ..helpers import compose
+
+    for setting, kind in (("true", DirectAttentionBlock), ("false", ResidualAttentionBlock)):
+        parts = RunParts.build(validate(compose("eval=none", f"model.direct_attention={setting}")),
+                               init_distributed("cpu"))
+        assert type(parts.model.clip.transformer.resblocks[0]) is kind
+        parts.close()
