@@ -119,15 +119,21 @@ def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: 
 
 def compile_towers_now(parts) -> float:
     """Compile the towers (``model.compile=true``) before the timed steps, on synthetic inputs of one
-    sub-batch: the graph-free pass's graphs and the replay's (forward and backward). Returns seconds."""
+    sub-batch: the graph-free pass's graphs and the replay's (forward and backward); where captions
+    are cut to their length (``model.trim_text``), at the whole context and at two shorter lengths,
+    so that the text tower's dynamic-length graphs are compiled too and no timed step compiles.
+    Returns seconds."""
     device, model, start = parts.step.device, parts.model, time.perf_counter()
     images, texts = model.example_inputs(parts.plan.sub_batch, device)
-    with torch.no_grad(), parts.step.precision.autocast():
-        model(images, texts)
-    with parts.step.precision.autocast():
-        image_features, text_features, _, _ = model(images, texts)
-    (image_features.float().sum() + text_features.float().sum()).backward()
-    model.zero_grad(set_to_none=True)
+    lengths = [texts.shape[1]] + ([16, 24] if model.text_trim is not None else [])
+    for length in lengths:
+        cut = texts[:, :length]
+        with torch.no_grad(), parts.step.precision.autocast():
+            model(images, cut)
+        with parts.step.precision.autocast():
+            image_features, text_features, _, _ = model(images, cut)
+        (image_features.float().sum() + text_features.float().sum()).backward()
+        model.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     return time.perf_counter() - start
 
