@@ -1,7 +1,7 @@
 """What the benchmark scripts share: GPU timing and memory helpers, synthetic inputs and shards, a
 step built without a run, and one result writer with one metadata schema.
 
-Every ``scripts/bench_*.py`` writes ``{"meta": {...}, "results": [...]}`` through ``write_results``;
+Every ``scripts/benchmarks/*.py`` writes ``{"meta": {...}, "results": [...]}`` through ``write_results``;
 ``meta`` records the command, the git commit, the GPU(s), the library versions and the time.
 """
 

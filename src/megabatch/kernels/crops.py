@@ -12,7 +12,7 @@ Why separable passes: an output pixel reads only the few taps of its filter (~6 
 256 px shrunk to 224, bicubic). The plain-torch form, kept for CPUs and as this one's reference
 (``gpu_decode.cropped_groups`` with ``kernel=False``), is two dense float64 products with per-sample
 ``[out, full]`` resampling matrices, ~97% zeros, plus float64 copies of the images. Measured on an
-H100, 512 images of 256 px to 224 (bicubic, ViT training's crop boxes; ``scripts/bench_decode.py
+H100, 512 images of 256 px to 224 (bicubic, ViT training's crop boxes; ``scripts/benchmarks/decode.py
 --crops``, ``docs/bench/crops_h100.json``): 1.2 ms of CPU and 1.6 ms of GPU a sub-batch here, the
 same pixels as the dense form; the dense form takes 16 ms of CPU for its ~100 calls. Earlier forms:
 Triton building the dense matrices and cuBLAS the products, 1.7 ms of CPU and 4.2 ms of GPU; the

@@ -4,8 +4,8 @@ variant (eager, compiled, compile modes, SDPA kernels, bf16-held weights); one c
 profiled by kernel class (GEMM, attention, fused elementwise, ...) with the GPU's busy fraction;
 and cuBLAS alone on the towers' GEMM shapes, the ceiling the towers can approach.
 
-    python scripts/profile_towers.py --model vit_b16 --sub-batch 512 --out towers.json
-    python scripts/profile_towers.py --model vit_b16 --variants compile,compile-max-autotune --out t.json
+    python scripts/benchmarks/towers.py --model vit_b16 --sub-batch 512 --out towers.json
+    python scripts/benchmarks/towers.py --model vit_b16 --variants compile,compile-max-autotune --out t.json
 
 Variants: ``eager``, ``compile`` (``model.compile=true`` as the trainer compiles), ``compile-max-autotune``
 (inductor's ``max-autotune-no-cudagraphs``: Triton GEMM templates tried against cuBLAS),

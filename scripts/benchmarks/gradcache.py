@@ -1,7 +1,7 @@
 """GradCache training throughput and memory on one GPU, side by side with OpenCLIP's --accum-freq.
 
-    python scripts/bench_gradcache.py --out gc.json                        # the default grid
-    python scripts/bench_gradcache.py --batches 16k,64k,256k --only memory --out mem.json
+    python scripts/benchmarks/gradcache.py --out gc.json                        # the default grid
+    python scripts/benchmarks/gradcache.py --batches 16k,64k,256k --only memory --out mem.json
 
 Synthetic inputs, the same for both sides: ``--data gpu`` keeps one random image/token sub-batch on
 the GPU and reuses it (neither side pays for data); ``--data loader`` feeds both from OpenCLIP's own

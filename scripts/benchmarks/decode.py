@@ -7,7 +7,7 @@ products kept ~80 ms deep on the default stream, as a training step queues its k
 samples/s and the median and longest call. ``meta`` records CUDA_DEVICE_MAX_CONNECTIONS (importing
 megabatch sets 32 unless set: run once with it set to 8, CUDA's default, to see why).
 
-    python scripts/bench_decode.py --out docs/bench/decode_h100.json
+    python scripts/benchmarks/decode.py --out docs/bench/decode_h100.json
 
 ``--crops``: the crop-and-resize that follows the decoding instead (``gpu_decode.cropped_groups``),
 on the same sub-batch decoded once, with ViT training's random-resized-crop boxes (scale 0.9-1.0,
@@ -15,7 +15,7 @@ bicubic, 224 px): the Triton passes (``kernels/crops.py``) against the dense flo
 the plain-torch form, on an idle GPU; each row: the CPU time of a call and the GPU time of its
 kernels (median of calls, CUDA events), and the largest pixel difference against the dense form.
 
-    python scripts/bench_decode.py --crops --out docs/bench/crops_h100.json
+    python scripts/benchmarks/decode.py --crops --out docs/bench/crops_h100.json
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_decode.py measures GPU decoding and needs a CUDA GPU")
+        raise SystemExit("benchmarks/decode.py measures GPU decoding and needs a CUDA GPU")
     device = torch.device("cuda")
     encoded = EncodedImages.from_bytes([sample.image for sample in photos(args.images, 256)],
                                        list(range(args.images)))

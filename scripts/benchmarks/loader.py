@@ -1,8 +1,8 @@
 """Training-loader throughput on JPEG shards: samples/s in all and per worker, for the first pass
 (read, decode, augment, tokenise) and for the offload re-decode of kept bytes.
 
-    python scripts/bench_loader.py --workers 1,2 --samples 4096 --out loader.json
-    python scripts/bench_loader.py --workers 14 --splits shard,indexed --out splits.json   # side by side
+    python scripts/benchmarks/loader.py --workers 1,2 --samples 4096 --out loader.json
+    python scripts/benchmarks/loader.py --workers 14 --splits shard,indexed --out splits.json   # side by side
 
 Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures that compress like
 photos) as img2dataset shards, then times ``TrainData.loader`` (ViT-B/32 transforms: 224 px

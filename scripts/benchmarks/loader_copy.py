@@ -1,9 +1,9 @@
 """Why phase 1 can be slower than the loader: the training loader's samples/s while the consumer
 copies each sub-batch to the GPU and queues GPU work, with pageable or pinned host memory.
 
-    python scripts/bench_loader_copy.py --workers 16 --out loader_copy.json
+    python scripts/benchmarks/loader_copy.py --workers 16 --out loader_copy.json
 
-Variants: ``none`` (consume only, as bench_loader.py), ``copy`` (pageable ``.to(cuda)``),
+Variants: ``none`` (consume only, as benchmarks/loader.py), ``copy`` (pageable ``.to(cuda)``),
 ``copy+gpu`` (then ``--gpu-ms`` of GPU work per sub-batch, like phase 1's encoder: a pageable copy
 waits for the queued kernels, so the loader cannot run ahead), ``pinned-copy+gpu``.
 """

@@ -1,13 +1,15 @@
-"""Training steps on real JPEG shards, data offload on and off: time, phases, MFU, peak GPU and host
-memory; optionally OpenCLIP 3.3's own training loop fed by the same loader.
+"""End to end: training steps on real JPEG shards (loader, GPU decoding, GradCache, loss, optimizer)
+with data offload on and off, per variant of config overrides: time, phases, MFU, peak GPU and host
+memory; optionally OpenCLIP 3.3's own training loop (any architecture) fed by the same loader.
 
-    python scripts/bench_offload.py --batch 64k --sub-batch 512 --out offload.json
-    python scripts/bench_offload.py --batch 1M --modes true --set data.decode=gpu model.compile=true --out 1m.json
-    python scripts/bench_offload.py --batch 32k --modes false --openclip --set data.decode=gpu model.compile=true \
-        --out vs_openclip.json
-    python scripts/bench_offload.py --batch 32k --sub-batch 1024,auto --openclip-sub-batch 512 --modes false \
+    python scripts/benchmarks/end_to_end.py --batch 64k --sub-batch 512 --out offload.json
+    python scripts/benchmarks/end_to_end.py --batch 1M --modes true --set data.decode=gpu model.compile=true \
+        --out 1m.json
+    python scripts/benchmarks/end_to_end.py --batch 32k --modes false --openclip \
+        --set data.decode=gpu model.compile=true --out vs_openclip.json
+    python scripts/benchmarks/end_to_end.py --batch 32k --sub-batch 1024,auto --openclip-sub-batch 512 --modes false \
         --openclip --set model.compile=true --out sub_batches_vs_openclip.json
-    python scripts/bench_offload.py --model vit_b16 --batch 4k --modes false --openclip --steps 5 \
+    python scripts/benchmarks/end_to_end.py --model vit_b16 --batch 4k --modes false --openclip --steps 5 \
         --set data.decode=gpu model.compile=true --variant 'all-off: model.trim_text=false trainer.keep_graph=false' \
         --variant 'trim: trainer.keep_graph=false' --variant 'keep-graph: model.trim_text=false' --variant 'all-on:' \
         --out vit_b16_4k_vs_openclip.json

@@ -1,7 +1,7 @@
 """Loss values of fp32 features against float64: cuBLAS TF32 beside the Triton kernels' TF32 dots
 (operands rounded to nearest) and exact fp32 dots, for the softmax (infcl) and sigmoid (siglip) losses.
 
-    python scripts/bench_precision.py --out precision.json
+    python scripts/benchmarks/precision.py --out precision.json
 """
 
 from __future__ import annotations

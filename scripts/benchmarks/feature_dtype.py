@@ -3,8 +3,8 @@ features in bf16 between phase 1 and the loss, which then runs on them as fp32. 
 gradients and scale gradient of the configured loss on bf16-rounded features and on fp32 features,
 each against float64 on the fp32 features (the towers' output), for the softmax and sigmoid losses.
 
-    python scripts/bench_feature_dtype.py --out feature_dtype.json               # CPU: torch tiles
-    python scripts/bench_feature_dtype.py --device cuda --batches 32k,256k --out feature_dtype.json
+    python scripts/benchmarks/feature_dtype.py --out feature_dtype.json               # CPU: torch tiles
+    python scripts/benchmarks/feature_dtype.py --device cuda --batches 32k,256k --out feature_dtype.json
 """
 
 from __future__ import annotations

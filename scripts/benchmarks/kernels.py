@@ -1,7 +1,7 @@
 """Where the Triton loss kernels spend their time: forward stats kernel, backward G' kernel and
 the cuBLAS gradient GEMMs, each timed alone on one GPU, as achieved TFLOP/s of the work each does.
 
-    python scripts/profile_kernels.py --batches 32k,128k --dims 512,768 --dtypes bf16,fp32 --out prof.json
+    python scripts/benchmarks/kernels.py --batches 32k,128k --dims 512,768 --dtypes bf16,fp32 --out prof.json
 """
 
 from __future__ import annotations

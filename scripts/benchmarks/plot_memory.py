@@ -1,5 +1,5 @@
-"""Plot loss memory (and time) against batch size from bench_loss.py JSON files, like Figure 1 of
-the Inf-CL paper: python scripts/plot_memory.py loss1.json loss2.json --out memory.png"""
+"""Plot loss memory (and time) against batch size from benchmarks/loss.py JSON files, like Figure 1 of
+the Inf-CL paper: python scripts/benchmarks/plot_memory.py loss1.json loss2.json --out memory.png"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import defaultdict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("inputs", nargs="+", help="bench_loss.py JSON files")
+    parser.add_argument("inputs", nargs="+", help="benchmarks/loss.py JSON files")
     parser.add_argument("--out", default="memory.png")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--dim", type=int, default=768)

@@ -1,7 +1,7 @@
 """Loss-only benchmark: forward + backward time and peak memory per GPU of each loss backend.
 
-    python scripts/bench_loss.py --batches 32k,64k,128k,256k,1M --dtypes fp32,bf16 --out loss.json
-    torchrun --nproc_per_node=2 scripts/bench_loss.py --batches 256k,1M --out loss2.json
+    python scripts/benchmarks/loss.py --batches 32k,64k,128k,256k,1M --dtypes fp32,bf16 --out loss.json
+    torchrun --nproc_per_node=2 scripts/benchmarks/loss.py --batches 256k,1M --out loss2.json
 
 Backends: ours (vanilla, local, disco, infcl = Triton kernels on CUDA, infcl_torch = plain-torch
 tiles; the sigmoid loss: siglip = Triton kernels, siglip_torch = plain-torch tiles) and, when
@@ -11,7 +11,7 @@ directions) and ``ref_siglip`` (OpenCLIP 3.3 ``SigLipLoss``: each rank's rows ag
 block, exchanged between neighbours). Features are random, L2-normalised, ``[b / W, c]`` per rank;
 the scale is a learnable 0-dim tensor at 100; sigmoid losses add a learnable bias at -10.
 
-    python scripts/bench_loss.py --backends siglip,ref_siglip,infcl --batches 32k,64k,128k,256k,1M --out sig.json
+    python scripts/benchmarks/loss.py --backends siglip,ref_siglip,infcl --batches 32k,64k,128k,256k,1M --out sig.json
 "extra_gb" is the peak allocated memory minus the inputs and their gradients (``.grad`` starts
 empty; the gradients the loss returns become ``.grad`` and are subtracted once). A backend that runs
 out of memory at some b is not tried at larger b. fp32 matmuls may use TF32 (``--tf32``, on by

@@ -2,11 +2,11 @@
 and peak GPU memory of a GradCache step on synthetic inputs, per model and sub-batch; a setting that
 runs out of memory is recorded as such and the next one runs.
 
-    torchrun --nproc_per_node=2 scripts/bench_fsdp.py --model vit_l14 --sub-batch 64,128 --out fsdp.json
-    torchrun --nproc_per_node=2 scripts/bench_fsdp.py --model openclip --set model.arch=ViT-bigG-14 \\
+    torchrun --nproc_per_node=2 scripts/benchmarks/fsdp.py --model vit_l14 --sub-batch 64,128 --out fsdp.json
+    torchrun --nproc_per_node=2 scripts/benchmarks/fsdp.py --model openclip --set model.arch=ViT-bigG-14 \\
         --sub-batch 16,32,64 --out bigg.json
 
-On one GPU (``python scripts/bench_fsdp.py ...``) the model is "sharded" over a group of one rank:
+On one GPU (``python scripts/benchmarks/fsdp.py ...``) the model is "sharded" over a group of one rank:
 nothing is saved, but the sharded code path (bf16 gathers, fp32 reduction, compile) runs and its
 overhead shows. ``--sub-batches``: sub-batches per rank and step (the rank batch is their product).
 """
