@@ -119,27 +119,6 @@ def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: 
     return RunParts.build(validate(cfg), init_distributed(device))
 
 
-def compile_towers_now(parts) -> float:
-    """Compile the towers (``model.compile=true``) before the timed steps, on synthetic inputs of one
-    sub-batch: the graph-free pass's graphs and the replay's (forward and backward); where captions
-    are cut to their length (``model.trim_text``), at the whole context and at two shorter lengths,
-    so that the text tower's dynamic-length graphs are compiled too and no timed step compiles.
-    Returns seconds."""
-    device, model, start = parts.step.device, parts.model, time.perf_counter()
-    images, texts = model.example_inputs(parts.plan.sub_batch, device)
-    lengths = [texts.shape[1]] + ([16, 24] if model.text_trim is not None else [])
-    for length in lengths:
-        cut = texts[:, :length]
-        with torch.no_grad(), parts.step.precision.autocast():
-            model(images, cut)
-        with parts.step.precision.autocast():
-            image_features, text_features, _, _ = model(images, cut)
-        (image_features.float().sum() + text_features.float().sum()).backward()
-        model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    return time.perf_counter() - start
-
-
 def host_syncs(step, sub_batches, epoch: int) -> dict:
     """One more step under ``torch.cuda.set_sync_debug_mode("warn")``: every operation that made the
     host wait for the GPU, counted by where in megabatch it was called (the innermost megabatch
@@ -179,9 +158,10 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     that counts the host syncs (``host_syncs``)."""
     from megabatch.train.utilization import utilization
 
+    start = time.perf_counter()  # with model.compile=true, RunParts.build compiles the towers (ClipModel.warm_up)
     parts = build_parts(urls, batch, sub_batch, offload, workers, device, steps, offload_dir, overrides, model)
     step, plan, device = parts.step, parts.plan, torch.device(device)
-    compile_s = compile_towers_now(parts) if "model.compile=true" in overrides else 0.0
+    compile_s = time.perf_counter() - start if "model.compile=true" in overrides else 0.0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sub_batches, per_step = parts.inputs(0), []

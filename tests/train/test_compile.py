@@ -53,6 +53,48 @@ def test_compiled_towers_under_ddp_give_the_one_process_gradients(tmp_path):
         assert rel_error(flat, torch.cat([g.flatten() for g in single.values()])) <= 1e-4
 
 
+def test_the_towers_are_compiled_before_the_first_step_and_the_rng_is_kept():
+    """RunParts.build warms the compiled towers up (both gradient modes, the whole context and the
+    cut lengths): a GradCache step with cut captions compiles nothing more, and the warm-up leaves
+    the RNG where it found it."""
+    from megabatch.models.clip import ClipModel
+
+    states = []
+    original = ClipModel.warm_up
+
+    def recording(self, *args, **kwargs):
+        states.append(torch.get_rng_state())
+        seconds = original(self, *args, **kwargs)
+        states.append(torch.get_rng_state())
+        return seconds
+
+    counts = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counts.clear()
+    ClipModel.warm_up, saved = recording, ClipModel.warm_up
+    try:
+        parts = RunParts.build(validate(compose(*BASE, "trainer.sub_batch=8", "model.compile=true")),
+                               init_distributed("cpu"))
+    finally:
+        ClipModel.warm_up = saved
+    assert len(states) == 2 and torch.equal(states[0], states[1])
+    compiled = counts["stats"]["unique_graphs"]
+    assert compiled >= 4  # each tower with and without autograd, and the cut text
+    lengths, text = [], parts.model._compiled["text"]
+
+    def recorded(texts):
+        lengths.append(texts.shape[1])
+        return text(texts)
+
+    parts.model._compiled["text"] = recorded
+    try:
+        parts.step.gradients(parts.inputs(0))
+    finally:
+        parts.close()
+    assert counts["stats"]["unique_graphs"] == compiled  # the step compiled nothing
+    assert min(lengths) < 16  # cut captions ran (the digits' captions end before the context)
+
+
 def test_a_short_batch_is_padded_to_the_compiled_size_not_recompiled():
     torch.manual_seed(0)
     model = build_model(compose("model=tiny").model)

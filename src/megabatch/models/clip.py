@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 from typing import Any
 
 import torch
@@ -175,6 +176,41 @@ class ClipModel(nn.Module):
         compiled = {"image": torch.compile(self._image_features, dynamic=False),
                     "text": torch.compile(self._text_features, dynamic=None if self.text_trim else False)}
         self._compiled = {tower: _FixedRows(fn, rows) for tower, fn in compiled.items()}
+
+    def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool) -> float:
+        """After ``compile_towers``: compile now every graph training will call, so that no step
+        stalls on a compilation later (a compiled text tower meeting its first cut length mid-run
+        compiled for ~45 s on an H100). Calls each tower once with autograd (the replay, a plain step)
+        and, with ``graph_free`` (GradCache), once without (phase 1); the text tower at its whole
+        context and, where captions are cut, at its two shortest lengths (the second makes the
+        length dynamic: one graph for every length after). ``autocast``: a callable giving the
+        step's autocast context. The RNG states are restored and the gradients cleared: training
+        draws and computes what it would have without. Returns seconds."""
+        start = time.perf_counter()
+        images, texts = self.example_inputs(rows, device)
+        context = texts.shape[1]
+        lengths = [context]
+        if self.text_trim is not None:
+            cut = sorted({self.text_trim.bucket(n) for n in range(1, context)} - {context})
+            lengths += cut[:2]
+        cpu_state = torch.get_rng_state()
+        cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        try:
+            for index, length in enumerate(lengths):
+                inputs = (images if index == 0 else None, texts[:, :length].contiguous())  # as captions are cut
+                if graph_free:
+                    with torch.no_grad(), autocast():
+                        self(*inputs)
+                with autocast():
+                    features = [f for f in self(*inputs)[:2] if f is not None and f.requires_grad]
+                if features:
+                    sum(f.float().sum() for f in features).backward()
+                self.zero_grad(set_to_none=True)
+        finally:
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, device)
+        return time.perf_counter() - start
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:

@@ -106,6 +106,11 @@ class RunParts:
             log.info("captions are encoded at their full context: %s", untrimmed)
         if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
             model.compile_towers(plan.sub_batch)
+            if env.rank == 0:
+                log.info("model.compile: compiling the towers now (a minute or a few on a GPU)")
+            seconds = model.warm_up(plan.sub_batch, env.device, precision.autocast, graph_free=plan.sub_batches > 1)
+            if env.rank == 0:
+                log.info("model.compile: the towers compiled in %.0f s", seconds)
         step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
                          sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
                          grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
