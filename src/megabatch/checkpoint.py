@@ -228,6 +228,28 @@ def load_sharded_state(path: Path, model: torch.nn.Module, optimizer) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
+def load_whole_state(state: dict[str, Any], model: torch.nn.Module, optimizer) -> None:
+    """A whole-model checkpoint's (``.pt``) weights and AdamW state into a sharded ``model`` and its
+    ``optimizer``: each rank keeps its shard of every full tensor. The optimizer state of a ``.pt``
+    numbers the parameters in the optimizer's order, which the same builder gives the sharded run;
+    they are named here, as DCP's loader wants them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {id(param): name for name, param in model.named_parameters()}
+    order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    saved = state["optimizer"]
+    numbered = [index for group in saved["param_groups"] for index in group["params"]]
+    if len(numbered) != len(order):
+        raise ConfigError(f"the checkpoint's optimizer holds {len(numbered)} parameters and this run's "
+                          f"{len(order)}: it was written for another model or another trainable set")
+    name_of = dict(zip(numbered, order, strict=True))
+    optim_state = {"state": {name_of[index]: value for index, value in saved["state"].items()},
+                   "param_groups": [{**group, "params": [name_of[index] for index in group["params"]]}
+                                    for group in saved["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))
+
+
 @contextlib.contextmanager
 def _one_process_quietly():
     """DCP warns on every call without a process group that it assumes one process: that is meant."""

@@ -1,5 +1,6 @@
 """A run continues exactly on another number of ranks, loader workers and sub-batch size: 1 -> 2 -> 3
-ranks (FSDP's sharded checkpoints resharded, then read whole by DDP; the indexed loader) ends with
+ranks (DDP's whole-model checkpoint sharded by FSDP, FSDP's sharded checkpoints read whole by DDP;
+the indexed loader) ends with
 the weights of the uninterrupted run. And two torchrun launches of one rank each (``--nnodes=2``, a c10d rendezvous)
 train together as one job."""
 
@@ -38,13 +39,13 @@ def test_a_run_resumed_on_1_then_2_then_3_ranks_ends_as_the_uninterrupted_one(tm
     """The LAION-scale loader (data.train.split=indexed: each worker reads only its samples)."""
     straight = finished(launch(tmp_path, 1, "name=straight", INDEXED))
     assert "step 6/6" in straight
-    # 1 rank, GradCache 3 x 16, no loader worker; FSDP's checkpoints (DCP folders)
-    finished(launch(tmp_path, 1, "name=moved", INDEXED, "trainer.parallel=fsdp", "trainer.sub_batch=16",
-                    "trainer.stop_at_step=2"))
-    # 2 ranks sharded, 2 workers each, 2 x 12 per rank: the step-2 shards read resharded
+    # 1 rank (DDP), GradCache 3 x 16, no loader worker: a whole-model .pt
+    finished(launch(tmp_path, 1, "name=moved", INDEXED, "trainer.sub_batch=16", "trainer.stop_at_step=2"))
+    # 2 ranks sharded (FSDP), 2 workers each, 2 x 12 per rank: each takes its shard of the .pt's
+    # weights and AdamW moments, and writes sharded checkpoints (DCP folders)
     second = finished(launch(tmp_path, 2, "name=moved", INDEXED, "resume=latest", "trainer.parallel=fsdp",
                              "trainer.sub_batch=12", "data.num_workers=2", "trainer.stop_at_step=4"))
-    assert ".dcp at step 2" in second
+    assert ".pt at step 2" in second
     # 3 ranks replicated (DDP), 1 worker each, 2 x 8 per rank: the step-4 shards read whole
     third = finished(launch(tmp_path, 3, "name=moved", INDEXED, "resume=latest", "trainer.sub_batch=8",
                             "data.num_workers=1"))
@@ -60,7 +61,7 @@ def test_a_run_resumed_on_1_then_2_then_3_ranks_ends_as_the_uninterrupted_one(tm
     assert rel_error(torch.cat([moved["model"][name].flatten() for name in names]), weights) <= 1e-5
     assert max((moved["model"][name] - reference["model"][name]).abs().max() for name in names) <= 1e-4
     # not vacuous: one sample read out of turn would be as far off as steps 3 to 6 moved the weights
-    first = load_checkpoint(tmp_path / "runs" / "moved" / "checkpoints" / "step_00000002.dcp")
+    first = load_checkpoint(tmp_path / "runs" / "moved" / "checkpoints" / "step_00000002.pt")
     assert rel_error(torch.cat([first["model"][name].flatten() for name in names]), weights) > 1e-3
 
 

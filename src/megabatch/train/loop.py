@@ -22,6 +22,7 @@ from ..checkpoint import (
     capture_rng,
     load_resume,
     load_sharded_state,
+    load_whole_state,
     restore_rng,
     run_checkpoints,
     write_run_checkpoint,
@@ -163,10 +164,8 @@ class Trainer:
         path, state = found
         if path.is_dir():  # a sharded checkpoint (any number of ranks wrote it): each rank reads its part
             load_sharded_state(path, self.model, self.parts.optimizer)
-        elif self.sharded:
-            raise ConfigError(f"resume={path}: a sharded run (trainer.parallel=fsdp) resumes from sharded checkpoints "
-                              "(.dcp folders) only, and this one is a whole-model .pt: resume it with "
-                              "trainer.parallel=ddp (where the model fits on one GPU), or start a new run")
+        elif self.sharded:  # a whole-model .pt (a DDP run's): each rank keeps its shard of it
+            load_whole_state(state, self.model, self.parts.optimizer)
         else:
             self.model.load_state_dict(state["model"])
             self.parts.optimizer.load_state_dict(state["optimizer"])
