@@ -1,6 +1,7 @@
 """model.compile=true: torch.compile per tower gives the eager gradients (CPU, inductor), for a plain
-step and for GradCache's three phases, with patch dropout replayed and with a frozen tower; a short
-input is padded to the compiled size instead of recompiling; trainer.feature_dtype=auto."""
+step and for GradCache's three phases, with patch dropout replayed and with a frozen tower, all graphs
+compiled before the first step; a short input is padded to the compiled size instead of recompiling;
+trainer.feature_dtype=auto."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ BASE = ["batch=32", "eval=none", "optim=sgd", "trainer.max_steps=1", "data.train
 
 
 def gradients(*overrides: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step's loss and gradients. Compiled, the run compiles its graphs while it is built
+    (``ClipModel.warm_up``): the step itself must compile none."""
     parts = RunParts.build(validate(compose(*BASE, *overrides)), init_distributed("cpu"))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     loss, _ = parts.step.gradients(parts.inputs(0))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a step compiled a graph"
     grads = {n: p.grad.detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
     parts.close()
     return loss, grads
@@ -30,6 +35,8 @@ def gradients(*overrides: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("overrides", [(), ("trainer.sub_batch=8",), ("trainer.sub_batch=8", "model.lock_image=true")],
                          ids=["plain", "gradcache", "gradcache-frozen-image"])
 def test_compiled_towers_give_the_eager_gradients(overrides):
+    """Also: the warm-up before the first step compiles every graph the step calls, cut captions
+    included (the digits' end before the context)."""
     eager_loss, eager = gradients(*overrides)
     compiled_loss, compiled = gradients(*overrides, "model.compile=true")
     assert eager.keys() == compiled.keys()
@@ -53,46 +60,14 @@ def test_compiled_towers_under_ddp_give_the_one_process_gradients(tmp_path):
         assert rel_error(flat, torch.cat([g.flatten() for g in single.values()])) <= 1e-4
 
 
-def test_the_towers_are_compiled_before_the_first_step_and_the_rng_is_kept():
-    """RunParts.build warms the compiled towers up (both gradient modes, the whole context and the
-    cut lengths): a GradCache step with cut captions compiles nothing more, and the warm-up leaves
-    the RNG where it found it."""
-    from megabatch.models.clip import ClipModel
-
-    states = []
-    original = ClipModel.warm_up
-
-    def recording(self, *args, **kwargs):
-        states.append(torch.get_rng_state())
-        seconds = original(self, *args, **kwargs)
-        states.append(torch.get_rng_state())
-        return seconds
-
-    counts = torch._dynamo.utils.counters
-    torch._dynamo.reset()
-    counts.clear()
-    ClipModel.warm_up, saved = recording, ClipModel.warm_up
-    try:
-        parts = RunParts.build(validate(compose(*BASE, "trainer.sub_batch=8", "model.compile=true")),
-                               init_distributed("cpu"))
-    finally:
-        ClipModel.warm_up = saved
-    assert len(states) == 2 and torch.equal(states[0], states[1])
-    compiled = counts["stats"]["unique_graphs"]
-    assert compiled >= 4  # each tower with and without autograd, and the cut text
-    lengths, text = [], parts.model._compiled["text"]
-
-    def recorded(texts):
-        lengths.append(texts.shape[1])
-        return text(texts)
-
-    parts.model._compiled["text"] = recorded
-    try:
-        parts.step.gradients(parts.inputs(0))
-    finally:
-        parts.close()
-    assert counts["stats"]["unique_graphs"] == compiled  # the step compiled nothing
-    assert min(lengths) < 16  # cut captions ran (the digits' captions end before the context)
+def test_the_warm_up_leaves_the_rng_and_the_gradients_as_it_found_them():
+    torch.manual_seed(0)
+    model = build_model(compose("model=tiny", "model.image.patch_dropout=0.5").model).train()
+    model.trim_text()
+    before = torch.get_rng_state()
+    model.warm_up(4, torch.device("cpu"), lambda: torch.autocast("cpu", enabled=False), graph_free=True)
+    assert torch.equal(torch.get_rng_state(), before)  # patch dropout drew, and the state was restored
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_a_short_batch_is_padded_to_the_compiled_size_not_recompiled():
