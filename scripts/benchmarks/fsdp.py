@@ -32,7 +32,6 @@ def one_setting(parallel: str, overrides: list[str], sub_batch: int, sub_batches
 
     from megabatch.distributed.fsdp import shard_model
     from megabatch.models import build_model
-    from megabatch.models.attention import use_direct_attention
     from megabatch.train.optim import build_optimizer
     from megabatch.train.step import TrainStep
 
@@ -42,8 +41,6 @@ def one_setting(parallel: str, overrides: list[str], sub_batch: int, sub_batches
     torch.cuda.reset_peak_memory_stats(device)
     model = build_model(cfg.model).to(device).train()
     model.trim_text(False)  # synthetic captions fill the context
-    if cfg.model.direct_attention:
-        use_direct_attention(model)
     if parallel == "fsdp":
         shard_model(model, device, bf16=True)
     optimizer, _ = build_optimizer(cfg.optim, model, parse_count(cfg.batch))

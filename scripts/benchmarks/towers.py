@@ -25,7 +25,6 @@ import time
 import torch
 
 from megabatch.bench import compose, write_results
-from megabatch.models.attention import use_direct_attention
 from megabatch.train.utilization import count_model_flops, gpu_peak
 
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -58,10 +57,9 @@ def build(model_name: str, overrides: list[str], variant: str, rows: int, device
     from megabatch.models import build_model
 
     torch.manual_seed(0)
-    model = build_model(compose(f"model={model_name}", *overrides).model).to(device).train()
+    direct = f"model.direct_attention={str('direct' in variant).lower()}"
+    model = build_model(compose(f"model={model_name}", *overrides, direct).model).to(device).train()
     model.trim_text(True)
-    if "direct" in variant:
-        use_direct_attention(model)
     if variant.endswith("bf16-weights"):
         model.to(torch.bfloat16)
     if variant.startswith("compile"):
@@ -142,9 +140,9 @@ def profile_replay(model, images: torch.Tensor, texts: torch.Tensor) -> dict:
             "top_kernels": [{"name": name[:120], "s": s} for name, s in top]}
 
 
-def gemm_ceiling(model, rows: int, device: torch.device) -> list[dict]:
+def gemm_ceiling(model, rows: int, text_length: int, device: torch.device) -> list[dict]:
     """cuBLAS bf16 TFLOP/s on each distinct Linear shape of the towers at ``rows`` sequences."""
-    tokens = {"image": rows * model.clip.visual.positional_embedding.shape[0], "text": rows * 32}
+    tokens = {"image": rows * model.clip.visual.positional_embedding.shape[0], "text": rows * text_length}
     shapes = set()
     for tower in ("image", "text"):
         for name, module in model.clip.named_modules():
@@ -175,6 +173,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/towers.py times the towers' GPU kernels and needs a CUDA GPU")
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = gpu_peak(device)
@@ -210,7 +210,8 @@ def main() -> None:
         del model
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    ceiling = gemm_ceiling(build(args.model, args.set, "eager", args.sub_batch, device), args.sub_batch, device)
+    ceiling = gemm_ceiling(build(args.model, args.set, "eager", args.sub_batch, device), args.sub_batch,
+                           args.text_length, device)
     for shape in ceiling:
         print(shape, flush=True)
     write_results(args.out, rows, gemm_ceiling=ceiling, model=args.model, sub_batch=args.sub_batch,

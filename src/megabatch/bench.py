@@ -102,7 +102,6 @@ def build_step(cfg, device: torch.device, sub_batches: int, offload=None):
 
     from .config import parse_count
     from .models import build_model
-    from .models.attention import use_direct_attention
     from .train.optim import build_optimizer
     from .train.step import TrainStep
 
@@ -110,8 +109,6 @@ def build_step(cfg, device: torch.device, sub_batches: int, offload=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).to(device)
-    if cfg.model.direct_attention:  # as RunParts.build applies it
-        use_direct_attention(model)
     optimizer, _ = build_optimizer(cfg.optim, model, parse_count(cfg.batch))
     return TrainStep(model, instantiate(cfg.loss), optimizer, device, precision=cfg.trainer.precision,
                      sub_batches=sub_batches, feature_dtype=cfg.trainer.feature_dtype,

@@ -42,7 +42,7 @@ def features_and_grads(model: ClipModel, pixels: torch.Tensor, texts: torch.Tens
 @pytest.mark.parametrize("name", list(MODELS))
 def test_direct_attention_gives_the_modules_features_and_gradients(name):
     overrides, blocks = MODELS[name]
-    module = built(overrides).train()
+    module = built([*overrides, "model.direct_attention=false"]).train()  # nn.MultiheadAttention's path
     direct = copy.deepcopy(module)
     assert use_direct_attention(direct) == blocks
     assert use_direct_attention(direct) == 0  # applied once

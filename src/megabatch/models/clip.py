@@ -409,13 +409,20 @@ def builder_node(node):
 
 
 def build_model(node) -> ClipModel:
-    """``instantiate`` the ``model`` config; a ``ConfigError`` raised while building reaches the
-    caller as itself (one line naming the key), not wrapped in Hydra's exception."""
+    """``instantiate`` the ``model`` config, its attention blocks computed directly where
+    ``model.direct_attention`` is set (``models/attention.py``: the same parameters, so a run, a
+    benchmark and an evaluation build the same model); a ``ConfigError`` raised while building
+    reaches the caller as itself (one line naming the key), not wrapped in Hydra's exception."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
+
+    from .attention import use_direct_attention
     try:
-        return instantiate(builder_node(node), _convert_="all")
+        model = instantiate(builder_node(node), _convert_="all")
     except InstantiationException as error:
         if isinstance(error.__cause__, ConfigError):
             raise error.__cause__ from None
         raise
+    if node.get("direct_attention", False):
+        use_direct_attention(model)
+    return model

@@ -24,7 +24,6 @@ from ..data.offload import Offload
 from ..distributed import DistEnv
 from ..distributed.fsdp import shard_model
 from ..models import ClipModel, build_model
-from ..models.attention import use_direct_attention
 from ..models.fp8 import convert_to_fp8
 from ..models.preprocess import describe_preprocess
 from .inputs import RunInputs, read_ahead_budget
@@ -63,8 +62,6 @@ class RunParts:
         # this its dropout would stay off until the first evaluation switched it on); frozen towers
         # stay in eval mode
         model = build_model(cfg.model).to(env.device).train()
-        if cfg.model.direct_attention:  # before the memory probe, FP8, sharding and compiling (models/attention.py)
-            use_direct_attention(model)
         tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below
         if env.rank == 0:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
