@@ -154,7 +154,10 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
               offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32",
               sync_debug: bool = False) -> dict:
     """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
-    steady-state figures are the means over the later ones. ``sync_debug``: then one untimed step
+    steady-state figures are over the later ones: ``steady_step_s`` is their wall time (from the
+    end of the first step's GPU work to the end of the last one's) over their count. Between the
+    steady steps nothing waits for the GPU but what the step itself waits for, as in a run, so a
+    step's ``step_s`` is host time: when the host could start queueing the next. ``sync_debug``: then one untimed step
     that counts the host syncs (``host_syncs``)."""
     from megabatch.train.utilization import utilization
 
@@ -171,21 +174,28 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
                 start = time.perf_counter()
                 _, phases = step.gradients(sub_batches, epoch=index // plan.steps_per_epoch)
                 step.apply()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                if device.type == "cuda" and index == 0:
+                    torch.cuda.synchronize()  # the first step's own time (start-up)
+                    steady_start = time.perf_counter()
+                # the host queues the next step while the GPU finishes this one (as a run does):
+                # a step's time is when the host could start the next, and the steady steps'
+                # wall time ends with the GPU's last kernel
                 per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
                 print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            steady_wall_s = time.perf_counter() - steady_start if steps > 1 and device.type == "cuda" else None
             syncs = host_syncs(step, sub_batches, steps // plan.steps_per_epoch) if sync_debug else None
     finally:  # also when a step raises: the loader's workers ignore stop signals, and exit would wait on them
         sub_batches.close()
         parts.close()
     later = per_step[1:] or per_step
-    step_s = sum(s["step_s"] for s in later) / len(later)
+    step_s = steady_wall_s / len(later) if steady_wall_s else sum(s["step_s"] for s in later) / len(later)
     data_s = sum(s["phases_s"]["data"] for s in later) / len(later)
     row = {"system": "megabatch", "model": model, "overrides": list(overrides), "offload": offload,
            "offload_dir": offload_dir if offload else None, "batch": batch,
            "sub_batch": plan.sub_batch, "sub_batch_setting": str(sub_batch), "workers": workers,
-           "steady_step_s": step_s, "steady_samples_s": batch / step_s,
+           "steady_step_s": step_s, "steady_samples_s": batch / step_s, "steady_wall_s": steady_wall_s,
            **utilization(parts.flops, parts.peak, batch / step_s),
            "peak_tflops": parts.peak.tflops if parts.peak else None,
            "model_gflop_per_sample": parts.flops.per_sample / 1e9, "compile_s_untimed": compile_s,

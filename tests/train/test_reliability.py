@@ -18,41 +18,67 @@ BASE = ["batch=16", "eval=none", "trainer.max_steps=2", "data.train.shuffle_buff
         "model.image.patch_dropout=0"]
 
 
-def poisoned_step(rank: int, world: int, poison_rank: int | None) -> dict:
-    """One step of the trainer's parts; ``poison_rank``'s gradient made NaN after DDP's average."""
-    parts = RunParts.build(validate(compose(*BASE)), init_distributed("cpu"))
+FUSED = {False: [], True: ["+optim.optimizer.fused=true"]}  # fused: the skip is decided on the device
+
+
+def moments(optimizer) -> dict:
+    """AdamW's state as plain tensors (step count and moments) per parameter index."""
+    return {i: {k: v.detach().clone() for k, v in state.items()}
+            for i, state in enumerate(optimizer.state[p] for group in optimizer.param_groups
+                                      for p in group["params"] if p in optimizer.state)}
+
+
+def poisoned_step(rank: int, world: int, poison_rank: int | None, fused: bool = False,
+                  good_first: bool = False) -> dict:
+    """One step of the trainer's parts (after one good step with ``good_first``); ``poison_rank``'s
+    gradient made NaN after DDP's average. ``fused``: AdamW fused, which skips on the device."""
+    parts = RunParts.build(validate(compose(*BASE, *FUSED[fused])), init_distributed("cpu"))
+    assert parts.step.skips_on_device == fused
+    inputs = parts.inputs(0)
+    if good_first:
+        parts.step.gradients(inputs)
+        assert parts.step.apply().stepped
     before = {n: p.detach().clone() for n, p in parts.model.named_parameters()}
-    state_before = len(parts.optimizer.state)
-    parts.step.gradients(parts.inputs(0))
+    state_before = moments(parts.optimizer)
+    parts.step.gradients(inputs)
     if rank == poison_rank:
         parts.model.logit_scale.grad.fill_(float("nan"))
     applied = parts.step.apply()
     changed = any(not torch.equal(before[n], p) for n, p in parts.model.named_parameters())
+    state_after = moments(parts.optimizer)
+    # a fused optimizer may create its (zero) state on a skipped first step: what counts is that
+    # no update is recorded in it
+    state_changed = any(not torch.equal(state_before.get(i, {}).get(k, torch.zeros_like(v)), v)
+                        for i, state in state_after.items() for k, v in state.items())
     return {"stepped": applied.stepped, "changed": changed, "grad_norm": applied.grad_norm,
-            "new_optimizer_state": len(parts.optimizer.state) > state_before,
+            "state_changed": state_changed,
             "grads_cleared": all(p.grad is None for p in parts.model.parameters())}
 
 
-def test_a_finite_step_steps_and_a_non_finite_one_is_skipped():
-    good = poisoned_step(0, 1, None)
-    assert good["stepped"] and good["changed"] and good["new_optimizer_state"] and good["grad_norm"] > 0
-    bad = poisoned_step(0, 1, 0)
-    assert not bad["stepped"] and not bad["changed"] and not bad["new_optimizer_state"]
-    assert bad["grads_cleared"]  # the next step starts from zero gradients
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_finite_step_steps_and_a_non_finite_one_is_skipped(fused):
+    good = poisoned_step(0, 1, None, fused)
+    assert good["stepped"] and good["changed"] and good["state_changed"] and good["grad_norm"] > 0
+    for good_first in (False, True):  # the first step, and one with moments to keep
+        bad = poisoned_step(0, 1, 0, fused, good_first)
+        assert not bad["stepped"] and not bad["changed"] and not bad["state_changed"], good_first
+        assert bad["grads_cleared"]  # the next step starts from zero gradients
 
 
-def test_a_nan_on_one_rank_skips_the_update_on_every_rank(tmp_path):
-    results = run_ranks(2, poisoned_step, 1, tmp_path=tmp_path)
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_nan_on_one_rank_skips_the_update_on_every_rank(tmp_path, fused):
+    results = run_ranks(2, poisoned_step, 1, fused, tmp_path=tmp_path)
     assert [r["stepped"] for r in results] == [False, False]
-    assert not any(r["changed"] for r in results)
+    assert not any(r["changed"] or r["state_changed"] for r in results)
 
 
-def test_a_diverging_run_stops_with_finite_checkpoints_and_strict_metrics(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_diverging_run_stops_with_finite_checkpoints_and_strict_metrics(tmp_path, fused):
     from megabatch.train import NonFiniteError, run
 
     cfg = compose("batch=32", "eval=none", "optim.lr=1e6", "trainer.max_steps=40", "trainer.log_every=1",
                   "trainer.ckpt_every=1", "trainer.keep_ckpts=null", "trainer.max_bad_steps=3",
-                  "sched.warmup_steps=0", "data.train.shuffle_buffer=64")
+                  "sched.warmup_steps=0", "data.train.shuffle_buffer=64", *FUSED[fused])
     cfg.run_dir = str(tmp_path)
     with pytest.raises(NonFiniteError, match="trainer.max_bad_steps=3"):
         run(cfg)

@@ -290,12 +290,25 @@ class Trainer:
         return self._finish(loss, numbered_just_written=bool(ckpt_every and self.step % ckpt_every == 0))
 
     def _loop(self, sub_batches, stop: int, progress) -> torch.Tensor:
-        """Steps until ``stop``; returns the last loss."""
+        """Steps until ``stop``; returns the last loss.
+
+        Whether a step's update was made (a flag on the device) is read once the next step's work
+        is queued, or where the loop needs it now (a log line, a checkpoint, a stop, the last step):
+        the host does not wait for the GPU at the end of every step (``TrainStep.apply``)."""
         cfg, plan = self.cfg, self.plan
         ckpt_every, log_every = cfg.trainer.ckpt_every or 0, cfg.trainer.log_every
         loss = torch.zeros(())
         tick, last_logged = time.perf_counter(), self.step
         phase_totals: dict[str, float] = {}
+        unread = None  # the last step's (Applied, loss, step number), its update's flag not yet read
+
+        def log_interval():
+            nonlocal tick, last_logged, phase_totals
+            elapsed, tick = time.perf_counter() - tick, time.perf_counter()
+            steps, last_logged = self.step - last_logged, self.step
+            self._log_interval(loss, lr, steps, elapsed, phase_totals, progress)
+            phase_totals = {}
+
         while self.step < stop:
             started = time.perf_counter()
             # 1. learning rate for this step (peak lr x schedule multiplier)
@@ -305,12 +318,22 @@ class Trainer:
             # 2. this rank's share of the global batch: global = world_size x sub_batches x
             #    sub_batch (1M = 2 x 1024 x 512); data, forward, global loss, backward (GradCache
             #    when sub_batches > 1); DDP averages the gradients across ranks once per step
-            loss, times = self.train_step.gradients(sub_batches, epoch=self.step // plan.steps_per_epoch)
+            next_loss, times = self.train_step.gradients(sub_batches, epoch=self.step // plan.steps_per_epoch)
+            # the last step's update, read now that this one's work is queued: too many skipped
+            # in a row stop the run before this step's update
+            if unread is not None:
+                self._count_bad_steps(*unread)
+                unread = None
+                if self.bad_in_a_row >= cfg.trainer.max_bad_steps:
+                    if last_logged < self.step:
+                        log_interval()
+                    self._stop_if_diverged()
+            loss = next_loss
             # 3. clip the true (unscaled) gradient, step, clear, clamp the temperature; a
             #    non-finite loss or gradient on any rank skips the update on every rank
             applied = self.train_step.apply()
             times["optimizer"] = applied.seconds
-            self._count_bad_steps(applied, loss)
+            unread = (applied, loss, self.step + 1)
             for phase, seconds in times.items():
                 phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds
             self.step += 1
@@ -318,27 +341,29 @@ class Trainer:
             progress.update(1)
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
             stop_reason = self.stops.reason(time.perf_counter() - started)
+            checkpoint_now = bool(ckpt_every and self.step % ckpt_every == 0)
+            if self.step % log_every == 0 or self.step == stop or stop_reason or checkpoint_now:
+                self._count_bad_steps(*unread)  # the logs and checkpoints count this step's update
+                unread = None
             if self.step % log_every == 0 or self.step == stop or stop_reason \
                     or self.bad_in_a_row >= cfg.trainer.max_bad_steps:
-                elapsed, tick = time.perf_counter() - tick, time.perf_counter()
-                steps, last_logged = self.step - last_logged, self.step
-                self._log_interval(loss, lr, steps, elapsed, phase_totals, progress)
-                phase_totals = {}
+                log_interval()
             self._stop_if_diverged()
-            if ckpt_every and self.step % ckpt_every == 0:
+            if checkpoint_now:
                 self._checkpoint(numbered=True)
             if self.step < plan.total_steps:
                 self.evaluate(final=False)  # the sets whose eval.<name>.every divides the step
             if stop_reason:
-                if not (ckpt_every and self.step % ckpt_every == 0):
+                if not checkpoint_now:
                     self._checkpoint(numbered=False)
                 log.warning("stopped after step %d (%s); last.pt written: continue with resume=latest name=%s",
                             self.step, stop_reason, self.run_dir.name)
                 raise Preempted(stop_reason, self.step, self.ckpt_dir / "last.pt")
         return loss
 
-    def _count_bad_steps(self, applied, loss) -> None:
-        """Count and log a skipped update (``_stop_if_diverged`` ends the run after too many)."""
+    def _count_bad_steps(self, applied, loss, step: int) -> None:
+        """Count and log a skipped update of step ``step`` (``_stop_if_diverged`` ends the run after
+        too many). Reads the update's flag: a host sync."""
         self.grad_norm = applied.grad_norm
         if applied.stepped:
             self.bad_in_a_row = 0
@@ -348,7 +373,7 @@ class Trainer:
         limit = self.cfg.trainer.max_bad_steps
         log.warning("step %d: non-finite loss (%.4g) or gradient norm (%.4g) on some rank: update skipped "
                     "(%d in a row, %d in all; the run stops after trainer.max_bad_steps=%d in a row)",
-                    self.step + 1, float(loss), applied.grad_norm, self.bad_in_a_row, self.skipped_steps, limit)
+                    step, float(loss), applied.grad_norm, self.bad_in_a_row, self.skipped_steps, limit)
 
     def _stop_if_diverged(self) -> None:
         limit = self.cfg.trainer.max_bad_steps

@@ -9,6 +9,11 @@ No run directory, config or logging: a test or a benchmark drives it directly.
     step = TrainStep(model, loss_fn, optimizer, torch.device("cuda"), precision="bf16", sub_batches=64)
     loss, times = step.gradients(sub_batches)   # takes 64 SubBatch of this rank's 32k / 512
     applied = step.apply()                       # skipped (applied.stepped False) if not finite
+
+With a fused optimizer (AdamW's default on CUDA) in bf16 or fp32, nothing in ``apply`` waits for
+the GPU: whether to skip is decided on the device (the optimizer's ``found_inf``, as PyTorch's
+GradScaler passes it), so the host queues the next step while the GPU finishes this one. Reading
+``applied.stepped`` or ``applied.grad_norm`` waits for it: the trainer reads them a step late.
 """
 
 from __future__ import annotations
@@ -31,13 +36,22 @@ from .precision import Precision
 
 @dataclass(frozen=True)
 class Applied:
-    """What ``TrainStep.apply`` did: its seconds, the gradient norm (before clipping; of the true,
-    unscaled gradient) and whether the update was made (``False``: skipped, a non-finite loss or
-    gradient on some rank)."""
+    """What ``TrainStep.apply`` did: its seconds (host time where it did not wait for the GPU),
+    the gradient norm (before clipping; of the true, unscaled gradient) and whether the update was
+    made (``False``: skipped, a non-finite loss or gradient on some rank). ``norm`` and ``finite``
+    may still be computing on the device: ``grad_norm`` and ``stepped`` wait for them."""
 
     seconds: float
-    grad_norm: float
-    stepped: bool
+    norm: torch.Tensor    # 0-d
+    finite: torch.Tensor  # 0-d bool
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.norm)  # host sync
+
+    @property
+    def stepped(self) -> bool:
+        return bool(self.finite)  # host sync
 
 
 class TrainStep:
@@ -109,7 +123,9 @@ class TrainStep:
     def apply(self) -> Applied:
         """Unscale (fp16) and clip the gradient, then step, unless the loss or the gradient norm is
         not finite on some rank: then every rank skips the update (fp16's scaler lowers its scale as
-        it always does). Clear the gradients; clamp the temperature."""
+        it always does). Clear the gradients; clamp the temperature. The skip is decided on the
+        device where the optimizer can take the decision from there (``skips_on_device``), else on
+        the host (one sync)."""
         start = time.perf_counter()
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -121,24 +137,45 @@ class TrainStep:
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         else:  # the norm alone, for the finiteness check and the logs; the gradients untouched
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))  # fused
-        finite = self._all_finite(self.loss, norm)
+        bad = self._any_bad(self.loss, norm)
+        if self.skips_on_device:
+            # the fused kernel leaves the weights and moments as they were, and its step count, where
+            # found_inf is 1; clamping a temperature left as it was changes nothing
+            self.optimizer.found_inf = bad
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.clamp_logit_scale()
+            return Applied(time.perf_counter() - start, norm.detach(), bad == 0)
+        finite = bool(bad.item() == 0)  # host sync: the decision to step is made on the host
         if finite or self.scaler.is_enabled():  # fp16: the scaler skips by itself and lowers its scale
             self.scaler.step(self.optimizer)
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if finite:
             self.model.clamp_logit_scale()
-        return Applied(self._lap(start), float(norm), finite)
+        return Applied(self._lap(start), norm.detach(), torch.tensor(finite))
 
-    def _all_finite(self, loss: torch.Tensor | None, norm: torch.Tensor) -> bool:
-        """Whether the loss and the gradient norm are finite on every rank (one host sync; the ranks
-        agree, so they all skip the same steps and stay replicas)."""
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether ``apply`` decides on the device: a fused optimizer (it takes ``found_inf``, as
+        ``torch.amp.GradScaler`` passes it), no fp16 scaler (its own ``found_inf`` is the
+        optimizer's there) and an unsharded model."""
+        return (getattr(self.optimizer, "_step_supports_amp_scaling", False) and not self.scaler.is_enabled()
+                and not self.sharded)
+
+    def _any_bad(self, loss: torch.Tensor | None, norm: torch.Tensor) -> torch.Tensor:
+        """1.0 where the loss or the gradient norm is not finite on some rank, else 0.0 (0-d fp32 on
+        the norm's device, no host sync; the ranks agree, so they all skip the same steps and stay
+        replicas)."""
         bad = torch.logical_not(torch.isfinite(norm)).float().reshape(1)
         if loss is not None:
-            bad = bad + torch.logical_not(torch.isfinite(loss.to(norm.device))).float()
+            bad = torch.maximum(bad, torch.logical_not(torch.isfinite(loss.to(norm.device))).float())
         if self.distributed:
-            dist.all_reduce(bad)
-        return bad.item() == 0  # host sync: the decision to step is made on the host
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bad.reshape(())
 
     def _forward_backward(self, timed: tuple[SubBatch, float]) -> tuple[torch.Tensor, dict[str, float]]:
         """One sub-batch: encode, the global loss, backward (fp16: scaled). The loss runs on fp32
