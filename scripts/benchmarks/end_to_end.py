@@ -150,15 +150,43 @@ def host_syncs(step, sub_batches, epoch: int) -> dict:
     return dict(sorted(where.items(), key=lambda item: -item[1]))
 
 
+def profile_steps(step, sub_batches, epoch: int, count: int = 3) -> dict:
+    """``count`` more steps under ``torch.profiler`` (as the timed ones run: one sync at the end):
+    the GPU's kernel time by class, its busy fraction (below 1: the GPU waited on the host), the
+    host's time to queue each step, and the host operations that took the most of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megabatch.bench import kernel_summary
+
+    torch.cuda.synchronize()
+    queued = []
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(count):
+            begun = time.perf_counter()
+            step.gradients(sub_batches, epoch=epoch)
+            step.apply()
+            queued.append(time.perf_counter() - begun)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    summary = kernel_summary(prof, wall)
+    host = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)[:12]
+    summary.update(steps=count, host_queue_s=queued,
+                   top_host_ops=[{"name": event.key[:120], "self_s": event.self_cpu_time_total / 1e6,
+                                  "calls": event.count} for event in host])
+    return summary
+
+
 def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
               offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32",
-              sync_debug: bool = False) -> dict:
+              sync_debug: bool = False, profile: bool = False) -> dict:
     """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
     steady-state figures are over the later ones: ``steady_step_s`` is their wall time (from the
     end of the first step's GPU work to the end of the last one's) over their count. Between the
     steady steps nothing waits for the GPU but what the step itself waits for, as in a run, so a
-    step's ``step_s`` is host time: when the host could start queueing the next. ``sync_debug``: then one untimed step
-    that counts the host syncs (``host_syncs``)."""
+    step's ``step_s`` is host time: when the host could start queueing the next. ``sync_debug``:
+    then one untimed step that counts the host syncs (``host_syncs``); ``profile``: then three
+    under the profiler (``profile_steps``)."""
     from megabatch.train.utilization import utilization
 
     start = time.perf_counter()  # with model.compile=true, RunParts.build compiles the towers (ClipModel.warm_up)
@@ -186,6 +214,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
                 torch.cuda.synchronize()
             steady_wall_s = time.perf_counter() - steady_start if steps > 1 and device.type == "cuda" else None
             syncs = host_syncs(step, sub_batches, steps // plan.steps_per_epoch) if sync_debug else None
+            profiled = profile_steps(step, sub_batches, steps // plan.steps_per_epoch) if profile else None
     finally:  # also when a step raises: the loader's workers ignore stop signals, and exit would wait on them
         sub_batches.close()
         parts.close()
@@ -202,7 +231,8 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
            "steady_data_wait_fraction": data_s / step_s, "steps": per_step,
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,
-           "peak_host_gb_machine_used_above_start": host.peak_used_gb, "host_syncs_one_step": syncs}
+           "peak_host_gb_machine_used_above_start": host.peak_used_gb, "host_syncs_one_step": syncs,
+           "profile": profiled}
     del step, parts
     return row
 
@@ -254,6 +284,9 @@ def main() -> None:
                         help="OpenCLIP's micro-batch (--accum-freq batch / this; default: --sub-batch, a number)")
     parser.add_argument("--sync-debug", action="store_true",
                         help="then one untimed step per row counting host syncs (torch.cuda.set_sync_debug_mode)")
+    parser.add_argument("--profile", action="store_true",
+                        help="then three untimed steps per row under torch.profiler: GPU kernel time by class, "
+                             "busy fraction, the host's time to queue a step and its costliest operations")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     sub_batches = args.sub_batch.split(",")
@@ -271,7 +304,7 @@ def main() -> None:
         for sub_batch in sub_batches:
             for variant, extra in variants or [(None, ())]:
                 row = run_steps(urls, batch, sub_batch, mode == "true", args.workers, args.device, args.steps,
-                                args.offload_dir, (*args.set, *extra), args.model, args.sync_debug)
+                                args.offload_dir, (*args.set, *extra), args.model, args.sync_debug, args.profile)
                 row["variant"] = variant
                 print(json.dumps(row), flush=True)
                 results.append(row)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from megabatch.bench import compose, write_results
+from megabatch.bench import compose, kernel_summary, write_results
 from megabatch.train.utilization import count_model_flops, gpu_peak
 
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -94,20 +94,6 @@ def tower_times(model, images: torch.Tensor, texts: torch.Tensor, repeats: int, 
     return out
 
 
-KERNEL_CLASSES = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
-                  ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "xmma", "matmul", "_mm_", "cublas")),
-                  ("triton (fused elementwise / norms)", ("triton",)),
-                  ("copies / casts", ("copy", "cast", "memcpy", "memset", "fill")))
-
-
-def kernel_class(name: str) -> str:
-    lowered = name.lower()
-    for label, keys in KERNEL_CLASSES:
-        if any(key in lowered for key in keys):
-            return label
-    return "other"
-
-
 def profile_replay(model, images: torch.Tensor, texts: torch.Tensor) -> dict:
     """One replay of both towers under the profiler: GPU time per kernel class, the top kernels, and
     the busy fraction (kernel time over the wall time of the profiled region)."""
@@ -125,19 +111,8 @@ def profile_replay(model, images: torch.Tensor, texts: torch.Tensor) -> dict:
         replay()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total / 1e6
-    classes: dict[str, float] = {}
-    for name, seconds in kernels.items():
-        classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + seconds
-    busy = sum(kernels.values())
-    top = sorted(kernels.items(), key=lambda item: -item[1])[:15]
     model.zero_grad(set_to_none=True)
-    return {"wall_s": wall, "kernel_s": busy, "busy_fraction": busy / wall,
-            "classes_s": dict(sorted(classes.items(), key=lambda item: -item[1])),
-            "top_kernels": [{"name": name[:120], "s": s} for name, s in top]}
+    return kernel_summary(prof, wall)
 
 
 def gemm_ceiling(model, rows: int, text_length: int, device: torch.device) -> list[dict]:

@@ -168,6 +168,39 @@ def openclip_training(batches: Iterator, batch: int, sub_batch: int, steps: int,
     return result
 
 
+KERNEL_CLASSES = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+                  ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "xmma", "matmul", "_mm_", "cublas")),
+                  ("triton (fused elementwise / norms)", ("triton",)),
+                  ("copies / casts", ("copy", "cast", "memcpy", "memset", "fill")))
+
+
+def kernel_class(name: str) -> str:
+    """A GPU kernel's class by its name (``KERNEL_CLASSES``; ``other`` if none)."""
+    lowered = name.lower()
+    for label, keys in KERNEL_CLASSES:
+        if any(key in lowered for key in keys):
+            return label
+    return "other"
+
+
+def kernel_summary(prof, wall_s: float, top: int = 15) -> dict:
+    """What a ``torch.profiler.profile`` of a region of ``wall_s`` seconds ran on the GPU: kernel
+    seconds per class and the ``top`` kernels, and the busy fraction (kernel time over wall time;
+    overlapping streams can take it past 1)."""
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total / 1e6
+    classes: dict[str, float] = {}
+    for name, seconds in kernels.items():
+        classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + seconds
+    busy = sum(kernels.values())
+    ranked = sorted(kernels.items(), key=lambda item: -item[1])[:top]
+    return {"wall_s": wall_s, "kernel_s": busy, "busy_fraction": busy / wall_s,
+            "classes_s": dict(sorted(classes.items(), key=lambda item: -item[1])),
+            "top_kernels": [{"name": name[:120], "s": s} for name, s in ranked]}
+
+
 def _git(*args: str) -> str | None:
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
