@@ -23,7 +23,7 @@ from ..config import ConfigError
 from ..images import normalize_images
 from .preprocess import build_tokenizer, resolve_preprocess
 from .pretrained import load_weights, resolve_pretrained
-from .text_length import TextChunks, TextTrim, encode_text_prefix, text_trim, why_untrimmed
+from .text_length import TextTrim, encode_text_prefix, text_trim, why_untrimmed
 
 log = logging.getLogger(__name__)
 
@@ -145,28 +145,21 @@ class ClipModel(nn.Module):
         with torch.no_grad() if self.frozen(tower) else contextlib.nullcontext():
             return self._compiled[tower](inputs)
 
-    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | TextChunks | None, before_text=None):
+    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None, before_text=None):
         """Either input may be ``None`` (its features are then ``None``): GradCache's replay
         skips a frozen tower. A frozen tower always runs without autograd. After
         ``compile_towers`` the towers run compiled (evaluation's ``encode_*`` calls stay eager).
-        ``texts``: token ids, or captions grouped in chunks by length (``TextChunks``: each chunk
-        encoded at its own length, the features back in the captions' order). ``before_text``:
-        called between the towers (GradCache's replay restores the RNG state its text chunk was
-        first encoded with: the towers' inputs are grouped differently)."""
+        ``before_text``: called between the towers (GradCache's replay restores the RNG state its
+        text chunk was first encoded with: the towers' inputs are grouped differently)."""
         image_features = None if images is None else self._encode("image", images)
         if before_text is not None:
             before_text()
-        if isinstance(texts, TextChunks):
-            chunks = [self._encode("text", chunk) for chunk in texts.chunks]
-            text_features = torch.cat(chunks).index_select(0, texts.rows)
-        else:
-            text_features = None if texts is None else self._encode("text", texts)
+        text_features = None if texts is None else self._encode("text", texts)
         return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias
 
-    def compile_towers(self, rows: int, text_rows: int | None = None) -> None:
+    def compile_towers(self, rows: int) -> None:
         """``model.compile=true``: ``torch.compile`` each tower's encoder (normalisation of the
-        images and of the features included), static shapes for ``rows`` inputs (the text tower's
-        for ``text_rows``, default ``rows``: a one-pass step's caption chunks). A call with fewer
+        images and of the features included), static shapes for ``rows`` inputs. A call with fewer
         rows (a short last sub-batch) is padded to ``rows`` and its output cut, a call with more
         goes through in chunks of ``rows``: neither recompiles. Gradient mode is part of what a
         compiled graph assumes, so GradCache's graph-free encoding, the replay and a frozen tower's
@@ -182,8 +175,7 @@ class ClipModel(nn.Module):
         setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 16))  # 3 gradient modes x lengths
         compiled = {"image": torch.compile(self._image_features, dynamic=False),
                     "text": torch.compile(self._text_features, dynamic=None if self.text_trim else False)}
-        self._compiled = {"image": _FixedRows(compiled["image"], rows),
-                          "text": _FixedRows(compiled["text"], text_rows or rows)}
+        self._compiled = {tower: _FixedRows(fn, rows) for tower, fn in compiled.items()}
 
     def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool) -> float:
         """After ``compile_towers``: compile now every graph training will call, so that no step
@@ -192,15 +184,13 @@ class ClipModel(nn.Module):
         and, with ``graph_free`` (GradCache), once without (phase 1); the text tower at its whole
         context and, where captions are cut, at every length they can be cut to. The second length
         makes the length dynamic, but that graph's guards may hold for a range of lengths only (on
-        an H100, 2 to 39 of 77: a caption chunk of 56 tokens then compiled for 28 s mid-run), and
-        a new length can still build a kernel or an attention plan; each length once here leaves
-        none of these to a step. ``autocast``: a callable giving the
+        an H100, 2 to 39 of 77: a cut of 56 tokens then compiled for 28 s mid-run), and a new
+        length can still build a kernel or an attention plan; each length once here leaves none of
+        these to a step. ``autocast``: a callable giving the
         step's autocast context. The RNG states are restored and the gradients cleared: training
         draws and computes what it would have without. Returns seconds."""
         start = time.perf_counter()
         images, texts = self.example_inputs(rows, device)
-        if self._compiled is not None:
-            texts = texts[:self._compiled["text"].rows]  # the compiled text rows (a one-pass step's chunks)
         context = texts.shape[1]
         lengths = [context]
         if self.text_trim is not None:

@@ -16,18 +16,12 @@ changes no feature (beyond the kernels' rounding) and saves most of the text tow
 ``TextTrim`` finds a caption's length from its token ids (the position after its last non-padding
 token: a tokenizer that pads on the left leaves nothing to cut) and rounds lengths up to multiples
 of ``step`` tokens, so a compiled tower sees a few shapes, not one per length.
-
-A batch's longest caption is nearly always near the context, so cutting a whole batch to it saves
-little. GradCache groups a rank's captions by length across its sub-batches (``train/gradcache.py``);
-a one-pass step groups its own in ``ONE_PASS_CHUNKS`` chunks of like length (``TextTrim.chunk``):
-with web captions, most chunks are a fraction of the context.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from open_clip.hf_model import HFTextEncoder
@@ -35,22 +29,6 @@ from open_clip.model import CLIP
 from open_clip.transformer import TextTransformer, text_global_pool
 
 POOLS_BEFORE_PADDING = ("argmax", "eos", "first")  # pooled at a token before the padding
-ONE_PASS_CHUNKS = 4  # a one-pass step encodes its captions in this many chunks of like length...
-MIN_CHUNK_ROWS = 8   # ...of at least this many rows (fewer rows: one chunk)
-
-
-def one_pass_chunk_rows(rows: int) -> int:
-    """The rows of each caption chunk of a one-pass step of ``rows`` rows (``rows``: one chunk)."""
-    return math.ceil(rows / ONE_PASS_CHUNKS) if rows >= ONE_PASS_CHUNKS * MIN_CHUNK_ROWS else rows
-
-
-class TextChunks(NamedTuple):
-    """One forward's captions grouped by length (``TextTrim.chunk``): ``chunks``, token ids on the
-    device, shortest captions first, each chunk cut to its longest caption's bucket; ``rows [b]``
-    (on the device): where each caption's feature lies in the chunks' features, concatenated."""
-
-    chunks: list[torch.Tensor]
-    rows: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -77,26 +55,6 @@ class TextTrim:
         """``texts`` cut to their longest caption's bucket (contiguous; on the host: no sync)."""
         longest = int(self.lengths(texts).max()) if len(texts) else 0
         return texts[:, :self.bucket(longest)].contiguous()
-
-    def chunk(self, texts: torch.Tensor, chunk_rows: int, device: torch.device) -> TextChunks:
-        """``texts [b, ctx]`` (on the host) sorted by length, in chunks of ``chunk_rows`` rows, each
-        cut to its longest caption's bucket, and copied to ``device``: measured and cut on the host,
-        copied from page-locked memory on CUDA, so nothing waits for the GPU."""
-        lengths = self.lengths(texts)
-        order = torch.argsort(lengths, stable=True)
-        chunks = [_to(texts[rows, :self.bucket(int(lengths[rows].max()))].contiguous(), device)
-                  for rows in order.split(chunk_rows)]
-        where = torch.empty_like(order)
-        where[order] = torch.arange(len(order))
-        return TextChunks(chunks, _to(where, device))
-
-
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` (host) on ``device`` without waiting for the queued kernels (page-locked first on
-    CUDA: a copy from pageable memory waits for them)."""
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
 
 
 def text_trim(clip: torch.nn.Module, model_cfg: dict, step: int = 8) -> TextTrim | None:

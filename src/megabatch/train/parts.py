@@ -26,7 +26,6 @@ from ..distributed.fsdp import shard_model
 from ..models import ClipModel, build_model
 from ..models.fp8 import convert_to_fp8
 from ..models.preprocess import describe_preprocess
-from ..models.text_length import one_pass_chunk_rows
 from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import MemoryFit, batch_bytes, plan_sub_batch, probe_peak_memory
 from .optim import build_optimizer
@@ -103,8 +102,7 @@ class RunParts:
         if untrimmed and env.rank == 0:
             log.info("captions are encoded at their full context: %s", untrimmed)
         if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
-            one_pass_chunks = plan.sub_batches == 1 and model.text_trim is not None  # TrainStep's caption chunks
-            model.compile_towers(plan.sub_batch, one_pass_chunk_rows(plan.sub_batch) if one_pass_chunks else None)
+            model.compile_towers(plan.sub_batch)
             if env.rank == 0:
                 log.info("model.compile: compiling the towers now (a minute or a few on a GPU)")
             seconds = model.warm_up(plan.sub_batch, env.device, precision.autocast, graph_free=plan.sub_batches > 1)

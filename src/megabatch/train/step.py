@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 from ..data.offload import Offload
 from ..data.samples import SubBatch
 from ..distributed.fsdp import full, is_sharded, no_gradient_sync, reduce_replicated
-from ..models.text_length import one_pass_chunk_rows
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay
 from .precision import Precision
 
@@ -67,8 +66,7 @@ class TrainStep:
     ``grad_clip``: max norm of the true gradient, or ``None``; ``offload``: keeps
     the image bytes and re-decodes them for the replay (``None``: inputs stay on the device);
     ``keep_graph``: GradCache's last sub-batch keeps its phase-1 graph instead of being encoded
-    again. Captions are cut to their length where ``model.text_trim`` is set (``trim_text``); a
-    one-pass step encodes them in chunks of like length (``TextTrim.chunk``).
+    again. Captions are cut to their length where ``model.text_trim`` is set (``trim_text``).
     ``fsdp_reduce`` (a sharded model): ``sub_batch`` reduce-scatters each replayed sub-batch's
     gradients (sharded gradients accumulate: least memory), ``step`` once per step (unsharded
     gradients accumulate until the last sub-batch: fewer collectives, a whole model's gradients held).
@@ -188,11 +186,11 @@ class TrainStep:
             # (its test holds the spill file to one step's bytes)
             self.keep.offload.keep(sub.raw)
         images = sub.images.to(self.device, non_blocking=True)
-        trim = self.keep.text_trim  # grouped and cut on the host, where the token ids are: no sync
-        if trim is None:
-            texts = sub.texts.to(self.device, non_blocking=True)  # page-locked by the loader on CUDA
-        else:
-            texts = trim.chunk(sub.texts, one_pass_chunk_rows(len(sub.texts)), self.device)
+        trim = self.keep.text_trim  # cut on the host, where the token ids are: no sync
+        texts = sub.texts if trim is None else trim.cut(sub.texts)
+        if self.device.type == "cuda" and not texts.is_pinned():
+            texts = texts.pin_memory()  # a copy from pageable memory would wait for the queued kernels
+        texts = texts.to(self.device, non_blocking=True)
         start = time.perf_counter()
         with self.precision.autocast():
             image_features, text_features, scale, bias = self.wrapped(images, texts)
