@@ -12,7 +12,8 @@ Variants: ``eager``, ``compile`` (``model.compile=true`` as the trainer compiles
 ``compile-sdpa-<flash|cudnn|efficient|math>`` (one attention kernel forced), ``compile-bf16-weights``
 (weights held in bf16: what casting them once per step instead of once per call could save at most),
 a ``direct`` anywhere in the name: ``model.direct_attention=true`` (``compile-direct``,
-``compile-direct-max-autotune``).
+``compile-direct-max-autotune``), a ``patch`` anywhere: ``model.patch_gemm=true``
+(``compile-direct-patch``); without them both are off.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def build(model_name: str, overrides: list[str], variant: str, rows: int, device
 
     torch.manual_seed(0)
     direct = f"model.direct_attention={str('direct' in variant).lower()}"
-    model = build_model(compose(f"model={model_name}", *overrides, direct).model).to(device).train()
+    patch = f"model.patch_gemm={str('patch' in variant).lower()}"
+    model = build_model(compose(f"model={model_name}", *overrides, direct, patch).model).to(device).train()
     model.trim_text(True)
     if variant.endswith("bf16-weights"):
         model.to(torch.bfloat16)

@@ -287,13 +287,20 @@ def test_a_spilled_sub_batch_reads_back_whole_or_says_the_file_is_short(tmp_path
 @pytest.mark.parametrize("loss", ["vanilla", "infcl"])
 def test_every_exact_option_on_gives_the_gradients_of_all_off(loss, monkeypatch):
     """Captions cut and grouped by length, the last sub-batch's graph kept, attention on views
-    (``model.direct_attention``): the gradients of the plain path (and of the one-pass step) within
-    fp32 rounding, and trimming and the direct attention really took place."""
+    (``model.direct_attention``), the patch embedding as a GEMM (``model.patch_gemm``): the
+    gradients of the plain path (and of the one-pass step) within fp32 rounding, and trimming, the
+    direct attention and the patch GEMM really took place."""
     from megabatch.models.attention import DirectAttentionBlock
     from megabatch.models.clip import ClipModel
+    from megabatch.models.patches import PatchGemm
 
-    lengths, direct = [], []
+    lengths, direct, patches = [], [], []
     original, original_attention = ClipModel._text_features, DirectAttentionBlock.attention
+    original_patches = PatchGemm.forward
+
+    def patched(self, x):
+        patches.append(1)
+        return original_patches(self, x)
 
     def recording(self, texts):
         lengths.append(texts.shape[1])
@@ -305,14 +312,16 @@ def test_every_exact_option_on_gives_the_gradients_of_all_off(loss, monkeypatch)
 
     monkeypatch.setattr(ClipModel, "_text_features", recording)
     monkeypatch.setattr(DirectAttentionBlock, "attention", counted)
+    monkeypatch.setattr(PatchGemm, "forward", patched)
     extra = [f"loss={loss}", "model.image.patch_dropout=0"] + (["loss.tile=8"] if loss == "infcl" else [])
-    off = ["model.trim_text=false", "trainer.keep_graph=false", "model.direct_attention=false"]
+    off = ["model.trim_text=false", "trainer.keep_graph=false", "model.direct_attention=false",
+           "model.patch_gemm=false"]
     full = step_gradients(0, 1, extra + off)
     plain = step_gradients(0, 1, extra + off + [f"trainer.sub_batch={BATCH // 4}"])
-    assert set(lengths) == {16} and not direct  # the tiny model's whole context, nn.MultiheadAttention
+    assert set(lengths) == {16} and not direct and not patches  # whole context, nn.MultiheadAttention, conv
     lengths.clear()
     exact = step_gradients(0, 1, extra + [f"trainer.sub_batch={BATCH // 4}"])
-    assert direct
+    assert direct and patches
     assert lengths[0] == 16  # the FLOP count at start-up: model FLOPs of the whole context
     assert min(lengths[1:]) < 16  # the digits' captions are shorter than the context
     assert len(lengths) == 1 + 4 + 3  # 4 chunks in phase 1, 3 replayed: the last kept its graph

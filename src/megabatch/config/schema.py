@@ -395,7 +395,7 @@ def check_model(model: DictConfig) -> None:
     """What can be checked of the model before it is built: the sizes a built-in shape gives.
     The towers' own fields are open_clip's, checked by the builders with errors naming
     ``model.image`` / ``model.text``; an open_clip architecture's sizes are its own."""
-    for key in ("compile", "trim_text", "direct_attention", "fp8"):
+    for key in ("compile", "trim_text", "direct_attention", "patch_gemm", "fp8"):
         if not isinstance(model.get(key, False), bool):
             raise ConfigError(f"model.{key}={model[key]!r}: give true or false")
     size = model.image.get("image_size", 224)

@@ -396,13 +396,13 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
 
 
 # model.* keys the run applies to a built model, not builder arguments
-RUN_SETTINGS = ("compile", "trim_text", "direct_attention", "fp8")
+RUN_SETTINGS = ("compile", "trim_text", "direct_attention", "patch_gemm", "fp8")
 
 
 def builder_node(node):
     """The ``model`` config less its run settings (``compile``: ``ClipModel.compile_towers``;
-    ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``: ``models/attention.py``; ``fp8``:
-    ``models/fp8.py``)."""
+    ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``: ``models/attention.py``;
+    ``patch_gemm``: ``models/patches.py``; ``fp8``: ``models/fp8.py``)."""
     from omegaconf import OmegaConf
 
     if not any(key in node for key in RUN_SETTINGS):
@@ -412,13 +412,15 @@ def builder_node(node):
 
 def build_model(node) -> ClipModel:
     """``instantiate`` the ``model`` config, its attention blocks computed directly where
-    ``model.direct_attention`` is set (``models/attention.py``: the same parameters, so a run, a
-    benchmark and an evaluation build the same model); a ``ConfigError`` raised while building
+    ``model.direct_attention`` is set (``models/attention.py``) and its patch embedding as a GEMM
+    where ``model.patch_gemm`` is (``models/patches.py``): the same parameters, so a run, a
+    benchmark and an evaluation build the same model; a ``ConfigError`` raised while building
     reaches the caller as itself (one line naming the key), not wrapped in Hydra's exception."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     from .attention import use_direct_attention
+    from .patches import use_patch_gemm
     try:
         model = instantiate(builder_node(node), _convert_="all")
     except InstantiationException as error:
@@ -427,4 +429,6 @@ def build_model(node) -> ClipModel:
         raise
     if node.get("direct_attention", False):
         use_direct_attention(model)
+    if node.get("patch_gemm", False):
+        use_patch_gemm(model)
     return model
