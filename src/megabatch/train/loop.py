@@ -301,12 +301,13 @@ class Trainer:
         tick, last_logged = time.perf_counter(), self.step
         phase_totals: dict[str, float] = {}
         unread = None  # the last step's (Applied, loss, step number), its update's flag not yet read
+        applied_lr = 0.0  # the learning rate of the last applied step
 
         def log_interval():
             nonlocal tick, last_logged, phase_totals
             elapsed, tick = time.perf_counter() - tick, time.perf_counter()
             steps, last_logged = self.step - last_logged, self.step
-            self._log_interval(loss, lr, steps, elapsed, phase_totals, progress)
+            self._log_interval(loss, applied_lr, steps, elapsed, phase_totals, progress)
             phase_totals = {}
 
         while self.step < stop:
@@ -333,7 +334,7 @@ class Trainer:
             #    non-finite loss or gradient on any rank skips the update on every rank
             applied = self.train_step.apply()
             times["optimizer"] = applied.seconds
-            unread = (applied, loss, self.step + 1)
+            unread, applied_lr = (applied, loss, self.step + 1), lr
             for phase, seconds in times.items():
                 phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds
             self.step += 1
