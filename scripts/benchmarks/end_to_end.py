@@ -156,18 +156,19 @@ def profile_steps(step, sub_batches, epoch: int, count: int = 3) -> dict:
     host's time to queue each step, and the host operations that took the most of it."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megabatch.bench import kernel_summary
+    from megabatch.bench import kernel_summary, sync
 
-    torch.cuda.synchronize()
+    sync(step.device)
     queued = []
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if step.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(count):
             begun = time.perf_counter()
             step.gradients(sub_batches, epoch=epoch)
             step.apply()
             queued.append(time.perf_counter() - begun)
-        torch.cuda.synchronize()
+        sync(step.device)
         wall = time.perf_counter() - start
     summary = kernel_summary(prof, wall)
     host = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)[:12]
