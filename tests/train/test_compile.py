@@ -102,3 +102,55 @@ def test_sub_batch_auto_on_the_cpu_is_the_whole_per_rank_batch():
     parts = RunParts.build(validate(compose(*BASE, "trainer.sub_batch=auto")), init_distributed("cpu"))
     assert parts.plan.sub_batch == parts.plan.rank_batch == 32
     parts.close()
+
+
+def test_cuda_graphs_need_the_compiled_towers_and_no_kept_graph():
+    from megabatch.config import ConfigError
+
+    with pytest.raises(ConfigError, match="set model.compile=true"):
+        validate(compose("model.cuda_graphs=true"))
+    with pytest.raises(ConfigError, match="model.cuda_graphs='yes': give true or false"):
+        validate(compose("model.compile=true", "model.cuda_graphs=yes"))
+    with pytest.raises(ConfigError, match="trainer.keep_graph=false"):  # GradCache keeps phase 1's last graph
+        RunParts.build(validate(compose(*BASE, "trainer.sub_batch=8", "model.compile=true", "model.cuda_graphs=true")),
+                       init_distributed("cpu"))
+
+
+def test_cuda_graphs_compile_the_towers_in_reduce_overhead_mode(monkeypatch):
+    modes = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: modes.append(options.get("mode")) or real(fn, **options))
+    model = build_model(compose("model=tiny").model)
+    model.compile_towers(rows=4)
+    model.compile_towers(rows=4, cuda_graphs=True)
+    assert modes == [None, None, "reduce-overhead", "reduce-overhead"]
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    with torch.no_grad():
+        model(torch.randint(0, 255, (4, 3, 32, 32), dtype=torch.uint8), torch.randint(1, 400, (4, 16)))
+    assert marks == [1]  # each model call starts a new generation of the graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("overrides", [(), ("trainer.sub_batch=8", "trainer.keep_graph=false")],
+                         ids=["plain", "gradcache"])
+def test_towers_replayed_as_cuda_graphs_give_the_compiled_gradients(overrides):
+    """Two steps each way: the second replays the graphs the first recorded."""
+    def two_steps(*more):
+        parts = RunParts.build(validate(compose(*BASE, "trainer.device=cuda", "model.compile=true", *overrides, *more)),
+                               init_distributed("cuda"))
+        results = []
+        for step in range(2):
+            loss, _ = parts.step.gradients(parts.inputs(0))
+            results.append((loss.float().cpu(), {n: p.grad.float().cpu() for n, p in parts.model.named_parameters()
+                                                 if p.grad is not None}))
+            parts.step.optimizer.zero_grad(set_to_none=True)
+        parts.close()
+        return results
+
+    for (loss, grads), (graph_loss, graph_grads) in zip(two_steps(), two_steps("model.cuda_graphs=true"), strict=True):
+        assert torch.allclose(graph_loss, loss, rtol=1e-5)
+        assert graph_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            assert rel_error(graph_grads[name], grad) <= 1e-3, name

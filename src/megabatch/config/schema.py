@@ -395,9 +395,12 @@ def check_model(model: DictConfig) -> None:
     """What can be checked of the model before it is built: the sizes a built-in shape gives.
     The towers' own fields are open_clip's, checked by the builders with errors naming
     ``model.image`` / ``model.text``; an open_clip architecture's sizes are its own."""
-    for key in ("compile", "trim_text", "direct_attention", "patch_gemm", "fp8"):
+    for key in ("compile", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fp8"):
         if not isinstance(model.get(key, False), bool):
             raise ConfigError(f"model.{key}={model[key]!r}: give true or false")
+    if model.get("cuda_graphs", False) and not model.get("compile", False):
+        raise ConfigError("model.cuda_graphs=true replays the compiled towers as CUDA graphs: set model.compile=true "
+                          "too (or model.cuda_graphs=false)")
     size = model.image.get("image_size", 224)
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise ConfigError(f"model.image.image_size={size!r} must be a positive number of pixels, e.g. 224")

@@ -48,6 +48,7 @@ class ClipModel(nn.Module):
         self.arch = arch                          # the open_clip architecture name, if built from one
         self.tokenizer_folder = tokenizer_folder  # a pretrained folder holding the HF tokenizer
         self._compiled: dict | None = None        # compile_towers(): the compiled encoders, and their batch
+        self._cuda_graphs = False                 # compile_towers(cuda_graphs=True): replayed as CUDA graphs
         self.text_trim: TextTrim | None = None    # trim_text(): how captions are cut to their length
 
     @property
@@ -151,13 +152,15 @@ class ClipModel(nn.Module):
         ``compile_towers`` the towers run compiled (evaluation's ``encode_*`` calls stay eager).
         ``before_text``: called between the towers (GradCache's replay restores the RNG state its
         text chunk was first encoded with: the towers' inputs are grouped differently)."""
+        if self._cuda_graphs and self._compiled is not None:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs are consumed
         image_features = None if images is None else self._encode("image", images)
         if before_text is not None:
             before_text()
         text_features = None if texts is None else self._encode("text", texts)
         return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias
 
-    def compile_towers(self, rows: int) -> None:
+    def compile_towers(self, rows: int, cuda_graphs: bool = False) -> None:
         """``model.compile=true``: ``torch.compile`` each tower's encoder (normalisation of the
         images and of the features included), static shapes for ``rows`` inputs. A call with fewer
         rows (a short last sub-batch) is padded to ``rows`` and its output cut, a call with more
@@ -166,16 +169,25 @@ class ClipModel(nn.Module):
         no-grad pass each compile once. Random ops (dropout, patch dropout) draw from torch's
         generator as in eager mode (inductor's ``fallback_random``), so the replay redraws them.
         Captions cut to their length (``trim_text``) make the text tower's length dynamic after its
-        second length: one more graph per gradient mode, not one per length."""
+        second length: one more graph per gradient mode, not one per length.
+
+        ``cuda_graphs`` (``model.cuda_graphs``): inductor's ``reduce-overhead`` mode, each compiled
+        graph recorded once as a CUDA graph (per shape and gradient mode) and replayed as one launch
+        instead of its kernels one by one. Each ``forward`` call then starts a new generation of
+        those graphs (``torch.compiler.cudagraph_mark_step_begin``): its outputs may overwrite the
+        previous call's, which every caller has consumed by then (features copied, backward run),
+        except GradCache's kept graph (``trainer.keep_graph``, refused with it)."""
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
         inductor_config.fallback_random = True
         limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
         setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 16))  # 3 gradient modes x lengths
-        compiled = {"image": torch.compile(self._image_features, dynamic=False),
-                    "text": torch.compile(self._text_features, dynamic=None if self.text_trim else False)}
+        mode = "reduce-overhead" if cuda_graphs else None
+        compiled = {"image": torch.compile(self._image_features, dynamic=False, mode=mode),
+                    "text": torch.compile(self._text_features, dynamic=None if self.text_trim else False, mode=mode)}
         self._compiled = {tower: _FixedRows(fn, rows) for tower, fn in compiled.items()}
+        self._cuda_graphs = cuda_graphs
 
     def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool) -> float:
         """After ``compile_towers``: compile now every graph training will call, so that no step
@@ -396,11 +408,11 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
 
 
 # model.* keys the run applies to a built model, not builder arguments
-RUN_SETTINGS = ("compile", "trim_text", "direct_attention", "patch_gemm", "fp8")
+RUN_SETTINGS = ("compile", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fp8")
 
 
 def builder_node(node):
-    """The ``model`` config less its run settings (``compile``: ``ClipModel.compile_towers``;
+    """The ``model`` config less its run settings (``compile``, ``cuda_graphs``: ``ClipModel.compile_towers``;
     ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``: ``models/attention.py``;
     ``patch_gemm``: ``models/patches.py``; ``fp8``: ``models/fp8.py``)."""
     from omegaconf import OmegaConf

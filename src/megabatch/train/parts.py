@@ -101,8 +101,12 @@ class RunParts:
         untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
         if untrimmed and env.rank == 0:
             log.info("captions are encoded at their full context: %s", untrimmed)
+        if cfg.model.cuda_graphs and plan.sub_batches > 1 and cfg.trainer.keep_graph:
+            raise ConfigError("model.cuda_graphs=true: each model call's CUDA graphs reuse the memory of the call "
+                              "before, so GradCache's kept phase-1 graph cannot live until its replay; set "
+                              "trainer.keep_graph=false (one more forward per step) or model.cuda_graphs=false")
         if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
-            model.compile_towers(plan.sub_batch)
+            model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs)
             if env.rank == 0:
                 log.info("model.compile: compiling the towers now (a minute or a few on a GPU)")
             seconds = model.warm_up(plan.sub_batch, env.device, precision.autocast, graph_free=plan.sub_batches > 1)
