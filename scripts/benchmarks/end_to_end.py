@@ -180,10 +180,11 @@ def profile_steps(step, sub_batches, epoch: int, count: int = 3) -> dict:
 
 def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
               offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32",
-              sync_debug: bool = False, profile: bool = False) -> dict:
-    """``steps`` optimizer steps; the first pays start-up (compilation, worker forks), so the
-    steady-state figures are over the later ones: ``steady_step_s`` is their wall time (from the
-    end of the first step's GPU work to the end of the last one's) over their count. Between the
+              sync_debug: bool = False, profile: bool = False, warmup_steps: int = 1) -> dict:
+    """``steps`` optimizer steps; the first ``warmup_steps`` pay start-up (compilation, worker
+    forks, CUDA graphs recorded), so the steady-state figures are over the later ones:
+    ``steady_step_s`` is their wall time (from the end of the last warm-up step's GPU work to the
+    end of the last one's) over their count. Between the
     steady steps nothing waits for the GPU but what the step itself waits for, as in a run, so a
     step's ``step_s`` is host time: when the host could start queueing the next. ``sync_debug``:
     then one untimed step that counts the host syncs (``host_syncs``); ``profile``: then three
@@ -203,8 +204,8 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
                 start = time.perf_counter()
                 _, phases = step.gradients(sub_batches, epoch=index // plan.steps_per_epoch)
                 step.apply()
-                if device.type == "cuda" and index == 0:
-                    torch.cuda.synchronize()  # the first step's own time (start-up)
+                if device.type == "cuda" and index == min(warmup_steps, steps - 1) - 1:
+                    torch.cuda.synchronize()  # the warm-up steps' own time (start-up)
                     steady_start = time.perf_counter()
                 # the host queues the next step while the GPU finishes this one (as a run does):
                 # a step's time is when the host could start the next, and the steady steps'
@@ -213,13 +214,14 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
                 print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            steady_wall_s = time.perf_counter() - steady_start if steps > 1 and device.type == "cuda" else None
+            steady_wall_s = time.perf_counter() - steady_start if steps > warmup_steps and device.type == "cuda" \
+                else None
             syncs = host_syncs(step, sub_batches, steps // plan.steps_per_epoch) if sync_debug else None
             profiled = profile_steps(step, sub_batches, steps // plan.steps_per_epoch) if profile else None
     finally:  # also when a step raises: the loader's workers ignore stop signals, and exit would wait on them
         sub_batches.close()
         parts.close()
-    later = per_step[1:] or per_step
+    later = per_step[warmup_steps:] or per_step
     step_s = steady_wall_s / len(later) if steady_wall_s else sum(s["step_s"] for s in later) / len(later)
     data_s = sum(s["phases_s"]["data"] for s in later) / len(later)
     row = {"system": "megabatch", "model": model, "overrides": list(overrides), "offload": offload,
@@ -231,6 +233,9 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
            "model_gflop_per_sample": parts.flops.per_sample / 1e9, "compile_s_untimed": compile_s,
            "steady_data_wait_fraction": data_s / step_s, "steps": per_step,
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
+           # reserved: also the CUDA graphs' private pools (model.cuda_graphs), recorded before the reset
+           "gpu_reserved_gb": torch.cuda.memory_reserved() / 1e9 if device.type == "cuda" else None,
+           "warmup_steps": warmup_steps,
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,
            "peak_host_gb_machine_used_above_start": host.peak_used_gb, "host_syncs_one_step": syncs,
            "profile": profiled}
@@ -242,7 +247,8 @@ OPENCLIP_ARCHS = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-
 
 
 def openclip_on_our_loader(urls: list[str], batch: int, sub_batch: int, workers: int, steps: int,
-                           overrides: tuple[str, ...], model: str = "vit_b32", arch: str | None = None) -> dict:
+                           overrides: tuple[str, ...], model: str = "vit_b32", arch: str | None = None,
+                           warmup_steps: int = 1) -> dict:
     """OpenCLIP 3.3's training loop with its best flags, fed by our loader (the same shards, workers
     and ``--set`` data options; images normalised on the GPU as our model does), training ``arch``
     (default: the open_clip architecture of our ``model``)."""
@@ -255,7 +261,8 @@ def openclip_on_our_loader(urls: list[str], batch: int, sub_batch: int, workers:
     sub_batches = parts.inputs(0)
     stream = ((normalize_images(sub.images.to(device, non_blocking=True), mean, std),
                sub.texts.to(device, non_blocking=True)) for sub in sub_batches)
-    row = openclip_training(stream, batch, sub_batch, steps - 1, device, warmup=1, torchcompile=True, arch=arch)
+    row = openclip_training(stream, batch, sub_batch, max(1, steps - warmup_steps), device, warmup=warmup_steps,
+                            torchcompile=True, arch=arch)
     sub_batches.close()
     parts.close()
     return {**row, "workers": workers, "overrides": list(overrides), "loader": "megabatch (same as ours)"}
@@ -272,6 +279,8 @@ def main() -> None:
     parser.add_argument("--modes", default="true,false", help="offload settings to run, in order")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=1, help="steps per mode; later ones are steady state")
+    parser.add_argument("--warmup-steps", type=int, default=1,
+                        help="of --steps, the first ones left out of the steady figures, on both sides (OpenCLIP's too)")
     parser.add_argument("--workdir", default="/tmp/offload-bench")
     parser.add_argument("--offload-dir", default=None, help="trainer.offload_dir: kept bytes in a file there")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for our runs, e.g. data.decode=gpu")
@@ -305,14 +314,15 @@ def main() -> None:
         for sub_batch in sub_batches:
             for variant, extra in variants or [(None, ())]:
                 row = run_steps(urls, batch, sub_batch, mode == "true", args.workers, args.device, args.steps,
-                                args.offload_dir, (*args.set, *extra), args.model, args.sync_debug, args.profile)
+                                args.offload_dir, (*args.set, *extra), args.model, args.sync_debug, args.profile,
+                                args.warmup_steps)
                 row["variant"] = variant
                 print(json.dumps(row), flush=True)
                 results.append(row)
                 write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
     if args.openclip:
         row = openclip_on_our_loader(urls, batch, openclip_sub_batch, args.workers, args.steps, tuple(args.set),
-                                     args.model, args.openclip_arch)
+                                     args.model, args.openclip_arch, args.warmup_steps)
         print(json.dumps(row), flush=True)
         results.append(row)
         write_results(args.out, results, jpeg_kb_per_sample=mean_kb)
