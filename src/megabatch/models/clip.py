@@ -139,6 +139,18 @@ class ClipModel(nn.Module):
         self.text_trim = text_trim(self.clip, self.model_cfg, step) if enabled else None
         return why_untrimmed(self.clip) if enabled else "model.trim_text=false"
 
+    def random_modules(self) -> list[str]:
+        """The modules that draw random numbers in training (dropout, patch dropout with a
+        probability above 0, in a tower that trains): their names with the probability."""
+        from open_clip.transformer import PatchDropout
+
+        drawn = []
+        for name, module in self.named_modules():
+            p = module.p if isinstance(module, nn.Dropout) else module.prob if isinstance(module, PatchDropout) else 0
+            if p > 0 and module.training:
+                drawn.append(f"{name}={p:g}")
+        return drawn
+
     def _encode(self, tower: str, inputs: torch.Tensor) -> torch.Tensor:
         """A tower's features, compiled after ``compile_towers`` (a frozen tower without autograd)."""
         if self._compiled is None:
@@ -175,8 +187,9 @@ class ClipModel(nn.Module):
         graph recorded once as a CUDA graph (per shape and gradient mode) and replayed as one launch
         instead of its kernels one by one. Each ``forward`` call then starts a new generation of
         those graphs (``torch.compiler.cudagraph_mark_step_begin``): its outputs may overwrite the
-        previous call's, which every caller has consumed by then (features copied, backward run),
-        except GradCache's kept graph (``trainer.keep_graph``, refused with it)."""
+        previous call's, which the one-pass step has consumed by then (its backward run). The
+        trainer allows it for the one-pass step of towers without random ops only
+        (``train/parts.py: check_cuda_graphs``)."""
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
@@ -211,21 +224,15 @@ class ClipModel(nn.Module):
         cpu_state = torch.get_rng_state()
         cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         try:
-            # CUDA graphs: each call sequence is run once, then recorded on its second run; the
-            # calls are the step's (both towers with autograd; phase 1's towers apart when captions are cut)
+            # CUDA graphs: each call is run once, then recorded on its second run, both towers
+            # together as the one-pass step calls them
             graphs = self._cuda_graphs and self._compiled is not None
             for _ in range(2 if graphs else 1):
                 for index, length in enumerate(lengths):
-                    cut = texts[:, :length].contiguous()  # as captions are cut
-                    inputs = (images if index == 0 or graphs else None, cut)
+                    inputs = (images if index == 0 or graphs else None, texts[:, :length].contiguous())  # as cut
                     if graph_free:
                         with torch.no_grad(), autocast():
-                            if graphs and self.text_trim is not None:
-                                if index == 0:
-                                    self(images, None)
-                                self(None, cut)
-                            else:
-                                self(*inputs)
+                            self(*inputs)
                     with autocast():
                         features = [f for f in self(*inputs)[:2] if f is not None and f.requires_grad]
                     if features:

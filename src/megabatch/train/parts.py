@@ -101,10 +101,8 @@ class RunParts:
         untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
         if untrimmed and env.rank == 0:
             log.info("captions are encoded at their full context: %s", untrimmed)
-        if cfg.model.cuda_graphs and plan.sub_batches > 1 and cfg.trainer.keep_graph:
-            raise ConfigError("model.cuda_graphs=true: each model call's CUDA graphs reuse the memory of the call "
-                              "before, so GradCache's kept phase-1 graph cannot live until its replay; set "
-                              "trainer.keep_graph=false (one more forward per step) or model.cuda_graphs=false")
+        if cfg.model.cuda_graphs:
+            check_cuda_graphs(model, plan.sub_batches)
         if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
             model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs)
             if env.rank == 0:
@@ -125,6 +123,22 @@ class RunParts:
             self.offload.close()
         if self.inputs.gpu_decoder is not None:
             self.inputs.gpu_decoder.close()
+
+
+def check_cuda_graphs(model: ClipModel, sub_batches: int) -> None:
+    """``model.cuda_graphs`` is for the one-pass step of towers that draw no random numbers: the
+    step that launches bound (an H100 was idle between a ViT-B/16 256 step's kernels), and what
+    the graphs were checked exact on. Raises a ``ConfigError`` naming the setting otherwise."""
+    if sub_batches > 1:
+        raise ConfigError(f"model.cuda_graphs=true is for the one-pass step, and this run's step is {sub_batches} "
+                          "GradCache sub-batches: those keep the GPU busy without graphs (96-98% on an H100), and "
+                          "the graphs' reuse of memory from one call to the next would overwrite the graph phase 1 "
+                          "keeps; set model.cuda_graphs=false (or trainer.sub_batch=null with a batch that fits)")
+    drawn = model.random_modules()
+    if drawn:
+        raise ConfigError(f"model.cuda_graphs=true: the towers draw random numbers in training ({', '.join(drawn)}), "
+                          "and replayed CUDA graphs draw them differently from the compiled towers (not exact); "
+                          "set their probability to 0 (e.g. model.image.patch_dropout=0) or model.cuda_graphs=false")
 
 
 def shard(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision) -> None:
