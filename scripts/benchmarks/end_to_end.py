@@ -280,7 +280,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=1, help="steps per mode; later ones are steady state")
     parser.add_argument("--warmup-steps", type=int, default=1,
-                        help="of --steps, the first ones left out of the steady figures, on both sides (OpenCLIP's too)")
+                        help="of --steps, the first ones left out of the steady figures, on both sides "
+                             "(OpenCLIP's too)")
     parser.add_argument("--workdir", default="/tmp/offload-bench")
     parser.add_argument("--offload-dir", default=None, help="trainer.offload_dir: kept bytes in a file there")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for our runs, e.g. data.decode=gpu")

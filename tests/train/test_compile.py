@@ -125,7 +125,8 @@ def test_cuda_graphs_need_the_compiled_one_pass_step_without_random_ops():
 def test_cuda_graphs_compile_the_towers_in_reduce_overhead_mode(monkeypatch):
     modes = []
     real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: modes.append(options.get("mode")) or real(fn, **options))
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, **options: modes.append(options.get("mode")) or real(fn, **options))
     model = build_model(compose("model=tiny").model)
     model.compile_towers(rows=4)
     model.compile_towers(rows=4, cuda_graphs=True)
@@ -146,7 +147,7 @@ def test_towers_replayed_as_cuda_graphs_give_the_compiled_gradients():
                                                 "model.compile=true", *more)),
                                init_distributed("cuda"))
         results = []
-        for step in range(2):
+        for _step in range(2):
             loss, _ = parts.step.gradients(parts.inputs(0))
             results.append((loss.float().cpu(), {n: p.grad.float().cpu() for n, p in parts.model.named_parameters()
                                                  if p.grad is not None}))

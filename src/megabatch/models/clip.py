@@ -212,9 +212,10 @@ class ClipModel(nn.Module):
         an H100, 2 to 39 of 77: a cut of 56 tokens then compiled for 28 s mid-run), and a new
         length can still build a kernel or an attention plan; each length once here leaves none of
         these to a step. With ``cuda_graphs`` the calls run twice, both towers together: the
-        second run records the CUDA graphs a step replays (one recorded mid-run cost ~0.8 s). ``autocast``: a callable giving the
-        step's autocast context. The RNG states are restored and the gradients cleared: training
-        draws and computes what it would have without. Returns seconds."""
+        second run records the CUDA graphs a step replays (one recorded mid-run cost ~0.8 s).
+        ``autocast``: a callable giving the step's autocast context. The RNG states are restored
+        and the gradients cleared: training draws and computes what it would have without.
+        Returns seconds."""
         start = time.perf_counter()
         images, texts = self.example_inputs(rows, device)
         context = texts.shape[1]

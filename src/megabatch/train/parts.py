@@ -137,8 +137,9 @@ def check_cuda_graphs(model: ClipModel, sub_batches: int) -> None:
     drawn = model.random_modules()
     if drawn:
         raise ConfigError(f"model.cuda_graphs=true: the towers draw random numbers in training ({', '.join(drawn)}), "
-                          "and replayed CUDA graphs draw them differently from the compiled towers (not exact); "
-                          "set their probability to 0 (e.g. model.image.patch_dropout=0) or model.cuda_graphs=false")
+                          "and with patch dropout on, the CUDA graphs' gradients differed from the compiled towers' "
+                          "on an H100 (not exact); set their probability to 0 (e.g. model.image.patch_dropout=0) or "
+                          "model.cuda_graphs=false")
 
 
 def shard(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision) -> None:
