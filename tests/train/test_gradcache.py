@@ -4,6 +4,7 @@ and DDP on 2 gloo ranks, all through the trainer's own code path on the embedded
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from megabatch.config import ConfigError
 from megabatch.config.schema import validate
+from megabatch.data import offload
 from megabatch.distributed import init_distributed
 from megabatch.distributed.fsdp import full
 from megabatch.models import build_model
@@ -261,11 +263,46 @@ def test_a_re_decode_pool_nobody_closed_stops_when_garbage_collected():
 
     redecoder = Redecoder(train_transform(16), seed=0, workers=2)
     redecoder.start()
+    # each worker past its initializer (one task each), as in a run: they exit by themselves
+    assert len(set(redecoder.pool.map(_pid_after_a_while, range(2), chunksize=1))) == 2
     workers = list(redecoder.pool._pool)
     finalizer = threading.Thread(target=redecoder.pool._terminate, daemon=True)
+    started = time.perf_counter()
     finalizer.start()
     finalizer.join(timeout=20)
     assert not finalizer.is_alive() and not any(worker.is_alive() for worker in workers)
+    assert [worker.exitcode for worker in workers] == [0, 0]  # obeyed: not killed
+    assert time.perf_counter() - started < offload.KILL_AFTER_S
+
+
+def _pid_after_a_while(_):
+    time.sleep(0.3)  # long enough for the other worker to take the other task
+    return os.getpid()
+
+
+def test_a_re_decode_worker_still_alive_after_the_grace_period_is_killed():
+    """The pool's termination kills what has not obeyed SIGTERM ``KILL_AFTER_S`` later (a worker
+    signalled before its initializer ran, under its parent's handler), so its join cannot wait
+    forever on a worker blocked on the task queue's lock."""
+    import multiprocessing
+    import signal
+
+    worker = multiprocessing.get_context("fork").Process(target=_sleep_through_sigterm, daemon=True)
+    worker.start()
+    time.sleep(0.5)
+    worker.terminate()  # SIGTERM: ignored
+    worker.join(1)
+    assert worker.is_alive()
+    offload._kill_alive([worker])
+    worker.join(10)
+    assert worker.exitcode == -signal.SIGKILL
+
+
+def _sleep_through_sigterm():
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)
 
 
 def test_a_spilled_sub_batch_reads_back_whole_or_says_the_file_is_short(tmp_path):

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import ConfigError
-from ..distributed.signals import ignore_stop_signals
+from ..distributed.signals import STOP_SIGNALS
 from .gpu_decode import DecodePool, GpuDecoder, decode_ahead, to_device
 from .samples import EncodedImages, JpegBatch, SampleDecoder
 
@@ -110,10 +110,13 @@ _worker_decoder: dict = {}
 
 
 def _init_redecode_worker(transform, seed: int, closing) -> None:
-    torch.set_num_threads(1)
-    ignore_stop_signals()  # the main process stops the run (train/preemption.py) ...
-    # ... but Redecoder.close() stops the pool with SIGTERM: obey it then, and only then
+    # Redecoder.close() stops the pool with SIGTERM: obey it then, and only then. Set first, so
+    # that SIGTERM is never ignored here, not even between two of these calls
     signal.signal(signal.SIGTERM, functools.partial(_exit_when_closing, closing))
+    for signum in STOP_SIGNALS:  # the main process stops the run (train/preemption.py)
+        if signum != signal.SIGTERM:
+            signal.signal(signum, signal.SIG_IGN)
+    torch.set_num_threads(1)
     _worker_decoder.update(transform=transform, seed=seed)
 
 
@@ -233,14 +236,35 @@ def _obedient_pool(closing) -> type:
     finalizer when garbage collection reaches a pool nobody closed (which may run before
     ``Redecoder.__del__``: the workers would then ignore the signal and the join would wait forever)."""
     import multiprocessing.pool
+    import threading
 
     class ObedientPool(multiprocessing.pool.Pool):
         @classmethod
-        def _terminate_pool(cls, *args, **kwargs):
+        def _terminate_pool(cls, taskqueue, inqueue, outqueue, pool, *args, **kwargs):
             closing.value = 1
-            return super()._terminate_pool(*args, **kwargs)
+            # a worker that got SIGTERM before its initializer ran takes its parent's handler for
+            # it (a training process's stop request): it lives on, blocked on the task queue's
+            # lock that terminating holds, and the join below would wait forever. Kill what is
+            # still alive after a grace period (its work is being thrown away anyway)
+            watchdog = threading.Timer(KILL_AFTER_S, _kill_alive, (pool,))
+            watchdog.daemon = True
+            watchdog.start()
+            try:
+                return super()._terminate_pool(taskqueue, inqueue, outqueue, pool, *args, **kwargs)
+            finally:
+                watchdog.cancel()
 
     return ObedientPool
+
+
+KILL_AFTER_S = 5.0  # a terminated re-decode worker still alive this long after is killed
+
+
+def _kill_alive(workers: list) -> None:
+    for worker in list(workers):
+        if worker.exitcode is None:
+            log.warning("re-decode worker %d ignored SIGTERM at shutdown: killed", worker.pid)
+            worker.kill()
 
 
 class Redecoder:
