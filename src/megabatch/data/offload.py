@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import ConfigError
-from ..distributed.signals import STOP_SIGNALS
+from ..distributed.signals import ignore_stop_signals
 from .gpu_decode import DecodePool, GpuDecoder, decode_ahead, to_device
 from .samples import EncodedImages, JpegBatch, SampleDecoder
 
@@ -113,9 +113,7 @@ def _init_redecode_worker(transform, seed: int, closing) -> None:
     # Redecoder.close() stops the pool with SIGTERM: obey it then, and only then. Set first, so
     # that SIGTERM is never ignored here, not even between two of these calls
     signal.signal(signal.SIGTERM, functools.partial(_exit_when_closing, closing))
-    for signum in STOP_SIGNALS:  # the main process stops the run (train/preemption.py)
-        if signum != signal.SIGTERM:
-            signal.signal(signum, signal.SIG_IGN)
+    ignore_stop_signals(keep=(signal.SIGTERM,))  # the main process stops the run (train/preemption.py)
     torch.set_num_threads(1)
     _worker_decoder.update(transform=transform, seed=seed)
 

@@ -9,7 +9,9 @@ import signal
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
 
 
-def ignore_stop_signals(*_) -> None:
-    """A DataLoader ``worker_init_fn`` / a pool ``initializer``: leave stopping to the main process."""
+def ignore_stop_signals(*_, keep: tuple = ()) -> None:
+    """A DataLoader ``worker_init_fn`` / a pool ``initializer``: leave stopping to the main process.
+    ``keep``: signals whose handler the caller has set already (not ignored)."""
     for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+        if signum not in keep:
+            signal.signal(signum, signal.SIG_IGN)

@@ -164,7 +164,7 @@ class ClipModel(nn.Module):
         ``compile_towers`` the towers run compiled (evaluation's ``encode_*`` calls stay eager).
         ``before_text``: called between the towers (GradCache's replay restores the RNG state its
         text chunk was first encoded with: the towers' inputs are grouped differently)."""
-        if self._cuda_graphs and self._compiled is not None:
+        if self._cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs are consumed
         image_features = None if images is None else self._encode("image", images)
         if before_text is not None:
@@ -227,7 +227,7 @@ class ClipModel(nn.Module):
         try:
             # CUDA graphs: each call is run once, then recorded on its second run, both towers
             # together as the one-pass step calls them
-            graphs = self._cuda_graphs and self._compiled is not None
+            graphs = self._cuda_graphs
             for _ in range(2 if graphs else 1):
                 for index, length in enumerate(lengths):
                     inputs = (images if index == 0 or graphs else None, texts[:, :length].contiguous())  # as cut
