@@ -15,7 +15,9 @@ the scale is a learnable 0-dim tensor at 100; sigmoid losses add a learnable bia
 "extra_gb" is the peak allocated memory minus the inputs and their gradients (``.grad`` starts
 empty; the gradients the loss returns become ``.grad`` and are subtracted once). A backend that runs
 out of memory at some b is not tried at larger b. fp32 matmuls may use TF32 (``--tf32``, on by
-default, as in ANCHORS.md).
+default, as in ANCHORS.md). ``--dtypes fp32_bf16_values``: fp32 features holding bf16 values, the loss
+called as GradCache's phase 2 calls it on its bf16 feature buffers (``kernels.features_valued_in``:
+the Triton kernels' dot products in bf16, exact; gradients and GEMMs fp32).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ import torch.nn.functional as F
 
 from megabatch.bench import write_results
 from megabatch.config import parse_count
+from megabatch.kernels import features_valued_in
 from megabatch.losses import DiscoLoss, InfClLoss, LocalLoss, SigLipLoss, VanillaLoss
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32_bf16_values": torch.float32}
+VALUES = {"fp32_bf16_values": torch.bfloat16}  # fp32 storage, values of this dtype (GradCache's phase 2)
 
 
 def make_backend(name: str, tile: int, world: int, rank: int, fp32_precision: str = "tf32"):
@@ -80,14 +84,18 @@ def sync() -> None:
         dist.barrier()
 
 
-def measure(loss_fn, b_local: int, dim: int, dtype, repeats: int, device, preallocate: bool = False) -> dict:
+def measure(loss_fn, b_local: int, dim: int, dtype, repeats: int, device, preallocate: bool = False,
+            values: torch.dtype | None = None) -> dict:
     """Median time of forward + backward and the extra memory: peak allocated minus the inputs
     and their gradients (the gradients the loss returns become ``.grad``; counted once). With
     ``preallocate`` the ``.grad`` buffers exist beforehand and are the baseline, so the gradients
-    the loss returns (added into them) count as extra: a stricter figure."""
+    the loss returns (added into them) count as extra: a stricter figure. ``values``: the features
+    are rounded to that dtype first and the loss is told so (``features_valued_in``)."""
     generator = torch.Generator(device=device).manual_seed(0)
     images = F.normalize(torch.randn(b_local, dim, device=device, generator=generator), dim=-1)
     texts = F.normalize(torch.randn(b_local, dim, device=device, generator=generator), dim=-1)
+    if values is not None:
+        images, texts = images.to(values), texts.to(values)
     images = images.to(dtype).requires_grad_()
     texts = texts.to(dtype).requires_grad_()
     scale = torch.tensor(100.0, device=device, requires_grad=True)
@@ -101,7 +109,8 @@ def measure(loss_fn, b_local: int, dim: int, dtype, repeats: int, device, preall
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()  # the inputs
         start = time.perf_counter()
-        loss = loss_fn(images, texts, scale)
+        with features_valued_in(values):
+            loss = loss_fn(images, texts, scale)
         loss.backward()
         sync()
         times.append(time.perf_counter() - start)
@@ -152,7 +161,8 @@ def main() -> None:
             except ImportError as error:
                 results.append({"backend": name, "status": f"unavailable: {error}"})
                 continue
-            measure(loss_fn, 4096 // world, args.dim, DTYPES[dtype_name], 1, device)  # warm-up
+            values = VALUES.get(dtype_name)
+            measure(loss_fn, 4096 // world, args.dim, DTYPES[dtype_name], 1, device, values=values)  # warm-up
             last_time, prev, failed = None, None, False
             for batch in batches:
                 row = {"backend": name, "dtype": dtype_name, "batch": batch, "gpus": world,
@@ -170,7 +180,7 @@ def main() -> None:
                     try:
                         repeats = args.repeats if batch < 262144 else 1
                         row.update(measure(loss_fn, batch // world, args.dim, DTYPES[dtype_name],
-                                           repeats, device, args.preallocate_grads))
+                                           repeats, device, args.preallocate_grads, values))
                         row["status"] = "ok"
                         row["useful_tflops"] = 6 * batch * batch * args.dim / row["time_s"] / 1e12 / world
                         last_time, prev = row["time_s"], batch

@@ -462,11 +462,14 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
 
 
 def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, config,
-                 weight=None, d_rows=None, d_cols=None, rows_out=None):
+                 weight=None, d_rows=None, d_cols=None, rows_out=None, dots=None):
     """The softmax backward over ``_g_blocks``: the kernel writes ``G' = P_row + P_col - 2 I``,
     cuBLAS multiplies it into ``d_rows`` and ``d_cols``. Without ``weight`` (autotuning) only the
-    kernel runs. Returns ``sum(G' * dots)`` (fp32, unweighted)."""
+    kernel runs. ``dots``: the ``(rows, cols)`` the kernel takes its dot products of (copies in a
+    narrower dtype holding the same values, ``_dot_operands``), else ``rows`` and ``cols``; G' and
+    the GEMMs stay in ``rows``' dtype. Returns ``sum(G' * dots)`` (fp32, unweighted)."""
     c = rows.shape[1]
+    dot_rows, dot_cols = dots or (rows, cols)
     g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0
     alpha = None
     if weight is not None:
@@ -475,12 +478,13 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         _grad_kernel[(programs,)](
-            rows, cols, scale, row_lse, col_lse, g_block, partials,
+            dot_rows, dot_cols, scale, row_lse, col_lse, g_block, partials,
             c, row_start, row_stop, col_start, col_stop, g_scale,
-            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+            dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            DIAGONAL=diagonal, UPCAST=_upcast(rows), GROUP_M=8, ROUND_TF32=_round_tf32_flag(rows, precision),
+            DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
+            ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -488,24 +492,26 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
 
 
 def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows=None, d_cols=None,
-                    grads: bool = True, write_g: bool | None = None):
+                    grads: bool = True, write_g: bool | None = None, dots=None):
     """The sigmoid loss over ``_g_blocks``: the kernel writes ``g`` and the tile sums, cuBLAS
     multiplies ``g`` into ``d_rows``/``d_cols`` (``grads``). ``write_g`` (default: ``grads``)
-    without ``grads``: the kernel alone, as the backward runs it (tuning). Returns
-    ``[loss, d_scale, d_bias]`` sums (fp32)."""
+    without ``grads``: the kernel alone, as the backward runs it (tuning). ``dots``: as in
+    ``_grad_launch``. Returns ``[loss, d_scale, d_bias]`` sums (fp32)."""
     write_g = grads if write_g is None else write_g
     c = rows.shape[1]
+    dot_rows, dot_cols = dots or (rows, cols)
     g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0  # |g| <= 1
     alpha = float(scale.double()) / g_scale if grads else None  # host sync, once per block call
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         _sigmoid_kernel[(programs,)](
-            rows, cols, scale, bias, g_block, partials,
+            dot_rows, dot_cols, scale, bias, g_block, partials,
             c, row_start, row_stop, col_start, col_stop, g_scale,
-            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+            dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            DIAGONAL=diagonal, UPCAST=_upcast(rows), GROUP_M=8, ROUND_TF32=_round_tf32_flag(rows, precision),
+            DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
+            ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             WRITE_G=write_g, SCALE_SUM=not grads, num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -571,16 +577,31 @@ def _check(rows: torch.Tensor, cols: torch.Tensor, precision: str) -> None:
                            "use loss.impl=torch on this machine")
 
 
+def _dot_operands(rows: torch.Tensor, cols: torch.Tensor, dots_dtype: torch.dtype | None):
+    """The kernels' dot operands: ``rows`` and ``cols`` as given, or, with ``dots_dtype`` (bf16 or
+    fp16) and fp32 inputs, copies in that dtype. The caller promises the fp32 values are that
+    dtype's (``kernels.features_valued_in``): the copies are then exact, and so are their products
+    in fp32, as TF32's or IEEE fp32's products of the same values are. Only the order of the fp32
+    sums differs, and the tensor cores run at twice TF32's rate on half the bytes."""
+    if dots_dtype is None or rows.dtype != torch.float32 or dots_dtype == torch.float32:
+        return rows, cols
+    if dots_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dots_dtype={dots_dtype}: bf16 or fp16 (the dtype the fp32 features' values are in)")
+    return rows.to(dots_dtype), cols.to(dots_dtype)
+
+
 def block_stats(
     rows: torch.Tensor, cols: torch.Tensor, scale: torch.Tensor, fp32_precision: str = "tf32",
-    config: dict | None = None,
+    config: dict | None = None, dots_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column ``logsumexp`` of ``scale * rows @ cols^T``.
 
     rows: [m, c], cols: [n, c] (bf16, fp16 or fp32, same dtype), scale: [] (any float dtype).
-    Returns ``(row_lse [m], col_lse [n])`` in fp32. One pass over the tiles.
+    Returns ``(row_lse [m], col_lse [n])`` in fp32. One pass over the tiles. ``dots_dtype``:
+    fp32 features whose values are bf16's (fp16's) are multiplied in that dtype (``_dot_operands``).
     """
     _check(rows, cols, fp32_precision)
+    rows, cols = _dot_operands(rows, cols, dots_dtype)
     config = config or get_config("stats", rows, fp32_precision)
     return _stats_launch(rows, cols, scale.reshape(()).float(), fp32_precision, config)
 
@@ -598,6 +619,7 @@ def block_grads(
     fp32_precision: str = "tf32",
     rows_dtype: torch.dtype | None = None,
     config: dict | None = None,
+    dots_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``weight * (sum row_lse + sum col_lse - 2 [diagonal] sum_i S_ii)`` over the block.
 
@@ -605,10 +627,12 @@ def block_grads(
     ``weight []``. Returns ``(d_rows [m, c], d_cols [n, c], d_scale [])`` in fp32, accumulated
     into ``d_rows``/``d_cols`` when given (fp32, contiguous). ``rows_dtype`` (with ``d_rows``
     None): ``d_rows`` is returned in that dtype, each row block summed in fp32 and cast when
-    complete, so no fp32 ``[m, c]`` buffer exists (the one-GPU loss returns it as is).
+    complete, so no fp32 ``[m, c]`` buffer exists (the one-GPU loss returns it as is). ``dots_dtype``:
+    as in ``block_stats`` (the kernel's dots only; G' and the GEMMs stay fp32).
     """
     _check(rows, cols, fp32_precision)
-    config = config or get_config("grad", rows, fp32_precision)
+    dots = _dot_operands(rows, cols, dots_dtype)
+    config = config or get_config("grad", dots[0], fp32_precision)
     rows_out = None
     if d_rows is None and rows_dtype is not None:
         rows_out = torch.empty(rows.shape, dtype=rows_dtype, device=rows.device)
@@ -619,7 +643,7 @@ def block_grads(
     weight = weight.reshape(()).float()
     dots = _grad_launch(rows, cols, scale.reshape(()).float(), row_lse.float().contiguous(),
                         col_lse.float().contiguous(), diagonal, fp32_precision, config,
-                        weight, d_rows, d_cols, rows_out)
+                        weight, d_rows, d_cols, rows_out, dots)
     return (d_rows if rows_out is None else rows_out), d_cols, dots * weight
 
 
@@ -633,18 +657,21 @@ def sigmoid_block(
     d_cols: torch.Tensor | None = None,
     fp32_precision: str = "tf32",
     config: dict | None = None,
+    dots_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sigmoid loss of one block and its gradients in one pass (``torch_tiles.sigmoid_block``'s
     contract): returns ``(sum softplus(-z l), sum g * dots, sum g)`` in fp32 and, when ``d_rows`` /
     ``d_cols`` (fp32, contiguous) are given, adds ``scale * g @ cols`` / ``scale * g^T @ rows`` into
-    them. Without either, only the loss kernel runs (no G is written)."""
+    them. Without either, only the loss kernel runs (no G is written). ``dots_dtype``: as in
+    ``block_grads``."""
     _check(rows, cols, fp32_precision)
-    config = config or get_config("sigmoid", rows, fp32_precision)
+    dots = _dot_operands(rows, cols, dots_dtype)
+    config = config or get_config("sigmoid", dots[0], fp32_precision)
     grads = d_rows is not None or d_cols is not None
     if grads and (d_rows is None or d_cols is None):
         raise ValueError("sigmoid_block: give both d_rows and d_cols, or neither")
     sums = _sigmoid_launch(rows, cols, scale.reshape(()).float(), bias.reshape(()).float(), diagonal,
-                           fp32_precision, config, d_rows, d_cols, grads)
+                           fp32_precision, config, d_rows, d_cols, grads, dots=dots)
     return sums[0], sums[1], sums[2]
 
 

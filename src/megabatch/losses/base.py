@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..distributed.gather import check_equal_batch
-from ..kernels import IMPLS, tile_module, torch_tiles
+from ..kernels import IMPLS, feature_values, tile_module, torch_tiles
 
 
 class ContrastiveLoss(nn.Module):
@@ -83,4 +83,6 @@ class TiledLoss(ContrastiveLoss):
         options = {"fp32_precision": self.fp32_precision}
         if kernels is torch_tiles:
             options["tile"] = self.tile
+        elif feature_values() is not None:  # bound now: the backward runs outside the caller's context
+            options["dots_dtype"] = feature_values()
         return [functools.partial(getattr(kernels, name), **options) for name in names]

@@ -1,0 +1,105 @@
+"""fp32 features whose values are bf16's (GradCache's phase 2 upcasts its bf16 feature buffers) are
+multiplied in bf16 inside the Triton kernels (``dots_dtype``, ``kernels.features_valued_in``): the
+products are exact either way, so the loss and its gradients equal the fp32 kernels' up to the order
+of fp32 sums, with G' and the GEMMs still fp32. Checked through the interpreter on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megabatch.kernels import feature_values, features_valued_in, triton_tiles
+from megabatch.losses import InfClLoss, SigLipLoss, clip_loss_reference
+from megabatch.train.gradcache import EncodedBatch, ReplayInputs, loss_and_feature_grads
+from megabatch.train.precision import Precision
+
+
+def bf16_valued(b: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    images = F.normalize(torch.randn(b, c, generator=generator), dim=-1)
+    texts = F.normalize(images + torch.randn(b, c, generator=generator), dim=-1)
+    return images.bfloat16().float(), texts.bfloat16().float()
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_bf16_dots_give_the_fp32_kernels_stats_and_gradients(precision):
+    rows, cols = bf16_valued(40, 24, seed=1)
+    scale, weight = torch.tensor(20.0), torch.tensor(0.5)
+    plain = triton_tiles.block_stats(rows, cols, scale, fp32_precision=precision)
+    narrow = triton_tiles.block_stats(rows, cols, scale, fp32_precision=precision, dots_dtype=torch.bfloat16)
+    for got, want in zip(narrow, plain, strict=True):
+        assert relative(got, want) < 1e-6
+    grads = [triton_tiles.block_grads(rows, cols, scale, *plain, weight, True, fp32_precision=precision,
+                                      dots_dtype=dots) for dots in (None, torch.bfloat16)]
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert got.dtype == torch.float32
+        assert relative(got, want) < 1e-5  # a bf16 G' would be ~1e-3 off
+
+
+def test_bf16_dots_give_the_fp32_sigmoid_block():
+    rows, cols = bf16_valued(36, 20, seed=2)
+    scale, bias = torch.tensor(10.0), torch.tensor(-5.0)
+    results = []
+    for dots in (None, torch.bfloat16):
+        d_rows, d_cols = torch.zeros_like(rows), torch.zeros_like(cols)
+        sums = triton_tiles.sigmoid_block(rows, cols, scale, bias, True, d_rows, d_cols, dots_dtype=dots)
+        results.append((*sums, d_rows, d_cols))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert relative(got, want) < 1e-5
+
+
+def test_narrow_dots_need_fp32_inputs_and_a_narrow_dtype():
+    rows, cols = bf16_valued(8, 16, seed=3)
+    assert triton_tiles._dot_operands(rows, cols, None) == (rows, cols)
+    assert triton_tiles._dot_operands(rows.bfloat16(), cols.bfloat16(), torch.float16)[0].dtype == torch.bfloat16
+    assert triton_tiles._dot_operands(rows, cols, torch.float16)[0].dtype == torch.float16
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        triton_tiles._dot_operands(rows, cols, torch.int8)
+
+
+def test_the_promise_reaches_the_kernels_only_inside_the_context():
+    loss = InfClLoss(impl="triton")
+    assert "dots_dtype" not in loss.tile_functions(torch.device("cpu"), "block_stats")[0].keywords
+    with features_valued_in(torch.bfloat16):
+        assert feature_values() == torch.bfloat16
+        assert loss.tile_functions(torch.device("cpu"), "block_stats")[0].keywords["dots_dtype"] == torch.bfloat16
+        torch_impl = InfClLoss(impl="torch").tile_functions(torch.device("cpu"), "block_stats")[0]
+        assert "dots_dtype" not in torch_impl.keywords
+    with features_valued_in(torch.float32):  # fp32 buffers promise nothing
+        assert feature_values() is None
+    assert feature_values() is None
+
+
+@pytest.mark.parametrize("loss_fn", [InfClLoss(impl="triton"), SigLipLoss(impl="triton")], ids=["infcl", "siglip"])
+def test_phase_2_on_bf16_buffers_multiplies_in_bf16_and_keeps_the_gradients(loss_fn, monkeypatch):
+    images, texts = bf16_valued(32, 16, seed=4)
+    seen = []
+    for name in ("block_stats", "block_grads", "sigmoid_block"):
+        original = getattr(triton_tiles, name)
+
+        def spy(*args, _original=original, **kwargs):
+            seen.append(kwargs.get("dots_dtype"))
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(triton_tiles, name, spy)
+    grads = {}
+    for dtype in (torch.bfloat16, torch.float32):  # the same values in bf16 and in fp32 buffers
+        seen.clear()
+        encoded = EncodedBatch(images.to(dtype), texts.to(dtype), sub_batch=8, replays=ReplayInputs(True, True))
+        precision = Precision.create("bf16", torch.device("cpu"), "bf16" if dtype == torch.bfloat16 else "fp32")
+        bias = torch.tensor(-5.0) if loss_fn.uses_bias else None
+        grads[dtype] = loss_and_feature_grads(loss_fn, encoded, torch.tensor(2.0), bias, precision)
+        assert seen and set(seen) == {torch.bfloat16 if dtype == torch.bfloat16 else None}
+    narrow, plain = grads[torch.bfloat16], grads[torch.float32]
+    assert relative(narrow.loss, plain.loss) < 1e-6
+    assert relative(narrow.image, plain.image) < 1e-5 and relative(narrow.text, plain.text) < 1e-5
+    if not loss_fn.uses_bias:  # and both are the float64 loss's gradients
+        reference = [images.double().requires_grad_(), texts.double().requires_grad_()]
+        truth = clip_loss_reference(*reference, torch.tensor(2.0, dtype=torch.float64).exp())
+        d_images, d_texts = torch.autograd.grad(truth, reference)
+        assert abs(float(narrow.loss) / float(truth.detach()) - 1) < 1e-5
+        assert relative(narrow.image.double(), d_images) < 1e-4 and relative(narrow.text.double(), d_texts) < 1e-4
