@@ -321,6 +321,59 @@ def test_a_spilled_sub_batch_reads_back_whole_or_says_the_file_is_short(tmp_path
     spill.close()
 
 
+def test_the_spill_file_is_written_by_its_thread_within_a_byte_bound(tmp_path, monkeypatch):
+    """``keep`` returns before the bytes are written (phase 1 goes on encoding), waits only when
+    ``queue_bytes`` are pending; ``flush`` waits for every write; short writes are continued."""
+    import threading
+
+    from megabatch.data.offload import SpillFile, _read_back
+    from megabatch.data.samples import EncodedImages
+
+    release, real_pwrite, calls = threading.Event(), os.pwrite, []
+
+    def slow_short_pwrite(fd, data, offset):
+        release.wait(10)
+        calls.append(len(data))
+        return real_pwrite(fd, bytes(data[:3]), offset)  # at most 3 bytes a call
+    monkeypatch.setattr(os, "pwrite", slow_short_pwrite)
+    spill = SpillFile(str(tmp_path), rank=0, queue_bytes=8)
+    first = EncodedImages.from_bytes([b"abcd", b"efg"], [1, 2])
+    second = EncodedImages.from_bytes([b"hij"], [3])
+    kept = [spill.keep(first)]  # 7 bytes pending: returns at once, nothing written yet
+    assert not calls and spill.offset == 7
+    blocked = threading.Thread(target=lambda: kept.append(spill.keep(second)))  # 7 + 3 > 8: waits
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive() and len(kept) == 1
+    release.set()
+    blocked.join(10)
+    spill.flush()
+    assert [list(_read_back(k, spill.path)) for k in kept] == [list(first), list(second)]
+    assert calls[:3] == [7, 4, 1]  # the first sub-batch in three short writes
+    spill.reset()  # the next step writes from the start again
+    assert spill.keep(second).offset == 0
+    spill.close()
+    assert not Path(spill.path).exists()
+
+
+def test_a_spill_write_that_fails_is_raised_with_the_setting_to_change(tmp_path, monkeypatch):
+    import errno
+
+    from megabatch.data.offload import SpillFile
+    from megabatch.data.samples import EncodedImages
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwrite", full)
+    spill = SpillFile(str(tmp_path), rank=0)
+    spill.keep(EncodedImages.from_bytes([b"abc"], [0]))
+    with pytest.raises(RuntimeError, match="could not be written .*No space left.*trainer.offload_dir"):
+        spill.flush()
+    with pytest.raises(RuntimeError, match="could not be written"):
+        spill.keep(EncodedImages.from_bytes([b"d"], [1]))
+    spill.close()
+
+
 @pytest.mark.parametrize("loss", ["vanilla", "infcl"])
 def test_every_exact_option_on_gives_the_gradients_of_all_off(loss, monkeypatch):
     """Captions cut and grouped by length, the last sub-batch's graph kept, attention on views

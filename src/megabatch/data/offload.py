@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import socket
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -195,9 +196,15 @@ class SpillFile:
     """``trainer.offload_dir``: a step's kept image bytes appended to one local file (per rank)
     instead of held in host memory; the replay reads them back by (offset, length). Host memory
     then no longer grows with the batch (the page cache holds what fits and the kernel may evict
-    it); the file is rewritten from the start every step and deleted at the end of the run."""
+    it); the file is rewritten from the start every step and deleted at the end of the run.
 
-    def __init__(self, directory: str, rank: int):
+    A thread writes: ``keep`` hands it the bytes and returns at once, so phase 1 goes on encoding
+    while they reach the page cache (a 1M step writes ~33 GB, and past the kernel's dirty-page limit
+    each write waits for the disk). At most ``queue_bytes`` wait to be written (``keep`` waits
+    beyond that); ``flush`` waits for all of them, and a write that failed (disk full) is raised
+    by the next ``keep`` or ``flush``."""
+
+    def __init__(self, directory: str, rank: int, queue_bytes: int = 512 * 2**20):
         folder = Path(directory).expanduser()
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -207,25 +214,72 @@ class SpillFile:
         except OSError as error:
             raise ConfigError(f"trainer.offload_dir={directory!r} is not a writable directory ({error}); "
                               "give a local scratch path, or null to keep the bytes in host memory") from None
-        self.offset = 0
+        self.offset, self.queue_bytes = 0, queue_bytes
+        self._pending = deque()  # (offset, bytes) not yet written, oldest first
+        self._pending_bytes, self._error = 0, None
+        self._changed = threading.Condition()
+        self._writer = threading.Thread(target=self._write_pending, name="megabatch-spill-writer", daemon=True)
+        self._writer.start()
 
     def keep(self, raw: EncodedImages) -> Spilled:
-        """Append a sub-batch's encoded images (one write); return where they are."""
-        self.file.write(raw.blob.numpy().data)
+        """Queue a sub-batch's encoded images for writing (one write); return where they will be."""
         kept = Spilled(self.offset, raw.nbytes(), raw.offsets.clone(), raw.positions.clone())  # not shared memory
+        with self._changed:
+            self._raise_error()
+            while self._pending_bytes and self._pending_bytes + kept.length > self.queue_bytes:
+                self._changed.wait()
+                self._raise_error()
+            self._pending.append((kept.offset, raw.blob))
+            self._pending_bytes += kept.length
+            self._changed.notify_all()
         self.offset += kept.length
         return kept
 
     def flush(self) -> None:
+        """Wait until every kept byte is in the file (the replay reads it by path)."""
+        with self._changed:
+            while self._pending and self._error is None:
+                self._changed.wait()
+            self._raise_error()
         self.file.flush()
 
     def reset(self) -> None:
-        self.file.seek(0)
+        self.flush()
         self.offset = 0
 
     def close(self) -> None:
+        with self._changed:
+            self._pending.append(None)  # the writer's end, after what is queued
+            self._changed.notify_all()
+        self._writer.join(timeout=60)
         self.file.close()
         Path(self.path).unlink(missing_ok=True)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the offload spill file {self.path} could not be written ({self._error}); free "
+                               "space there, or set trainer.offload_dir to another local folder") from self._error
+
+    def _write_pending(self) -> None:
+        while True:
+            with self._changed:
+                while not self._pending:
+                    self._changed.wait()
+                item = self._pending[0]
+            if item is None:
+                return
+            at, blob = item
+            try:
+                view = blob.numpy().data
+                while self._error is None and len(view):  # os.pwrite may write less than asked
+                    written = os.pwrite(self.file.fileno(), view, at)
+                    view, at = view[written:], at + written
+            except OSError as error:
+                self._error = error
+            with self._changed:
+                self._pending.popleft()
+                self._pending_bytes -= blob.numel()
+                self._changed.notify_all()
 
 
 def _obedient_pool(closing) -> type:
