@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import threading
@@ -49,7 +50,8 @@ def load(stop: threading.Event, device: torch.device) -> None:
 
 
 def decoder(name: str, encoded: EncodedImages, device: torch.device):
-    """A function that decodes the sub-batch once on the current stream and waits for it."""
+    """A function that decodes the sub-batch once on the current stream and waits for it (the
+    bytes in ``encoded.blob``: pageable or page-locked, as given)."""
     if name == "torchvision":
         from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -70,6 +72,7 @@ def decoder(name: str, encoded: EncodedImages, device: torch.device):
 
 
 def measure(name: str, encoded: EncodedImages, device: torch.device, threads: int, seconds: float) -> dict:
+    """Calls per second of ``threads`` threads decoding ``encoded`` for ``seconds``."""
     times, stop_at = [], time.perf_counter() + seconds
 
     def work():
@@ -144,6 +147,8 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2,3")
     parser.add_argument("--seconds", type=float, default=3.0, help="per row")
     parser.add_argument("--decoders", default="torchvision,hardware")
+    parser.add_argument("--inputs", default="pageable",
+                        help="where the JPEG bytes are: pageable (the loader's), pinned (page-locked), or both")
     parser.add_argument("--crops", action="store_true", help="measure the crop-and-resize, not the decoding")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -163,10 +168,12 @@ def main() -> None:
             loader.start()
             time.sleep(0.5)
         try:
-            for name in args.decoders.split(","):
+            for name, inputs in itertools.product(args.decoders.split(","), args.inputs.split(",")):
+                blob = encoded.blob if inputs == "pageable" else encoded.blob.pin_memory()
+                given = EncodedImages(blob, encoded.offsets, encoded.positions)
                 for threads in (int(t) for t in args.threads.split(",")):
-                    row = {"decoder": name, "threads": threads, "gpu_busy": busy,
-                           **measure(name, encoded, device, threads, args.seconds)}
+                    row = {"decoder": name, "inputs": inputs, "threads": threads, "gpu_busy": busy,
+                           **measure(name, given, device, threads, args.seconds)}
                     print(json.dumps(row), flush=True)
                     results.append(row)
                     write_results(args.out, results, images_per_call=args.images, jpeg_px=256,
