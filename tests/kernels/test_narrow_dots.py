@@ -129,5 +129,5 @@ def test_bf16_dots_on_the_gpu_are_as_close_to_float64_as_the_fp32_kernels(precis
         grads = triton_tiles.block_grads(rows, cols, scale, *plain, weight, True, fp32_precision=precision,
                                          dots_dtype=dots)
         errors.append(max(relative(got.double(), want) for got, want in zip(grads[:2], truth, strict=True)))
-    assert errors[1] <= 1.5 * errors[0] + 1e-6
+    assert errors[1] <= 2 * errors[0] + 1e-5
     assert errors[1] < (2e-3 if precision == "tf32" else 1e-4)
