@@ -631,8 +631,8 @@ def block_grads(
     as in ``block_stats`` (the kernel's dots only; G' and the GEMMs stay fp32).
     """
     _check(rows, cols, fp32_precision)
-    dots = _dot_operands(rows, cols, dots_dtype)
-    config = config or get_config("grad", dots[0], fp32_precision)
+    operands = _dot_operands(rows, cols, dots_dtype)
+    config = config or get_config("grad", operands[0], fp32_precision)
     rows_out = None
     if d_rows is None and rows_dtype is not None:
         rows_out = torch.empty(rows.shape, dtype=rows_dtype, device=rows.device)
@@ -643,7 +643,7 @@ def block_grads(
     weight = weight.reshape(()).float()
     dots = _grad_launch(rows, cols, scale.reshape(()).float(), row_lse.float().contiguous(),
                         col_lse.float().contiguous(), diagonal, fp32_precision, config,
-                        weight, d_rows, d_cols, rows_out, dots)
+                        weight, d_rows, d_cols, rows_out, operands)
     return (d_rows if rows_out is None else rows_out), d_cols, dots * weight
 
 
@@ -665,13 +665,13 @@ def sigmoid_block(
     them. Without either, only the loss kernel runs (no G is written). ``dots_dtype``: as in
     ``block_grads``."""
     _check(rows, cols, fp32_precision)
-    dots = _dot_operands(rows, cols, dots_dtype)
-    config = config or get_config("sigmoid", dots[0], fp32_precision)
+    operands = _dot_operands(rows, cols, dots_dtype)
+    config = config or get_config("sigmoid", operands[0], fp32_precision)
     grads = d_rows is not None or d_cols is not None
     if grads and (d_rows is None or d_cols is None):
         raise ValueError("sigmoid_block: give both d_rows and d_cols, or neither")
     sums = _sigmoid_launch(rows, cols, scale.reshape(()).float(), bias.reshape(()).float(), diagonal,
-                           fp32_precision, config, d_rows, d_cols, grads, dots=dots)
+                           fp32_precision, config, d_rows, d_cols, grads, dots=operands)
     return sums[0], sums[1], sums[2]
 
 
