@@ -182,6 +182,21 @@ def test_the_hardware_decoder_takes_its_rows_and_the_cuda_decoder_the_rest(monke
     assert images.shape == (6, 3, 24, 24)
 
 
+def test_the_decoding_threads_follow_data_decode_threads(monkeypatch):
+    """auto: four threads (three ahead of the step) with hardware decoders, two (one) without;
+    ``data.decode_threads=n``: n, all but one ahead."""
+    from megabatch.data import nvjpeg
+
+    sizes = {}
+    for name, threads, hardware in (("auto-hardware", None, True), ("auto-cuda", None, False), ("six", 6, True)):
+        monkeypatch.setattr(nvjpeg, "hardware_decoder", lambda device, _on=hardware: FakeHardware() if _on else None)
+        decoder = GpuDecoder(torch.device("cpu"), threads=threads)
+        decoder.hardware = hardware  # (on a CPU device it starts off)
+        sizes[name] = (decoder.pool.threads, decoder.pool.look_ahead_threads)
+        decoder.close()
+    assert sizes == {"auto-hardware": (4, 3), "auto-cuda": (2, 1), "six": (6, 5)}
+
+
 def test_a_corrupt_jpeg_body_becomes_a_counted_black_image():
     good = jpeg(0)
     broken = good[:200] + bytes(len(good) - 202) + good[-2:]  # header intact, body zeroed, end marker kept

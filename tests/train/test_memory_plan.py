@@ -59,5 +59,9 @@ def test_the_keys_are_checked():
     for bad in ("-1", "lots", "true"):
         with pytest.raises(ConfigError, match="data.decode_ahead_gb"):
             validate(compose(f"data.decode_ahead_gb={bad}"))
+    validate(compose("data.decode_threads=6"))
+    for bad in ("1", "lots", "true", "2.5"):
+        with pytest.raises(ConfigError, match="data.decode_threads"):
+            validate(compose(f"data.decode_threads={bad}"))
     with pytest.raises(ConfigError, match="model.compile"):
         validate(compose("model.compile=maybe"))

@@ -90,6 +90,7 @@ class DataConfig:
     num_workers: int = MISSING
     decode: str = MISSING
     decode_ahead_gb: Any = MISSING    # auto or a number of GB
+    decode_threads: Any = MISSING     # auto or a number >= 2
     train: DataTrainConfig = field(default_factory=DataTrainConfig)
 
 
@@ -275,6 +276,11 @@ def check_data(data: DictConfig) -> None:
     if ahead != "auto" and (isinstance(ahead, bool) or not isinstance(ahead, (int, float)) or ahead < 0):
         raise ConfigError(f"data.decode_ahead_gb={ahead!r}: give the GPU memory (GB per rank) that sub-batches "
                           "decoded ahead of the step may take, e.g. data.decode_ahead_gb=2, or auto (2.5% of the GPU)")
+    threads = data.decode_threads
+    if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 2):
+        raise ConfigError(f"data.decode_threads={threads!r}: give the GPU decoding threads per rank, 2 or more "
+                          "(one of them kept for the offload replay), e.g. data.decode_threads=4, or auto "
+                          "(4 with hardware JPEG decoders, else 2)")
     at_least(train.shuffle_buffer, "data.train.shuffle_buffer", 1, "5000")
     choice(train.split, "data.train.split", ("position", "shard", "indexed"))
     at_least(train.streams, "data.train.streams", 1, "256")

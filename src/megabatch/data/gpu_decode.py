@@ -240,16 +240,17 @@ class GpuDecoder:
     takes the same path every time it is decoded. ``corrupt_image``: rows nothing could decode
     (black images), counted for the logs."""
 
-    def __init__(self, device: torch.device, hardware: bool | None = None):
-        self.device = device
+    def __init__(self, device: torch.device, hardware: bool | None = None, threads: int | None = None):
+        self.device, self.threads = device, threads
         self.corrupt_image = 0
         self.hardware = hardware if device.type == "cuda" else False
         self._pool: DecodePool | None = None
 
     @property
     def pool(self) -> DecodePool:
-        """The decoding threads (``DecodePool``), started on first use: with the hardware decoders,
-        four (each its own decoder), three of them for the look-ahead; with nvJPEG's CUDA decoder
+        """The decoding threads (``DecodePool``), started on first use: ``threads`` (``data.
+        decode_threads``), all but one for the look-ahead, else with the hardware decoders four
+        (each its own decoder), three of them for the look-ahead, and with nvJPEG's CUDA decoder
         alone, which decodes one call at a time (a mutex in torchvision), two, one for the look-ahead.
 
         Under a training step a hardware decoding call takes ~120 ms for 1,024 images against ~35 ms
@@ -257,7 +258,9 @@ class GpuDecoder:
         threads' number sets the rate: the 1M ViT-B/32 offload step on an H100 waited 26.5 s for
         images with three threads (two ahead), 13.8 s with four, 12.6 s with five (docs/bench)."""
         if self._pool is None:
-            if self._hardware_decoder() is not None:
+            if self.threads is not None:
+                self._pool = DecodePool(self.device, threads=self.threads, look_ahead_threads=self.threads - 1)
+            elif self._hardware_decoder() is not None:
                 self._pool = DecodePool(self.device, threads=4, look_ahead_threads=3)
             else:
                 self._pool = DecodePool(self.device, threads=2, look_ahead_threads=1)

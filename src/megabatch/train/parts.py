@@ -68,7 +68,8 @@ class RunParts:
         data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0)
         precision = Precision.create(cfg.trainer.precision, env.device, cfg.trainer.feature_dtype)
         decode = resolve_decode(cfg.data.decode, env.device)
-        gpu_decoder = GpuDecoder(env.device) if decode == "gpu" else None
+        threads = None if cfg.data.decode_threads == "auto" else int(cfg.data.decode_threads)
+        gpu_decoder = GpuDecoder(env.device, threads=threads) if decode == "gpu" else None
         ahead = decode_ahead_bytes(cfg, torch.cuda.get_device_properties(env.device).total_memory) \
             if gpu_decoder is not None else 0.0
         plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
