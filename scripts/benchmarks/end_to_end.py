@@ -178,6 +178,15 @@ def profile_steps(step, sub_batches, epoch: int, count: int = 3) -> dict:
     return summary
 
 
+def allocator_counts(device: torch.device) -> dict:
+    """The caching allocator's cumulative retries (an allocation that failed, freed the cache and
+    tried again) and ``cudaFree`` calls; empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "cuda_frees": stats.get("num_device_free", 0)}
+
+
 def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
               offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32",
               sync_debug: bool = False, profile: bool = False, warmup_steps: int = 1) -> dict:
@@ -197,6 +206,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     compile_s = time.perf_counter() - start if "model.compile=true" in overrides else 0.0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    allocator_before = allocator_counts(device)
     sub_batches, per_step = parts.inputs(0), []
     try:
         with HostMemory() as host:
@@ -214,6 +224,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
                 print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            allocator_after = allocator_counts(device)
             steady_wall_s = time.perf_counter() - steady_start if steps > warmup_steps and device.type == "cuda" \
                 else None
             syncs = host_syncs(step, sub_batches, steps // plan.steps_per_epoch) if sync_debug else None
@@ -236,6 +247,8 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
            # reserved: also the CUDA graphs' private pools (model.cuda_graphs), recorded before the reset
            "gpu_reserved_gb": torch.cuda.memory_reserved() / 1e9 if device.type == "cuda" else None,
            "warmup_steps": warmup_steps,
+           # during the timed steps: a retry frees the cache (cudaFree, which waits for the whole GPU)
+           "gpu_allocator_during_steps": {k: allocator_after[k] - allocator_before[k] for k in allocator_before},
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,
            "peak_host_gb_machine_used_above_start": host.peak_used_gb, "host_syncs_one_step": syncs,
            "profile": profiled}
