@@ -337,6 +337,7 @@ def test_the_spill_file_is_written_by_its_thread_within_a_byte_bound(tmp_path, m
         return real_pwrite(fd, bytes(data[:3]), offset)  # at most 3 bytes a call
     monkeypatch.setattr(os, "pwrite", slow_short_pwrite)
     spill = SpillFile(str(tmp_path), rank=0, queue_bytes=8)
+    assert spill._writer is None  # no thread until the first keep: the re-decode pool forks before it
     first = EncodedImages.from_bytes([b"abcd", b"efg"], [1, 2])
     second = EncodedImages.from_bytes([b"hij"], [3])
     kept = [spill.keep(first)]  # 7 bytes pending: returns at once, nothing written yet

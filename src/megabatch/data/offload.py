@@ -218,12 +218,15 @@ class SpillFile:
         self._pending = deque()  # (offset, bytes) not yet written, oldest first
         self._pending_bytes, self._error = 0, None
         self._changed = threading.Condition()
-        self._writer = threading.Thread(target=self._write_pending, name="megabatch-spill-writer", daemon=True)
-        self._writer.start()
+        self._writer: threading.Thread | None = None  # started by the first keep: after Offload forks its pool
+
 
     def keep(self, raw: EncodedImages) -> Spilled:
         """Queue a sub-batch's encoded images for writing (one write); return where they will be."""
         kept = Spilled(self.offset, raw.nbytes(), raw.offsets.clone(), raw.positions.clone())  # not shared memory
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_pending, name="megabatch-spill-writer", daemon=True)
+            self._writer.start()
         with self._changed:
             self._raise_error()
             while self._pending_bytes and self._pending_bytes + kept.length > self.queue_bytes:
@@ -248,10 +251,11 @@ class SpillFile:
         self.offset = 0
 
     def close(self) -> None:
-        with self._changed:
-            self._pending.append(None)  # the writer's end, after what is queued
-            self._changed.notify_all()
-        self._writer.join(timeout=60)
+        if self._writer is not None:
+            with self._changed:
+                self._pending.append(None)  # the writer's end, after what is queued
+                self._changed.notify_all()
+            self._writer.join(timeout=60)
         self.file.close()
         Path(self.path).unlink(missing_ok=True)
 
