@@ -220,7 +220,6 @@ class SpillFile:
         self._changed = threading.Condition()
         self._writer: threading.Thread | None = None  # started by the first keep: after Offload forks its pool
 
-
     def keep(self, raw: EncodedImages) -> Spilled:
         """Queue a sub-batch's encoded images for writing (one write); return where they will be."""
         kept = Spilled(self.offset, raw.nbytes(), raw.offsets.clone(), raw.positions.clone())  # not shared memory
@@ -244,7 +243,6 @@ class SpillFile:
             while self._pending and self._error is None:
                 self._changed.wait()
             self._raise_error()
-        self.file.flush()
 
     def reset(self) -> None:
         self.flush()
@@ -292,7 +290,6 @@ def _obedient_pool(closing) -> type:
     finalizer when garbage collection reaches a pool nobody closed (which may run before
     ``Redecoder.__del__``: the workers would then ignore the signal and the join would wait forever)."""
     import multiprocessing.pool
-    import threading
 
     class ObedientPool(multiprocessing.pool.Pool):
         @classmethod
