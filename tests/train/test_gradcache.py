@@ -255,7 +255,10 @@ def test_siglip_on_two_ranks_with_offload_equals_one_process(tmp_path):
 
 def test_a_re_decode_pool_nobody_closed_stops_when_garbage_collected():
     """The pool's own finalizer (what garbage collection runs, perhaps before Redecoder.__del__)
-    terminates its workers: they obey its SIGTERM instead of leaving its join waiting forever."""
+    ends its workers instead of leaving its join waiting forever: they exit, or the watchdog kills
+    one still alive ``KILL_AFTER_S`` later (on a loaded 2-core CI machine a worker was once still
+    alive then: which of the two it is depends on timing, so both are allowed here; that a worker
+    obeys SIGTERM is the next test's)."""
     import threading
 
     from megabatch.data.offload import Redecoder
@@ -263,16 +266,42 @@ def test_a_re_decode_pool_nobody_closed_stops_when_garbage_collected():
 
     redecoder = Redecoder(train_transform(16), seed=0, workers=2)
     redecoder.start()
-    # each worker past its initializer (one task each), as in a run: they exit by themselves
+    # each worker past its initializer (one task each), as in a run
     assert len(set(redecoder.pool.map(_pid_after_a_while, range(2), chunksize=1))) == 2
     workers = list(redecoder.pool._pool)
     finalizer = threading.Thread(target=redecoder.pool._terminate, daemon=True)
-    started = time.perf_counter()
     finalizer.start()
     finalizer.join(timeout=20)
     assert not finalizer.is_alive() and not any(worker.is_alive() for worker in workers)
-    assert [worker.exitcode for worker in workers] == [0, 0]  # obeyed: not killed
-    assert time.perf_counter() - started < offload.KILL_AFTER_S
+    assert {worker.exitcode for worker in workers} <= {0, -9}  # exited, or killed after the grace period
+
+
+def test_a_re_decode_worker_ignores_sigterm_until_the_pool_closes_then_obeys_it():
+    """A process past the re-decode workers' initializer: a job's stop signal (SIGTERM to every
+    process) is ignored, and once the pool's termination has set ``closing`` SIGTERM ends it with
+    exit code 0 (obeyed, not killed)."""
+    import multiprocessing
+    import signal
+
+    from megabatch.data.transforms import train_transform
+
+    context = multiprocessing.get_context("fork")
+    closing = context.RawValue("b", 0)
+    worker = context.Process(target=_initialised_then_asleep, args=(train_transform(16), closing), daemon=True)
+    worker.start()
+    time.sleep(1.0)  # past the initializer
+    os.kill(worker.pid, signal.SIGTERM)
+    worker.join(0.5)
+    assert worker.is_alive()
+    closing.value = 1
+    os.kill(worker.pid, signal.SIGTERM)
+    worker.join(10)
+    assert worker.exitcode == 0
+
+
+def _initialised_then_asleep(transform, closing):
+    offload._init_redecode_worker(transform, 0, closing)
+    time.sleep(60)
 
 
 def _pid_after_a_while(_):
