@@ -31,6 +31,7 @@ workers), and the peak drop of the machine's available memory below its level at
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import threading
@@ -60,7 +61,8 @@ class HostMemory:
         return 0
 
     @staticmethod
-    def _tree_pss_kb() -> int:
+    def descendants() -> set[int]:
+        """This process's descendants' pids."""
         parents = {}
         for entry in os.listdir("/proc"):
             if entry.isdigit():
@@ -75,8 +77,12 @@ class HostMemory:
             children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
             tree.update(children)
             frontier.extend(children)
+        return tree - {os.getpid()}
+
+    @classmethod
+    def _tree_pss_kb(cls) -> int:
         total = 0
-        for pid in tree:
+        for pid in cls.descendants() | {os.getpid()}:
             try:
                 for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                     if line.startswith("Pss:"):
@@ -102,6 +108,78 @@ class HostMemory:
         self._stop.set()
         self._thread.join()
         self.sample()
+
+
+class CpuUse:
+    """CPU use sampled every ``period_s`` in a thread, given for a window as cores (CPU seconds per
+    wall second): the machine's busy cores (``/proc/stat``), this process's threads by name
+    (Python's names where a thread has one) and its descendants' (the loader's workers): which side
+    of the host a data wait is on."""
+
+    def __init__(self, period_s: float = 1.0):
+        self.period_s, self.samples = period_s, [self._snapshot()]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.samples.append(self._snapshot())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def _ticks(stat: str) -> int:
+        fields = stat.rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    @classmethod
+    def _snapshot(cls) -> tuple[float, int, dict, int]:
+        machine = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        busy = sum(machine) - machine[3] - machine[4]  # all but idle and iowait
+        names = {thread.native_id: thread.name for thread in threading.enumerate()}
+        threads: dict[str, int] = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                task = Path(f"/proc/self/task/{tid}")
+                name = names.get(int(tid)) or task.joinpath("comm").read_text().strip()
+                threads[name] = threads.get(name, 0) + cls._ticks(task.joinpath("stat").read_text())
+            except (OSError, ValueError, IndexError):
+                continue
+        children = 0
+        for pid in HostMemory.descendants():
+            try:
+                children += cls._ticks(Path(f"/proc/{pid}/stat").read_text())
+            except (OSError, ValueError, IndexError):
+                continue
+        return time.perf_counter(), busy, threads, children
+
+    def window(self, start: float, end: float) -> dict | None:
+        """Use between the samples nearest ``start`` and ``end`` (``time.perf_counter``)."""
+        samples = list(self.samples)
+        first = min(samples, key=lambda sample: abs(sample[0] - start))
+        last = min(samples, key=lambda sample: abs(sample[0] - end))
+        if last[0] - first[0] < self.period_s:
+            return None
+        tick, seconds = os.sysconf("SC_CLK_TCK"), last[0] - first[0]
+        cores = {name: (ticks - first[2].get(name, 0)) / tick / seconds for name, ticks in last[2].items()}
+        return {"seconds": round(seconds, 1), "machine_busy_cores": round((last[1] - first[1]) / tick / seconds, 2),
+                "machine_cores": os.cpu_count(),
+                "workers_cores": round((last[3] - first[3]) / tick / seconds, 2),
+                "main_process_threads_cores": {name: round(value, 2) for name, value in
+                                               sorted(cores.items(), key=lambda item: -item[1]) if value >= 0.05}}
+
+
+def cpu_by_phase(cpu: CpuUse, start: float, phases: dict) -> dict:
+    """``cpu``'s use in each phase of a step that began at ``start`` (GradCache: phase 1 = its data
+    wait and encoding, then the loss and the replay; a plain step: the whole step)."""
+    if "encode" not in phases:
+        return {"step": cpu.window(start, start + sum(phases.values()))}
+    ends = list(itertools.accumulate([start + phases["data"] + phases["encode"], phases["loss"], phases["replay"]]))
+    return {"phase1": cpu.window(start, ends[0]), "loss": cpu.window(ends[0], ends[1]),
+            "replay": cpu.window(ends[1], ends[2])}
 
 
 def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
@@ -189,7 +267,7 @@ def allocator_counts(device: torch.device) -> dict:
 
 def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
               offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32",
-              sync_debug: bool = False, profile: bool = False, warmup_steps: int = 1) -> dict:
+              sync_debug: bool = False, profile: bool = False, warmup_steps: int = 1, prime_s: float = 0.0) -> dict:
     """``steps`` optimizer steps; the first ``warmup_steps`` pay start-up (compilation, worker
     forks, CUDA graphs recorded), so the steady-state figures are over the later ones:
     ``steady_step_s`` is their wall time (from the end of the last warm-up step's GPU work to the
@@ -197,7 +275,11 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     steady steps nothing waits for the GPU but what the step itself waits for, as in a run, so a
     step's ``step_s`` is host time: when the host could start queueing the next. ``sync_debug``:
     then one untimed step that counts the host syncs (``host_syncs``); ``profile``: then three
-    under the profiler (``profile_steps``)."""
+    under the profiler (``profile_steps``). ``prime_s``: the first sub-batch is taken, then the loader
+    and the GPU decoding run that long before the first step starts (their queues fill, as during a
+    previous step's loss and replay in a run), so that one step times a run's later steps, not its
+    workers' start-up."""
+    from megabatch.data import gpu_decode
     from megabatch.train.utilization import utilization
 
     start = time.perf_counter()  # with model.compile=true, RunParts.build compiles the towers (ClipModel.warm_up)
@@ -207,11 +289,16 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     allocator_before = allocator_counts(device)
-    sub_batches, per_step = parts.inputs(0), []
+    inputs, per_step, cpu = parts.inputs(0), [], CpuUse()
+    sub_batches = inputs
     try:
+        if prime_s > 0:
+            first = next(inputs)
+            time.sleep(prime_s)
+            sub_batches = itertools.chain([first], inputs)
         with HostMemory() as host:
             for index in range(steps):
-                start = time.perf_counter()
+                start, waits_before = time.perf_counter(), dict(gpu_decode.wait_seconds)
                 _, phases = step.gradients(sub_batches, epoch=index // plan.steps_per_epoch)
                 step.apply()
                 if device.type == "cuda" and index == min(warmup_steps, steps - 1) - 1:
@@ -220,7 +307,11 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
                 # the host queues the next step while the GPU finishes this one (as a run does):
                 # a step's time is when the host could start the next, and the steady steps'
                 # wall time ends with the GPU's last kernel
-                per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases})
+                per_step.append({"step_s": time.perf_counter() - start, "phases_s": phases,
+                                 # the data wait's sides with GPU decoding: the loader, or the decoding
+                                 "decode_waits_s": {key: value - waits_before.get(key, 0.0)
+                                                    for key, value in gpu_decode.wait_seconds.items()},
+                                 "cpu_cores": cpu_by_phase(cpu, start, phases)})
                 print(json.dumps({"offload": offload, "batch": batch, **per_step[-1]}), flush=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -230,7 +321,8 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
             syncs = host_syncs(step, sub_batches, steps // plan.steps_per_epoch) if sync_debug else None
             profiled = profile_steps(step, sub_batches, steps // plan.steps_per_epoch) if profile else None
     finally:  # also when a step raises: the loader's workers ignore stop signals, and exit would wait on them
-        sub_batches.close()
+        cpu.close()
+        inputs.close()
         parts.close()
     later = per_step[warmup_steps:] or per_step
     step_s = steady_wall_s / len(later) if steady_wall_s else sum(s["step_s"] for s in later) / len(later)
@@ -246,7 +338,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
            # reserved: also the CUDA graphs' private pools (model.cuda_graphs), recorded before the reset
            "gpu_reserved_gb": torch.cuda.memory_reserved() / 1e9 if device.type == "cuda" else None,
-           "warmup_steps": warmup_steps,
+           "warmup_steps": warmup_steps, "primed_s": prime_s,
            # during the timed steps: a retry frees the cache (cudaFree, which waits for the whole GPU)
            "gpu_allocator_during_steps": {k: allocator_after[k] - allocator_before[k] for k in allocator_before},
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,
@@ -295,6 +387,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=1,
                         help="of --steps, the first ones left out of the steady figures, on both sides "
                              "(OpenCLIP's too)")
+    parser.add_argument("--prime-s", type=float, default=0.0,
+                        help="let the loader and the GPU decoding fill their queues this long before the first "
+                             "step (as a previous step's loss and replay let them in a run)")
     parser.add_argument("--workdir", default="/tmp/offload-bench")
     parser.add_argument("--offload-dir", default=None, help="trainer.offload_dir: kept bytes in a file there")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for our runs, e.g. data.decode=gpu")
@@ -329,7 +424,7 @@ def main() -> None:
             for variant, extra in variants or [(None, ())]:
                 row = run_steps(urls, batch, sub_batch, mode == "true", args.workers, args.device, args.steps,
                                 args.offload_dir, (*args.set, *extra), args.model, args.sync_debug, args.profile,
-                                args.warmup_steps)
+                                args.warmup_steps, args.prime_s)
                 row["variant"] = variant
                 print(json.dumps(row), flush=True)
                 results.append(row)

@@ -348,6 +348,71 @@ def test_the_decoding_threads_serve_the_replay_first_and_decode_ahead_in_order()
     pool.close()
 
 
+def test_the_look_ahead_takes_every_decoding_thread_while_no_replay_stream_is_open():
+    """Phase 1 has no replay: its look-ahead may keep every thread busy. While a replay stream is
+    open (until it ends or is closed) one thread stays free for it."""
+    from megabatch.data.gpu_decode import DecodePool
+
+    pool = DecodePool(torch.device("cpu"), threads=3, look_ahead_threads=2)
+    running, most, lock = [0], [0], threading.Lock()
+
+    def work(x):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.1)
+        with lock:
+            running[0] -= 1
+        return x
+
+    def most_running() -> int:
+        most[0] = 0
+        assert list(decode_ahead(iter(range(9)), work, pool, depth=9)) == list(range(9))
+        return most[0]
+
+    assert pool.look_ahead_limit() == 3 and most_running() == 3
+    replay = decode_ahead(iter(range(2)), lambda x: x, pool, priority=DecodePool.REPLAY)
+    assert pool.look_ahead_limit() == 2 and most_running() == 2
+    replay.close()
+    assert pool.look_ahead_limit() == 3
+    assert list(decode_ahead(iter(range(2)), lambda x: x, pool, priority=DecodePool.REPLAY)) == [0, 1]
+    assert pool.look_ahead_limit() == 3  # a replay stream read to its end is closed
+    pool.close()
+
+
+def test_decode_ahead_counts_whether_its_consumer_waited_for_the_source_or_the_decoding():
+    """The process-wide ``wait_seconds`` the benchmarks read: a slow source shows as ``source``
+    waits, slow decoding as ``decode`` waits, each under its stream's name."""
+    from megabatch.data import gpu_decode
+    from megabatch.data.gpu_decode import DecodePool
+
+    pool = DecodePool(torch.device("cpu"), threads=2)
+
+    def slow_source():
+        for index in range(3):
+            time.sleep(0.1)
+            yield index
+
+    def waited() -> dict:
+        return dict(gpu_decode.wait_seconds)
+
+    before = waited()
+    assert list(decode_ahead(slow_source(), lambda x: x, pool)) == [0, 1, 2]
+    after = waited()
+    assert after["look_ahead_source"] - before.get("look_ahead_source", 0.0) >= 0.25
+    assert after["look_ahead_decode"] - before.get("look_ahead_decode", 0.0) < 0.1
+
+    def slow_work(x):
+        time.sleep(0.1)
+        return x
+    before = waited()
+    assert list(decode_ahead(iter(range(3)), slow_work, pool, priority=DecodePool.REPLAY, depth=1)) == [0, 1, 2]
+    after = waited()
+    assert after["replay_decode"] - before.get("replay_decode", 0.0) >= 0.15
+    assert after["replay_source"] - before.get("replay_source", 0.0) < 0.1
+    pool.close()
+
+
 def test_decode_gpu_without_cuda_is_a_clear_error():
     assert resolve_decode("auto", torch.device("cpu")) == "cpu"
     assert resolve_decode("cpu", torch.device("cpu")) == "cpu"

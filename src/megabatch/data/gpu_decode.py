@@ -29,10 +29,12 @@ and logged: the sample is already in the sub-batch, and sub-batches keep their s
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import NamedTuple
@@ -249,9 +251,10 @@ class GpuDecoder:
     @property
     def pool(self) -> DecodePool:
         """The decoding threads (``DecodePool``), started on first use: ``threads`` (``data.
-        decode_threads``), all but one for the look-ahead, else with the hardware decoders four
-        (each its own decoder), three of them for the look-ahead, and with nvJPEG's CUDA decoder
-        alone, which decodes one call at a time (a mutex in torchvision), two, one for the look-ahead.
+        decode_threads``), all but one for the look-ahead while a replay runs, else with the hardware
+        decoders four (each its own decoder), three of them for the look-ahead then, and with nvJPEG's
+        CUDA decoder alone, which decodes one call at a time (a mutex in torchvision), two, one for the
+        look-ahead then. Without a replay (phase 1, a plain step) the look-ahead takes every thread.
 
         Under a training step a hardware decoding call takes ~120 ms for 1,024 images against ~35 ms
         on an idle GPU (nvJPEG waits on an event per image, and each waits for the busy SMs), so the
@@ -395,12 +398,15 @@ class DecodePool:
     replay's go first, since the step is waiting for them, and the next phase 1's look-ahead takes
     what decoding capacity the replay leaves (nvJPEG decodes one call at a time, so the two would
     otherwise take turns, and the replay would wait for images the next step does not need yet).
-    A task's result comes with an event recorded on its thread's stream after its work."""
+    A task's result comes with an event recorded on its thread's stream after its work. The
+    look-ahead keeps ``look_ahead_threads`` busy while a replay stream is open (one thread is always
+    free for the replay), and every thread while none is (phase 1 has no replay to leave one to)."""
 
     REPLAY, LOOK_AHEAD = 0, 1
 
     def __init__(self, device: torch.device, threads: int = 2, look_ahead_threads: int = 1):
         self.device, self.threads, self.look_ahead_threads = device, threads, look_ahead_threads
+        self._replays, self._replays_lock = 0, threading.Lock()  # replay streams open
         self._tasks: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._threads = [threading.Thread(target=self._run, name=f"megabatch-gpu-decode_{index}", daemon=True)
@@ -413,6 +419,15 @@ class DecodePool:
         future: Future = Future()
         self._tasks.put((priority, next(self._order), future, work, item))
         return future
+
+    def look_ahead_limit(self) -> int:
+        """Threads the look-ahead may keep busy now."""
+        return self.look_ahead_threads if self._replays else self.threads
+
+    def replay_opened(self, count: int = 1) -> None:
+        """A replay stream opened (``count`` 1) or closed (-1)."""
+        with self._replays_lock:
+            self._replays += count
 
     def _run(self) -> None:
         # the highest priority: a decode's few kernels go before the step's queued ones, so the
@@ -451,6 +466,14 @@ class DecodePool:
             thread.join(timeout=10)
 
 
+# Seconds that consumers of ``decode_ahead`` waited, process-wide, by stream (``look_ahead``: phase 1
+# and plain steps; ``replay``: the offload replay) and by what they waited for: ``source`` (the item
+# not read yet: the loader) or ``decode`` (its decoding not finished); ``first``: the part of both
+# spent on each stream's first item (start-up: the loader's workers starting). Read by the benchmarks
+# (``scripts/benchmarks/end_to_end.py``) to say which side a step's data wait is on.
+wait_seconds: collections.Counter = collections.Counter()
+
+
 class _Done:
     """The end of a ``decode_ahead`` stream (or the error that ended it)."""
 
@@ -474,10 +497,14 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         # submitted and not done: at most one per thread, and fewer for the look-ahead, so that a thread
         # is always free for the replay, whose step is waiting
         self._running = 0
-        self._threads = pool.look_ahead_threads if priority == DecodePool.LOOK_AHEAD else pool.threads
+        self._pool, self._look_ahead = pool, priority == DecodePool.LOOK_AHEAD
+        self._name = "look_ahead" if self._look_ahead else "replay"
+        self._open_replay = not self._look_ahead  # counted in the pool's open replays until closed
+        if self._open_replay:
+            pool.replay_opened()
         self._room = threading.Condition()
         self._stop = threading.Event()
-        self._finished = False
+        self._finished, self._taken = False, 0
         self._feeder = threading.Thread(target=self._feed, args=(items, work, pool, priority),
                                         name="megabatch-gpu-decode-feed", daemon=True)
         self._feeder.start()
@@ -495,10 +522,13 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         """Wait until the results waiting for the consumer are under the budget and a thread is free
         (a result's size is known only once it is done)."""
         with self._room:
-            while (self._full() or self._running >= self._threads) and not self._stop.is_set():
+            while (self._full() or self._running >= self._threads()) and not self._stop.is_set():
                 self._room.wait(timeout=0.1)
             self._running += 1
         return not self._stop.is_set()
+
+    def _threads(self) -> int:
+        return self._pool.look_ahead_limit() if self._look_ahead else self._pool.threads
 
     def _full(self) -> bool:
         return self._held > 0 and self._held >= self._budget  # a budget of 0 still lets one result wait
@@ -530,7 +560,10 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
     def __next__(self):
         if self._finished:
             raise StopIteration
+        start = time.perf_counter()
         got = self._futures.get()
+        read = time.perf_counter()
+        wait_seconds[f"{self._name}_source"] += read - start
         if isinstance(got, _Done):
             self._finished = True
             self.close()
@@ -542,6 +575,11 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         except BaseException:
             self.close()
             raise
+        finally:
+            wait_seconds[f"{self._name}_decode"] += time.perf_counter() - read
+            if not self._taken:
+                wait_seconds[f"{self._name}_first"] += time.perf_counter() - start
+            self._taken += 1
         with self._room:
             self._held -= device_bytes(result)
             self._room.notify_all()
@@ -556,6 +594,9 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
     def close(self) -> None:
         self._finished = True
         self._stop.set()
+        if self._open_replay:
+            self._open_replay = False
+            self._pool.replay_opened(-1)
         self._feeder.join(timeout=10)
         while not self._futures.empty():
             got = self._futures.get_nowait()
@@ -566,6 +607,9 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        if getattr(self, "_open_replay", False):
+            self._open_replay = False
+            self._pool.replay_opened(-1)
 
 
 def device_bytes(result) -> int:

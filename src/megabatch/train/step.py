@@ -217,7 +217,11 @@ class TrainStep:
         times["loss"] = self._lap(start)
         progress.set_description("replay")
         start = time.perf_counter()
-        waited = replay(self.wrapped, encoded, grads, self.precision, again, progress, self.sync)
+        try:
+            waited = replay(self.wrapped, encoded, grads, self.precision, again, progress, self.sync)
+        finally:
+            if again is not None:
+                again.close()  # its decoding stream closed: the next step's look-ahead takes every thread
         times["data"] += waited
         times["replay"] = self._lap(start) - waited
         progress.close()
