@@ -299,6 +299,33 @@ def test_a_re_decode_worker_ignores_sigterm_until_the_pool_closes_then_obeys_it(
     assert worker.exitcode == 0
 
 
+def test_a_re_decode_worker_stopped_while_waiting_for_a_task_leaves_the_pool_able_to_close():
+    """An idle worker waits for its next task inside the task queue's read lock. A stop signal that
+    reaches it once ``closing`` is set (a job's SIGTERM in the moment between ``Redecoder.close``
+    setting it and the pool's termination) must end it without that lock held: the termination
+    takes the lock to drain the queue, and a lock held by a dead process is never released."""
+    import signal
+    import threading
+
+    from megabatch.data.transforms import train_transform
+
+    redecoder = offload.Redecoder(train_transform(16), seed=0, workers=1)
+    redecoder.start()
+    assert redecoder.pool.apply(os.getpid, ()) > 0  # past its initializer, back waiting for a task
+    time.sleep(0.3)
+    worker = redecoder.pool._pool[0]
+    redecoder.closing.value = 1
+    os.kill(worker.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60  # polled, not joined: the pool's own thread reaps its dead workers
+    while worker.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.exitcode == 0
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (redecoder.close(), closed.set()), daemon=True)
+    closer.start()
+    assert closed.wait(30), "the pool's termination waits on the task queue's lock, which the stopped worker held"
+
+
 def _initialised_then_asleep(transform, closing):
     offload._init_redecode_worker(transform, 0, closing)
     time.sleep(60)

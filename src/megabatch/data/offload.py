@@ -121,9 +121,25 @@ def _init_redecode_worker(transform, seed: int, closing) -> None:
 
 def _exit_when_closing(closing, signum, frame) -> None:
     """A worker's SIGTERM handler: exit if the pool is being closed (``closing``, shared memory
-    without a lock: safe in a handler), else ignore it (a job's stop signal reaches every process)."""
+    without a lock: safe in a handler), else ignore it (a job's stop signal reaches every process).
+    An idle worker waits for its next task inside the task queue's read lock, and the pool's
+    termination takes that lock to drain the queue: a worker that died holding it would leave the
+    termination waiting forever. Inside a queue's code it exits by raising ``SystemExit``, whose
+    unwinding releases the lock; anywhere else at once."""
     if closing.value:
+        if _inside_a_queue(frame):
+            raise SystemExit(0)
         os._exit(0)
+
+
+def _inside_a_queue(frame) -> bool:
+    """Whether ``frame`` or one of its callers runs ``multiprocessing``'s queue code (which may hold
+    one of the queue's locks)."""
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "queues.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _decode_sub_batch(decoder: SampleDecoder, raw: EncodedImages | Spilled,
