@@ -267,7 +267,8 @@ def allocator_counts(device: torch.device) -> dict:
 
 def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
               offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32",
-              sync_debug: bool = False, profile: bool = False, warmup_steps: int = 1, prime_s: float = 0.0) -> dict:
+              sync_debug: bool = False, profile: bool = False, warmup_steps: int = 1, prime_s: float = 0.0,
+              host_sample_s: float = 0.5) -> dict:
     """``steps`` optimizer steps; the first ``warmup_steps`` pay start-up (compilation, worker
     forks, CUDA graphs recorded), so the steady-state figures are over the later ones:
     ``steady_step_s`` is their wall time (from the end of the last warm-up step's GPU work to the
@@ -278,7 +279,8 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     under the profiler (``profile_steps``). ``prime_s``: the first sub-batch is taken, then the loader
     and the GPU decoding run that long before the first step starts (their queues fill, as during a
     previous step's loss and replay in a run), so that one step times a run's later steps, not its
-    workers' start-up."""
+    workers' start-up. ``host_sample_s``: how often the peak host memory is sampled (each sample
+    walks the page tables of every process of the tree, this one's included)."""
     from megabatch.data import gpu_decode
     from megabatch.train.utilization import utilization
 
@@ -296,7 +298,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
             first = next(inputs)
             time.sleep(prime_s)
             sub_batches = itertools.chain([first], inputs)
-        with HostMemory() as host:
+        with HostMemory(host_sample_s) as host:
             for index in range(steps):
                 start, waits_before = time.perf_counter(), dict(gpu_decode.wait_seconds)
                 _, phases = step.gradients(sub_batches, epoch=index // plan.steps_per_epoch)
@@ -338,7 +340,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
            # reserved: also the CUDA graphs' private pools (model.cuda_graphs), recorded before the reset
            "gpu_reserved_gb": torch.cuda.memory_reserved() / 1e9 if device.type == "cuda" else None,
-           "warmup_steps": warmup_steps, "primed_s": prime_s,
+           "warmup_steps": warmup_steps, "primed_s": prime_s, "host_sample_s": host_sample_s,
            # during the timed steps: a retry frees the cache (cudaFree, which waits for the whole GPU)
            "gpu_allocator_during_steps": {k: allocator_after[k] - allocator_before[k] for k in allocator_before},
            "peak_host_gb_process_tree_pss": host.peak_tree_gb,
@@ -390,6 +392,10 @@ def main() -> None:
     parser.add_argument("--prime-s", type=float, default=0.0,
                         help="let the loader and the GPU decoding fill their queues this long before the first "
                              "step (as a previous step's loss and replay let them in a run)")
+    parser.add_argument("--host-sample-s", type=float, default=0.5,
+                        help="period of the peak host memory sampling (its /proc/<pid>/smaps_rollup reads walk "
+                             "each process's page tables: ~0.4 of a core at 1M, and the kernel holds the "
+                             "process's memory-map lock meanwhile)")
     parser.add_argument("--workdir", default="/tmp/offload-bench")
     parser.add_argument("--offload-dir", default=None, help="trainer.offload_dir: kept bytes in a file there")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for our runs, e.g. data.decode=gpu")
@@ -424,7 +430,7 @@ def main() -> None:
             for variant, extra in variants or [(None, ())]:
                 row = run_steps(urls, batch, sub_batch, mode == "true", args.workers, args.device, args.steps,
                                 args.offload_dir, (*args.set, *extra), args.model, args.sync_debug, args.profile,
-                                args.warmup_steps, args.prime_s)
+                                args.warmup_steps, args.prime_s, args.host_sample_s)
                 row["variant"] = variant
                 print(json.dumps(row), flush=True)
                 results.append(row)
