@@ -8,7 +8,11 @@ Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures that c
 photos) as img2dataset shards, then times ``TrainData.loader`` (ViT-B/32 transforms: 224 px
 RandomResizedCrop, open_clip tokenizer) and ``Offload.replay_images`` with each worker count and
 each ``data.train.split`` of ``--splits`` (``indexed`` twice: its tar indexes built during the
-first pass, ``cold``, then read from the cache, ``warm``).
+first pass, ``cold``, then read from the cache, ``warm``). ``--decode gpu``: the workers' part of
+``data.decode=gpu`` only (tar members, JPEG headers, crop boxes, captions; no GPU needed), as at 1M
+samples a step the loader's workers feed the GPU decoding:
+
+    python scripts/benchmarks/loader.py --workers 1,2 --decode gpu --sub-batch 1024 --samples 8192 --out gpu.json
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from megabatch.models import build_model
 
 
 def measure(urls: list[str], workers: int, samples: int, sub_batch: int, split: str = "shard",
-            cache_dir: str | None = None) -> dict:
+            cache_dir: str | None = None, decode: str = "cpu") -> dict:
 
     from megabatch.data import TrainData
     from megabatch.data.offload import Offload
@@ -37,7 +41,7 @@ def measure(urls: list[str], workers: int, samples: int, sub_batch: int, split: 
     data = TrainData(cfg.data, model.tokenizer(), model.preprocess, seed=0)
     batches = samples // sub_batch
     loader = data.loader(epoch=0, start_batch=0, rank_batch=sub_batch, rank=0, world_size=1,
-                         num_batches=batches + 1, sub_batch=sub_batch, keep_raw=True)
+                         num_batches=batches + 1, sub_batch=sub_batch, keep_raw=True, gpu_decode=decode == "gpu")
     raws, start = [], None
     for index, sub in enumerate(loader):
         if index == 0:  # worker start-up and the first batch are not throughput
@@ -45,13 +49,18 @@ def measure(urls: list[str], workers: int, samples: int, sub_batch: int, split: 
             continue
         raws.append(sub.raw)
     first_pass = (len(raws) * sub_batch) / (time.perf_counter() - start)
+    if decode == "gpu":  # the workers' part only (tar members, JPEG headers, crop boxes, captions)
+        return {"split": split, "decode": decode, "workers": workers, "samples": len(raws) * sub_batch,
+                "sub_batch": sub_batch, "first_pass_samples_s": first_pass,
+                "first_pass_per_worker": first_pass / max(1, workers)}
     offload = Offload(data.transform, seed=0, workers=workers)
     start = time.perf_counter()
     count = sum(images.shape[0] for images in offload.replay_images(raws, epoch=0))
     redecode = count / (time.perf_counter() - start)
     offload.close()
-    return {"split": split, "workers": workers, "samples": len(raws) * sub_batch, "sub_batch": sub_batch,
-            "first_pass_samples_s": first_pass, "first_pass_per_worker": first_pass / max(1, workers),
+    return {"split": split, "decode": decode, "workers": workers, "samples": len(raws) * sub_batch,
+            "sub_batch": sub_batch, "first_pass_samples_s": first_pass,
+            "first_pass_per_worker": first_pass / max(1, workers),
             "redecode_samples_s": redecode, "redecode_per_worker": redecode / max(1, workers)}
 
 
@@ -64,6 +73,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--workdir", default="/tmp/loader-bench")
     parser.add_argument("--splits", default="shard", help="data.train.split values, side by side")
+    parser.add_argument("--decode", default="cpu", choices=("cpu", "gpu"),
+                        help="the workers' work for data.decode: cpu (decode and crop; then the offload "
+                             "re-decode) or gpu (tar members, JPEG headers and crop boxes: no GPU needed)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     shards = photo_shards(args.images, args.size, Path(args.workdir) / "shards", per_shard=512)
@@ -75,7 +87,7 @@ def main() -> None:
         shutil.rmtree(cache, ignore_errors=True)  # the indexed split's first pass builds its indexes
         for split in args.splits.split(","):
             for index_cache in ("cold", "warm") if split == "indexed" else ("",):
-                row = measure(urls, workers, args.samples, args.sub_batch, split, str(cache))
+                row = measure(urls, workers, args.samples, args.sub_batch, split, str(cache), args.decode)
                 row["index_cache"] = index_cache or None
                 print(json.dumps(row), flush=True)
                 results.append(row)

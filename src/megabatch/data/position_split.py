@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..distributed.signals import ignore_stop_signals
 from .samples import EncodedImages, SampleDecoder, Stats, SubBatch, decode_pair
+from .tars import tar_samples
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class PositionSplitBatches(IterableDataset):
         epoch_seed = self.seed * 100_003 + self.epoch
         shards = list(self.urls)
         random.Random(epoch_seed).shuffle(shards)
-        stream = wds.tarfile_to_samples(handler=self.stats.handler)(
+        stream = tar_samples(self.stats.handler)(
             iter([{"url": url} for url in shards])
         )
         return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=epoch_seed)(stream)

@@ -26,6 +26,7 @@ from torch.utils.data import get_worker_info
 
 from .position_split import PositionSplitBatches
 from .samples import decode_pair
+from .tars import tar_samples
 
 
 def slot_quota(sizes: list[int], slots: int, sub_batch: int) -> int:
@@ -80,7 +81,7 @@ class ShardBatches(PositionSplitBatches):
         slot, slots = self.rank * workers + logical, self.world_size * workers
         self.worker = worker
         own, fallback = self._shards(slot, slots)
-        read = wds.tarfile_to_samples(handler=self.stats.handler)
+        read = tar_samples(self.stats.handler)
         stream = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
                              seed=(self.seed * 100_003 + self.epoch) * 7_919 + slot)(
             read(iter({"url": url} for url in own)))

@@ -1,0 +1,174 @@
+"""Tar shards read without Python's ``tarfile``: the headers parsed here (ustar, GNU and pax: what
+Python's ``tarfile``, GNU tar and webdataset's writer produce), ten times faster per member.
+
+With ``data.decode=gpu`` a loader worker only reads each sample's bytes and the JPEG's header, and
+``webdataset.tarfile_to_samples`` (two ``tarfile`` headers parsed in Python per member, a pax one
+and the member's) was half of its time: ~0.45 of the ~0.9 ms a sample on a 2-core machine. Local,
+uncompressed shards go through ``tar_samples`` here; streams (``pipe:``, ``scheme://``) and
+compressed tars still go through webdataset. Samples are grouped as webdataset groups them, and a
+damaged shard reaches the same handler with its URL as the error's last argument.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tarfile
+from collections.abc import Callable, Iterable, Iterator
+
+import webdataset as wds
+
+from .urls import is_remote
+
+BLOCK = tarfile.BLOCKSIZE
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta: "__key__"-like names are not fields
+_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")  # gzip, bzip2, xz, zstd
+
+
+def tar_members(chunk: bytes) -> Iterator[tuple[str, bytes]]:
+    """``(name, data)`` of each regular file in ``chunk``, whole tar records. Raises
+    ``tarfile.ReadError`` on a damaged record."""
+    return tar_records(_Reader(chunk).read, whole=False)
+
+
+def tar_records(read: Callable[[int], bytes], chunk_bytes: int = 8 << 20,
+                whole: bool = True) -> Iterator[tuple[str, bytes]]:
+    """``(name, data)`` of each regular file of the tar that ``read(n)`` returns the bytes of, in
+    order, reading ``chunk_bytes`` at a time (a member's data is one slice of them). Ends at the
+    end-of-archive blocks; raises ``tarfile.ReadError`` on a bad header checksum, a member cut
+    short, or (``whole``: a whole tar file, not a run of its records) bytes that end before the
+    end-of-archive blocks (a file cut short between two members)."""
+    buffer, at, ended = b"", 0, False
+    long_name, pax = None, {}
+
+    def have(count: int) -> bool:  # at least count bytes from at, reading more as needed
+        nonlocal buffer, at, ended
+        while len(buffer) - at < count and not ended:
+            more = read(max(chunk_bytes, count + at - len(buffer)))
+            ended = not more
+            if at >= len(buffer):  # at is past what was read (a member's padding): skip into the new bytes
+                buffer, at = more, at - len(buffer)
+            else:
+                buffer, at = buffer[at:] + more, 0
+        return len(buffer) - at >= count
+
+    while have(BLOCK):
+        header = buffer[at:at + BLOCK]
+        if header.count(0) == BLOCK:
+            return  # the end-of-archive blocks
+        if sum(header[:148]) + 256 + sum(header[156:]) != _octal(header[148:156]):  # the checksum field as spaces
+            raise tarfile.ReadError("bad tar header checksum")
+        kind = header[156:157]
+        size = int(pax.get("size", _octal(header[124:136])))
+        if not have(BLOCK + size):
+            raise tarfile.ReadError("tar member cut short")
+        data = buffer[at + BLOCK:at + BLOCK + size]
+        at += BLOCK + -(-size // BLOCK) * BLOCK  # past the padding (a missing tail of it ends the loop)
+        if kind == b"x":  # pax extended header: applies to the next member
+            pax = _pax_records(data)
+        elif kind == b"L":  # GNU long name of the next member
+            long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+        elif kind in (b"0", b"\0", b"7"):
+            prefix, name = header[345:500].rstrip(b"\0"), header[:100].rstrip(b"\0")
+            default = (prefix + b"/" + name if prefix else name).decode("utf-8", "surrogateescape")
+            yield pax.get("path") or long_name or default, data
+            long_name, pax = None, {}
+        elif kind != b"g":  # directories, links and the rest carry no sample field
+            long_name, pax = None, {}
+    if whole or buffer[at:].count(0) != len(buffer) - at:
+        raise tarfile.ReadError("tar cut short: no end-of-archive blocks" if whole else "tar header cut short")
+
+
+class _Reader:
+    """``read(n)`` over bytes in memory."""
+
+    def __init__(self, data: bytes):
+        self.data, self.at = data, 0
+
+    def read(self, count: int) -> bytes:
+        chunk = self.data[self.at:self.at + count]
+        self.at += len(chunk)
+        return chunk
+
+
+def _octal(field: bytes) -> int:
+    if field[:1] in (b"\x80", b"\xff"):  # GNU base-256 for large sizes
+        return int.from_bytes(field[1:], "big") * (-1 if field[:1] == b"\xff" else 1)
+    digits = field.rstrip(b" \0")
+    try:
+        return int(digits or b"0", 8)
+    except ValueError:
+        raise tarfile.ReadError(f"bad number field {field!r}") from None
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    """A pax header's ``length key=value\\n`` records."""
+    records, at = {}, 0
+    while at < len(data) and data[at:at + 1] != b"\0":
+        length = int(data[at:data.index(b" ", at)])
+        key, _, value = data[data.index(b" ", at) + 1:at + length - 1].partition(b"=")
+        records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        at += length
+    return records
+
+
+def sample_key(name: str) -> tuple[str, str] | None:
+    """webdataset's grouping of a member name: ``(key, field)``, the path up to the first dot of the
+    file name and the rest of it, lower-cased; ``None`` for a name without one, or a metadata name."""
+    if _META.match(name):
+        return None
+    folder, _, base = name.rpartition("/")
+    stem, dot, extension = base.partition(".")
+    if not stem or not dot:
+        return None
+    return (f"{folder}/{stem}" if folder else stem), extension.lower()
+
+
+def reads_locally(url: str) -> bool:
+    """A local, uncompressed tar (``tar_samples`` reads it here; anything else goes to webdataset)."""
+    if is_remote(url):
+        return False
+    try:
+        with open(os.path.expanduser(url.removeprefix("file:")), "rb") as handle:
+            return not handle.read(6).startswith(_COMPRESSED)
+    except OSError:
+        return True  # missing or unreadable: the reader raises it, and the handler counts it
+
+
+def tar_samples(handler: Callable[[Exception], bool]) -> Callable[[Iterable[dict]], Iterator[dict]]:
+    """``webdataset.tarfile_to_samples(handler=handler)``'s like: from ``{"url": ...}`` sources, the
+    samples ``{"__key__", "__url__", field: bytes, ...}`` of each shard in turn. An error reading a
+    shard (a bad header, a member cut short, a missing file) goes to ``handler`` with the URL as the
+    error's last argument; the samples read before it are kept (the last one perhaps missing fields),
+    and the next shard is read if the handler returns true."""
+
+    def samples(sources: Iterable[dict]) -> Iterator[dict]:
+        for source in sources:
+            url = source["url"]
+            if not reads_locally(url):
+                yield from wds.tarfile_to_samples(handler=handler)(iter([source]))
+                continue
+            current = None
+            try:
+                with open(os.path.expanduser(url.removeprefix("file:")), "rb", buffering=0) as handle:
+                    for name, data in tar_records(handle.read):
+                        grouped = sample_key(name)
+                        if grouped is None:
+                            continue
+                        key, field = grouped
+                        if current is None or key != current["__key__"] or field in current:
+                            if current is not None:
+                                yield current
+                            current = {"__key__": key, "__url__": url}
+                        current[field] = data
+            except (tarfile.TarError, OSError, ValueError) as error:
+                error.args = (*error.args, url)
+                if current is not None:
+                    yield current
+                if handler(error):
+                    continue
+                raise
+            if current is not None:
+                yield current
+
+    return samples
