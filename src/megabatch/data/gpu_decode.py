@@ -494,8 +494,8 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         self.device, self._budget = pool.device, budget_bytes
         self._futures: queue.Queue = queue.Queue(maxsize=depth)  # in order; bounded: at most depth ahead
         self._held = 0  # bytes of results done and not yet taken
-        # submitted and not done: at most one per thread, and fewer for the look-ahead, so that a thread
-        # is always free for the replay, whose step is waiting
+        # submitted and not done: at most one per thread, and for the look-ahead one fewer while a
+        # replay stream is open, so that a thread is always free for the replay, whose step is waiting
         self._running = 0
         self._pool, self._look_ahead = pool, priority == DecodePool.LOOK_AHEAD
         self._name = "look_ahead" if self._look_ahead else "replay"
