@@ -594,9 +594,7 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
     def close(self) -> None:
         self._finished = True
         self._stop.set()
-        if self._open_replay:
-            self._open_replay = False
-            self._pool.replay_opened(-1)
+        self._close_replay()
         self._feeder.join(timeout=10)
         while not self._futures.empty():
             got = self._futures.get_nowait()
@@ -607,7 +605,12 @@ class decode_ahead:  # noqa: N801 - used as a function that returns an iterator
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
-        if getattr(self, "_open_replay", False):
+        if hasattr(self, "_open_replay"):
+            self._close_replay()
+
+    def _close_replay(self) -> None:
+        """No longer counted among the pool's open replay streams (once)."""
+        if self._open_replay:
             self._open_replay = False
             self._pool.replay_opened(-1)
 

@@ -34,7 +34,7 @@ from torch.utils.data import get_worker_info
 from ..config import ConfigError
 from .position_split import PositionSplitBatches
 from .samples import decode_pair
-from .tars import tar_members
+from .tars import sample_key, tar_members
 from .urls import _KEY as SAMPLE_KEY
 from .urls import is_remote
 
@@ -104,10 +104,10 @@ class TarIndex:
         chunk = os.pread(fd, int(offsets[sample + 1]) - start, start)  # one system call, no buffer to refill
         fields: dict = {"__url__": url}
         for name, data in tar_members(chunk):
-            folder, _, base = name.rpartition("/")
-            stem, _, extension = base.partition(".")  # webdataset's split: up to the first dot of the file name
-            fields.setdefault("__key__", f"{folder}/{stem}" if folder else stem)
-            fields[extension.lower()] = data
+            grouped = sample_key(name)
+            if grouped is not None:
+                fields.setdefault("__key__", grouped[0])
+                fields[grouped[1]] = data
         return fields
 
     def close(self) -> None:

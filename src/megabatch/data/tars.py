@@ -11,6 +11,7 @@ damaged shard reaches the same handler with its URL as the error's last argument
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import tarfile
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import webdataset as wds
 
+from .urls import _KEY as SAMPLE_KEY
 from .urls import is_remote
 
 BLOCK = tarfile.BLOCKSIZE
@@ -28,7 +30,7 @@ _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")  # gzi
 def tar_members(chunk: bytes) -> Iterator[tuple[str, bytes]]:
     """``(name, data)`` of each regular file in ``chunk``, whole tar records. Raises
     ``tarfile.ReadError`` on a damaged record."""
-    return tar_records(_Reader(chunk).read, whole=False)
+    return tar_records(io.BytesIO(chunk).read, whole=False)
 
 
 def tar_records(read: Callable[[int], bytes], chunk_bytes: int = 8 << 20,
@@ -79,18 +81,6 @@ def tar_records(read: Callable[[int], bytes], chunk_bytes: int = 8 << 20,
         raise tarfile.ReadError("tar cut short: no end-of-archive blocks" if whole else "tar header cut short")
 
 
-class _Reader:
-    """``read(n)`` over bytes in memory."""
-
-    def __init__(self, data: bytes):
-        self.data, self.at = data, 0
-
-    def read(self, count: int) -> bytes:
-        chunk = self.data[self.at:self.at + count]
-        self.at += len(chunk)
-        return chunk
-
-
 def _octal(field: bytes) -> int:
     if field[:1] in (b"\x80", b"\xff"):  # GNU base-256 for large sizes
         return int.from_bytes(field[1:], "big") * (-1 if field[:1] == b"\xff" else 1)
@@ -115,13 +105,11 @@ def _pax_records(data: bytes) -> dict[str, str]:
 def sample_key(name: str) -> tuple[str, str] | None:
     """webdataset's grouping of a member name: ``(key, field)``, the path up to the first dot of the
     file name and the rest of it, lower-cased; ``None`` for a name without one, or a metadata name."""
-    if _META.match(name):
+    match = None if _META.match(name) else SAMPLE_KEY.match(name)
+    if match is None:
         return None
-    folder, _, base = name.rpartition("/")
-    stem, dot, extension = base.partition(".")
-    if not stem or not dot:
-        return None
-    return (f"{folder}/{stem}" if folder else stem), extension.lower()
+    key = match.group(1)
+    return key, name[len(key) + 1:].lower()
 
 
 def reads_locally(url: str) -> bool:
