@@ -13,6 +13,8 @@ memory; optionally OpenCLIP 3.3's own training loop (any architecture) fed by th
         --set data.decode=gpu model.compile=true --variant 'all-off: model.trim_text=false trainer.keep_graph=false' \
         --variant 'trim: trainer.keep_graph=false' --variant 'keep-graph: model.trim_text=false' --variant 'all-on:' \
         --out vit_b16_4k_vs_openclip.json
+    python scripts/benchmarks/end_to_end.py --model vit_b16 --sub-batch 512 --kept-graph-counts 2,4,8,16,32,64 \
+        --steps 2 --modes false --set data.decode=gpu model.compile=true --out kept_graph.json
 
 Writes ``--images`` distinct JPEGs (``--size`` px, smooth random pictures, so they compress like
 photos) as img2dataset shards under ``--workdir``, lists them repeatedly to reach the batch, and
@@ -350,6 +352,61 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     return row
 
 
+def kept_graph_sweep(urls: list[str], counts: list[int], sub_batch: int, workers: int, device: str, rounds: int,
+                     overrides: tuple[str, ...] = (), model: str = "vit_b32") -> list[dict]:
+    """What ``trainer.keep_graph`` saves at K sub-batches a step (one of K replay forwards), for each
+    K of ``counts``, on one built step (no offload): one warm-up step at K, then ``rounds`` pairs of
+    steps with the kept graph on and off, interleaved so that drift of the machine falls on both.
+    Each step is timed to the end of its GPU work; a row per (K, on/off) with the median step, the
+    saving and the peak GPU memory (the kept graph holds one sub-batch's activations through the loss)."""
+    import dataclasses
+    import statistics
+
+    from megabatch.train.utilization import utilization
+
+    cuda = device == "cuda"
+    parts = build_parts(urls, max(counts) * sub_batch, sub_batch, False, workers, device,
+                        (1 + 2 * rounds) * len(counts), None, overrides, model)
+    step, rows = parts.step, []
+    inputs = parts.inputs(0)
+    keep = step.keep
+    try:
+        for count in counts:
+            step.sub_batches = count
+            times: dict[bool, list[float]] = {True: [], False: []}
+            peaks: dict[bool, float] = {True: 0.0, False: 0.0}
+            for kept in [True] + [True, False] * rounds:
+                step.keep = dataclasses.replace(keep, keep_graph=kept)
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                step.gradients(inputs)
+                step.apply()
+                if cuda:
+                    torch.cuda.synchronize()
+                    peaks[kept] = max(peaks[kept], torch.cuda.max_memory_allocated() / 1e9)
+                times[kept].append(time.perf_counter() - start)
+            for kept in (True, False):
+                timed = times[kept][1:] if kept else times[kept]  # the first kept step is the warm-up
+                step_s = statistics.median(timed)
+                rows.append({"system": "megabatch", "model": model, "overrides": list(overrides),
+                             "sweep": "keep_graph", "sub_batches": count, "sub_batch": sub_batch,
+                             "batch": count * sub_batch, "keep_graph": kept, "steady_step_s": step_s,
+                             "step_s": timed, "steady_samples_s": count * sub_batch / step_s,
+                             **utilization(parts.flops, parts.peak, count * sub_batch / step_s),
+                             "peak_gpu_gb": peaks[kept] if cuda else None})
+            on, off = rows[-2]["steady_step_s"], rows[-1]["steady_step_s"]
+            rows[-2]["saved_fraction"] = 1 - on / off
+            print(json.dumps({"sub_batches": count, "kept_s": on, "not_kept_s": off, "saved": 1 - on / off}),
+                  flush=True)
+    finally:
+        step.keep = keep
+        inputs.close()
+        parts.close()
+    return rows
+
+
 OPENCLIP_ARCHS = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14"}  # our shapes' open_clip names
 
 
@@ -412,6 +469,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="then three untimed steps per row under torch.profiler: GPU kernel time by class, "
                              "busy fraction, the host's time to queue a step and its costliest operations")
+    parser.add_argument("--kept-graph-counts", default=None,
+                        help="instead of the rows above: trainer.keep_graph on against off at these numbers of "
+                             "sub-batches a step (e.g. 2,4,8,16,32,64), --steps pairs each, on one built step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     sub_batches = args.sub_batch.split(",")
@@ -423,6 +483,16 @@ def main() -> None:
     mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
     # the same shards listed again until every (shard-split) loader worker can fill its share
     urls = shards * ((args.steps + 2) * -(-batch // args.images) + args.workers // len(shards) + 1)
+    if args.kept_graph_counts:
+        counts = [int(c) for c in args.kept_graph_counts.split(",")]
+        if not sub_batches[0].isdigit():
+            parser.error("--kept-graph-counts needs a --sub-batch number")
+        urls = shards * (((2 * args.steps + 1) * sum(counts) + max(counts)) * int(sub_batches[0]) // args.images
+                         + args.workers + 1)
+        rows = kept_graph_sweep(urls, counts, int(sub_batches[0]), args.workers, args.device, args.steps,
+                                tuple(args.set), args.model)
+        write_results(args.out, rows, jpeg_kb_per_sample=mean_kb)
+        return
     variants = [(name.strip(), tuple(rest.split())) for name, _, rest in (v.partition(":") for v in args.variant)]
     results = []
     for mode in args.modes.split(","):
