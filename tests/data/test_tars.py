@@ -104,3 +104,20 @@ def test_a_run_of_records_needs_no_end_blocks_and_a_header_cut_short_is_an_error
     assert [name for name, _ in tar_members(data[:2048])] == ["__meta__", "noextension"]  # no end blocks
     with pytest.raises(tarfile.ReadError, match="cut short"):
         list(tar_members(data[:2048 + 512 + 300]))  # the jpg's header, then part of its 700 bytes
+
+
+def test_a_compressed_shard_cut_in_a_member_counts_once_under_its_url(tmp_path, caplog):
+    # webdataset's reader reports the member's error with only its stream, then the shard's with the URL
+    from megabatch.data.samples import Stats
+
+    plain = write_tar(tmp_path / "a.tar", members(6))
+    packed = gzip.compress(open(plain, "rb").read())
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(packed[:len(packed) // 2])
+    stats = Stats(give_up_after=2)
+    with caplog.at_level("WARNING", logger="megabatch.data.samples"):
+        samples = list(tar_samples(stats.handler)(iter({"url": u} for u in [str(cut), plain])))
+    assert stats.broken_shard == 1 and stats.broken_urls == {str(cut)} and stats.broken_in_a_row == 1
+    assert len(samples) >= 6 and samples[-1]["__url__"] == plain  # the next shard is read
+    [record] = [r for r in caplog.records if "skipping" in r.getMessage()]
+    assert f"shard {cut}: unexpected end of data" in record.getMessage() and " @ " not in record.getMessage()
