@@ -49,30 +49,17 @@ class Stats:
     give_up_after: int = field(default=0, repr=False)
     broken_urls: set = field(default_factory=set, repr=False)
     broken_in_a_row: int = field(default=0, repr=False)
-    member_errors: dict = field(default_factory=dict, repr=False)
 
     def handler(self, error: Exception) -> bool:
         """webdataset exception handler: count and log a truncated or unreadable tar (once per
-        shard), go on.
-
-        The shard's URL is the error's last argument (``data/tars.py`` and webdataset's shard-level
-        handlers append it), except where webdataset's reader fails inside a member: that error
-        names only the open stream (``"message @ <stream>"``), and the stream's own error follows
-        with the stream and the URL. The first is held and reported with the second, so that one
-        damaged shard counts once, under its URL, with what went wrong first."""
-        message = str(error.args[0]) if error.args else str(error)
-        if len(error.args) == 1 and " @ " in message:  # inside a member: the shard's own error follows
-            self.member_errors[message.rpartition(" @ ")[2]] = message.rpartition(" @ ")[0]
-            return True
+        shard, under its URL: the error's last argument, as ``tars.tar_samples`` gives it), go on."""
         url = str(error.args[-1]) if error.args else "?"
-        if len(error.args) >= 3:  # webdataset's (message, stream, url): the member's error is the cause
-            message = self.member_errors.pop(str(error.args[-2]), message)
         self.broken_in_a_row += 1
         if url not in self.broken_urls:
             self.broken_urls.add(url)
             if self.count_shards:
                 self.broken_shard += 1
-                log.warning("skipping the rest of shard %s: %s", url, message)
+                log.warning("skipping the rest of shard %s: %s", url, error.args[0] if error.args else error)
         if self.give_up_after and self.broken_in_a_row >= self.give_up_after:
             raise RuntimeError(f"no readable shard: {self.broken_in_a_row} in a row failed, e.g. "
                                f"{', '.join(sorted(self.broken_urls)[:5])}")

@@ -112,15 +112,40 @@ def sample_key(name: str) -> tuple[str, str] | None:
     return key, name[len(key) + 1:].lower()
 
 
+def _local_path(url: str) -> str:
+    return os.path.expanduser(url.removeprefix("file:"))
+
+
 def reads_locally(url: str) -> bool:
     """A local, uncompressed tar (``tar_samples`` reads it here; anything else goes to webdataset)."""
     if is_remote(url):
         return False
     try:
-        with open(os.path.expanduser(url.removeprefix("file:")), "rb") as handle:
+        with open(_local_path(url), "rb") as handle:
             return not handle.read(6).startswith(_COMPRESSED)
     except OSError:
         return True  # missing or unreadable: the reader raises it, and the handler counts it
+
+
+def _webdataset_samples(source: dict, handler: Callable[[Exception], bool]) -> Iterator[dict]:
+    """One shard through webdataset's reader, its errors given to ``handler`` as ``tar_samples``
+    gives its own: once per damaged shard, with the URL last. webdataset reports an error inside a
+    member with only the stream (``"message @ <stream>"``), then the shard's own error with
+    ``(message, stream, url)``; the first is held and given, as the cause, with the second. (A
+    member error that no shard error follows leaves its sample without that field, which the
+    decoding counts.)"""
+    held: list[str] = []
+
+    def shard_errors(error: Exception) -> bool:
+        message = str(error.args[0]) if error.args else ""
+        if len(error.args) == 1 and " @ " in message:  # inside a member: the shard's own error follows
+            held.append(message.rpartition(" @ ")[0])
+            return True
+        if held and len(error.args) >= 3:  # (message, stream, url)
+            error.args = (held.pop(0), *error.args[1:])
+        return handler(error)
+
+    yield from wds.tarfile_to_samples(handler=shard_errors)(iter([source]))
 
 
 def tar_samples(handler: Callable[[Exception], bool]) -> Callable[[Iterable[dict]], Iterator[dict]]:
@@ -134,11 +159,11 @@ def tar_samples(handler: Callable[[Exception], bool]) -> Callable[[Iterable[dict
         for source in sources:
             url = source["url"]
             if not reads_locally(url):
-                yield from wds.tarfile_to_samples(handler=handler)(iter([source]))
+                yield from _webdataset_samples(source, handler)
                 continue
             current = None
             try:
-                with open(os.path.expanduser(url.removeprefix("file:")), "rb", buffering=0) as handle:
+                with open(_local_path(url), "rb", buffering=0) as handle:
                     for name, data in tar_records(handle.read):
                         grouped = sample_key(name)
                         if grouped is None:
