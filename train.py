@@ -17,13 +17,16 @@ from megabatch.config.cli import entry_args  # shard patterns reach Hydra with t
 def main(cfg: DictConfig) -> float:
     from megabatch.config import ConfigError
     from megabatch.config.cli import config_error_exit, job_exit
-    from megabatch.train import PREEMPTED_EXIT, NonFiniteError, Preempted, run
+    from megabatch.train import PREEMPTED_EXIT, NonFiniteError, Preempted, RankLost, run
 
     # in a multirun (-m) a failed job is recorded (status.json, the sweep's summary) and the others run
     try:
         return run(cfg)  # the final zero-shot top-1: what a sweeper optimises
     except ConfigError as error:  # the key and the fix, one line, no traceback; status 2 (usage)
         raise job_exit(config_error_exit(error), f"config error: {error}") from None
+    except RankLost as error:  # another rank died or failed: which one, status 1 (torchrun may restart)
+        print(f"training stopped: {error}", file=sys.stderr)
+        raise job_exit(SystemExit(1), f"training stopped: {error}") from None
     except NonFiniteError as error:  # diverged: what happened and what to change, status 1
         print(f"training stopped: {error}", file=sys.stderr)
         raise job_exit(SystemExit(1), f"training stopped: {error}") from None

@@ -9,6 +9,7 @@ evaluations.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import (
     capture_rng,
+    load_checkpoint,
     load_resume,
     load_sharded_state,
     load_whole_state,
@@ -32,8 +34,11 @@ from ..config import ConfigError, parse_duration
 from ..config.schema import validate
 from ..distributed import DistEnv, init_distributed
 from ..distributed.fsdp import is_sharded, local
+from ..distributed.health import FAILED, RankLost, describe, is_communication_error
+from ..distributed.once import on_rank_zero
 from ..eval import headline, run_zeroshot, summary
 from ..report import RunStatus
+from ..report.runs import failure
 from .metrics import MetricsLogger
 from .parts import RunParts
 from .preemption import Preempted, StopRequests
@@ -51,24 +56,47 @@ def run(cfg: DictConfig) -> float:
     """Train as configured; return the final zero-shot top-1 (or the last loss without eval)."""
     validate(cfg)  # every value, before a process group, a model or a loader exists
     env = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend, cfg.trainer.dist_timeout_s)
-    trainer = None
+    trainer, ended = None, "failed"
     try:
         trainer = Trainer(cfg, env)
         result = trainer.fit()
         trainer.status.end("completed" if trainer.step >= trainer.plan.total_steps else "stopped", result=result)
+        ended = "finished"
         return result
     except Preempted as stopped:
         trainer.status.end("stopped", error=str(stopped))
+        ended = "stopped"
         raise
     except BaseException as error:  # status.json says why, for a sweep's summary
+        named = name_lost_rank(env, error)
+        ended = f"{FAILED}: {failure(named)}"
+        if env.peers is not None:
+            env.peers.end(ended)  # at once: the other ranks name this one in their errors
         if trainer is not None:
-            trainer.status.fail(error)
+            trainer.status.fail(named)
+        if named is not error:
+            raise named from error
         raise
     finally:
+        if env.peers is not None:
+            env.peers.end(ended)
         if trainer is not None:
             trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def name_lost_rank(env: DistEnv, error: BaseException) -> BaseException:
+    """A failed collective becomes a ``RankLost`` naming the rank that went (or failed), when the
+    heartbeats tell; any other error stays as it is."""
+    if env.peers is None or not is_communication_error(error):
+        return error
+    lost = env.peers.lost_peers()
+    if not lost:
+        return error
+    message = f"{describe(lost)}; rank {env.rank} stops too ({type(error).__name__}: {str(error)[:300]})"
+    log.error("%s", message)
+    return RankLost(message)
 
 
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
@@ -94,6 +122,25 @@ def sweep_job() -> tuple[str, str] | None:
         return None
     hydra = HydraConfig.get()
     return Path(hydra.sweep.dir).name, str(hydra.job.num)
+
+
+_warned_shutdown = False
+
+
+def warn_if_torchrun_may_cut(seconds: float) -> None:
+    """Once: a checkpoint that takes longer than torchrun waits after forwarding a signal (its
+    ``--shutdown-timeout``, 30 s unless ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says otherwise) would be
+    cut by its SIGKILL when torchrun itself is signalled."""
+    global _warned_shutdown
+    if _warned_shutdown or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    patience = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or os.environ.get("PET_SHUTDOWN_TIMEOUT") or 30)
+    if seconds > 0.5 * patience:
+        _warned_shutdown = True
+        log.warning("a checkpoint took %.0f s; torchrun kills its workers %.0f s after it forwards a stop signal, "
+                    "which would cut the stop's checkpoint: launch with torchrun --shutdown-timeout=%d (or "
+                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=%d) above a step plus a checkpoint", seconds, patience,
+                    int(4 * seconds) + 60, int(4 * seconds) + 60)
 
 
 class Trainer:
@@ -133,7 +180,7 @@ class Trainer:
         # steps after the checkpoint are redone: each logged once
         self.metrics = MetricsLogger(self.run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), self.main,
                                      resumed_step=self.step, sweep=sweep_job())
-        self.stops = StopRequests(parse_duration(cfg.trainer.time_limit), env.device, env.distributed)
+        self.stops = StopRequests(parse_duration(cfg.trainer.time_limit), env.distributed, env.control_group)
 
     def _lock_run_dir(self) -> RunLock | None:
         """Rank 0 locks the run directory; every rank learns whether it could (and fails alike)."""
@@ -151,8 +198,28 @@ class Trainer:
             raise ConfigError(error)
         return lock
 
+    def _agreed_resume(self) -> tuple[Path, dict] | None:
+        """What to resume from, chosen by rank 0 for every rank (a filesystem may show ranks
+        different newest files: a checkpoint just renamed, NFS attribute caching); another rank
+        loads that file or fails naming it."""
+        chosen: dict = {}
+
+        def choose() -> str | None:
+            chosen["found"] = load_resume(self.cfg.resume, self.run_dir)
+            return None if chosen["found"] is None else str(chosen["found"][0])
+
+        path = on_rank_zero(choose)
+        if path is None or "found" in chosen:
+            return chosen.get("found")
+        try:
+            return Path(path), load_checkpoint(path, weights=False)
+        except ConfigError as error:
+            raise ConfigError(f"rank {self.env.rank}: rank 0 resumes from {path}, which this rank cannot load "
+                              f"({error}); every rank must see the run directory's files alike (a shared "
+                              "filesystem)") from None
+
     def _resume(self) -> None:
-        found = load_resume(self.cfg.resume, self.run_dir)
+        found = self._agreed_resume()
         if found is None:
             existing = run_checkpoints(self.ckpt_dir)
             if existing and not self.cfg.overwrite:
@@ -211,6 +278,12 @@ class Trainer:
         return bool(finite)
 
     def _checkpoint(self, numbered: bool) -> None:
+        started = time.perf_counter()
+        self._write_checkpoint(numbered)
+        if self.main:
+            warn_if_torchrun_may_cut(time.perf_counter() - started)
+
+    def _write_checkpoint(self, numbered: bool) -> None:
         if not self._weights_finite():
             log.error("step %d: the weights are not finite; no checkpoint written (the last finite ones in %s "
                       "are kept)", self.step, self.ckpt_dir)
@@ -280,13 +353,14 @@ class Trainer:
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, cfg.trainer.stop_at_step or plan.total_steps)
         sub_batches = self.parts.inputs(self.step)
-        self.stops.install()  # SIGTERM, SIGINT, SIGUSR1: stop after this step, checkpoint, exit 3
+        # SIGTERM, SIGINT, SIGUSR1: stop after the step, checkpoint, exit 3; the handlers stay until
+        # close(), so that a signal during a failure's report (torchrun ending the ranks) is counted
+        self.stops.install()
         try:
             loss = self._loop(sub_batches, stop, progress)
         finally:
             progress.close()
             sub_batches.close()  # the loader's workers and read-ahead thread
-            self.stops.restore()
         return self._finish(loss, numbered_just_written=bool(ckpt_every and self.step % ckpt_every == 0))
 
     def _loop(self, sub_batches, stop: int, progress) -> torch.Tensor:
@@ -357,10 +431,27 @@ class Trainer:
             if stop_reason:
                 if not checkpoint_now:
                     self._checkpoint(numbered=False)
+                self._checkpoint_on_disk()  # no rank exits (and lets torchrun end the writer) before it
+                self.stops.drain()
                 log.warning("stopped after step %d (%s); last.pt written: continue with resume=latest name=%s",
                             self.step, stop_reason, self.run_dir.name)
                 raise Preempted(stop_reason, self.step, self.ckpt_dir / "last.pt")
+        self.stops.drain()
         return loss
+
+    def _checkpoint_on_disk(self) -> None:
+        """Every rank waits here until rank 0 has written the step's checkpoint: a rank that exited
+        first would let torchrun end the others (rank 0 mid-write among them). The wait has no
+        timeout while rank 0 is alive (a 30 GB checkpoint may take longer than any collective's)."""
+        if not self.env.distributed:
+            return
+        key = f"checkpoint_written/{self.step}"
+        if self.env.peers is None:  # a process group made by the caller (tests): a barrier
+            dist.barrier()
+        elif self.main:
+            self.env.peers.post(key)
+        else:
+            self.env.peers.wait_for(key, owner=0)
 
     def _count_bad_steps(self, applied, loss, step: int) -> None:
         """Count and log a skipped update of step ``step`` (``_stop_if_diverged`` ends the run after
@@ -422,7 +513,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release what the run holds (offload workers and spill file, the wandb run, the run
-        directory's lock), also after an error."""
+        directory's lock), also after an error; put the signal handlers back."""
+        self.stops.restore()
         self.parts.close()
         self.metrics.close()
         if self.lock is not None:

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,23 @@ log = logging.getLogger(__name__)
 def finite_or_none(value):
     """A non-finite float as ``None`` (JSON ``null``): ``metrics.jsonl`` stays strict JSON."""
     return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+WANDB_ID_FILE = "wandb_id"  # in the run directory: the wandb run a resumed run continues
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The id of this run directory's wandb run: made at its first start and kept in
+    ``<run_dir>/wandb_id``, so that every resume (and an elastic restart) logs into the same
+    wandb run (``logger.wandb.id`` overrides it)."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:12]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(run_id + "\n")
+    tmp.replace(path)
+    return run_id
 
 
 class MetricsLogger:
@@ -49,7 +67,7 @@ class MetricsLogger:
                 dir=str(run_dir),
                 config=config,
                 resume="allow",
-                id=wandb_cfg.id,
+                id=wandb_cfg.id or wandb_run_id(run_dir),
             )
         if tensorboard_cfg is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
