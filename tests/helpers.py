@@ -107,3 +107,29 @@ def run_script(*args: str, cwd) -> subprocess.CompletedProcess:
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+TORCHRUN_RUN = ["batch=64", "trainer.max_steps=12", "trainer.log_every=1", "trainer.ckpt_every=100", "eval=none",
+                "data.train.shuffle_buffer=64", "model.image.patch_dropout=0"]
+
+
+def torchrun(cwd, *args: str, launcher: tuple[str, ...] = (), script: Path | None = None,
+             env: dict[str, str] | None = None, **popen):
+    """``torchrun --nproc_per_node=2 [launcher...] train.py`` (or ``script``) with a 12-step tiny run,
+    then ``args``, with ``env`` added to the environment; output (stdout and stderr together) on a pipe."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *launcher,
+               str(script or ROOT / "train.py"), *TORCHRUN_RUN, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **popen)
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """torchrun's worker processes: rank -> pid."""
+    pids = {}
+    for child in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        rank = [item[5:] for item in environ if item.startswith(b"RANK=")]
+        if rank:
+            pids[int(rank[0])] = int(child)
+    return pids

@@ -7,6 +7,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import webdataset as wds
 
 from megabatch.data.shard_writer import Sample, encode_png, write_shards
@@ -54,7 +55,9 @@ def test_a_run_over_bad_shards_finishes_and_reports(tmp_path):
     assert record["data/corrupt_image"] == 3
     assert record["data/missing_caption"] >= 2  # (+1 if the cut falls inside a sample)
     assert record["data/broken_shard"] >= 1
-    assert record["data/padded"] > 0  # the truncated shard's missing samples were made up
+    # (data.train.split=auto: indexed) the unusable and missing samples' places were filled with the
+    # next readable samples at those places of later batches, none repeated
+    assert record["data/stand_in"] > 0 and "data/padded" not in record
     assert 0 <= record["data_wait"] <= 1
 
 
@@ -83,7 +86,7 @@ def run_on(tmp_path, urls: list[str], *extra: str) -> dict:
 
 def test_a_worker_whose_only_shard_is_not_a_tar_borrows_and_the_run_finishes(tmp_path):
     urls = shards_with_junk(tmp_path / "shards")  # shard split: one worker gets the junk alone
-    record = run_on(tmp_path, urls)
+    record = run_on(tmp_path, urls, "data.train.split=shard")
     assert record["step"] == 4
     assert record["data/broken_shard"] == 1  # counted once
     assert record["data/padded"] > 0  # the junk's slot filled its quota from the good shard
@@ -117,3 +120,30 @@ def test_a_resampled_stream_over_unreadable_shards_stops_naming_them(tmp_path):
     urls = shards_with_junk(tmp_path / "shards", junk=2, good_shards=0)
     with pytest.raises(RuntimeError, match=r"no readable shard.*junk"):  # not an endless loop
         run_on(tmp_path, urls, "data.num_workers=0", "data.train.mode=resampled")
+
+
+@pytest.mark.parametrize("split", ["position", "indexed"])
+def test_an_unusable_sample_is_stood_in_for_by_a_later_one_never_repeated(tmp_path, split):
+    """A sub-batch short of usable samples (3 corrupt images, 2 captionless samples, a truncated
+    shard) takes the next usable samples at the same places of later batches: every global batch
+    full, none holding a sample twice (a repeat would be a false negative of itself)."""
+    from megabatch.data import TrainData
+
+    from ..helpers import preprocess
+
+    urls = make_bad_shards(tmp_path / "shards")
+    cfg = compose("data=webdataset", f"data.train.urls='{urls}'", f"data.train.split={split}", "data.num_workers=0",
+                  "data.train.shuffle_buffer=16")
+    data = TrainData(cfg.data, lambda captions: captions, preprocess(16), seed=0)  # texts: the captions
+
+    def sub_batches(rank):
+        loader = data.loader(0, 0, rank_batch=8, rank=rank, world_size=2, num_batches=4, sub_batch=4)
+        return list(loader)
+
+    ranks = [sub_batches(0), sub_batches(1)]
+    stats = [rank[-1].stats for rank in ranks]
+    assert sum(s["stand_in"] for s in stats) > 0 and all(s["padded"] == 0 for s in stats)
+    for step in range(4):  # rank 0's two sub-batches, then rank 1's: one global batch of 16
+        captions = [c for rank in ranks for sub in rank[2 * step:2 * step + 2] for c in sub.texts]
+        assert len(captions) == 16 and len(set(captions)) == 16, captions
+        assert "broken" not in captions

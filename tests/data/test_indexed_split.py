@@ -104,8 +104,11 @@ def test_damaged_shards_are_skipped_and_counted(shard_urls, tmp_path):
     data = make_data([str(folder / f"s-{{000000..{SHARDS - 1:06d}}}.tar")], tmp_path, "data.num_workers=0")
     loader = data.loader(0, 0, rank_batch=BATCH, rank=0, world_size=1, num_batches=4, sub_batch=BATCH)
     batches = list(loader)
-    assert len(batches) == 4 and all(len(b.texts) == BATCH for b in batches)  # padded: no rank waits
-    assert batches[-1].stats["broken_shard"] == 2 and batches[-1].stats["padded"] > 0
+    assert len(batches) == 4 and all(len(b.texts) == BATCH for b in batches)  # filled: no rank waits
+    # the missing samples' places taken by the next readable samples at those places of later batches
+    assert batches[-1].stats["broken_shard"] == 2 and batches[-1].stats["stand_in"] > 0
+    assert batches[-1].stats["padded"] == 0
+    assert all(len(set(b.texts.tolist())) == BATCH for b in batches)  # no sample twice in a batch
     ids = {int(i) for b in batches for i in b.texts}
     assert not ids & set(range(PER_SHARD, 2 * PER_SHARD))  # nothing of the unreadable shard
     assert ids & set(range(PER_SHARD // 2 - 1))  # the truncated shard's first samples are read

@@ -32,7 +32,8 @@ def sample_ids(texts: torch.Tensor) -> list[int]:
 
 
 def make_data(urls, *overrides) -> TrainData:
-    cfg = compose("data=webdataset", "data.num_workers=2", "data.train.shuffle_buffer=7", *overrides)
+    cfg = compose("data=webdataset", "data.train.split=shard", "data.num_workers=2", "data.train.shuffle_buffer=7",
+                  *overrides)
     cfg.data.train.urls = urls
     ids = lambda captions: torch.tensor([int(c.split()[-1]) for c in captions])  # noqa: E731
     return TrainData(cfg.data, ids, preprocess(8), seed=cfg.seed)

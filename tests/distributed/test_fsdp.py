@@ -42,3 +42,33 @@ def test_fsdp_gives_the_gradients_and_update_of_ddp(overrides, tmp_path):
             assert rel_error(fsdp["params"][name], value) <= 1e-6, name
     for name, value in ranks[0]["fsdp"]["params"].items():  # the gathered weights agree on every rank
         assert torch.equal(value, ranks[1]["fsdp"]["params"][name]), name
+
+
+def what_sub_batch_auto_sees(rank: int, world: int) -> dict:
+    """``RunParts.build`` with FSDP and ``trainer.sub_batch=auto``: the model its memory probe runs,
+    and the parameters it counts AdamW moments for on this rank."""
+    import megabatch.train.parts as parts
+    from megabatch.config.schema import validate
+    from megabatch.distributed import init_distributed
+    from megabatch.distributed.fsdp import is_sharded
+
+    from ..helpers import compose
+
+    seen, choose = {}, parts.choose_sub_batch
+
+    def recording(cfg, model, env, *args):
+        seen.update(sharded=is_sharded(model), counted=parts.rank_trainable_params(model),
+                    whole=sum(p.numel() for p in model.parameters() if p.requires_grad))
+        return choose(cfg, model, env, *args)
+
+    parts.choose_sub_batch = recording
+    built = parts.RunParts.build(validate(compose("trainer.parallel=fsdp", "trainer.sub_batch=auto", "batch=16")),
+                                 init_distributed("cpu"))
+    built.close()
+    return seen
+
+
+def test_sub_batch_auto_measures_a_ranks_shard_under_fsdp(tmp_path):
+    for seen in run_ranks(2, what_sub_batch_auto_sees, tmp_path=tmp_path):
+        assert seen["sharded"]  # probed after sharding: the memory a rank trains with
+        assert 0.4 * seen["whole"] <= seen["counted"] <= 0.6 * seen["whole"]  # half the moments each

@@ -282,11 +282,11 @@ def check_data(data: DictConfig) -> None:
                           "(one of them kept for the offload replay), e.g. data.decode_threads=4, or auto "
                           "(4 with hardware JPEG decoders, else 2)")
     at_least(train.shuffle_buffer, "data.train.shuffle_buffer", 1, "5000")
-    choice(train.split, "data.train.split", ("position", "shard", "indexed"))
+    choice(train.split, "data.train.split", ("auto", "position", "shard", "indexed"))
     at_least(train.streams, "data.train.streams", 1, "256")
     choice(train.mode, "data.train.mode", ("epoch", "resampled"))
-    if train.mode == "resampled" and train.split != "shard":
-        raise ConfigError("data.train.mode=resampled needs data.train.split=shard")
+    if train.mode == "resampled" and train.split not in ("shard", "auto"):
+        raise ConfigError("data.train.mode=resampled needs data.train.split=shard (or auto)")
     parse_optional_count(train.num_samples, "data.train.num_samples")
     for key in ("scale", "ratio"):
         values = train.augment[key]

@@ -41,6 +41,7 @@ from .urls import is_remote
 log = logging.getLogger(__name__)
 
 INDEX_DIR = "tar_index"  # under data.cache_dir: one .npy of sample start offsets per shard
+STAND_IN_TRIES = 16  # later places tried for a stand-in of an unusable sample
 
 
 class EpochOrder:
@@ -196,21 +197,51 @@ class IndexedBatches(PositionSplitBatches):
                 # this rank's samples j of the global batch: positions batch * b + rank + j * W
                 rows = torch.arange(first * self.sub_batch, (first + 1) * self.sub_batch)
                 positions = (batch * global_batch + self.rank + rows * self.world_size).tolist()
-                pending = []
-                for position, (shard, sample) in zip(positions, order.locate(positions), strict=True):
-                    url = self.urls[shard]
-                    raw = None if url in broken else self._read(index, url, sample, broken)
-                    if raw is None:
-                        continue
-                    self.stats.got_sample()
-                    pair = decode_pair(raw, self.stats, self.decoder.decode)
-                    if pair is None:
-                        continue
-                    image_bytes, image, caption = pair
-                    pending.append((image_bytes, position, self.decoder(image, position), caption))
+                pending, missing = [], []
+                for position, located in zip(positions, order.locate(positions), strict=True):
+                    item = self._sample(index, order, position, located, broken)
+                    if item is None:
+                        missing.append(position)
+                    else:
+                        pending.append(item)
+                for position in missing:  # the next readable sample at this place of a later batch
+                    item = self._stand_in(index, order, position, global_batch, broken)
+                    if item is not None:
+                        pending.append(item)
                 yield self._collate(pending)
         finally:
             index.close()
+
+    def _sample(self, index: TarIndex, order: EpochOrder, position: int, located: tuple[int, int],
+                broken: set[str]) -> tuple | None:
+        """The sample at ``position``, read and decoded (``(bytes, position, image, caption)``), or
+        ``None`` where it is unreadable (counted)."""
+        shard, sample = located
+        url = self.urls[shard]
+        raw = None if url in broken else self._read(index, url, sample, broken)
+        if raw is None:
+            return None
+        self.stats.got_sample()
+        pair = decode_pair(raw, self.stats, self.decoder.decode)
+        if pair is None:
+            return None
+        image_bytes, image, caption = pair
+        return image_bytes, position, self.decoder(image, position), caption
+
+    def _stand_in(self, index: TarIndex, order: EpochOrder, position: int, global_batch: int,
+                  broken: set[str]) -> tuple | None:
+        """For an unusable sample at ``position``: the first usable one at ``position + k x
+        global_batch`` (k = 1, 2, ..., wrapping within the epoch's whole batches), which is this
+        rank's, of another step, and never a sample this global batch holds already; the same
+        choice on any number of ranks and workers. ``None`` after ``STAND_IN_TRIES`` unusable ones."""
+        span = len(order) // global_batch * global_batch
+        for k in range(1, min(STAND_IN_TRIES, span // global_batch)):
+            candidate = (position + k * global_batch) % span
+            item = self._sample(index, order, candidate, order.locate([candidate])[0], broken)
+            if item is not None:
+                self.stats.stand_in += 1
+                return item
+        return None
 
     def _read(self, index: TarIndex, url: str, sample: int, broken: set[str]) -> dict | None:
         """One sample's fields, or ``None``: a shard that cannot be opened is counted once and its

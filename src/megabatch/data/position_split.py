@@ -87,38 +87,53 @@ class PositionSplitBatches(IterableDataset):
         self.worker = worker
         expected = self._my_chunks(worker, num_workers)
         produced = 0
-        pending: list[tuple[bytes, int, torch.Tensor, str]] = []
-        current = None
+        pending: dict[int, list] = {chunk: [] for chunk in expected}  # each chunk's samples so far
+        # an unusable sample at position p is stood in for by the next usable one at p + k x
+        # global_batch (this rank's place in a later batch: never a second copy in this one)
+        wanted: dict[int, list[int]] = {}  # stand-in position -> the chunks waiting for it
+
+        def last_position(chunk: int) -> int:
+            batch, first = divmod(chunk, per_batch)
+            return batch * global_batch + self.rank + ((first + 1) * self.sub_batch - 1) * self.world_size
+
+        def ready(chunk: int, read_up_to: int) -> bool:  # its places all read, no stand-in outstanding
+            return read_up_to >= last_position(chunk) and not any(chunk in waiting for waiting in wanted.values())
+
         self.stats.count_shards = worker == 0  # every worker reads every shard: one reports them
         for position, raw in enumerate(self._stream()):
             self.stats.got_sample()
-            batch_index = position // global_batch
-            if batch_index >= self.num_batches:
+            while produced < len(expected) and ready(expected[produced], position - 1):
+                yield self._collate(pending.pop(expected[produced]))
+                produced += 1
+            if produced == len(expected):
                 break
-            if position % self.world_size != self.rank or batch_index < self.start_batch:
+            waiting = wanted.pop(position, [])
+            batch_index = position // global_batch
+            mine = None
+            if batch_index < self.num_batches and position % self.world_size == self.rank \
+                    and batch_index >= self.start_batch:
+                # this rank's j-th sample of the global batch, in sub-batch (chunk) j // sub_batch
+                j = (position % global_batch) // self.world_size
+                chunk = batch_index * per_batch + j // self.sub_batch
+                mine = chunk if (chunk - first_chunk) % num_workers == worker else None
+            if mine is None and not waiting:
                 continue
-            # this rank's j-th sample of the global batch, in sub-batch (chunk) j // sub_batch
-            j = (position % global_batch) // self.world_size
-            chunk = batch_index * per_batch + j // self.sub_batch
-            if (chunk - first_chunk) % num_workers != worker:
-                continue
-            if current is not None and chunk != current:
-                # every expected chunk is produced, even one whose samples were all unusable
-                while produced < len(expected) and expected[produced] <= current:
-                    yield self._collate(pending)
-                    produced += 1
-                pending = []
-            current = chunk
             pair = decode_pair(raw, self.stats, self.decoder.decode)
             if pair is None:
+                for chunk in waiting + ([mine] if mine is not None else []):
+                    wanted.setdefault(position + global_batch, []).append(chunk)
                 continue
             image_bytes, image, caption = pair
-            pending.append((image_bytes, position, self.decoder(image, position), caption))
-        # the stream may end early (a truncated shard): pad the missing sub-batches so that
-        # every rank still yields the same number and DDP never waits on a rank forever
+            item = (image_bytes, position, self.decoder(image, position), caption)
+            for chunk in waiting:
+                self.stats.stand_in += 1
+                pending[chunk].append(item)
+            if mine is not None:
+                pending[mine].append(item)
+        # the stream may end early (a truncated shard) or before a stand-in: yield every expected
+        # sub-batch (short ones padded) so that every rank yields the same number and DDP never waits
         while produced < len(expected):
-            yield self._collate(pending)
-            pending = []
+            yield self._collate(pending.pop(expected[produced]))
             produced += 1
 
     def _collate(self, samples):

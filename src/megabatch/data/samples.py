@@ -33,8 +33,10 @@ IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
 @dataclass
 class Stats:
     """Counts of bad input, by kind: skipped samples, unreadable shards, and samples used to fill a
-    sub-batch beyond what a loader's own shards gave (repeated, or borrowed from other shards), so
-    that every rank still gets equal batches and DDP never hangs.
+    sub-batch beyond what a loader's own shards gave, so that every rank still gets equal batches
+    and DDP never hangs: ``stand_in``, the next readable samples at the same place of later batches
+    (a sample of another step, never a second copy in this one); ``padded``, borrowed from other
+    shards (shard split) or, where nothing else was readable, repeated.
 
     ``count_shards``: whether this loader reports broken shards (with the position split every
     worker reads every shard: one per rank does). ``give_up_after``: unreadable shards in a row,
@@ -44,6 +46,7 @@ class Stats:
     corrupt_image: int = 0
     missing_caption: int = 0
     broken_shard: int = 0
+    stand_in: int = 0
     padded: int = 0
     count_shards: bool = field(default=True, repr=False)
     give_up_after: int = field(default=0, repr=False)
@@ -70,7 +73,7 @@ class Stats:
 
     def as_dict(self) -> dict[str, int]:
         return {"corrupt_image": self.corrupt_image, "missing_caption": self.missing_caption,
-                "broken_shard": self.broken_shard, "padded": self.padded}
+                "broken_shard": self.broken_shard, "stand_in": self.stand_in, "padded": self.padded}
 
 
 class EncodedImages:

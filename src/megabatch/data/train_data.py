@@ -10,16 +10,38 @@ from .digits import ensure_digits
 from .indexed_split import EpochOrder, IndexedBatches
 from .position_split import PositionSplitBatches, make_loader
 from .shard_split import ShardBatches, slot_quota
+from .tars import reads_locally
 from .transforms import train_transform
 from .urls import expand_urls, is_remote, shard_sizes
 
 log = logging.getLogger(__name__)
 
 
+SPLIT_REASONS = {
+    "indexed": "indexed (local or mounted shards: read by random access, the same samples in the same order on "
+               "any number of GPUs and loader workers, a resume exact)",
+    "shard": "shard (streamed or compressed shards, or data.train.mode=resampled: each loader worker of each "
+             "rank reads its own shards; a resume on another number of ranks x workers reads another order)",
+}
+
+
+def resolve_split(split: str, mode: str, urls: list[str]) -> str:
+    """``data.train.split=auto``: ``shard`` for streams (``pipe:``, ``http(s)://``, ``s3://``, ...),
+    compressed tars and ``mode=resampled``, which cannot be read at an offset; ``indexed`` for local or
+    mounted ``.tar`` shards. Any other value as it is."""
+    if split != "auto":
+        return split
+    if mode == "resampled" or any(is_remote(url) for url in urls):
+        return "shard"
+    # random access needs uncompressed tars: named so, and the first one is
+    return "indexed" if all(url.endswith(".tar") for url in urls) and reads_locally(urls[0]) else "shard"
+
+
 class TrainData:
     """Shards named by ``data.train.urls`` (``null``: the embedded digits, built on first use).
 
-    ``data.train.split``: ``position`` (every rank and worker reads all shards and keeps its share
+    ``data.train.split``: ``auto`` (``resolve_split``: ``indexed`` for local shards, ``shard`` for
+    streams), ``position`` (every rank and worker reads all shards and keeps its share
     by sample position: exact for any shard layout, for small data), ``shard`` (each worker of
     each rank reads its own shards: LAION scale, streams included; the order depends on ranks x
     workers) or ``indexed`` (local shards read by random access, each worker only its samples, in
@@ -42,7 +64,10 @@ class TrainData:
         self.transform = train_transform(preprocess["size"], preprocess["interpolation"], **cfg.train.augment)
         # split and mode are checked with the rest of the config (config/schema.py); the weights
         # against the sources the URLs expand to
-        self.split, self.mode, self.weights = cfg.train.split, cfg.train.mode, cfg.train.weights
+        self.mode, self.weights = cfg.train.mode, cfg.train.weights
+        self.split = resolve_split(cfg.train.split, self.mode, self.urls)
+        if cfg.train.split == "auto" and show_progress:
+            log.info("data.train.split=auto: %s", SPLIT_REASONS[self.split])
         if self.weights is not None:
             if len(self.weights) != len(self.sources):
                 raise ConfigError(f"data.train.weights has {len(self.weights)} values for "

@@ -24,7 +24,9 @@ class ContrastiveLoss(nn.Module):
     ``dL/d(scale)``. The returned value is L, but its backward carries these W-scaled gradients:
     a reduction other than DDP's mean (a manual sum, FSDP hooks) must account for the factor W.
 
-    ``group``: the process group to span (``None``: the default group, or one process).
+    ``group``: the process group to span (``None``: the default group, or one process). That every
+    rank holds as many rows is checked the first time each row count is met (the trainer's batch
+    plan gives every rank the same shapes in the same order).
 
     A loss with ``uses_bias`` (SigLIP's sigmoid loss) is called with a fourth argument, the model's
     learnable ``bias`` []; the mean over ranks of its gradient is ``dL/d(bias)``, like the scale's.
@@ -35,6 +37,7 @@ class ContrastiveLoss(nn.Module):
     def __init__(self, group=None):
         super().__init__()
         self.group = group
+        self._checked_rows: set[int] = set()  # the per-rank row counts already checked equal on every rank
 
     def forward(
         self, image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor,
@@ -48,7 +51,10 @@ class ContrastiveLoss(nn.Module):
         if self.uses_bias != (bias is not None):
             raise ValueError(f"{type(self).__name__} {'needs' if self.uses_bias else 'takes no'} logit bias; the "
                              "model has one when model.init_logit_bias is set (loss=siglip sets it)")
-        check_equal_batch(image_features, self.group)
+        rows = image_features.shape[0]
+        if rows not in self._checked_rows:  # once per shape (an all-gather and a host sync), not per call
+            check_equal_batch(image_features, self.group)
+            self._checked_rows.add(rows)
         if self.uses_bias:
             return self.compute(image_features, text_features, scale, bias)
         return self.compute(image_features, text_features, scale)

@@ -124,6 +124,26 @@ def sweep_job() -> tuple[str, str] | None:
     return Path(hydra.sweep.dir).name, str(hydra.job.num)
 
 
+def agreed_resume(resume: str | None, run_dir: Path, rank: int) -> tuple[Path, dict] | None:
+    """What to resume from (``checkpoint.load_resume``), chosen by rank 0 for every rank: a
+    filesystem may show ranks different newest files (a checkpoint just renamed, NFS attribute
+    caching). Another rank loads that file or fails naming it."""
+    chosen: dict = {}
+
+    def choose() -> str | None:
+        chosen["found"] = load_resume(resume, run_dir)
+        return None if chosen["found"] is None else str(chosen["found"][0])
+
+    path = on_rank_zero(choose)
+    if path is None or "found" in chosen:
+        return chosen.get("found")
+    try:
+        return Path(path), load_checkpoint(path, weights=False)
+    except ConfigError as error:
+        raise ConfigError(f"rank {rank}: rank 0 resumes from {path}, which this rank cannot load ({error}); every "
+                          "rank must see the run directory's files alike (a shared filesystem)") from None
+
+
 _warned_shutdown = False
 
 
@@ -198,28 +218,8 @@ class Trainer:
             raise ConfigError(error)
         return lock
 
-    def _agreed_resume(self) -> tuple[Path, dict] | None:
-        """What to resume from, chosen by rank 0 for every rank (a filesystem may show ranks
-        different newest files: a checkpoint just renamed, NFS attribute caching); another rank
-        loads that file or fails naming it."""
-        chosen: dict = {}
-
-        def choose() -> str | None:
-            chosen["found"] = load_resume(self.cfg.resume, self.run_dir)
-            return None if chosen["found"] is None else str(chosen["found"][0])
-
-        path = on_rank_zero(choose)
-        if path is None or "found" in chosen:
-            return chosen.get("found")
-        try:
-            return Path(path), load_checkpoint(path, weights=False)
-        except ConfigError as error:
-            raise ConfigError(f"rank {self.env.rank}: rank 0 resumes from {path}, which this rank cannot load "
-                              f"({error}); every rank must see the run directory's files alike (a shared "
-                              "filesystem)") from None
-
     def _resume(self) -> None:
-        found = self._agreed_resume()
+        found = agreed_resume(self.cfg.resume, self.run_dir, self.env.rank)
         if found is None:
             existing = run_checkpoints(self.ckpt_dir)
             if existing and not self.cfg.overwrite:
@@ -252,11 +252,11 @@ class Trainer:
 
     def _log_data_order_on_resume(self, ranks_before: int, slots_before: int | None) -> None:
         """Say whether the resumed run reads what the uninterrupted one would have (rank 0)."""
-        train, ranks = self.cfg.data.train, self.env.world_size
+        train, ranks, split = self.cfg.data.train, self.env.world_size, self.parts.data.split
         slots = ranks * max(1, int(self.cfg.data.num_workers))
         if not self.main:
             return
-        if train.split == "shard" and (train.mode == "resampled" or slots_before not in (None, slots)):
+        if split == "shard" and (train.mode == "resampled" or slots_before not in (None, slots)):
             log.warning("data.train.split=shard deals the shards to ranks x loader workers = %d slots (%s before "
                         "this resume): the rest of the run reads %s. data.train.split=indexed reads the same "
                         "samples in the same order on any number of GPUs and workers", slots,
@@ -265,7 +265,7 @@ class Trainer:
         elif ranks_before != ranks:
             log.info("resumed on %d ranks (%d before): the same samples in the same steps, each augmented as "
                      "before (data.train.split=%s); only the towers' random draws (dropout, patch dropout), "
-                     "per rank, start from new seeds", ranks, ranks_before, train.split)
+                     "per rank, start from new seeds", ranks, ranks_before, split)
 
     def _weights_finite(self) -> bool:
         """Whether every weight is finite (the same answer on every rank: replicas agree, and

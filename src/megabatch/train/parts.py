@@ -17,12 +17,12 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from ..config import ConfigError
+from ..config import ConfigError, parse_optional_count
 from ..data import TrainData
 from ..data.gpu_decode import GpuDecoder, resolve_decode
 from ..data.offload import Offload
 from ..distributed import DistEnv
-from ..distributed.fsdp import shard_model
+from ..distributed.fsdp import local, shard_model
 from ..models import ClipModel, build_model
 from ..models.fp8 import convert_to_fp8
 from ..models.preprocess import describe_preprocess
@@ -72,12 +72,8 @@ class RunParts:
         gpu_decoder = GpuDecoder(env.device, threads=threads) if decode == "gpu" else None
         ahead = decode_ahead_bytes(cfg, torch.cuda.get_device_properties(env.device).total_memory) \
             if gpu_decoder is not None else 0.0
-        plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
-        if gpu_decoder is not None:
-            # this thread's work leaves the legacy default stream: nvJPEG's calls synchronise with
-            # that stream, so decoding ahead would otherwise wait for the step's queued kernels
-            torch.cuda.set_stream(torch.cuda.Stream(env.device))
-        flops, peak = count_model_flops(model, *model.example_inputs(min(plan.sub_batch, 256), env.device)), \
+        # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
+        flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(cfg, env, data), env.device)), \
             gpu_peak(env.device)
         if env.rank == 0:
             log_utilization_basis(flops, peak, decode, ahead)
@@ -89,6 +85,12 @@ class RunParts:
                 log.info("model.fp8: %d Linear layers train in FP8 (torchao)%s", converted, "" if cfg.model.compile else
                          "; without model.compile the casts cost more than FP8 saves: set model.compile=true")
         shard(cfg, model, env, precision)  # trainer.parallel=fsdp: before the optimizer takes the parameters
+        # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
+        plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
+        if gpu_decoder is not None:
+            # this thread's work leaves the legacy default stream: nvJPEG's calls synchronise with
+            # that stream, so decoding ahead would otherwise wait for the step's queued kernels
+            torch.cuda.set_stream(torch.cuda.Stream(env.device))
         optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
         schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch)
         if env.device.type == "cuda":  # TF32 for fp32 matmuls (the loss on fp32 features)
@@ -205,7 +207,7 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
     images, texts = model.example_inputs(1, torch.device("meta"))  # one row's shapes
     kept_per_row = texts.numel() * 8 + (0 if offload or not replayed else images.numel())
     held = batch_bytes(rank_batch, int(model.model_cfg["embed_dim"]), precision.feature_dtype.itemsize, kept_per_row,
-                       sum(p.numel() for p in model.parameters() if p.requires_grad))
+                       rank_trainable_params(model))
     held += decode_ahead  # images decoded ahead of the step (data.decode_ahead_gb)
     capacity = torch.cuda.get_device_properties(env.device).total_memory
     choice = plan_sub_batch(rank_batch, MemoryFit.through(probes), capacity, cfg.trainer.memory_fraction, held)
@@ -222,6 +224,21 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
                  choice.fit.per_row / 1e6, held / 1e9, rank_batch, choice.predicted_bytes / 1e9, capacity / 1e9,
                  cfg.trainer.memory_fraction)
     return sub_batch
+
+
+def rank_trainable_params(model: torch.nn.Module) -> int:
+    """The trainable parameters this rank holds AdamW's moments for: its shards under FSDP, all of
+    them otherwise."""
+    return sum(local(p).numel() for p in model.parameters() if p.requires_grad)
+
+
+def flop_rows(cfg: DictConfig, env: DistEnv, data: TrainData) -> int:
+    """Rows of the sample batch the FLOPs are counted on: a sub-batch, 256 at most (the count is
+    per sample; ``trainer.sub_batch=auto`` is chosen later, so the per-rank batch stands in for it)."""
+    configured = cfg.trainer.sub_batch
+    if configured in (None, "auto"):
+        configured = BatchPlan.from_config(cfg, env.world_size, data.num_samples, sub_batch=1).rank_batch
+    return min(parse_optional_count(configured, "trainer.sub_batch"), 256)
 
 
 def decode_ahead_bytes(cfg: DictConfig, capacity: float) -> float:

@@ -89,7 +89,7 @@ class StopRequests:
         if self._pending is not None:
             work, flag, sent = self._pending
             work.wait()
-            if flag.item():  # a CPU tensor: no device sync
+            if flag.numpy()[0]:  # a CPU tensor: no device to wait for
                 agreed = sent or "another rank's stop request"
         local = self._local(step_s, steps_ahead=2)  # acted on one step later
         flag = torch.tensor([0.0 if local is None else 1.0])
