@@ -1,5 +1,6 @@
 """``train.py`` with every ``.pt`` checkpoint write made ``MEGABATCH_TEST_CHECKPOINT_DELAY_S`` seconds
-slower (a large checkpoint on a slow filesystem), for the stop tests run under torchrun."""
+slower (a large checkpoint on a slow filesystem), for the stop tests run under torchrun. The file
+``MEGABATCH_TEST_CHECKPOINT_STARTED`` is created when a write begins."""
 
 import os
 import runpy
@@ -14,6 +15,7 @@ _save = checkpoint.save_checkpoint
 
 
 def slow_save(path, payload):
+    Path(os.environ["MEGABATCH_TEST_CHECKPOINT_STARTED"]).touch()
     time.sleep(float(os.environ["MEGABATCH_TEST_CHECKPOINT_DELAY_S"]))
     _save(path, payload)
 

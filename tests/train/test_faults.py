@@ -67,17 +67,25 @@ def test_sigterm_stops_two_ranks_at_one_step_and_resume_continues_bitwise(tmp_pa
 @pytest.mark.parametrize("target", ["workers", "process-group"])
 def test_a_stop_keeps_its_slow_checkpoint_whoever_got_the_signal(tmp_path, target):
     """The stop's checkpoint takes longer than torchrun's monitor interval (0.1 s): rank 1 must not
-    exit before rank 0 has written it (torchrun would then end rank 0 mid-write), and the signal
-    torchrun forwards to a rank already stopping must not abort the write."""
+    exit before rank 0 has written it (torchrun would then end rank 0 mid-write), and a signal that
+    comes while it is written (torchrun's forwarded one, a second Ctrl-C) must not abort it."""
+    started = tmp_path / "checkpoint-started"
     job = torchrun(tmp_path, "name=slow", "trainer.max_steps=40", script=HERE / "checkpoint_delay.py",
-                   env={"MEGABATCH_TEST_CHECKPOINT_DELAY_S": "3"}, start_new_session=True)
+                   env={"MEGABATCH_TEST_CHECKPOINT_DELAY_S": "3", "MEGABATCH_TEST_CHECKPOINT_STARTED": str(started)},
+                   start_new_session=True)
     run_dir = tmp_path / "runs" / "slow"
     wait_for_steps(job, run_dir / "metrics.jsonl", 3)
+    workers = worker_pids(job.pid)
     if target == "workers":  # the workers only (a scheduler that signals the training processes)
-        for pid in worker_pids(job.pid).values():
+        for pid in workers.values():
             os.kill(pid, signal.SIGTERM)
-    else:  # torchrun and the workers (SLURM's srun, Ctrl-C): each worker gets it twice
+    else:  # torchrun and the workers (SLURM's srun, Ctrl-C), then once more while the checkpoint is written
         os.killpg(job.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in workers.values():
+            os.kill(pid, signal.SIGTERM)
     output = job.communicate(timeout=300)[0]
     stopped = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert f"stopped after step {stopped['step']} (SIGTERM)" in output, output[-3000:]
@@ -86,7 +94,7 @@ def test_a_stop_keeps_its_slow_checkpoint_whoever_got_the_signal(tmp_path, targe
     assert output.count(f"training stopped after step {stopped['step']} (SIGTERM)") == 2, output[-3000:]
     if target == "workers":  # torchrun saw them end, and says how
         assert output.count("exitcode  : 3") == 2, output[-3000:]
-    else:  # the signal torchrun forwarded came on top of the job's: taken as the same request
+    else:
         assert "SIGTERM again: still stopping with a checkpoint" in output, output[-3000:]
     assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped"
 

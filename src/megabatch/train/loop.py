@@ -36,6 +36,7 @@ from ..distributed import DistEnv, init_distributed
 from ..distributed.fsdp import is_sharded, local
 from ..distributed.health import FAILED, RankLost, describe, is_communication_error
 from ..distributed.once import on_rank_zero
+from ..distributed.signals import ignore_stop_signals
 from ..eval import headline, run_zeroshot, summary
 from ..report import RunStatus
 from ..report.runs import failure
@@ -82,6 +83,8 @@ def run(cfg: DictConfig) -> float:
             env.peers.end(ended)
         if trainer is not None:
             trainer.close()
+        if ended == "stopped":  # the checkpoint is down: a late signal (torchrun's) must not change the exit status
+            ignore_stop_signals()
         if dist.is_initialized():
             dist.destroy_process_group()
 
