@@ -114,14 +114,25 @@ TORCHRUN_RUN = ["batch=64", "trainer.max_steps=12", "trainer.log_every=1", "trai
 
 
 def torchrun(cwd, *args: str, launcher: tuple[str, ...] = (), script: Path | None = None,
-             env: dict[str, str] | None = None, **popen):
+             env: dict[str, str] | None = None) -> subprocess.Popen:
     """``torchrun --nproc_per_node=2 [launcher...] train.py`` (or ``script``) with a 12-step tiny run,
-    then ``args``, with ``env`` added to the environment; output (stdout and stderr together) on a pipe."""
+    then ``args``, with ``env`` added to the environment, in a session of its own (``finish`` ends
+    all of it); output (stdout and stderr together) on a pipe."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *launcher,
                str(script or ROOT / "train.py"), *TORCHRUN_RUN, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, **popen)
+                            text=True, start_new_session=True)
+
+
+def finish(job: subprocess.Popen, timeout: float = 300) -> str:
+    """``job``'s output once it ends; past ``timeout`` every process of its session is killed (no
+    worker left behind) and the output so far raised."""
+    try:
+        return job.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, 9)
+        raise AssertionError(f"still running after {timeout} s:\n{job.communicate()[0][-3000:]}") from None
 
 
 def worker_pids(launcher_pid: int) -> dict[int, int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..helpers import compose, run_ranks, torchrun, worker_pids
+from ..helpers import compose, finish, run_ranks, torchrun, worker_pids
 
 HERE = Path(__file__).resolve().parent
 
@@ -24,7 +24,7 @@ def uninterrupted(tmp_path_factory) -> dict:
     """The final checkpoint of the 12-step, 2-rank run that the interrupted ones must reproduce."""
     folder = tmp_path_factory.mktemp("uninterrupted")
     job = torchrun(folder, "name=straight")
-    output = job.communicate(timeout=600)[0]
+    output = finish(job, timeout=600)
     assert job.returncode == 0, output[-3000:]
     return torch.load(folder / "runs" / "straight" / "checkpoints" / "last.pt", weights_only=True)
 
@@ -33,7 +33,7 @@ def wait_for_steps(job, metrics: Path, steps: int) -> None:
     deadline = time.monotonic() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
         if time.monotonic() > deadline or job.poll() is not None:
-            job.kill()
+            os.killpg(job.pid, signal.SIGKILL)
             pytest.fail(f"no step {steps} in time:\n{job.communicate()[0][-3000:]}")
         time.sleep(0.05)
 
@@ -50,16 +50,17 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 def test_sigterm_stops_two_ranks_at_one_step_and_resume_continues_bitwise(tmp_path, uninterrupted):
     """SIGTERM to every process of a 2-rank job (as SLURM sends it), then resume=latest."""
-    job = torchrun(tmp_path, "name=stopped", start_new_session=True)
+    job = torchrun(tmp_path, "name=stopped")
     wait_for_steps(job, tmp_path / "runs" / "stopped" / "metrics.jsonl", 3)
     os.killpg(job.pid, signal.SIGTERM)
-    output = job.communicate(timeout=120)[0]
+    output = finish(job, timeout=120)
     stopped = torch.load(tmp_path / "runs" / "stopped" / "checkpoints" / "last.pt", weights_only=True)
     assert 3 <= stopped["step"] < 12, output[-3000:]
     assert len(stopped["rng"]) == 2  # gathered from both ranks, at the same step
     assert f"stopped after step {stopped['step']} (SIGTERM)" in output
     resumed = torchrun(tmp_path, "name=stopped", "resume=latest")
-    assert resumed.wait(timeout=600) == 0, resumed.stdout.read()[-3000:]
+    output = finish(resumed, timeout=600)
+    assert resumed.returncode == 0, output[-3000:]
     assert_same_weights(torch.load(tmp_path / "runs" / "stopped" / "checkpoints" / "last.pt", weights_only=True),
                         uninterrupted)
 
@@ -71,8 +72,7 @@ def test_a_stop_keeps_its_slow_checkpoint_whoever_got_the_signal(tmp_path, targe
     comes while it is written (torchrun's forwarded one, a second Ctrl-C) must not abort it."""
     started = tmp_path / "checkpoint-started"
     job = torchrun(tmp_path, "name=slow", "trainer.max_steps=40", script=HERE / "checkpoint_delay.py",
-                   env={"MEGABATCH_TEST_CHECKPOINT_DELAY_S": "3", "MEGABATCH_TEST_CHECKPOINT_STARTED": str(started)},
-                   start_new_session=True)
+                   env={"MEGABATCH_TEST_CHECKPOINT_DELAY_S": "3", "MEGABATCH_TEST_CHECKPOINT_STARTED": str(started)})
     run_dir = tmp_path / "runs" / "slow"
     wait_for_steps(job, run_dir / "metrics.jsonl", 3)
     workers = worker_pids(job.pid)
@@ -86,7 +86,7 @@ def test_a_stop_keeps_its_slow_checkpoint_whoever_got_the_signal(tmp_path, targe
             time.sleep(0.05)
         for pid in workers.values():
             os.kill(pid, signal.SIGTERM)
-    output = job.communicate(timeout=300)[0]
+    output = finish(job)
     stopped = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert f"stopped after step {stopped['step']} (SIGTERM)" in output, output[-3000:]
     assert max(logged_steps(run_dir)) == stopped["step"] < 40
@@ -108,7 +108,7 @@ def test_a_killed_rank_is_named_and_torchrun_restarts_the_run_to_the_same_weight
     run_dir = tmp_path / "runs" / "killed"
     wait_for_steps(job, run_dir / "metrics.jsonl", 6)
     os.kill(worker_pids(job.pid)[1], signal.SIGKILL)
-    output = job.communicate(timeout=300)[0]
+    output = finish(job)
     assert job.returncode == 0, output[-3000:]
     assert "rank 1 is gone: no heartbeat" in output, output[-3000:]  # rank 0's error names it
     assert "resumed from" in output and "at step 4" in output

@@ -63,7 +63,7 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     if world_size > 1 and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if torch_device.type == "cuda" else "gloo"
-        store = attempt_store(rank, world_size, timeout_s)
+        store, watch_store = attempt_store(rank, world_size, timeout_s)
         dist.init_process_group(
             backend=backend,
             store=store,
@@ -75,7 +75,7 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         if backend != "gloo":  # host-side flags (the stop request) travel without touching the GPU
             control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         # a silent rank ends this one within the collective timeout, named
-        peers = PeerWatch(store, rank, world_size, silence_s=max(10.0, timeout_s / 2)).start()
+        peers = PeerWatch(watch_store, rank, world_size, silence_s=max(10.0, timeout_s / 2)).start()
         log.info("rank %d/%d on %s (%s)", rank, world_size, torch_device, backend)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=torch_device, peers=peers,
                    control_group=control)

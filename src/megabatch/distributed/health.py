@@ -32,12 +32,22 @@ FAILED = "failed"  # how a rank that ended with an error begins its end note
 
 def attempt_store(rank: int, world_size: int, timeout_s: float):
     """The env:// rendezvous store (torchrun's, or rank 0's without it) under a prefix naming this
-    launch attempt (``TORCHELASTIC_RESTART_COUNT``) and its world size."""
+    launch attempt (``TORCHELASTIC_RESTART_COUNT``) and its world size; and a second client of the
+    same store for the heartbeats (``PeerWatch``), so that they never share a connection with the
+    process groups' own use of the store."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"megabatch/attempt_{attempt}/world_{world_size}", store)
+    prefix = f"megabatch/attempt_{attempt}/world_{world_size}"
+    watch = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(prefix, store), dist.PrefixStore(prefix, watch)
+
+
+def store_host() -> str:
+    """Who serves the rendezvous store: torchrun's agent, or rank 0 itself (``srun`` without torchrun)."""
+    return "torchrun" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
 
 
 class RankLost(RuntimeError):
@@ -62,7 +72,7 @@ class PeerWatch:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.silence_s, self.beat_s = silence_s, beat_s
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # the store client is shared with the main thread
+        self._lock = threading.Lock()  # its store client serves the thread and the main thread
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
         self._thread = threading.Thread(target=self._run, name="megabatch-peer-watch", daemon=True)
 
@@ -81,7 +91,7 @@ class PeerWatch:
                 self._beat()
                 silent = self._silent(self.silence_s)
             except Exception as error:  # noqa: BLE001 - the store itself went away (its host is gone)
-                silent = {-1: f"the rendezvous store is unreachable ({type(error).__name__}: {error})"}
+                silent = unreachable(error)
             if silent and not self._stop.is_set():
                 self._abort(silent)
 
@@ -126,8 +136,8 @@ class PeerWatch:
                 if silent or time.monotonic() >= deadline:
                     return silent
                 time.sleep(self.beat_s / 4)
-        except Exception as error:  # noqa: BLE001
-            return {-1: f"the rendezvous store is unreachable ({type(error).__name__}: {error})"}
+        except Exception as error:  # noqa: BLE001 - the store itself went away (its host is gone)
+            return unreachable(error)
 
     def end(self, how: str = "finished") -> None:
         """Stop beating; tell the others how this rank ended: ``finished``, ``stopped`` (a requested
@@ -165,6 +175,12 @@ class PeerWatch:
     def post(self, key: str, value: str = "1") -> None:
         with self._lock:
             self.store.set(key, value)
+
+
+def unreachable(error: Exception) -> dict[int, str]:
+    """The store is gone: with it rank 0 when rank 0 served it, else torchrun's agent (its node)."""
+    why = f"the rendezvous store, which {store_host()} serves, is unreachable ({type(error).__name__}: {error})"
+    return {0: why} if store_host() == "rank 0" else {-1: why}
 
 
 def describe(lost: dict[int, str]) -> str:

@@ -70,9 +70,7 @@ def run(cfg: DictConfig) -> float:
         raise
     except BaseException as error:  # status.json says why, for a sweep's summary
         named = name_lost_rank(env, error)
-        ended = f"{FAILED}: {failure(named)}"
-        if env.peers is not None:
-            env.peers.end(ended)  # at once: the other ranks name this one in their errors
+        ended = f"{FAILED}: {failure(named)}"  # the other ranks name this one in their errors
         if trainer is not None:
             trainer.status.fail(named)
         if named is not error:
@@ -147,23 +145,20 @@ def agreed_resume(resume: str | None, run_dir: Path, rank: int) -> tuple[Path, d
                           "rank must see the run directory's files alike (a shared filesystem)") from None
 
 
-_warned_shutdown = False
-
-
-def warn_if_torchrun_may_cut(seconds: float) -> None:
-    """Once: a checkpoint that takes longer than torchrun waits after forwarding a signal (its
-    ``--shutdown-timeout``, 30 s unless ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says otherwise) would be
-    cut by its SIGKILL when torchrun itself is signalled."""
-    global _warned_shutdown
-    if _warned_shutdown or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
+def warn_if_torchrun_may_cut(seconds: float) -> bool:
+    """Warn (and return ``True``) when a checkpoint takes more than half of what torchrun waits after
+    forwarding a signal (its ``--shutdown-timeout``, 30 s unless ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
+    says otherwise): its SIGKILL would cut the stop's checkpoint when torchrun itself is signalled."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
     patience = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or os.environ.get("PET_SHUTDOWN_TIMEOUT") or 30)
     if seconds > 0.5 * patience:
-        _warned_shutdown = True
         log.warning("a checkpoint took %.0f s; torchrun kills its workers %.0f s after it forwards a stop signal, "
                     "which would cut the stop's checkpoint: launch with torchrun --shutdown-timeout=%d (or "
                     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=%d) above a step plus a checkpoint", seconds, patience,
                     int(4 * seconds) + 60, int(4 * seconds) + 60)
+        return True
+    return False
 
 
 class Trainer:
@@ -199,6 +194,7 @@ class Trainer:
         self.step = self.samples_seen = 0
         self.bad_in_a_row = self.skipped_steps = 0  # steps whose update a non-finite value skipped
         self.grad_norm = float("nan")
+        self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
         self._resume()
         # steps after the checkpoint are redone: each logged once
         self.metrics = MetricsLogger(self.run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), self.main,
@@ -283,8 +279,8 @@ class Trainer:
     def _checkpoint(self, numbered: bool) -> None:
         started = time.perf_counter()
         self._write_checkpoint(numbered)
-        if self.main:
-            warn_if_torchrun_may_cut(time.perf_counter() - started)
+        if self.main and not self.warned_shutdown:  # once a run
+            self.warned_shutdown = warn_if_torchrun_may_cut(time.perf_counter() - started)
 
     def _write_checkpoint(self, numbered: bool) -> None:
         if not self._weights_finite():

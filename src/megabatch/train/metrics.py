@@ -27,6 +27,7 @@ def wandb_run_id(run_dir: Path) -> str:
     ``<run_dir>/wandb_id``, so that every resume (and an elastic restart) logs into the same
     wandb run (``logger.wandb.id`` overrides it)."""
     path = Path(run_dir) / WANDB_ID_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_file() and path.read_text().strip():
         return path.read_text().strip()
     run_id = uuid.uuid4().hex[:12]
