@@ -6,7 +6,8 @@ only; ``launcher``, torchrun alone; ``group``, every process of the job), and ti
 row: the seconds from the signal to the exit, the exit status, the step the log says it stopped
 after and the one ``last.pt`` holds, and the checkpoint's size.
 
-    python scripts/benchmarks/stop.py --launcher python --out stop.json -- model=vit_l14 batch=64 eval=none
+    python scripts/benchmarks/stop.py --launcher torchrun --ranks 2 --to workers --out stop.json -- batch=64 eval=none
+    python scripts/benchmarks/stop.py --launcher python --out stop_vit_l14.json -- model=vit_l14 batch=64 eval=none
 """
 
 from __future__ import annotations
