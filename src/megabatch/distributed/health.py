@@ -86,12 +86,14 @@ class PeerWatch:
             self.store.add(f"beat/{self.rank}", 1)
 
     def _run(self) -> None:
+        failures = 0  # store errors in a row: a rank 0 that served it may just have ended as the others end
         while not self._stop.wait(self.beat_s):
             try:
                 self._beat()
-                silent = self._silent(self.silence_s)
+                silent, failures = self._silent(self.silence_s), 0
             except Exception as error:  # noqa: BLE001 - the store itself went away (its host is gone)
-                silent = unreachable(error)
+                failures += 1
+                silent = unreachable(error) if failures >= 3 else {}
             if silent and not self._stop.is_set():
                 self._abort(silent)
 
