@@ -90,8 +90,9 @@ def test_a_stop_keeps_its_slow_checkpoint_whoever_got_the_signal(tmp_path, targe
     stopped = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert f"stopped after step {stopped['step']} (SIGTERM)" in output, output[-3000:]
     assert max(logged_steps(run_dir)) == stopped["step"] < 40
-    # both ranks went through the stop (exit status 3: stopped, resumable)
-    assert output.count(f"training stopped after step {stopped['step']} (SIGTERM)") == 2, output[-3000:]
+    # both ranks went through the stop (exit status 3: stopped, resumable); a rank whose signal came
+    # after its flag was sent stops on "another rank's stop request", at the same step
+    assert output.count(f"training stopped after step {stopped['step']} (") == 2, output[-3000:]
     if target == "workers":  # torchrun saw them end, and says how
         assert output.count("exitcode  : 3") == 2, output[-3000:]
     else:
