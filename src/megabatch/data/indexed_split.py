@@ -199,7 +199,7 @@ class IndexedBatches(PositionSplitBatches):
                 positions = (batch * global_batch + self.rank + rows * self.world_size).tolist()
                 pending, missing = [], []
                 for position, located in zip(positions, order.locate(positions), strict=True):
-                    item = self._sample(index, order, position, located, broken)
+                    item = self._sample(index, position, located, broken)
                     if item is None:
                         missing.append(position)
                     else:
@@ -212,8 +212,7 @@ class IndexedBatches(PositionSplitBatches):
         finally:
             index.close()
 
-    def _sample(self, index: TarIndex, order: EpochOrder, position: int, located: tuple[int, int],
-                broken: set[str]) -> tuple | None:
+    def _sample(self, index: TarIndex, position: int, located: tuple[int, int], broken: set[str]) -> tuple | None:
         """The sample at ``position``, read and decoded (``(bytes, position, image, caption)``), or
         ``None`` where it is unreadable (counted)."""
         shard, sample = located
@@ -237,7 +236,7 @@ class IndexedBatches(PositionSplitBatches):
         span = len(order) // global_batch * global_batch
         for k in range(1, min(STAND_IN_TRIES, span // global_batch)):
             candidate = (position + k * global_batch) % span
-            item = self._sample(index, order, candidate, order.locate([candidate])[0], broken)
+            item = self._sample(index, candidate, order.locate([candidate])[0], broken)
             if item is not None:
                 self.stats.stand_in += 1
                 return item
