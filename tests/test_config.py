@@ -174,9 +174,103 @@ def test_logger_options_instantiate(option, tmp_path, monkeypatch):
     assert '"loss": 1.0' in (tmp_path / "metrics.jsonl").read_text()
 
 
+# what a recipe leaves to the user (its ??? values), filled in as README's commands fill them
+RECIPE_PLACES = {"data.train.urls": "'/data/laion400m/{00000..41455}.tar'", "eval.imagenet.root": "/data/imagenet/val",
+                 "model.image.ckpt": "/models/vit_b16.pt", "model.text.hf_path": "/models/bert-base-uncased"}
+
+
+def recipe_overrides(option: str) -> list[str]:
+    from megabatch.config.cli import quote_patterns
+
+    cfg = compose(f"experiment={option}")
+    places = [] if option == "digits_fast" else ["data.train.urls", "eval.imagenet.root"]
+    if cfg.model.name == "vit_b16_bert":
+        places += ["model.image.ckpt", "model.text.hf_path"]
+    return [f"experiment={option}", *quote_patterns([f"{key}={RECIPE_PLACES[key]}" for key in places])]
+
+
 @pytest.mark.parametrize("option", options("experiment"))
-def test_experiment_options_compose(option):
-    assert compose(f"experiment={option}").trainer.max_steps > 0
+def test_every_recipe_composes_validates_and_names_itself(option):
+    """Each recipe, its places filled in, passes the start-up checks, names itself (``recipe``), and
+    sets the run's length in epochs or samples (the digits' own recipe aside) and its learning rate."""
+    from megabatch.config.schema import recipe_warning, validate
+
+    cfg = validate(compose(*recipe_overrides(option)))
+    assert cfg.recipe == option
+    assert recipe_warning(cfg) is None
+    if option != "digits_fast":
+        assert cfg.trainer.max_steps is None and (cfg.trainer.epochs or cfg.trainer.max_samples), option
+        assert cfg.sched.warmup_steps is None, f"{option}: give the warm-up in samples or epochs"
+        assert cfg.optim.lr_scaling in (None, "linear", "sqrt") and "lr_scaling" in (CONFIGS / "experiment" /
+                                                                                       f"{option}.yaml").read_text() \
+            or option in ("openclip_b16_laion400m", "infcl_b16_laion400m")  # inherited from the recipe they extend
+        assert list(cfg.eval) == ["imagenet"], option
+        assert "Source" in (CONFIGS / "experiment" / f"{option}.yaml").read_text(), f"{option}: cite the sources"
+
+
+@pytest.mark.parametrize("option", [o for o in options("experiment") if o != "digits_fast"])
+def test_a_recipe_without_its_data_names_the_key(option):
+    from megabatch.config.schema import validate
+
+    with pytest.raises(ConfigError, match=r"data\.train\.urls"):
+        validate(compose(f"experiment={option}"))
+
+
+def test_recipes_set_the_published_numbers():
+    """The values the recipes' sources give, as the run will use them."""
+    from megabatch.config import parse_count
+    from megabatch.train.optim import scaled_lr
+
+    b32 = compose("experiment=openclip_b32_laion400m")
+    assert (parse_count(b32.batch), b32.optim.weight_decay, b32.trainer.epochs) == (32768, 0.2, 32)
+    assert scaled_lr(b32.optim.lr, b32.optim.lr_scaling, 32768, b32.optim.base_batch) == 5e-4
+    assert scaled_lr(b32.optim.lr, b32.optim.lr_scaling, 65536, b32.optim.base_batch) == 1e-3
+    assert b32.sched.warmup_samples == 2000 * 32768
+    infcl = compose("experiment=infcl_b16_laion400m", "batch=1M")
+    assert infcl.loss._target_.endswith("InfClLoss") and infcl.model.lock_image
+    assert (infcl.optim.optimizer._target_, infcl.optim.lr, infcl.optim.weight_decay) == ("torch.optim.Adafactor", 1e-3, 1e-4)
+    assert (infcl.trainer.epochs, infcl.sched.warmup_epochs, parse_count(infcl.batch)) == (8, 0.5, 2**20)
+    l14 = compose("experiment=infcl_l14_laion400m")
+    assert l14.trainer.offload and l14.trainer.sub_batch == 128 and l14.model.name == "vit_l14"
+    siglip = compose("experiment=siglip_b16_laion400m")
+    assert siglip.model.init_logit_bias == -10.0 and siglip.model.text.context_length == 64
+
+
+def test_real_data_without_a_recipe_warns_that_the_settings_are_the_digits_demos():
+    from megabatch.config.schema import recipe_warning
+
+    urls = "data.train.urls=/data/shards.tar"
+    warning = recipe_warning(compose("model=vit_b32", "data=webdataset", urls, "batch=32k"))
+    assert "optim.lr=0.002" in warning and "trainer.max_steps=500" in warning and "experiment=" in warning
+    assert recipe_warning(compose()) is None  # the digits demo itself
+    own = compose("data=webdataset", urls, "optim.lr=5e-4", "sched.warmup_steps=2000", "trainer.max_steps=null",
+                  "trainer.epochs=32")
+    assert recipe_warning(own) is None  # every one of them set by hand
+    assert "optim.lr" not in recipe_warning(compose("data=webdataset", urls, "optim.lr=5e-4"))
+
+
+def test_warmup_in_epochs():
+    from megabatch.train.sched import CosineSchedule
+
+    schedule = CosineSchedule(total_steps=80, global_batch=64, warmup_steps=None, warmup_epochs=0.5, steps_per_epoch=10)
+    assert schedule.warmup == 5 and schedule(4) == 1.0 and schedule(3) == 0.8
+    with pytest.raises(ConfigError, match="warmup_epochs"):
+        CosineSchedule(total_steps=80, global_batch=64, warmup_steps=20, warmup_epochs=0.5)
+
+
+def test_adafactor_state_loads_weights_only(tmp_path):
+    """optim=adafactor's state (and its param groups' eps pair) round-trips through a checkpoint."""
+    from megabatch.train.optim import build_optimizer
+
+    cfg = compose("optim=adafactor")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optimizer, lr = build_optimizer(cfg.optim, model, 128)
+    model(torch.randn(5, 4)).square().sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "opt.pt")
+    state = torch.load(tmp_path / "opt.pt", weights_only=True)
+    assert type(optimizer).__name__ == "Adafactor" and lr == cfg.optim.lr
+    assert state["param_groups"][0]["eps"] == [None, 1e-3] and state["state"][0]["row_var"].numel() == 3
 
 
 def test_every_group_has_options():

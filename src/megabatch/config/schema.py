@@ -167,7 +167,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_eval(cfg.eval)
     check_optim(cfg.optim)
     check_schedule(cfg.sched)
-    check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"))
+    check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"), steps_per_epoch=1)
     check_loss(cfg.loss, cfg.trainer.device)
     check_model(cfg.model)
     if cfg.model.get("fp8", False):  # the GPU's own capability is checked once it is chosen (models/fp8.py)
@@ -177,6 +177,25 @@ def validate(cfg: DictConfig) -> DictConfig:
                               "run is on the CPU: set model.fp8=false")
     check_logit_bias(cfg.loss, cfg.model)
     return cfg
+
+
+# The digits demo's optimizer and schedule (configs/optim/adamw.yaml, sched/cosine.yaml, trainer/default.yaml),
+# which a run on real data without a recipe would otherwise train with unawares
+DIGITS_DEMO = {"optim.lr": 2.0e-3, "sched.warmup_steps": 20, "trainer.max_steps": 500}
+
+
+def recipe_warning(cfg: DictConfig) -> str | None:
+    """A warning for a run on real data (``data.train.urls`` set) that names no recipe and keeps
+    the digits demo's optimizer settings; ``None`` when a recipe or the user's own values are in force."""
+    if cfg.get("recipe") or cfg.data.train.urls is None:
+        return None
+    kept = [f"{key}={OmegaConf.select(cfg, key)}" for key, value in DIGITS_DEMO.items()
+            if OmegaConf.select(cfg, key) == value]
+    if not kept:
+        return None
+    return (f"no recipe: {', '.join(kept)} are the digits demo's settings, not a real run's. Start from a "
+            "recipe, e.g. experiment=openclip_b32_laion400m (the list: ls configs/experiment; "
+            "docs/recipes.md), or set those keys yourself")
 
 
 def check_known_keys(node: DictConfig, schema: type, key: str) -> None:

@@ -31,7 +31,7 @@ from ..checkpoint import (
     write_sharded_checkpoint,
 )
 from ..config import ConfigError, parse_duration
-from ..config.schema import validate
+from ..config.schema import recipe_warning, validate
 from ..distributed import DistEnv, init_distributed
 from ..distributed.fsdp import is_sharded, local
 from ..distributed.health import FAILED, RankLost, describe, is_communication_error
@@ -174,6 +174,8 @@ class Trainer:
         self.lock = self._lock_run_dir()  # before anything is built: a second run stops at once
         self.status = RunStatus(self.run_dir, enabled=self.main)  # status.json: running, then how it ended
         self.status.start()
+        if self.main and (warning := recipe_warning(cfg)):
+            log.warning(warning)
         self.parts: RunParts | None = None
         try:
             self._build()

@@ -48,7 +48,7 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> tuple[torch.opt
     if cfg.lr_scaling not in (None, "none"):
         log.info("lr %.3g scaled (%s) from base batch %s to %d: %.3g", cfg.lr, cfg.lr_scaling,
                  cfg.base_batch, global_batch, lr)
-    factory = instantiate(cfg.optimizer)
+    factory = instantiate(cfg.optimizer, _convert_="all")  # plain lists in param_groups: checkpoints load weights_only
     kwargs = {}
     if "fused" not in cfg.optimizer and _takes_fused(factory) and next(model.parameters()).is_cuda:
         kwargs["fused"] = True  # one kernel for the whole update (CUDA); optim.optimizer.fused=false: foreach

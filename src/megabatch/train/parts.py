@@ -92,7 +92,8 @@ class RunParts:
             # that stream, so decoding ahead would otherwise wait for the step's queued kernels
             torch.cuda.set_stream(torch.cuda.Stream(env.device))
         optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
-        schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch)
+        schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
+                               steps_per_epoch=plan.steps_per_epoch)
         if env.device.type == "cuda":  # TF32 for fp32 matmuls (the loss on fp32 features)
             torch.backends.cuda.matmul.allow_tf32 = cfg.trainer.tf32
             torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32

@@ -1,4 +1,4 @@
-"""Learning-rate schedules as multipliers of the peak lr; warmup in steps or in samples."""
+"""Learning-rate schedules as multipliers of the peak lr; warmup in steps, samples or epochs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,16 @@ import math
 from ..config import ConfigError, parse_optional_count
 
 
-def _warmup_steps(warmup_steps, warmup_samples, global_batch: int) -> int:
-    if warmup_steps is not None and warmup_samples is not None:
-        raise ConfigError("set sched.warmup_steps or sched.warmup_samples, not both")
+def _warmup_steps(warmup_steps, warmup_samples, warmup_epochs, global_batch: int, steps_per_epoch: int) -> int:
+    given = [key for key, value in (("sched.warmup_steps", warmup_steps), ("sched.warmup_samples", warmup_samples),
+                                    ("sched.warmup_epochs", warmup_epochs)) if value is not None]
+    if len(given) > 1:
+        raise ConfigError(f"set one of sched.warmup_steps, sched.warmup_samples and sched.warmup_epochs, not "
+                          f"{' and '.join(given)} (the others null)")
+    if warmup_epochs is not None:
+        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, (int, float)) or warmup_epochs < 0:
+            raise ConfigError(f"sched.warmup_epochs={warmup_epochs!r} must be a number of epochs >= 0, e.g. 0.5")
+        return math.ceil(warmup_epochs * steps_per_epoch)
     samples = parse_optional_count(warmup_samples, "sched.warmup_samples")
     if samples is not None:
         return math.ceil(samples / global_batch)
@@ -17,11 +24,12 @@ def _warmup_steps(warmup_steps, warmup_samples, global_batch: int) -> int:
 
 
 class ConstantSchedule:
-    """Linear warmup, then constant."""
+    """Linear warmup, then constant. ``steps_per_epoch`` turns ``warmup_epochs`` into steps."""
 
-    def __init__(self, total_steps: int, global_batch: int, warmup_steps=None, warmup_samples=None):
+    def __init__(self, total_steps: int, global_batch: int, warmup_steps=None, warmup_samples=None,
+                 warmup_epochs=None, steps_per_epoch: int = 1):
         self.total_steps = total_steps
-        self.warmup = _warmup_steps(warmup_steps, warmup_samples, global_batch)
+        self.warmup = _warmup_steps(warmup_steps, warmup_samples, warmup_epochs, global_batch, steps_per_epoch)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
@@ -39,11 +47,13 @@ class CosineSchedule(ConstantSchedule):
         global_batch: int,
         warmup_steps=None,
         warmup_samples=None,
+        warmup_epochs=None,
+        steps_per_epoch: int = 1,
         decay_steps=None,
         decay_samples=None,
         min_lr_ratio: float = 0.0,
     ):
-        super().__init__(total_steps, global_batch, warmup_steps, warmup_samples)
+        super().__init__(total_steps, global_batch, warmup_steps, warmup_samples, warmup_epochs, steps_per_epoch)
         samples = parse_optional_count(decay_samples, "sched.decay_samples")
         self.decay_end = (
             math.ceil(samples / global_batch) if samples is not None
