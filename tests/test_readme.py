@@ -1,6 +1,6 @@
-"""Every command line in README.md composes: the docs cannot drift from the CLI.
+"""Every command line in README.md and docs/ composes: the docs cannot drift from the CLI.
 
-Each ``python``/``torchrun``/``srun``/``docker run`` line of README's ``bash`` blocks is split as the
+Each ``python``/``torchrun``/``srun``/``docker run`` line of their ``bash`` blocks is split as the
 shell splits it (quotes removed, comments dropped, continuations joined); ``train.py`` and
 ``scripts/evaluate.py`` arguments go through the entry points' own pattern quoting and compose with
 Hydra (each value of a sweep in turn), launcher flags parse with torchrun's parser, and
@@ -26,9 +26,12 @@ ENTRY_POINTS = {"train.py": "train", "scripts/evaluate.py": "evaluate"}
 SKIPPED_FLAGS = {"--cfg": 1, "-c": 1, "--package": 1, "-p": 1, "--info": 0, "-i": 0}
 
 
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def readme_commands() -> list[str]:
-    """The command lines of README's ``bash`` blocks, continuations joined."""
-    text = (ROOT / "README.md").read_text()
+    """The command lines of the ``bash`` blocks of README.md and docs/*.md, continuations joined."""
+    text = "\n".join(path.read_text() for path in DOCUMENTS)
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL):
         for line in block.replace("\\\n", " ").splitlines():
@@ -42,7 +45,8 @@ COMMANDS = readme_commands()
 
 
 def test_readme_has_the_commands_this_test_is_about():
-    assert len(COMMANDS) >= 20
+    assert len(COMMANDS) >= 40
+    assert sum("experiment=" in c for c in COMMANDS) >= 6  # real-data commands start from a recipe
     assert any("batch=1M" in c and c.startswith("torchrun") for c in COMMANDS)
     assert any(c.startswith("srun python train.py") for c in COMMANDS)
     assert any("hydra/launcher=submitit_slurm" in c for c in COMMANDS)
@@ -109,9 +113,9 @@ def test_readme_command_composes(command):
     if script.endswith("compare_export.py"):  # key=value: exactly these two
         assert sorted(arg.partition("=")[0] for arg in args) == ["ckpt", "export"], args
         return
-    if script.endswith(("make_shards.py", "export.py", "report.py")):
+    if script.endswith(("make_shards.py", "export.py", "report.py", "config_reference.py", "results_page.py")):
         name = Path(script).stem
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / script)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         if name == "export":

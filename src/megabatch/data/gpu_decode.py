@@ -19,7 +19,7 @@ step's thread, its ~10 ms a sub-batch were 17% of a 16k offload step, measured o
 Pixels: decoding the same bytes twice on the GPU gives the same tensor bit for bit (the replay
 relies on it). Against the CPU path (libjpeg-turbo) they are equal for 4:4:4 JPEGs; for chroma-
 subsampled ones (4:2:0, most photos) nvJPEG upsamples the chroma differently, so pixels differ by
-1.6 on average (up to ~20 at sharp colour edges), measured on an H100 (docs/bench/README.md).
+1.6 on average (up to ~20 at sharp colour edges), measured on an H100.
 
 Rows the GPU does not decode (PNG, WebP, CMYK JPEGs, ...) come decoded by the workers as before
 (``probe_jpeg``); a JPEG nvJPEG refuses is decoded on the CPU instead, and one nothing can decode

@@ -1,0 +1,297 @@
+"""Write docs/benchmarks.md, the results page: today's figures for each question, from the JSONs in
+docs/bench (their commands, machines, dates and commits are read from the files themselves).
+
+    python scripts/benchmarks/results_page.py            # rewrite docs/benchmarks.md
+    python scripts/benchmarks/results_page.py --plots    # and its pictures (matplotlib)
+    python scripts/benchmarks/results_page.py --check    # exit 1 if docs/benchmarks.md is not what it would write
+
+A new measurement replaces an entry of ``QUESTIONS`` below (the superseded JSON leaves docs/bench;
+git history keeps it); tests/test_docs.py checks that the committed page is what this script writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "docs" / "bench"
+PAGE = ROOT / "docs" / "benchmarks.md"
+E2E_PLOT = "end_to_end_vs_openclip_h100.png"
+
+# Files written before the JSONs carried their own date and commit (meta.time, meta.git_commit):
+# the date of the commit that added each file.
+ADDED = {"loss_1gpu_h100.json": "2026-11-21", "loss_h100_bf16_c768.json": "2026-11-22",
+         "loss_h100_fp32_c768.json": "2026-11-22", "loss_h100_1M_c768_strict.json": "2026-11-22",
+         "loss_h200_1gpu_c768.json": "2026-11-22", "loss_h200_2gpu_c768.json": "2026-11-22"}
+
+# Each question: what it asks, and the measurements that answer it today.
+# kind: loss (benchmarks/loss.py), e2e (benchmarks/end_to_end.py), loader, stop.
+QUESTIONS = [
+    {
+        "title": "The loss: speed and memory against Inf-CL and OpenCLIP",
+        "text": "Symmetric CLIP loss, forward and backward with a learnable scale, on one GPU, c = 768. Useful "
+                "TFLOP/s = 6 b^2 c / time. Extra GB = peak memory above the inputs and their gradients. "
+                "`infcl` is megabatch's Triton backend, `ref_infcl` the Inf-CL package (inf_cl 1.2.1), "
+                "`vanilla` the full logits matrix in torch, `ref_openclip` OpenCLIP 3.3's `ClipLoss` (local "
+                "loss), `siglip` / `ref_siglip` the sigmoid loss, megabatch's and OpenCLIP's.",
+        "picture": "kernels_bf16_c768_h100.png",
+        "entries": [
+            {"file": "loss_h100_bf16_c768.json", "kind": "loss"},
+            {"file": "loss_h100_1M_c768_strict.json", "kind": "loss"},
+            {"file": "loss_h100_fp32_c768.json", "kind": "loss"},
+            {"file": "loss_1gpu_h100.json", "kind": "loss", "backends": ["ref_openclip"]},
+            {"file": "siglip_loss_h100.json", "kind": "loss", "backends": ["siglip", "ref_siglip"], "dtypes": ["bf16"]},
+        ],
+    },
+    {
+        "title": "End to end: `python train.py` against OpenCLIP's trainer",
+        "text": "One run per table, both trainers fed by the same JPEG shards and loader (16 or 14 workers, GPU "
+                "decoding on our side), towers compiled on both sides (OpenCLIP 3.3 `--torchcompile --precision "
+                "amp_bf16`, `--accum-freq` where the batch is sub-batched), every exact megabatch option on "
+                "(`all-on`), bf16. Steady-state steps after warm-up. MFU counts the model's FLOPs x 3 against "
+                "989 TFLOP/s.",
+        "picture": E2E_PLOT,
+        "entries": [
+            {"file": "vit_b16_256_graphs_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-B/16, batch 256"},
+            {"file": "vit_b16_4k_patch_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-B/16, batch 4k (8 x 512)"},
+            {"file": "vit_b16_32k_vs_openclip_h200.json", "kind": "e2e", "label": "ViT-B/16, batch 32k (64 x 512), H200"},
+            {"file": "vit_l14_128_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 128"},
+            {"file": "vit_l14_4k_direct_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 4k (16 x 256)"},
+            {"file": "gradcache_32k_subbatch_vs_openclip_compiled_h100.json", "kind": "e2e",
+             "label": "ViT-B/32, batch 32k (GradCache, sub-batch 1024 / auto)"},
+            {"file": "vit_l14_32k_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 32k (no OpenCLIP row: beyond an H100)"},
+            {"file": "vit_l14_4k_flip_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 4k, FLIP 0.5 (not exact)"},
+        ],
+    },
+    {
+        "title": "The 1M step",
+        "text": "One step of batch 1,048,576, ViT-B/32, `loss=infcl`, GradCache with data offload (the JPEG bytes "
+                "kept in a spill file, re-decoded on the GPU in the replay), `trainer.sub_batch=auto`, compiled "
+                "towers, on one GPU, as a run's later steps (the loader's queues filled first).",
+        "entries": [{"file": "offload_1M_primed_tars_h100.json", "kind": "e2e", "label": "ViT-B/32, batch 1M, offload", "phases": True}],
+    },
+    {
+        "title": "The loader",
+        "text": "The training loader alone: 256 px JPEG shards, ViT transforms, samples/s through the whole "
+                "pipeline (`scripts/benchmarks/loader.py`), the shard split against the indexed split "
+                "(random access by a cached tar index; cold: the indexes built in that pass).",
+        "entries": [
+            {"file": "loader_splits_2core.json", "kind": "loader"},
+            {"file": "loader_splits_h100_host.json", "kind": "loader"},
+        ],
+    },
+    {
+        "title": "Several GPUs",
+        "text": "The Inf-CL ring on two GPUs of one host (NVLink) against one, per-GPU figures for the same "
+                "global batch, bf16, c = 768. No end-to-end multi-GPU run has been measured yet: the two-GPU "
+                "machines were not lent when the trainer changed last.",
+        "entries": [
+            {"file": "loss_h200_1gpu_c768.json", "kind": "loss"},
+            {"file": "loss_h200_2gpu_c768.json", "kind": "loss"},
+            {"file": "siglip_loss_2xh200.json", "kind": "loss", "backends": ["siglip", "ref_siglip", "infcl"]},
+        ],
+    },
+    {
+        "title": "Stopping: a signal to a checkpoint on disk",
+        "text": "ViT-L/14 with AdamW's state (a 5.13 GB `last.pt`), SIGTERM after step 3: seconds from the signal "
+                "to the process's exit with the checkpoint written and fsync'ed.",
+        "entries": [
+            {"file": "stop_vit_l14_python_workers_h100.json", "kind": "stop"},
+            {"file": "stop_vit_l14_torchrun_workers_h100.json", "kind": "stop"},
+            {"file": "stop_vit_l14_torchrun_launcher_h100.json", "kind": "stop"},
+        ],
+    },
+]
+
+
+def load(name: str) -> dict:
+    return json.loads((BENCH / name).read_text())
+
+
+def machine(meta: dict) -> str:
+    gpu = meta.get("gpu")
+    if gpu in (None, "None"):
+        host = meta.get("host") or {}
+        cpus = host.get("cpus") if isinstance(host, dict) else None
+        return f"CPU only ({cpus} cores)" if cpus else "CPU only"
+    gpus = int(meta.get("gpus") or 1)
+    return f"{gpus} x {gpu}" if gpus > 1 else f"1 x {gpu}"
+
+
+def provenance(name: str, meta: dict) -> str:
+    date = (meta.get("time") or "")[:10] or ADDED.get(name, "undated")
+    commit = (meta.get("git_commit") or "")[:7]
+    command = meta.get("command") or "(not recorded)"
+    if "scripts/" in command:  # as the benchmark is run today (scripts/bench_X.py moved to scripts/benchmarks/)
+        command = command[command.index("scripts/"):]
+    for old, new in (("bench_offload.py", "benchmarks/end_to_end.py"), ("bench_loss.py", "benchmarks/loss.py"),
+                     ("bench_loader.py", "benchmarks/loader.py")):
+        command = command.replace(f"scripts/{old}", f"scripts/{new}")
+    if command.startswith("scripts/"):
+        command = "python " + command
+    where = f"{machine(meta)}, {date}" + (f", commit {commit}" if commit else "")
+    return f"[`{name}`](bench/{name}): {where}; `{command}`"
+
+
+def fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def batch_name(batch: int) -> str:
+    for size, suffix in ((2**20, "M"), (2**10, "k")):
+        if batch >= size and batch % size == 0:
+            return f"{batch // size}{suffix}"
+    return f"{batch:,}"
+
+
+def loss_table(data: dict, entry: dict) -> list[str]:
+    rows = ["| backend | dtype | batch | time | useful TFLOP/s | extra GB |", "|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        if entry.get("backends") and row["backend"] not in entry["backends"]:
+            continue
+        if entry.get("dtypes") and row["dtype"] not in entry["dtypes"]:
+            continue
+        if row.get("status") == "ok":
+            time = row["time_s"]
+            shown = f"{time * 1000:.1f} ms" if time < 1 else f"{time:.2f} s"
+            rows.append(f"| `{row['backend']}` | {row['dtype']} | {batch_name(row['batch'])} | {shown} | "
+                        f"{row['useful_tflops']:.0f} | {row['extra_gb']:.2f} |")
+        elif not str(row.get("status", "")).startswith("skipped"):
+            rows.append(f"| `{row['backend']}` | {row['dtype']} | {batch_name(row['batch'])} | {row.get('status')} | | |")
+    return rows
+
+
+def e2e_rows(data: dict) -> tuple[list[dict], dict | None]:
+    ours = [row for row in data["results"] if row.get("system") == "megabatch"]
+    theirs = next((row for row in data["results"] if str(row.get("system", "")).startswith("openclip")), None)
+    return ours, theirs
+
+
+def e2e_table(data: dict, entry: dict) -> list[str]:
+    ours, theirs = e2e_rows(data)
+    rows = ["| trainer | variant | sub-batch | s / step | samples/s | vs OpenCLIP | MFU | peak GPU GB |",
+            "|---|---|---|---|---|---|---|---|"]
+    base = theirs.get("samples_per_s") if theirs else None
+    for row in ours:
+        ratio = f"**{row['steady_samples_s'] / base:.2f}x**" if base else "-"
+        setting = row.get("sub_batch_setting")
+        sub = f"{row['sub_batch']}" + (" (auto)" if setting == "auto" else "")
+        rows.append(f"| megabatch | {row.get('variant') or 'all-on'} | {sub} | {row['steady_step_s']:.3f} | "
+                    f"{row['steady_samples_s']:,.0f} | {ratio} | {row['mfu'] * 100:.1f}% | {row['peak_gpu_gb']:.1f} |")
+    if theirs:
+        rows.append(f"| OpenCLIP 3.3 | accum {theirs.get('accum_freq', 1)} | {theirs['sub_batch']} | "
+                    f"{theirs['step_s']:.3f} | {theirs['samples_per_s']:,.0f} | 1.00x | - | {theirs['peak_gpu_gb']:.1f} |")
+    if entry.get("phases"):
+        phases = ours[0]["steps"][-1]["phases_s"]
+        rows.append("")
+        rows.append("Where the step's time went: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + ".")
+    return rows
+
+
+def loader_table(data: dict, entry: dict) -> list[str]:
+    rows = ["| split | index cache | workers | sub-batch | samples/s |", "|---|---|---|---|---|"]
+    for row in data["results"]:
+        rows.append(f"| `{row['split']}` | {row.get('index_cache') or '-'} | {row['workers']} | {row['sub_batch']} | "
+                    f"{row['first_pass_samples_s']:,.0f} |")
+    return rows
+
+
+def stop_table(data: dict, entry: dict) -> list[str]:
+    row = data["results"][0] if isinstance(data["results"], list) else data["results"]
+    return ["| launcher | signal to | signal at step | signal to exit | exit status | last.pt step | last.pt GB |",
+            "|---|---|---|---|---|---|---|",
+            f"| {row['launcher']} | {row['signal_to']} | {row['signal_at_step']} | {row['signal_to_exit_s']:.1f} s | "
+            f"{row['exit_status']} | {row['last_pt_step']} | {row['last_pt_gb']:.2f} |"]
+
+
+TABLES = {"loss": loss_table, "e2e": e2e_table, "loader": loader_table, "stop": stop_table}
+
+
+def page() -> str:
+    lines = ["# Benchmarks", "",
+             "[megabatch](../README.md) / Benchmarks. Today's figures, each with the machine, date, commit and "
+             "command that measured it. This page is written by `python scripts/benchmarks/results_page.py` "
+             "from the JSONs in [bench/](bench/); do not edit it by hand. How to run a benchmark: "
+             "[scripts/benchmarks/README.md](../scripts/benchmarks/README.md). Superseded measurements "
+             "are in git history (`git log --stat -- docs/bench`).", ""]
+    lines += ["Questions:", ""] + [f"- [{q['title'].replace('`', '')}](#{anchor(q['title'])})" for q in QUESTIONS] + [""]
+    for question in QUESTIONS:
+        lines += [f"## {question['title']}", "", question["text"], ""]
+        if question.get("picture"):
+            lines += [f"![{question['title'].replace('`', '')}](bench/{question['picture']})", ""]
+        for entry in question["entries"]:
+            data = load(entry["file"])
+            meta = data.get("meta") or {k: v for k, v in data.items() if k != "results"}
+            if entry.get("label"):
+                lines += [f"**{entry['label']}**", ""]
+            lines += TABLES[entry["kind"]](data, entry) + ["", provenance(entry["file"], meta), ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def anchor(title: str) -> str:
+    keep = "".join(ch for ch in title.lower() if ch.isalnum() or ch in " -_")
+    return keep.replace(" ", "-")
+
+
+def cited() -> set[str]:
+    """The docs/bench files this page reads or shows."""
+    names = {entry["file"] for question in QUESTIONS for entry in question["entries"]}
+    return names | {question["picture"] for question in QUESTIONS if question.get("picture")}
+
+
+def plot_end_to_end(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, ratios = [], []
+    for entry in QUESTIONS[1]["entries"]:
+        ours, theirs = e2e_rows(load(entry["file"]))
+        if theirs and ours:
+            labels.append(entry["label"].split(" (")[0].replace(", batch", "\n"))
+            ratios.append(max(row["steady_samples_s"] for row in ours) / theirs["samples_per_s"])
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    bars = ax.bar(range(len(ratios)), ratios, color="#3b7dd8")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(ratios)), labels, fontsize=8)
+    ax.set_ylabel("samples/s, megabatch / OpenCLIP")
+    ax.set_title("End to end against OpenCLIP 3.3 --torchcompile (one GPU)")
+    for bar, ratio in zip(bars, ratios):
+        ax.text(bar.get_x() + bar.get_width() / 2, ratio + 0.02, f"{ratio:.2f}x", ha="center", fontsize=8)
+    ax.set_ylim(0, max(ratios) * 1.2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
+    parser.add_argument("--plots", action="store_true", help="also draw the pictures (matplotlib)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    text = page()
+    if args.check:
+        if not PAGE.exists() or PAGE.read_text() != text:
+            print(f"{PAGE.relative_to(ROOT)} is out of date: run python scripts/benchmarks/results_page.py")
+            return 1
+        return 0
+    PAGE.write_text(text)
+    if args.plots:
+        plot_end_to_end(BENCH / E2E_PLOT)
+    print(f"wrote {PAGE.relative_to(ROOT)}" + (f" and {E2E_PLOT}" if args.plots else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
