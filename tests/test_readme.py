@@ -19,6 +19,7 @@ import pytest
 
 from megabatch.config.cli import quote_patterns
 from megabatch.config.compose import compose
+from megabatch.config.schema import validate
 
 from .helpers import ROOT
 
@@ -127,6 +128,8 @@ def test_readme_command_composes(command):
     overrides, multirun = hydra_overrides(quote_patterns(args))
     for run in runs_of(overrides, multirun):
         cfg = compose(*run, config_name=ENTRY_POINTS[script], hydra_config=True)
+        if script == "train.py":  # and passes the start-up checks (placeholder paths are fine: not opened yet)
+            validate(compose(*run))
         for arg in args:  # a shard pattern arrives as the shell passed it, braces and all
             key, _, value = arg.partition("=")
             if key.endswith(".urls") and not multirun:
@@ -157,6 +160,7 @@ def test_brace_patterns_compose_with_and_without_inner_quotes():
     "python scripts/report.py --output s/ runs/sweep",                      # a flag that is not there
     "python scripts/evaluate.py ckpt=a.pt eval=imagenet eval.root=/d",      # a set's key outside eval.<name>
     "python train.py optim.lr=1e-4,5e-4",                                   # a sweep without -m
+    "python train.py experiment=openclip_b32_laion400m eval.imagenet.root=/d",  # a recipe without its shards
 ])
 def test_a_drifted_command_fails(command):
     with pytest.raises((Exception, SystemExit)):
