@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -209,6 +210,16 @@ def test_every_recipe_composes_validates_and_names_itself(option):
 
 
 @pytest.mark.parametrize("option", [o for o in options("experiment") if o != "digits_fast"])
+def test_a_recipes_evaluation_can_be_replaced(option):
+    from megabatch.config.schema import validate
+
+    without_imagenet = [o for o in recipe_overrides(option) if not o.startswith("eval.imagenet.")]
+    assert list(validate(compose(*without_imagenet, "eval=none")).eval) == []
+    both = compose(*recipe_overrides(option), "eval=[imagenet,imagenet_v2]", "eval.imagenet_v2.root=/data/v2")
+    assert list(validate(both).eval) == ["imagenet", "imagenet_v2"]
+
+
+@pytest.mark.parametrize("option", [o for o in options("experiment") if o != "digits_fast"])
 def test_a_recipe_without_its_data_names_the_key(option):
     from megabatch.config.schema import validate
 
@@ -387,3 +398,32 @@ def test_imports_point_down_the_package_floors():
                 if target in floor and target != module and floor[target] >= floor[module]:
                     wrong.append(f"{path.relative_to(src)} imports {target}")
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("recipe", ["openclip_b32_laion400m", "infcl_b16_laion400m"])
+def test_a_recipe_trains(recipe, tmp_path, caplog):
+    """A recipe as users run it, shrunk to the tiny model on 64 samples: its optimizer (AdamW or
+    Adafactor), its schedule in epochs with a warm-up in samples or epochs, its loss, 2 epochs."""
+    import json
+    import logging
+
+    from megabatch.data.shard_writer import Sample, encode_png, write_shards
+    from megabatch.train import run
+
+    rng = np.random.default_rng(0)
+    samples = [Sample(encode_png(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)), "png", f"picture {i}")
+               for i in range(64)]
+    write_shards(samples, tmp_path / "shards", "s", per_shard=32)
+    from megabatch.config.cli import quote_patterns
+
+    cfg = compose(f"experiment={recipe}", "model=tiny", "batch=16", "trainer.sub_batch=8", "trainer.epochs=2",
+                  "eval=none", "data.num_workers=0", "trainer.offload=false", "sched.warmup_samples=null",
+                  "sched.warmup_epochs=0.5", *quote_patterns([f"data.train.urls={tmp_path}/shards/s-{{000000..000001}}.tar"]))
+    cfg.run_dir = str(tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        run(cfg)
+    assert "no recipe" not in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 8  # 2 epochs of 64 samples at 16
+    lrs = [r["lr"] for r in records if "lr" in r]
+    assert max(lrs) <= cfg.optim.lr * (1 + 1e-6) and lrs[-1] < cfg.optim.lr / 2  # warm-up (2 steps), cosine decay
