@@ -53,7 +53,9 @@ def block_stats(
     with fp32_matmul(fp32_precision):
         for i0 in range(0, rows.shape[0], tile):
             for j0 in range(0, cols.shape[0], tile):
-                logits = (rows[i0 : i0 + tile] @ cols[j0 : j0 + tile].T).to(acc) * scale.to(acc)
+                # in the accumulation dtype, as block_grads recomputes them: probabilities taken against
+                # these log-sum-exps must come from the same logits, or they do not sum to one
+                logits = (rows[i0 : i0 + tile].to(acc) @ cols[j0 : j0 + tile].to(acc).T) * scale.to(acc)
                 row_lse[i0 : i0 + tile] = torch.logaddexp(row_lse[i0 : i0 + tile], torch.logsumexp(logits, 1))
                 col_lse[j0 : j0 + tile] = torch.logaddexp(col_lse[j0 : j0 + tile], torch.logsumexp(logits, 0))
     return row_lse, col_lse
