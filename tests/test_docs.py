@@ -117,3 +117,33 @@ def test_benchmarks_page_is_current():
     assert results.main(["--check"]) == 0, "run python scripts/benchmarks/results_page.py"
     for name in results.cited():
         assert (ROOT / "docs" / "bench" / name).exists(), name
+
+
+def cited_names(text: str) -> set[str]:
+    """The code names an architecture page cites in inline code: module files (``step.py``), classes
+    (``TrainStep``) and functions (``load_checkpoint``); config keys, paths and values are left out."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    names = set()
+    for span in re.findall(r"`([^`\n]+)`", text):
+        for word in re.split(r"[\s:,()=]+", span):
+            word = word.strip(".")
+            if re.fullmatch(r"[a-z_][a-z0-9_]*\.py", word) or re.fullmatch(r"[A-Z][a-z]+[A-Z][A-Za-z]*", word) \
+                    or (re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)+", word) and "." not in span.split(word)[0][-1:]):
+                names.add(word)
+    return names
+
+
+def defined_names() -> set[str]:
+    src = ROOT / "src" / "megabatch"
+    names = {path.name for path in src.rglob("*.py")} | {path.name for path in (ROOT / "scripts").rglob("*.py")}
+    for path in [*src.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
+        names |= set(re.findall(r"^\s*(?:def|class)\s+([A-Za-z_][A-Za-z0-9_]*)", path.read_text(), flags=re.M))
+    return names
+
+
+def test_architecture_cites_only_names_that_exist():
+    cited = cited_names((ROOT / "docs" / "ARCHITECTURE.md").read_text())
+    assert {"TrainStep", "load_checkpoint", "step.py", "build_step"} <= cited  # the extraction finds them
+    missing = sorted(cited - defined_names())
+    assert not missing, f"docs/ARCHITECTURE.md names what the code does not define: {missing}"
+    assert "find_resume_path" not in defined_names() and cited_names("`find_resume_path`") == {"find_resume_path"}
