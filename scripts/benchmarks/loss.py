@@ -16,7 +16,7 @@ the scale is a learnable 0-dim tensor at 100; sigmoid losses add a learnable bia
 empty; the gradients the loss returns become ``.grad`` and are subtracted once). A backend that runs
 out of memory at some b is not tried at larger b. fp32 matmuls may use TF32 (``--tf32``, on by
 default, as in ANCHORS.md). ``--dtypes fp32_bf16_values``: fp32 features holding bf16 values, the loss
-called as GradCache's phase 2 calls it on its bf16 feature buffers (``kernels.features_valued_in``:
+called as GradCache's phase 2 calls it on its bf16 feature buffers (``values_in=torch.bfloat16``:
 the Triton kernels' dot products in bf16, exact; gradients and GEMMs fp32).
 """
 
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from megabatch.bench import write_results
 from megabatch.config import parse_count
-from megabatch.kernels import features_valued_in
 from megabatch.losses import DiscoLoss, InfClLoss, LocalLoss, SigLipLoss, VanillaLoss
+from megabatch.losses.base import ContrastiveLoss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32_bf16_values": torch.float32}
 VALUES = {"fp32_bf16_values": torch.bfloat16}  # fp32 storage, values of this dtype (GradCache's phase 2)
@@ -90,7 +90,7 @@ def measure(loss_fn, b_local: int, dim: int, dtype, repeats: int, device, preall
     and their gradients (the gradients the loss returns become ``.grad``; counted once). With
     ``preallocate`` the ``.grad`` buffers exist beforehand and are the baseline, so the gradients
     the loss returns (added into them) count as extra: a stricter figure. ``values``: the features
-    are rounded to that dtype first and the loss is told so (``features_valued_in``)."""
+    are rounded to that dtype first and megabatch's losses are told so (``values_in``)."""
     generator = torch.Generator(device=device).manual_seed(0)
     images = F.normalize(torch.randn(b_local, dim, device=device, generator=generator), dim=-1)
     texts = F.normalize(torch.randn(b_local, dim, device=device, generator=generator), dim=-1)
@@ -109,8 +109,8 @@ def measure(loss_fn, b_local: int, dim: int, dtype, repeats: int, device, preall
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()  # the inputs
         start = time.perf_counter()
-        with features_valued_in(values):
-            loss = loss_fn(images, texts, scale)
+        told = {"values_in": values} if isinstance(loss_fn, ContrastiveLoss) else {}  # the references take no hint
+        loss = loss_fn(images, texts, scale, **told)
         loss.backward()
         sync()
         times.append(time.perf_counter() - start)

@@ -57,12 +57,15 @@ QUESTIONS = [
         "entries": [
             {"file": "vit_b16_256_graphs_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-B/16, batch 256"},
             {"file": "vit_b16_4k_patch_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-B/16, batch 4k (8 x 512)"},
-            {"file": "vit_b16_32k_vs_openclip_h200.json", "kind": "e2e", "label": "ViT-B/16, batch 32k (64 x 512), H200"},
+            {"file": "vit_b16_32k_vs_openclip_h200.json", "kind": "e2e",
+             "label": "ViT-B/16, batch 32k (64 x 512), H200"},
             {"file": "vit_l14_128_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 128"},
-            {"file": "vit_l14_4k_direct_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 4k (16 x 256)"},
+            {"file": "vit_l14_4k_direct_vs_openclip_h100.json", "kind": "e2e",
+             "label": "ViT-L/14, batch 4k (16 x 256)"},
             {"file": "gradcache_32k_subbatch_vs_openclip_compiled_h100.json", "kind": "e2e",
              "label": "ViT-B/32, batch 32k (GradCache, sub-batch 1024 / auto)"},
-            {"file": "vit_l14_32k_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 32k (no OpenCLIP row: beyond an H100)"},
+            {"file": "vit_l14_32k_h100.json", "kind": "e2e",
+             "label": "ViT-L/14, batch 32k (no OpenCLIP row: beyond an H100)"},
             {"file": "vit_l14_4k_flip_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 4k, FLIP 0.5 (not exact)"},
         ],
     },
@@ -71,7 +74,8 @@ QUESTIONS = [
         "text": "One step of batch 1,048,576, ViT-B/32, `loss=infcl`, GradCache with data offload (the JPEG bytes "
                 "kept in a spill file, re-decoded on the GPU in the replay), `trainer.sub_batch=auto`, compiled "
                 "towers, on one GPU, as a run's later steps (the loader's queues filled first).",
-        "entries": [{"file": "offload_1M_primed_tars_h100.json", "kind": "e2e", "label": "ViT-B/32, batch 1M, offload", "phases": True}],
+        "entries": [{"file": "offload_1M_primed_tars_h100.json", "kind": "e2e", "label": "ViT-B/32, batch 1M, offload",
+                     "phases": True}],
     },
     {
         "title": "The loader",
@@ -164,7 +168,8 @@ def loss_table(data: dict, entry: dict) -> list[str]:
             rows.append(f"| `{row['backend']}` | {row['dtype']} | {batch_name(row['batch'])} | {shown} | "
                         f"{row['useful_tflops']:.0f} | {row['extra_gb']:.2f} |")
         elif not str(row.get("status", "")).startswith("skipped"):
-            rows.append(f"| `{row['backend']}` | {row['dtype']} | {batch_name(row['batch'])} | {row.get('status')} | | |")
+            rows.append(f"| `{row['backend']}` | {row['dtype']} | {batch_name(row['batch'])} | "
+                        f"{row.get('status')} | | |")
     return rows
 
 
@@ -187,7 +192,8 @@ def e2e_table(data: dict, entry: dict) -> list[str]:
                     f"{row['steady_samples_s']:,.0f} | {ratio} | {row['mfu'] * 100:.1f}% | {row['peak_gpu_gb']:.1f} |")
     if theirs:
         rows.append(f"| OpenCLIP 3.3 | accum {theirs.get('accum_freq', 1)} | {theirs['sub_batch']} | "
-                    f"{theirs['step_s']:.3f} | {theirs['samples_per_s']:,.0f} | 1.00x | - | {theirs['peak_gpu_gb']:.1f} |")
+                    f"{theirs['step_s']:.3f} | {theirs['samples_per_s']:,.0f} | 1.00x | - | "
+                    f"{theirs['peak_gpu_gb']:.1f} |")
     if entry.get("phases"):
         phases = ours[0]["steps"][-1]["phases_s"]
         rows.append("")
@@ -221,7 +227,8 @@ def page() -> str:
              "from the JSONs in [bench/](bench/); do not edit it by hand. How to run a benchmark: "
              "[scripts/benchmarks/README.md](../scripts/benchmarks/README.md). Superseded measurements "
              "are in git history (`git log --stat -- docs/bench`).", ""]
-    lines += ["Questions:", ""] + [f"- [{q['title'].replace('`', '')}](#{anchor(q['title'])})" for q in QUESTIONS] + [""]
+    contents = [f"- [{q['title'].replace('`', '')}](#{anchor(q['title'])})" for q in QUESTIONS]
+    lines += ["Questions:", "", *contents, ""]
     for question in QUESTIONS:
         lines += [f"## {question['title']}", "", question["text"], ""]
         if question.get("picture"):
@@ -264,7 +271,7 @@ def plot_end_to_end(out: Path) -> None:
     ax.set_xticks(range(len(ratios)), labels, fontsize=8)
     ax.set_ylabel("samples/s, megabatch / OpenCLIP")
     ax.set_title("End to end against OpenCLIP 3.3 --torchcompile (one GPU)")
-    for bar, ratio in zip(bars, ratios):
+    for bar, ratio in zip(bars, ratios, strict=True):
         ax.text(bar.get_x() + bar.get_width() / 2, ratio + 0.02, f"{ratio:.2f}x", ha="center", fontsize=8)
     ax.set_ylim(0, max(ratios) * 1.2)
     fig.tight_layout()

@@ -1,5 +1,5 @@
 """fp32 features whose values are bf16's (GradCache's phase 2 upcasts its bf16 feature buffers) are
-multiplied in bf16 inside the Triton kernels (``dots_dtype``, ``kernels.features_valued_in``): the
+multiplied in bf16 inside the Triton kernels (``dots_dtype``, the loss's ``values_in``): the
 products are exact either way, so the loss and its gradients equal the fp32 kernels' up to the order
 of fp32 sums, with G' and the GEMMs still fp32. Through the interpreter on the CPU, compiled on a GPU."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megabatch.kernels import feature_values, features_valued_in, triton_tiles
-from megabatch.losses import InfClLoss, SigLipLoss, clip_loss_reference
+from megabatch.kernels import triton_tiles
+from megabatch.losses import InfClLoss, LocalLoss, SigLipLoss, clip_loss_reference
 from megabatch.train.gradcache import EncodedBatch, ReplayInputs, loss_and_feature_grads
 from megabatch.train.precision import Precision
 
@@ -64,17 +64,17 @@ def test_narrow_dots_need_fp32_inputs_and_a_narrow_dtype():
         triton_tiles._dot_operands(rows, cols, torch.int8)
 
 
-def test_the_promise_reaches_the_kernels_only_inside_the_context():
+def test_the_promise_reaches_the_kernels_only_when_given():
     loss = InfClLoss(impl="triton")
     assert "dots_dtype" not in loss.tile_functions(DEVICE, "block_stats")[0].keywords
-    with features_valued_in(torch.bfloat16):
-        assert feature_values() == torch.bfloat16
-        assert loss.tile_functions(DEVICE, "block_stats")[0].keywords["dots_dtype"] == torch.bfloat16
-        torch_impl = InfClLoss(impl="torch").tile_functions(DEVICE, "block_stats")[0]
-        assert "dots_dtype" not in torch_impl.keywords
-    with features_valued_in(torch.float32):  # fp32 buffers promise nothing
-        assert feature_values() is None
-    assert feature_values() is None
+    narrow = loss.tile_functions(DEVICE, "block_stats", values_in=torch.bfloat16)[0]
+    assert narrow.keywords["dots_dtype"] == torch.bfloat16
+    torch_impl = InfClLoss(impl="torch").tile_functions(DEVICE, "block_stats", values_in=torch.bfloat16)[0]
+    assert "dots_dtype" not in torch_impl.keywords
+    # fp32 buffers promise nothing
+    assert "dots_dtype" not in loss.tile_functions(DEVICE, "block_stats", values_in=torch.float32)[0].keywords
+    assert loss.compute_options(torch.float32) == {"values_in": None}
+    assert LocalLoss().compute_options(torch.bfloat16) == {}  # a whole-matrix loss takes no hint
 
 
 @pytest.mark.parametrize("loss_fn", [InfClLoss(impl="triton"), SigLipLoss(impl="triton")], ids=["infcl", "siglip"])

@@ -4,35 +4,18 @@ groups."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 
 IMPLS = ("auto", "triton", "torch")
 
-_VALUES_IN: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("feature_values", default=None)
 
-
-@contextlib.contextmanager
-def features_valued_in(dtype: torch.dtype | None) -> Iterator[None]:
-    """Within it, the fp32 features a loss is called on hold values of ``dtype`` (bf16 or fp16;
-    ``None``: anything): GradCache's phase 2 runs its loss on fp32 copies of its bf16 feature buffers.
-    The Triton kernels then take their dot products on copies in ``dtype`` (``triton_tiles.
-    _dot_operands``: the same exact products, at twice TF32's rate); the loss's gradients and GEMMs
-    stay fp32. Read when the loss is called (``feature_values``), so its backward keeps it."""
-    token = _VALUES_IN.set(dtype if dtype in (torch.bfloat16, torch.float16) else None)
-    try:
-        yield
-    finally:
-        _VALUES_IN.reset(token)
-
-
-def feature_values() -> torch.dtype | None:
-    """The dtype ``features_valued_in`` promised here, or ``None``."""
-    return _VALUES_IN.get()
+def narrow_values(dtype: torch.dtype | None) -> torch.dtype | None:
+    """``dtype`` if fp32 features holding values of it can take their dot products in it (bf16 or
+    fp16: the Triton kernels' ``dots_dtype``, the same exact products at twice TF32's rate), else
+    ``None`` (fp32 values: nothing to promise)."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
 def tile_module(impl: str, device: torch.device) -> ModuleType:

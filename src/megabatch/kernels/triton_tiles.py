@@ -580,7 +580,7 @@ def _check(rows: torch.Tensor, cols: torch.Tensor, precision: str) -> None:
 def _dot_operands(rows: torch.Tensor, cols: torch.Tensor, dots_dtype: torch.dtype | None):
     """The kernels' dot operands: ``rows`` and ``cols`` as given, or, with ``dots_dtype`` (bf16 or
     fp16) and fp32 inputs, copies in that dtype. The caller promises the fp32 values are that
-    dtype's (``kernels.features_valued_in``): the copies are then exact, and so are their products
+    dtype's (the loss's ``values_in``): the copies are then exact, and so are their products
     in fp32, as TF32's or IEEE fp32's products of the same values are. Only the order of the fp32
     sums differs, and the tensor cores run at twice TF32's rate on half the bytes."""
     if dots_dtype is None or rows.dtype != torch.float32 or dots_dtype == torch.float32:

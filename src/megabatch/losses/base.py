@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..distributed.gather import check_equal_batch
-from ..kernels import IMPLS, feature_values, tile_module, torch_tiles
+from ..kernels import IMPLS, narrow_values, tile_module, torch_tiles
 
 
 class ContrastiveLoss(nn.Module):
@@ -30,6 +30,10 @@ class ContrastiveLoss(nn.Module):
 
     A loss with ``uses_bias`` (SigLIP's sigmoid loss) is called with a fourth argument, the model's
     learnable ``bias`` []; the mean over ranks of its gradient is ``dL/d(bias)``, like the scale's.
+
+    ``values_in`` (keyword): the fp32 features hold values of this dtype (GradCache's phase 2 calls
+    the loss on fp32 copies of its bf16 feature buffers); a tiled loss's Triton kernels then take
+    their dot products in it, exactly. The gradients and the loss stay fp32.
     """
 
     uses_bias = False
@@ -41,7 +45,7 @@ class ContrastiveLoss(nn.Module):
 
     def forward(
         self, image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor,
-        bias: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None, *, values_in: torch.dtype | None = None,
     ) -> torch.Tensor:
         if image_features.shape != text_features.shape or image_features.dim() != 2:
             raise ValueError(
@@ -55,9 +59,14 @@ class ContrastiveLoss(nn.Module):
         if rows not in self._checked_rows:  # once per shape (an all-gather and a host sync), not per call
             check_equal_batch(image_features, self.group)
             self._checked_rows.add(rows)
+        options = self.compute_options(values_in)
         if self.uses_bias:
-            return self.compute(image_features, text_features, scale, bias)
-        return self.compute(image_features, text_features, scale)
+            return self.compute(image_features, text_features, scale, bias, **options)
+        return self.compute(image_features, text_features, scale, **options)
+
+    def compute_options(self, values_in: torch.dtype | None) -> dict:
+        """``compute``'s keyword arguments: none for the losses on a whole logits matrix (torch GEMMs)."""
+        return {}
 
     def compute(
         self, image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor
@@ -83,12 +92,17 @@ class TiledLoss(ContrastiveLoss):
             raise ValueError(f"loss.impl={impl!r}; use one of {', '.join(IMPLS)}")
         self.tile, self.impl, self.fp32_precision = tile, impl, fp32_precision
 
-    def tile_functions(self, device: torch.device, *names: str) -> list:
-        """The kernels module's functions ``names`` for tensors on ``device``, with this loss's options."""
+    def compute_options(self, values_in: torch.dtype | None) -> dict:
+        return {"values_in": narrow_values(values_in)}
+
+    def tile_functions(self, device: torch.device, *names: str, values_in: torch.dtype | None = None) -> list:
+        """The kernels module's functions ``names`` for tensors on ``device``, with this loss's options;
+        ``values_in`` (bf16 or fp16) becomes the Triton kernels' ``dots_dtype``, bound into the functions
+        that the forward and the backward both call."""
         kernels = tile_module(self.impl, device)
         options = {"fp32_precision": self.fp32_precision}
         if kernels is torch_tiles:
             options["tile"] = self.tile
-        elif feature_values() is not None:  # bound now: the backward runs outside the caller's context
-            options["dots_dtype"] = feature_values()
+        elif narrow_values(values_in) is not None:
+            options["dots_dtype"] = narrow_values(values_in)
         return [functools.partial(getattr(kernels, name), **options) for name in names]

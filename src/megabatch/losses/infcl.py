@@ -99,6 +99,7 @@ class _InfClLoss(torch.autograd.Function):
 class InfClLoss(TiledLoss):
     """Inf-CL ring loss (options: ``base.TiledLoss``)."""
 
-    def compute(self, image_features, text_features, scale) -> torch.Tensor:
-        stats_fn, grads_fn = self.tile_functions(image_features.device, "block_stats", "block_grads")
+    def compute(self, image_features, text_features, scale, values_in=None) -> torch.Tensor:
+        stats_fn, grads_fn = self.tile_functions(image_features.device, "block_stats", "block_grads",
+                                                 values_in=values_in)
         return _InfClLoss.apply(image_features, text_features, scale, self.group, stats_fn, grads_fn)

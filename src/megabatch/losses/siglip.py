@@ -86,6 +86,6 @@ class SigLipLoss(TiledLoss):
 
     uses_bias = True
 
-    def compute(self, image_features, text_features, scale, bias=None) -> torch.Tensor:
-        (block_fn,) = self.tile_functions(image_features.device, "sigmoid_block")
+    def compute(self, image_features, text_features, scale, bias=None, values_in=None) -> torch.Tensor:
+        (block_fn,) = self.tile_functions(image_features.device, "sigmoid_block", values_in=values_in)
         return _SigLipLoss.apply(image_features, text_features, scale, bias, self.group, block_fn)

@@ -33,7 +33,6 @@ import torch
 
 from ..data.offload import Offload
 from ..data.samples import SubBatch
-from ..kernels import features_valued_in
 from ..models.text_length import TextTrim
 from .precision import Precision
 
@@ -208,8 +207,7 @@ def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Te
     inputs = [image_features, text_features, logit_scale.detach().exp().float().requires_grad_()]
     if logit_bias is not None:
         inputs.append(logit_bias.detach().float().requires_grad_())
-    with features_valued_in(encoded.image_features.dtype):  # bf16 buffers: the kernels' dots in bf16, exact
-        loss = loss_fn(*inputs)
+    loss = loss_fn(*inputs, values_in=encoded.image_features.dtype)  # bf16 buffers: the kernels' dots in bf16, exact
     return FeatureGrads(loss.detach(), *torch.autograd.grad(precision.scale(loss), inputs))
 
 
