@@ -41,8 +41,7 @@ META = "meta.pt"      # a sharded checkpoint's step, RNG states, config and mode
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states (python, numpy, torch CPU and CUDA) as tensors."""
     state = {
-        "python": torch.tensor(random.getstate()[1], dtype=torch.int64),
-        "python_pos": torch.tensor(random.getstate()[2] or 0),
+        "python": torch.tensor(random.getstate()[1], dtype=torch.int64),  # Mersenne Twister words and position
         "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
         "numpy_pos": torch.tensor(np.random.get_state()[2]),
         "torch": torch.random.get_rng_state(),
@@ -104,12 +103,39 @@ def _disk_full(error: BaseException) -> bool:
 def write_run_checkpoint(
     ckpt_dir: Path, payload: dict[str, Any], step: int, numbered: bool, keep: int | None
 ) -> None:
-    """Save ``last.pt`` (and ``step_<N>.pt`` if ``numbered``), pruning old numbered files."""
-    save_checkpoint(ckpt_dir / "last.pt", payload)
+    """Save ``last.pt`` (and ``step_<N>.pt`` if ``numbered``: the payload serialised once, ``last.pt``
+    a hard link to it), pruning old numbered files."""
+    last = ckpt_dir / "last.pt"
     if numbered:
-        save_checkpoint(ckpt_dir / f"step_{step:08d}.pt", payload)
+        numbered_path = ckpt_dir / f"step_{step:08d}.pt"
+        save_checkpoint(numbered_path, payload)
+        _link_over(numbered_path, last)
         _prune(ckpt_dir, keep)
-    log.info("checkpoint at step %d -> %s", step, ckpt_dir / "last.pt")
+    else:
+        save_checkpoint(last, payload)
+    log.info("checkpoint at step %d -> %s", step, last)
+
+
+def _link_over(source: Path, target: Path) -> None:
+    """Make ``target`` name ``source``'s file, atomically (a hard link renamed over it; a durable copy
+    where the disk has no hard links). A later save replaces ``target`` by a rename, never in place,
+    so ``source`` keeps its bytes."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:
+            with open(source, "rb") as reader, open(tmp, "wb") as writer:
+                shutil.copyfileobj(reader, writer, 16 << 20)
+                writer.flush()
+                os.fsync(writer.fileno())
+        os.replace(tmp, target)
+    except BaseException as error:
+        tmp.unlink(missing_ok=True)
+        if _disk_full(error):
+            raise _no_space(target.parent, target.name) from error
+        raise
 
 
 def load_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict[str, Any]:
@@ -163,19 +189,41 @@ def load_sharded_meta(path: Path, weights: bool = True) -> dict[str, Any]:
     return state
 
 
-def _read_sharded(path: Path, key: str) -> dict[str, torch.Tensor]:
-    """Entry ``key`` of a DCP checkpoint, every tensor whole, in this process alone."""
+def _read_sharded(path: Path, key: str) -> dict[str, Any]:
+    """Entry ``key`` of a DCP checkpoint (the model's or the optimizer's state dict), every tensor
+    whole, in this process alone: ``dcp.load`` into a target laid out from the checkpoint's own
+    metadata (each entry's path in the saved state dict, its shape and dtype)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    # DCP's own consolidation (format_utils.dcp_to_torch_save) reads this way, without a target
-    # state dict; public dcp.load fills only the keys it is given
-    state: dict[str, Any] = {}
+    reader = dcp.FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    target: dict[str, Any] = {}
+    for name, meta in metadata.state_dict_metadata.items():
+        route = metadata.planner_data[name]  # ("optimizer", "state", "0", "exp_avg"), list indices as ints
+        if route[0] != key:
+            continue
+        leaf = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) \
+            else None  # a non-tensor value (the optimizer's param_groups): loaded in place of None
+        node = target
+        for part, below in zip(route[1:-1], route[2:], strict=True):
+            node = _child(node, part, [] if isinstance(below, int) else {})
+        _child(node, route[-1], leaf, replace=True)
     with _one_process_quietly():
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)),
-                         planner=_EmptyStateDictLoadPlanner(keys={key}), no_dist=True)
-    return state[key]
+        dcp.load({key: target}, storage_reader=reader, no_dist=True)
+    return target
+
+
+def _child(node: dict | list, part: str | int, empty: Any, replace: bool = False) -> Any:
+    """``node[part]``, set to ``empty`` when absent (or always, with ``replace``); lists grow to ``part``."""
+    if isinstance(node, list):
+        node.extend([None] * (part + 1 - len(node)))
+        if replace or node[part] is None:
+            node[part] = empty
+        return node[part]
+    if replace or part not in node:
+        node[part] = empty
+    return node[part]
 
 
 def write_sharded_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optimizer, meta: dict[str, Any] | None,
