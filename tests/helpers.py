@@ -100,6 +100,17 @@ def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Te
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def build_parts(cfg, device: str = "cpu"):
+    """A run's parts as the trainer builds them: the process-wide settings first, then ``RunParts``."""
+    from megabatch.distributed import init_distributed
+    from megabatch.train.backends import configure_backends
+    from megabatch.train.parts import RunParts
+
+    env = init_distributed(device)
+    configure_backends(cfg, env.device)
+    return RunParts.build(cfg, env)
+
+
 def run_script(*args: str, cwd) -> subprocess.CompletedProcess:
     """Run ``python <args>`` in ``cwd`` as a user would; fail the test with its output on error."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}

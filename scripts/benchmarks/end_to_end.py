@@ -188,6 +188,7 @@ def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: 
                 offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32"):
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
+    from megabatch.train.backends import configure_backends
     from megabatch.train.parts import RunParts
 
     precision = "bf16" if device == "cuda" else "fp32"
@@ -196,7 +197,9 @@ def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: 
                   f"trainer.offload={str(offload).lower()}", f"trainer.precision={precision}", *overrides)
     cfg.data.train.urls = urls
     cfg.trainer.offload_dir = offload_dir if offload else None
-    return RunParts.build(validate(cfg), init_distributed(device))
+    env = init_distributed(device)
+    configure_backends(validate(cfg), env.device)  # as the Trainer does, before building
+    return RunParts.build(cfg, env)
 
 
 def host_syncs(step, sub_batches, epoch: int) -> dict:

@@ -32,11 +32,13 @@ def one_setting(parallel: str, overrides: list[str], sub_batch: int, sub_batches
 
     from megabatch.distributed.fsdp import shard_model
     from megabatch.models import build_model
+    from megabatch.train.backends import configure_backends
     from megabatch.train.optim import build_optimizer
     from megabatch.train.step import TrainStep
 
     world = dist.get_world_size()
     cfg = compose(*overrides, f"batch={sub_batch * sub_batches * world}", "trainer.precision=bf16")
+    configure_backends(cfg, device)  # as the Trainer does, before building
     torch.manual_seed(cfg.seed)
     torch.cuda.reset_peak_memory_stats(device)
     model = build_model(cfg.model).to(device).train()

@@ -56,11 +56,15 @@ def sdpa_context(variant: str):
 
 def build(model_name: str, overrides: list[str], variant: str, rows: int, device: torch.device):
     from megabatch.models import build_model
+    from megabatch.train.backends import configure_backends
 
     torch.manual_seed(0)
     direct = f"model.direct_attention={str('direct' in variant).lower()}"
     patch = f"model.patch_gemm={str('patch' in variant).lower()}"
-    model = build_model(compose(f"model={model_name}", *overrides, direct, patch).model).to(device).train()
+    compiled = f"model.compile={str(variant.startswith('compile')).lower()}"
+    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled)
+    configure_backends(cfg, device)  # as the Trainer does, before building
+    model = build_model(cfg.model).to(device).train()
     model.trim_text(True)
     if variant.endswith("bf16-weights"):
         model.to(torch.bfloat16)

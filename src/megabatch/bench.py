@@ -102,11 +102,11 @@ def build_step(cfg, device: torch.device, sub_batches: int, offload=None):
 
     from .config import parse_count
     from .models import build_model
+    from .train.backends import configure_backends
     from .train.optim import build_optimizer
     from .train.step import TrainStep
 
-    if device.type == "cuda":  # as the Trainer sets it (trainer.tf32)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
+    configure_backends(cfg, device)  # as the Trainer does
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).to(device)
     optimizer, _ = build_optimizer(cfg.optim, model, parse_count(cfg.batch))

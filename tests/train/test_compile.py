@@ -9,12 +9,10 @@ import pytest
 import torch
 
 from megabatch.config.schema import validate
-from megabatch.distributed import init_distributed
 from megabatch.models import build_model
-from megabatch.train.parts import RunParts
 from megabatch.train.precision import Precision
 
-from ..helpers import compose, rel_error, run_ranks
+from ..helpers import build_parts, compose, rel_error, run_ranks
 
 BASE = ["batch=32", "eval=none", "optim=sgd", "trainer.max_steps=1", "data.train.shuffle_buffer=64",
         "model.image.patch_dropout=0.25"]
@@ -23,7 +21,7 @@ BASE = ["batch=32", "eval=none", "optim=sgd", "trainer.max_steps=1", "data.train
 def gradients(*overrides: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One step's loss and gradients. Compiled, the run compiles its graphs while it is built
     (``ClipModel.warm_up``): the step itself must compile none."""
-    parts = RunParts.build(validate(compose(*BASE, *overrides)), init_distributed("cpu"))
+    parts = build_parts(validate(compose(*BASE, *overrides)))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     loss, _ = parts.step.gradients(parts.inputs(0))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a step compiled a graph"
@@ -99,7 +97,7 @@ def test_feature_dtype_auto_follows_the_towers_precision():
 
 
 def test_sub_batch_auto_on_the_cpu_is_the_whole_per_rank_batch():
-    parts = RunParts.build(validate(compose(*BASE, "trainer.sub_batch=auto")), init_distributed("cpu"))
+    parts = build_parts(validate(compose(*BASE, "trainer.sub_batch=auto")))
     assert parts.plan.sub_batch == parts.plan.rank_batch == 32
     parts.close()
 
@@ -113,10 +111,9 @@ def test_cuda_graphs_need_the_compiled_one_pass_step_without_random_ops():
         validate(compose("model.compile=true", "model.cuda_graphs=yes"))
     graphs = [*BASE, "model.compile=true", "model.cuda_graphs=true"]
     with pytest.raises(ConfigError, match="is for the one-pass step, and this run's step is 4 GradCache sub-batches"):
-        RunParts.build(validate(compose(*graphs, "model.image.patch_dropout=0", "trainer.sub_batch=8")),
-                       init_distributed("cpu"))
+        build_parts(validate(compose(*graphs, "model.image.patch_dropout=0", "trainer.sub_batch=8")))
     with pytest.raises(ConfigError, match=r"random numbers in training \(clip.visual.patch_dropout=0.25\)"):
-        RunParts.build(validate(compose(*graphs)), init_distributed("cpu"))
+        build_parts(validate(compose(*graphs)))
     model = build_model(compose("model=tiny", "model.image.patch_dropout=0.5").model)
     assert model.train().random_modules() == ["clip.visual.patch_dropout=0.5"]
     assert model.eval().random_modules() == []  # a frozen tower stays in eval mode: it draws nothing
@@ -141,9 +138,8 @@ def test_cuda_graphs_compile_the_towers_in_reduce_overhead_mode(monkeypatch):
 def test_towers_replayed_as_cuda_graphs_give_the_compiled_gradients():
     """Two steps each way: the second replays the graphs the first recorded."""
     def two_steps(*more):
-        parts = RunParts.build(validate(compose(*BASE, "model.image.patch_dropout=0", "trainer.device=cuda",
-                                                "model.compile=true", *more)),
-                               init_distributed("cuda"))
+        parts = build_parts(validate(compose(*BASE, "model.image.patch_dropout=0", "trainer.device=cuda",
+                                             "model.compile=true", *more)), "cuda")
         results = []
         for _step in range(2):
             loss, _ = parts.step.gradients(parts.inputs(0))
@@ -158,3 +154,19 @@ def test_towers_replayed_as_cuda_graphs_give_the_compiled_gradients():
         assert graph_grads.keys() == grads.keys()
         for name, grad in grads.items():
             assert rel_error(graph_grads[name], grad) <= 1e-3, name
+
+
+def test_the_process_wide_settings_are_made_once_in_one_place(monkeypatch):
+    """configure_backends makes them (and says so); building the model and compiling its towers do not."""
+    import torch._inductor.config as inductor_config
+
+    from megabatch.train.backends import configure_backends
+
+    monkeypatch.setattr(inductor_config, "fallback_random", False)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # nothing compiled here
+    model = build_model(compose("model=tiny").model)
+    model.compile_towers(rows=4)
+    assert inductor_config.fallback_random is False
+    settings = configure_backends(compose("model.compile=true"), torch.device("cpu"))
+    assert inductor_config.fallback_random is True and any("model.compile" in line for line in settings)
+    assert configure_backends(compose(), torch.device("cpu")) == []  # nothing to set for an eager CPU run

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from megabatch.config.schema import validate
-from megabatch.distributed import init_distributed
-from megabatch.train.parts import RunParts
 
-from ..helpers import compose, run_ranks
+from ..helpers import build_parts, compose, run_ranks
 
 BASE = ["batch=16", "eval=none", "trainer.max_steps=2", "data.train.shuffle_buffer=64",
         "model.image.patch_dropout=0"]
@@ -32,7 +30,7 @@ def poisoned_step(rank: int, world: int, poison_rank: int | None, fused: bool = 
                   good_first: bool = False) -> dict:
     """One step of the trainer's parts (after one good step with ``good_first``); ``poison_rank``'s
     gradient made NaN after DDP's average. ``fused``: AdamW fused, which skips on the device."""
-    parts = RunParts.build(validate(compose(*BASE, *FUSED[fused])), init_distributed("cpu"))
+    parts = build_parts(validate(compose(*BASE, *FUSED[fused])))
     assert parts.step.skips_on_device == fused
     inputs = parts.inputs(0)
     if good_first:

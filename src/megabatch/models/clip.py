@@ -179,7 +179,8 @@ class ClipModel(nn.Module):
         goes through in chunks of ``rows``: neither recompiles. Gradient mode is part of what a
         compiled graph assumes, so GradCache's graph-free encoding, the replay and a frozen tower's
         no-grad pass each compile once. Random ops (dropout, patch dropout) draw from torch's
-        generator as in eager mode (inductor's ``fallback_random``), so the replay redraws them.
+        generator as in eager mode (inductor's ``fallback_random``, which ``train.backends.configure_backends``
+        sets), so the replay redraws them.
         Captions cut to their length (``trim_text``) make the text tower's length dynamic after its
         second length: one more graph per gradient mode, not one per length.
 
@@ -190,12 +191,6 @@ class ClipModel(nn.Module):
         previous call's, which the one-pass step has consumed by then (its backward run). The
         trainer allows it for the one-pass step of towers without random ops only
         (``train/parts.py: check_cuda_graphs``)."""
-        import torch._dynamo.config as dynamo_config
-        import torch._inductor.config as inductor_config
-
-        inductor_config.fallback_random = True
-        limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-        setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 16))  # 3 gradient modes x lengths
         mode = "reduce-overhead" if cuda_graphs else None
         compiled = {"image": torch.compile(self._image_features, dynamic=False, mode=mode),
                     "text": torch.compile(self._text_features, dynamic=None if self.text_trim else False, mode=mode)}

@@ -40,6 +40,7 @@ from ..distributed.signals import ignore_stop_signals
 from ..eval import headline, run_zeroshot, summary
 from ..report import RunStatus
 from ..report.runs import failure
+from .backends import configure_backends
 from .metrics import MetricsLogger
 from .parts import RunParts
 from .preemption import Preempted, StopRequests
@@ -189,6 +190,9 @@ class Trainer:
 
     def _build(self) -> None:
         cfg, env = self.cfg, self.env
+        for setting in configure_backends(cfg, env.device):  # process-wide, once, before anything is built
+            if self.main:
+                log.info("backends: %s", setting)
         self.parts = RunParts.build(cfg, env)
         self.model, self.plan, self.train_step = self.parts.model, self.parts.plan, self.parts.step
         self.sharded = is_sharded(self.model)  # FSDP across several ranks

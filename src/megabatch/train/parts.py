@@ -54,9 +54,10 @@ class RunParts:
 
     @classmethod
     def build(cls, cfg: DictConfig, env: DistEnv) -> RunParts:
-        """Build every part for ``env``'s rank. Seeds torch with ``cfg.seed`` first, so every rank
-        starts from the same weights, and with ``cfg.seed + 1000 x rank`` last, so each rank
-        draws its own dropout and patch-dropout masks."""
+        """Build every part for ``env``'s rank, after ``configure_backends`` (train/backends.py) has made
+        the process-wide settings. Seeds torch with ``cfg.seed`` first, so every rank starts from the
+        same weights, and with ``cfg.seed + 1000 x rank`` last, so each rank draws its own dropout and
+        patch-dropout masks."""
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
         # training mode throughout (transformers loads a Hugging Face tower in eval mode: without
         # this its dropout would stay off until the first evaluation switched it on); frozen towers
@@ -87,16 +88,9 @@ class RunParts:
         shard(cfg, model, env, precision)  # trainer.parallel=fsdp: before the optimizer takes the parameters
         # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
         plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
-        if gpu_decoder is not None:
-            # this thread's work leaves the legacy default stream: nvJPEG's calls synchronise with
-            # that stream, so decoding ahead would otherwise wait for the step's queued kernels
-            torch.cuda.set_stream(torch.cuda.Stream(env.device))
         optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
         schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
                                steps_per_epoch=plan.steps_per_epoch)
-        if env.device.type == "cuda":  # TF32 for fp32 matmuls (the loss on fp32 features)
-            torch.backends.cuda.matmul.allow_tf32 = cfg.trainer.tf32
-            torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
         offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
         inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
                            pin_memory=env.device.type == "cuda",

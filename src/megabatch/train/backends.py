@@ -1,0 +1,44 @@
+"""The process-wide settings a run makes: one place, once, at start, logged."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from ..data.gpu_decode import resolve_decode
+
+RECOMPILE_LIMIT = 16  # graphs per compiled function: 3 gradient modes x the caption lengths met before dynamic
+
+
+def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
+    """Set what a run of ``cfg`` on ``device`` needs process-wide, before anything is built (the
+    trainer and the benchmarks call it; building a run changes no global state). Idempotent.
+    Returns one line per setting, for the log.
+
+    - CUDA: TF32 tensor cores for fp32 matmuls and convolutions (``trainer.tf32``: the loss on fp32
+      features).
+    - ``model.compile``: inductor's random ops draw from torch's generator as eager ones do
+      (``fallback_random``), so GradCache's replay redraws the dropout masks phase 1 drew; dynamo
+      may keep up to ``RECOMPILE_LIMIT`` graphs per compiled function.
+    - JPEG decoding on the GPU: this thread's work leaves the legacy default stream for a stream of
+      its own, because nvJPEG's calls synchronise with the legacy stream and decoding ahead would
+      otherwise wait for the step's queued kernels.
+    """
+    done = []
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(cfg.trainer.tf32)
+        done.append(f"TF32 for fp32 matmuls {'on' if cfg.trainer.tf32 else 'off'} (trainer.tf32)")
+    if cfg.model.get("compile", False):
+        import torch._dynamo.config as dynamo_config
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fallback_random = True
+        limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), RECOMPILE_LIMIT))
+        done.append(f"compiled random ops drawn as in eager mode; up to {getattr(dynamo_config, limit)} graphs "
+                    "per compiled function (model.compile)")
+    if device.type == "cuda" and resolve_decode(cfg.data.decode, device) == "gpu":
+        if torch.cuda.current_stream(device) == torch.cuda.default_stream(device):
+            torch.cuda.set_stream(torch.cuda.Stream(device))
+        done.append("the step's work on a CUDA stream of its own, beside the JPEG decoding (data.decode=gpu)")
+    return done
