@@ -4,9 +4,9 @@ import os
 
 # The GPU decoding (data/gpu_decode.py) runs beside the step on other CUDA streams. CUDA maps all
 # streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default), and a stream that shares
-# a queue with the step's waits behind everything the step has queued: a 512-image nvJPEG decode took
-# ~1.5 s beside a deep queue of matrix products on an H100, ~0.12 s with 32 queues (the most; 26 ms
-# idle). Read when CUDA starts, so set here, before anything uses it; a value already set wins.
+# a queue with the step's waits behind everything the step has queued; 32 is the most CUDA allows
+# (docs/performance.md has the measurement). Read when CUDA starts, so set here, before anything
+# uses it; a value already set wins.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 __version__ = "0.1.0"

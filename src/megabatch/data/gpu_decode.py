@@ -2,8 +2,8 @@
 where it has them (``data/nvjpeg.py``), else through ``torchvision.io.decode_jpeg``.
 
 With ``data.decode=cpu`` every loader worker decodes, crops and resizes its samples: at 1M samples
-a step the host cores, not the GPU, set the pace (16 cores decode ~4,500 samples/s; a ViT-B/32's
-graph-free forward takes ~11,000 on an H100), and data offload decodes every image twice. With
+a step the host cores, not the GPU, set the pace (a host's cores decode fewer images a second than
+a ViT-B/32's graph-free forward encodes), and data offload decodes every image twice. With
 ``gpu`` the workers only read tar members, keep the bytes and read each JPEG's header; the crop box
 is still drawn on the CPU from the sample's seed (``SampleDecoder.box``, the CPU path's own
 function), so the GPU cuts the same crop. ``GpuDecoder.decode`` decodes a sub-batch's JPEGs in one
@@ -13,15 +13,15 @@ rest); ``GpuDecoder.finish`` cuts each box and resizes it with the model's inter
 path's tensors are once copied there. ``decode_ahead`` runs both in the threads of a
 ``DecodePool`` (each on its own high-priority CUDA stream), ahead of the step within a byte budget,
 for phase 1 and for the offload replay alike, the replay's sub-batches first: the step's thread
-takes finished images and waits for nothing it could have done earlier (with ``finish`` in the
-step's thread, its ~10 ms a sub-batch were 17% of a 16k offload step, measured on an H100).
+takes finished images and waits for nothing it could have done earlier (``finish`` in the step's
+thread would add its crops' time to every sub-batch).
 
 Pixels: decoding the same bytes twice on the GPU gives the same tensor bit for bit (the replay
 relies on it). Against the CPU path (libjpeg-turbo) they are equal for 4:4:4 JPEGs; for chroma-
 subsampled ones (4:2:0, most photos) nvJPEG upsamples the chroma differently, so pixels differ by
-1.6 on average (up to ~20 at sharp colour edges), measured on an H100.
+a few levels on average (more at sharp colour edges).
 
-Rows the GPU does not decode (PNG, WebP, CMYK JPEGs, ...) come decoded by the workers as before
+Rows the GPU does not decode (PNG, WebP, CMYK JPEGs, ...) come decoded by the workers as on the CPU path
 (``probe_jpeg``); a JPEG nvJPEG refuses is decoded on the CPU instead, and one nothing can decode
 (its header read well, its body is corrupt) becomes a black image, counted as ``corrupt_image``
 and logged: the sample is already in the sub-batch, and sub-batches keep their size.
@@ -238,7 +238,7 @@ class GpuDecoder:
     Two decoders: the GPU's hardware JPEG engines (``data/nvjpeg.py``, one decoder per thread) for
     the JPEGs they take (``JpegHeader.hardware``), where the GPU has them and ``hardware`` allows
     (``None``: wherever they exist); nvJPEG's CUDA decoder through ``torchvision.io.decode_jpeg``
-    for the others. Both give the same pixels (measured on an H100: equal bit for bit), and a row
+    for the others. Both give the same pixels, bit for bit, and a row
     takes the same path every time it is decoded. ``corrupt_image``: rows nothing could decode
     (black images), counted for the logs."""
 
@@ -256,10 +256,10 @@ class GpuDecoder:
         CUDA decoder alone, which decodes one call at a time (a mutex in torchvision), two, one for the
         look-ahead then. Without a replay (phase 1, a plain step) the look-ahead takes every thread.
 
-        Under a training step a hardware decoding call takes ~120 ms for 1,024 images against ~35 ms
-        on an idle GPU (nvJPEG waits on an event per image, and each waits for the busy SMs), so the
-        threads' number sets the rate: the 1M ViT-B/32 offload step on an H100 waited 26.5 s for
-        images with three threads (two ahead), 13.8 s with four, 12.6 s with five (docs/bench)."""
+        Under a training step a hardware decoding call takes several times as long as on an idle GPU
+        (nvJPEG waits on an event per image, and each waits for the busy SMs), so the number of
+        threads sets the rate: four halve the 1M offload step's wait for images against three, a
+        fifth adds little (docs/performance.md)."""
         if self._pool is None:
             if self.threads is not None:
                 self._pool = DecodePool(self.device, threads=self.threads, look_ahead_threads=self.threads - 1)

@@ -2,8 +2,8 @@
 
 ``torchvision.io.decode_jpeg(..., device="cuda")`` keeps one nvJPEG decoder per process behind a
 mutex and decodes with CUDA kernels: under a training step its calls queue behind the step's
-kernels, and the two GPU decoding threads take turns (a 512-image sub-batch of 256 px JPEGs took
-100-200 ms under load against 36 ms idle, measured on an H100). A100, H100 and later carry
+kernels, and the two GPU decoding threads take turns (a call takes several times as long under
+load as on an idle GPU). A100, H100 and later carry
 hardware JPEG decoders (NVJPG engines) that nvJPEG reaches through its ``HARDWARE`` backend: they
 use no SMs, so decoding runs beside the step instead of between its kernels. This module binds that
 backend from the ``libnvjpeg`` that torchvision ships (no new dependency, no compiler): one

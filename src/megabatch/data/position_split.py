@@ -162,8 +162,8 @@ class PositionSplitBatches(IterableDataset):
 def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: bool = False) -> DataLoader:
     """A DataLoader over ``dataset``'s ready-made batches. With ``pin_memory`` a background thread
     copies them into page-locked memory: a pageable copy to the GPU first waits for every kernel
-    queued before it, so the loader could not run ahead of the encoder (measured on an H200 host,
-    16 workers, 44 ms of GPU work per 512-sample sub-batch: 5,050 samples/s pageable, 6,760 pinned)."""
+    queued before it, so the loader could not run ahead of the encoder
+    (``scripts/benchmarks/loader_copy.py`` measures both)."""
     return DataLoader(
         dataset,
         batch_size=None,

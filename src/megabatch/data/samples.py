@@ -83,8 +83,8 @@ class EncodedImages:
     Why one tensor: a loader worker's result crosses to the training process pickled through a
     pipe, except tensors, which cross as one shared-memory handle. As 512 byte strings (17 MB for
     256 px JPEGs) a sub-batch took hundreds of 64 KB pipe reads, each handing the interpreter lock
-    back and forth with the GPU decoding threads and the step (measured on an H100: the receiving
-    thread busy 70% of the time, phase 1 at 5,700 samples/s). Iterating gives ``(bytes, position)``
+    back and forth with the GPU decoding threads and the step, which kept the receiving thread busy
+    most of the time. Iterating gives ``(bytes, position)``
     pairs; ``views`` gives each row as a tensor without copying (nvJPEG's input)."""
 
     def __init__(self, blob: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor):

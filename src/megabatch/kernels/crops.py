@@ -11,14 +11,12 @@ which the offload replay relies on.
 Why separable passes: an output pixel reads only the few taps of its filter (~6 along an axis for
 256 px shrunk to 224, bicubic). The plain-torch form, kept for CPUs and as this one's reference
 (``gpu_decode.cropped_groups`` with ``kernel=False``), is two dense float64 products with per-sample
-``[out, full]`` resampling matrices, ~97% zeros, plus float64 copies of the images. Measured on an
-H100, 512 images of 256 px to 224 (bicubic, ViT training's crop boxes; ``scripts/benchmarks/decode.py
---crops``, ``docs/bench/crops_h100.json``): 1.2 ms of CPU and 1.6 ms of GPU a sub-batch here, the
-same pixels as the dense form; the dense form takes 16 ms of CPU for its ~100 calls. Earlier forms:
-Triton building the dense matrices and cuBLAS the products, 1.7 ms of CPU and 4.2 ms of GPU; the
-passes computing each tap's weight inline, 7.0 ms of GPU (255 registers a thread, spilling); one
-pass gathering all ``K x K`` taps of each output pixel, 157 ms. The taps' weights and input pixels
-are therefore tables (``_taps_kernel``, once per image size), and a program covers few rows.
+``[out, full]`` resampling matrices, ~97% zeros, plus float64 copies of the images: an order of
+magnitude more CPU time per sub-batch than these two passes, for the same pixels
+(``scripts/benchmarks/decode.py --crops``; the figures are in docs/performance.md). Computing each
+tap's weight inline costs registers (the kernel spills) and gathering all ``K x K`` taps of an
+output pixel in one pass reads each input pixel many times, so the taps' weights and input pixels
+are tables (``_taps_kernel``, once per image size), and a program covers few rows.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import triton.language as tl
 
 MODES = {"nearest": 0, "bilinear": 1, "bicubic": 2}
 # output rows, and columns (input columns in the first pass), per program; warps: the fastest of
-# the shapes tried on an H100 (rows 0.37 ms, columns 0.93 ms for 512 images at 8 taps)
+# the shapes tried (scripts/benchmarks/decode.py --crops)
 BLOCK_I, BLOCK_J, WARPS = 2, 256, 2
 TAPS_BLOCK = 64  # output pixels per program of the taps' weights
 

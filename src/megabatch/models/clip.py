@@ -199,15 +199,15 @@ class ClipModel(nn.Module):
 
     def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool) -> float:
         """After ``compile_towers``: compile now every graph training will call, so that no step
-        stalls on a compilation later (a compiled text tower meeting its first cut length mid-run
-        compiled for ~45 s on an H100). Calls each tower once with autograd (the replay, a plain step)
+        stalls on a compilation later (a compiled text tower meeting a new cut length mid-run
+        compiles for most of a minute on a GPU). Calls each tower once with autograd (the replay, a plain step)
         and, with ``graph_free`` (GradCache), once without (phase 1); the text tower at its whole
         context and, where captions are cut, at every length they can be cut to. The second length
-        makes the length dynamic, but that graph's guards may hold for a range of lengths only (on
-        an H100, 2 to 39 of 77: a cut of 56 tokens then compiled for 28 s mid-run), and a new
+        makes the length dynamic, but that graph's guards may hold for a range of lengths only (a
+        longer cut then compiles again mid-run), and a new
         length can still build a kernel or an attention plan; each length once here leaves none of
         these to a step. With ``cuda_graphs`` the calls run twice, both towers together: the
-        second run records the CUDA graphs a step replays (one recorded mid-run cost ~0.8 s).
+        second run records the CUDA graphs a step replays (one recorded mid-run stalls that step).
         ``autocast``: a callable giving the step's autocast context. The RNG states are restored
         and the gradients cleared: training draws and computes what it would have without.
         Returns seconds."""

@@ -3,10 +3,9 @@ cuDNN convolution.
 
 open_clip's ``VisionTransformer.conv1`` is a convolution whose stride equals its kernel: patches
 that do not overlap, no padding, so a linear map of each patch. cuDNN runs it with a generic
-convolution algorithm: on an H100, in a ViT-B/32 GradCache step of 16 sub-batches of 1024, its
-forward kernel (``precomputed_convolve_sgemm``) took 8.4 ms a call, about 28 TFLOP/s, and with its
-weight gradient (``wgrad_alg1_engine``) 15% of the step's GPU time for 1.6% of its FLOPs
-(``docs/bench/offload_16k_profile_h100.json``). ``PatchGemm.forward`` lays the patches out as rows
+convolution algorithm, far below the GPU's GEMM rate, and with its weight gradient it takes a share
+of a ViT-B/32 step's GPU time many times its share of the FLOPs (the profile is in
+docs/performance.md). ``PatchGemm.forward`` lays the patches out as rows
 ``[b, gh, gw, c * p * p]`` (one copy, which a compiled tower fuses with the images' normalisation)
 and multiplies them by the kernel viewed as ``[width, c * p * p]``: one cuBLAS GEMM, and two in the
 backward. It returns the convolution's ``[b, width, gh, gw]`` as a view that open_clip's flattening

@@ -14,8 +14,8 @@ from .plan import BatchPlan
 def read_ahead_budget(prefetch_gb, offload: bool) -> float:
     """Bytes the loader may be read ahead into (``trainer.prefetch_gb``, checked at start-up).
     ``auto``: 8 GB, or none with data offload, whose point is a small host footprint: there the
-    replay's re-decode workers already use the cores, and a 1M step measured no faster with it,
-    and 13 GB larger (docs/bench/offload_1M_spill_readahead_h100.json against offload_1M_spill_h100.json)."""
+    replay's re-decode workers already use the cores, so reading ahead adds host memory and no
+    speed (docs/performance.md)."""
     if prefetch_gb == "auto":
         return 0.0 if offload else 8e9
     return float(prefetch_gb) * 1e9
@@ -47,8 +47,8 @@ class RunInputs:
                                            keep_raw=self.keep_raw, pin_memory=self.pin_memory,
                                            gpu_decode=self.gpu_decoder is not None))
             # workers keep decoding through the loss and the replay; only steps with a replay: a
-            # one-sub-batch step has nothing to hide it behind, and read ahead it measured 8%
-            # slower at batch 512 (docs/bench/gradcache_32k_loader_readahead_warm_h200.json)
+            # one-sub-batch step has nothing to hide the reading behind, and the reading thread
+            # then competes with the step for the host (docs/performance.md)
             reads_ahead = self.read_ahead_bytes > 0 and int(self.data.cfg.num_workers) > 0 \
                 and plan.sub_batches > 1
             ahead = ReadAhead(loader, self.read_ahead_bytes) if reads_ahead else None

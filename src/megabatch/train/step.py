@@ -182,8 +182,8 @@ class TrainStep:
         features, so the b x b softmax never runs in half precision."""
         sub, data_s = timed
         if self.keep.offload is not None and sub.raw is not None:
-            # kept as before the step object existed, though nothing replays a one-sub-batch step
-            # (its test holds the spill file to one step's bytes)
+            # the offload owns every sub-batch's bytes, a one-sub-batch step's too: the spill file
+            # then holds exactly one step's bytes, which its test checks
             self.keep.offload.keep(sub.raw)
         images = sub.images.to(self.device, non_blocking=True)
         trim = self.keep.text_trim  # cut on the host, where the token ids are: no sync
