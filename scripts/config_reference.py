@@ -105,14 +105,15 @@ def option_section(group: str, path: Path, types: dict[str, str]) -> list[str]:
         return lines
     if not rows:
         return lines
+    package_global = path.read_text().lstrip().startswith("# @package _global_")
     lines += ["| key | default | type | what it does |", "|---|---|---|---|"]
     for key, value, comment in rows:
-        full = key if group in ("experiment",) or key.startswith(f"{group}.") or path.parent == CONFIGS \
-            else f"{group}.{key}"
-        if group == "eval":
+        if group == "eval":  # each set in its own package, eval.<name>
             full = f"eval.<name>.{key}"
-        if group in ("loss", "logger") and path.read_text().lstrip().startswith("# @package _global_"):
+        elif package_global or key.startswith(f"{group}."):  # '# @package _global_' files name whole keys
             full = key
+        else:
+            full = f"{group}.{key}"
         kind = types.get(full, "")
         lines.append(f"| `{full}` | {cell(f'`{value}`' if value else '')} | {cell(kind)} | {cell(comment)} |")
     return lines + [""]

@@ -140,14 +140,6 @@ def provenance(name: str, meta: dict) -> str:
     return f"[`{name}`](bench/{name}): {where}; `{command}`"
 
 
-def fmt(value, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
-
-
 def batch_name(batch: int) -> str:
     for size, suffix in ((2**20, "M"), (2**10, "k")):
         if batch >= size and batch % size == 0:

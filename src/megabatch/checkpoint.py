@@ -68,12 +68,24 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     flushed and fsync'ed, then renamed over ``path``. On failure the temporary file is removed and
     a full disk is named as such."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    _replace_with(path, lambda tmp: _write_durably(tmp, lambda handle: torch.save(payload, handle)))
+
+
+def _write_durably(path: Path, write) -> None:
+    """``write(handle)`` into a new file at ``path``, flushed and fsync'ed."""
+    with open(path, "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _replace_with(path: Path, make) -> None:
+    """``make(tmp)`` creates a temporary file beside ``path``, renamed over ``path`` once made; on
+    failure the temporary file is removed and a full disk is named as such."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
     try:
-        with open(tmp, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        make(tmp)
         os.replace(tmp, path)
     except BaseException as error:
         tmp.unlink(missing_ok=True)
@@ -120,22 +132,14 @@ def _link_over(source: Path, target: Path) -> None:
     """Make ``target`` name ``source``'s file, atomically (a hard link renamed over it; a durable copy
     where the disk has no hard links). A later save replaces ``target`` by a rename, never in place,
     so ``source`` keeps its bytes."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    try:
+    def make(tmp: Path) -> None:
         try:
             os.link(source, tmp)
         except OSError:
-            with open(source, "rb") as reader, open(tmp, "wb") as writer:
-                shutil.copyfileobj(reader, writer, 16 << 20)
-                writer.flush()
-                os.fsync(writer.fileno())
-        os.replace(tmp, target)
-    except BaseException as error:
-        tmp.unlink(missing_ok=True)
-        if _disk_full(error):
-            raise _no_space(target.parent, target.name) from error
-        raise
+            with open(source, "rb") as reader:
+                _write_durably(tmp, lambda writer: shutil.copyfileobj(reader, writer, 16 << 20))
+
+    _replace_with(target, make)
 
 
 def load_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict[str, Any]:

@@ -51,11 +51,12 @@ def features(m: int, n: int, c: int, seed: int, diagonal: bool, dtype: torch.dty
     return rows.to(dtype).to(DEVICE), cols.to(dtype).to(DEVICE)
 
 
-def dense_reference(rows, cols, scale: float, weight: float, diagonal: bool):
-    """float64: row/column log-sum-exps and the gradients of the symmetric objective."""
-    rows_, cols_ = (x.double().requires_grad_() for x in (rows, cols))
-    scale_ = torch.tensor(scale, dtype=torch.float64, device=rows.device, requires_grad=True)
-    logits = scale_ * rows_ @ cols_.T
+def dense(rows, cols, scale: float, weight: float, diagonal: bool, dtype: torch.dtype, stats: torch.dtype):
+    """The whole logits matrix from one GEMM in ``dtype``, its log-sum-exps in ``stats``, and autograd
+    back through the same GEMM: row/column log-sum-exps and the gradients of the symmetric objective."""
+    rows_, cols_ = (x.detach().to(dtype).requires_grad_() for x in (rows, cols))
+    scale_ = torch.tensor(scale, dtype=stats, device=rows.device, requires_grad=True)
+    logits = scale_ * (rows_ @ cols_.T).to(stats)
     row_lse, col_lse = torch.logsumexp(logits, 1), torch.logsumexp(logits, 0)
     objective = row_lse.sum() + col_lse.sum()
     if diagonal:
@@ -64,20 +65,17 @@ def dense_reference(rows, cols, scale: float, weight: float, diagonal: bool):
     return row_lse.detach(), col_lse.detach(), rows_.grad, cols_.grad, scale_.grad
 
 
+def dense_reference(rows, cols, scale: float, weight: float, diagonal: bool):
+    """float64 throughout: the reference every implementation is measured against."""
+    return dense(rows, cols, scale, weight, diagonal, torch.float64, torch.float64)
+
+
 def dense_in_dtype(rows, cols, scale: float, weight: float, diagonal: bool, precision: str):
-    """Plain torch as autocast runs it, the baseline of the tiled torch reference: the whole logits
-    matrix from one GEMM in the features' dtype, the log-sum-exps in fp32, and autograd back through
-    the same GEMMs (their output gradient cast back to the features' dtype)."""
-    rows_, cols_ = (x.detach().clone().requires_grad_() for x in (rows, cols))
-    scale_ = torch.tensor(scale, dtype=torch.float32, device=rows.device, requires_grad=True)
+    """Plain torch as autocast runs it, the baseline of the tiled torch reference: the logits GEMM in
+    the features' dtype, the log-sum-exps in fp32, autograd back through the same GEMMs (their output
+    gradient cast back to the features' dtype)."""
     with torch_tiles.fp32_matmul(precision):
-        logits = scale_ * (rows_ @ cols_.T).float()
-        row_lse, col_lse = torch.logsumexp(logits, 1), torch.logsumexp(logits, 0)
-        objective = row_lse.sum() + col_lse.sum()
-        if diagonal:
-            objective = objective - 2 * logits.diagonal().sum()
-        (weight * objective).backward()
-    return row_lse.detach(), col_lse.detach(), rows_.grad, cols_.grad, scale_.grad
+        return dense(rows, cols, scale, weight, diagonal, rows.dtype, torch.float32)
 
 
 def tiling(module) -> dict:

@@ -20,6 +20,7 @@ data, ...). Every error is a ``ConfigError`` naming the key and the fix.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -179,9 +180,18 @@ def validate(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-# The digits demo's optimizer and schedule (configs/optim/adamw.yaml, sched/cosine.yaml, trainer/default.yaml),
-# which a run on real data without a recipe would otherwise train with unawares
-DIGITS_DEMO = {"optim.lr": 2.0e-3, "sched.warmup_steps": 20, "trainer.max_steps": 500}
+# The keys of the digits demo's optimizer and schedule, and the option files of train.yaml's defaults
+# that hold their values: a run on real data without a recipe would otherwise train with them unawares
+DIGITS_DEMO = {"optim.lr": "optim/adamw.yaml", "sched.warmup_steps": "sched/cosine.yaml",
+               "trainer.max_steps": "trainer/default.yaml"}
+
+
+@functools.cache
+def digits_demo_value(key: str):
+    """The digits demo's value of ``key`` (one of ``DIGITS_DEMO``), as its option file sets it."""
+    from .compose import CONFIGS
+
+    return OmegaConf.select(OmegaConf.load(CONFIGS / DIGITS_DEMO[key]), key.split(".", 1)[1])
 
 
 def recipe_warning(cfg: DictConfig) -> str | None:
@@ -189,8 +199,8 @@ def recipe_warning(cfg: DictConfig) -> str | None:
     the digits demo's optimizer settings; ``None`` when a recipe or the user's own values are in force."""
     if cfg.get("recipe") or cfg.data.train.urls is None:
         return None
-    kept = [f"{key}={OmegaConf.select(cfg, key)}" for key, value in DIGITS_DEMO.items()
-            if OmegaConf.select(cfg, key) == value]
+    kept = [f"{key}={OmegaConf.select(cfg, key)}" for key in DIGITS_DEMO
+            if OmegaConf.select(cfg, key) == digits_demo_value(key)]
     if not kept:
         return None
     return (f"no recipe: {', '.join(kept)} are the digits demo's settings, not a real run's. Start from a "
