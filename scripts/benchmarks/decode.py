@@ -29,9 +29,10 @@ import threading
 import time
 
 import torch
+from common import write_results
 
-from megabatch.bench import photos, write_results
 from megabatch.data.samples import EncodedImages
+from megabatch.data.synthetic import photos
 
 
 def load(stop: threading.Event, device: torch.device) -> None:

@@ -13,10 +13,11 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from common import write_results
 from hydra.utils import instantiate
 
-from megabatch.bench import compose, write_results
 from megabatch.config import parse_count
+from megabatch.config.compose import compose
 
 
 def loss_and_grads(loss_fn, images, texts, scale, bias=None):

@@ -18,38 +18,24 @@ import gc
 import json
 import os
 import time
+from itertools import repeat
 
 import torch
 import torch.distributed as dist
+from common import trainer_step, write_results
 
-from megabatch.bench import compose, repeat, synthetic_sub_batch, write_results
-from megabatch.config import parse_count
+from megabatch.config.compose import compose
+from megabatch.data.synthetic import synthetic_sub_batch
 
 
 def one_setting(parallel: str, overrides: list[str], sub_batch: int, sub_batches: int, steps: int,
                 fsdp_reduce: str, device: torch.device) -> dict:
-    from hydra.utils import instantiate
-
-    from megabatch.distributed.fsdp import shard_model
-    from megabatch.models import build_model
-    from megabatch.train.backends import configure_backends
-    from megabatch.train.optim import build_optimizer
-    from megabatch.train.step import TrainStep
-
     world = dist.get_world_size()
-    cfg = compose(*overrides, f"batch={sub_batch * sub_batches * world}", "trainer.precision=bf16")
-    configure_backends(cfg, device)  # as the Trainer does, before building
-    torch.manual_seed(cfg.seed)
+    cfg = compose(*overrides, f"batch={sub_batch * sub_batches * world}", f"trainer.sub_batch={sub_batch}",
+                  "trainer.precision=bf16", f"trainer.parallel={parallel}", f"trainer.fsdp_reduce={fsdp_reduce}")
     torch.cuda.reset_peak_memory_stats(device)
-    model = build_model(cfg.model).to(device).train()
-    model.trim_text(False)  # synthetic captions fill the context
-    if parallel == "fsdp":
-        shard_model(model, device, bf16=True)
-    optimizer, _ = build_optimizer(cfg.optim, model, parse_count(cfg.batch))
-    if cfg.model.compile:
-        model.compile_towers(sub_batch)
-    step = TrainStep(model, instantiate(cfg.loss), optimizer, device, precision="bf16", sub_batches=sub_batches,
-                     fsdp_reduce=fsdp_reduce, keep_graph=cfg.trainer.keep_graph)
+    step = trainer_step(cfg, device)  # the trainer's: sharded under trainer.parallel=fsdp, compiled with model.compile
+    model = step.model
     sub = synthetic_sub_batch(sub_batch, model.image_size, model.context_length, device)
     times = []
     for _ in range(steps):

@@ -12,7 +12,7 @@ thread as the trainer does (``trainer.prefetch_gb``; ``--prefetch-gb`` lists the
 0 without it; the trainer itself reads ahead only in steps with a replay), so its workers keep
 decoding the next step's inputs while the loss and the replay run. The same model (open_clip
 ViT-B/32), precision (bf16 autocast), global batch and sub-batch. Ours: one ``TrainStep`` (encode
-without graph, loss once, replay; then ``apply``), built without a run (``megabatch.bench.build_step``).
+without graph, loss once, replay; then ``apply``), built without a run (``common.trainer_step``).
 OpenCLIP 3.3: its own
 ``open_clip_train.train.train_one_epoch`` with ``--accum-freq`` (it re-forwards each sub-batch and
 recomputes the whole loss once per sub-batch).
@@ -25,22 +25,15 @@ import argparse
 import json
 import os
 import time
+from itertools import repeat
 
 import torch
+from common import openclip_training, peak_gb, reset_peak, sync, trainer_step, write_results
 
-from megabatch.bench import (
-    build_step,
-    compose,
-    openclip_training,
-    peak_gb,
-    repeat,
-    reset_peak,
-    sync,
-    synthetic_sub_batch,
-    write_results,
-)
 from megabatch.config import parse_count
+from megabatch.config.compose import compose
 from megabatch.data.samples import SubBatch
+from megabatch.data.synthetic import synthetic_sub_batch
 
 
 def loader_batches(sub_batch: int, workers: int, device, move: bool = True):
@@ -75,8 +68,9 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
          warmup: int = 1, data: str = "gpu", workers: int = 12, prefetch_gb: float = 0) -> dict:
     from megabatch.data.read_ahead import ReadAhead
 
-    cfg = compose(f"model={model}", f"loss={loss}", f"batch={batch}", "optim.lr=5e-4")
-    step = build_step(cfg, device, batch // sub_batch)
+    cfg = compose(f"model={model}", f"loss={loss}", f"batch={batch}", f"trainer.sub_batch={sub_batch}",
+                  "optim.lr=5e-4")
+    step = trainer_step(cfg, device)  # the trainer's own step
     stream = loader = None
     if data == "loader":  # one for all steps, read ahead as the trainer does (trainer.prefetch_gb)
         stream = loader = loader_batches(sub_batch, workers, device, move=False)
@@ -113,7 +107,7 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
 
 def openclip(batch: int, sub_batch: int, steps: int, device, data: str = "gpu", workers: int = 12,
              warmup: int = 1) -> dict:
-    """OpenCLIP 3.3's own training loop (``megabatch.bench.openclip_training``) on the same inputs."""
+    """OpenCLIP 3.3's own training loop (``common.openclip_training``) on the same inputs."""
     fixed = synthetic_sub_batch(sub_batch, 224, 77, device)
     stream = loader_batches(sub_batch, workers, device) if data == "loader" else repeat((fixed.images, fixed.texts))
     result = openclip_training(stream, batch, sub_batch, steps, device, warmup=warmup)

@@ -12,8 +12,8 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from common import write_results
 
-from megabatch.bench import write_results
 from megabatch.config import parse_count
 from megabatch.kernels import triton_tiles
 

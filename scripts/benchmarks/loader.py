@@ -23,7 +23,10 @@ import shutil
 import time
 from pathlib import Path
 
-from megabatch.bench import compose, photo_shards, write_results
+from common import write_results
+
+from megabatch.config.compose import compose
+from megabatch.data.synthetic import photo_shards
 from megabatch.models import build_model
 
 

@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 import torch
+from common import write_results
 
-from megabatch.bench import compose, photo_shards, write_results
+from megabatch.config.compose import compose
+from megabatch.data.synthetic import photo_shards
 from megabatch.models import build_model
 
 

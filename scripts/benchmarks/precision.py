@@ -10,8 +10,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from common import write_results
 
-from megabatch.bench import write_results
 from megabatch.kernels import triton_tiles
 from megabatch.losses import clip_loss_reference, siglip_loss_reference
 

@@ -5,7 +5,7 @@
     python scripts/benchmarks/run.py end_to_end --model vit_b16 --batch 4k --sub-batch 512 --modes false \\
         --openclip --set data.decode=gpu model.compile=true --out vit_b16_4k.json
 
-Each writes one JSON (``megabatch.bench.write_results``: command, git commit, GPU, versions,
+Each writes one JSON (``common.write_results``: command, git commit, GPU, versions,
 results); ``scripts/benchmarks/README.md`` says what each measures and which ``docs/bench`` files
 it wrote.
 """
@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+NOT_BENCHMARKS = {"run", "common"}  # this runner, and the helpers the benchmarks share
 
 
 def benchmarks() -> dict[str, str]:
     """``{name: the first sentence of its docstring}`` of every benchmark beside this file."""
     found = {}
     for path in sorted(HERE.glob("*.py")):
-        if path.name != Path(__file__).name:
+        if path.stem not in NOT_BENCHMARKS:
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
             sentence = " ".join(doc.split("\n\n")[0].split()).split(". ")[0].replace("``", "")
             found[path.stem] = sentence if len(sentence) <= 100 else sentence[:97] + "..."

@@ -24,8 +24,9 @@ import statistics
 import time
 
 import torch
+from common import kernel_summary, write_results
 
-from megabatch.bench import compose, kernel_summary, write_results
+from megabatch.config.compose import compose
 from megabatch.train.utilization import count_model_flops, gpu_peak
 
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}

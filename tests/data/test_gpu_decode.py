@@ -274,9 +274,9 @@ def test_a_sub_batchs_encoded_images_cross_the_loader_as_one_tensor(tmp_path):
     object, and the pin step moves them out of shared memory."""
     import tarfile
 
-    from megabatch.bench import photo_shards
     from megabatch.data.position_split import PositionSplitBatches, make_loader
     from megabatch.data.read_ahead import held_bytes
+    from megabatch.data.synthetic import photo_shards
 
     urls = photo_shards(24, 40, tmp_path / "shards", per_shard=12)
     originals = {}
@@ -455,9 +455,9 @@ def test_the_hardware_and_cuda_decoders_give_the_same_pixels():
 
 @cuda
 def test_the_offload_replay_decodes_on_the_gpu_the_same_pixels_as_phase_1(tmp_path):
-    from megabatch.bench import photo_shards
     from megabatch.data.offload import Offload
     from megabatch.data.position_split import PositionSplitBatches, make_loader
+    from megabatch.data.synthetic import photo_shards
 
     device = torch.device("cuda")
     urls = photo_shards(48, 64, tmp_path / "shards", per_shard=16)

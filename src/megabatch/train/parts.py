@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from ..config import ConfigError, parse_optional_count
+from ..config import ConfigError, parse_count, parse_optional_count
 from ..data import TrainData
 from ..data.gpu_decode import GpuDecoder, resolve_decode
 from ..data.offload import Offload
@@ -55,64 +55,32 @@ class RunParts:
     @classmethod
     def build(cls, cfg: DictConfig, env: DistEnv) -> RunParts:
         """Build every part for ``env``'s rank, after ``configure_backends`` (train/backends.py) has made
-        the process-wide settings. Seeds torch with ``cfg.seed`` first, so every rank starts from the
-        same weights, and with ``cfg.seed + 1000 x rank`` last, so each rank draws its own dropout and
-        patch-dropout masks."""
-        torch.manual_seed(cfg.seed)  # same initial weights on every rank
-        # training mode throughout (transformers loads a Hugging Face tower in eval mode: without
-        # this its dropout would stay off until the first evaluation switched it on); frozen towers
-        # stay in eval mode
-        model = build_model(cfg.model).to(env.device).train()
+        the process-wide settings: the model, then the data it reads, the batch plan the data and the
+        GPU's memory allow, then the step (``build_step``, as the benchmarks build it)."""
+        model = build_model_for(cfg, env)
         tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below
         if env.rank == 0:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
         data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0)
-        precision = Precision.create(cfg.trainer.precision, env.device, cfg.trainer.feature_dtype)
-        decode = resolve_decode(cfg.data.decode, env.device)
-        threads = None if cfg.data.decode_threads == "auto" else int(cfg.data.decode_threads)
-        gpu_decoder = GpuDecoder(env.device, threads=threads) if decode == "gpu" else None
-        ahead = decode_ahead_bytes(cfg, torch.cuda.get_device_properties(env.device).total_memory) \
-            if gpu_decoder is not None else 0.0
+        precision = precision_of(cfg, env)
+        gpu_decoder, ahead = build_gpu_decoder(cfg, env)
         # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
         flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(cfg, env, data), env.device)), \
             gpu_peak(env.device)
         if env.rank == 0:
-            log_utilization_basis(flops, peak, decode, ahead)
-        loss = instantiate(cfg.loss)
-        check_bias(model, loss)
-        if cfg.model.fp8:  # the towers' Linear layers in FP8 (models/fp8.py), before sharding and the optimizer
-            converted = convert_to_fp8(model, env.device)
-            if env.rank == 0:
-                log.info("model.fp8: %d Linear layers train in FP8 (torchao)%s", converted, "" if cfg.model.compile else
-                         "; without model.compile the casts cost more than FP8 saves: set model.compile=true")
-        shard(cfg, model, env, precision)  # trainer.parallel=fsdp: before the optimizer takes the parameters
+            log_utilization_basis(flops, peak, gpu_decoder is not None, ahead)
+        loss = prepare_model(cfg, model, env)
         # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
         plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
-        optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
+        offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
+        step, optimizer, peak_lr = build_step(cfg, env, model, loss, plan, offload)
         schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
                                steps_per_epoch=plan.steps_per_epoch)
-        offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
         inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
                            pin_memory=env.device.type == "cuda",
                            read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
                            gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead)
-        untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
-        if untrimmed and env.rank == 0:
-            log.info("captions are encoded at their full context: %s", untrimmed)
-        if cfg.model.cuda_graphs:
-            check_cuda_graphs(model, plan.sub_batches)
-        if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
-            model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs)
-            if env.rank == 0:
-                log.info("model.compile: compiling the towers now (a minute or a few on a GPU)")
-            seconds = model.warm_up(plan.sub_batch, env.device, precision.autocast, graph_free=plan.sub_batches > 1)
-            if env.rank == 0:
-                log.info("model.compile: the towers compiled in %.0f s", seconds)
-        step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
-                         sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
-                         grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
-                         fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0)
-        torch.manual_seed(cfg.seed + 1000 * env.rank)  # per-rank randomness (dropout, ...)
+        seed_rank(cfg, env)
         return cls(model, tokenize, data, plan, optimizer, peak_lr, schedule, offload, inputs, step, flops, peak)
 
     def close(self) -> None:
@@ -121,6 +89,88 @@ class RunParts:
             self.offload.close()
         if self.inputs.gpu_decoder is not None:
             self.inputs.gpu_decoder.close()
+
+
+def build_model_for(cfg: DictConfig, env: DistEnv) -> ClipModel:
+    """``cfg.model`` on ``env``'s device in training mode, from weights seeded with ``cfg.seed``
+    (the same on every rank). Frozen towers stay in eval mode; a Hugging Face tower, which
+    transformers loads in eval mode, trains with its dropout on."""
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model).to(env.device).train()
+
+
+def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv):
+    """The model as it trains, and its loss: the loss's logit bias checked against the model's,
+    the Linear layers in FP8 (``model.fp8``), the weights sharded (``trainer.parallel=fsdp``);
+    before the optimizer takes the parameters. Returns the loss."""
+    loss = instantiate(cfg.loss)
+    check_bias(model, loss)
+    if cfg.model.fp8:
+        converted = convert_to_fp8(model, env.device)
+        if env.rank == 0:
+            log.info("model.fp8: %d Linear layers train in FP8 (torchao)%s", converted, "" if cfg.model.compile else
+                     "; without model.compile the casts cost more than FP8 saves: set model.compile=true")
+    shard(cfg, model, env, precision_of(cfg, env))
+    return loss
+
+
+def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan,
+               offload: Offload | None = None) -> tuple[TrainStep, torch.optim.Optimizer, float]:
+    """The step a run of ``cfg`` trains ``model`` (``prepare_model``'s) with at ``plan``: the
+    optimizer, the text tower's trimming, the compiled towers (``model.compile``, warmed up here),
+    and the ``TrainStep``. Returns the step, the optimizer and its peak learning rate."""
+    optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
+    untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
+    if untrimmed and env.rank == 0:
+        log.info("captions are encoded at their full context: %s", untrimmed)
+    if cfg.model.cuda_graphs:
+        check_cuda_graphs(model, plan.sub_batches)
+    if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
+        model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs)
+        if env.rank == 0:
+            log.info("model.compile: compiling the towers now (a minute or a few on a GPU)")
+        seconds = model.warm_up(plan.sub_batch, env.device, precision_of(cfg, env).autocast,
+                                graph_free=plan.sub_batches > 1)
+        if env.rank == 0:
+            log.info("model.compile: the towers compiled in %.0f s", seconds)
+    step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
+                     sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
+                     grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
+                     fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0)
+    return step, optimizer, peak_lr
+
+
+def train_step(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) -> TrainStep:
+    """The step a run of ``cfg`` trains with on ``env``'s rank, built as ``RunParts.build`` builds it
+    but without data: the batch plan from ``batch`` and a numeric ``trainer.sub_batch``, one step an
+    epoch. For the benchmarks and the tests, after ``configure_backends``."""
+    if cfg.trainer.sub_batch == "auto":
+        raise ConfigError("train_step() takes no trainer.sub_batch=auto (it has no data to plan with): give a number")
+    plan = BatchPlan.from_config(cfg, env.world_size, parse_count(cfg.batch, "batch"))
+    model = build_model_for(cfg, env)
+    step, _, _ = build_step(cfg, env, model, prepare_model(cfg, model, env), plan, offload)
+    seed_rank(cfg, env)
+    return step
+
+
+def precision_of(cfg: DictConfig, env: DistEnv) -> Precision:
+    """``trainer.precision`` and ``trainer.feature_dtype`` on ``env``'s device."""
+    return Precision.create(cfg.trainer.precision, env.device, cfg.trainer.feature_dtype)
+
+
+def seed_rank(cfg: DictConfig, env: DistEnv) -> None:
+    """Each rank's own random draws from here on (dropout, patch dropout): ``cfg.seed + 1000 x rank``."""
+    torch.manual_seed(cfg.seed + 1000 * env.rank)
+
+
+def build_gpu_decoder(cfg: DictConfig, env: DistEnv) -> tuple[GpuDecoder | None, float]:
+    """The GPU JPEG decoder (``data.decode``: gpu, or auto on CUDA) and the GPU bytes it may fill
+    ahead of the step (``decode_ahead_bytes``); ``(None, 0)`` when the CPU decodes."""
+    if resolve_decode(cfg.data.decode, env.device) != "gpu":
+        return None, 0.0
+    threads = None if cfg.data.decode_threads == "auto" else int(cfg.data.decode_threads)
+    return GpuDecoder(env.device, threads=threads), \
+        decode_ahead_bytes(cfg, torch.cuda.get_device_properties(env.device).total_memory)
 
 
 def check_cuda_graphs(model: ClipModel, sub_batches: int) -> None:
@@ -245,13 +295,13 @@ def decode_ahead_bytes(cfg: DictConfig, capacity: float) -> float:
     return 0.025 * capacity if budget == "auto" else float(budget) * 1e9
 
 
-def log_utilization_basis(flops: ModelFlops, peak: Peak | None, decode: str, ahead: float) -> None:
+def log_utilization_basis(flops: ModelFlops, peak: Peak | None, gpu_decode: bool, ahead: float) -> None:
     log.info("model FLOPs per sample: image %.2f + text %.2f GFLOP forward, %.2f GFLOP per trained sample; GPU peak "
              "%s; JPEG decoding on the %s (data.decode)%s", flops.image_forward / 1e9, flops.text_forward / 1e9,
              flops.per_sample / 1e9, f"{peak.tflops:.0f} TFLOP/s bf16, {peak.source}" if peak else "none (CPU)",
-             decode.upper() if decode == "gpu" else "CPU",
+             "GPU" if gpu_decode else "CPU",
              f", up to {ahead / 1e9:.1f} GB of images decoded ahead of the step (data.decode_ahead_gb)"
-             if decode == "gpu" else "")
+             if gpu_decode else "")
 
 
 def build_offload(cfg: DictConfig, model: ClipModel, data: TrainData, rank: int,

@@ -1,13 +1,14 @@
-"""What the benchmark scripts share: GPU timing and memory helpers, synthetic inputs and shards, a
-step built without a run, and one result writer with one metadata schema.
+"""What the benchmarks beside this file share: GPU timing and memory helpers, the trainer's step
+built without a run, OpenCLIP's own training loop, a profile's kernel summary, and one result
+writer with one metadata schema.
 
-Every ``scripts/benchmarks/*.py`` writes ``{"meta": {...}, "results": [...]}`` through ``write_results``;
-``meta`` records the command, the git commit, the GPU(s), the library versions and the time.
+Every benchmark writes ``{"meta": {...}, "results": [...]}`` through ``write_results``; ``meta``
+records the command, the git commit, the GPU(s), the library versions and the time. A benchmark
+run as ``python scripts/benchmarks/NAME.py`` (or through ``run.py``) imports this as ``common``.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import platform
@@ -17,15 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
-
-from .config.compose import compose
-from .data.samples import SubBatch
-from .data.shard_writer import Sample, write_shards
-
-__all__ = ["compose", "sync", "peak_gb", "reset_peak", "photos", "photo_shards", "synthetic_sub_batch",
-           "repeat", "build_step", "openclip_training", "metadata", "write_results"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,75 +37,20 @@ def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
+def trainer_step(cfg, device: str | torch.device = "auto"):
+    """The ``TrainStep`` a run of ``cfg`` (a composed config with a numeric ``trainer.sub_batch``)
+    trains with on this process's rank, built by the trainer's own builder (``train.parts.train_step``:
+    trimming, FP8, FSDP, compilation and the loss's checks included) after the trainer's process-wide
+    settings. No run directory, data or logging."""
+    from megabatch.config.schema import validate
+    from megabatch.distributed import init_distributed
+    from megabatch.train.backends import configure_backends
+    from megabatch.train.parts import train_step
 
-def photos(count: int, size: int, seed: int = 0) -> Iterator[Sample]:
-    """``count`` distinct JPEG samples of ``size`` px: smooth random pictures with noise, which
-    compress like photos (about 33 KB at 256 px)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    for _ in range(count):
-        coarse = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
-        image = Image.fromarray(coarse).resize((size, size), Image.BICUBIC)
-        noise = rng.normal(0, 12, (size, size, 3))
-        pixels = np.clip(np.asarray(image, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
-        buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
-        yield Sample(buffer.getvalue(), "jpg", caption(rng))
-
-
-# one BPE token each in CLIP's vocabulary: a caption of n words is n + 2 tokens (start and end)
-WORDS = ("a photo of the red blue green small large old new dog cat car house tree man woman city "
-         "street water sky white black on in with and at for day night view art design wall room").split()
-
-
-def caption(rng: np.random.Generator) -> str:
-    """A caption whose length follows web alt-text's (LAION, CC12M): log-normal, median 15 tokens,
-    mean ~19, about 1% longer than CLIP's 77-token context (cut there by the tokenizer)."""
-    words = int(np.clip(round(rng.lognormal(np.log(13), 0.7)), 1, 120))
-    return " ".join(rng.choice(WORDS, words))
-
-
-def photo_shards(count: int, size: int, folder: str | Path, per_shard: int = 1024) -> list[str]:
-    """``photos`` written as img2dataset-style shards (with ``sizes.json``) under ``folder``."""
-    return write_shards(photos(count, size), Path(folder), "photo", per_shard)
-
-
-def synthetic_sub_batch(sub_batch: int, image_size: int, context: int, device) -> SubBatch:
-    """One random image/token sub-batch on ``device`` (end-of-text token last, as a tokenizer pads)."""
-    generator = torch.Generator(device=device).manual_seed(0)
-    images = torch.randn(sub_batch, 3, image_size, image_size, device=device, generator=generator)
-    texts = torch.randint(1, 49407, (sub_batch, context), device=device, generator=generator)
-    texts[:, -1] = 49407
-    return SubBatch(images, texts, None)
-
-
-def repeat(sub: SubBatch) -> Iterator[SubBatch]:
-    """The same sub-batch forever (a benchmark that pays no data cost)."""
-    while True:
-        yield sub
-
-
-def build_step(cfg, device: torch.device, sub_batches: int, offload=None):
-    """A ``TrainStep`` for one rank as a run of ``cfg`` (a composed config) builds it: the model from
-    ``cfg.model``, the optimizer at ``cfg.batch``, ``cfg.trainer``'s precision (bf16 on CUDA, fp32
-    on the CPU by default) and TF32 setting, ``sub_batches`` per step. No run directory, data or
-    logging."""
-    from hydra.utils import instantiate
-
-    from .config import parse_count
-    from .models import build_model
-    from .train.backends import configure_backends
-    from .train.optim import build_optimizer
-    from .train.step import TrainStep
-
-    configure_backends(cfg, device)  # as the Trainer does
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model).to(device)
-    optimizer, _ = build_optimizer(cfg.optim, model, parse_count(cfg.batch))
-    return TrainStep(model, instantiate(cfg.loss), optimizer, device, precision=cfg.trainer.precision,
-                     sub_batches=sub_batches, feature_dtype=cfg.trainer.feature_dtype,
-                     grad_clip=cfg.optim.grad_clip, offload=offload)
+    cfg = validate(cfg)
+    env = init_distributed(str(device) if isinstance(device, torch.device) else device)
+    configure_backends(cfg, env.device)
+    return train_step(cfg, env)
 
 
 def openclip_training(batches: Iterator, batch: int, sub_batch: int, steps: int, device: torch.device,
