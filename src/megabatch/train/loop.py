@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ from .metrics import MetricsLogger
 from .parts import RunParts
 from .preemption import Preempted, StopRequests
 from .run_lock import RunLock
+from .step import Applied
 from .utilization import utilization
 
 log = logging.getLogger("megabatch")
@@ -52,6 +54,35 @@ log = logging.getLogger("megabatch")
 
 class NonFiniteError(RuntimeError):
     """Too many steps in a row with a non-finite loss or gradient (``trainer.max_bad_steps``)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did: its number (counted from 1), the loss and the learning rate,
+    the update (``Applied``: its norm and whether it was made, still on the device until read), the
+    seconds of each phase and the host's wall time of the whole step."""
+
+    step: int
+    loss: torch.Tensor  # 0-d, on the device
+    lr: float
+    applied: Applied
+    times: dict[str, float]
+    seconds: float
+
+
+@dataclass
+class Interval:
+    """The steps since the last log line: their count, phase seconds and wall time."""
+
+    started: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    phase_totals: dict[str, float] = field(default_factory=dict)
+    last: StepResult | None = None
+
+    def add(self, result: StepResult) -> None:
+        self.steps, self.last = self.steps + 1, result
+        for phase, seconds in result.times.items():
+            self.phase_totals[phase] = self.phase_totals.get(phase, 0.0) + seconds
 
 
 def run(cfg: DictConfig) -> float:
@@ -194,12 +225,14 @@ class Trainer:
             if self.main:
                 log.info("backends: %s", setting)
         self.parts = RunParts.build(cfg, env)
-        self.model, self.plan, self.train_step = self.parts.model, self.parts.plan, self.parts.step
+        self.model, self.plan, self.stepper = self.parts.model, self.parts.plan, self.parts.step
         self.sharded = is_sharded(self.model)  # FSDP across several ranks
         self.sharded_ckpt = cfg.trainer.parallel == "fsdp"  # DCP folders, also on one rank
         self.step = self.samples_seen = 0
         self.bad_in_a_row = self.skipped_steps = 0  # steps whose update a non-finite value skipped
         self.grad_norm = float("nan")
+        self.unsettled: StepResult | None = None  # the last step, its update's flag not yet read (settle)
+        self.interval = Interval()  # the steps since the last log line
         self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
         self._resume()
         # steps after the checkpoint are redone: each logged once
@@ -242,7 +275,7 @@ class Trainer:
             self.model.load_state_dict(state["model"])
             self.parts.optimizer.load_state_dict(state["optimizer"])
         if "scaler" in state:
-            self.train_step.scaler.load_state_dict(state["scaler"])
+            self.stepper.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         # samples seen so far (checkpoints before it was stored: the steps at the checkpoint's batch)
         self.samples_seen = int(state.get("samples_seen", self.step * int(state["global_batch"])))
@@ -309,8 +342,8 @@ class Trainer:
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
             "open_clip": self.model.description(),  # architecture and preprocessing, for evaluation and export
         }
-        if self.train_step.scaler.is_enabled():
-            meta["scaler"] = self.train_step.scaler.state_dict()
+        if self.stepper.scaler.is_enabled():
+            meta["scaler"] = self.stepper.scaler.state_dict()
         keep = self.cfg.trainer.keep_ckpts
         if self.sharded_ckpt:  # every rank writes its shards
             write_sharded_checkpoint(self.ckpt_dir, self.model, self.parts.optimizer, meta if self.main else None,
@@ -350,10 +383,9 @@ class Trainer:
             log.info("run dir %s; %d steps of batch %d (%d ranks x %d sub-batches x %d) = %s samples, %d steps "
                      "per epoch, %s", self.run_dir, plan.total_steps, plan.global_batch, env.world_size,
                      plan.sub_batches, plan.sub_batch, f"{plan.total_steps * plan.global_batch:,}",
-                     plan.steps_per_epoch, self.train_step.precision)
-        ckpt_every = cfg.trainer.ckpt_every or 0
-        progress = tqdm(total=plan.total_steps, initial=self.step, disable=not self.main,
-                        desc="train", dynamic_ncols=True, mininterval=1.0, leave=False)
+                     plan.steps_per_epoch, self.stepper.precision)
+        self.progress = tqdm(total=plan.total_steps, initial=self.step, disable=not self.main,
+                             desc="train", dynamic_ncols=True, mininterval=1.0, leave=False)
         # trainer.stop_at_step ends this invocation early (a time-limited job); resume=latest
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, cfg.trainer.stop_at_step or plan.total_steps)
@@ -361,88 +393,121 @@ class Trainer:
         # SIGTERM, SIGINT, SIGUSR1: stop after the step, checkpoint, exit 3; the handlers stay until
         # close(), so that a signal during a failure's report (torchrun ending the ranks) is counted
         self.stops.install()
+        self.interval = Interval()
         try:
-            loss = self._loop(sub_batches, stop, progress)
+            loss = self._loop(sub_batches, stop)
         finally:
-            progress.close()
+            self.progress.close()
             sub_batches.close()  # the loader's workers and read-ahead thread
-        return self._finish(loss, numbered_just_written=bool(ckpt_every and self.step % ckpt_every == 0))
+        return self._finish(loss, numbered_just_written=self._due(cfg.trainer.ckpt_every))
 
-    def _loop(self, sub_batches, stop: int, progress) -> torch.Tensor:
-        """Steps until ``stop``; returns the last loss.
-
-        Whether a step's update was made (a flag on the device) is read once the next step's work
-        is queued, or where the loop needs it now (a log line, a checkpoint, a stop, the last step):
-        the host does not wait for the GPU at the end of every step (``TrainStep.apply``)."""
-        cfg, plan = self.cfg, self.plan
-        ckpt_every, log_every = cfg.trainer.ckpt_every or 0, cfg.trainer.log_every
+    def _loop(self, sub_batches, stop: int) -> torch.Tensor:
+        """Steps until ``stop``; returns the last loss. A step, then what the trainer does with it."""
         loss = torch.zeros(())
-        tick, last_logged = time.perf_counter(), self.step
-        phase_totals: dict[str, float] = {}
-        unread = None  # the last step's (Applied, loss, step number), its update's flag not yet read
-        applied_lr = 0.0  # the learning rate of the last applied step
-
-        def log_interval():
-            nonlocal tick, last_logged, phase_totals
-            elapsed, tick = time.perf_counter() - tick, time.perf_counter()
-            steps, last_logged = self.step - last_logged, self.step
-            self._log_interval(loss, applied_lr, steps, elapsed, phase_totals, progress)
-            phase_totals = {}
-
         while self.step < stop:
-            started = time.perf_counter()
-            # 1. learning rate for this step (peak lr x schedule multiplier)
-            lr = self.parts.peak_lr * self.parts.schedule(self.step)
-            for group in self.parts.optimizer.param_groups:
-                group["lr"] = lr
-            # 2. this rank's share of the global batch: global = world_size x sub_batches x
-            #    sub_batch (1M = 2 x 1024 x 512); data, forward, global loss, backward (GradCache
-            #    when sub_batches > 1); DDP averages the gradients across ranks once per step
-            next_loss, times = self.train_step.gradients(sub_batches, epoch=self.step // plan.steps_per_epoch)
-            # the last step's update, read now that this one's work is queued: too many skipped
-            # in a row stop the run before this step's update
-            if unread is not None:
-                self._count_bad_steps(*unread)
-                unread = None
-                if self.bad_in_a_row >= cfg.trainer.max_bad_steps:
-                    if last_logged < self.step:
-                        log_interval()
-                    self._stop_if_diverged()
-            loss = next_loss
-            # 3. clip the true (unscaled) gradient, step, clear, clamp the temperature; a
-            #    non-finite loss or gradient on any rank skips the update on every rank
-            applied = self.train_step.apply()
-            times["optimizer"] = applied.seconds
-            unread, applied_lr = (applied, loss, self.step + 1), lr
-            for phase, seconds in times.items():
-                phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds
-            self.step += 1
-            self.samples_seen += plan.global_batch
-            progress.update(1)
+            result = self.train_step(sub_batches)
+            loss = result.loss
+            self.interval.add(result)
+            self.progress.update(1)
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
-            stop_reason = self.stops.reason(time.perf_counter() - started)
-            checkpoint_now = bool(ckpt_every and self.step % ckpt_every == 0)
-            if self.step % log_every == 0 or self.step == stop or stop_reason or checkpoint_now:
-                self._count_bad_steps(*unread)  # the logs and checkpoints count this step's update
-                unread = None
-            if self.step % log_every == 0 or self.step == stop or stop_reason \
-                    or self.bad_in_a_row >= cfg.trainer.max_bad_steps:
-                log_interval()
-            self._stop_if_diverged()
-            if checkpoint_now:
-                self._checkpoint(numbered=True)
-            if self.step < plan.total_steps:
-                self.evaluate(final=False)  # the sets whose eval.<name>.every divides the step
+            stop_reason = self.stops.reason(result.seconds)
+            if stop_reason or self.step == stop or self._due(self.cfg.trainer.log_every) \
+                    or self._due(self.cfg.trainer.ckpt_every):
+                self.settle()  # the loop acts on this step now: its update counts
+            self.maybe_log(force=bool(stop_reason) or self.step == stop)
+            self.maybe_stop()
+            checkpointed = self.maybe_checkpoint()
+            self.maybe_evaluate()
             if stop_reason:
-                if not checkpoint_now:
-                    self._checkpoint(numbered=False)
-                self._checkpoint_on_disk()  # no rank exits (and lets torchrun end the writer) before it
-                self.stops.drain()
-                log.warning("stopped after step %d (%s); last.pt written: continue with resume=latest name=%s",
-                            self.step, stop_reason, self.run_dir.name)
-                raise Preempted(stop_reason, self.step, self.ckpt_dir / "last.pt")
+                self.stop_here(stop_reason, checkpointed)
         self.stops.drain()
         return loss
+
+    def train_step(self, sub_batches) -> StepResult:
+        """One optimizer step on this rank's share of the global batch, ``world_size x sub_batches x
+        sub_batch`` (1M = 2 x 1024 x 512): the learning rate, the data, forward, the global loss,
+        backward (GradCache with several sub-batches), then the clipped update, skipped on every rank
+        where a loss or gradient is not finite on one. The update's flag stays on the device: the
+        last step's is read (``settle``) once this step's work is queued, so that the host does not
+        wait for the GPU at the end of every step."""
+        started = time.perf_counter()
+        lr = self.parts.peak_lr * self.parts.schedule(self.step)
+        for group in self.parts.optimizer.param_groups:
+            group["lr"] = lr
+        loss, times = self.stepper.gradients(sub_batches, epoch=self.step // self.plan.steps_per_epoch)
+        self.settle()
+        self.maybe_stop()  # too many skipped in a row: stop before this step's update
+        applied = self.stepper.apply()
+        times["optimizer"] = applied.seconds
+        self.step += 1
+        self.samples_seen += self.plan.global_batch
+        self.unsettled = StepResult(self.step, loss, lr, applied, times, time.perf_counter() - started)
+        return self.unsettled
+
+    def settle(self) -> None:
+        """Read the last step's update (a host sync; the one place its flag is read): its gradient
+        norm, and whether it was skipped, counted and logged (``maybe_stop`` ends the run after too
+        many in a row)."""
+        result, self.unsettled = self.unsettled, None
+        if result is None:
+            return
+        self.grad_norm = result.applied.grad_norm
+        if result.applied.stepped:
+            self.bad_in_a_row = 0
+            return
+        self.bad_in_a_row += 1
+        self.skipped_steps += 1
+        log.warning("step %d: non-finite loss (%.4g) or gradient norm (%.4g) on some rank: update skipped "
+                    "(%d in a row, %d in all; the run stops after trainer.max_bad_steps=%d in a row)",
+                    result.step, float(result.loss), self.grad_norm, self.bad_in_a_row, self.skipped_steps,
+                    self.cfg.trainer.max_bad_steps)
+
+    def _due(self, every: int | None) -> bool:
+        """Whether a task done every ``every`` steps (0 or ``None``: never) falls on this step."""
+        return bool(every) and self.step % every == 0
+
+    def maybe_log(self, force: bool = False) -> None:
+        """The log line of the steps since the last one: every ``trainer.log_every`` steps, at a stop
+        (``force``) and before the run ends on non-finite steps."""
+        diverged = self.bad_in_a_row >= self.cfg.trainer.max_bad_steps
+        if self.interval.steps and (force or diverged or self._due(self.cfg.trainer.log_every)):
+            self._log_interval(self.interval)
+            self.interval = Interval()
+
+    def maybe_stop(self) -> None:
+        """End the run after ``trainer.max_bad_steps`` skipped updates in a row, logged first."""
+        limit = self.cfg.trainer.max_bad_steps
+        if self.bad_in_a_row < limit:
+            return
+        self.maybe_log()
+        raise NonFiniteError(
+            f"{self.bad_in_a_row} steps in a row (to step {self.step}) had a non-finite loss or "
+            f"gradient: stopping (trainer.max_bad_steps={limit}). The weights are those of the last "
+            f"finite step; the newest checkpoint is in {self.ckpt_dir}. Lower optim.lr, set "
+            "optim.grad_clip, or use trainer.precision=bf16 instead of fp16")
+
+    def maybe_checkpoint(self) -> bool:
+        """A numbered checkpoint every ``trainer.ckpt_every`` steps; whether one was written."""
+        if not self._due(self.cfg.trainer.ckpt_every):
+            return False
+        self._checkpoint(numbered=True)
+        return True
+
+    def maybe_evaluate(self) -> None:
+        """The sets whose ``eval.<name>.every`` divides the step (the final evaluation is ``_finish``'s)."""
+        if self.step < self.plan.total_steps:
+            self.evaluate(final=False)
+
+    def stop_here(self, reason: str, checkpointed: bool) -> None:
+        """A signal or ``trainer.time_limit``: ``last.pt`` (unless this step's numbered checkpoint was
+        just written), every rank waits for it, then ``Preempted`` ends the run (exit 3)."""
+        if not checkpointed:
+            self._checkpoint(numbered=False)
+        self._checkpoint_on_disk()  # no rank exits (and lets torchrun end the writer) before it
+        self.stops.drain()
+        log.warning("stopped after step %d (%s); last.pt written: continue with resume=latest name=%s",
+                    self.step, reason, self.run_dir.name)
+        raise Preempted(reason, self.step, self.ckpt_dir / "last.pt")
 
     def _checkpoint_on_disk(self) -> None:
         """Every rank waits here until rank 0 has written the step's checkpoint: a rank that exited
@@ -458,34 +523,12 @@ class Trainer:
         else:
             self.env.peers.wait_for(key, owner=0)
 
-    def _count_bad_steps(self, applied, loss, step: int) -> None:
-        """Count and log a skipped update of step ``step`` (``_stop_if_diverged`` ends the run after
-        too many). Reads the update's flag: a host sync."""
-        self.grad_norm = applied.grad_norm
-        if applied.stepped:
-            self.bad_in_a_row = 0
-            return
-        self.bad_in_a_row += 1
-        self.skipped_steps += 1
-        limit = self.cfg.trainer.max_bad_steps
-        log.warning("step %d: non-finite loss (%.4g) or gradient norm (%.4g) on some rank: update skipped "
-                    "(%d in a row, %d in all; the run stops after trainer.max_bad_steps=%d in a row)",
-                    step, float(loss), applied.grad_norm, self.bad_in_a_row, self.skipped_steps, limit)
-
-    def _stop_if_diverged(self) -> None:
-        limit = self.cfg.trainer.max_bad_steps
-        if self.bad_in_a_row >= limit:
-            raise NonFiniteError(
-                f"{self.bad_in_a_row} steps in a row (to step {self.step}) had a non-finite loss or "
-                f"gradient: stopping (trainer.max_bad_steps={limit}). The weights are those of the last "
-                f"finite step; the newest checkpoint is in {self.ckpt_dir}. Lower optim.lr, set "
-                "optim.grad_clip, or use trainer.precision=bf16 instead of fp16")
-
-    def _log_interval(self, loss, lr: float, steps: int, elapsed: float,
-                      phase_totals: dict[str, float], progress) -> None:
-        """One log line, progress-bar postfix and metrics.jsonl record for the last ``steps``."""
+    def _log_interval(self, interval: Interval) -> None:
+        """One log line, progress-bar postfix and metrics.jsonl record for the steps of ``interval``."""
         plan, env = self.plan, self.env
-        loss_value = loss.item()  # host sync, once per log interval
+        steps, phase_totals, lr = interval.steps, interval.phase_totals, interval.last.lr
+        elapsed = time.perf_counter() - interval.started
+        loss_value = interval.last.loss.item()  # host sync, once per log interval
         record = {
             "loss": loss_value, "lr": lr,
             "logit_scale": self.model.logit_scale.exp().item(),
@@ -502,7 +545,7 @@ class Trainer:
         if env.device.type == "cuda":
             record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(env.device) / 1e9
         record["peak_host_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # this process; kB on Linux
-        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", sps=f"{record['samples_per_s']:.0f}")
+        self.progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", sps=f"{record['samples_per_s']:.0f}")
         self.metrics.log(record, self.step)
         if self.main:
             phases = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in record.items() if k.startswith("time/"))
