@@ -3,6 +3,7 @@ and DDP on 2 gloo ranks, all through the trainer's own code path on the embedded
 
 from __future__ import annotations
 
+import io
 import os
 import time
 from pathlib import Path
@@ -12,7 +13,6 @@ import torch
 
 from megabatch.config import ConfigError
 from megabatch.config.schema import validate
-from megabatch.data import offload
 from megabatch.distributed import init_distributed
 from megabatch.distributed.fsdp import full
 from megabatch.models import build_model
@@ -253,112 +253,102 @@ def test_siglip_on_two_ranks_with_offload_equals_one_process(tmp_path):
         assert torch.equal(value, ranks[1]["params"][name]), name
 
 
+def worker_pids(redecoder, count: int) -> set[int]:
+    """The pids of a started pool's ``count`` workers (each takes one task that outlasts the others' start)."""
+    return set(redecoder.pool.map(_pid_after_a_while, range(count), chunksize=1))
+
+
+def wait_gone(pids: set[int], seconds: float) -> set[int]:
+    """The ``pids`` still alive (or not yet reaped) after up to ``seconds``."""
+    from megabatch.processes import process_alive
+
+    deadline = time.monotonic() + seconds
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {pid for pid in pids if process_alive(pid)}
+
+
 def test_a_re_decode_pool_nobody_closed_stops_when_garbage_collected():
-    """The pool's own finalizer (what garbage collection runs, perhaps before Redecoder.__del__)
-    ends its workers instead of leaving its join waiting forever: they exit, or the watchdog kills
-    one still alive ``KILL_AFTER_S`` later (on a loaded 2-core CI machine a worker was once still
-    alive then: which of the two it is depends on timing, so both are allowed here; that a worker
-    obeys SIGTERM is the next test's)."""
-    import threading
+    """A ``Redecoder`` dropped without ``close`` (a test, a notebook) leaves no worker behind: the
+    pool ends its workers when garbage collection takes it."""
+    import gc
 
     from megabatch.data.offload import Redecoder
     from megabatch.data.transforms import train_transform
 
     redecoder = Redecoder(train_transform(16), seed=0, workers=2)
     redecoder.start()
-    # each worker past its initializer (one task each), as in a run
-    assert len(set(redecoder.pool.map(_pid_after_a_while, range(2), chunksize=1))) == 2
-    workers = list(redecoder.pool._pool)
-    finalizer = threading.Thread(target=redecoder.pool._terminate, daemon=True)
-    finalizer.start()
-    finalizer.join(timeout=20)
-    assert not finalizer.is_alive() and not any(worker.is_alive() for worker in workers)
-    assert {worker.exitcode for worker in workers} <= {0, -9}  # exited, or killed after the grace period
+    pids = worker_pids(redecoder, 2)
+    assert len(pids) == 2
+    del redecoder
+    gc.collect()
+    assert wait_gone(pids, 20) == set()
 
 
-def test_a_re_decode_worker_ignores_sigterm_until_the_pool_closes_then_obeys_it():
-    """A process past the re-decode workers' initializer: a job's stop signal (SIGTERM to every
-    process) is ignored, and once the pool's termination has set ``closing`` SIGTERM ends it with
-    exit code 0 (obeyed, not killed)."""
-    import multiprocessing
-    import signal
-
-    from megabatch.data.transforms import train_transform
-
-    context = multiprocessing.get_context("fork")
-    closing = context.RawValue("b", 0)
-    worker = context.Process(target=_initialised_then_asleep, args=(train_transform(16), closing), daemon=True)
-    worker.start()
-    time.sleep(1.0)  # past the initializer
-    os.kill(worker.pid, signal.SIGTERM)
-    worker.join(0.5)
-    assert worker.is_alive()
-    closing.value = 1
-    os.kill(worker.pid, signal.SIGTERM)
-    worker.join(10)
-    assert worker.exitcode == 0
-
-
-def test_a_re_decode_worker_stopped_while_waiting_for_a_task_leaves_the_pool_able_to_close():
-    """An idle worker waits for its next task inside the task queue's read lock. A stop signal that
-    reaches it once ``closing`` is set (a job's SIGTERM in the moment between ``Redecoder.close``
-    setting it and the pool's termination) must end it without that lock held: the termination
-    takes the lock to drain the queue, and a lock held by a dead process is never released."""
+def test_re_decode_workers_ignore_stop_signals_and_the_pool_still_closes():
+    """A job's stop signal reaches every process: the re-decode workers ignore it and go on decoding
+    (the main process stops the run after the step), and closing the pool ends them all, promptly,
+    whatever signals they had."""
     import signal
     import threading
 
+    from megabatch.data.offload import Redecoder
+    from megabatch.data.samples import EncodedImages
     from megabatch.data.transforms import train_transform
 
-    redecoder = offload.Redecoder(train_transform(16), seed=0, workers=1)
+    redecoder = Redecoder(train_transform(16), seed=0, workers=2)
     redecoder.start()
-    assert redecoder.pool.apply(os.getpid, ()) > 0  # past its initializer, back waiting for a task
-    time.sleep(0.3)
-    worker = redecoder.pool._pool[0]
-    redecoder.closing.value = 1
-    os.kill(worker.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 60  # polled, not joined: the pool's own thread reaps its dead workers
-    while worker.exitcode is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert worker.exitcode == 0
+    pids = worker_pids(redecoder, 2)
+    for pid in pids:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            os.kill(pid, signum)
+    time.sleep(0.5)
+    assert wait_gone(pids, 0) == pids  # all alive
+    from PIL import Image
+
+    image = io.BytesIO()
+    Image.new("RGB", (20, 20), (200, 10, 10)).save(image, format="JPEG")
+    kept = [EncodedImages.from_bytes([image.getvalue()] * 3, [0, 1, 2])]
+    assert next(redecoder(kept, epoch=0)).shape == (3, 3, 16, 16)  # and still decode
     closed = threading.Event()
-    closer = threading.Thread(target=lambda: (redecoder.close(), closed.set()), daemon=True)
-    closer.start()
-    assert closed.wait(30), "the pool's termination waits on the task queue's lock, which the stopped worker held"
+    threading.Thread(target=lambda: (redecoder.close(), closed.set()), daemon=True).start()
+    assert closed.wait(30), "closing the pool waited on its workers"
+    assert wait_gone(pids, 10) == set()
 
 
-def _initialised_then_asleep(transform, closing):
-    offload._init_redecode_worker(transform, 0, closing)
-    time.sleep(60)
+def test_re_decode_workers_are_forked_with_the_stop_signals_blocked_then_ignore_them():
+    """A stop signal that arrives while the pool forks finds each worker blocking it until its
+    initializer has set it to be ignored (not running the parent's handler, or the default one that
+    would end it); the parent's own signal mask is as before."""
+    import signal
+
+    from megabatch.data.offload import Redecoder
+    from megabatch.data.transforms import train_transform
+    from megabatch.processes import STOP_SIGNALS
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    redecoder = Redecoder(train_transform(16), seed=0, workers=1)
+    try:
+        redecoder.start()
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+        handlers, blocked = redecoder.pool.submit(_signal_state).result(timeout=60)
+        assert handlers == [signal.SIG_IGN] * len(STOP_SIGNALS)
+        assert not set(STOP_SIGNALS) & blocked
+    finally:
+        redecoder.close()
+
+
+def _signal_state():
+    import signal
+
+    from megabatch.processes import STOP_SIGNALS
+
+    return [signal.getsignal(signum) for signum in STOP_SIGNALS], set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
 
 def _pid_after_a_while(_):
     time.sleep(0.3)  # long enough for the other worker to take the other task
     return os.getpid()
-
-
-def test_a_re_decode_worker_still_alive_after_the_grace_period_is_killed():
-    """The pool's termination kills what has not obeyed SIGTERM ``KILL_AFTER_S`` later (a worker
-    signalled before its initializer ran, under its parent's handler), so its join cannot wait
-    forever on a worker blocked on the task queue's lock."""
-    import multiprocessing
-    import signal
-
-    worker = multiprocessing.get_context("fork").Process(target=_sleep_through_sigterm, daemon=True)
-    worker.start()
-    time.sleep(0.5)
-    worker.terminate()  # SIGTERM: ignored
-    worker.join(1)
-    assert worker.is_alive()
-    offload._kill_alive([worker])
-    worker.join(10)
-    assert worker.exitcode == -signal.SIGKILL
-
-
-def _sleep_through_sigterm():
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    time.sleep(60)
 
 
 def test_a_spilled_sub_batch_reads_back_whole_or_says_the_file_is_short(tmp_path):

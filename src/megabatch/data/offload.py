@@ -18,24 +18,23 @@ this host are removed when the next run opens its own.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-import multiprocessing
 import os
 import re
-import signal
 import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from ..config import ConfigError
-from ..distributed.signals import ignore_stop_signals
+from ..processes import ignore_stop_signals, process_alive, stop_signals_blocked
 from .gpu_decode import DecodePool, GpuDecoder, decode_ahead, to_device
 from .samples import EncodedImages, JpegBatch, SampleDecoder
 
@@ -110,36 +109,10 @@ class Offload:
 _worker_decoder: dict = {}
 
 
-def _init_redecode_worker(transform, seed: int, closing) -> None:
-    # Redecoder.close() stops the pool with SIGTERM: obey it then, and only then. Set first, so
-    # that SIGTERM is never ignored here, not even between two of these calls
-    signal.signal(signal.SIGTERM, functools.partial(_exit_when_closing, closing))
-    ignore_stop_signals(keep=(signal.SIGTERM,))  # the main process stops the run (train/preemption.py)
+def _init_redecode_worker(transform, seed: int) -> None:
+    ignore_stop_signals()  # the main process stops the run (train/preemption.py); the pool ends by its own message
     torch.set_num_threads(1)
     _worker_decoder.update(transform=transform, seed=seed)
-
-
-def _exit_when_closing(closing, signum, frame) -> None:
-    """A worker's SIGTERM handler: exit if the pool is being closed (``closing``, shared memory
-    without a lock: safe in a handler), else ignore it (a job's stop signal reaches every process).
-    An idle worker waits for its next task inside the task queue's read lock, and the pool's
-    termination takes that lock to drain the queue: a worker that died holding it would leave the
-    termination waiting forever. Inside a queue's code it exits by raising ``SystemExit``, whose
-    unwinding releases the lock; anywhere else at once."""
-    if closing.value:
-        if _inside_a_queue(frame):
-            raise SystemExit(0)
-        os._exit(0)
-
-
-def _inside_a_queue(frame) -> bool:
-    """Whether ``frame`` or one of its callers runs ``multiprocessing``'s queue code (which may hold
-    one of the queue's locks)."""
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "queues.py")):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _decode_sub_batch(decoder: SampleDecoder, raw: EncodedImages | Spilled,
@@ -168,17 +141,6 @@ def _redecode_sub_batch(epoch: int, raw: EncodedImages | Spilled, spill_path: st
 
 
 _SPILL_NAME = re.compile(r"offload-(?P<host>.+)-rank\d+-pid(?P<pid>\d+)\.bin")
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only (PermissionError: someone else's process)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def remove_stale_spill_files(folder: Path) -> None:
@@ -300,52 +262,21 @@ class SpillFile:
                 self._changed.notify_all()
 
 
-def _obedient_pool(closing) -> type:
-    """A ``multiprocessing`` pool class whose termination first sets ``closing``, so that its workers
-    obey the SIGTERM it sends, however it is terminated: by ``Redecoder.close`` or by the pool's own
-    finalizer when garbage collection reaches a pool nobody closed (which may run before
-    ``Redecoder.__del__``: the workers would then ignore the signal and the join would wait forever)."""
-    import multiprocessing.pool
-
-    class ObedientPool(multiprocessing.pool.Pool):
-        @classmethod
-        def _terminate_pool(cls, taskqueue, inqueue, outqueue, pool, *args, **kwargs):
-            closing.value = 1
-            # a worker that got SIGTERM before its initializer ran takes its parent's handler for
-            # it (a training process's stop request): it lives on, blocked on the task queue's
-            # lock that terminating holds, and the join below would wait forever. Kill what is
-            # still alive after a grace period (its work is being thrown away anyway)
-            watchdog = threading.Timer(KILL_AFTER_S, _kill_alive, (pool,))
-            watchdog.daemon = True
-            watchdog.start()
-            try:
-                return super()._terminate_pool(taskqueue, inqueue, outqueue, pool, *args, **kwargs)
-            finally:
-                watchdog.cancel()
-
-    return ObedientPool
-
-
-KILL_AFTER_S = 5.0  # a terminated re-decode worker still alive this long after is killed
-
-
-def _kill_alive(workers: list) -> None:
-    for worker in list(workers):
-        if worker.exitcode is None:
-            log.warning("re-decode worker %d ignored SIGTERM at shutdown: killed", worker.pid)
-            worker.kill()
-
-
 class Redecoder:
     """Re-decodes offloaded sub-batches in a pool of worker processes that lives as long as the
     run (a DataLoader per step would fork its workers again every step, seconds at 16 workers).
     At most ``2 x workers`` sub-batches are decoded ahead of the consumer, so host memory stays
-    bounded however long the replay. Results come back through shared memory (torch tensors)."""
+    bounded however long the replay. Results come back through shared memory (torch tensors).
+
+    The pool is ``concurrent.futures.ProcessPoolExecutor``: a worker that dies (the out-of-memory
+    killer) fails the waiting replay at once (``BrokenProcessPool``) instead of leaving it waiting,
+    and the pool ends by a message to each worker, not by a signal, so the workers can ignore every
+    stop signal from their first instruction on (forked with them blocked) and closing never
+    depends on whether a signal found a worker inside a queue's lock."""
 
     def __init__(self, transform, seed: int, workers: int, timeout_s: float = 600.0):
         self.transform, self.seed, self.workers, self.timeout_s = transform, seed, workers, timeout_s
-        self.pool = None
-        self.closing = multiprocessing.get_context("fork").RawValue("b", 0)  # inherited by the workers
+        self.pool: ProcessPoolExecutor | None = None
 
     def __call__(self, raw_sub_batches: list, epoch: int, spill_path: str | None = None) -> Iterator[torch.Tensor]:
         if self.workers == 0:
@@ -355,45 +286,44 @@ class Redecoder:
             return
         self.start()
         pending, upcoming = deque(), iter(raw_sub_batches)
-        for raw in itertools.islice(upcoming, 2 * self.workers):
-            pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw, spill_path)))
-        while pending:
-            try:  # a pool does not notice a worker killed from outside (OOM): wait bounded
-                images = pending.popleft().get(timeout=self.timeout_s)
-            except multiprocessing.TimeoutError:
-                raise RuntimeError(
-                    f"an offload re-decode worker gave no sub-batch in {self.timeout_s:.0f} s (killed by "
-                    "the out-of-memory killer? see dmesg); fewer data.num_workers or trainer.offload=false"
-                ) from None
-            raw = next(upcoming, None)
-            if raw is not None:
-                pending.append(self.pool.apply_async(_redecode_sub_batch, (epoch, raw, spill_path)))
-            yield images
+        try:
+            for raw in itertools.islice(upcoming, 2 * self.workers):
+                pending.append(self.pool.submit(_redecode_sub_batch, epoch, raw, spill_path))
+            while pending:
+                images = self._result(pending.popleft())
+                raw = next(upcoming, None)
+                if raw is not None:
+                    pending.append(self.pool.submit(_redecode_sub_batch, epoch, raw, spill_path))
+                yield images
+        finally:  # a replay cut short (an error in the step) leaves no work queued for the next one
+            for future in pending:
+                future.cancel()
+
+    def _result(self, future) -> torch.Tensor:
+        try:
+            return future.result(timeout=self.timeout_s)
+        except (BrokenProcessPool, TimeoutError) as error:
+            why = "died" if isinstance(error, BrokenProcessPool) else f"gave nothing for {self.timeout_s:.0f} s"
+            raise RuntimeError(
+                f"an offload re-decode worker gave no sub-batch: it {why} (killed by the out-of-memory "
+                "killer? see dmesg); fewer data.num_workers or trainer.offload=false") from None
 
     def start(self) -> None:
-        """Fork the worker pool (once). Forking while this process is still small keeps the fork
-        fast and the children's page tables small: after phase 1 it holds every kept image's bytes."""
+        """Fork the worker pool (once; the first task forks every worker). Forking while this process
+        is still small keeps the fork fast and the children's page tables small: after phase 1 it
+        holds every kept image's bytes."""
         if self.pool is None and self.workers > 0:
             import torch.multiprocessing as mp
 
-            self.closing.value = 0
-            self.pool = _obedient_pool(self.closing)(self.workers, initializer=_init_redecode_worker,
-                                                     initargs=(self.transform, self.seed, self.closing),
-                                                     context=mp.get_context("fork"))
-
-    def __del__(self) -> None:
-        """Not closed (a test, a notebook): the pool's own finalizer terminates it; let the workers obey."""
-        closing = getattr(self, "closing", None)
-        if closing is not None:
-            closing.value = 1
+            with stop_signals_blocked():
+                self.pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("fork"),
+                                                initializer=_init_redecode_worker,
+                                                initargs=(self.transform, self.seed))
+                self.pool.submit(os.getpid).result()
 
     def close(self) -> None:
-        """Stop the workers: ``Pool.terminate()`` sends them SIGTERM, which they otherwise ignore
-        (a job's stop signal is the main process's to handle). Ignored, it would leave a worker
-        that had not yet taken its stop sentinel waiting forever on the task queue's lock, which
-        terminating holds: ``closing`` tells them to obey it."""
+        """Stop the workers: queued sub-batches are dropped, each worker finishes the one it decodes
+        and exits."""
         if self.pool is not None:
-            self.closing.value = 1
-            self.pool.terminate()
-            self.pool.join()
+            self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None

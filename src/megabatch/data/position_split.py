@@ -16,7 +16,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ..distributed.signals import ignore_stop_signals
+from ..processes import ignore_stop_signals
 from .samples import EncodedImages, SampleDecoder, Stats, SubBatch, decode_pair
 from .tars import tar_samples
 

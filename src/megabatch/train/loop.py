@@ -37,8 +37,8 @@ from ..distributed import DistEnv, init_distributed
 from ..distributed.fsdp import is_sharded, local
 from ..distributed.health import FAILED, RankLost, describe, is_communication_error
 from ..distributed.once import on_rank_zero
-from ..distributed.signals import ignore_stop_signals
 from ..eval import headline, run_zeroshot, summary
+from ..processes import ignore_stop_signals
 from ..report import RunStatus
 from ..report.runs import failure
 from .backends import configure_backends

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError
-from ..data.offload import process_alive
+from ..processes import process_alive
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,47 @@
+"""This host's processes: the signals that ask a run to stop (what SLURM, Kubernetes and Ctrl-C send)
+and whether a process id is alive. A job's signal reaches every one of its processes; worker
+processes (DataLoader workers, the offload re-decode pool) ignore the stop signals, and the main
+process stops the run cleanly (``train/preemption.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
+
+
+def ignore_stop_signals(*_, keep: tuple = ()) -> None:
+    """A DataLoader ``worker_init_fn`` / a pool ``initializer``: leave stopping to the main process.
+    ``keep``: signals whose handler the caller has set already (not ignored). Unblocks them after
+    (``stop_signals_blocked``: a stop signal that arrived in between is then ignored)."""
+    for signum in STOP_SIGNALS:
+        if signum not in keep:
+            signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Hold the stop signals back from this thread while it forks workers: a child starts with them
+    blocked, so one that arrives before its ``ignore_stop_signals`` waits, and is then ignored,
+    instead of running the parent's handler (or the default one, which ends the worker). This
+    thread receives what arrived in between once the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (a zombie not yet reaped counts)."""
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only (PermissionError: someone else's process)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
