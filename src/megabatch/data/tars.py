@@ -3,10 +3,10 @@ Python's ``tarfile``, GNU tar and webdataset's writer produce), ten times faster
 
 With ``data.decode=gpu`` a loader worker only reads each sample's bytes and the JPEG's header, and
 ``webdataset.tarfile_to_samples`` (two ``tarfile`` headers parsed in Python per member, a pax one
-and the member's) was half of its time: ~0.45 of the ~0.9 ms a sample on a 2-core machine. Local,
-uncompressed shards go through ``tar_samples`` here; streams (``pipe:``, ``scheme://``) and
-compressed tars still go through webdataset. Samples are grouped as webdataset groups them, and a
-damaged shard reaches the same handler with its URL as the error's last argument.
+and the member's) would be most of its work (docs/performance.md). Local, uncompressed shards go
+through ``tar_samples`` here; streams (``pipe:``, ``scheme://``) and compressed tars still go
+through webdataset. Samples are grouped as webdataset groups them, and a damaged shard reaches the
+same handler with its URL as the error's last argument.
 """
 
 from __future__ import annotations

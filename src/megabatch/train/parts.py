@@ -174,19 +174,21 @@ def build_gpu_decoder(cfg: DictConfig, env: DistEnv) -> tuple[GpuDecoder | None,
 
 
 def check_cuda_graphs(model: ClipModel, sub_batches: int) -> None:
-    """``model.cuda_graphs`` is for the one-pass step of towers that draw no random numbers: the
-    step that launches bound (an H100 was idle between a ViT-B/16 256 step's kernels), and what
-    the graphs were checked exact on. Raises a ``ConfigError`` naming the setting otherwise."""
+    """``model.cuda_graphs`` is for the one-pass step of towers that draw no random numbers: graphs
+    save the launches of a small step, a GradCache step's kernels keep the GPU busy without them,
+    a graph's memory is reused by its next call (phase 1's kept graph would be overwritten), and
+    with random draws the graphs' gradients are not exact. Raises a ``ConfigError`` naming the
+    setting otherwise (docs/performance.md has the measurements behind it)."""
     if sub_batches > 1:
         raise ConfigError(f"model.cuda_graphs=true is for the one-pass step, and this run's step is {sub_batches} "
-                          "GradCache sub-batches: those keep the GPU busy without graphs (96-98% on an H100), and "
-                          "the graphs' reuse of memory from one call to the next would overwrite the graph phase 1 "
-                          "keeps; set model.cuda_graphs=false (or trainer.sub_batch=null with a batch that fits)")
+                          "GradCache sub-batches: their kernels keep the GPU busy without graphs, and the graphs' "
+                          "reuse of memory from one call to the next would overwrite the graph phase 1 keeps; set "
+                          "model.cuda_graphs=false (or trainer.sub_batch=null with a batch that fits)")
     drawn = model.random_modules()
     if drawn:
         raise ConfigError(f"model.cuda_graphs=true: the towers draw random numbers in training ({', '.join(drawn)}), "
-                          "and with patch dropout on, the CUDA graphs' gradients differed from the compiled towers' "
-                          "on an H100 (not exact); set their probability to 0 (e.g. model.image.patch_dropout=0) or "
+                          "and with them the graphs' gradients are not the compiled towers' (not exact); set "
+                          "their probability to 0 (e.g. model.image.patch_dropout=0) or "
                           "model.cuda_graphs=false")
 
 
