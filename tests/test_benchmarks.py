@@ -7,6 +7,8 @@ import importlib.util
 import subprocess
 import sys
 
+import torch
+
 from .helpers import ROOT
 
 FOLDER = ROOT / "scripts" / "benchmarks"
@@ -36,3 +38,35 @@ def test_the_runner_runs_a_benchmark_by_name_and_refuses_an_unknown_one():
     unknown = subprocess.run([sys.executable, str(FOLDER / "run.py"), "nope"], capture_output=True, text=True,
                              timeout=60)
     assert unknown.returncode == 2 and "no benchmark 'nope'" in unknown.stderr
+
+
+def test_the_benchmarks_time_the_step_the_trainer_builds():
+    """``common.trainer_step`` (what gradcache.py and fsdp.py time) is the trainer's own step: the
+    same weights, sub-batches, caption trimming and gradients as ``RunParts.build``'s on a fixed
+    batch."""
+    from itertools import repeat
+
+    from megabatch.config.schema import validate
+    from megabatch.data.synthetic import synthetic_sub_batch
+
+    from .helpers import build_parts, compose, rel_error
+
+    spec = importlib.util.spec_from_file_location("benchmarks_common", FOLDER / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    cfg = validate(compose("batch=32", "trainer.sub_batch=16", "model.image.patch_dropout=0"))
+    step, trained = common.trainer_step(cfg, "cpu"), build_parts(cfg).step
+    assert step.sub_batches == trained.sub_batches == 2
+    assert step.keep.text_trim is not None and trained.keep.text_trim is not None  # model.trim_text, as configured
+    weights, trained_weights = step.model.state_dict(), trained.model.state_dict()
+    assert weights.keys() == trained_weights.keys()
+    assert all(torch.equal(weights[name], trained_weights[name]) for name in weights)
+    sub = synthetic_sub_batch(16, step.model.image_size, step.model.context_length, "cpu")
+    sub.texts[:, 9:] = 0  # captions shorter than the context: trimming cuts them
+    sub.texts[:, 8] = 49407
+    grads = []
+    for built in (step, trained):
+        torch.manual_seed(0)
+        built.gradients(repeat(sub))
+        grads.append(torch.cat([p.grad.flatten() for p in built.model.parameters() if p.grad is not None]))
+    assert rel_error(grads[0], grads[1]) <= 1e-6
