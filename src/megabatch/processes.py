@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
 
@@ -45,3 +47,16 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
+
+
+_IMPORTED = time.time()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: its start time in ``/proc``; elsewhere since this
+    module was imported, which the entry points do first)."""
+    try:
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - started)  # both since boot
+    except (OSError, ValueError, IndexError):
+        return time.time() - _IMPORTED

@@ -56,9 +56,12 @@ def test_a_multirun_writes_its_summary_with_a_failed_job_among_the_rows(tmp_path
     for row in rows[:2]:
         assert float(row["digits/top1"]) >= 0 and float(row["last loss"]) > 0 and float(row["samples/s"]) > 0
         assert row["checkpoint"].endswith("checkpoints/last.pt") and float(row["peak host GB"]) > 0
+        assert 0 < float(row["first step s"]) <= float(row["wall s"]) + 10  # time_to_first_step_s from status.json
+    assert rows[2]["first step s"] == ""  # it never stepped
     assert sorted(r["best"] for r in rows) == ["", "", "best"] and rows[2]["best"] == ""
     # the jobs' TensorBoard scalars are those of metrics.jsonl
     records = [json.loads(line) for line in (sweep / "1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "time_to_first_step_s" in r] == [records[0]["step"]]  # the first record only
     logged = scalars(sweep / "1" / "tensorboard")
     assert logged["loss"] == [(r["step"], pytest.approx(r["loss"])) for r in records if "loss" in r]
     assert logged["eval/digits/top1"] == [(3, pytest.approx(records[-1]["eval/digits/top1"]))]

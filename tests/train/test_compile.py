@@ -88,6 +88,27 @@ def test_a_short_batch_is_padded_to_the_compiled_size_not_recompiled():
             assert torch.allclose(got[index], eager[index][:rows], atol=1e-5)
 
 
+def test_every_cut_caption_length_runs_one_compiled_text_graph():
+    """Captions cut to their length (``model.trim_text``) reach the compiled text tower with their
+    length marked dynamic: one graph serves every length from the shortest cut to the context, and
+    gives the eager features at each."""
+    torch.manual_seed(0)
+    model = build_model(compose("model=tiny").model)
+    model.trim_text()
+    texts = torch.randint(1, 400, (4, 16))
+    lengths = (16, 8, 11, 16)
+    with torch.no_grad():
+        eager = {n: model.encode_text(texts[:, :n].contiguous()) for n in lengths}
+        model.compile_towers(rows=4)
+        torch._dynamo.reset()
+        counts = torch._dynamo.utils.counters
+        counts.clear()
+        compiled = {n: model._encode("text", texts[:, :n].contiguous()) for n in lengths}
+    assert counts["stats"]["unique_graphs"] == 1
+    for n in lengths:
+        assert torch.allclose(compiled[n], eager[n], atol=1e-5), n
+
+
 def test_feature_dtype_auto_follows_the_towers_precision():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert Precision.create("auto", cpu, "auto").feature_dtype == torch.float32  # fp32 on the CPU

@@ -130,8 +130,13 @@ class ClipModel(nn.Module):
     def _text_features(self, texts: torch.Tensor) -> torch.Tensor:
         """``texts [n, L]``: the whole context, or cut to ``L`` tokens by ``text_trim``."""
         if texts.shape[1] < self.context_length:
-            return nn.functional.normalize(encode_text_prefix(self.clip, texts), dim=-1)
+            return self._text_prefix_features(texts)
         return nn.functional.normalize(self.clip.encode_text(texts), dim=-1)
+
+    def _text_prefix_features(self, texts: torch.Tensor) -> torch.Tensor:
+        """``texts [n, L]`` with any ``L`` up to the context, without a branch on ``L``: what the
+        compiled text tower runs when its length is dynamic."""
+        return nn.functional.normalize(encode_text_prefix(self.clip, texts), dim=-1)
 
     def trim_text(self, enabled: bool = True, step: int = 8) -> str | None:
         """``model.trim_text``: let the trainer cut captions to their own length (``text_length.py``),
@@ -181,8 +186,8 @@ class ClipModel(nn.Module):
         no-grad pass each compile once. Random ops (dropout, patch dropout) draw from torch's
         generator as in eager mode (inductor's ``fallback_random``, which ``train.backends.configure_backends``
         sets), so the replay redraws them.
-        Captions cut to their length (``trim_text``) make the text tower's length dynamic after its
-        second length: one more graph per gradient mode, not one per length.
+        Captions cut to their length (``trim_text``) reach the text tower with a length marked dynamic
+        between the shortest cut and the whole context: one graph per gradient mode for every length.
 
         ``cuda_graphs`` (``model.cuda_graphs``): inductor's ``reduce-overhead`` mode, each compiled
         graph recorded once as a CUDA graph (per shape and gradient mode) and replayed as one launch
@@ -193,21 +198,23 @@ class ClipModel(nn.Module):
         (``train/parts.py: check_cuda_graphs``)."""
         mode = "reduce-overhead" if cuda_graphs else None
         compiled = {"image": torch.compile(self._image_features, dynamic=False, mode=mode),
-                    "text": torch.compile(self._text_features, dynamic=None if self.text_trim else False, mode=mode)}
-        self._compiled = {tower: _FixedRows(fn, rows) for tower, fn in compiled.items()}
+                    "text": torch.compile(self._text_prefix_features, mode=mode) if self.text_trim else
+                    torch.compile(self._text_features, dynamic=False, mode=mode)}
+        trim = self.text_trim
+        lengths = None if trim is None else (trim.bucket(1), trim.context_length)  # every cut length, one graph
+        self._compiled = {"image": _FixedRows(compiled["image"], rows),
+                          "text": _FixedRows(compiled["text"], rows, lengths)}
         self._cuda_graphs = cuda_graphs
 
     def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool) -> float:
         """After ``compile_towers``: compile now every graph training will call, so that no step
-        stalls on a compilation later (a compiled text tower meeting a new cut length mid-run
-        compiles for most of a minute on a GPU). Calls each tower once with autograd (the replay, a plain step)
+        stalls on a compilation later. Calls each tower once with autograd (the replay, a plain step)
         and, with ``graph_free`` (GradCache), once without (phase 1); the text tower at its whole
-        context and, where captions are cut, at every length they can be cut to. The second length
-        makes the length dynamic, but that graph's guards may hold for a range of lengths only (a
-        longer cut then compiles again mid-run), and a new
-        length can still build a kernel or an attention plan; each length once here leaves none of
-        these to a step. With ``cuda_graphs`` the calls run twice, both towers together: the
-        second run records the CUDA graphs a step replays (one recorded mid-run stalls that step).
+        context and, where captions are cut, at the shortest cut too: the graph compiled for the
+        first length (its length dynamic, ``compile_towers``) serves the second and every length
+        between. With ``cuda_graphs`` the calls run twice, both towers together, and at every cut
+        length: the second run records the CUDA graphs a step replays (one per length; one recorded
+        mid-run stalls that step).
         ``autocast``: a callable giving the step's autocast context. The RNG states are restored
         and the gradients cleared: training draws and computes what it would have without.
         Returns seconds."""
@@ -216,7 +223,8 @@ class ClipModel(nn.Module):
         context = texts.shape[1]
         lengths = [context]
         if self.text_trim is not None:
-            lengths += sorted({self.text_trim.bucket(n) for n in range(1, context)} - {context})
+            cuts = sorted({self.text_trim.bucket(n) for n in range(1, context)} - {context})
+            lengths += cuts if self._cuda_graphs else cuts[:1]
         cpu_state = torch.get_rng_state()
         cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         try:
@@ -248,23 +256,31 @@ class ClipModel(nn.Module):
 
 class _FixedRows:
     """Calls ``fn`` on exactly ``rows`` rows: fewer are padded (zeros) and the output cut, more go in
-    chunks. A compiled function then sees one shape whatever the batch."""
+    chunks. A compiled function then sees one shape whatever the batch. ``lengths``: ``(shortest,
+    longest)`` of the inputs' second dimension, marked dynamic within those bounds (one compiled graph
+    for all of them; a specialisation inside them fails the compilation instead of recompiling)."""
 
-    def __init__(self, fn, rows: int):
+    def __init__(self, fn, rows: int, lengths: tuple[int, int] | None = None):
         self.fn, self.rows = fn, int(rows)
+        self.lengths = lengths if lengths is not None and lengths[0] < lengths[1] else None
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         n = inputs.shape[0]
         if n == self.rows:
-            return self.fn(inputs)
+            return self._call(inputs)
         outputs = []
         for start in range(0, n, self.rows):
             chunk = inputs[start:start + self.rows]
             short = self.rows - chunk.shape[0]
             if short:
                 chunk = torch.cat([chunk, chunk.new_zeros((short, *chunk.shape[1:]))])
-            outputs.append(self.fn(chunk)[: self.rows - short])
+            outputs.append(self._call(chunk)[: self.rows - short])
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _call(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.lengths is not None:
+            torch._dynamo.mark_dynamic(inputs, 1, min=self.lengths[0], max=self.lengths[1])
+        return self.fn(inputs)
 
 
 def _dataclass_kwargs(cls, values: dict[str, Any], key: str) -> dict[str, Any]:

@@ -101,7 +101,10 @@ def encode_text_prefix(clip: torch.nn.Module, texts: torch.Tensor) -> torch.Tens
     length = texts.shape[1]
     cast_dtype = tower.transformer.get_cast_dtype()
     x = tower.token_embedding(texts).to(cast_dtype) + tower.positional_embedding[:length].to(cast_dtype)
-    x = tower.transformer(x, attn_mask=tower.attn_mask[:length, :length])
+    # open_clip's causal mask, built at this length (a slice of the full one is not contiguous, and a
+    # compiled tower would specialise its dynamic length on that)
+    mask = torch.full((length, length), float("-inf"), device=x.device, dtype=tower.attn_mask.dtype).triu(1)
+    x = tower.transformer(x, attn_mask=mask)
     x = tower.ln_final(x)
     if tower is clip:
         pool, eos = clip.text_pool_type, getattr(clip, "text_eos_id", None)

@@ -38,12 +38,18 @@ class RunStatus:
         self.started = time.time()
         previous = read_status(run_dir)
         self.earlier_wall_s = float(previous.get("wall_s") or 0.0) if previous.get("status") != "running" else 0.0
+        self.notes: dict[str, Any] = {}  # kept in every later write (note)
 
     def start(self) -> None:
         self._write(status="running", error=None)
 
     def end(self, status: str, error: str | None = None, result: float | None = None) -> None:
         self._write(status=status, error=error, result=result, ended=round(time.time(), 3))
+
+    def note(self, **fields: Any) -> None:
+        """Add ``fields`` to the status, in this write and every later one of this invocation."""
+        self.notes.update(fields)
+        self._write(status="running", error=None)
 
     def fail(self, error: BaseException) -> None:
         self.end("failed", error=failure(error))
@@ -52,7 +58,7 @@ class RunStatus:
         if not self.enabled:
             return
         record = {"started": round(self.started, 3), "host": socket.gethostname(), "pid": os.getpid(),
-                  "wall_s": round(self.earlier_wall_s + time.time() - self.started, 3), **fields}
+                  "wall_s": round(self.earlier_wall_s + time.time() - self.started, 3), **self.notes, **fields}
         write_status(self.path.parent, record)
 
 
@@ -115,6 +121,7 @@ class RunRow:
     peak_gpu_gb: float | None = None
     peak_host_gb: float | None = None
     wall_s: float | None = None
+    first_step_s: float | None = None    # from the process's start to its first finished step (the last invocation)
     checkpoint: str | None = None
     error: str | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)  # (samples seen, loss) of each logged step
@@ -131,7 +138,8 @@ def read_run(run_dir: Path) -> RunRow:
     steps = [r for r in records if r.get("loss") is not None or "samples_seen" in r]
     batch = _configured_batch(run_dir)
     row = RunRow(path=run_dir, overrides=_overrides(run_dir), status=_status(run_dir, status),
-                 wall_s=status.get("wall_s"), error=status.get("error"), checkpoint=_last_checkpoint(run_dir))
+                 wall_s=status.get("wall_s"), error=status.get("error"), checkpoint=_last_checkpoint(run_dir),
+                 first_step_s=status.get("time_to_first_step_s"))
     if steps:
         last = steps[-1]
         row.steps = int(last["step"])

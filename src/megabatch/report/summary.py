@@ -76,7 +76,8 @@ def table(rows: list[RunRow]) -> tuple[list[str], list[list]]:
     header = ["run", "best", *swept, "status", "steps", "samples seen", "last loss", "best loss"]
     for metric in metrics:
         header += [metric.removeprefix("eval/"), f"best {metric.removeprefix('eval/')}"]
-    header += ["samples/s", "MFU %", "peak GPU GB", "peak host GB", "wall s", "checkpoint", "overrides", "error"]
+    header += ["samples/s", "MFU %", "peak GPU GB", "peak host GB", "first step s", "wall s", "checkpoint", "overrides",
+               "error"]
     body = []
     for row in rows:
         overrides = _as_dict(row)
@@ -85,7 +86,8 @@ def table(rows: list[RunRow]) -> tuple[list[str], list[list]]:
         for metric in metrics:
             line += [_round(row.evals.get(metric), 2), _round(row.best_evals.get(metric), 2)]
         line += [_round(row.samples_per_s, 1), _round(None if row.mfu is None else 100 * row.mfu, 2),
-                 _round(row.peak_gpu_gb, 2), _round(row.peak_host_gb, 2), _round(row.wall_s, 1),
+                 _round(row.peak_gpu_gb, 2), _round(row.peak_host_gb, 2), _round(row.first_step_s, 1),
+                 _round(row.wall_s, 1),
                  row.checkpoint, " ".join(row.overrides), row.error.splitlines()[0][:200] if row.error else None]
         body.append(line)
     return header, body

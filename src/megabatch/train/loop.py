@@ -38,7 +38,7 @@ from ..distributed.fsdp import is_sharded, local
 from ..distributed.health import FAILED, RankLost, describe, is_communication_error
 from ..distributed.once import on_rank_zero
 from ..eval import headline, run_zeroshot, summary
-from ..processes import ignore_stop_signals
+from ..processes import ignore_stop_signals, process_age_s
 from ..report import RunStatus
 from ..report.runs import failure
 from .backends import configure_backends
@@ -233,6 +233,7 @@ class Trainer:
         self.grad_norm = float("nan")
         self.unsettled: StepResult | None = None  # the last step, its update's flag not yet read (settle)
         self.interval = Interval()  # the steps since the last log line
+        self.unlogged_first_step_s: float | None = None  # time_to_first_step_s, for the next log record
         self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
         self._resume()
         # steps after the checkpoint are redone: each logged once
@@ -404,9 +405,13 @@ class Trainer:
     def _loop(self, sub_batches, stop: int) -> torch.Tensor:
         """Steps until ``stop``; returns the last loss. A step, then what the trainer does with it."""
         loss = torch.zeros(())
+        first = True
         while self.step < stop:
             result = self.train_step(sub_batches)
             loss = result.loss
+            if first:
+                self.first_step_done()
+                first = False
             self.interval.add(result)
             self.progress.update(1)
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
@@ -443,6 +448,18 @@ class Trainer:
         self.samples_seen += self.plan.global_batch
         self.unsettled = StepResult(self.step, loss, lr, applied, times, time.perf_counter() - started)
         return self.unsettled
+
+    def first_step_done(self) -> None:
+        """This invocation's first step has finished (its update read: a host sync): how long after the
+        process started, in the log, ``status.json`` and the next ``metrics.jsonl`` record
+        (``time_to_first_step_s``)."""
+        self.settle()
+        seconds = process_age_s()
+        if self.main:
+            log.info("first step finished %.1f s after the process started (model.compile: %s)", seconds,
+                     f"{self.parts.compile_s:.1f} s of compiling" if self.cfg.model.compile else "off")
+        self.unlogged_first_step_s = seconds  # in the next log record
+        self.status.note(time_to_first_step_s=round(seconds, 2))
 
     def settle(self) -> None:
         """Read the last step's update (a host sync; the one place its flag is read): its gradient
@@ -539,6 +556,8 @@ class Trainer:
             "data_wait": phase_totals.get("data", 0.0) / elapsed,  # fraction of wall time
             "grad_norm": self.grad_norm, "skipped_steps": self.skipped_steps,
         }
+        if self.unlogged_first_step_s is not None:
+            record["time_to_first_step_s"], self.unlogged_first_step_s = self.unlogged_first_step_s, None
         # model TFLOP/s per GPU and MFU (utilization.py: model FLOPs counted at start-up, the GPU's bf16 peak)
         record.update(utilization(self.parts.flops, self.parts.peak, record["samples_per_s"] / env.world_size))
         record.update({f"data/{k}": v for k, v in self.parts.inputs.bad_input_counts().items() if v})

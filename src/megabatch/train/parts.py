@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from ..distributed.fsdp import local, shard_model
 from ..models import ClipModel, build_model
 from ..models.fp8 import convert_to_fp8
 from ..models.preprocess import describe_preprocess
+from .compile_cache import CompileCache, cache_file
 from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import MemoryFit, batch_bytes, plan_sub_batch, probe_peak_memory
 from .optim import build_optimizer
@@ -51,6 +53,7 @@ class RunParts:
     step: TrainStep
     flops: ModelFlops                  # model FLOPs per sample (utilization.py)
     peak: Peak | None                  # the GPU's dense bf16 peak
+    compile_s: float = 0.0             # seconds spent compiling the towers (model.compile)
 
     @classmethod
     def build(cls, cfg: DictConfig, env: DistEnv) -> RunParts:
@@ -73,7 +76,7 @@ class RunParts:
         # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
         plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
         offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
-        step, optimizer, peak_lr = build_step(cfg, env, model, loss, plan, offload)
+        built = build_step(cfg, env, model, loss, plan, offload)
         schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
                                steps_per_epoch=plan.steps_per_epoch)
         inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
@@ -81,7 +84,8 @@ class RunParts:
                            read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
                            gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead)
         seed_rank(cfg, env)
-        return cls(model, tokenize, data, plan, optimizer, peak_lr, schedule, offload, inputs, step, flops, peak)
+        return cls(model, tokenize, data, plan, built.optimizer, built.peak_lr, schedule, offload, inputs, built.step,
+                   flops, peak, built.compile_s)
 
     def close(self) -> None:
         """Stop the offload's re-decode workers, delete its spill file, stop the GPU decoding threads."""
@@ -114,30 +118,42 @@ def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv):
     return loss
 
 
+class BuiltStep(NamedTuple):
+    step: TrainStep
+    optimizer: torch.optim.Optimizer
+    peak_lr: float
+    compile_s: float  # seconds compiling the towers (0 without model.compile)
+
+
 def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan,
-               offload: Offload | None = None) -> tuple[TrainStep, torch.optim.Optimizer, float]:
+               offload: Offload | None = None) -> BuiltStep:
     """The step a run of ``cfg`` trains ``model`` (``prepare_model``'s) with at ``plan``: the
     optimizer, the text tower's trimming, the compiled towers (``model.compile``, warmed up here),
-    and the ``TrainStep``. Returns the step, the optimizer and its peak learning rate."""
+    and the ``TrainStep``."""
     optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
     untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
     if untrimmed and env.rank == 0:
         log.info("captions are encoded at their full context: %s", untrimmed)
     if cfg.model.cuda_graphs:
         check_cuda_graphs(model, plan.sub_batches)
+    seconds = 0.0
     if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
+        graph_free = plan.sub_batches > 1
+        cache = CompileCache(cache_file(cfg, plan.sub_batch, graph_free, env.device), enabled=env.rank == 0)
+        cache.load()
         model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs)
         if env.rank == 0:
-            log.info("model.compile: compiling the towers now (a minute or a few on a GPU)")
-        seconds = model.warm_up(plan.sub_batch, env.device, precision_of(cfg, env).autocast,
-                                graph_free=plan.sub_batches > 1)
+            log.info("model.compile: compiling the towers now%s", " (from the cache)" if cache.loaded else
+                     " (a minute or a few on a GPU)")
+        seconds = model.warm_up(plan.sub_batch, env.device, precision_of(cfg, env).autocast, graph_free=graph_free)
         if env.rank == 0:
-            log.info("model.compile: the towers compiled in %.0f s", seconds)
+            log.info("model.compile: the towers compiled in %.1f s", seconds)
+        cache.save()
     step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
                      sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
                      grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
                      fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0)
-    return step, optimizer, peak_lr
+    return BuiltStep(step, optimizer, peak_lr, seconds)
 
 
 def train_step(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) -> TrainStep:
@@ -148,7 +164,7 @@ def train_step(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) ->
         raise ConfigError("train_step() takes no trainer.sub_batch=auto (it has no data to plan with): give a number")
     plan = BatchPlan.from_config(cfg, env.world_size, parse_count(cfg.batch, "batch"))
     model = build_model_for(cfg, env)
-    step, _, _ = build_step(cfg, env, model, prepare_model(cfg, model, env), plan, offload)
+    step = build_step(cfg, env, model, prepare_model(cfg, model, env), plan, offload).step
     seed_rank(cfg, env)
     return step
 

@@ -1,0 +1,109 @@
+"""The compiled towers kept across runs (``model.compile``): torch's portable cache artifacts
+(``torch.compiler.save_cache_artifacts``: inductor's compiled graphs, AOTAutograd's, Triton's kernels
+and autotuning results) written under ``<data.cache_dir>/compile/`` (``$MEGABATCH_CACHE``) after the
+towers' warm-up, and loaded before it by the next run of the same model and shapes. A resumed run,
+the second run of a model and every sweep job after the first then find their graphs compiled, also
+on another node or a fresh GPU machine when the cache directory is shared.
+
+One file per key: the model's config, the sub-batch rows, whether GradCache's graph-free pass is
+compiled, the precision, the GPU, and the torch, Triton, CUDA and Python versions. A file that does
+not load (damaged, cut short, written by another torch) is ignored with a warning and the towers
+compile as without it; a file that cannot be written is a warning too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bumped when what goes into a key changes
+
+
+def cache_key(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device) -> dict:
+    """What a compiled tower depends on, as a JSON-able dict."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"format": FORMAT, "model": OmegaConf.to_container(cfg.model, resolve=True), "rows": int(rows),
+            "graph_free": bool(graph_free), "precision": cfg.trainer.precision,
+            "feature_dtype": cfg.trainer.feature_dtype,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
+            "python": platform.python_version()}
+
+
+def cache_file(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device) -> Path:
+    """``<data.cache_dir>/compile/<model name>-<hash of the key>.bin``."""
+    key = json.dumps(cache_key(cfg, rows, graph_free, device), sort_keys=True, default=str)
+    name = str(cfg.model.get("name") or "model").replace("/", "_")
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return Path(cfg.data.cache_dir).expanduser() / "compile" / f"{name}-{digest}.bin"
+
+
+def _misses() -> int:
+    """Graphs compiled anew in this process so far (inductor's and AOTAutograd's cache misses)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"])
+
+
+class CompileCache:
+    """``load`` before compiling, ``save`` after the warm-up (rank 0 writes: ``enabled``)."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        self.loaded = False
+        self.misses_before = 0
+
+    def load(self) -> bool:
+        """Load the cached artifacts, if any; whether they loaded. Never raises."""
+        self.misses_before = _misses()
+        if not self.path.is_file():
+            if self.enabled:
+                log.info("model.compile: no compiled towers cached for this model and shapes yet; compiling, then "
+                         "keeping them in %s", self.path)
+            return False
+        try:
+            info = torch.compiler.load_cache_artifacts(self.path.read_bytes())
+            problem = None if info is not None else "torch found nothing it could use in it"
+        except Exception as error:  # noqa: BLE001 - a cache must never stop a run
+            info, problem = None, f"{type(error).__name__}: {error}"
+        if info is None:
+            log.warning("model.compile: the compile cache %s could not be loaded (%s); ignored: the towers compile "
+                        "as without it, and a good copy replaces it", self.path, str(problem)[:200])
+            return False
+        self.loaded = True
+        if self.enabled:
+            log.info("model.compile: compiled towers loaded from %s (%s)", self.path,
+                     ", ".join(f"{len(keys)} {kind}" for kind, keys in info.artifacts.items()))
+        return True
+
+    def save(self) -> None:
+        """Write what this process compiled or loaded, when it compiled anything new. Never raises."""
+        if not self.enabled or (self.loaded and _misses() == self.misses_before):
+            return
+        try:
+            artifacts = torch.compiler.save_cache_artifacts()
+            if artifacts is None:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
+            partial.write_bytes(artifacts[0])
+            os.replace(partial, self.path)  # whole or absent: a reader never sees half a file
+            log.info("model.compile: compiled towers kept in %s (%.1f MB) for the next run", self.path,
+                     len(artifacts[0]) / 1e6)
+        except Exception as error:  # noqa: BLE001 - a cache must never stop a run
+            log.warning("model.compile: the compile cache could not be written to %s (%s: %s); the next run "
+                        "compiles again", self.path, type(error).__name__, str(error)[:200])
