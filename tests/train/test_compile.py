@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megabatch.config import ConfigError
 from megabatch.config.schema import validate
 from megabatch.models import build_model
 from megabatch.train.precision import Precision
@@ -30,11 +31,13 @@ def gradients(*overrides: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss, grads
 
 
-@pytest.mark.parametrize("overrides", [(), ("trainer.sub_batch=8",), ("trainer.sub_batch=8", "model.lock_image=true")],
-                         ids=["plain", "gradcache", "gradcache-frozen-image"])
+@pytest.mark.parametrize("overrides", [(), ("trainer.sub_batch=8",), ("trainer.sub_batch=8", "model.lock_image=true"),
+                                       ("trainer.sub_batch=8", "model.compile_scope=tower")],
+                         ids=["plain", "gradcache", "gradcache-frozen-image", "gradcache-whole-towers"])
 def test_compiled_towers_give_the_eager_gradients(overrides):
     """Also: the warm-up before the first step compiles every graph the step calls, cut captions
-    included (the digits' end before the context)."""
+    included (the digits' end before the context). Each transformer block compiled on its own
+    (``model.compile_scope``'s default), and each tower whole."""
     eager_loss, eager = gradients(*overrides)
     compiled_loss, compiled = gradients(*overrides, "model.compile=true")
     assert eager.keys() == compiled.keys()
@@ -107,6 +110,40 @@ def test_every_cut_caption_length_runs_one_compiled_text_graph():
     assert counts["stats"]["unique_graphs"] == 1
     for n in lengths:
         assert torch.allclose(compiled[n], eager[n], atol=1e-5), n
+
+
+def test_block_compilation_runs_one_graph_per_tower_for_every_layer_and_caption_length():
+    """``model.compile_scope=block``: each tower's transformer block is compiled once and reused by
+    all its layers (three image blocks, two text blocks), at every cut caption length, with the
+    eager gradients."""
+    torch.manual_seed(0)
+    model = build_model(compose("model=tiny", "model.image.patch_dropout=0").model).train()
+    model.trim_text()
+    assert (len(model.tower_blocks("image")), len(model.tower_blocks("text"))) == (3, 2)
+    images = torch.randint(0, 255, (4, 3, 32, 32), dtype=torch.uint8)
+    texts = torch.randint(1, 400, (4, 16))
+
+    def grads(encode):
+        model.zero_grad()
+        outputs = [encode(images, texts[:, :n].contiguous()) for n in (16, 8, 11)]
+        sum(image.sum() + text.sum() for image, text in outputs).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    eager = grads(lambda i, t: (model.encode_image(i), model.encode_text(t)))
+    model.compile_towers(rows=4, scope="block")
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    compiled = grads(lambda i, t: model(i, t)[:2])
+    assert counts["stats"]["unique_graphs"] == 2
+    assert rel_error(compiled, eager) <= 1e-5
+
+
+def test_compile_scope_is_checked():
+    with pytest.raises(ConfigError, match="model.compile_scope='layer'"):
+        validate(compose("model.compile=true", "model.compile_scope=layer"))
+    with pytest.raises(ConfigError, match="model.compile_scope=tower or auto"):
+        validate(compose("model.compile=true", "model.cuda_graphs=true", "model.compile_scope=block"))
 
 
 def test_feature_dtype_auto_follows_the_towers_precision():

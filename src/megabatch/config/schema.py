@@ -433,6 +433,13 @@ def check_model(model: DictConfig) -> None:
     for key in ("compile", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fp8"):
         if not isinstance(model.get(key, False), bool):
             raise ConfigError(f"model.{key}={model[key]!r}: give true or false")
+    scope = model.get("compile_scope", "auto")
+    if scope not in ("auto", "block", "tower"):
+        raise ConfigError(f"model.compile_scope={scope!r}: give block (each transformer block compiled once for all "
+                          "layers), tower (each tower whole) or auto")
+    if scope == "block" and model.get("cuda_graphs", False):
+        raise ConfigError("model.cuda_graphs=true records each tower whole as CUDA graphs: use "
+                          "model.compile_scope=tower or auto with it")
     if model.get("cuda_graphs", False) and not model.get("compile", False):
         raise ConfigError("model.cuda_graphs=true replays the compiled towers as CUDA graphs: set model.compile=true "
                           "too (or model.cuda_graphs=false)")

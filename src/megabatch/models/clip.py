@@ -49,6 +49,7 @@ class ClipModel(nn.Module):
         self.tokenizer_folder = tokenizer_folder  # a pretrained folder holding the HF tokenizer
         self._compiled: dict | None = None        # compile_towers(): the compiled encoders, and their batch
         self._cuda_graphs = False                 # compile_towers(cuda_graphs=True): replayed as CUDA graphs
+        self._block_lengths: tuple[int, int] | None = None  # compile_towers(scope="block"): the text blocks' lengths
         self.text_trim: TextTrim | None = None    # trim_text(): how captions are cut to their length
 
     @property
@@ -136,7 +137,7 @@ class ClipModel(nn.Module):
     def _text_prefix_features(self, texts: torch.Tensor) -> torch.Tensor:
         """``texts [n, L]`` with any ``L`` up to the context, without a branch on ``L``: what the
         compiled text tower runs when its length is dynamic."""
-        return nn.functional.normalize(encode_text_prefix(self.clip, texts), dim=-1)
+        return nn.functional.normalize(encode_text_prefix(self.clip, texts, self._block_lengths), dim=-1)
 
     def trim_text(self, enabled: bool = True, step: int = 8) -> str | None:
         """``model.trim_text``: let the trainer cut captions to their own length (``text_length.py``),
@@ -177,7 +178,18 @@ class ClipModel(nn.Module):
         text_features = None if texts is None else self._encode("text", texts)
         return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias
 
-    def compile_towers(self, rows: int, cuda_graphs: bool = False) -> None:
+    def tower_blocks(self, tower: str) -> list[nn.Module]:
+        """A tower's repeated transformer blocks: the longest ``ModuleList`` in it whose members share
+        one class (open_clip's ``resblocks``, a Hugging Face encoder's ``layer``); empty if none."""
+        module = self.clip.visual if tower == "image" else getattr(self.clip, "text", None) or self.clip.transformer
+        found: list[nn.Module] = []
+        for child in module.modules():
+            if isinstance(child, nn.ModuleList) and len(child) > max(1, len(found)) \
+                    and len({type(block) for block in child}) == 1:
+                found = list(child)
+        return found
+
+    def compile_towers(self, rows: int, cuda_graphs: bool = False, scope: str = "tower") -> None:
         """``model.compile=true``: ``torch.compile`` each tower's encoder (normalisation of the
         images and of the features included), static shapes for ``rows`` inputs. A call with fewer
         rows (a short last sub-batch) is padded to ``rows`` and its output cut, a call with more
@@ -196,12 +208,22 @@ class ClipModel(nn.Module):
         previous call's, which the one-pass step has consumed by then (its backward run). The
         trainer allows it for the one-pass step of towers without random ops only
         (``train/parts.py: check_cuda_graphs``)."""
-        mode = "reduce-overhead" if cuda_graphs else None
-        compiled = {"image": torch.compile(self._image_features, dynamic=False, mode=mode),
-                    "text": torch.compile(self._text_prefix_features, mode=mode) if self.text_trim else
-                    torch.compile(self._text_features, dynamic=False, mode=mode)}
         trim = self.text_trim
         lengths = None if trim is None else (trim.bucket(1), trim.context_length)  # every cut length, one graph
+        if scope == "block":
+            if cuda_graphs:
+                raise ValueError("CUDA graphs record whole towers: compile_towers(scope='tower') with them")
+            for block in self.tower_blocks("image") + self.tower_blocks("text"):
+                block.compile(dynamic=False)
+            self._block_lengths = lengths  # the text blocks' inputs, marked dynamic where they are made
+            self._compiled = {"image": _FixedRows(self._image_features, rows),
+                              "text": _FixedRows(self._text_prefix_features if trim else self._text_features, rows)}
+            self._cuda_graphs = False
+            return
+        mode = "reduce-overhead" if cuda_graphs else None
+        compiled = {"image": torch.compile(self._image_features, dynamic=False, mode=mode),
+                    "text": torch.compile(self._text_prefix_features, mode=mode) if trim else
+                    torch.compile(self._text_features, dynamic=False, mode=mode)}
         self._compiled = {"image": _FixedRows(compiled["image"], rows),
                           "text": _FixedRows(compiled["text"], rows, lengths)}
         self._cuda_graphs = cuda_graphs
@@ -438,13 +460,13 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
 
 
 # model.* keys the run applies to a built model, not builder arguments
-RUN_SETTINGS = ("compile", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fp8")
+RUN_SETTINGS = ("compile", "compile_scope", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fp8")
 
 
 def builder_node(node):
-    """The ``model`` config less its run settings (``compile``, ``cuda_graphs``: ``ClipModel.compile_towers``;
-    ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``: ``models/attention.py``;
-    ``patch_gemm``: ``models/patches.py``; ``fp8``: ``models/fp8.py``)."""
+    """The ``model`` config less its run settings (``compile``, ``compile_scope``, ``cuda_graphs``:
+    ``ClipModel.compile_towers``; ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``:
+    ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``fp8``: ``models/fp8.py``)."""
     from omegaconf import OmegaConf
 
     if not any(key in node for key in RUN_SETTINGS):

@@ -141,10 +141,12 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
         graph_free = plan.sub_batches > 1
         cache = CompileCache(cache_file(cfg, plan.sub_batch, graph_free, env.device), enabled=env.rank == 0)
         cache.load()
-        model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs)
+        scope = compile_scope(cfg.model)
+        model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs, scope=scope)
         if env.rank == 0:
-            log.info("model.compile: compiling the towers now%s", " (from the cache)" if cache.loaded else
-                     " (a minute or a few on a GPU)")
+            log.info("model.compile: compiling %s now%s", "each tower's transformer block once for all its layers "
+                     "(model.compile_scope=block)" if scope == "block" else "the towers whole (model.compile_scope="
+                     "tower)", " (from the cache)" if cache.loaded else "")
         seconds = model.warm_up(plan.sub_batch, env.device, precision_of(cfg, env).autocast, graph_free=graph_free)
         if env.rank == 0:
             log.info("model.compile: the towers compiled in %.1f s", seconds)
@@ -167,6 +169,14 @@ def train_step(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) ->
     step = build_step(cfg, env, model, prepare_model(cfg, model, env), plan, offload).step
     seed_rank(cfg, env)
     return step
+
+
+def compile_scope(model_cfg: DictConfig) -> str:
+    """``model.compile_scope``, ``auto`` resolved: each transformer block (one graph per tower and
+    gradient mode, reused by every layer: the shortest compilation), or the towers whole with
+    ``model.cuda_graphs`` (a CUDA graph records a whole tower)."""
+    scope = model_cfg.get("compile_scope", "auto")
+    return ("tower" if model_cfg.cuda_graphs else "block") if scope == "auto" else scope
 
 
 def precision_of(cfg: DictConfig, env: DistEnv) -> Precision:
