@@ -1,0 +1,129 @@
+"""Time from the command to the first finished step, compiled, cold and warm, side by side with
+OpenCLIP's ``--torchcompile``; and the steady-state samples/s after it.
+
+    python scripts/benchmarks/startup.py --model vit_b16 --batch 256 --out startup.json
+    python scripts/benchmarks/startup.py --model vit_l14 --batch 128 --scopes block --out startup_l14.json
+
+Each row is one process, launched as a user launches it: ``python train.py model=<model>
+model.compile=true model.compile_scope=<scope> data=webdataset data.decode=gpu ...`` on photo-like
+JPEG shards written first (``--images``). ``cold``: an empty ``$MEGABATCH_CACHE`` and an empty
+inductor cache (``TORCHINDUCTOR_CACHE_DIR``); ``warm``: the cache the cold run of that scope wrote,
+with inductor's own cache empty again (as a job on another node that shares ``$MEGABATCH_CACHE``).
+``time_to_first_step_s`` is what the run wrote to ``status.json``; ``samples_per_s`` the median of
+its logged intervals after the first. OpenCLIP 3.3: its own ``train_one_epoch`` with
+``--torchcompile --precision amp_bf16`` (``common.openclip_training``) in a fresh process with an
+empty inductor cache, the time from the process's start to the end of its first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import write_results
+
+ROOT = Path(__file__).resolve().parents[2]
+ARCH = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14"}
+
+OPENCLIP = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from common import openclip_training
+from megabatch.data.synthetic import synthetic_sub_batch
+from megabatch.processes import process_age_s
+from itertools import repeat
+batch, arch = int(sys.argv[2]), sys.argv[3]
+sub = synthetic_sub_batch(batch, 336 if arch.endswith("336") else 224, 77, torch.device("cuda"))
+result = openclip_training(repeat((sub.images, sub.texts)), batch, batch, 1, torch.device("cuda"), warmup=1,
+                           torchcompile=True, arch=arch)
+print("FIRST_STEP_S", process_age_s() - result["step_s"], "STEP_S", result["step_s"])
+"""
+
+
+def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
+    cache_dir, inductor = workdir / f"cache-{scope}", workdir / f"inductor-{scope}-{cache}"
+    if cache == "cold":
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    shutil.rmtree(inductor, ignore_errors=True)
+    run_dir = workdir / f"run-{scope}-{cache}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    command = [sys.executable, str(ROOT / "train.py"), f"model={args.model}", "model.compile=true",
+               f"model.compile_scope={scope}", "data=webdataset", f"data.train.urls={urls}",
+               f"data.decode={args.decode}", f"data.num_workers={args.workers}", f"batch={args.batch}",
+               f"trainer.max_steps={args.steps}",
+               "trainer.log_every=5", "eval=none", f"run_dir={run_dir}", *args.set]
+    env = {**os.environ, "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
+    started = time.perf_counter()
+    ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - started
+    row = {"system": "megabatch", "model": args.model, "batch": args.batch, "scope": scope, "cache": cache,
+           "returncode": ran.returncode, "wall_s": wall, "command": " ".join(command[1:])}
+    if ran.returncode != 0:
+        return row | {"error": ran.stderr[-2000:]}
+    status = json.loads((run_dir / "status.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["samples_per_s"] for r in records[1:] if "samples_per_s" in r]
+    compiled = [line for line in (ran.stdout + ran.stderr).splitlines() if "the towers compiled in" in line]
+    return row | {"time_to_first_step_s": status.get("time_to_first_step_s"),
+                  "compile_log": compiled[-1].split(" - ")[-1] if compiled else None,
+                  "samples_per_s": statistics.median(rates) if rates else None}
+
+
+def openclip(args, workdir: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-openclip")}
+    shutil.rmtree(workdir / "inductor-openclip", ignore_errors=True)
+    started = time.perf_counter()
+    ran = subprocess.run([sys.executable, "-c", OPENCLIP, str(Path(__file__).parent), str(args.batch),
+                          ARCH.get(args.model, args.model)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=args.timeout)
+    row = {"system": "openclip-3.3 --torchcompile", "model": ARCH.get(args.model, args.model), "batch": args.batch,
+           "cache": "cold", "returncode": ran.returncode, "wall_s": time.perf_counter() - started}
+    line = next((x for x in ran.stdout.splitlines() if x.startswith("FIRST_STEP_S")), None)
+    if line is None:
+        return row | {"error": ran.stderr[-2000:]}
+    fields = line.split()
+    return row | {"time_to_first_step_s": float(fields[1]), "samples_per_s": args.batch / float(fields[3])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="vit_b16")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--scopes", default="block,tower", help="model.compile_scope values")
+    parser.add_argument("--caches", default="cold,warm")
+    parser.add_argument("--openclip", action="store_true")
+    parser.add_argument("--images", type=int, default=2048)
+    parser.add_argument("--workers", type=int, default=14)
+    parser.add_argument("--decode", default="gpu", help="data.decode (cpu for a dry run without a GPU)")
+    parser.add_argument("--set", nargs="*", default=[], help="more train.py overrides")
+    parser.add_argument("--workdir", default="/tmp/startup-bench")
+    parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from megabatch.data.synthetic import photo_shards
+
+    workdir = Path(args.workdir)
+    shards = photo_shards(args.images, 256, workdir / "shards", per_shard=512)
+    urls = str(workdir / "shards" / f"photo-{{000000..{len(shards) - 1:06d}}}.tar")
+    rows = []
+    if args.openclip:
+        rows.append(openclip(args, workdir))
+        print(json.dumps(rows[-1])[:600], flush=True)
+        write_results(args.out, rows)
+    for scope in args.scopes.split(","):
+        for cache in args.caches.split(","):
+            rows.append(ours(args, scope, cache, workdir, urls))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
+            write_results(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
