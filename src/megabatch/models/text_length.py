@@ -95,7 +95,7 @@ def encode_text_prefix(clip: torch.nn.Module, texts: torch.Tensor,
     open_clip's towers take their positional embedding and causal mask of full length, so their
     first ``L`` rows and columns are taken here; an HF tower and a padding-masked tower take any
     length as they are. ``lengths`` (``(shortest, longest)``; run eagerly around compiled blocks):
-    the blocks' inputs get their length marked dynamic within those bounds, one graph for all."""
+    the blocks' inputs get their length marked dynamic (one graph for the lengths its guards admit)."""
     text = getattr(clip, "text", None)
     if isinstance(text, HFTextEncoder) or (isinstance(text, TextTransformer) and text.use_pad_mask):
         return clip.encode_text(texts)
@@ -109,7 +109,7 @@ def encode_text_prefix(clip: torch.nn.Module, texts: torch.Tensor,
     if lengths is not None and lengths[0] < lengths[1] and not torch.compiler.is_compiling():
         for tensor, dims in ((x, (1,)), (mask, (0, 1))):
             for dim in dims:
-                torch._dynamo.mark_dynamic(tensor, dim, min=lengths[0], max=lengths[1])
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
     x = tower.transformer(x, attn_mask=mask)
     x = tower.ln_final(x)
     if tower is clip:
