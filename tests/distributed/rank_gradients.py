@@ -18,4 +18,6 @@ if __name__ == "__main__":
     grads = gradients(env.rank, env.world_size, ["loss=vanilla"])
     torch.save({"rank": env.rank, "world": env.world_size, "local": env.local_rank, "grads": grads},
                Path(sys.argv[1]) / f"rank{env.rank}.pt")
+    if env.peers is not None:  # the heartbeat thread ends before the process does
+        env.peers.end()
     dist.destroy_process_group()

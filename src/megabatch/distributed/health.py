@@ -143,13 +143,16 @@ class PeerWatch:
 
     def end(self, how: str = "finished") -> None:
         """Stop beating; tell the others how this rank ended: ``finished``, ``stopped`` (a requested
-        stop) or ``failed: <its error>``."""
+        stop) or ``failed: <its error>``. The heartbeat thread is joined (briefly): left running into
+        the interpreter's exit, its store calls can abort the process."""
         self._stop.set()
         try:
             with self._lock:
                 self.store.set(f"ended/{self.rank}", how[:2000])
         except Exception:  # noqa: BLE001 - the store may be gone with its host: nothing to tell
             pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     def _abort(self, silent: dict[int, str]) -> None:
         """A rank went silent while this one may be blocked in a collective that never returns:
