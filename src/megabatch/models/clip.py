@@ -49,7 +49,7 @@ class ClipModel(nn.Module):
         self.tokenizer_folder = tokenizer_folder  # a pretrained folder holding the HF tokenizer
         self._compiled: dict | None = None        # compile_towers(): the compiled encoders, and their batch
         self._cuda_graphs = False                 # compile_towers(cuda_graphs=True): replayed as CUDA graphs
-        self._block_lengths: tuple[int, int] | None = None  # compile_towers(scope="block"): the text blocks' lengths
+        self._dynamic_blocks = False  # compile_towers(scope="block") with cut captions: the text blocks' length varies
         self.text_trim: TextTrim | None = None    # trim_text(): how captions are cut to their length
 
     @property
@@ -137,7 +137,7 @@ class ClipModel(nn.Module):
     def _text_prefix_features(self, texts: torch.Tensor) -> torch.Tensor:
         """``texts [n, L]`` with any ``L`` up to the context, without a branch on ``L``: what the
         compiled text tower runs when its length is dynamic."""
-        return nn.functional.normalize(encode_text_prefix(self.clip, texts, self._block_lengths), dim=-1)
+        return nn.functional.normalize(encode_text_prefix(self.clip, texts, self._dynamic_blocks), dim=-1)
 
     def trim_text(self, enabled: bool = True, step: int = 8) -> str | None:
         """``model.trim_text``: let the trainer cut captions to their own length (``text_length.py``),
@@ -211,13 +211,13 @@ class ClipModel(nn.Module):
         trainer allows it for the one-pass step of towers without random ops only
         (``train/parts.py: check_cuda_graphs``)."""
         trim = self.text_trim
-        lengths = None if trim is None else (trim.bucket(1), trim.context_length)  # the cut lengths
+        dynamic = trim is not None and trim.bucket(1) < trim.context_length  # captions cut to varying lengths
         if scope == "block":
             if cuda_graphs:
                 raise ValueError("CUDA graphs record whole towers: compile_towers(scope='tower') with them")
             for block in self.tower_blocks("image") + self.tower_blocks("text"):
                 block.compile(dynamic=False)
-            self._block_lengths = lengths  # the text blocks' inputs, marked dynamic where they are made
+            self._dynamic_blocks = dynamic  # the text blocks' inputs, marked dynamic where they are made
             self._compiled = {"image": _FixedRows(self._image_features, rows),
                               "text": _FixedRows(self._text_prefix_features if trim else self._text_features, rows)}
             self._cuda_graphs = False
@@ -227,7 +227,7 @@ class ClipModel(nn.Module):
                     "text": torch.compile(self._text_prefix_features, mode=mode) if trim else
                     torch.compile(self._text_features, dynamic=False, mode=mode)}
         self._compiled = {"image": _FixedRows(compiled["image"], rows),
-                          "text": _FixedRows(compiled["text"], rows, lengths)}
+                          "text": _FixedRows(compiled["text"], rows, dynamic_length=dynamic)}
         self._cuda_graphs = cuda_graphs
 
     def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool) -> float:
@@ -279,14 +279,13 @@ class ClipModel(nn.Module):
 
 class _FixedRows:
     """Calls ``fn`` on exactly ``rows`` rows: fewer are padded (zeros) and the output cut, more go in
-    chunks. A compiled function then sees one shape whatever the batch. ``lengths``: ``(shortest,
-    longest)`` of the inputs' second dimension, marked dynamic from the first call: one compiled
-    graph for the lengths its guards admit (all of them on the CPU; on an H100, 40 to 77 tokens for
-    a graph compiled at 77)."""
+    chunks. A compiled function then sees one shape whatever the batch. ``dynamic_length``: the
+    inputs' second dimension is marked dynamic from the first call: one compiled graph for the
+    lengths its guards admit (all of them on the CPU; on an H100, 40 to 77 tokens for a graph
+    compiled at 77)."""
 
-    def __init__(self, fn, rows: int, lengths: tuple[int, int] | None = None):
-        self.fn, self.rows = fn, int(rows)
-        self.lengths = lengths if lengths is not None and lengths[0] < lengths[1] else None
+    def __init__(self, fn, rows: int, dynamic_length: bool = False):
+        self.fn, self.rows, self.dynamic_length = fn, int(rows), dynamic_length
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         n = inputs.shape[0]
@@ -302,7 +301,7 @@ class _FixedRows:
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _call(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.lengths is not None:
+        if self.dynamic_length:
             torch._dynamo.maybe_mark_dynamic(inputs, 1)
         return self.fn(inputs)
 

@@ -404,14 +404,12 @@ class Trainer:
 
     def _loop(self, sub_batches, stop: int) -> torch.Tensor:
         """Steps until ``stop``; returns the last loss. A step, then what the trainer does with it."""
-        loss = torch.zeros(())
-        first = True
+        loss, first_step = torch.zeros(()), self.step + 1
         while self.step < stop:
             result = self.train_step(sub_batches)
             loss = result.loss
-            if first:
+            if result.step == first_step:
                 self.first_step_done()
-                first = False
             self.interval.add(result)
             self.progress.update(1)
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
