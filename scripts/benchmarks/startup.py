@@ -3,14 +3,18 @@ OpenCLIP's ``--torchcompile``; and the steady-state samples/s after it.
 
     python scripts/benchmarks/startup.py --model vit_b16 --batch 256 --out startup.json
     python scripts/benchmarks/startup.py --model vit_l14 --batch 128 --scopes block --out startup_l14.json
+    python scripts/benchmarks/startup.py --model vit_b16 --batch 256 --sweep-batches 512,1024,2048 \
+        --before /tmp/before --out startup_sweep.json
 
 Each row is one process, launched as a user launches it: ``python train.py model=<model>
 model.compile=true model.compile_scope=<scope> data=webdataset data.decode=gpu ...`` on photo-like
 JPEG shards written first (``--images``). ``cold``: an empty ``$MEGABATCH_CACHE`` and an empty
 inductor cache (``TORCHINDUCTOR_CACHE_DIR``); ``warm``: the cache the cold run of that scope wrote,
 with inductor's own cache empty again (as a job on another node that shares ``$MEGABATCH_CACHE``).
-``time_to_first_step_s`` is what the run wrote to ``status.json``; ``samples_per_s`` the median of
-its logged intervals after the first. OpenCLIP 3.3: its own ``train_one_epoch`` with
+``time_to_first_step_s`` is what the run wrote to ``status.json``, ``startup_s`` where it went;
+``samples_per_s`` the median of its logged intervals after the first. ``--sweep-batches``: a 3-job
+multirun's start-up instead, also from an earlier source tree (``--before``, e.g. ``git archive``'s).
+OpenCLIP 3.3: its own ``train_one_epoch`` with
 ``--torchcompile --precision amp_bf16`` (``common.openclip_training``) in a fresh process with an
 empty inductor cache, the time from the process's start to the end of its first step.
 """
@@ -72,8 +76,40 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
     rates = [r["samples_per_s"] for r in records[1:] if "samples_per_s" in r]
     compiled = [line for line in (ran.stdout + ran.stderr).splitlines() if "the towers compiled in" in line]
     return row | {"time_to_first_step_s": status.get("time_to_first_step_s"),
+                  "startup_s": {k.removeprefix("startup/"): v for k, v in status.get("startup_s", {}).items()},
                   "compile_log": compiled[-1].split(" - ")[-1] if compiled else None,
                   "samples_per_s": statistics.median(rates) if rates else None}
+
+
+def sweep(args, workdir: Path, urls: str, tree: Path, label: str) -> dict:
+    """``python train.py -m batch=<--sweep-batches>`` (one multirun, its jobs one after another in one
+    process) from the source tree ``tree``, caches cold. Each job's start-up: from the end of the job
+    before it (the command's start for the first) to its first step's metrics record; the total wall."""
+    cache_dir, inductor = workdir / f"cache-sweep-{label}", workdir / f"inductor-sweep-{label}"
+    for folder in (cache_dir, inductor, tree / "runs" / f"sweep-{label}"):
+        shutil.rmtree(folder, ignore_errors=True)
+    command = [sys.executable, str(tree / "train.py"), "-m", f"model={args.model}", "model.compile=true",
+               "data=webdataset", f"data.train.urls={urls}", f"data.decode={args.decode}",
+               f"data.num_workers={args.workers}", f"batch={args.sweep_batches}", f"trainer.sub_batch={args.batch}",
+               f"trainer.max_steps={args.sweep_steps}", "trainer.log_every=1", "eval=none", f"name=sweep-{label}",
+               *args.set]
+    env = {**os.environ, "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+           "PYTHONPATH": str(tree / "src")}
+    started = time.time()
+    ran = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
+    row = {"system": f"megabatch ({label})", "model": args.model, "sweep": args.sweep_batches, "sub_batch": args.batch,
+           "steps_per_job": args.sweep_steps, "returncode": ran.returncode, "wall_s": time.time() - started,
+           "command": " ".join(command[1:])}
+    if ran.returncode != 0:
+        return row | {"error": ran.stderr[-2000:]}
+    jobs, previous_end = [], started
+    for job_dir in sorted((tree / "runs" / f"sweep-{label}").glob("[0-9]*"), key=lambda d: int(d.name)):
+        status = json.loads((job_dir / "status.json").read_text())
+        first = json.loads((job_dir / "metrics.jsonl").read_text().splitlines()[0])
+        jobs.append({"job": int(job_dir.name), "first_step_after_s": first["time"] - previous_end,
+                     "time_to_first_step_s": status.get("time_to_first_step_s")})
+        previous_end = status["started"] + status["wall_s"]
+    return row | {"jobs": jobs, "startup_total_s": sum(job["first_step_after_s"] for job in jobs)}
 
 
 def openclip(args, workdir: Path) -> dict:
@@ -106,6 +142,11 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="more train.py overrides")
     parser.add_argument("--workdir", default="/tmp/startup-bench")
     parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--sweep-batches", default=None,
+                        help="instead: a multirun over these batches (e.g. 512,1024,2048) at sub-batch --batch")
+    parser.add_argument("--sweep-steps", type=int, default=3)
+    parser.add_argument("--before", default=None,
+                        help="with --sweep-batches: also the sweep from this source tree (an earlier revision)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from megabatch.data.synthetic import photo_shards
@@ -114,6 +155,12 @@ def main() -> None:
     shards = photo_shards(args.images, 256, workdir / "shards", per_shard=512)
     urls = str(workdir / "shards" / f"photo-{{000000..{len(shards) - 1:06d}}}.tar")
     rows = []
+    if args.sweep_batches:
+        for tree, label in [(Path(args.before), "before")] * bool(args.before) + [(ROOT, "now")]:
+            rows.append(sweep(args, workdir, urls, tree.resolve(), label))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:800], flush=True)
+            write_results(args.out, rows)
+        return
     if args.openclip:
         rows.append(openclip(args, workdir))
         print(json.dumps(rows[-1])[:600], flush=True)

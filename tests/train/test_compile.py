@@ -228,3 +228,69 @@ def test_the_process_wide_settings_are_made_once_in_one_place(monkeypatch):
     settings = configure_backends(compose("model.compile=true"), torch.device("cpu"))
     assert inductor_config.fallback_random is True and any("model.compile" in line for line in settings)
     assert configure_backends(compose(), torch.device("cpu")) == []  # nothing to set for an eager CPU run
+
+
+def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start_up(tmp_path, monkeypatch, caplog):
+    """The trainer starts the first epoch's loader (its workers forked and reading), then compiles the
+    towers (``model.compile``), then takes the first sub-batch; where the start-up went is in the log,
+    ``status.json`` and the first ``metrics.jsonl`` record. The compilation itself is stubbed here
+    (the towers run eagerly): this is about the order and the account."""
+    import json
+    import logging
+    import multiprocessing
+
+    from megabatch.data import TrainData
+    from megabatch.models import ClipModel
+    from megabatch.train import run
+
+    events = []
+    loader = TrainData.loader
+
+    def recorded_loader(self, *args, **kwargs):
+        events.append("loader")
+        return loader(self, *args, **kwargs)
+
+    def warm_up(self, *args, **kwargs):
+        events.append(("compile", len(multiprocessing.active_children())))
+        return 0.25
+
+    monkeypatch.setattr(TrainData, "loader", recorded_loader)
+    monkeypatch.setattr(ClipModel, "compile_towers", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(ClipModel, "warm_up", warm_up)
+    cfg = compose("batch=16", "eval=none", "trainer.max_steps=2", "trainer.log_every=1", "data.num_workers=1",
+                  "data.train.shuffle_buffer=64", "model.compile=true")
+    cfg.run_dir = str(tmp_path)
+    with caplog.at_level(logging.INFO, logger="megabatch"):
+        run(cfg)
+    assert events[0] == "loader" and events[1][0] == "compile", events
+    assert events[1][1] >= 1, "no loader worker was running while the towers compiled"
+    assert events.count(events[1]) == 1  # compiled once
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    phases = {key for key in first if key.startswith("startup/")}
+    assert {"startup/launch_s", "startup/model_s", "startup/loader_start_s", "startup/compile_s",
+            "startup/first_step_s", "startup/first_batch_wait_s"} <= phases
+    assert first["startup/compile_s"] >= 0.0  # the phases account for the time to the first step, no more
+    assert sum(first[key] for key in phases) <= first["time_to_first_step_s"] + 0.05
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["startup_s"]["startup/model_s"] == first["startup/model_s"]
+    assert "start-up: launch" in caplog.text
+
+
+def test_a_multiruns_later_job_counts_its_start_up_from_the_job_before(monkeypatch):
+    """``time_to_first_step_s`` of a multirun's second job is its own start-up, not the process's age."""
+    import time
+
+    from megabatch.processes import process_age_s
+    from megabatch.train import startup
+
+    monkeypatch.setattr(startup, "_previous_run_ended", None)
+    first = startup.StartupTimes()
+    assert abs(first.seconds["launch"] - process_age_s()) < 0.5
+    startup.run_ended()
+    time.sleep(0.05)
+    later = startup.StartupTimes()
+    assert 0.05 <= later.seconds["launch"] < 0.5 < process_age_s()
+    with later.phase("model"):
+        time.sleep(0.02)
+    assert later.seconds["model"] >= 0.02 and later.elapsed() >= later.seconds["launch"] + 0.02
+    assert later.record()["startup/model_s"] == round(later.seconds["model"], 2)

@@ -39,13 +39,24 @@ class RunInputs:
         self.worker_stats: dict = {}  # (epoch, worker) -> that loader worker's cumulative counts
 
     def __call__(self, start_step: int) -> Iterator[SubBatch]:
+        """The sub-batches from step ``start_step`` on. The first epoch's loader starts now: its workers
+        fork and read ahead while the caller does other work (compiles the towers) before taking the
+        first sub-batch; the read-ahead and GPU decoding threads start with that first one."""
         plan = self.plan
         epoch, start = divmod(start_step, plan.steps_per_epoch)
+        first = self._loader(epoch, start) if epoch * plan.steps_per_epoch + start < plan.total_steps else None
+        return self._sub_batches(epoch, start, first)
+
+    def _loader(self, epoch: int, start: int):
+        plan = self.plan
+        return iter(self.data.loader(epoch, start, plan.rank_batch, self.rank, plan.world_size, plan.steps_per_epoch,
+                                     sub_batch=plan.sub_batch, keep_raw=self.keep_raw, pin_memory=self.pin_memory,
+                                     gpu_decode=self.gpu_decoder is not None))
+
+    def _sub_batches(self, epoch: int, start: int, loader) -> Iterator[SubBatch]:
+        plan = self.plan
         while epoch * plan.steps_per_epoch + start < plan.total_steps:
-            loader = iter(self.data.loader(epoch, start, plan.rank_batch, self.rank, plan.world_size,
-                                           plan.steps_per_epoch, sub_batch=plan.sub_batch,
-                                           keep_raw=self.keep_raw, pin_memory=self.pin_memory,
-                                           gpu_decode=self.gpu_decoder is not None))
+            loader = loader if loader is not None else self._loader(epoch, start)
             # workers keep decoding through the loss and the replay; only steps with a replay: a
             # one-sub-batch step has nothing to hide the reading behind, and the reading thread
             # then competes with the step for the host (docs/performance.md)
@@ -67,7 +78,7 @@ class RunInputs:
                     source.close()  # stops the decoding thread
                 if ahead is not None:
                     ahead.close()
-            epoch, start = epoch + 1, 0
+            epoch, start, loader = epoch + 1, 0, None
 
     def bad_input_counts(self) -> dict[str, int]:
         """This rank's bad-input counts so far (summed over loader workers and epochs; with

@@ -38,7 +38,7 @@ from ..distributed.fsdp import is_sharded, local
 from ..distributed.health import FAILED, RankLost, describe, is_communication_error
 from ..distributed.once import on_rank_zero
 from ..eval import headline, run_zeroshot, summary
-from ..processes import ignore_stop_signals, process_age_s
+from ..processes import ignore_stop_signals
 from ..report import RunStatus
 from ..report.runs import failure
 from .backends import configure_backends
@@ -46,6 +46,7 @@ from .metrics import MetricsLogger
 from .parts import RunParts
 from .preemption import Preempted, StopRequests
 from .run_lock import RunLock
+from .startup import StartupTimes, run_ended
 from .step import Applied
 from .utilization import utilization
 
@@ -117,6 +118,7 @@ def run(cfg: DictConfig) -> float:
             ignore_stop_signals()
         if dist.is_initialized():
             dist.destroy_process_group()
+        run_ended()  # a multirun's next job counts its start-up from here
 
 
 def name_lost_rank(env: DistEnv, error: BaseException) -> BaseException:
@@ -198,6 +200,7 @@ class Trainer:
     from and writing checkpoints, logging metrics and evaluating."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv):
+        self.startup = StartupTimes()  # where the start-up goes, from the process's start to the first step
         self.cfg, self.env = validate(cfg), env
         self.main = env.rank == 0
         self.run_dir = resolve_run_dir(cfg, env)
@@ -221,10 +224,13 @@ class Trainer:
 
     def _build(self) -> None:
         cfg, env = self.cfg, self.env
-        for setting in configure_backends(cfg, env.device):  # process-wide, once, before anything is built
+        with self.startup.phase("backends"):
+            settings = configure_backends(cfg, env.device)  # process-wide, once, before anything is built
+        for setting in settings:
             if self.main:
                 log.info("backends: %s", setting)
-        self.parts = RunParts.build(cfg, env)
+        # model.compile: the towers compile in fit(), while the loader's workers start reading
+        self.parts = RunParts.build(cfg, env, warm_up=False, times=self.startup)
         self.model, self.plan, self.stepper = self.parts.model, self.parts.plan, self.parts.step
         self.sharded = is_sharded(self.model)  # FSDP across several ranks
         self.sharded_ckpt = cfg.trainer.parallel == "fsdp"  # DCP folders, also on one rank
@@ -234,8 +240,10 @@ class Trainer:
         self.unsettled: StepResult | None = None  # the last step, its update's flag not yet read (settle)
         self.interval = Interval()  # the steps since the last log line
         self.unlogged_first_step_s: float | None = None  # time_to_first_step_s, for the next log record
+        self.progress: tqdm | None = None  # the steps' progress bar, in fit
         self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
-        self._resume()
+        with self.startup.phase("resume"):
+            self._resume()
         # steps after the checkpoint are redone: each logged once
         self.metrics = MetricsLogger(self.run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), self.main,
                                      resumed_step=self.step, sweep=sweep_job())
@@ -385,31 +393,36 @@ class Trainer:
                      "per epoch, %s", self.run_dir, plan.total_steps, plan.global_batch, env.world_size,
                      plan.sub_batches, plan.sub_batch, f"{plan.total_steps * plan.global_batch:,}",
                      plan.steps_per_epoch, self.stepper.precision)
-        self.progress = tqdm(total=plan.total_steps, initial=self.step, disable=not self.main,
-                             desc="train", dynamic_ncols=True, mininterval=1.0, leave=False)
         # trainer.stop_at_step ends this invocation early (a time-limited job); resume=latest
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, cfg.trainer.stop_at_step or plan.total_steps)
-        sub_batches = self.parts.inputs(self.step)
-        # SIGTERM, SIGINT, SIGUSR1: stop after the step, checkpoint, exit 3; the handlers stay until
-        # close(), so that a signal during a failure's report (torchrun ending the ranks) is counted
-        self.stops.install()
-        self.interval = Interval()
+        with self.startup.phase("loader start"):
+            sub_batches = self.parts.inputs(self.step)  # the loader's workers start reading now
         try:
+            if cfg.model.compile:
+                with self.startup.phase("compile"):
+                    self.parts.warm_up()  # while the workers read the first sub-batches
+            self.progress = tqdm(total=plan.total_steps, initial=self.step, disable=not self.main,
+                                 desc="train", dynamic_ncols=True, mininterval=1.0, leave=False)
+            # SIGTERM, SIGINT, SIGUSR1: stop after the step, checkpoint, exit 3; the handlers stay until
+            # close(), so that a signal during a failure's report (torchrun ending the ranks) is counted
+            self.stops.install()
+            self.interval = Interval()
             loss = self._loop(sub_batches, stop)
         finally:
-            self.progress.close()
+            if self.progress is not None:
+                self.progress.close()
             sub_batches.close()  # the loader's workers and read-ahead thread
         return self._finish(loss, numbered_just_written=self._due(cfg.trainer.ckpt_every))
 
     def _loop(self, sub_batches, stop: int) -> torch.Tensor:
         """Steps until ``stop``; returns the last loss. A step, then what the trainer does with it."""
-        loss, first_step = torch.zeros(()), self.step + 1
+        loss, first_step, started = torch.zeros(()), self.step + 1, time.perf_counter()
         while self.step < stop:
             result = self.train_step(sub_batches)
             loss = result.loss
             if result.step == first_step:
-                self.first_step_done()
+                self.first_step_done(result, started)
             self.interval.add(result)
             self.progress.update(1)
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
@@ -447,17 +460,21 @@ class Trainer:
         self.unsettled = StepResult(self.step, loss, lr, applied, times, time.perf_counter() - started)
         return self.unsettled
 
-    def first_step_done(self) -> None:
-        """This invocation's first step has finished (its update read: a host sync): how long after the
-        process started, in the log, ``status.json`` and the next ``metrics.jsonl`` record
-        (``time_to_first_step_s``)."""
+    def first_step_done(self, result: StepResult, loop_started: float) -> None:
+        """This invocation's first step (``result``; the loop started at ``loop_started``) has finished, its update
+        read (a host sync): how long after the process started and where that time went, in the log,
+        ``status.json`` and the next ``metrics.jsonl`` record (``time_to_first_step_s``, ``startup/*_s``)."""
         self.settle()
-        seconds = process_age_s()
+        step_s = time.perf_counter() - loop_started
+        seconds, waited = self.startup.elapsed(), result.times.get("data", 0.0)
+        self.startup.add("first batch wait", waited)  # what the loader had not read by then
+        self.startup.add("first step", step_s - waited)
         if self.main:
-            log.info("first step finished %.1f s after the process started (model.compile: %s)", seconds,
-                     f"{self.parts.compile_s:.1f} s of compiling" if self.cfg.model.compile else "off")
+            log.info("first step finished %.1f s after the start (model.compile: %s); start-up: %s",
+                     seconds, f"{self.parts.compile_s:.1f} s of compiling" if self.cfg.model.compile else "off",
+                     self.startup.describe())
         self.unlogged_first_step_s = seconds  # in the next log record
-        self.status.note(time_to_first_step_s=round(seconds, 2))
+        self.status.note(time_to_first_step_s=round(seconds, 2), startup_s=self.startup.record())
 
     def settle(self) -> None:
         """Read the last step's update (a host sync; the one place its flag is read): its gradient
@@ -556,6 +573,7 @@ class Trainer:
         }
         if self.unlogged_first_step_s is not None:
             record["time_to_first_step_s"], self.unlogged_first_step_s = self.unlogged_first_step_s, None
+            record.update(self.startup.record())
         # model TFLOP/s per GPU and MFU (utilization.py: model FLOPs counted at start-up, the GPU's bf16 peak)
         record.update(utilization(self.parts.flops, self.parts.peak, record["samples_per_s"] / env.world_size))
         record.update({f"data/{k}": v for k, v in self.parts.inputs.bad_input_counts().items() if v})

@@ -33,6 +33,7 @@ from .memory_plan import MemoryFit, batch_bytes, plan_sub_batch, probe_peak_memo
 from .optim import build_optimizer
 from .plan import BatchPlan
 from .precision import Precision
+from .startup import StartupTimes
 from .step import TrainStep
 from .utilization import ModelFlops, Peak, count_model_flops, gpu_peak
 
@@ -53,39 +54,60 @@ class RunParts:
     step: TrainStep
     flops: ModelFlops                  # model FLOPs per sample (utilization.py)
     peak: Peak | None                  # the GPU's dense bf16 peak
-    compile_s: float = 0.0             # seconds spent compiling the towers (model.compile)
+    compilation: Compilation | None = None  # model.compile: the towers' warm-up (warm_up), once
 
     @classmethod
-    def build(cls, cfg: DictConfig, env: DistEnv) -> RunParts:
+    def build(cls, cfg: DictConfig, env: DistEnv, *, warm_up: bool = True,
+              times: StartupTimes | None = None) -> RunParts:
         """Build every part for ``env``'s rank, after ``configure_backends`` (train/backends.py) has made
         the process-wide settings: the model, then the data it reads, the batch plan the data and the
-        GPU's memory allow, then the step (``build_step``, as the benchmarks build it)."""
-        model = build_model_for(cfg, env)
-        tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below
+        GPU's memory allow, then the step (``build_step``, as the benchmarks build it). ``warm_up=False``:
+        the towers are compiled later, by ``warm_up()`` (the trainer's, once the loader's workers are
+        reading). ``times``: each part's seconds go there (the start-up's account)."""
+        phase = times.phase if times is not None else StartupTimes.untimed
+        with phase("model"):
+            model = build_model_for(cfg, env)
+            tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below
         if env.rank == 0:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
-        data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0)
-        precision = precision_of(cfg, env)
-        gpu_decoder, ahead = build_gpu_decoder(cfg, env)
-        # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
-        flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(cfg, env, data), env.device)), \
-            gpu_peak(env.device)
+        with phase("data"):
+            data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0)
+            precision = precision_of(cfg, env)
+            gpu_decoder, ahead = build_gpu_decoder(cfg, env)
+        with phase("flop count"):  # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
+            flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(cfg, env, data), env.device)), \
+                gpu_peak(env.device)
         if env.rank == 0:
             log_utilization_basis(flops, peak, gpu_decoder is not None, ahead)
-        loss = prepare_model(cfg, model, env)
-        # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
-        plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
-        offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
-        built = build_step(cfg, env, model, loss, plan, offload)
-        schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
-                               steps_per_epoch=plan.steps_per_epoch)
-        inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
-                           pin_memory=env.device.type == "cuda",
-                           read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
-                           gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead)
+        with phase("plan"):
+            loss = prepare_model(cfg, model, env)
+            # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
+            plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
+            offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
+        with phase("step"):
+            built = build_step(cfg, env, model, loss, plan, offload, warm_up=False)
+            schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
+                                   steps_per_epoch=plan.steps_per_epoch)
+            inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
+                               pin_memory=env.device.type == "cuda",
+                               read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
+                               gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead)
         seed_rank(cfg, env)
-        return cls(model, tokenize, data, plan, built.optimizer, built.peak_lr, schedule, offload, inputs, built.step,
-                   flops, peak, built.compile_s)
+        parts = cls(model, tokenize, data, plan, built.optimizer, built.peak_lr, schedule, offload, inputs, built.step,
+                    flops, peak, built.compilation)
+        if warm_up:
+            parts.warm_up()
+        return parts
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds the towers took to compile (``model.compile``; 0 before ``warm_up`` or without it)."""
+        return self.compilation.seconds if self.compilation is not None else 0.0
+
+    def warm_up(self) -> float:
+        """With ``model.compile``: compile every graph training calls now (once; ``Compilation.run``).
+        Returns the seconds it took."""
+        return self.compilation.run() if self.compilation is not None else 0.0
 
     def close(self) -> None:
         """Stop the offload's re-decode workers, delete its spill file, stop the GPU decoding threads."""
@@ -122,40 +144,61 @@ class BuiltStep(NamedTuple):
     step: TrainStep
     optimizer: torch.optim.Optimizer
     peak_lr: float
-    compile_s: float  # seconds compiling the towers (0 without model.compile)
+    compilation: Compilation | None  # model.compile: the towers' warm-up, run or still to run
+
+
+class Compilation:
+    """``model.compile``'s towers, wrapped for compilation (``ClipModel.compile_towers``), and
+    ``run``, which compiles every graph training calls (``ClipModel.warm_up``) between loading and
+    saving the compile cache (``compile_cache.py``). ``seconds``: how long ``run`` took (0 before)."""
+
+    def __init__(self, cfg: DictConfig, env: DistEnv, model: ClipModel, plan: BatchPlan):
+        self.cfg, self.env, self.model, self.plan = cfg, env, model, plan
+        self.scope = compile_scope(cfg.model)
+        model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs, scope=self.scope)
+        self.seconds, self.done = 0.0, False
+
+    def run(self) -> float:
+        """Compile now (once: later calls return the first one's seconds)."""
+        if self.done:
+            return self.seconds
+        cfg, env, plan = self.cfg, self.env, self.plan
+        graph_free = plan.sub_batches > 1
+        cache = CompileCache(cache_file(cfg, plan.sub_batch, graph_free, env.device), enabled=env.rank == 0)
+        cache.load()
+        if env.rank == 0:
+            log.info("model.compile: compiling %s now%s", "each tower's transformer block once for all its layers "
+                     "(model.compile_scope=block)" if self.scope == "block" else "the towers whole "
+                     "(model.compile_scope=tower)", " (from the cache)" if cache.loaded else "")
+        self.seconds = self.model.warm_up(plan.sub_batch, env.device, precision_of(cfg, env).autocast,
+                                          graph_free=graph_free)
+        self.done = True
+        if env.rank == 0:
+            log.info("model.compile: the towers compiled in %.1f s", self.seconds)
+        cache.save()
+        return self.seconds
 
 
 def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan,
-               offload: Offload | None = None) -> BuiltStep:
+               offload: Offload | None = None, *, warm_up: bool = True) -> BuiltStep:
     """The step a run of ``cfg`` trains ``model`` (``prepare_model``'s) with at ``plan``: the
-    optimizer, the text tower's trimming, the compiled towers (``model.compile``, warmed up here),
-    and the ``TrainStep``."""
+    optimizer, the text tower's trimming, the compiled towers (``model.compile``; compiled here, or
+    later by the returned ``compilation.run()`` with ``warm_up=False``), and the ``TrainStep``."""
     optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
     untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
     if untrimmed and env.rank == 0:
         log.info("captions are encoded at their full context: %s", untrimmed)
     if cfg.model.cuda_graphs:
         check_cuda_graphs(model, plan.sub_batches)
-    seconds = 0.0
-    if cfg.model.compile:  # after the memory probe and the FLOP count, which run eagerly
-        graph_free = plan.sub_batches > 1
-        cache = CompileCache(cache_file(cfg, plan.sub_batch, graph_free, env.device), enabled=env.rank == 0)
-        cache.load()
-        scope = compile_scope(cfg.model)
-        model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs, scope=scope)
-        if env.rank == 0:
-            log.info("model.compile: compiling %s now%s", "each tower's transformer block once for all its layers "
-                     "(model.compile_scope=block)" if scope == "block" else "the towers whole (model.compile_scope="
-                     "tower)", " (from the cache)" if cache.loaded else "")
-        seconds = model.warm_up(plan.sub_batch, env.device, precision_of(cfg, env).autocast, graph_free=graph_free)
-        if env.rank == 0:
-            log.info("model.compile: the towers compiled in %.1f s", seconds)
-        cache.save()
+    # after the memory probe and the FLOP count, which run eagerly
+    compilation = Compilation(cfg, env, model, plan) if cfg.model.compile else None
+    if compilation is not None and warm_up:
+        compilation.run()
     step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
                      sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
                      grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
                      fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0)
-    return BuiltStep(step, optimizer, peak_lr, seconds)
+    return BuiltStep(step, optimizer, peak_lr, compilation)
 
 
 def train_step(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) -> TrainStep:
