@@ -94,12 +94,15 @@ def sweep(args, workdir: Path, urls: str, tree: Path, label: str) -> dict:
                f"trainer.max_steps={args.sweep_steps}", "trainer.log_every=1", "eval=none", f"name=sweep-{label}",
                *args.set]
     env = {**os.environ, "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
-           "PYTHONPATH": str(tree / "src")}
+           "PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")])}
     started = time.time()
-    ran = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
     row = {"system": f"megabatch ({label})", "model": args.model, "sweep": args.sweep_batches, "sub_batch": args.batch,
-           "steps_per_job": args.sweep_steps, "returncode": ran.returncode, "wall_s": time.time() - started,
-           "command": " ".join(command[1:])}
+           "steps_per_job": args.sweep_steps, "command": " ".join(command[1:])}
+    try:
+        ran = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return row | {"returncode": None, "wall_s": time.time() - started, "error": f"timed out ({args.timeout} s)"}
+    row |= {"returncode": ran.returncode, "wall_s": time.time() - started}
     if ran.returncode != 0:
         return row | {"error": ran.stderr[-2000:]}
     jobs, previous_end = [], started

@@ -39,24 +39,22 @@ class RunInputs:
         self.worker_stats: dict = {}  # (epoch, worker) -> that loader worker's cumulative counts
 
     def __call__(self, start_step: int) -> Iterator[SubBatch]:
-        """The sub-batches from step ``start_step`` on. The first epoch's loader starts now: its workers
-        fork and read ahead while the caller does other work (compiles the towers) before taking the
-        first sub-batch; the read-ahead and GPU decoding threads start with that first one."""
+        """The sub-batches from step ``start_step`` on. The first epoch's reading starts now (the
+        loader's workers forked, the read-ahead and GPU decoding threads running), so that what the
+        caller does before taking the first sub-batch (compiling the towers) overlaps it."""
+        sub_batches = self._sub_batches(start_step)
+        next(sub_batches, None)  # up to the first epoch's start: its reading begins
+        return sub_batches
+
+    def _sub_batches(self, start_step: int) -> Iterator[SubBatch]:
         plan = self.plan
         epoch, start = divmod(start_step, plan.steps_per_epoch)
-        first = self._loader(epoch, start) if epoch * plan.steps_per_epoch + start < plan.total_steps else None
-        return self._sub_batches(epoch, start, first)
-
-    def _loader(self, epoch: int, start: int):
-        plan = self.plan
-        return iter(self.data.loader(epoch, start, plan.rank_batch, self.rank, plan.world_size, plan.steps_per_epoch,
-                                     sub_batch=plan.sub_batch, keep_raw=self.keep_raw, pin_memory=self.pin_memory,
-                                     gpu_decode=self.gpu_decoder is not None))
-
-    def _sub_batches(self, epoch: int, start: int, loader) -> Iterator[SubBatch]:
-        plan = self.plan
+        started = False
         while epoch * plan.steps_per_epoch + start < plan.total_steps:
-            loader = loader if loader is not None else self._loader(epoch, start)
+            loader = iter(self.data.loader(epoch, start, plan.rank_batch, self.rank, plan.world_size,
+                                           plan.steps_per_epoch, sub_batch=plan.sub_batch,
+                                           keep_raw=self.keep_raw, pin_memory=self.pin_memory,
+                                           gpu_decode=self.gpu_decoder is not None))
             # workers keep decoding through the loss and the replay; only steps with a replay: a
             # one-sub-batch step has nothing to hide the reading behind, and the reading thread
             # then competes with the step for the host (docs/performance.md)
@@ -69,6 +67,9 @@ class RunInputs:
                 source = decode_ahead(source, gpu.sub_batch, gpu.pool, depth=max(2, plan.sub_batches),
                                       budget_bytes=self.decode_ahead_bytes)
             try:
+                if not started:  # __call__ takes this: the first epoch is reading
+                    started = True
+                    yield None
                 for sub in source:
                     if sub.stats:
                         self.worker_stats[(epoch, sub.stats["worker"])] = sub.stats
@@ -78,7 +79,7 @@ class RunInputs:
                     source.close()  # stops the decoding thread
                 if ahead is not None:
                     ahead.close()
-            epoch, start, loader = epoch + 1, 0, None
+            epoch, start = epoch + 1, 0
 
     def bad_input_counts(self) -> dict[str, int]:
         """This rank's bad-input counts so far (summed over loader workers and epochs; with
