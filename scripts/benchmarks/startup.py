@@ -159,7 +159,8 @@ def main() -> None:
     urls = str(workdir / "shards" / f"photo-{{000000..{len(shards) - 1:06d}}}.tar")
     rows = []
     if args.sweep_batches:
-        for tree, label in [(Path(args.before), "before")] * bool(args.before) + [(ROOT, "now")]:
+        trees = [(ROOT, "now")] + ([(Path(args.before), "before")] if args.before else [])
+        for tree, label in trees:
             rows.append(sweep(args, workdir, urls, tree.resolve(), label))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:800], flush=True)
             write_results(args.out, rows)
