@@ -59,6 +59,33 @@ def test_direct_attention_gives_the_modules_features_and_gradients(name):
     direct.load_state_dict(module.state_dict())
 
 
+@pytest.mark.parametrize("name", ["tiny", "ViT-B-32"])  # our towers, and an open_clip architecture's
+def test_the_triton_kernels_give_sdpas_features_and_gradients(name, monkeypatch):
+    """``model.attention=triton``: every block's attention runs in the Triton kernels (the text
+    tower's causal, also at cut lengths), with SDPA's features and gradients, and the same state dict."""
+    from megabatch.models import attention
+
+    overrides, blocks = MODELS[name]
+    sdpa = built(overrides).train()
+    triton = built([*overrides, "model.attention=triton"]).train()
+    assert triton.state_dict().keys() == sdpa.state_dict().keys()
+    triton.load_state_dict(sdpa.state_dict())
+    causal = [m.causal_mask for m in triton.modules() if isinstance(m, DirectAttentionBlock)]
+    assert len(causal) == blocks and any(causal) and not all(causal)  # the text blocks, not the image blocks
+    calls = []
+    kernel = attention.packed_attention
+    monkeypatch.setattr(attention, "packed_attention", lambda qkv, causal: calls.append(causal) or kernel(qkv, causal))
+    sdpa.trim_text()
+    triton.trim_text()
+    pixels, texts = images(sdpa, 5), captions(sdpa, 5)
+    for inputs in ((pixels, texts), (pixels[1:], sdpa.text_trim.cut(texts[1:]))):
+        calls.clear()
+        expected, got = features_and_grads(sdpa, *inputs), features_and_grads(triton, *inputs)
+        assert sorted(calls) == sorted(causal)  # each block once, causal where its tower is
+        for want, have in zip(expected, got, strict=True):
+            assert rel_error(have, want) <= 1e-5
+
+
 def test_cross_attention_blocks_are_left_alone():
     coca = built(["model=openclip", "model.arch=coca_ViT-B-32", *SMALL_TEXT, *SMALL_IMAGE])
     use_direct_attention(coca)

@@ -12,6 +12,12 @@ transpose before the output projection. State dicts, checkpoints and exports are
 class changes, not its parameters), and the features equal the module's up to the rounding of a
 reordered sum (tests/models/test_attention.py).
 
+``model.attention=triton``: the attention itself runs in the project's Triton kernels
+(``kernels/attention.py``), which read q, k and v from the packed projection and give the output as
+``[b, s, e]`` and the gradient packed, with no layout copies either way. A block of a causally masked
+text tower runs the causal kernel; a block given any other mask, or with attention dropout in
+training, keeps SDPA.
+
 Only self-attention blocks of open_clip's ``ResidualAttentionBlock`` with a plain batch-first
 ``nn.MultiheadAttention`` are changed (no ``bias_k``/``bias_v``, no ``add_zero_attn``, one embedding
 size for q/k/v); cross-attention (CoCa's decoder), attentional pooling and open_clip's own
@@ -25,9 +31,16 @@ import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
+from ..config import ConfigError
+from ..kernels.attention import packed_attention
+
 
 class DirectAttentionBlock(ResidualAttentionBlock):
-    """An open_clip ``ResidualAttentionBlock`` whose self-attention calls SDPA directly (see the module)."""
+    """An open_clip ``ResidualAttentionBlock`` whose self-attention calls SDPA, or the Triton kernels,
+    directly (see the module)."""
+
+    kernel = "sdpa"       # model.attention: sdpa | triton (use_direct_attention sets it per block)
+    causal_mask = False   # a mask given to this block is its tower's causal mask (open_clip's text tower)
 
     def attention(self, q_x: torch.Tensor, k_x: torch.Tensor | None = None, v_x: torch.Tensor | None = None,
                   attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,10 +51,13 @@ class DirectAttentionBlock(ResidualAttentionBlock):
         batch, length, width = q_x.shape
         heads = attn.num_heads
         qkv = F.linear(q_x, attn.in_proj_weight, attn.in_proj_bias).view(batch, length, 3, heads, width // heads)
+        dropout = attn.dropout if self.training else 0.0
+        if self.kernel == "triton" and dropout == 0.0 and (attn_mask is None or self.causal_mask):
+            out = packed_attention(qkv, causal=attn_mask is not None)  # [b, s, h, d]: [b, s, e] as it is
+            return attn.out_proj(out.view(batch, length, width))
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [b, h, s, d] views of the one projection
         mask = attn_mask.to(q_x.dtype) if attn_mask is not None else None  # as open_clip's attention() casts it
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             dropout_p=attn.dropout if self.training else 0.0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return attn.out_proj(out.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -53,12 +69,33 @@ def eligible(block: nn.Module) -> bool:
             and not hasattr(block, "ln_1_kv"))
 
 
-def use_direct_attention(model: nn.Module) -> int:
+def use_direct_attention(model: nn.Module, kernel: str = "sdpa") -> int:
     """Turn every eligible block of ``model`` into a ``DirectAttentionBlock`` (in place, parameters
-    kept). Returns how many were changed. Call before sharding or compiling."""
+    kept) computing its attention with ``kernel`` (``model.attention``: sdpa or triton). Returns how
+    many were changed. Call before sharding or compiling."""
+    if kernel not in KERNELS:
+        raise ConfigError(f"model.attention={kernel!r}: give sdpa (PyTorch's scaled_dot_product_attention) or "
+                          "triton (the project's kernels on the packed projection, kernels/attention.py)")
+    causal = causal_blocks(model)
     changed = 0
     for module in model.modules():
         if eligible(module):
             module.__class__ = DirectAttentionBlock
+            module.kernel, module.causal_mask = kernel, id(module) in causal
             changed += 1
     return changed
+
+
+KERNELS = ("sdpa", "triton")
+
+
+def causal_blocks(model: nn.Module) -> set[int]:
+    """``id``s of the blocks of open_clip text towers whose mask is their causal ``attn_mask``
+    (``CLIP`` and ``TextTransformer``; not a tower that masks padding, whose masks differ per caption)."""
+    blocks: set[int] = set()
+    for module in model.modules():
+        transformer = getattr(module, "transformer", None)
+        if isinstance(getattr(module, "attn_mask", None), torch.Tensor) and isinstance(transformer, nn.Module) \
+                and not getattr(module, "use_pad_mask", False):
+            blocks |= {id(block) for block in transformer.modules()}
+    return blocks

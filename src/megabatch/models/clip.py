@@ -461,13 +461,14 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
 
 
 # model.* keys the run applies to a built model, not builder arguments
-RUN_SETTINGS = ("compile", "compile_scope", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fp8")
+RUN_SETTINGS = ("compile", "compile_scope", "cuda_graphs", "trim_text", "direct_attention", "attention", "patch_gemm",
+                "fp8")
 
 
 def builder_node(node):
     """The ``model`` config less its run settings (``compile``, ``compile_scope``, ``cuda_graphs``:
-    ``ClipModel.compile_towers``; ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``:
-    ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``fp8``: ``models/fp8.py``)."""
+    ``ClipModel.compile_towers``; ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``,
+    ``attention``: ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``fp8``: ``models/fp8.py``)."""
     from omegaconf import OmegaConf
 
     if not any(key in node for key in RUN_SETTINGS):
@@ -493,7 +494,7 @@ def build_model(node) -> ClipModel:
             raise error.__cause__ from None
         raise
     if node.get("direct_attention", False):
-        use_direct_attention(model)
+        use_direct_attention(model, node.get("attention", "sdpa"))
     if node.get("patch_gemm", False):
         use_patch_gemm(model)
     return model

@@ -1,0 +1,287 @@
+"""Attention for the towers' short sequences, in Triton, on the packed in-projection.
+
+A tower's attention block projects ``x [b, s, e]`` once into ``qkv [b, s, 3e]``, viewed here as
+``[b, s, 3, h, d]``. The kernels read q, k and v straight from that tensor (no head-major copies),
+write the output as ``[b, s, h, d]`` (which is ``[b, s, e]``, the out-projection's input, without a
+transpose), and write the gradient into one packed ``[b, s, 3, h, d]`` tensor, the in-projection
+output's gradient.
+
+Forward, ``_forward_kernel``: one program per block of query rows of one (batch, head). It walks the
+key blocks (up to the diagonal with ``causal``) keeping the row maximum and sum online in fp32, and
+writes the output and each row's log-sum-exp (base 2, fp32) for the backward.
+
+Backward, as FlashAttention-2: ``delta = rowsum(dO * O)``; ``_dkdv_kernel``, one program per key
+block, walks the query blocks and accumulates dK and dV; ``_dq_kernel``, one program per query
+block, walks the key blocks and accumulates dQ. Each recomputes the probabilities from the saved
+log-sum-exp; no atomics, so the gradients are deterministic.
+
+Exact softmax (fp32 statistics and accumulators), bf16/fp16/fp32 inputs, any length (masked edges,
+tiles of 64/128 rows: S=257 is padded to 320 or 384, not 512), head dims up to 128 (80 is padded
+to 128 in registers), the text tower's causal mask. ``packed_attention`` is a registered custom op
+(``torch.library``) with its backward, so ``torch.compile`` keeps whole graphs around it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_tiles import interpreting
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _forward_kernel(QKV, OUT, LSE, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
+                    heads, length, head_dim, scale_log2,
+                    CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    block_m, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // heads, bh % heads
+    base = QKV + batch.to(tl.int64) * stride_b + head * stride_h
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols0 = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims[None, :] < head_dim
+    q = tl.load(base + rows[:, None] * stride_s + dims[None, :], mask=(rows[:, None] < length) & dim_ok, other=0.0)
+    if UPCAST:  # the interpreter's numpy dot mishandles bf16
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = tl.minimum(length, (block_m + 1) * BLOCK_M) if CAUSAL else length
+    for start in range(0, end, BLOCK_N):
+        cols = start + cols0
+        col_ok = cols[:, None] < length
+        k = tl.load(base + stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
+        v = tl.load(base + 2 * stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * scale_log2
+        valid = cols[None, :] < length
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        scores = tl.where(valid, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    row_ok = rows < length
+    out = OUT + batch.to(tl.int64) * out_b + head * out_h + rows[:, None] * out_s + dims[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dim_ok)
+    tl.store(LSE + bh.to(tl.int64) * length + rows, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _delta_kernel(OUT, DO, DELTA, out_b, out_s, out_h, heads, length, head_dim,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    block_m, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // heads, bh % heads
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < length) & (dims[None, :] < head_dim)
+    offsets = batch.to(tl.int64) * out_b + head * out_h + rows[:, None] * out_s + dims[None, :]
+    o = tl.load(OUT + offsets, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * length + rows, tl.sum(o * do, 1), mask=rows < length)
+
+
+@triton.jit
+def _dkdv_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
+                 heads, length, head_dim, scale, scale_log2,
+                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    block_n, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // heads, bh % heads
+    base = QKV + batch.to(tl.int64) * stride_b + head * stride_h
+    grad = DQKV + batch.to(tl.int64) * stride_b + head * stride_h
+    dout = DO + batch.to(tl.int64) * out_b + head * out_h
+    cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows0 = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims[None, :] < head_dim
+    col_ok = cols[:, None] < length
+    k = tl.load(base + stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
+    v = tl.load(base + 2 * stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    first = (block_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # rows above the block see none of it
+    stats = bh.to(tl.int64) * length
+    for start in range(first, length, BLOCK_M):
+        rows = start + rows0
+        row_ok = rows[:, None] < length
+        q = tl.load(base + rows[:, None] * stride_s + dims[None, :], mask=row_ok & dim_ok, other=0.0)
+        do = tl.load(dout + rows[:, None] * out_s + dims[None, :], mask=row_ok & dim_ok, other=0.0)
+        if UPCAST:
+            q, do = q.to(tl.float32), do.to(tl.float32)
+        lse = tl.load(LSE + stats + rows, mask=rows < length, other=0.0)
+        delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
+        valid = row_ok & (cols[None, :] < length)
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        p = tl.where(valid, tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(grad + stride_3 + cols[:, None] * stride_s + dims[None, :], (dk * scale).to(DQKV.dtype.element_ty),
+             mask=col_ok & dim_ok)
+    tl.store(grad + 2 * stride_3 + cols[:, None] * stride_s + dims[None, :], dv.to(DQKV.dtype.element_ty),
+             mask=col_ok & dim_ok)
+
+
+@triton.jit
+def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
+               heads, length, head_dim, scale, scale_log2,
+               CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    block_m, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // heads, bh % heads
+    base = QKV + batch.to(tl.int64) * stride_b + head * stride_h
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols0 = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims[None, :] < head_dim
+    row_ok = rows[:, None] < length
+    q = tl.load(base + rows[:, None] * stride_s + dims[None, :], mask=row_ok & dim_ok, other=0.0)
+    do = tl.load(DO + batch.to(tl.int64) * out_b + head * out_h + rows[:, None] * out_s + dims[None, :],
+                 mask=row_ok & dim_ok, other=0.0)
+    if UPCAST:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    stats = bh.to(tl.int64) * length
+    lse = tl.load(LSE + stats + rows, mask=rows < length, other=0.0)
+    delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = tl.minimum(length, (block_m + 1) * BLOCK_M) if CAUSAL else length
+    for start in range(0, end, BLOCK_N):
+        cols = start + cols0
+        col_ok = cols[:, None] < length
+        k = tl.load(base + stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
+        v = tl.load(base + 2 * stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        valid = row_ok & (cols[None, :] < length)
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        p = tl.where(valid, tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQKV + batch.to(tl.int64) * stride_b + head * stride_h + rows[:, None] * stride_s + dims[None, :],
+             (dq * scale).to(DQKV.dtype.element_ty), mask=row_ok & dim_ok)
+
+
+# Tiles (rows of queries, rows of keys) and warps per kernel; chosen for an H100 at head dims 64-128
+FORWARD_TILES = (128, 64, 4)
+DKDV_TILES = (32, 128, 4)  # (query rows per step, key rows per program, warps)
+DQ_TILES = (128, 32, 4)
+INTERPRETED_TILES = (32, 32, 1)  # the interpreter: small tiles keep numpy's work close to the sequence
+
+
+def _check(qkv: torch.Tensor) -> tuple[int, int, int, int]:
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"packed_attention takes qkv [batch, length, 3, heads, head_dim], got {tuple(qkv.shape)}")
+    if qkv.stride(-1) != 1:
+        raise ValueError("packed_attention needs the head dimension contiguous (a view of the in-projection)")
+    if not (qkv.is_cuda or interpreting()):
+        raise RuntimeError("model.attention=triton needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+    batch, length, _, heads, head_dim = qkv.shape
+    if head_dim > 128:
+        raise ValueError(f"packed_attention supports head dims up to 128, got {head_dim}")
+    return batch, length, heads, head_dim
+
+
+def _tiles(kind: tuple[int, int, int]) -> tuple[int, int, int]:
+    return INTERPRETED_TILES if interpreting() else kind
+
+
+def _upcast(qkv: torch.Tensor) -> bool:
+    return interpreting() and qkv.dtype == torch.bfloat16
+
+
+@torch.library.custom_op("megabatch::packed_attention", mutates_args=())
+def packed_attention_op(qkv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q k^T / sqrt(d)) v`` per (batch, head) of ``qkv [b, s, 3, h, d]``: the output
+    ``[b, s, h, d]`` and each row's log-sum-exp ``[b, h, s]`` (base 2, fp32) for the backward."""
+    batch, length, heads, head_dim = _check(qkv)
+    qkv = qkv.contiguous()  # the in-projection's view already is
+    out = qkv.new_empty(batch, length, heads, head_dim)
+    lse = torch.empty(batch, heads, length, device=qkv.device, dtype=torch.float32)
+    block_m, block_n, warps = _tiles(FORWARD_TILES)
+    warps = warps if head_dim <= 64 or interpreting() else 2 * warps  # a [128, 128] fp32 accumulator
+    scale = 1.0 / math.sqrt(head_dim)
+    _forward_kernel[(triton.cdiv(length, block_m), batch * heads)](
+        qkv, out, lse, qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
+        out.stride(0), out.stride(1), out.stride(2), heads, length, head_dim, scale * LOG2E,
+        CAUSAL=causal, UPCAST=_upcast(qkv), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=warps)
+    return out, lse
+
+
+@packed_attention_op.register_fake
+def _(qkv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, length, _, heads, head_dim = qkv.shape
+    return qkv.new_empty(batch, length, heads, head_dim), \
+        qkv.new_empty(batch, heads, length, dtype=torch.float32)
+
+
+@torch.library.custom_op("megabatch::packed_attention_backward", mutates_args=())
+def packed_attention_backward(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                              causal: bool) -> torch.Tensor:
+    """The gradient of ``packed_attention``'s output ``grad_out [b, s, h, d]`` with respect to
+    ``qkv``, packed as ``qkv`` (``[b, s, 3, h, d]``)."""
+    batch, length, heads, head_dim = _check(qkv)
+    qkv, grad_out, out = qkv.contiguous(), grad_out.contiguous(), out.contiguous()
+    grad = torch.empty_like(qkv)  # laid out as qkv: the kernels index both with qkv's strides
+    delta = torch.empty_like(lse)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    rows = 64 if not interpreting() else 32
+    _delta_kernel[(triton.cdiv(length, rows), batch * heads)](
+        out, grad_out, delta, out.stride(0), out.stride(1), out.stride(2), heads, length, head_dim,
+        BLOCK_M=rows, BLOCK_D=block_d)
+    scale = 1.0 / math.sqrt(head_dim)
+    common = (qkv, grad_out, lse, delta, grad, qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
+              grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), heads, length, head_dim, scale, scale * LOG2E)
+    block_m, block_n, warps = _tiles(DKDV_TILES)
+    _dkdv_kernel[(triton.cdiv(length, block_n), batch * heads)](
+        *common, CAUSAL=causal, UPCAST=_upcast(qkv), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=warps)
+    block_m, block_n, warps = _tiles(DQ_TILES)
+    _dq_kernel[(triton.cdiv(length, block_m), batch * heads)](
+        *common, CAUSAL=causal, UPCAST=_upcast(qkv), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=warps)
+    return grad
+
+
+@packed_attention_backward.register_fake
+def _(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+      causal: bool) -> torch.Tensor:
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    qkv, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse)
+    ctx.causal = causal
+
+
+def _backward(ctx, grad_out, grad_lse):
+    qkv, out, lse = ctx.saved_tensors
+    return packed_attention_backward(grad_out, qkv, out, lse, ctx.causal), None
+
+
+packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def packed_attention(qkv: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """Attention of ``qkv [b, s, 3, h, d]`` (the in-projection's output, viewed) -> ``[b, s, h, d]``;
+    ``causal``: each query sees the keys up to its own position. Differentiable (``qkv``'s gradient
+    comes packed)."""
+    return packed_attention_op(qkv, causal)[0]
