@@ -35,6 +35,33 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile(ptr, rows, stride_s, dims, length, head_dim, UPCAST: tl.constexpr):
+    """The ``[rows, dims]`` tile of one head at ``ptr`` (its q, k, v or output gradient), zero past
+    the sequence and the head dim; fp32 with ``UPCAST`` (the interpreter's numpy dot mishandles bf16)."""
+    tile = tl.load(ptr + rows[:, None] * stride_s + dims[None, :],
+                   mask=(rows[:, None] < length) & (dims[None, :] < head_dim), other=0.0)
+    return tile.to(tl.float32) if UPCAST else tile
+
+
+@triton.jit
+def _visible(rows, cols, length, CAUSAL: tl.constexpr):
+    """Which (query row, key column) pairs attend: both inside the sequence, the key not after the
+    query with ``CAUSAL``."""
+    valid = (rows[:, None] < length) & (cols[None, :] < length)
+    if CAUSAL:
+        valid = valid & (cols[None, :] <= rows[:, None])
+    return valid
+
+
+@triton.jit
+def _probabilities(q, k, lse, rows, cols, length, scale_log2, CAUSAL: tl.constexpr):
+    """The softmax probabilities of a (query block, key block) tile, recomputed from the rows' saved
+    log-sum-exps (base 2); zero where a pair does not attend."""
+    return tl.where(_visible(rows, cols, length, CAUSAL),
+                    tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]), 0.0)
+
+
+@triton.jit
 def _forward_kernel(QKV, OUT, LSE, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
                     heads, length, head_dim, scale_log2,
                     CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
@@ -43,28 +70,21 @@ def _forward_kernel(QKV, OUT, LSE, stride_b, stride_s, stride_3, stride_h, out_b
     batch, head = bh // heads, bh % heads
     base = QKV + batch.to(tl.int64) * stride_b + head * stride_h
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols0 = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims[None, :] < head_dim
-    q = tl.load(base + rows[:, None] * stride_s + dims[None, :], mask=(rows[:, None] < length) & dim_ok, other=0.0)
-    if UPCAST:  # the interpreter's numpy dot mishandles bf16
-        q = q.to(tl.float32)
+    q = _tile(base, rows, stride_s, dims, length, head_dim, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(length, (block_m + 1) * BLOCK_M) if CAUSAL else length
     for start in range(0, end, BLOCK_N):
-        cols = start + cols0
-        col_ok = cols[:, None] < length
-        k = tl.load(base + stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
-        v = tl.load(base + 2 * stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale_log2
+        cols = start + tl.arange(0, BLOCK_N)
+        k = _tile(base + stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+        v = _tile(base + 2 * stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+        # every row, also past the sequence (not stored), sees key 0: its maximum is finite
         valid = cols[None, :] < length
         if CAUSAL:
             valid = valid & (cols[None, :] <= rows[:, None])
-        scores = tl.where(valid, scores, float("-inf"))
+        scores = tl.where(valid, tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -74,7 +94,7 @@ def _forward_kernel(QKV, OUT, LSE, stride_b, stride_s, stride_3, stride_h, out_b
     acc = acc / l_i[:, None]
     row_ok = rows < length
     out = OUT + batch.to(tl.int64) * out_b + head * out_h + rows[:, None] * out_s + dims[None, :]
-    tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dim_ok)
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (dims[None, :] < head_dim))
     tl.store(LSE + bh.to(tl.int64) * length + rows, m_i + tl.log2(l_i), mask=row_ok)
 
 
@@ -85,10 +105,9 @@ def _delta_kernel(OUT, DO, DELTA, out_b, out_s, out_h, heads, length, head_dim,
     batch, head = bh // heads, bh % heads
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < length) & (dims[None, :] < head_dim)
-    offsets = batch.to(tl.int64) * out_b + head * out_h + rows[:, None] * out_s + dims[None, :]
-    o = tl.load(OUT + offsets, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + offsets, mask=mask, other=0.0).to(tl.float32)
+    offset = batch.to(tl.int64) * out_b + head * out_h
+    o = _tile(OUT + offset, rows, out_s, dims, length, head_dim, False).to(tl.float32)
+    do = _tile(DO + offset, rows, out_s, dims, length, head_dim, False).to(tl.float32)
     tl.store(DELTA + bh.to(tl.int64) * length + rows, tl.sum(o * do, 1), mask=rows < length)
 
 
@@ -100,41 +119,29 @@ def _dkdv_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride
     block_n, bh = tl.program_id(0), tl.program_id(1)
     batch, head = bh // heads, bh % heads
     base = QKV + batch.to(tl.int64) * stride_b + head * stride_h
-    grad = DQKV + batch.to(tl.int64) * stride_b + head * stride_h
     dout = DO + batch.to(tl.int64) * out_b + head * out_h
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows0 = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims[None, :] < head_dim
-    col_ok = cols[:, None] < length
-    k = tl.load(base + stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
-    v = tl.load(base + 2 * stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
+    k = _tile(base + stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+    v = _tile(base + 2 * stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first = (block_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # rows above the block see none of it
     stats = bh.to(tl.int64) * length
     for start in range(first, length, BLOCK_M):
-        rows = start + rows0
-        row_ok = rows[:, None] < length
-        q = tl.load(base + rows[:, None] * stride_s + dims[None, :], mask=row_ok & dim_ok, other=0.0)
-        do = tl.load(dout + rows[:, None] * out_s + dims[None, :], mask=row_ok & dim_ok, other=0.0)
-        if UPCAST:
-            q, do = q.to(tl.float32), do.to(tl.float32)
+        rows = start + tl.arange(0, BLOCK_M)
+        q = _tile(base, rows, stride_s, dims, length, head_dim, UPCAST)
+        do = _tile(dout, rows, out_s, dims, length, head_dim, UPCAST)
         lse = tl.load(LSE + stats + rows, mask=rows < length, other=0.0)
         delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
-        valid = row_ok & (cols[None, :] < length)
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None])
-        p = tl.where(valid, tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]), 0.0)
+        p = _probabilities(q, k, lse, rows, cols, length, scale_log2, CAUSAL)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    tl.store(grad + stride_3 + cols[:, None] * stride_s + dims[None, :], (dk * scale).to(DQKV.dtype.element_ty),
-             mask=col_ok & dim_ok)
-    tl.store(grad + 2 * stride_3 + cols[:, None] * stride_s + dims[None, :], dv.to(DQKV.dtype.element_ty),
-             mask=col_ok & dim_ok)
+    grad = DQKV + batch.to(tl.int64) * stride_b + head * stride_h + cols[:, None] * stride_s + dims[None, :]
+    mask = (cols[:, None] < length) & (dims[None, :] < head_dim)
+    tl.store(grad + stride_3, (dk * scale).to(DQKV.dtype.element_ty), mask=mask)
+    tl.store(grad + 2 * stride_3, dv.to(DQKV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -146,35 +153,23 @@ def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride_h
     batch, head = bh // heads, bh % heads
     base = QKV + batch.to(tl.int64) * stride_b + head * stride_h
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols0 = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims[None, :] < head_dim
-    row_ok = rows[:, None] < length
-    q = tl.load(base + rows[:, None] * stride_s + dims[None, :], mask=row_ok & dim_ok, other=0.0)
-    do = tl.load(DO + batch.to(tl.int64) * out_b + head * out_h + rows[:, None] * out_s + dims[None, :],
-                 mask=row_ok & dim_ok, other=0.0)
-    if UPCAST:
-        q, do = q.to(tl.float32), do.to(tl.float32)
+    q = _tile(base, rows, stride_s, dims, length, head_dim, UPCAST)
+    do = _tile(DO + batch.to(tl.int64) * out_b + head * out_h, rows, out_s, dims, length, head_dim, UPCAST)
     stats = bh.to(tl.int64) * length
     lse = tl.load(LSE + stats + rows, mask=rows < length, other=0.0)
     delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(length, (block_m + 1) * BLOCK_M) if CAUSAL else length
     for start in range(0, end, BLOCK_N):
-        cols = start + cols0
-        col_ok = cols[:, None] < length
-        k = tl.load(base + stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
-        v = tl.load(base + 2 * stride_3 + cols[:, None] * stride_s + dims[None, :], mask=col_ok & dim_ok, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        valid = row_ok & (cols[None, :] < length)
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None])
-        p = tl.where(valid, tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]), 0.0)
+        cols = start + tl.arange(0, BLOCK_N)
+        k = _tile(base + stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+        v = _tile(base + 2 * stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+        p = _probabilities(q, k, lse, rows, cols, length, scale_log2, CAUSAL)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     tl.store(DQKV + batch.to(tl.int64) * stride_b + head * stride_h + rows[:, None] * stride_s + dims[None, :],
-             (dq * scale).to(DQKV.dtype.element_ty), mask=row_ok & dim_ok)
+             (dq * scale).to(DQKV.dtype.element_ty), mask=(rows[:, None] < length) & (dims[None, :] < head_dim))
 
 
 # Tiles (rows of queries, rows of keys) and warps per kernel; chosen for an H100 at head dims 64-128
