@@ -2,7 +2,7 @@
 the packed projection, as ``model.direct_attention`` calls it) against the project's Triton kernels
 on the packed projection (``model.attention=triton``), forward and forward + backward, per shape.
 
-    python scripts/benchmarks/attention.py --out docs/bench/attention_h100.json
+    python scripts/benchmarks/attention.py --out attention_h100.json
     python scripts/benchmarks/attention.py --shapes 512x197x12x64 --dtype bf16 --out attention_b16.json
 
 A shape is ``batch x length x heads x head_dim`` (``c`` at the end: causal). Useful TFLOP/s: the
