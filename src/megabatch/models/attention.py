@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
-from ..config import ConfigError
 from ..kernels.attention import packed_attention
+
+KERNELS = ("sdpa", "triton")  # model.attention
 
 
 class DirectAttentionBlock(ResidualAttentionBlock):
@@ -73,9 +74,8 @@ def use_direct_attention(model: nn.Module, kernel: str = "sdpa") -> int:
     """Turn every eligible block of ``model`` into a ``DirectAttentionBlock`` (in place, parameters
     kept) computing its attention with ``kernel`` (``model.attention``: sdpa or triton). Returns how
     many were changed. Call before sharding or compiling."""
-    if kernel not in KERNELS:
-        raise ConfigError(f"model.attention={kernel!r}: give sdpa (PyTorch's scaled_dot_product_attention) or "
-                          "triton (the project's kernels on the packed projection, kernels/attention.py)")
+    if kernel not in KERNELS:  # a config's value is checked with the others (config/schema.py)
+        raise ValueError(f"kernel={kernel!r}: give one of {KERNELS}")
     causal = causal_blocks(model)
     changed = 0
     for module in model.modules():
@@ -84,9 +84,6 @@ def use_direct_attention(model: nn.Module, kernel: str = "sdpa") -> int:
             module.kernel, module.causal_mask = kernel, id(module) in causal
             changed += 1
     return changed
-
-
-KERNELS = ("sdpa", "triton")
 
 
 def causal_blocks(model: nn.Module) -> set[int]:
