@@ -64,7 +64,7 @@ class RunParts:
         GPU's memory allow, then the step (``build_step``, as the benchmarks build it). ``warm_up=False``:
         the towers are compiled later, by ``warm_up()`` (the trainer's, once the loader's workers are
         reading). ``times``: each part's seconds go there (the start-up's account)."""
-        phase = times.phase if times is not None else StartupTimes.untimed
+        phase = (times if times is not None else StartupTimes()).phase  # timing is cheap; unasked, it is dropped
         with phase("model"):
             model = build_model_for(cfg, env)
             tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below

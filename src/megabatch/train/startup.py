@@ -50,12 +50,6 @@ class StartupTimes:
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
-    @staticmethod
-    @contextlib.contextmanager
-    def untimed(name: str) -> Iterator[None]:
-        """``phase``'s stand-in where nothing is timed."""
-        yield
-
     def add(self, name: str, seconds: float) -> None:
         """A phase timed elsewhere."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
