@@ -4,6 +4,11 @@ on the packed projection (``model.attention=triton``), forward and forward + bac
 
     python scripts/benchmarks/attention.py --out attention_h100.json
     python scripts/benchmarks/attention.py --shapes 512x197x12x64 --dtype bf16 --out attention_b16.json
+    python scripts/benchmarks/attention.py --tune --out attention_tune.json
+
+``--tune`` first times every kernel at each candidate tile (query rows, key rows, warps, stages), one
+kernel at a time with the others at their defaults, checks each candidate's result against the
+default's, and then compares SDPA with the kernels at each shape's fastest tiles.
 
 A shape is ``batch x length x heads x head_dim`` (``c`` at the end: causal). Useful TFLOP/s: the
 forward's two GEMMs, ``4 b h s^2 d`` (half with the causal mask), and 2.5 times that for the
@@ -15,12 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from common import write_results
 
-from megabatch.kernels.attention import packed_attention
+from megabatch.kernels import attention
+from megabatch.kernels.attention import packed_attention, packed_attention_backward, packed_attention_op
 
 # ViT-B/16 and ViT-L/14 (224 px) image towers at their sub-batch, ViT-L/14 at 336 px, ViT-bigG-14, the text towers
 SHAPES = ["512x197x12x64", "256x257x16x64", "128x577x16x64", "128x257x16x104", "512x77x8x64c", "512x77x12x64c",
@@ -57,6 +64,66 @@ def timed(fn, warmup: int, repeat: int) -> float:
     return statistics.median(times)
 
 
+CANDIDATES = {
+    "forward": [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)],
+    "dkdv": [(m, n, w, st) for m in (16, 32, 64) for n in (64, 128) for w in (4, 8) for st in (2, 3, 4)],
+    "dq": [(m, n, w, st) for m in (64, 128) for n in (16, 32, 64) for w in (4, 8) for st in (2, 3, 4)],
+}
+
+
+def tune(shape: str, dtype: torch.dtype, warmup: int, repeat: int) -> tuple[list[dict], dict]:
+    """Each kernel's time at each candidate tile of ``shape``; the fastest per kernel."""
+    batch, length, heads, head_dim, causal = parse(shape)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(batch, length, 3, heads, head_dim, device="cuda", dtype=dtype, generator=generator)
+    grad = torch.randn(batch, length, heads, head_dim, device="cuda", dtype=dtype, generator=generator)
+    dim = 64 if head_dim <= 64 else 128
+    out, lse = packed_attention_op(qkv, causal)
+    reference = {"forward": out.float(), "backward": packed_attention_backward(grad, qkv, out, lse, causal).float()}
+    rows, best = [], {}
+    for kernel, candidates in CANDIDATES.items():
+        default = attention.TILES[kernel][dim]
+        results = []
+        for tiles in candidates:
+            attention.TILES[kernel][dim] = tiles
+            row = {"shape": shape, "dtype": str(dtype), "kernel": kernel, "tiles": list(tiles)}
+            try:
+                if kernel == "forward":
+                    run = lambda: packed_attention_op(qkv, causal)  # noqa: E731
+                    got = run()[0].float()
+                else:
+                    run = lambda: packed_attention_backward(grad, qkv, out, lse, causal)  # noqa: E731
+                    got = run().float()
+                want = reference["forward" if kernel == "forward" else "backward"]
+                row["rel_diff"] = float((got - want).norm() / want.norm())
+                row["ms"] = timed(run, warmup, repeat) * 1e3
+                if row["rel_diff"] < 1e-2:
+                    results.append((row["ms"], tiles))
+            except Exception as error:  # noqa: BLE001 - a tile that cannot compile (shared memory) is a row
+                row["error"] = str(error)[:300]
+            rows.append(row)
+        attention.TILES[kernel][dim] = default
+        best[kernel] = min(results)[1] if results else default
+        print(f"{shape:>16} {kernel:>8}: default {default} -> best {best[kernel]} "
+              f"({min(results)[0]:.3f} ms)" if results else f"{shape} {kernel}: no candidate ran", flush=True)
+    return rows, best
+
+
+def launch_cost(fn, calls: int = 50) -> float:
+    """CPU seconds per call to enqueue ``fn`` (the GPU kept busy by a long matmul first, so that no
+    call waits for it): what a step pays on the host where its kernels are short."""
+    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    for _ in range(4):
+        busy @ busy  # ~5 ms of GPU work queued ahead
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    return seconds
+
+
 def measure(shape: str, dtype: torch.dtype, warmup: int, repeat: int) -> list[dict]:
     batch, length, heads, head_dim, causal = parse(shape)
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -74,6 +141,8 @@ def measure(shape: str, dtype: torch.dtype, warmup: int, repeat: int) -> list[di
                 fn(leaf, causal).backward(grad)
 
             both = timed(forward_backward, warmup, repeat)
+            host = {"forward_host_us": launch_cost(lambda fn=fn: fn(qkv, causal)) * 1e6,
+                    "forward_backward_host_us": launch_cost(forward_backward) * 1e6}
         except Exception as error:  # noqa: BLE001 - a kernel that cannot run this shape is a row too
             rows.append({"shape": shape, "dtype": str(dtype), "kernel": name, "error": str(error)[:500]})
             continue
@@ -82,7 +151,7 @@ def measure(shape: str, dtype: torch.dtype, warmup: int, repeat: int) -> list[di
         rows.append({"shape": shape, "batch": batch, "length": length, "heads": heads, "head_dim": head_dim,
                      "causal": causal, "dtype": str(dtype), "kernel": name, "forward_ms": forward * 1e3,
                      "backward_ms": backward * 1e3, "forward_tflops": flops / forward / 1e12,
-                     "backward_tflops": 2.5 * flops / backward / 1e12})
+                     "backward_tflops": 2.5 * flops / backward / 1e12, **host})
     if len(outputs) == 2:  # the two agree (bf16 rounding apart)
         for row in rows:
             if row["kernel"] == "triton":
@@ -98,21 +167,34 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--tune", action="store_true", help="time candidate tiles first; compare at the best")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     rows = []
     for shape in args.shapes.split(","):
-        rows += measure(shape, DTYPES[args.dtype], args.warmup, args.repeat)
+        dim = 64 if parse(shape)[3] <= 64 else 128
+        defaults = {kernel: table[dim] for kernel, table in attention.TILES.items()}
+        if args.tune:
+            tuned, best = tune(shape, DTYPES[args.dtype], args.warmup, args.repeat)
+            rows += tuned
+            for kernel, tiles in best.items():
+                attention.TILES[kernel][dim] = tiles
+        rows += [dict(row, tiles={k: list(t[dim]) for k, t in attention.TILES.items()})
+                 for row in measure(shape, DTYPES[args.dtype], args.warmup, args.repeat)]
+        for kernel, tiles in defaults.items():
+            attention.TILES[kernel][dim] = tiles
         for row in rows[-2:]:
             print(json.dumps(row), flush=True)
         write_results(args.out, rows)
     for shape in args.shapes.split(","):
         pair = {row["kernel"]: row for row in rows if row["shape"] == shape and "forward_ms" in row}
-        if len(pair) == 2:
+        if "sdpa" in pair and "triton" in pair:
             print(f"{shape:>16}  forward {pair['sdpa']['forward_ms'] / pair['triton']['forward_ms']:.2f}x  "
                   f"backward {pair['sdpa']['backward_ms'] / pair['triton']['backward_ms']:.2f}x  "
                   f"(triton {pair['triton']['forward_tflops']:.0f} / {pair['triton']['backward_tflops']:.0f} "
-                  f"TFLOP/s, sdpa {pair['sdpa']['forward_tflops']:.0f} / {pair['sdpa']['backward_tflops']:.0f})")
+                  f"TFLOP/s, sdpa {pair['sdpa']['forward_tflops']:.0f} / {pair['sdpa']['backward_tflops']:.0f}; host "
+                  f"us per forward + backward: triton {pair['triton']['forward_backward_host_us']:.0f}, "
+                  f"sdpa {pair['sdpa']['forward_backward_host_us']:.0f})")
 
 
 if __name__ == "__main__":

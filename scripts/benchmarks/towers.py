@@ -13,7 +13,9 @@ Variants: ``eager``, ``compile`` (``model.compile=true`` as the trainer compiles
 (weights held in bf16: what casting them once per step instead of once per call could save at most),
 a ``direct`` anywhere in the name: ``model.direct_attention=true`` (``compile-direct``,
 ``compile-direct-max-autotune``), a ``patch`` anywhere: ``model.patch_gemm=true``
-(``compile-direct-patch``); without them both are off.
+(``compile-direct-patch``), a ``triton`` anywhere: ``model.attention=triton`` (the project's attention
+kernels, with ``direct``: ``compile-direct-triton``), an ``auto``: ``model.attention=auto``; without them
+they are off (SDPA).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def build(model_name: str, overrides: list[str], variant: str, rows: int, device
     direct = f"model.direct_attention={str('direct' in variant).lower()}"
     patch = f"model.patch_gemm={str('patch' in variant).lower()}"
     compiled = f"model.compile={str(variant.startswith('compile')).lower()}"
-    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled)
+    attention = "model.attention=" + next((k for k in ("triton", "auto") if k in variant), "sdpa")
+    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled, attention)
     configure_backends(cfg, device)  # as the Trainer does, before building
     model = build_model(cfg.model).to(device).train()
     model.trim_text(True)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from megabatch.kernels import attention
 from megabatch.kernels.attention import packed_attention
 
 from ..helpers import rel_error
@@ -51,6 +52,41 @@ def test_packed_attention_gives_the_float64_output_and_gradients(length, head_di
     assert rel_error(out.detach(), want_out) <= TOLERANCE[dtype]
     for part, name in enumerate("qkv"):  # each of the packed gradient's parts on its own
         assert rel_error(qkv.grad[:, :, part], want_grad[:, :, part]) <= TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("tiles", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("length,causal", [(77, True), (50, False)])
+def test_query_and_key_blocks_of_different_sizes_give_the_same_result(monkeypatch, tiles, length, causal):
+    """The loops' split into whole and masked blocks (a causal diagonal, the block the sequence ends
+    in) holds for any pair of block sizes, not only equal ones: every kernel at both tiles."""
+    block_m, block_n = tiles
+    monkeypatch.setattr(attention, "INTERPRETED_TILES", (block_m, block_n, 1, 1))
+    monkeypatch.setattr(attention, "TILES", {kernel: {64: (block_m, block_n, 4, 2), 128: (block_m, block_n, 4, 2)}
+                                             for kernel in attention.TILES})
+    generator = torch.Generator().manual_seed(length)
+    qkv = torch.randn(2, length, 3, 2, 64, generator=generator).to(DEVICE).requires_grad_()
+    grad_out = torch.randn(2, length, 2, 64, generator=generator).to(DEVICE)
+    out = packed_attention(qkv, causal)
+    out.backward(grad_out)
+    want_out, want_grad = reference(qkv, causal, grad_out)
+    assert rel_error(out.detach(), want_out) <= 1e-5 and rel_error(qkv.grad, want_grad) <= 1e-5
+
+
+# exp2 overflows where a mask then selects 0, and in dK/dV rows of keys past the sequence (never stored)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2", "ignore:invalid value encountered in matmul")
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_whose_every_score_is_tiny_keep_finite_gradients(causal):
+    """Scores far below zero (log-sum-exps under -128 in base 2) would overflow ``exp2(-lse)`` at the
+    zero keys past the sequence, and inf * 0 is NaN in dQ: those keys are masked."""
+    direction = torch.nn.functional.normalize(torch.randn(64, generator=torch.Generator().manual_seed(1)), dim=0)
+    qkv = torch.randn(1, 45, 3, 1, 64, generator=torch.Generator().manual_seed(2)) * 0.1
+    qkv[:, :, 0, 0] += 40 * direction  # every q . k is about -1600 / 8 = -200
+    qkv[:, :, 1, 0] -= 40 * direction
+    qkv = qkv.to(DEVICE).requires_grad_()
+    grad_out = torch.randn(1, 45, 1, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    packed_attention(qkv, causal).backward(grad_out)
+    _, want = reference(qkv, causal, grad_out)
+    assert torch.isfinite(qkv.grad).all() and rel_error(qkv.grad, want) <= 1e-4  # scores of -200 in fp32
 
 
 def test_a_causal_kernel_differs_from_the_full_one():

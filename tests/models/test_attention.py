@@ -86,6 +86,41 @@ def test_the_triton_kernels_give_sdpas_features_and_gradients(name, monkeypatch)
             assert rel_error(have, want) <= 1e-5
 
 
+def test_auto_runs_the_kernels_where_a_backward_follows_and_sdpa_elsewhere(monkeypatch):
+    """``model.attention=auto`` asks ``faster_than_sdpa`` per call: the Triton kernels in a forward
+    that autograd records at the table's lengths (then the same features and gradients as SDPA);
+    SDPA for shorter sequences, in a forward without autograd, at head dims above the table's and on
+    devices it has no measurement for."""
+    from megabatch.kernels import attention as kernels
+    from megabatch.models import attention
+
+    overrides, _ = MODELS["tiny"]
+    sdpa = built(overrides).train()
+    auto = built([*overrides, "model.attention=auto"]).train()
+    auto.load_state_dict(sdpa.state_dict())
+    calls = []
+    kernel = attention.packed_attention
+    monkeypatch.setattr(attention, "packed_attention", lambda qkv, causal: calls.append(causal) or kernel(qkv, causal))
+    sdpa.trim_text()
+    auto.trim_text()
+    pixels, texts = images(sdpa, 3), captions(sdpa, 3)
+    features_and_grads(auto, pixels, texts)
+    assert calls == []  # the CPU: no measurement, SDPA
+    monkeypatch.setattr(kernels, "AUTO_DEVICES", ("cuda", "cpu"))  # as a GPU decides
+    monkeypatch.setattr(kernels, "AUTO_MIN_LENGTH", 17)  # tiny's images (65 tokens), not its captions (16)
+    expected, got = features_and_grads(sdpa, pixels, texts), features_and_grads(auto, pixels, texts)
+    assert calls == [False] * 3  # the image tower's three blocks
+    for want, have in zip(expected, got, strict=True):
+        assert rel_error(have, want) <= 1e-5
+    calls.clear()
+    with torch.no_grad():  # GradCache's graph-free pass, evaluation
+        auto(pixels, texts)
+    assert calls == []
+    monkeypatch.setattr(kernels, "AUTO_MAX_HEAD_DIM", 4)  # tiny's heads are wider than the table's
+    features_and_grads(auto, pixels, texts)
+    assert calls == []
+
+
 def test_cross_attention_blocks_are_left_alone():
     coca = built(["model=openclip", "model.arch=coca_ViT-B-32", *SMALL_TEXT, *SMALL_IMAGE])
     use_direct_attention(coca)

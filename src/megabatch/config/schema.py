@@ -434,12 +434,14 @@ def check_model(model: DictConfig) -> None:
         if not isinstance(model.get(key, False), bool):
             raise ConfigError(f"model.{key}={model[key]!r}: give true or false")
     attention = model.get("attention", "sdpa")
-    if attention not in ("sdpa", "triton"):
-        raise ConfigError(f"model.attention={attention!r}: give sdpa (PyTorch's scaled_dot_product_attention) or "
-                          "triton (the project's kernels on the packed projection)")
+    if attention not in ("auto", "sdpa", "triton"):
+        raise ConfigError(f"model.attention={attention!r}: give auto (per call, from the kernels' measured table), "
+                          "sdpa (PyTorch's scaled_dot_product_attention) or triton (the project's kernels on the "
+                          "packed projection)")
     if attention == "triton" and not model.get("direct_attention", False):
         raise ConfigError("model.attention=triton runs in the blocks that model.direct_attention makes: set "
                           "model.direct_attention=true (or model.attention=sdpa)")
+    # auto without direct_attention: nn.MultiheadAttention's own SDPA, nothing to choose
     scope = model.get("compile_scope", "auto")
     if scope not in ("auto", "block", "tower"):
         raise ConfigError(f"model.compile_scope={scope!r}: give block (each transformer block compiled once for all "

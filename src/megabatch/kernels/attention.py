@@ -44,27 +44,33 @@ def _tile(ptr, rows, stride_s, dims, length, head_dim, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _visible(rows, cols, length, CAUSAL: tl.constexpr):
-    """Which (query row, key column) pairs attend: both inside the sequence, the key not after the
-    query with ``CAUSAL``."""
-    valid = (rows[:, None] < length) & (cols[None, :] < length)
-    if CAUSAL:
-        valid = valid & (cols[None, :] <= rows[:, None])
-    return valid
-
-
-@triton.jit
-def _probabilities(q, k, lse, rows, cols, length, scale_log2, CAUSAL: tl.constexpr):
-    """The softmax probabilities of a (query block, key block) tile, recomputed from the rows' saved
-    log-sum-exps (base 2); zero where a pair does not attend."""
-    return tl.where(_visible(rows, cols, length, CAUSAL),
-                    tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]), 0.0)
+def _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims, length, head_dim, scale_log2,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """One key block's step of the online softmax: the rows' running maximum ``m_i`` and sum ``l_i``
+    (base 2) and the output accumulator. ``MASKED``: the block has keys past the sequence, or (with
+    ``CAUSAL``) keys after some of the rows; without it no score is compared."""
+    cols = start + tl.arange(0, BLOCK_N)
+    k = _tile(base + stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+    v = _tile(base + 2 * stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASKED:  # every row, also past the sequence (not stored), sees key 0: its maximum stays finite
+        valid = cols[None, :] < length
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    p = tl.exp2(qk * scale_log2 - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit
 def _forward_kernel(QKV, OUT, LSE, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
                     heads, length, head_dim, scale_log2,
-                    CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     block_m, bh = tl.program_id(0), tl.program_id(1)
     batch, head = bh // heads, bh % heads
@@ -75,22 +81,18 @@ def _forward_kernel(QKV, OUT, LSE, stride_b, stride_s, stride_3, stride_h, out_b
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = tl.minimum(length, (block_m + 1) * BLOCK_M) if CAUSAL else length
-    for start in range(0, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        k = _tile(base + stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
-        v = _tile(base + 2 * stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
-        # every row, also past the sequence (not stored), sees key 0: its maximum is finite
-        valid = cols[None, :] < length
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None])
-        scores = tl.where(valid, tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if CAUSAL:  # key blocks wholly before the block's first row, then the diagonal's
+        full = (block_m * BLOCK_M // BLOCK_N) * BLOCK_N
+        end = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    else:  # whole key blocks, then the one the sequence ends in
+        full = (length // BLOCK_N) * BLOCK_N
+        end = length
+    for start in range(0, full, BLOCK_N):
+        acc, l_i, m_i = _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims, length,
+                                       head_dim, scale_log2, False, CAUSAL, UPCAST, PRECISION, BLOCK_N)
+    for start in range(full, end, BLOCK_N):
+        acc, l_i, m_i = _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims, length,
+                                       head_dim, scale_log2, True, CAUSAL, UPCAST, PRECISION, BLOCK_N)
     acc = acc / l_i[:, None]
     row_ok = rows < length
     out = OUT + batch.to(tl.int64) * out_b + head * out_h + rows[:, None] * out_s + dims[None, :]
@@ -112,9 +114,44 @@ def _delta_kernel(OUT, DO, DELTA, out_b, out_s, out_h, heads, length, head_dim,
 
 
 @triton.jit
+def _probabilities(q, k, lse, rows, cols, length, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """The softmax probabilities of a (query block, key block) tile, recomputed from the rows' saved
+    log-sum-exps (base 2). With ``MASKED`` (the block the sequence ends in, a causal diagonal block)
+    zero for keys past the sequence and, with ``CAUSAL``, keys after their query.
+
+    Rows past the sequence need no mask: their q and dO are zero and their log-sum-exp is read as
+    0, so their probabilities are 1 and multiply zeros. Nor do keys past the sequence in dK/dV,
+    whose rows are never stored; dQ masks them (``exp2(-lse)`` may overflow where k is zero)."""
+    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2 - lse[:, None])
+    if MASKED:
+        valid = cols[None, :] < length
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        p = tl.where(valid, p, 0.0)
+    return p
+
+
+@triton.jit
+def _dkdv_block(dk, dv, k, v, base, dout, stats, start, cols, stride_s, out_s, dims, length, head_dim,
+                scale_log2, LSE, DELTA, MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    rows = start + tl.arange(0, BLOCK_M)
+    q = _tile(base, rows, stride_s, dims, length, head_dim, UPCAST)
+    do = _tile(dout, rows, out_s, dims, length, head_dim, UPCAST)
+    lse = tl.load(LSE + stats + rows, mask=rows < length, other=0.0)
+    delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
+    p = _probabilities(q, k, lse, rows, cols, length, scale_log2, MASKED, CAUSAL, PRECISION)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
                  heads, length, head_dim, scale, scale_log2,
-                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     block_n, bh = tl.program_id(0), tl.program_id(1)
     batch, head = bh // heads, bh % heads
@@ -126,18 +163,18 @@ def _dkdv_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride
     v = _tile(base + 2 * stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    first = (block_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # rows above the block see none of it
     stats = bh.to(tl.int64) * length
-    for start in range(first, length, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        q = _tile(base, rows, stride_s, dims, length, head_dim, UPCAST)
-        do = _tile(dout, rows, out_s, dims, length, head_dim, UPCAST)
-        lse = tl.load(LSE + stats + rows, mask=rows < length, other=0.0)
-        delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
-        p = _probabilities(q, k, lse, rows, cols, length, scale_log2, CAUSAL)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    if CAUSAL:  # rows above the key block see none of it; the diagonal's query blocks are masked
+        first = (block_n * BLOCK_N // BLOCK_M) * BLOCK_M
+        diagonal = tl.minimum(first + tl.cdiv(block_n * BLOCK_N + BLOCK_N - 1 - first, BLOCK_M) * BLOCK_M, length)
+        for start in range(first, diagonal, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, base, dout, stats, start, cols, stride_s, out_s, dims, length,
+                                 head_dim, scale_log2, LSE, DELTA, True, CAUSAL, UPCAST, PRECISION, BLOCK_M)
+    else:
+        diagonal = 0
+    for start in range(diagonal, length, BLOCK_M):  # keys past the sequence are never stored: no mask
+        dk, dv = _dkdv_block(dk, dv, k, v, base, dout, stats, start, cols, stride_s, out_s, dims, length,
+                             head_dim, scale_log2, LSE, DELTA, False, CAUSAL, UPCAST, PRECISION, BLOCK_M)
     grad = DQKV + batch.to(tl.int64) * stride_b + head * stride_h + cols[:, None] * stride_s + dims[None, :]
     mask = (cols[:, None] < length) & (dims[None, :] < head_dim)
     tl.store(grad + stride_3, (dk * scale).to(DQKV.dtype.element_ty), mask=mask)
@@ -145,9 +182,21 @@ def _dkdv_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride
 
 
 @triton.jit
+def _dq_block(dq, q, do, lse, delta, base, rows, start, stride_s, stride_3, dims, length, head_dim, scale_log2,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    cols = start + tl.arange(0, BLOCK_N)
+    k = _tile(base + stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+    v = _tile(base + 2 * stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+    p = _probabilities(q, k, lse, rows, cols, length, scale_log2, MASKED, CAUSAL, PRECISION)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+
+@triton.jit
 def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
                heads, length, head_dim, scale, scale_log2,
-               CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+               CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     block_m, bh = tl.program_id(0), tl.program_id(1)
     batch, head = bh // heads, bh % heads
@@ -160,23 +209,53 @@ def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride_h
     lse = tl.load(LSE + stats + rows, mask=rows < length, other=0.0)
     delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = tl.minimum(length, (block_m + 1) * BLOCK_M) if CAUSAL else length
-    for start in range(0, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        k = _tile(base + stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
-        v = _tile(base + 2 * stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
-        p = _probabilities(q, k, lse, rows, cols, length, scale_log2, CAUSAL)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+    if CAUSAL:  # key blocks wholly before the block's first row, then the diagonal's
+        full = (block_m * BLOCK_M // BLOCK_N) * BLOCK_N
+        end = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    else:  # whole key blocks, then the one the sequence ends in
+        full = (length // BLOCK_N) * BLOCK_N
+        end = length
+    for start in range(0, full, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, base, rows, start, stride_s, stride_3, dims, length, head_dim,
+                       scale_log2, False, CAUSAL, UPCAST, PRECISION, BLOCK_N)
+    for start in range(full, end, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, base, rows, start, stride_s, stride_3, dims, length, head_dim,
+                       scale_log2, True, CAUSAL, UPCAST, PRECISION, BLOCK_N)
     tl.store(DQKV + batch.to(tl.int64) * stride_b + head * stride_h + rows[:, None] * stride_s + dims[None, :],
              (dq * scale).to(DQKV.dtype.element_ty), mask=(rows[:, None] < length) & (dims[None, :] < head_dim))
 
 
-# Tiles (rows of queries, rows of keys) and warps per kernel; chosen for an H100 at head dims 64-128
-FORWARD_TILES = (128, 64, 4)
-DKDV_TILES = (32, 128, 4)  # (query rows per step, key rows per program, warps)
-DQ_TILES = (128, 32, 4)
-INTERPRETED_TILES = (32, 32, 1)  # the interpreter: small tiles keep numpy's work close to the sequence
+# Tiles per kernel: (query rows, key rows, warps, pipeline stages), by head dim (<= 64, <= 128);
+# ``scripts/benchmarks/attention.py --tune`` measures the alternatives
+TILES = {
+    "forward": {64: (64, 32, 4, 3), 128: (128, 32, 4, 2)},
+    "dkdv": {64: (64, 64, 4, 3), 128: (64, 64, 4, 2)},  # each program owns a block of key rows
+    "dq": {64: (64, 32, 4, 4), 128: (128, 64, 8, 2)},  # each program owns a block of query rows
+}
+INTERPRETED_TILES = (32, 32, 1, 1)  # the interpreter: small tiles keep numpy's work close to the sequence
+
+
+# model.attention=auto, from scripts/benchmarks/attention.py and towers.py on an H100 (bf16; in docs/bench:
+# attention_tune_h100.json, attention_host_h100.json, towers_attention_sdpa_vit_b16_h100.json and
+# towers_attention_auto_vit_b16_h100.json). At head dim 64
+# the backward takes 0.36-0.55x the GPU time of cuDNN SDPA on the packed projection's views (S=197, 257,
+# 577) and the forward 0.9-1.4x; but a call costs the host ~0.4 ms more per forward + backward (three
+# more kernel launches through Python), which the GPU gains repay only on long sequences: a ViT-B/16
+# image tower's replay (S=197) took 136.0 against 139.1 ms, a text tower's (S=32, causal) 33.5 against
+# 29.0 ms. So: the kernels where a backward follows, at head dims up to 64 and lengths from 128; SDPA for
+# forwards without autograd (GradCache's graph-free pass, evaluation), short text, head dim 104
+# (ViT-bigG-14: SDPA was faster both ways), and on devices without a measurement.
+AUTO_MAX_HEAD_DIM = 64
+AUTO_MIN_LENGTH = 128
+AUTO_DEVICES = ("cuda",)  # on the CPU the kernels only run interpreted (tests), far slower than SDPA
+
+
+def faster_than_sdpa(qkv: torch.Tensor) -> bool:
+    """``model.attention=auto``: whether these kernels beat SDPA for this call of ``qkv [b, s, 3, h, d]``
+    (see ``AUTO_MAX_HEAD_DIM``): on a CUDA GPU, with autograd recording (a backward follows), at head
+    dims up to 64 and lengths from 128."""
+    return (qkv.device.type in AUTO_DEVICES and qkv.shape[-1] <= AUTO_MAX_HEAD_DIM
+            and qkv.shape[1] >= AUTO_MIN_LENGTH and torch.is_grad_enabled() and qkv.requires_grad)
 
 
 def _check(qkv: torch.Tensor) -> tuple[int, int, int, int]:
@@ -192,12 +271,18 @@ def _check(qkv: torch.Tensor) -> tuple[int, int, int, int]:
     return batch, length, heads, head_dim
 
 
-def _tiles(kind: tuple[int, int, int]) -> tuple[int, int, int]:
-    return INTERPRETED_TILES if interpreting() else kind
+def _tiles(kernel: str, head_dim: int) -> tuple[int, int, int, int]:
+    """(query rows, key rows, warps, stages) of ``kernel`` at ``head_dim``."""
+    return INTERPRETED_TILES if interpreting() else TILES[kernel][64 if head_dim <= 64 else 128]
 
 
 def _upcast(qkv: torch.Tensor) -> bool:
     return interpreting() and qkv.dtype == torch.bfloat16
+
+
+def _precision(qkv: torch.Tensor) -> str:
+    """fp32 inputs get exact fp32 dots (as SDPA's), not the tensor cores' TF32 (~1e-3 relative)."""
+    return "ieee" if qkv.dtype == torch.float32 else "tf32"
 
 
 @torch.library.custom_op("megabatch::packed_attention", mutates_args=())
@@ -208,14 +293,13 @@ def packed_attention_op(qkv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, 
     qkv = qkv.contiguous()  # the in-projection's view already is
     out = qkv.new_empty(batch, length, heads, head_dim)
     lse = torch.empty(batch, heads, length, device=qkv.device, dtype=torch.float32)
-    block_m, block_n, warps = _tiles(FORWARD_TILES)
-    warps = warps if head_dim <= 64 or interpreting() else 2 * warps  # a [128, 128] fp32 accumulator
+    block_m, block_n, warps, stages = _tiles("forward", head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     _forward_kernel[(triton.cdiv(length, block_m), batch * heads)](
         qkv, out, lse, qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
         out.stride(0), out.stride(1), out.stride(2), heads, length, head_dim, scale * LOG2E,
-        CAUSAL=causal, UPCAST=_upcast(qkv), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=warps)
+        CAUSAL=causal, UPCAST=_upcast(qkv), PRECISION=_precision(qkv), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -243,14 +327,14 @@ def packed_attention_backward(grad_out: torch.Tensor, qkv: torch.Tensor, out: to
     scale = 1.0 / math.sqrt(head_dim)
     common = (qkv, grad_out, lse, delta, grad, qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
               grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), heads, length, head_dim, scale, scale * LOG2E)
-    block_m, block_n, warps = _tiles(DKDV_TILES)
+    block_m, block_n, warps, stages = _tiles("dkdv", head_dim)
     _dkdv_kernel[(triton.cdiv(length, block_n), batch * heads)](
-        *common, CAUSAL=causal, UPCAST=_upcast(qkv), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=warps)
-    block_m, block_n, warps = _tiles(DQ_TILES)
+        *common, CAUSAL=causal, UPCAST=_upcast(qkv), PRECISION=_precision(qkv), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+    block_m, block_n, warps, stages = _tiles("dq", head_dim)
     _dq_kernel[(triton.cdiv(length, block_m), batch * heads)](
-        *common, CAUSAL=causal, UPCAST=_upcast(qkv), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=warps)
+        *common, CAUSAL=causal, UPCAST=_upcast(qkv), PRECISION=_precision(qkv), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return grad
 
 

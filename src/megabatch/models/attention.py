@@ -16,7 +16,9 @@ reordered sum (tests/models/test_attention.py).
 (``kernels/attention.py``), which read q, k and v from the packed projection and give the output as
 ``[b, s, e]`` and the gradient packed, with no layout copies either way. A block of a causally masked
 text tower runs the causal kernel; a block given any other mask, or with attention dropout in
-training, keeps SDPA.
+training, keeps SDPA. ``model.attention=auto`` (the default) picks per call from the kernels' measured
+table (``kernels.attention.faster_than_sdpa``): the Triton kernels where a backward follows, SDPA for
+forwards without autograd and on the CPU.
 
 Only self-attention blocks of open_clip's ``ResidualAttentionBlock`` with a plain batch-first
 ``nn.MultiheadAttention`` are changed (no ``bias_k``/``bias_v``, no ``add_zero_attn``, one embedding
@@ -31,16 +33,16 @@ import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
-from ..kernels.attention import packed_attention
+from ..kernels.attention import faster_than_sdpa, packed_attention
 
-KERNELS = ("sdpa", "triton")  # model.attention
+KERNELS = ("auto", "sdpa", "triton")  # model.attention
 
 
 class DirectAttentionBlock(ResidualAttentionBlock):
     """An open_clip ``ResidualAttentionBlock`` whose self-attention calls SDPA, or the Triton kernels,
     directly (see the module)."""
 
-    kernel = "sdpa"       # model.attention: sdpa | triton (use_direct_attention sets it per block)
+    kernel = "sdpa"       # model.attention: auto | sdpa | triton (use_direct_attention sets it per block)
     causal_mask = False   # a mask given to this block is its tower's causal mask (open_clip's text tower)
 
     def attention(self, q_x: torch.Tensor, k_x: torch.Tensor | None = None, v_x: torch.Tensor | None = None,
@@ -53,7 +55,8 @@ class DirectAttentionBlock(ResidualAttentionBlock):
         heads = attn.num_heads
         qkv = F.linear(q_x, attn.in_proj_weight, attn.in_proj_bias).view(batch, length, 3, heads, width // heads)
         dropout = attn.dropout if self.training else 0.0
-        if self.kernel == "triton" and dropout == 0.0 and (attn_mask is None or self.causal_mask):
+        if self.kernel != "sdpa" and dropout == 0.0 and (attn_mask is None or self.causal_mask) \
+                and (self.kernel == "triton" or faster_than_sdpa(qkv)):
             out = packed_attention(qkv, causal=attn_mask is not None)  # [b, s, h, d]: [b, s, e] as it is
             return attn.out_proj(out.view(batch, length, width))
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [b, h, s, d] views of the one projection
@@ -72,7 +75,7 @@ def eligible(block: nn.Module) -> bool:
 
 def use_direct_attention(model: nn.Module, kernel: str = "sdpa") -> int:
     """Turn every eligible block of ``model`` into a ``DirectAttentionBlock`` (in place, parameters
-    kept) computing its attention with ``kernel`` (``model.attention``: sdpa or triton). Returns how
+    kept) computing its attention with ``kernel`` (``model.attention``: auto, sdpa or triton). Returns how
     many were changed. Call before sharding or compiling."""
     if kernel not in KERNELS:  # a config's value is checked with the others (config/schema.py)
         raise ValueError(f"kernel={kernel!r}: give one of {KERNELS}")
