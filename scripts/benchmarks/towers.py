@@ -14,8 +14,8 @@ Variants: ``eager``, ``compile`` (``model.compile=true`` as the trainer compiles
 a ``direct`` anywhere in the name: ``model.direct_attention=true`` (``compile-direct``,
 ``compile-direct-max-autotune``), a ``patch`` anywhere: ``model.patch_gemm=true``
 (``compile-direct-patch``), a ``triton`` anywhere: ``model.attention=triton`` (the project's attention
-kernels, with ``direct``: ``compile-direct-triton``), an ``auto``: ``model.attention=auto``; without them
-they are off (SDPA).
+kernels, with ``direct``: ``compile-direct-triton``), an ``auto``: ``model.attention=auto``, a ``fused``:
+``model.fused_mlp=true`` (the GELU in the MLP's GEMMs); without them they are off (SDPA, open_clip's MLP).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def build(model_name: str, overrides: list[str], variant: str, rows: int, device
     patch = f"model.patch_gemm={str('patch' in variant).lower()}"
     compiled = f"model.compile={str(variant.startswith('compile')).lower()}"
     attention = "model.attention=" + next((k for k in ("triton", "auto") if k in variant), "sdpa")
-    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled, attention)
+    mlp = f"model.fused_mlp={str('fused' in variant).lower()}"
+    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled, attention, mlp)
     configure_backends(cfg, device)  # as the Trainer does, before building
     model = build_model(cfg.model).to(device).train()
     model.trim_text(True)

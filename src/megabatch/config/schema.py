@@ -176,6 +176,11 @@ def validate(cfg: DictConfig) -> DictConfig:
         if not (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())):
             raise ConfigError("model.fp8=true trains the towers' matmuls in FP8 on a GPU's FP8 tensor cores, and this "
                               "run is on the CPU: set model.fp8=false")
+    if cfg.model.get("fused_mlp", False):
+        device = str(cfg.trainer.device)
+        if not (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())):
+            raise ConfigError("model.fused_mlp=true runs the MLPs' GEMMs in Triton kernels on the GPU, and this run "
+                              "is on the CPU: set model.fused_mlp=false")
     check_logit_bias(cfg.loss, cfg.model)
     return cfg
 
@@ -430,9 +435,12 @@ def check_model(model: DictConfig) -> None:
     """What can be checked of the model before it is built: the sizes a built-in shape gives.
     The towers' own fields are open_clip's, checked by the builders with errors naming
     ``model.image`` / ``model.text``; an open_clip architecture's sizes are its own."""
-    for key in ("compile", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fp8"):
+    for key in ("compile", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fused_mlp", "fp8"):
         if not isinstance(model.get(key, False), bool):
             raise ConfigError(f"model.{key}={model[key]!r}: give true or false")
+    if model.get("fused_mlp", False) and model.get("fp8", False):
+        raise ConfigError("model.fused_mlp=true computes the MLPs' GEMMs itself, model.fp8=true converts them to "
+                          "FP8: set one of them to false")
     attention = model.get("attention", "sdpa")
     if attention not in ("auto", "sdpa", "triton"):
         raise ConfigError(f"model.attention={attention!r}: give auto (per call, from the kernels' measured table), "

@@ -1,0 +1,58 @@
+"""``model.fused_mlp``: the blocks' MLPs through the fused GELU GEMMs give the features and gradients
+of open_clip's ``c_fc -> nn.GELU -> c_proj`` (fp32, rounding only), keep the state dict, leave other
+MLPs alone, and are refused where they cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megabatch.config import ConfigError
+from megabatch.models.mlp import FusedMlp
+
+from ..helpers import compose, rel_error
+from .test_attention import features_and_grads, images
+from .test_text_length import SMALL_IMAGE, SMALL_TEXT, built, captions
+
+MODELS = {  # name -> (overrides, MLPs fused)
+    "tiny": (["model=tiny"], 5),
+    "ViT-B-32": (["model=openclip", "model.arch=ViT-B-32", *SMALL_TEXT, *SMALL_IMAGE], 3),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_fused_mlp_gives_the_modules_features_and_gradients(name):
+    overrides, count = MODELS[name]
+    plain = built(overrides).train()
+    fused = built([*overrides, "model.fused_mlp=true"]).train()
+    assert sum(isinstance(m, FusedMlp) for m in fused.modules()) == count
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    fused.load_state_dict(plain.state_dict())
+    plain.trim_text()
+    fused.trim_text()
+    pixels, texts = images(plain, 3), captions(plain, 3)
+    for want, have in zip(features_and_grads(plain, pixels, texts), features_and_grads(fused, pixels, texts),
+                          strict=True):
+        assert rel_error(have, want) <= 1e-5
+    with torch.autocast("cpu", torch.bfloat16):  # autocast's casts: the parameters' gradients stay fp32
+        image = fused(pixels, texts)[0]
+    image.float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for m in fused.modules() if isinstance(m, FusedMlp)
+               for p in m.parameters())
+
+
+def test_quick_gelu_and_tanh_mlps_are_left_alone():
+    quick = built(["model=tiny", "model.quick_gelu=true", "model.fused_mlp=true"])
+    assert not any(isinstance(m, FusedMlp) for m in quick.modules())
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.fused_mlp=true", "trainer.device=cpu"], "on the CPU"),
+    (["model.fused_mlp=true", "model.fp8=true"], "set one of them to false"),
+    (["model.fused_mlp=yes"], r"model\.fused_mlp"),
+])
+def test_where_it_cannot_run_the_config_says_so(overrides, message):
+    from megabatch.config.schema import validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(*overrides))
