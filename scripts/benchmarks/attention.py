@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from common import write_results
+from common import gpu_time, write_results
 
 from megabatch.kernels import attention
 from megabatch.kernels.attention import packed_attention, packed_attention_backward, packed_attention_op
@@ -48,20 +47,6 @@ def sdpa(qkv: torch.Tensor, causal: bool) -> torch.Tensor:
 
 def triton_packed(qkv: torch.Tensor, causal: bool) -> torch.Tensor:
     return packed_attention(qkv, causal).flatten(2)
-
-
-def timed(fn, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 CANDIDATES = {
@@ -96,7 +81,7 @@ def tune(shape: str, dtype: torch.dtype, warmup: int, repeat: int) -> tuple[list
                     got = run().float()
                 want = reference["forward" if kernel == "forward" else "backward"]
                 row["rel_diff"] = float((got - want).norm() / want.norm())
-                row["ms"] = timed(run, warmup, repeat) * 1e3
+                row["ms"] = gpu_time(run, warmup, repeat) * 1e3
                 if row["rel_diff"] < 1e-2:
                     results.append((row["ms"], tiles))
             except Exception as error:  # noqa: BLE001 - a tile that cannot compile (shared memory) is a row
@@ -134,13 +119,13 @@ def measure(shape: str, dtype: torch.dtype, warmup: int, repeat: int) -> list[di
     for name, fn in (("sdpa", sdpa), ("triton", triton_packed)):
         leaf = qkv.clone().requires_grad_()
         try:
-            forward = timed(lambda fn=fn: fn(qkv, causal), warmup, repeat)
+            forward = gpu_time(lambda fn=fn: fn(qkv, causal), warmup, repeat)
 
             def forward_backward(fn=fn, leaf=leaf):
                 leaf.grad = None
                 fn(leaf, causal).backward(grad)
 
-            both = timed(forward_backward, warmup, repeat)
+            both = gpu_time(forward_backward, warmup, repeat)
             host = {"forward_host_us": launch_cost(lambda fn=fn: fn(qkv, causal)) * 1e6,
                     "forward_backward_host_us": launch_cost(forward_backward) * 1e6}
         except Exception as error:  # noqa: BLE001 - a kernel that cannot run this shape is a row too

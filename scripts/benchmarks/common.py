@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +28,21 @@ def sync(device: torch.device) -> None:
     """Wait for the GPU (no-op on the CPU): around every timed region."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def gpu_time(fn, warmup: int, repeat: int) -> float:
+    """Median seconds of ``fn()`` on the GPU (CUDA events around each call), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def peak_gb(device: torch.device) -> float:

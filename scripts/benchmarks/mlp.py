@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
-from common import write_results
+from common import gpu_time, write_results
 
 from megabatch.kernels.mlp import fused_mlp
 
@@ -30,20 +29,6 @@ SHAPES = ["100864x768x3072", "65792x1024x4096", "16384x512x2048"]
 
 def eager(x, w1, b1, w2, b2):
     return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
-
-
-def timed(fn, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def measure(shape: str, warmup: int, repeat: int) -> list[dict]:
@@ -68,8 +53,8 @@ def measure(shape: str, warmup: int, repeat: int) -> list[dict]:
             fn(*tensors).backward(grad)
 
         try:
-            forward_s = timed(forward, warmup, repeat)
-            both_s = timed(forward_backward, warmup, repeat)
+            forward_s = gpu_time(forward, warmup, repeat)
+            both_s = gpu_time(forward_backward, warmup, repeat)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot run a shape is a row too
             rows.append({"shape": shape, "impl": name, "error": str(error)[:500]})
             continue

@@ -44,6 +44,20 @@ def _tile(ptr, rows, stride_s, dims, length, head_dim, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _key_blocks(block_m, length, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key range a block of query rows walks, split where masking starts: ``[0, full)`` needs no
+    mask, ``[full, end)`` does. Causal: the blocks wholly before the block's first row, then the
+    diagonal's; otherwise the whole blocks, then the one the sequence ends in."""
+    if CAUSAL:
+        full = (block_m * BLOCK_M // BLOCK_N) * BLOCK_N
+        end = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    else:
+        full = (length // BLOCK_N) * BLOCK_N
+        end = length
+    return full, end
+
+
+@triton.jit
 def _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims, length, head_dim, scale_log2,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr):
@@ -81,12 +95,7 @@ def _forward_kernel(QKV, OUT, LSE, stride_b, stride_s, stride_3, stride_h, out_b
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if CAUSAL:  # key blocks wholly before the block's first row, then the diagonal's
-        full = (block_m * BLOCK_M // BLOCK_N) * BLOCK_N
-        end = tl.minimum(length, (block_m + 1) * BLOCK_M)
-    else:  # whole key blocks, then the one the sequence ends in
-        full = (length // BLOCK_N) * BLOCK_N
-        end = length
+    full, end = _key_blocks(block_m, length, CAUSAL, BLOCK_M, BLOCK_N)
     for start in range(0, full, BLOCK_N):
         acc, l_i, m_i = _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims, length,
                                        head_dim, scale_log2, False, CAUSAL, UPCAST, PRECISION, BLOCK_N)
@@ -209,12 +218,7 @@ def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride_h
     lse = tl.load(LSE + stats + rows, mask=rows < length, other=0.0)
     delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if CAUSAL:  # key blocks wholly before the block's first row, then the diagonal's
-        full = (block_m * BLOCK_M // BLOCK_N) * BLOCK_N
-        end = tl.minimum(length, (block_m + 1) * BLOCK_M)
-    else:  # whole key blocks, then the one the sequence ends in
-        full = (length // BLOCK_N) * BLOCK_N
-        end = length
+    full, end = _key_blocks(block_m, length, CAUSAL, BLOCK_M, BLOCK_N)
     for start in range(0, full, BLOCK_N):
         dq = _dq_block(dq, q, do, lse, delta, base, rows, start, stride_s, stride_3, dims, length, head_dim,
                        scale_log2, False, CAUSAL, UPCAST, PRECISION, BLOCK_N)
