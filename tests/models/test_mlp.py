@@ -4,6 +4,8 @@ MLPs alone, and are refused where they cannot run."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -56,3 +58,24 @@ def test_where_it_cannot_run_the_config_says_so(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         validate(compose(*overrides))
+
+
+def test_compiled_under_autocast_it_is_one_graph():
+    """``FusedMlp``'s autocast casts trace (no graph break): the op sees one dtype, the parameters'
+    gradients come back in theirs."""
+    from collections import OrderedDict
+
+    from megabatch.models.mlp import use_fused_mlp
+
+    torch._dynamo.reset()
+    block = torch.nn.Module()
+    block.mlp = torch.nn.Sequential(OrderedDict([("c_fc", torch.nn.Linear(32, 64)), ("gelu", torch.nn.GELU()),
+                                                 ("c_proj", torch.nn.Linear(64, 32))]))
+    plain = copy.deepcopy(block.mlp)
+    assert use_fused_mlp(block) == 1
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", torch.bfloat16):
+        got, want = torch.compile(block.mlp, fullgraph=True)(x), plain(x)
+    assert got.dtype == want.dtype == torch.bfloat16 and rel_error(got.detach().float(), want.detach().float()) <= 1e-2
+    got.float().sum().backward()
+    assert block.mlp.c_fc.weight.grad.dtype == torch.float32
