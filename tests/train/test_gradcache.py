@@ -472,6 +472,32 @@ def test_every_exact_option_on_gives_the_gradients_of_all_off(loss, monkeypatch)
         assert rel_error(result["loss"], full["loss"]) <= 1e-6
 
 
+def test_the_attention_and_mlp_kernels_give_the_plain_gradients(monkeypatch):
+    """``model.attention=triton`` and ``model.fused_mlp=true`` under GradCache (the kernels in the
+    graph-free pass and in the replay, captions cut and grouped): the one-pass step's gradients with
+    SDPA and open_clip's MLP, within fp32 rounding; every block ran both kernels."""
+    from megabatch.models import attention, mlp
+
+    calls = {"attention": 0, "mlp": 0}
+    attention_kernel, mlp_kernel = attention.packed_attention, mlp.fused_mlp
+
+    def counted(name, kernel):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(attention, "packed_attention", counted("attention", attention_kernel))
+    monkeypatch.setattr(mlp, "fused_mlp", counted("mlp", mlp_kernel))
+    small = ["batch=8", "model.image.patch_size=8", "model.image.patch_dropout=0"]  # the interpreter is slow
+    plain = step_gradients(0, 1, small)
+    assert calls == {"attention": 0, "mlp": 0}
+    kernels = step_gradients(0, 1, [*small, "trainer.sub_batch=4", "model.attention=triton", "model.fused_mlp=true"])
+    assert calls["attention"] > 0 and calls["attention"] == calls["mlp"]  # one of each per block call
+    assert rel_error(flat(kernels["grads"]), flat(plain["grads"])) <= 1e-5
+    assert rel_error(kernels["loss"], plain["loss"]) <= 1e-6
+
+
 def test_caption_chunks_replay_their_dropout_bit_for_bit(monkeypatch):
     """MiniLM trains with dropout: each caption chunk, grouped by length apart from its images,
     is replayed with the RNG state it was first encoded with."""
