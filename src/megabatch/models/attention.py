@@ -16,9 +16,10 @@ reordered sum (tests/models/test_attention.py).
 (``kernels/attention.py``), which read q, k and v from the packed projection and give the output as
 ``[b, s, e]`` and the gradient packed, with no layout copies either way. A block of a causally masked
 text tower runs the causal kernel; a block given any other mask, or with attention dropout in
-training, keeps SDPA. ``model.attention=auto`` (the default) picks per call from the kernels' measured
-table (``kernels.attention.faster_than_sdpa``): the Triton kernels where a backward follows, SDPA for
-forwards without autograd and on the CPU.
+training, keeps SDPA. ``model.attention=auto`` picks per call from the kernels' measured table
+(``kernels.attention.faster_than_sdpa``): the Triton kernels where a backward follows on long
+sequences, SDPA for forwards without autograd, short sequences and on the CPU. The default stays
+``sdpa`` until the kernels are measured faster end to end (docs/performance.md).
 
 Only self-attention blocks of open_clip's ``ResidualAttentionBlock`` with a plain batch-first
 ``nn.MultiheadAttention`` are changed (no ``bias_k``/``bias_v``, no ``add_zero_attn``, one embedding
