@@ -1,5 +1,6 @@
 """The towers' attention, side by side: PyTorch's SDPA (cuDNN / flash, on the strided q/k/v views of
-the packed projection, as ``model.direct_attention`` calls it) against the project's Triton kernels
+the packed projection, as ``model.direct_attention`` calls it; eager and compiled by inductor, which
+fuses the views' gradients into the packed layout) against the project's Triton kernels
 on the packed projection (``model.attention=triton``), forward and forward + backward, per shape.
 
     python scripts/benchmarks/attention.py --out attention_h100.json
@@ -47,6 +48,9 @@ def sdpa(qkv: torch.Tensor, causal: bool) -> torch.Tensor:
 
 def triton_packed(qkv: torch.Tensor, causal: bool) -> torch.Tensor:
     return packed_attention(qkv, causal).flatten(2)
+
+
+COMPILED_SDPA = torch.compile(sdpa, dynamic=False)
 
 
 CANDIDATES = {
@@ -116,7 +120,9 @@ def measure(shape: str, dtype: torch.dtype, warmup: int, repeat: int) -> list[di
     grad = torch.randn(batch, length, heads * head_dim, device="cuda", dtype=dtype, generator=generator)
     flops = 4 * batch * heads * length * length * head_dim * (0.5 if causal else 1.0)
     rows, outputs = [], {}
-    for name, fn in (("sdpa", sdpa), ("triton", triton_packed)):
+    # sdpa-compiled: inductor fuses the views' gradient into the packed layout, as model.compile does
+    # (eager, autograd assembles q, k and v's gradients with copies that a compiled block does not make)
+    for name, fn in (("sdpa", sdpa), ("sdpa-compiled", COMPILED_SDPA), ("triton", triton_packed)):
         leaf = qkv.clone().requires_grad_()
         try:
             forward = gpu_time(lambda fn=fn: fn(qkv, causal), warmup, repeat)
@@ -137,7 +143,7 @@ def measure(shape: str, dtype: torch.dtype, warmup: int, repeat: int) -> list[di
                      "causal": causal, "dtype": str(dtype), "kernel": name, "forward_ms": forward * 1e3,
                      "backward_ms": backward * 1e3, "forward_tflops": flops / forward / 1e12,
                      "backward_tflops": 2.5 * flops / backward / 1e12, **host})
-    if len(outputs) == 2:  # the two agree (bf16 rounding apart)
+    if "sdpa" in outputs and "triton" in outputs:  # the two agree (bf16 rounding apart)
         for row in rows:
             if row["kernel"] == "triton":
                 for index, part in enumerate(("out", "grad")):
@@ -174,8 +180,11 @@ def main() -> None:
     for shape in args.shapes.split(","):
         pair = {row["kernel"]: row for row in rows if row["shape"] == shape and "forward_ms" in row}
         if "sdpa" in pair and "triton" in pair:
+            compiled = pair.get("sdpa-compiled", pair["sdpa"])
             print(f"{shape:>16}  forward {pair['sdpa']['forward_ms'] / pair['triton']['forward_ms']:.2f}x  "
                   f"backward {pair['sdpa']['backward_ms'] / pair['triton']['backward_ms']:.2f}x  "
+                  f"(against compiled SDPA {compiled['forward_ms'] / pair['triton']['forward_ms']:.2f}x / "
+                  f"{compiled['backward_ms'] / pair['triton']['backward_ms']:.2f}x)  "
                   f"(triton {pair['triton']['forward_tflops']:.0f} / {pair['triton']['backward_tflops']:.0f} "
                   f"TFLOP/s, sdpa {pair['sdpa']['forward_tflops']:.0f} / {pair['sdpa']['backward_tflops']:.0f}; host "
                   f"us per forward + backward: triton {pair['triton']['forward_backward_host_us']:.0f}, "

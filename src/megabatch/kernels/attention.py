@@ -241,13 +241,13 @@ INTERPRETED_TILES = (32, 32, 1, 1)  # the interpreter: small tiles keep numpy's 
 
 # model.attention=auto, from scripts/benchmarks/attention.py and towers.py on an H100 (bf16; in docs/bench:
 # attention_tune_h100.json, attention_host_h100.json, towers_attention_sdpa_vit_b16_h100.json and
-# towers_attention_auto_vit_b16_h100.json). At head dim 64
-# the backward takes 0.36-0.55x the GPU time of cuDNN SDPA on the packed projection's views (S=197, 257,
-# 577) and the forward 0.9-1.4x; but a call costs the host ~0.4 ms more per forward + backward (three
-# more kernel launches through Python), which the GPU gains repay only on long sequences: a ViT-B/16
-# image tower's replay (S=197) took 136.0 against 139.1 ms, a text tower's (S=32, causal) 33.5 against
-# 29.0 ms. So: the kernels where a backward follows, at head dims up to 64 and lengths from 128; SDPA for
-# forwards without autograd (GradCache's graph-free pass, evaluation), short text, head dim 104
+# towers_attention_auto_vit_b16_h100.json). At head dim 64 the backward took 0.36-0.55x the time of eager
+# SDPA on the packed projection's views (S=197, 257, 577; its gradients' assembly into the packed layout
+# included, which a compiled block fuses) and the forward 0.9-1.4x; each call costs the host ~0.4 ms more
+# per forward + backward (three more launches through Python). In a compiled ViT-B/16 replay the image
+# tower (S=197) took 136.0 against 139.1 ms, the text tower (S=32, causal, host-bound) 33.5 against
+# 29.0 ms. So: the kernels where a backward follows, at head dims up to 64 and lengths from 128; SDPA
+# for forwards without autograd (GradCache's graph-free pass, evaluation), short text, head dim 104
 # (ViT-bigG-14: SDPA was faster both ways), and on devices without a measurement.
 AUTO_MAX_HEAD_DIM = 64
 AUTO_MIN_LENGTH = 128
