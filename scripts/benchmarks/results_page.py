@@ -28,7 +28,7 @@ ADDED = {"loss_1gpu_h100.json": "2026-11-21", "loss_h100_bf16_c768.json": "2026-
          "loss_h200_1gpu_c768.json": "2026-11-22", "loss_h200_2gpu_c768.json": "2026-11-22"}
 
 # Each question: what it asks, and the measurements that answer it today.
-# kind: loss (benchmarks/loss.py), e2e (benchmarks/end_to_end.py), loader, stop.
+# kind: loss (benchmarks/loss.py), e2e (benchmarks/end_to_end.py), loader, stop, attention.
 QUESTIONS = [
     {
         "title": "The loss: speed and memory against Inf-CL and OpenCLIP",
@@ -68,6 +68,15 @@ QUESTIONS = [
              "label": "ViT-L/14, batch 32k (no OpenCLIP row: beyond an H100)"},
             {"file": "vit_l14_4k_flip_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 4k, FLIP 0.5 (not exact)"},
         ],
+    },
+    {
+        "title": "The towers' attention: Triton kernels against SDPA",
+        "text": "`model.attention=triton` (`kernels/attention.py`, on the packed q/k/v projection) against PyTorch's "
+                "SDPA (cuDNN) on the projection's strided views, eager, bf16, one call of each shape "
+                "(b x S x heads x head dim, c: causal). The backward includes, for SDPA, autograd's assembly of the "
+                "views' gradients into the packed layout, which a compiled block fuses: what a compiled tower "
+                "gains is in docs/performance.md. Host: CPU microseconds to enqueue a forward + backward.",
+        "entries": [{"file": "attention_host_h100.json", "kind": "attention"}],
     },
     {
         "title": "The 1M step",
@@ -128,6 +137,8 @@ def machine(meta: dict) -> str:
 def provenance(name: str, meta: dict) -> str:
     date = (meta.get("time") or "")[:10] or ADDED.get(name, "undated")
     commit = (meta.get("git_commit") or "")[:7]
+    if (meta.get("git_commit") or "").endswith("+dirty"):  # measured with changes not yet committed
+        commit += " with uncommitted changes"
     command = meta.get("command") or "(not recorded)"
     if "scripts/" in command:  # as the benchmark is run today (scripts/bench_X.py moved to scripts/benchmarks/)
         command = command[command.index("scripts/"):]
@@ -209,7 +220,19 @@ def stop_table(data: dict, entry: dict) -> list[str]:
             f"{row['exit_status']} | {row['last_pt_step']} | {row['last_pt_gb']:.2f} |"]
 
 
-TABLES = {"loss": loss_table, "e2e": e2e_table, "loader": loader_table, "stop": stop_table}
+def attention_table(data: dict, entry: dict) -> list[str]:
+    rows = ["| shape | kernel | forward ms | backward ms | forward / backward TFLOP/s | host us |",
+            "|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        if "forward_ms" in row:
+            rows.append(f"| {row['shape']} | {row['kernel']} | {row['forward_ms']:.3f} | {row['backward_ms']:.3f} | "
+                        f"{row['forward_tflops']:.0f} / {row['backward_tflops']:.0f} | "
+                        f"{row.get('forward_backward_host_us', float('nan')):.0f} |")
+    return rows
+
+
+TABLES = {"loss": loss_table, "e2e": e2e_table, "loader": loader_table, "stop": stop_table,
+          "attention": attention_table}
 
 
 def page() -> str:
