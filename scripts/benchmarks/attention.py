@@ -170,11 +170,12 @@ def main() -> None:
             rows += tuned
             for kernel, tiles in best.items():
                 attention.TILES[kernel][dim] = tiles
-        rows += [dict(row, tiles={k: list(t[dim]) for k, t in attention.TILES.items()})
-                 for row in measure(shape, DTYPES[args.dtype], args.warmup, args.repeat)]
+        measured = [dict(row, tiles={k: list(t[dim]) for k, t in attention.TILES.items()})
+                    for row in measure(shape, DTYPES[args.dtype], args.warmup, args.repeat)]
+        rows += measured
         for kernel, tiles in defaults.items():
             attention.TILES[kernel][dim] = tiles
-        for row in rows[-2:]:
+        for row in measured:
             print(json.dumps(row), flush=True)
         write_results(args.out, rows)
     for shape in args.shapes.split(","):

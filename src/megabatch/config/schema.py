@@ -171,16 +171,13 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"), steps_per_epoch=1)
     check_loss(cfg.loss, cfg.trainer.device)
     check_model(cfg.model)
-    if cfg.model.get("fp8", False):  # the GPU's own capability is checked once it is chosen (models/fp8.py)
-        device = str(cfg.trainer.device)
-        if not (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())):
-            raise ConfigError("model.fp8=true trains the towers' matmuls in FP8 on a GPU's FP8 tensor cores, and this "
-                              "run is on the CPU: set model.fp8=false")
-    if cfg.model.get("fused_mlp", False) and os.environ.get("TRITON_INTERPRET") != "1":  # interpreted: tests
-        device = str(cfg.trainer.device)
-        if not (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())):
-            raise ConfigError("model.fused_mlp=true runs the MLPs' GEMMs in Triton kernels on the GPU, and this run "
-                              "is on the CPU: set model.fused_mlp=false")
+    on_cpu = not runs_on_cuda(cfg.trainer.device)
+    if cfg.model.get("fp8", False) and on_cpu:  # the GPU's own capability is checked once chosen (models/fp8.py)
+        raise ConfigError("model.fp8=true trains the towers' matmuls in FP8 on a GPU's FP8 tensor cores, and this "
+                          "run is on the CPU: set model.fp8=false")
+    if cfg.model.get("fused_mlp", False) and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":  # interpreted: tests
+        raise ConfigError("model.fused_mlp=true runs the MLPs' GEMMs in Triton kernels on the GPU, and this run "
+                          "is on the CPU: set model.fused_mlp=false")
     check_logit_bias(cfg.loss, cfg.model)
     return cfg
 
@@ -406,13 +403,18 @@ def check_buildable(node: DictConfig, key: str, **kwargs) -> None:
         raise ConfigError(f"{key}: {cause}") from None
 
 
+def runs_on_cuda(device: str) -> bool:
+    """Whether ``trainer.device`` puts the run on a CUDA GPU (``auto``: where there is one)."""
+    device = str(device)
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
 def check_loss(loss: DictConfig, device: str) -> None:
     """The loss's own arguments (its constructor), and ``impl=triton`` only where a GPU (or the
     interpreter, for tests) will run it."""
     check_buildable(loss, "loss")
     if loss.get("impl") == "triton":
-        on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-        if not on_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if not runs_on_cuda(device) and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise ConfigError("loss.impl=triton needs a CUDA GPU and this run is on the CPU; use "
                               "loss.impl=auto (Triton on CUDA, torch elsewhere) or loss.impl=torch")
 

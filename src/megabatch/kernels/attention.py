@@ -259,7 +259,7 @@ def faster_than_sdpa(qkv: torch.Tensor) -> bool:
     (see ``AUTO_MAX_HEAD_DIM``): on a CUDA GPU, with autograd recording (a backward follows), at head
     dims up to 64 and lengths from 128."""
     return (qkv.device.type in AUTO_DEVICES and qkv.shape[-1] <= AUTO_MAX_HEAD_DIM
-            and qkv.shape[1] >= AUTO_MIN_LENGTH and torch.is_grad_enabled() and qkv.requires_grad)
+            and qkv.shape[1] >= AUTO_MIN_LENGTH and qkv.requires_grad)  # recorded: a graph, so a backward
 
 
 def _check(qkv: torch.Tensor) -> tuple[int, int, int, int]:
