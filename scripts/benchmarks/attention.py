@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="time candidate tiles first; compare at the best")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/attention.py times GPU kernels and needs a CUDA GPU")
     rows = []
     for shape in args.shapes.split(","):
         dim = 64 if parse(shape)[3] <= 64 else 128
