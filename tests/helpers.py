@@ -10,6 +10,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -18,6 +19,11 @@ from megabatch.config.compose import CONFIGS, compose
 from megabatch.models import build_model
 
 ROOT = CONFIGS.parent
+
+# for tests that run the Triton kernels in models built on the CPU: there the kernels run only through
+# the interpreter (conftest sets it where no GPU is; a GPU machine runs the kernels' own tests instead)
+interpreted_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="a CPU model: its Triton kernels need TRITON_INTERPRET=1")
 
 
 def free_port() -> int:

@@ -28,7 +28,7 @@ ADDED = {"loss_1gpu_h100.json": "2026-11-21", "loss_h100_bf16_c768.json": "2026-
          "loss_h200_1gpu_c768.json": "2026-11-22", "loss_h200_2gpu_c768.json": "2026-11-22"}
 
 # Each question: what it asks, and the measurements that answer it today.
-# kind: loss (benchmarks/loss.py), e2e (benchmarks/end_to_end.py), loader, stop, attention.
+# kind: loss (benchmarks/loss.py), e2e (benchmarks/end_to_end.py), loader, stop, attention, mlp, towers.
 QUESTIONS = [
     {
         "title": "The loss: speed and memory against Inf-CL and OpenCLIP",
@@ -72,11 +72,29 @@ QUESTIONS = [
     {
         "title": "The towers' attention: Triton kernels against SDPA",
         "text": "`model.attention=triton` (`kernels/attention.py`, on the packed q/k/v projection) against PyTorch's "
-                "SDPA (cuDNN) on the projection's strided views, eager, bf16, one call of each shape "
-                "(b x S x heads x head dim, c: causal). The backward includes, for SDPA, autograd's assembly of the "
-                "views' gradients into the packed layout, which a compiled block fuses: what a compiled tower "
-                "gains is in docs/performance.md. Host: CPU microseconds to enqueue a forward + backward.",
-        "entries": [{"file": "attention_host_h100.json", "kind": "attention"}],
+                "SDPA (cuDNN) on the projection's strided views, eager (`sdpa`) and compiled by inductor "
+                "(`sdpa-compiled`, as a compiled block runs it: the views' gradients assembled into the packed "
+                "layout inside the graph), bf16, one call of each shape (b x S x heads x head dim, c: causal). "
+                "Host: CPU microseconds to enqueue a forward + backward. What a compiled tower gains is in "
+                "docs/performance.md.",
+        "entries": [{"file": "attention_h100.json", "kind": "attention"}],
+    },
+    {
+        "title": "The towers' MLP: the GELU in the GEMMs, and the tanh GELU",
+        "text": "`c_proj(gelu(c_fc(x)))` at the towers' shapes (tokens x width x hidden: ViT-B/16 at 512 images, "
+                "ViT-L/14 at 256, a text tower at 512 captions of 32 tokens), bf16. First the first GEMM and its "
+                "GELU alone: cuBLAS's GEMM with its bias (`addmm`), that plus inductor's GELU kernel, cuBLASLt's "
+                "tanh-GELU epilogue, cuBLAS's hidden gradient plus inductor's `gelu_backward`, and "
+                "`kernels/mlp.py`'s GEMM with each epilogue at its tuned tiles; then the whole MLP, forward and "
+                "backward: open_clip's module eager, compiled by inductor, and `model.fused_mlp=true`.",
+        "entries": [{"file": "mlp_tune_h100.json", "kind": "mlp"}],
+    },
+    {
+        "title": "The towers with the tanh GELU",
+        "text": "ViT-B/16, sub-batch 512, 32 caption tokens, compiled, bf16 (`towers.py`): each tower's graph-free "
+                "forward (GradCache's first pass, where `model.gelu=tanh` runs cuBLASLt's GELU epilogue) and its "
+                "replay (forward + backward), `model.gelu=erf` (the default) against `tanh`.",
+        "entries": [{"file": "towers_gelu_vit_b16_h100.json", "kind": "towers"}],
     },
     {
         "title": "The 1M step",
@@ -231,8 +249,32 @@ def attention_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
+def mlp_table(data: dict, entry: dict) -> list[str]:
+    chosen = next(row["tiles"] for row in data["results"] if row.get("impl") == "fused" and row.get("tiles"))
+    rows = ["| shape | kernel | ms | TFLOP/s (of the GEMM) |", "|---|---|---|---|"]
+    for row in data["results"]:
+        if "ms" in row and row.get("tiles", chosen) == chosen:
+            tiles = f" {tuple(row['tiles'])}" if row.get("tiles") else ""
+            rows.append(f"| {row['shape']} | {row['impl']}{tiles} | {row['ms']:.3f} | {row['tflops']:.0f} |")
+    rows += ["", "| shape | MLP | forward ms | backward ms |", "|---|---|---|---|"]
+    for row in data["results"]:
+        if "forward_ms" in row:
+            rows.append(f"| {row['shape']} | {row['impl']} | {row['forward_ms']:.3f} | {row['backward_ms']:.3f} |")
+    return rows
+
+
+def towers_table(data: dict, entry: dict) -> list[str]:
+    parts = ("image_forward_s", "image_replay_s", "text_forward_s", "text_replay_s")
+    rows = ["| variant | image forward ms | image replay ms | text forward ms | text replay ms |",
+            "|---|---|---|---|---|"]
+    for row in data["results"]:
+        if all(part in row for part in parts):
+            rows.append(f"| {row['variant']} | " + " | ".join(f"{row[part] * 1e3:.1f}" for part in parts) + " |")
+    return rows
+
+
 TABLES = {"loss": loss_table, "e2e": e2e_table, "loader": loader_table, "stop": stop_table,
-          "attention": attention_table}
+          "attention": attention_table, "mlp": mlp_table, "towers": towers_table}
 
 
 def page() -> str:

@@ -15,7 +15,8 @@ a ``direct`` anywhere in the name: ``model.direct_attention=true`` (``compile-di
 ``compile-direct-max-autotune``), a ``patch`` anywhere: ``model.patch_gemm=true``
 (``compile-direct-patch``), a ``triton`` anywhere: ``model.attention=triton`` (the project's attention
 kernels, with ``direct``: ``compile-direct-triton``), an ``auto``: ``model.attention=auto``, a ``fused``:
-``model.fused_mlp=true`` (the GELU in the MLP's GEMMs); without them they are off (SDPA, open_clip's MLP).
+``model.fused_mlp=true`` (the GELU in the MLP's GEMMs), a ``tanh``: ``model.gelu=tanh`` (cuBLASLt's tanh-GELU
+epilogue in the graph-free forward); without them they are off (SDPA, open_clip's MLP, exact GELU).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def build(model_name: str, overrides: list[str], variant: str, rows: int, device
     compiled = f"model.compile={str(variant.startswith('compile')).lower()}"
     attention = "model.attention=" + next((k for k in ("triton", "auto") if k in variant), "sdpa")
     mlp = f"model.fused_mlp={str('fused' in variant).lower()}"
-    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled, attention, mlp)
+    gelu = "model.gelu=" + ("tanh" if "tanh" in variant else "erf")
+    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled, attention, mlp, gelu)
     configure_backends(cfg, device)  # as the Trainer does, before building
     model = build_model(cfg.model).to(device).train()
     model.trim_text(True)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megabatch.kernels import mlp
 from megabatch.kernels.mlp import fused_mlp
 
 from ..helpers import rel_error
@@ -45,6 +46,23 @@ def test_fused_mlp_gives_the_float64_output_and_gradients(rows, width, hidden, d
     assert rel_error(y.detach(), want_y) <= TOLERANCE[dtype]
     for name, tensor, want in zip(("x", "w1", "b1", "w2", "b2"), tensors, want_grads, strict=True):
         assert tensor.grad.dtype == dtype and rel_error(tensor.grad, want) <= TOLERANCE[dtype], name
+
+
+def test_without_autograd_it_gives_the_same_output_without_storing_z(monkeypatch):
+    tensors = inputs(37, 48, 96, torch.float32, seed=2)
+    want = reference(tensors, torch.zeros(37, 48, device=DEVICE))[0]
+    real_gemm, stored = mlp._gemm, []
+
+    def gemm(*args, **kwargs):
+        stored.append(kwargs.get("store_z", True))
+        return real_gemm(*args, **kwargs)
+
+    monkeypatch.setattr(mlp, "_gemm", gemm)
+    with torch.no_grad():
+        y = fused_mlp(*tensors)
+    plain = fused_mlp(*(t.detach() for t in tensors))  # no input requires a gradient
+    assert y.grad_fn is None and plain.grad_fn is None and stored == [False, False]
+    assert rel_error(y, want) <= TOLERANCE[torch.float32] and rel_error(plain, want) <= TOLERANCE[torch.float32]
 
 
 def test_compiled_it_is_one_graph_with_the_eager_gradients():

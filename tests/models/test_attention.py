@@ -13,7 +13,7 @@ from open_clip.transformer import ResidualAttentionBlock
 from megabatch.models import ClipModel
 from megabatch.models.attention import DirectAttentionBlock, use_direct_attention
 
-from ..helpers import rel_error
+from ..helpers import interpreted_only, rel_error
 from .test_text_length import SMALL_IMAGE, SMALL_TEXT, built, captions
 
 MODELS = {  # name -> (overrides, blocks changed)
@@ -59,6 +59,7 @@ def test_direct_attention_gives_the_modules_features_and_gradients(name):
     direct.load_state_dict(module.state_dict())
 
 
+@interpreted_only
 @pytest.mark.parametrize("name", ["tiny", "ViT-B-32"])  # our towers, and an open_clip architecture's
 def test_the_triton_kernels_give_sdpas_features_and_gradients(name, monkeypatch):
     """``model.attention=triton``: every block's attention runs in the Triton kernels (the text
@@ -86,6 +87,7 @@ def test_the_triton_kernels_give_sdpas_features_and_gradients(name, monkeypatch)
             assert rel_error(have, want) <= 1e-5
 
 
+@interpreted_only
 def test_auto_runs_the_kernels_where_a_backward_follows_and_sdpa_elsewhere(monkeypatch):
     """``model.attention=auto`` asks ``faster_than_sdpa`` per call: the Triton kernels in a forward
     that autograd records at the table's lengths (then the same features and gradients as SDPA);

@@ -1,18 +1,20 @@
 """``model.fused_mlp``: the blocks' MLPs through the fused GELU GEMMs give the features and gradients
 of open_clip's ``c_fc -> nn.GELU -> c_proj`` (fp32, rounding only), keep the state dict, leave other
-MLPs alone, and are refused where they cannot run."""
+MLPs alone, and are refused where they cannot run. ``model.gelu=tanh``: the model with
+``nn.GELU(approximate="tanh")`` in its blocks, the same with and without autograd."""
 
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
 
 from megabatch.config import ConfigError
-from megabatch.models.mlp import FusedMlp
+from megabatch.models.mlp import FusedMlp, TanhGeluMlp
 
-from ..helpers import compose, rel_error
+from ..helpers import compose, interpreted_only, rel_error
 from .test_attention import features_and_grads, images
 from .test_text_length import SMALL_IMAGE, SMALL_TEXT, built, captions
 
@@ -22,6 +24,7 @@ MODELS = {  # name -> (overrides, MLPs fused)
 }
 
 
+@interpreted_only
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_fused_mlp_gives_the_modules_features_and_gradients(name):
     overrides, count = MODELS[name]
@@ -52,6 +55,8 @@ def test_quick_gelu_and_tanh_mlps_are_left_alone():
     (["model.fused_mlp=true", "trainer.device=cpu"], "on the CPU"),
     (["model.fused_mlp=true", "model.fp8=true"], "set one of them to false"),
     (["model.fused_mlp=yes"], r"model\.fused_mlp"),
+    (["model.gelu=relu"], r"model\.gelu='relu': give erf"),
+    (["model.gelu=tanh", "model.fused_mlp=true"], "set model.fused_mlp=false or model.gelu=erf"),
 ])
 def test_where_it_cannot_run_the_config_says_so(overrides, message, monkeypatch):
     from megabatch.config.schema import validate
@@ -62,11 +67,10 @@ def test_where_it_cannot_run_the_config_says_so(overrides, message, monkeypatch)
         validate(compose(*overrides))
 
 
+@interpreted_only
 def test_compiled_under_autocast_it_is_one_graph():
     """``FusedMlp``'s autocast casts trace (no graph break): the op sees one dtype, the parameters'
     gradients come back in theirs."""
-    from collections import OrderedDict
-
     from megabatch.models.mlp import use_fused_mlp
 
     torch._dynamo.reset()
@@ -81,3 +85,41 @@ def test_compiled_under_autocast_it_is_one_graph():
     assert got.dtype == want.dtype == torch.bfloat16 and rel_error(got.detach().float(), want.detach().float()) <= 1e-2
     got.float().sum().backward()
     assert block.mlp.c_fc.weight.grad.dtype == torch.float32
+
+
+def test_tanh_gelu_is_the_model_with_tanh_gelus():
+    exact = built(["model=tiny"]).train()
+    tanh = built(["model=tiny", "model.gelu=tanh"]).train()
+    assert sum(isinstance(m, TanhGeluMlp) for m in tanh.modules()) == 5
+    assert tanh.state_dict().keys() == exact.state_dict().keys()
+    tanh.load_state_dict(exact.state_dict())
+    exact.trim_text()
+    tanh.trim_text()
+    reference = copy.deepcopy(exact)
+    for module in reference.modules():
+        if isinstance(module, torch.nn.GELU):
+            module.approximate = "tanh"
+    pixels, texts = images(exact, 3), captions(exact, 3)
+    want = features_and_grads(reference, pixels, texts)
+    for expected, have in zip(want, features_and_grads(tanh, pixels, texts), strict=True):
+        assert rel_error(have, expected) <= 1e-6
+    assert rel_error(features_and_grads(exact, pixels, texts)[0], want[0]) > 1e-5  # not the exact GELU's
+    with torch.no_grad():  # the graph-free pass (cuBLASLt's epilogue on a GPU) gives the same features
+        assert rel_error(tanh(pixels, texts)[0], want[0]) <= 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's GELU epilogue runs on a GPU")
+def test_tanh_gelu_without_autograd_is_cublaslts_epilogue_of_the_same_function():
+    from megabatch.models.mlp import use_tanh_gelu
+
+    mlp = torch.nn.Module()
+    mlp.mlp = torch.nn.Sequential(OrderedDict([("c_fc", torch.nn.Linear(64, 256)), ("gelu", torch.nn.GELU()),
+                                               ("c_proj", torch.nn.Linear(256, 64))])).cuda()
+    assert use_tanh_gelu(mlp) == 1
+    x = torch.randn(3, 50, 64, device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        with torch.no_grad():
+            fast = mlp.mlp(x)
+        graph = mlp.mlp(x.requires_grad_())
+    assert fast.dtype == graph.dtype == torch.bfloat16
+    assert rel_error(fast.float(), graph.detach().float()) <= 1e-2

@@ -19,7 +19,7 @@ from megabatch.models import build_model
 from megabatch.train.gradcache import RngState
 from megabatch.train.parts import RunParts
 
-from ..helpers import compose, rel_error, run_ranks
+from ..helpers import compose, interpreted_only, rel_error, run_ranks
 
 BATCH = 32
 BASE = [f"batch={BATCH}", "eval=none", "optim=sgd", "trainer.max_steps=2",
@@ -472,6 +472,7 @@ def test_every_exact_option_on_gives_the_gradients_of_all_off(loss, monkeypatch)
         assert rel_error(result["loss"], full["loss"]) <= 1e-6
 
 
+@interpreted_only
 def test_the_attention_and_mlp_kernels_give_the_plain_gradients(monkeypatch):
     """``model.attention=triton`` and ``model.fused_mlp=true`` under GradCache (the kernels in the
     graph-free pass and in the replay, captions cut and grouped): the one-pass step's gradients with

@@ -443,6 +443,13 @@ def check_model(model: DictConfig) -> None:
     if model.get("fused_mlp", False) and model.get("fp8", False):
         raise ConfigError("model.fused_mlp=true computes the MLPs' GEMMs itself, model.fp8=true converts them to "
                           "FP8: set one of them to false")
+    gelu = model.get("gelu", "erf")
+    if gelu not in ("erf", "tanh"):
+        raise ConfigError(f"model.gelu={gelu!r}: give erf (the exact GELU, open_clip's) or tanh (its tanh "
+                          "approximation, cuBLASLt's GEMM epilogue; not exact)")
+    if gelu == "tanh" and model.get("fused_mlp", False):
+        raise ConfigError("model.fused_mlp=true computes the exact GELU, model.gelu=tanh its tanh approximation: "
+                          "set model.fused_mlp=false or model.gelu=erf")
     attention = model.get("attention", "sdpa")
     if attention not in ("auto", "sdpa", "triton"):
         raise ConfigError(f"model.attention={attention!r}: give auto (per call, from the kernels' measured table), "

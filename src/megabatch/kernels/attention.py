@@ -240,15 +240,16 @@ INTERPRETED_TILES = (32, 32, 1, 1)  # the interpreter: small tiles keep numpy's 
 
 
 # model.attention=auto, from scripts/benchmarks/attention.py and towers.py on an H100 (bf16; in docs/bench:
-# attention_tune_h100.json, attention_host_h100.json, towers_attention_sdpa_vit_b16_h100.json and
-# towers_attention_auto_vit_b16_h100.json). At head dim 64 the backward took 0.36-0.55x the time of eager
-# SDPA on the packed projection's views (S=197, 257, 577; its gradients' assembly into the packed layout
-# included, which a compiled block fuses) and the forward 0.9-1.4x; each call costs the host ~0.4 ms more
-# per forward + backward (three more launches through Python). In a compiled ViT-B/16 replay the image
-# tower (S=197) took 136.0 against 139.1 ms, the text tower (S=32, causal, host-bound) 33.5 against
-# 29.0 ms. So: the kernels where a backward follows, at head dims up to 64 and lengths from 128; SDPA
-# for forwards without autograd (GradCache's graph-free pass, evaluation), short text, head dim 104
-# (ViT-bigG-14: SDPA was faster both ways), and on devices without a measurement.
+# attention_tune_h100.json, attention_h100.json, towers_attention_sdpa_vit_b16_h100.json and
+# towers_attention_auto_vit_b16_h100.json). At head dim 64 the backward took 0.50-0.67x the time of SDPA
+# compiled by inductor on the packed projection's views (S=197, 257, 577) and the forward 0.85-1.2x; at
+# head dim 80 (S=257) 0.76x and 1.35x. Each call costs the host ~0.2-0.4 ms more per forward + backward
+# (three more launches through Python). In a compiled ViT-B/16 replay the image tower (S=197) took
+# 136.0 against 139.1 ms, the text tower (S=32, causal, host-bound) 33.5 against 29.0 ms. So: the
+# kernels where a backward follows, at head dims up to 64 (80 gained least and has no tower measured)
+# and lengths from 128; SDPA for forwards without autograd (GradCache's graph-free pass, evaluation),
+# short text, head dims above 64 (ViT-bigG-14's 104: SDPA was faster both ways), and on devices
+# without a measurement.
 AUTO_MAX_HEAD_DIM = 64
 AUTO_MIN_LENGTH = 128
 AUTO_DEVICES = ("cuda",)  # on the CPU the kernels only run interpreted (tests), far slower than SDPA

@@ -1,13 +1,19 @@
 """A transformer block's MLP, ``c_proj(gelu(c_fc(x)))``, with the exact (erf) GELU inside the GEMMs.
 
-Forward, ``_gemm_kernel`` with the ``GELU`` epilogue: ``z = x W1^T + b1`` accumulated in fp32, rounded to
+Forward, one GEMM with the ``GELU`` epilogue: ``z = x W1^T + b1`` accumulated in fp32, rounded to
 the input dtype (as ``c_fc``'s output is), and ``h = gelu(z)`` written beside it in the same pass;
 no separate GELU kernel reads ``z`` back. ``c_proj`` is cuBLAS (``F.linear``).
 
 Backward, the same kernel with the ``GELU_GRAD`` epilogue: the hidden gradient ``dh = dy W2`` is
 multiplied by ``gelu'(z)`` before it is stored, so ``dz`` leaves the GEMM and ``dh`` is never
 written. The weight and input gradients (``dz^T x``, ``dz W1``, ``dy^T h``) and the bias sums are
-cuBLAS and torch. Saved for the backward: ``x``, ``z`` and ``h``, what the unfused module saves.
+cuBLAS and torch. Saved for the backward: ``x``, ``z`` and ``h``, what the unfused module saves; a
+forward without autograd writes no ``z``.
+
+Measured on an H100 (``scripts/benchmarks/mlp.py --tune``, docs/performance.md): slower than cuBLAS
+plus inductor's GELU kernels. The GEMM with the epilogues reaches about 300 TFLOP/s against cuBLAS's
+700 for the GEMM alone, and a persistent TMA version tried beside it was no faster; so
+``model.fused_mlp`` stays off by default.
 
 ``fused_mlp`` is a registered custom op (``torch.library``) with its backward, so ``torch.compile``
 keeps whole graphs around it. Inputs bf16, fp16 or fp32 (fp32: exact fp32 dots), fp32 accumulation,
@@ -39,11 +45,13 @@ def _gelu_grad(z):
 
 @triton.jit
 def _gemm_kernel(A, B, BIAS, AUX, OUT, OUT2, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                 stride_om, stride_on, EPILOGUE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                 stride_om, stride_on, EPILOGUE: tl.constexpr, STORE_Z: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """``acc = A [M, K] @ B [K, N]`` per ``[BLOCK_M, BLOCK_N]`` tile (tiles grouped by ``GROUP_M`` rows
     of tiles so that neighbouring programs share B in L2), then the epilogue:
-    ``GELU``: ``OUT2 = z = acc + BIAS`` (rounded to OUT's dtype) and ``OUT = gelu(z)``;
+    ``GELU``: ``OUT2 = z = acc + BIAS`` (rounded to OUT's dtype; stored only if ``STORE_Z``: a forward
+    that no backward follows needs none) and ``OUT = gelu(z)``;
     ``GELU_GRAD``: ``OUT = acc * gelu'(AUX)``."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -70,34 +78,38 @@ def _gemm_kernel(A, B, BIAS, AUX, OUT, OUT2, M, N, K, stride_am, stride_ak, stri
     offsets = rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
     if EPILOGUE == 0:  # GELU
         z = (acc + tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]).to(OUT2.dtype.element_ty)
-        tl.store(OUT2 + offsets, z, mask=mask)
+        if STORE_Z:
+            tl.store(OUT2 + offsets, z, mask=mask)
         tl.store(OUT + offsets, _gelu(z.to(tl.float32)).to(OUT.dtype.element_ty), mask=mask)
     else:  # GELU_GRAD
         z = tl.load(AUX + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(OUT + offsets, (acc * _gelu_grad(z)).to(OUT.dtype.element_ty), mask=mask)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): a first choice for an H100, not yet tuned
-TILES = (128, 128, 64, 8, 8, 3)
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): the fastest forward + backward of 14 candidates at
+# ViT-B/16, ViT-L/14 and text-tower shapes on an H100 (``scripts/benchmarks/mlp.py --tune``)
+TILES = (64, 128, 64, 8, 4, 4)
 INTERPRETED_TILES = (32, 32, 32, 4, 1, 1)
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, epilogue: int, bias: torch.Tensor | None = None,
-          aux: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``a [M, K] @ b [K, N]`` (any strides) with ``epilogue``: ``(gelu(z), z)`` or ``(acc * gelu'(aux), None)``."""
+          aux: torch.Tensor | None = None, store_z: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``a [M, K] @ b [K, N]`` (any strides) with ``epilogue``: ``(gelu(z), z)`` (``z`` None unless
+    ``store_z``) or ``(acc * gelu'(aux), None)``."""
     if not (a.is_cuda or interpreting()):
         raise RuntimeError("model.fused_mlp=true needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
     (m, k), n = a.shape, b.shape[1]
     out = a.new_empty(m, n)
-    out2 = a.new_empty(m, n) if epilogue == GELU else out
+    store_z = store_z and epilogue == GELU
+    out2 = a.new_empty(m, n) if store_z else out
     block_m, block_n, block_k, group_m, warps, stages = INTERPRETED_TILES if interpreting() else TILES
     _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)](
         a, b, bias if bias is not None else out, aux if aux is not None else out, out, out2, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        EPILOGUE=epilogue, UPCAST=interpreting() and a.dtype == torch.bfloat16,
+        EPILOGUE=epilogue, STORE_Z=store_z, UPCAST=interpreting() and a.dtype == torch.bfloat16,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages)
-    return out, (out2 if epilogue == GELU else None)
+    return out, (out2 if store_z else None)
 
 
 def _check(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> None:
@@ -122,6 +134,21 @@ def fused_mlp_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
 def _(x, w1, b1, w2, b2):
     return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(x.shape[0], w1.shape[0]), \
         x.new_empty(x.shape[0], w1.shape[0])
+
+
+@torch.library.custom_op("megabatch::fused_mlp_inference", mutates_args=())
+def fused_mlp_inference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                        b2: torch.Tensor) -> torch.Tensor:
+    """``fused_mlp``'s ``y`` where no backward follows (GradCache's graph-free pass, evaluation): ``z``
+    is not written."""
+    _check(x, w1, b1, w2, b2)
+    h, _ = _gemm(x, w1.t(), GELU, bias=b1, store_z=False)
+    return torch.addmm(b2, h, w2.t())
+
+
+@fused_mlp_inference.register_fake
+def _(x, w1, b1, w2, b2):
+    return x.new_empty(x.shape[0], w2.shape[0])
 
 
 @torch.library.custom_op("megabatch::fused_mlp_backward", mutates_args=())
@@ -154,5 +181,8 @@ fused_mlp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
-    """``gelu(x w1^T + b1) w2^T + b2`` for ``x [M, E]`` (exact GELU), differentiable in every input."""
-    return fused_mlp_op(x, w1, b1, w2, b2)[0]
+    """``gelu(x w1^T + b1) w2^T + b2`` for ``x [M, E]`` (exact GELU), differentiable in every input.
+    Without autograd (no grad mode, or no input that requires a gradient) ``z`` is not stored."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2, b2)):
+        return fused_mlp_op(x, w1, b1, w2, b2)[0]
+    return fused_mlp_inference(x, w1, b1, w2, b2)

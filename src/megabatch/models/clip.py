@@ -462,14 +462,14 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
 
 # model.* keys the run applies to a built model, not builder arguments
 RUN_SETTINGS = ("compile", "compile_scope", "cuda_graphs", "trim_text", "direct_attention", "attention", "patch_gemm",
-                "fused_mlp", "fp8")
+                "fused_mlp", "gelu", "fp8")
 
 
 def builder_node(node):
     """The ``model`` config less its run settings (``compile``, ``compile_scope``, ``cuda_graphs``:
     ``ClipModel.compile_towers``; ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``,
-    ``attention``: ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``fused_mlp``:
-    ``models/mlp.py``; ``fp8``: ``models/fp8.py``)."""
+    ``attention``: ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``fused_mlp``,
+    ``gelu``: ``models/mlp.py``; ``fp8``: ``models/fp8.py``)."""
     from omegaconf import OmegaConf
 
     if not any(key in node for key in RUN_SETTINGS):
@@ -481,14 +481,14 @@ def build_model(node) -> ClipModel:
     """``instantiate`` the ``model`` config, its attention blocks computed directly where
     ``model.direct_attention`` is set (``models/attention.py``) and its patch embedding as a GEMM
     where ``model.patch_gemm`` is (``models/patches.py``), its MLPs fused where ``model.fused_mlp`` is
-    (``models/mlp.py``): the same parameters, so a run, a
+    and with the tanh GELU where ``model.gelu=tanh`` (``models/mlp.py``): the same parameters, so a run, a
     benchmark and an evaluation build the same model; a ``ConfigError`` raised while building
     reaches the caller as itself (one line naming the key), not wrapped in Hydra's exception."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     from .attention import use_direct_attention
-    from .mlp import use_fused_mlp
+    from .mlp import use_fused_mlp, use_tanh_gelu
     from .patches import use_patch_gemm
     try:
         model = instantiate(builder_node(node), _convert_="all")
@@ -502,4 +502,6 @@ def build_model(node) -> ClipModel:
         use_patch_gemm(model)
     if node.get("fused_mlp", False):
         use_fused_mlp(model)
+    if node.get("gelu", "erf") == "tanh":
+        use_tanh_gelu(model)
     return model
