@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megabatch.config import ConfigError
+from megabatch.models import from_description
 from megabatch.models.mlp import FusedMlp, TanhGeluMlp
 
 from ..helpers import compose, interpreted_only, rel_error
@@ -106,6 +107,19 @@ def test_tanh_gelu_is_the_model_with_tanh_gelus():
     assert rel_error(features_and_grads(exact, pixels, texts)[0], want[0]) > 1e-5  # not the exact GELU's
     with torch.no_grad():  # the graph-free pass (cuBLASLt's epilogue on a GPU) gives the same features
         assert rel_error(tanh(pixels, texts)[0], want[0]) <= 1e-6
+    # a checkpoint's description (scripts/evaluate.py, an export read by open_clip) rebuilds the tanh GELU
+    rebuilt = from_description(tanh.description())
+    rebuilt.load_state_dict(tanh.state_dict())
+    gelus = [m for m in rebuilt.modules() if isinstance(m, torch.nn.GELU)]
+    assert len(gelus) == 5 and all(m.approximate == "tanh" for m in gelus)
+    rebuilt.trim_text()
+    with torch.no_grad():
+        assert rel_error(rebuilt(pixels, texts)[0], want[0]) <= 1e-6
+
+
+def test_tanh_gelu_on_a_model_without_gelu_mlps_is_refused():
+    with pytest.raises(ConfigError, match="no GELU MLP to change"):
+        built(["model=tiny", "model.quick_gelu=true", "model.gelu=tanh"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's GELU epilogue runs on a GPU")
