@@ -26,6 +26,19 @@ interpreted_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                       reason="a CPU model: its Triton kernels need TRITON_INTERPRET=1")
 
 
+def record_calls(monkeypatch, owner, name: str, record=lambda *args, **kwargs: None) -> list:
+    """Wrap ``owner.name`` (for the test) so that each call first appends ``record(*args, **kwargs)``
+    to the list returned, then runs the real function."""
+    calls, real = [], getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megabatch.kernels import mlp
 from megabatch.kernels.mlp import fused_mlp
 
-from ..helpers import rel_error
+from ..helpers import record_calls, rel_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: the inputs' and z's own rounding
@@ -51,13 +51,7 @@ def test_fused_mlp_gives_the_float64_output_and_gradients(rows, width, hidden, d
 def test_without_autograd_it_gives_the_same_output_without_storing_z(monkeypatch):
     tensors = inputs(37, 48, 96, torch.float32, seed=2)
     want = reference(tensors, torch.zeros(37, 48, device=DEVICE))[0]
-    real_gemm, stored = mlp._gemm, []
-
-    def gemm(*args, **kwargs):
-        stored.append(kwargs.get("store_z", True))
-        return real_gemm(*args, **kwargs)
-
-    monkeypatch.setattr(mlp, "_gemm", gemm)
+    stored = record_calls(monkeypatch, mlp, "_gemm", lambda *args, **kwargs: kwargs.get("store_z", True))
     with torch.no_grad():
         y = fused_mlp(*tensors)
     plain = fused_mlp(*(t.detach() for t in tensors))  # no input requires a gradient

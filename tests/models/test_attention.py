@@ -13,7 +13,7 @@ from open_clip.transformer import ResidualAttentionBlock
 from megabatch.models import ClipModel
 from megabatch.models.attention import DirectAttentionBlock, use_direct_attention
 
-from ..helpers import interpreted_only, rel_error
+from ..helpers import interpreted_only, record_calls, rel_error
 from .test_text_length import SMALL_IMAGE, SMALL_TEXT, built, captions
 
 MODELS = {  # name -> (overrides, blocks changed)
@@ -73,9 +73,7 @@ def test_the_triton_kernels_give_sdpas_features_and_gradients(name, monkeypatch)
     triton.load_state_dict(sdpa.state_dict())
     causal = [m.causal_mask for m in triton.modules() if isinstance(m, DirectAttentionBlock)]
     assert len(causal) == blocks and any(causal) and not all(causal)  # the text blocks, not the image blocks
-    calls = []
-    kernel = attention.packed_attention
-    monkeypatch.setattr(attention, "packed_attention", lambda qkv, causal: calls.append(causal) or kernel(qkv, causal))
+    calls = record_calls(monkeypatch, attention, "packed_attention", lambda qkv, causal: causal)
     sdpa.trim_text()
     triton.trim_text()
     pixels, texts = images(sdpa, 5), captions(sdpa, 5)
@@ -100,9 +98,7 @@ def test_auto_runs_the_kernels_where_a_backward_follows_and_sdpa_elsewhere(monke
     sdpa = built(overrides).train()
     auto = built([*overrides, "model.attention=auto"]).train()
     auto.load_state_dict(sdpa.state_dict())
-    calls = []
-    kernel = attention.packed_attention
-    monkeypatch.setattr(attention, "packed_attention", lambda qkv, causal: calls.append(causal) or kernel(qkv, causal))
+    calls = record_calls(monkeypatch, attention, "packed_attention", lambda qkv, causal: causal)
     sdpa.trim_text()
     auto.trim_text()
     pixels, texts = images(sdpa, 3), captions(sdpa, 3)

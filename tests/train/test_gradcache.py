@@ -19,7 +19,7 @@ from megabatch.models import build_model
 from megabatch.train.gradcache import RngState
 from megabatch.train.parts import RunParts
 
-from ..helpers import compose, interpreted_only, rel_error, run_ranks
+from ..helpers import compose, interpreted_only, record_calls, rel_error, run_ranks
 
 BATCH = 32
 BASE = [f"batch={BATCH}", "eval=none", "optim=sgd", "trainer.max_steps=2",
@@ -479,22 +479,13 @@ def test_the_attention_and_mlp_kernels_give_the_plain_gradients(monkeypatch):
     SDPA and open_clip's MLP, within fp32 rounding; every block ran both kernels."""
     from megabatch.models import attention, mlp
 
-    calls = {"attention": 0, "mlp": 0}
-    attention_kernel, mlp_kernel = attention.packed_attention, mlp.fused_mlp
-
-    def counted(name, kernel):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return kernel(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(attention, "packed_attention", counted("attention", attention_kernel))
-    monkeypatch.setattr(mlp, "fused_mlp", counted("mlp", mlp_kernel))
+    attention_calls = record_calls(monkeypatch, attention, "packed_attention")
+    mlp_calls = record_calls(monkeypatch, mlp, "fused_mlp")
     small = ["batch=8", "model.image.patch_size=8", "model.image.patch_dropout=0"]  # the interpreter is slow
     plain = step_gradients(0, 1, small)
-    assert calls == {"attention": 0, "mlp": 0}
+    assert len(attention_calls) == len(mlp_calls) == 0
     kernels = step_gradients(0, 1, [*small, "trainer.sub_batch=4", "model.attention=triton", "model.fused_mlp=true"])
-    assert calls["attention"] > 0 and calls["attention"] == calls["mlp"]  # one of each per block call
+    assert len(attention_calls) > 0 and len(attention_calls) == len(mlp_calls)  # one of each per block call
     assert rel_error(flat(kernels["grads"]), flat(plain["grads"])) <= 1e-5
     assert rel_error(kernels["loss"], plain["loss"]) <= 1e-6
 
