@@ -16,7 +16,8 @@ a ``direct`` anywhere in the name: ``model.direct_attention=true`` (``compile-di
 (``compile-direct-patch``), a ``triton`` anywhere: ``model.attention=triton`` (the project's attention
 kernels, with ``direct``: ``compile-direct-triton``), an ``auto``: ``model.attention=auto``, a ``fused``:
 ``model.fused_mlp=true`` (the GELU in the MLP's GEMMs), a ``tanh``: ``model.gelu=tanh`` (cuBLASLt's tanh-GELU
-epilogue in the graph-free forward); without them they are off (SDPA, open_clip's MLP, exact GELU).
+epilogue in the graph-free forward), an ``addln``: ``model.fused_layernorm=true`` (the residual add and
+``ln_2`` in one kernel); without them they are off (SDPA, open_clip's MLP, exact GELU).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def build(model_name: str, overrides: list[str], variant: str, rows: int, device
     attention = "model.attention=" + next((k for k in ("triton", "auto") if k in variant), "sdpa")
     mlp = f"model.fused_mlp={str('fused' in variant).lower()}"
     gelu = "model.gelu=" + ("tanh" if "tanh" in variant else "erf")
-    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled, attention, mlp, gelu)
+    norm = f"model.fused_layernorm={str('addln' in variant).lower()}"
+    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled, attention, mlp, gelu, norm)
     configure_backends(cfg, device)  # as the Trainer does, before building
     model = build_model(cfg.model).to(device).train()
     model.trim_text(True)
@@ -125,7 +127,7 @@ def profile_replay(model, images: torch.Tensor, texts: torch.Tensor) -> dict:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
-    return kernel_summary(prof, wall)
+    return kernel_summary(prof, wall, top=40)
 
 
 def gemm_ceiling(model, rows: int, text_length: int, device: torch.device) -> list[dict]:

@@ -178,6 +178,9 @@ def validate(cfg: DictConfig) -> DictConfig:
     if cfg.model.get("fused_mlp", False) and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":  # interpreted: tests
         raise ConfigError("model.fused_mlp=true runs the MLPs' GEMMs in Triton kernels on the GPU, and this run "
                           "is on the CPU: set model.fused_mlp=false")
+    if cfg.model.get("fused_layernorm", False) and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("model.fused_layernorm=true runs the blocks' residual add and LayerNorm in Triton kernels "
+                          "on the GPU, and this run is on the CPU: set model.fused_layernorm=false")
     check_logit_bias(cfg.loss, cfg.model)
     return cfg
 
@@ -437,7 +440,8 @@ def check_model(model: DictConfig) -> None:
     """What can be checked of the model before it is built: the sizes a built-in shape gives.
     The towers' own fields are open_clip's, checked by the builders with errors naming
     ``model.image`` / ``model.text``; an open_clip architecture's sizes are its own."""
-    for key in ("compile", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fused_mlp", "fp8"):
+    for key in ("compile", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fused_mlp", "fused_layernorm",
+                "fp8"):
         if not isinstance(model.get(key, False), bool):
             raise ConfigError(f"model.{key}={model[key]!r}: give true or false")
     if model.get("fused_mlp", False) and model.get("fp8", False):
@@ -459,6 +463,9 @@ def check_model(model: DictConfig) -> None:
         raise ConfigError("model.attention=triton runs in the blocks that model.direct_attention makes: set "
                           "model.direct_attention=true (or model.attention=sdpa)")
     # auto without direct_attention: nn.MultiheadAttention's own SDPA, nothing to choose
+    if model.get("fused_layernorm", False) and not model.get("direct_attention", False):
+        raise ConfigError("model.fused_layernorm=true runs in the blocks that model.direct_attention makes: set "
+                          "model.direct_attention=true (or model.fused_layernorm=false)")
     scope = model.get("compile_scope", "auto")
     if scope not in ("auto", "block", "tower"):
         raise ConfigError(f"model.compile_scope={scope!r}: give block (each transformer block compiled once for all "

@@ -462,13 +462,13 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
 
 # model.* keys the run applies to a built model, not builder arguments
 RUN_SETTINGS = ("compile", "compile_scope", "cuda_graphs", "trim_text", "direct_attention", "attention", "patch_gemm",
-                "fused_mlp", "gelu", "fp8")
+                "fused_mlp", "gelu", "fused_layernorm", "fp8")
 
 
 def builder_node(node):
     """The ``model`` config less its run settings (``compile``, ``compile_scope``, ``cuda_graphs``:
     ``ClipModel.compile_towers``; ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``,
-    ``attention``: ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``fused_mlp``,
+    ``attention``, ``fused_layernorm``: ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``fused_mlp``,
     ``gelu``: ``models/mlp.py``; ``fp8``: ``models/fp8.py``)."""
     from omegaconf import OmegaConf
 
@@ -497,7 +497,7 @@ def build_model(node) -> ClipModel:
             raise error.__cause__ from None
         raise
     if node.get("direct_attention", False):
-        use_direct_attention(model, node.get("attention", "sdpa"))
+        use_direct_attention(model, node.get("attention", "sdpa"), node.get("fused_layernorm", False))
     if node.get("patch_gemm", False):
         use_patch_gemm(model)
     if node.get("fused_mlp", False):
