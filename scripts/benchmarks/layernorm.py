@@ -60,10 +60,11 @@ def tune(shapes: list[str], warmup: int, repeat: int) -> list[dict]:
             ms = gpu_time(backward, warmup, repeat) * 1e3
             rows.append({"shape": shape, "kernel": "backward", "tiles": [elements, warps, per_sm], "ms": ms})
         print(f"tuned {shape}", flush=True)
+    timed = list(rows)
     for kernel in ("forward", "backward"):
-        best = {shape: min(r["ms"] for r in rows if r["shape"] == shape and r["kernel"] == kernel) for shape in shapes}
+        best = {shape: min(r["ms"] for r in timed if r["shape"] == shape and r["kernel"] == kernel) for shape in shapes}
         score: dict[tuple, float] = {}
-        for row in rows:
+        for row in timed:
             if row["kernel"] == kernel:
                 score[tuple(row["tiles"])] = score.get(tuple(row["tiles"]), 0.0) + row["ms"] / best[row["shape"]]
         chosen = min(score, key=score.get)
@@ -150,7 +151,7 @@ def main() -> None:
         rows += measured
         write_results(args.out, rows)
     for shape in args.shapes.split(","):
-        by = {row["impl"]: row for row in rows if row["shape"] == shape and "forward_ms" in row}
+        by = {row["impl"]: row for row in rows if row.get("shape") == shape and "forward_ms" in row}
         if "fused" in by and "inductor" in by:
             inductor, mine = by["inductor"], by["fused"]
             print(f"{shape:>12}  fused against inductor: forward {inductor['forward_ms'] / mine['forward_ms']:.2f}x"

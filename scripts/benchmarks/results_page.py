@@ -29,7 +29,7 @@ ADDED = {"loss_1gpu_h100.json": "2026-11-21", "loss_h100_bf16_c768.json": "2026-
 
 # Each question: what it asks, and the measurements that answer it today.
 # kind: loss (benchmarks/loss.py), e2e (benchmarks/end_to_end.py), loader, stop, attention, mlp, towers,
-# learning.
+# learning, layernorm.
 QUESTIONS = [
     {
         "title": "The loss: speed and memory against Inf-CL and OpenCLIP",
@@ -58,6 +58,10 @@ QUESTIONS = [
         "entries": [
             {"file": "vit_b16_256_graphs_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-B/16, batch 256"},
             {"file": "vit_b16_4k_patch_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-B/16, batch 4k (8 x 512)"},
+            {"file": "vit_b16_4k_options_vs_openclip_h100.json", "kind": "e2e",
+             "label": "ViT-B/16, batch 4k (8 x 512), the defaults (`all-on`) and the opt-ins `model.attention=auto "
+                      "model.gelu=tanh` (`auto-tanh`, not exact; its MFU was counted before the FLOP counter knew "
+                      "cuBLASLt's GELU GEMM: at its samples/s the model's FLOPs make it 31.7%)"},
             {"file": "vit_b16_32k_vs_openclip_h200.json", "kind": "e2e",
              "label": "ViT-B/16, batch 32k (64 x 512), H200"},
             {"file": "vit_l14_128_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 128"},
@@ -96,6 +100,17 @@ QUESTIONS = [
                 "forward (GradCache's first pass, where `model.gelu=tanh` runs cuBLASLt's GELU epilogue) and its "
                 "replay (forward + backward), `model.gelu=erf` (the default) against `tanh`.",
         "entries": [{"file": "towers_gelu_vit_b16_h100.json", "kind": "towers"}],
+    },
+    {
+        "title": "The residual add and LayerNorm in one kernel",
+        "text": "`s = x + y`, `out = LN(s)` at the towers' shapes (tokens x width: ViT-B/16 at 512 images, ViT-L/14 "
+                "at 256, ViT-bigG-14 at 128, two text towers at 512 captions of 32 tokens), bf16 (`layernorm.py "
+                "--tune`): open_clip's add and norm eager, compiled by inductor, and `kernels/layernorm.py` at its "
+                "tuned tiles; GB/s on the least each pass must move (two tensors read and two written forward, "
+                "three and one backward). Then whole towers (`towers.py`), `model.fused_layernorm` off and on.",
+        "entries": [{"file": "layernorm_tune_h100.json", "kind": "layernorm"},
+                    {"file": "towers_addln_vit_b16_h100.json", "kind": "towers"},
+                    {"file": "towers_addln_vit_l14_h100.json", "kind": "towers"}],
     },
     {
         "title": "The tanh GELU's effect on learning",
@@ -272,6 +287,20 @@ def mlp_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
+def layernorm_table(data: dict, entry: dict) -> list[str]:
+    rows = ["| shape | implementation | forward ms | forward GB/s | backward ms | backward GB/s |",
+            "|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        if "forward_ms" in row:
+            tiles = f" {tuple(row['tiles'])}" if row.get("tiles") else ""
+            rows.append(f"| {row['shape']} | {row['impl']}{tiles} | {row['forward_ms']:.3f} | "
+                        f"{row['forward_gb_per_s']:.0f} | {row['backward_ms']:.3f} | {row['backward_gb_per_s']:.0f} |")
+        elif row.get("impl") == "copy":
+            rows.append(f"| {row['shape']} | one clone of the same bytes | {row['ms']:.3f} | "
+                        f"{row['gb_per_s']:.0f} | | |")
+    return rows
+
+
 def towers_table(data: dict, entry: dict) -> list[str]:
     parts = ("image_forward_s", "image_replay_s", "text_forward_s", "text_replay_s")
     rows = ["| variant | image forward ms | image replay ms | text forward ms | text replay ms |",
@@ -296,7 +325,8 @@ def learning_table(data: dict, entry: dict) -> list[str]:
 
 
 TABLES = {"loss": loss_table, "e2e": e2e_table, "loader": loader_table, "stop": stop_table,
-          "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table}
+          "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
+          "layernorm": layernorm_table}
 
 
 def page() -> str:

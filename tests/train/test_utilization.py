@@ -16,11 +16,12 @@ from megabatch.train.utilization import (
     Peak,
     attention_flop_formulas,
     count_model_flops,
+    model_flop_formulas,
     table_peak,
     utilization,
 )
 
-from ..helpers import compose
+from ..helpers import compose, interpreted_only
 
 
 def transformer_layer(tokens: int, width: int, hidden: int) -> int:
@@ -29,10 +30,10 @@ def transformer_layer(tokens: int, width: int, hidden: int) -> int:
             + 2 * 2 * tokens * width * hidden)
 
 
-def tiny_model_flops(device: torch.device, backend=None) -> ModelFlops:
+def tiny_model_flops(device: torch.device, backend=None, *overrides: str) -> ModelFlops:
     """The tiny model's FLOPs on ``device`` (under bf16 autocast on CUDA, as training runs, so that the
     flash and cuDNN kernels can take the attention), its attention forced onto one SDPA ``backend`` if given."""
-    model = build_model(compose("model=tiny").model).to(device)  # configs/model/tiny.yaml
+    model = build_model(compose("model=tiny", *overrides).model).to(device)  # configs/model/tiny.yaml
     with (sdpa_kernel(backend) if backend is not None else contextlib.nullcontext(),
           torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()):
         return count_model_flops(model, *model.example_inputs(4, device))
@@ -90,6 +91,24 @@ def test_attention_counts_the_same_on_every_kernel_forward_and_backward(device, 
             raise
         pytest.skip(f"{backend.name} does not run here: {error}")
     assert (counted_forward, counter.get_total_flops()) == (forward, 3 * forward)
+
+
+@interpreted_only
+@pytest.mark.parametrize("setting", ["model.attention=triton", "model.fused_mlp=true"])
+def test_the_projects_kernels_count_as_the_matmuls_they_replace(setting):
+    assert tiny_model_flops(torch.device("cpu"), None, setting) == tiny_model_flops(torch.device("cpu"))
+
+
+def test_cublaslts_gelu_epilogue_counts_as_its_gemm():
+    # model.gelu=tanh's forward without autograd on a GPU: aten._addmm_activation (CPU here: same op)
+    x, weight, bias = torch.randn(6, 8), torch.randn(5, 8), torch.randn(5)
+    counts = []
+    for gemm in (lambda: torch.addmm(bias, x, weight.t()),
+                 lambda: torch._addmm_activation(bias, x, weight.t(), use_gelu=True)):
+        with FlopCounterMode(display=False, custom_mapping=model_flop_formulas()) as counter:
+            gemm()
+        counts.append(counter.get_total_flops())
+    assert counts == [2 * 6 * 8 * 5] * 2
 
 
 def test_a_frozen_tower_costs_its_forward_only():

@@ -83,7 +83,7 @@ def _backward_kernel(S, DOUT, DS, W, MEAN, RSTD, DX, DW, DB, rows, cols,
 
 # (elements per block of rows, warps) per kernel, and the backward's programs per SM: the fastest at the
 # towers' widths on an H100 (``scripts/benchmarks/layernorm.py --tune``)
-TILES = {"forward": (4096, 4), "backward": (1024, 4)}
+TILES = {"forward": (8192, 8), "backward": (2048, 4)}
 BACKWARD_PROGRAMS_PER_SM = 8
 
 

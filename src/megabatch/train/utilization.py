@@ -134,6 +134,36 @@ def attention_flop_formulas() -> dict:
     return formulas
 
 
+def _addmm_formula(bias, mat1, mat2, *args, out_shape=None, **kwargs) -> int:
+    return 2 * mat1[0] * mat1[1] * mat2[1]
+
+
+def _packed_attention_formula(qkv, *args, out_shape=None, **kwargs) -> int:
+    batch, length, _, heads, depth = qkv
+    return attention_forward_flops((batch, heads, length, depth), (batch, heads, length, depth),
+                                   (batch, heads, length, depth))
+
+
+def _fused_mlp_formula(x, w1, b1, w2, b2, *args, out_shape=None, **kwargs) -> int:
+    return 2 * x[0] * w1[1] * w1[0] + 2 * x[0] * w2[1] * w2[0]
+
+
+def model_flop_formulas() -> dict:
+    """``attention_flop_formulas`` and the forwards torch's counter does not know, so that every
+    ``model.*`` setting counts the model's FLOPs alike: cuBLASLt's GEMM with its GELU epilogue
+    (``model.gelu=tanh``: ``aten._addmm_activation``, counted as ``addmm``), the project's attention
+    kernels (``model.attention=triton|auto``) and fused MLP (``model.fused_mlp``), as the matmuls
+    they replace."""
+    from ..kernels import attention, mlp  # noqa: F401  (registers the custom ops)
+
+    return {**attention_flop_formulas(), torch.ops.aten._addmm_activation: _addmm_formula,
+            torch.ops.megabatch.packed_attention: _packed_attention_formula,
+            torch.ops.megabatch.fused_mlp: _fused_mlp_formula,
+            torch.ops.megabatch.fused_mlp_inference: _fused_mlp_formula}
+
+
+
+
 def count_model_flops(model, images: torch.Tensor, texts: torch.Tensor) -> ModelFlops:
     """Count the towers' forward FLOPs on one sub-batch (``images [n, 3, s, s]``, ``texts [n,
     ctx]``), without autograd, in the model's current mode (training: the attention's training
@@ -141,7 +171,7 @@ def count_model_flops(model, images: torch.Tensor, texts: torch.Tensor) -> Model
     counts = {}
     with torch.no_grad():
         for tower, encode, inputs in (("image", model._image_features, images), ("text", model._text_features, texts)):
-            with FlopCounterMode(display=False, custom_mapping=attention_flop_formulas()) as counter:
+            with FlopCounterMode(display=False, custom_mapping=model_flop_formulas()) as counter:
                 encode(inputs)
             counts[tower] = counter.get_total_flops() / len(inputs)
     return ModelFlops(counts["image"], counts["text"], not model.frozen("image"), not model.frozen("text"))
