@@ -174,3 +174,18 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
         if rank:
             pids[int(rank[0])] = int(child)
     return pids
+
+
+def assert_compiles_whole(fn, tensors, tolerance: float = 1e-5) -> None:
+    """``torch.compile(fn, fullgraph=True)`` traces ``fn`` (a custom op is no graph break) and gives
+    eager's value of ``fn(*tensors)`` (a scalar) and gradients with respect to ``tensors``."""
+    import torch
+
+    torch._dynamo.reset()
+    eager = fn(*tensors)
+    eager_grads = torch.autograd.grad(eager, tensors)
+    compiled = torch.compile(fn, fullgraph=True)(*tensors)
+    compiled_grads = torch.autograd.grad(compiled, tensors)
+    assert rel_error(compiled.detach(), eager.detach()) <= tolerance
+    for want, got in zip(eager_grads, compiled_grads, strict=True):
+        assert rel_error(got, want) <= tolerance

@@ -20,13 +20,12 @@ difference from eager's.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 
 import torch
 import torch.nn.functional as F
-from common import gpu_time, write_results
+from common import gpu_time, kernel_arguments, print_speedups, time_forward_backward, write_results
 
 from megabatch.kernels import layernorm
 from megabatch.kernels.layernorm import add_layer_norm, add_layer_norm_backward, add_layer_norm_op
@@ -102,24 +101,11 @@ def measure(shape: str, warmup: int, repeat: int) -> list[dict]:
     rows.append({"shape": shape, "tokens": tokens, "width": width, "impl": "copy", "ms": copy_s * 1e3,
                  "gb_per_s": moved / copy_s / 1e9})
     for name, fn in {"eager": eager, "inductor": torch.compile(eager), "fused": fused}.items():
-        def forward(fn=fn):
-            with torch.no_grad():
-                return fn(*tensors)
-
-        def forward_backward(fn=fn):
-            for tensor in tensors:
-                tensor.grad = None
-            torch.autograd.backward(fn(*tensors), grads)
-
-        try:
-            forward_s = gpu_time(forward, warmup, repeat)
-            both_s = gpu_time(forward_backward, warmup, repeat)
+        try:  # the recorded forward costs as the graph-free one
+            forward_s, backward_s, results[name] = time_forward_backward(fn, tensors, grads, warmup, repeat)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot run a shape is a row too
             rows.append({"shape": shape, "impl": name, "error": str(error)[:500]})
             continue
-        forward_backward()
-        results[name] = [t.float() for t in forward()] + [t.grad.float() for t in tensors]
-        backward_s = max(both_s - forward_s, 1e-9)  # the recorded forward costs as the graph-free one
         rows.append({"shape": shape, "tokens": tokens, "width": width, "impl": name,
                      "tiles": [*layernorm.TILES["forward"], *layernorm.TILES["backward"],
                                layernorm.BACKWARD_PROGRAMS_PER_SM] if name == "fused" else None,
@@ -134,15 +120,7 @@ def measure(shape: str, warmup: int, repeat: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--tune", action="store_true", help="time candidate tiles first; compare at the best")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/layernorm.py times GPU kernels and needs a CUDA GPU")
+    args = kernel_arguments(__doc__, SHAPES, 30, "layernorm.py")
     rows = tune(args.shapes.split(","), args.warmup, args.repeat) if args.tune else []
     for shape in args.shapes.split(","):
         measured = measure(shape, args.warmup, args.repeat)
@@ -150,12 +128,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         rows += measured
         write_results(args.out, rows)
-    for shape in args.shapes.split(","):
-        by = {row["impl"]: row for row in rows if row.get("shape") == shape and "forward_ms" in row}
-        if "fused" in by and "inductor" in by:
-            inductor, mine = by["inductor"], by["fused"]
-            print(f"{shape:>12}  fused against inductor: forward {inductor['forward_ms'] / mine['forward_ms']:.2f}x"
-                  f"  backward {inductor['backward_ms'] / mine['backward_ms']:.2f}x")
+    print_speedups(rows, args.shapes.split(","))
 
 
 if __name__ == "__main__":

@@ -21,12 +21,11 @@ output's and gradient's difference from the eager module's.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 import torch.nn.functional as F
-from common import gpu_time, write_results
+from common import gpu_time, kernel_arguments, print_speedups, time_forward_backward, write_results
 
 from megabatch.kernels import mlp
 from megabatch.kernels.mlp import GELU, GELU_GRAD, fused_mlp
@@ -109,24 +108,11 @@ def measure(shape: str, warmup: int, repeat: int) -> list[dict]:
     implementations = {"eager": eager, "inductor": torch.compile(eager), "fused": fused_mlp}
     rows, results = [], {}
     for name, fn in implementations.items():
-        def forward(fn=fn):
-            with torch.no_grad():
-                return fn(*tensors)
-
-        def forward_backward(fn=fn):
-            for tensor in tensors:
-                tensor.grad = None
-            fn(*tensors).backward(grad)
-
         try:
-            forward_s = gpu_time(forward, warmup, repeat)
-            both_s = gpu_time(forward_backward, warmup, repeat)
+            forward_s, backward_s, results[name] = time_forward_backward(fn, tensors, grad, warmup, repeat)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot run a shape is a row too
             rows.append({"shape": shape, "impl": name, "error": str(error)[:500]})
             continue
-        forward_backward()
-        results[name] = [forward().float()] + [t.grad.float() for t in tensors]
-        backward_s = max(both_s - forward_s, 1e-9)
         rows.append({"shape": shape, "tokens": tokens, "width": width, "hidden": hidden, "impl": name,
                      "tiles": list(mlp.TILES) if name == "fused" else None,
                      "forward_ms": forward_s * 1e3, "backward_ms": backward_s * 1e3,
@@ -140,15 +126,7 @@ def measure(shape: str, warmup: int, repeat: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--tune", action="store_true", help="time candidate tiles first; compare at the best")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/mlp.py times GPU kernels and needs a CUDA GPU")
+    args = kernel_arguments(__doc__, SHAPES, 20, "mlp.py")
     rows = []
     for shape in args.shapes.split(","):
         if args.tune:
@@ -159,12 +137,7 @@ def main() -> None:
         for row in rows[-3:]:
             print(json.dumps(row), flush=True)
         write_results(args.out, rows)
-    for shape in args.shapes.split(","):
-        by = {row["impl"]: row for row in rows if row["shape"] == shape and "forward_ms" in row}
-        if "fused" in by and "inductor" in by:
-            inductor, fused = by["inductor"], by["fused"]
-            print(f"{shape:>18}  fused against inductor: forward {inductor['forward_ms'] / fused['forward_ms']:.2f}x"
-                  f"  backward {inductor['backward_ms'] / fused['backward_ms']:.2f}x")
+    print_speedups(rows, args.shapes.split(","))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megabatch.kernels import layernorm
 from megabatch.kernels.layernorm import add_layer_norm
 
-from ..helpers import rel_error
+from ..helpers import assert_compiles_whole, rel_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16: the inputs', s's and the gradients' own rounding (one bf16 ulp is 2^-8 of a value)
@@ -80,20 +80,11 @@ def test_a_gradient_into_the_norm_alone_and_many_programs_per_partial_sum(monkey
 
 
 def test_compiled_it_is_one_graph_with_the_eager_gradients():
-    torch._dynamo.reset()
-    tensors = inputs((2, 11, 32), torch.float32, seed=1)
-
     def block(x, y, weight, bias):
         s, out = add_layer_norm(x, y.sin(), weight, bias)
         return (s + out.square()).sum()
 
-    eager = block(*tensors)
-    eager_grads = torch.autograd.grad(eager, tensors)
-    compiled = torch.compile(block, fullgraph=True)(*tensors)
-    compiled_grads = torch.autograd.grad(compiled, tensors)
-    assert rel_error(compiled.detach(), eager.detach()) <= 1e-5
-    for want, got in zip(eager_grads, compiled_grads, strict=True):
-        assert rel_error(got, want) <= 1e-5
+    assert_compiles_whole(block, inputs((2, 11, 32), torch.float32, seed=1))
 
 
 def test_bad_inputs_are_named():
