@@ -59,9 +59,16 @@ QUESTIONS = [
             {"file": "vit_b16_256_graphs_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-B/16, batch 256"},
             {"file": "vit_b16_4k_patch_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-B/16, batch 4k (8 x 512)"},
             {"file": "vit_b16_4k_options_vs_openclip_h100.json", "kind": "e2e",
-             "label": "ViT-B/16, batch 4k (8 x 512), the defaults (`all-on`) and the opt-ins `model.attention=auto "
-                      "model.gelu=tanh` (`auto-tanh`, not exact; its MFU was counted before the FLOP counter knew "
-                      "cuBLASLt's GELU GEMM: at its samples/s the model's FLOPs make it 31.7%)"},
+             "label": "ViT-B/16, batch 4k (8 x 512), the defaults of the day (`all-on`, with "
+                      "`model.attention=sdpa`) and `model.attention=auto model.gelu=tanh` (`auto-tanh`, tanh not "
+                      "exact; its MFU was counted before the FLOP counter knew cuBLASLt's GELU GEMM: at its "
+                      "samples/s the model's FLOPs make it 31.7%)"},
+            {"file": "vit_b16_4k_auto_h100.json", "kind": "e2e",
+             "label": "ViT-B/16, batch 4k (8 x 512): `model.attention=sdpa` (`sdpa-*`, the default then) against "
+                      "`auto` (the default since), each twice, alternating"},
+            {"file": "vit_l14_4k_auto_h100.json", "kind": "e2e",
+             "label": "ViT-L/14, batch 4k (16 x 256): `model.attention=sdpa` (`sdpa-1`, the default then) against "
+                      "`auto` (the default since)"},
             {"file": "vit_b16_32k_vs_openclip_h200.json", "kind": "e2e",
              "label": "ViT-B/16, batch 32k (64 x 512), H200"},
             {"file": "vit_l14_128_vs_openclip_h100.json", "kind": "e2e", "label": "ViT-L/14, batch 128"},

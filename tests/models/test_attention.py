@@ -69,7 +69,7 @@ def test_the_triton_kernels_give_sdpas_features_and_gradients(name, monkeypatch)
     from megabatch.models import attention
 
     overrides, blocks = MODELS[name]
-    sdpa = built(overrides).train()
+    sdpa = built([*overrides, "model.attention=sdpa"]).train()
     triton = built([*overrides, "model.attention=triton"]).train()
     assert triton.state_dict().keys() == sdpa.state_dict().keys()
     triton.load_state_dict(sdpa.state_dict())
@@ -97,7 +97,7 @@ def test_auto_runs_the_kernels_where_a_backward_follows_and_sdpa_elsewhere(monke
     from megabatch.models import attention
 
     overrides, _ = MODELS["tiny"]
-    sdpa = built(overrides).train()
+    sdpa = built([*overrides, "model.attention=sdpa"]).train()
     auto = built([*overrides, "model.attention=auto"]).train()
     auto.load_state_dict(sdpa.state_dict())
     calls = record_calls(monkeypatch, attention, "packed_attention", lambda qkv, causal: causal)

@@ -454,7 +454,7 @@ def check_model(model: DictConfig) -> None:
     if gelu == "tanh" and model.get("fused_mlp", False):
         raise ConfigError("model.fused_mlp=true computes the exact GELU, model.gelu=tanh its tanh approximation: "
                           "set model.fused_mlp=false or model.gelu=erf")
-    attention = model.get("attention", "sdpa")
+    attention = model.get("attention", "auto")
     if attention not in ("auto", "sdpa", "triton"):
         raise ConfigError(f"model.attention={attention!r}: give auto (per call, from the kernels' measured table), "
                           "sdpa (PyTorch's scaled_dot_product_attention) or triton (the project's kernels on the "

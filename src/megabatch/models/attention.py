@@ -18,8 +18,8 @@ reordered sum (tests/models/test_attention.py).
 text tower runs the causal kernel; a block given any other mask, or with attention dropout in
 training, keeps SDPA. ``model.attention=auto`` picks per call from the kernels' measured table
 (``kernels.attention.faster_than_sdpa``): the Triton kernels where a backward follows on long
-sequences, SDPA for forwards without autograd, short sequences and on the CPU. The default stays
-``sdpa`` until the kernels are measured faster end to end (docs/performance.md).
+sequences, SDPA for forwards without autograd, short sequences and on the CPU. ``auto`` is the
+default: measured faster end to end at ViT-B/16 and ViT-L/14 (docs/performance.md).
 
 ``model.fused_layernorm=true``: the residual add after the attention and the LayerNorm before the MLP
 (``x = q_x + attention``, ``ln_2(x)``) run as one kernel each way (``kernels/layernorm.py``), on CUDA

@@ -497,7 +497,7 @@ def build_model(node) -> ClipModel:
             raise error.__cause__ from None
         raise
     if node.get("direct_attention", False):
-        use_direct_attention(model, node.get("attention", "sdpa"), node.get("fused_layernorm", False))
+        use_direct_attention(model, node.get("attention", "auto"), node.get("fused_layernorm", False))
     if node.get("patch_gemm", False):
         use_patch_gemm(model)
     if node.get("fused_mlp", False):
