@@ -175,12 +175,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     if cfg.model.get("fp8", False) and on_cpu:  # the GPU's own capability is checked once chosen (models/fp8.py)
         raise ConfigError("model.fp8=true trains the towers' matmuls in FP8 on a GPU's FP8 tensor cores, and this "
                           "run is on the CPU: set model.fp8=false")
-    if cfg.model.get("fused_mlp", False) and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":  # interpreted: tests
-        raise ConfigError("model.fused_mlp=true runs the MLPs' GEMMs in Triton kernels on the GPU, and this run "
-                          "is on the CPU: set model.fused_mlp=false")
-    if cfg.model.get("fused_layernorm", False) and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError("model.fused_layernorm=true runs the blocks' residual add and LayerNorm in Triton kernels "
-                          "on the GPU, and this run is on the CPU: set model.fused_layernorm=false")
+    for key, what in (("fused_mlp", "the MLPs' GEMMs"), ("fused_layernorm", "the blocks' residual add and LayerNorm")):
+        if cfg.model.get(key, False) and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":  # interpreted: tests
+            raise ConfigError(f"model.{key}=true runs {what} in Triton kernels on the GPU, and this run is on the "
+                              f"CPU: set model.{key}=false")
     check_logit_bias(cfg.loss, cfg.model)
     return cfg
 

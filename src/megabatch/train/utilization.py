@@ -140,8 +140,8 @@ def _addmm_formula(bias, mat1, mat2, *args, out_shape=None, **kwargs) -> int:
 
 def _packed_attention_formula(qkv, *args, out_shape=None, **kwargs) -> int:
     batch, length, _, heads, depth = qkv
-    return attention_forward_flops((batch, heads, length, depth), (batch, heads, length, depth),
-                                   (batch, heads, length, depth))
+    each = (batch, heads, length, depth)  # q, k and v alike
+    return attention_forward_flops(each, each, each)
 
 
 def _fused_mlp_formula(x, w1, b1, w2, b2, *args, out_shape=None, **kwargs) -> int:
@@ -160,8 +160,6 @@ def model_flop_formulas() -> dict:
             torch.ops.megabatch.packed_attention: _packed_attention_formula,
             torch.ops.megabatch.fused_mlp: _fused_mlp_formula,
             torch.ops.megabatch.fused_mlp_inference: _fused_mlp_formula}
-
-
 
 
 def count_model_flops(model, images: torch.Tensor, texts: torch.Tensor) -> ModelFlops:
