@@ -8,9 +8,10 @@ OpenCLIP's ``--torchcompile``; and the steady-state samples/s after it.
 
 Each row is one process, launched as a user launches it: ``python train.py model=<model>
 model.compile=true model.compile_scope=<scope> data=webdataset data.decode=gpu ...`` on photo-like
-JPEG shards written first (``--images``). ``cold``: an empty ``$MEGABATCH_CACHE`` and an empty
-inductor cache (``TORCHINDUCTOR_CACHE_DIR``); ``warm``: the cache the cold run of that scope wrote,
-with inductor's own cache empty again (as a job on another node that shares ``$MEGABATCH_CACHE``).
+JPEG shards written first (``--images``). ``cold``: an empty ``$MEGABATCH_CACHE``, an empty inductor
+cache (``TORCHINDUCTOR_CACHE_DIR``) and an empty Triton home (``TRITON_HOME``: its default caches);
+``warm``: the cache the cold run of that scope wrote, inductor's own cache and Triton's home empty
+again (as a job on another node that shares ``$MEGABATCH_CACHE``).
 ``time_to_first_step_s`` is what the run wrote to ``status.json``, ``startup_s`` where it went;
 ``samples_per_s`` the median of its logged intervals after the first. ``--sweep-batches``: a 3-job
 multirun's start-up instead, also from an earlier source tree (``--before``, e.g. ``git archive``'s).
@@ -51,6 +52,14 @@ print("FIRST_STEP_S", process_age_s() - result["step_s"], "STEP_S", result["step
 """
 
 
+def fresh_triton(environ, home: Path) -> dict:
+    """``environ`` with Triton's home (its default caches) in an empty ``home`` and no
+    ``TRITON_CACHE_DIR``: a run then keeps its Triton kernels where megabatch puts them
+    (``$MEGABATCH_CACHE/triton``) and finds none from another run of this benchmark elsewhere."""
+    shutil.rmtree(home, ignore_errors=True)
+    return {k: v for k, v in environ.items() if k != "TRITON_CACHE_DIR"} | {"TRITON_HOME": str(home)}
+
+
 def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
     cache_dir, inductor = workdir / f"cache-{scope}", workdir / f"inductor-{scope}-{cache}"
     if cache == "cold":
@@ -63,7 +72,8 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
                f"data.decode={args.decode}", f"data.num_workers={args.workers}", f"batch={args.batch}",
                f"trainer.max_steps={args.steps}",
                "trainer.log_every=5", "eval=none", f"run_dir={run_dir}", *args.set]
-    env = {**os.environ, "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
+    env = fresh_triton(os.environ, workdir / f"triton-home-{scope}-{cache}") | {
+        "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
     started = time.perf_counter()
     ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
@@ -93,8 +103,9 @@ def sweep(args, workdir: Path, urls: str, tree: Path, label: str) -> dict:
                f"data.num_workers={args.workers}", f"batch={args.sweep_batches}", f"trainer.sub_batch={args.batch}",
                f"trainer.max_steps={args.sweep_steps}", "trainer.log_every=1", "eval=none", f"name=sweep-{label}",
                *args.set]
-    env = {**os.environ, "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
-           "PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = fresh_triton(os.environ, workdir / f"triton-home-sweep-{label}") | {
+        "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+        "PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")])}
     started = time.time()
     row = {"system": f"megabatch ({label})", "model": args.model, "sweep": args.sweep_batches, "sub_batch": args.batch,
            "steps_per_job": args.sweep_steps, "command": " ".join(command[1:])}
@@ -116,7 +127,8 @@ def sweep(args, workdir: Path, urls: str, tree: Path, label: str) -> dict:
 
 
 def openclip(args, workdir: Path) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-openclip")}
+    env = fresh_triton(os.environ, workdir / "triton-home-openclip") | {
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-openclip")}
     shutil.rmtree(workdir / "inductor-openclip", ignore_errors=True)
     started = time.perf_counter()
     ran = subprocess.run([sys.executable, "-c", OPENCLIP, str(Path(__file__).parent), str(args.batch),

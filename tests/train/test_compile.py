@@ -5,6 +5,8 @@ trainer.feature_dtype=auto."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -228,6 +230,28 @@ def test_the_process_wide_settings_are_made_once_in_one_place(monkeypatch):
     settings = configure_backends(compose("model.compile=true"), torch.device("cpu"))
     assert inductor_config.fallback_random is True and any("model.compile" in line for line in settings)
     assert configure_backends(compose(), torch.device("cpu")) == []  # nothing to set for an eager CPU run
+
+
+def test_triton_kernels_are_kept_in_the_cache_directory_on_a_gpu(tmp_path, monkeypatch):
+    """On CUDA, Triton's kernel cache defaults to ``<data.cache_dir>/triton`` (shared like the compile
+    cache); a ``TRITON_CACHE_DIR`` the user set wins. Nothing here needs a GPU (decoding on the CPU)."""
+    from megabatch.train.backends import configure_backends
+
+    cfg = compose(f"data.cache_dir={tmp_path}", "data.decode=cpu")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # the CUDA call sets them
+    try:
+        settings = configure_backends(cfg, torch.device("cuda"))
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+        assert any(str(tmp_path / "triton") in line for line in settings)
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+        configure_backends(cfg, torch.device("cuda"))
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    configure_backends(cfg, torch.device("cpu"))  # the interpreter keeps nothing
+    assert "TRITON_CACHE_DIR" not in os.environ
 
 
 def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start_up(tmp_path, monkeypatch, caplog):
