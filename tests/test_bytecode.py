@@ -1,0 +1,67 @@
+"""Bytecode kept in the cache directory where the packages have none and Python may not write it
+(``megabatch/bytecode.py``), in fresh interpreters: a package installed without bytecode stands in
+for torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FIRST = """
+import importlib.machinery  # as the second process does
+import sys
+from megabatch import bytecode
+assert bytecode.use_kept_bytecode(probe="plainpkg") == bytecode.bytecode_folder(), sys.pycache_prefix
+import plainpkg.deep
+assert plainpkg.deep.VALUE == 42
+given = bytecode.write_missing_bytecode()
+assert given >= 2, given
+assert bytecode._compiler.wait(timeout=60) == 0
+"""
+
+SECOND = """
+import importlib.machinery
+from megabatch import bytecode
+assert bytecode.use_kept_bytecode(probe="plainpkg") == bytecode.bytecode_folder()
+
+def from_source(*args, **kwargs):
+    raise AssertionError("compiled from source")
+
+importlib.machinery.SourceFileLoader.source_to_code = from_source  # the kept bytecode must serve
+import plainpkg.deep
+print(plainpkg.deep.__cached__)
+assert bytecode.write_missing_bytecode() == 0  # nothing is missing now
+"""
+
+
+def python(code: str, env: dict) -> str:
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    return ran.stdout
+
+
+def test_bytecode_is_kept_in_the_cache_directory_when_python_may_not_write_it(tmp_path):
+    package = tmp_path / "site" / "plainpkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "deep.py").write_text("VALUE = 42\n")
+    cache = tmp_path / "cache"
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "MEGABATCH_CACHE": str(cache), "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(src)])}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    python(FIRST, env)
+    assert not list(package.rglob("*.pyc"))  # nothing beside the sources
+    kept = cache / "pycache" / str(package / "deep.py").lstrip(os.sep)
+    assert list(kept.parent.glob("deep.*.pyc")), sorted(cache.rglob("*"))
+    assert python(SECOND, env).strip().startswith(str(cache / "pycache"))
+    # off, or where the package has bytecode beside it: nothing changes
+    off = python("from megabatch import bytecode; print(bytecode.use_kept_bytecode(probe='plainpkg'))",
+                 env | {"MEGABATCH_PYCACHE": "0"})
+    assert off.strip() == "None"
+    python("import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=1)".replace("sys.argv[1]", repr(
+        str(package))), env)
+    assert python("from megabatch import bytecode; print(bytecode.use_kept_bytecode(probe='plainpkg'))",
+                  env).strip() == "None"
