@@ -60,10 +60,25 @@ def fresh_triton(environ, home: Path) -> dict:
     return {k: v for k, v in environ.items() if k != "TRITON_CACHE_DIR"} | {"TRITON_HOME": str(home)}
 
 
+def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:
+    """Wait until no file has been added under ``folder`` for ``quiet_s`` (at most ``limit_s``): a
+    run's background bytecode compiler (``megabatch/bytecode.py``) finishing, as it would have before a
+    later job started. Returns the files there."""
+    count, quiet, waited = -1, 0.0, 0.0
+    while quiet < quiet_s and waited < limit_s:
+        now = sum(1 for _ in folder.rglob("*.pyc")) if folder.is_dir() else 0
+        quiet = quiet + 0.5 if now == count else 0.0
+        count = now
+        time.sleep(0.5)
+        waited += 0.5
+    return count
+
+
 def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
     cache_dir, inductor = workdir / f"cache-{scope}", workdir / f"inductor-{scope}-{cache}"
     if cache == "cold":
         shutil.rmtree(cache_dir, ignore_errors=True)
+    kept_bytecode = settled(cache_dir / "pycache")
     shutil.rmtree(inductor, ignore_errors=True)
     run_dir = workdir / f"run-{scope}-{cache}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -78,16 +93,20 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
     ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
     row = {"system": "megabatch", "model": args.model, "batch": args.batch, "scope": scope, "cache": cache,
-           "returncode": ran.returncode, "wall_s": wall, "command": " ".join(command[1:])}
+           "kept_bytecode_files": kept_bytecode, "returncode": ran.returncode, "wall_s": wall,
+           "command": " ".join(command[1:])}
     if ran.returncode != 0:
         return row | {"error": ran.stderr[-2000:]}
     status = json.loads((run_dir / "status.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [r["samples_per_s"] for r in records[1:] if "samples_per_s" in r]
-    compiled = [line for line in (ran.stdout + ran.stderr).splitlines() if "the towers compiled in" in line]
+    lines = (ran.stdout + ran.stderr).splitlines()
+    compiled = [line for line in lines if "the towers compiled in" in line]
+    notes = [line.split(" - ", 1)[-1] for line in lines if "bytecode:" in line or "TRITON_CACHE_DIR" in line]
     return row | {"time_to_first_step_s": status.get("time_to_first_step_s"),
                   "startup_s": {k.removeprefix("startup/"): v for k, v in status.get("startup_s", {}).items()},
                   "compile_log": compiled[-1].split(" - ")[-1] if compiled else None,
+                  "notes": notes,
                   "samples_per_s": statistics.median(rates) if rates else None}
 
 
