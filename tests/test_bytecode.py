@@ -35,6 +35,8 @@ print(plainpkg.deep.__cached__)
 assert bytecode.write_missing_bytecode() == 0  # nothing is missing now
 """
 
+STATE = "from megabatch import bytecode; print(bytecode.use_kept_bytecode(probe='plainpkg'), bytecode.in_use())"
+
 
 def python(code: str, env: dict) -> str:
     ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -57,11 +59,15 @@ def test_bytecode_is_kept_in_the_cache_directory_when_python_may_not_write_it(tm
     kept = cache / "pycache" / str(package / "deep.py").lstrip(os.sep)
     assert list(kept.parent.glob("deep.*.pyc")), sorted(cache.rglob("*"))
     assert python(SECOND, env).strip().startswith(str(cache / "pycache"))
+    # a process started by a megabatch process (the prefix in its environment) keeps its folder,
+    # whatever its own cache directory
+    inherited = python(STATE, env | {"MEGABATCH_CACHE": str(tmp_path / "other"),
+                                     "PYTHONPYCACHEPREFIX": str(cache / "pycache"),
+                                     "MEGABATCH_PYCACHE_FOLDER": str(cache / "pycache")})
+    assert inherited.split() == [str(cache / "pycache"), "True"]
+    users = env | {"PYTHONPYCACHEPREFIX": str(tmp_path / "users")}  # a prefix of the user's own: left alone
+    assert python(STATE, users).split() == ["None", "False"]
     # off, or where the package has bytecode beside it: nothing changes
-    off = python("from megabatch import bytecode; print(bytecode.use_kept_bytecode(probe='plainpkg'))",
-                 env | {"MEGABATCH_PYCACHE": "0"})
-    assert off.strip() == "None"
-    python("import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=1)".replace("sys.argv[1]", repr(
-        str(package))), env)
-    assert python("from megabatch import bytecode; print(bytecode.use_kept_bytecode(probe='plainpkg'))",
-                  env).strip() == "None"
+    assert python(STATE, env | {"MEGABATCH_PYCACHE": "0"}).split() == ["None", "False"]
+    python(f"import compileall; compileall.compile_dir({str(package)!r}, quiet=1)", env)
+    assert python(STATE, env).split() == ["None", "False"]

@@ -54,10 +54,12 @@ print("FIRST_STEP_S", process_age_s() - result["step_s"], "STEP_S", result["step
 
 def fresh_triton(environ, home: Path) -> dict:
     """``environ`` with Triton's home (its default caches) in an empty ``home`` and no
-    ``TRITON_CACHE_DIR``: a run then keeps its Triton kernels where megabatch puts them
-    (``$MEGABATCH_CACHE/triton``) and finds none from another run of this benchmark elsewhere."""
+    ``TRITON_CACHE_DIR`` or bytecode folder (``megabatch/bytecode.py``) from this process: a run then
+    keeps its Triton kernels and bytecode where megabatch puts them (``$MEGABATCH_CACHE/triton``,
+    ``/pycache``) and finds none from another run of this benchmark elsewhere."""
     shutil.rmtree(home, ignore_errors=True)
-    return {k: v for k, v in environ.items() if k != "TRITON_CACHE_DIR"} | {"TRITON_HOME": str(home)}
+    inherited = ("TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "MEGABATCH_PYCACHE_FOLDER")  # each run its own caches
+    return {k: v for k, v in environ.items() if k not in inherited} | {"TRITON_HOME": str(home)}
 
 
 def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:

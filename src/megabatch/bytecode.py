@@ -13,7 +13,9 @@ the processes this one starts; ``<cache>``: ``$MEGABATCH_CACHE``, else ``~/.cach
 ``write_missing_bytecode`` (after a run's first step) compiles the modules this process imported
 without it there, in a background process at the lowest priority, for the next start. Nothing is
 written next to the sources. Python checks each file against its source's size and time, so a
-changed package is compiled again. ``MEGABATCH_PYCACHE=0`` turns this off.
+changed package is compiled again. A process started by such a process (a benchmark's runs, a
+launcher's jobs) keeps its folder; a ``PYTHONPYCACHEPREFIX`` of the user's own is left alone.
+``MEGABATCH_PYCACHE=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+_MARK = "MEGABATCH_PYCACHE_FOLDER"  # the folder use_kept_bytecode chose, for the processes this one starts
 _compiler: subprocess.Popen | None = None  # kept: it runs on after this process
 
 _COMPILE = """
@@ -42,20 +45,28 @@ def bytecode_folder() -> Path:
 def use_kept_bytecode(probe: str = "torch") -> Path | None:
     """Read bytecode from ``bytecode_folder()`` where the ``probe`` package's is not beside its
     source (see the module's note). Returns the folder, or None where nothing was changed."""
-    if os.environ.get("MEGABATCH_PYCACHE", "1") == "0" or sys.pycache_prefix is not None:
+    if os.environ.get("MEGABATCH_PYCACHE", "1") == "0":
         return None
+    if sys.pycache_prefix is not None:  # set by the user, or inherited from a megabatch process (kept then)
+        return Path(sys.pycache_prefix) if in_use() else None
     spec = importlib.util.find_spec(probe)  # found, not imported
     if spec is None or not spec.cached or os.path.exists(spec.cached):
         return None
     folder = bytecode_folder()
-    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"] = str(folder)
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"] = os.environ[_MARK] = str(folder)
     return folder
+
+
+def in_use() -> bool:
+    """Whether bytecode is read from a folder ``use_kept_bytecode`` chose (here or in the process
+    that started this one)."""
+    return sys.pycache_prefix is not None and sys.pycache_prefix == os.environ.get(_MARK)
 
 
 def write_missing_bytecode() -> int:
     """With ``use_kept_bytecode``'s folder in use: compile there, in a background process, the
     modules this process imported from source without bytecode. Returns how many it was given."""
-    if sys.pycache_prefix is None or Path(sys.pycache_prefix) != bytecode_folder():
+    if not in_use():
         return 0
     missing = sorted({module.__file__ for module in list(sys.modules.values())
                       if isinstance(getattr(module, "__file__", None), str) and module.__file__.endswith(".py")

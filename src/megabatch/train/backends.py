@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
+from ..bytecode import in_use as bytecode_in_use
 from ..data.gpu_decode import resolve_decode
 
 RECOMPILE_LIMIT = 16  # graphs per compiled function: 3 gradient modes x the caption lengths met before dynamic
@@ -32,6 +34,9 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
       otherwise wait for the step's queued kernels.
     """
     done = []
+    if bytecode_in_use():
+        done.append(f"bytecode read from {sys.pycache_prefix}: the packages were installed without it and Python may "
+                    "not write it beside them (MEGABATCH_PYCACHE=0: off)")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(cfg.trainer.tf32)
         done.append(f"TF32 for fp32 matmuls {'on' if cfg.trainer.tf32 else 'off'} (trainer.tf32)")
