@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import sys
 
 _deferred = False  # open_clip was imported here with transformers held back, not given it yet

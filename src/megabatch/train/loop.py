@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ..bytecode import bytecode_folder, write_missing_bytecode
+from ..bytecode import write_missing_bytecode
 from ..checkpoint import (
     capture_rng,
     load_checkpoint,
@@ -478,7 +479,7 @@ class Trainer:
         self.status.note(time_to_first_step_s=round(seconds, 2), startup_s=self.startup.record())
         if self.env.local_rank == 0 and (compiling := write_missing_bytecode()):
             log.info("bytecode: the %d modules imported without it compile into %s in the background, for the "
-                     "next start (MEGABATCH_PYCACHE=0: off)", compiling, bytecode_folder())
+                     "next start (MEGABATCH_PYCACHE=0: off)", compiling, sys.pycache_prefix)
 
     def settle(self) -> None:
         """Read the last step's update (a host sync; the one place its flag is read): its gradient
