@@ -15,9 +15,10 @@ again (as a job on another node that shares ``$MEGABATCH_CACHE``).
 ``time_to_first_step_s`` is what the run wrote to ``status.json``, ``startup_s`` where it went;
 ``samples_per_s`` the median of its logged intervals after the first. ``--sweep-batches``: a 3-job
 multirun's start-up instead, also from an earlier source tree (``--before``, e.g. ``git archive``'s).
-OpenCLIP 3.3: its own ``train_one_epoch`` with
+OpenCLIP 3.3 (``--openclip``): its own ``train_one_epoch`` with
 ``--torchcompile --precision amp_bf16`` (``common.openclip_training``) in a fresh process with an
-empty inductor cache, the time from the process's start to the end of its first step.
+empty inductor cache, the time from the process's start to the end of its first step; or
+(``--openclip-main``) ``python -m open_clip_train.main`` itself, as its users launch it.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -164,6 +167,45 @@ def openclip(args, workdir: Path) -> dict:
     return row | {"time_to_first_step_s": float(fields[1]), "samples_per_s": args.batch / float(fields[3])}
 
 
+def openclip_main(args, workdir: Path) -> dict:
+    """OpenCLIP 3.3 as its users launch it, ``python -m open_clip_train.main --dataset-type synthetic
+    --torchcompile --precision amp_bf16`` (its data module needs pandas), with empty caches: the time
+    from the command to its first ``Train Epoch`` log line, which ``--log-every-n-steps 1`` writes
+    after each step once the step's loss is read; samples/s the median of the lines after the second."""
+    logs, inductor = workdir / "openclip-main-logs", workdir / "inductor-openclip-main"
+    for folder in (logs, inductor):
+        shutil.rmtree(folder, ignore_errors=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    arch = ARCH.get(args.model, args.model)
+    command = [sys.executable, "-m", "open_clip_train.main", "--dataset-type", "synthetic", "--model", arch,
+               "--batch-size", str(args.batch), "--train-num-samples", str(args.batch * args.steps), "--epochs", "1",
+               "--precision", "amp_bf16", "--torchcompile", "--workers", str(args.openclip_workers),
+               "--log-every-n-steps", "1", "--save-frequency", "0", "--logs", str(logs), "--name", "startup",
+               *args.openclip_set]
+    env = fresh_triton(os.environ, workdir / "triton-home-openclip-main") | {
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor), "PYTHONUNBUFFERED": "1"}
+    row = {"system": "openclip-3.3 open_clip_train.main --torchcompile", "model": arch, "batch": args.batch,
+           "cache": "cold", "command": " ".join(command[1:])}
+    started = time.perf_counter()
+    job = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stop = threading.Timer(args.timeout, job.kill)
+    stop.start()
+    steps, tail = [], []
+    for line in job.stdout:
+        tail = (tail + [line])[-40:]
+        if "Train Epoch:" in line:
+            rate = re.search(r"Batch \(t\): [0-9.]+, ([0-9.]+)/s", line)
+            steps.append((time.perf_counter() - started, float(rate.group(1)) if rate else None))
+    job.wait()
+    stop.cancel()
+    row |= {"returncode": job.returncode, "wall_s": time.perf_counter() - started}
+    if not steps:
+        return row | {"error": "".join(tail)[-2000:]}
+    rates = [rate for _, rate in steps[2:] if rate is not None]
+    return row | {"time_to_first_step_s": steps[0][0], "steps_logged": len(steps),
+                  "samples_per_s": statistics.median(rates) if rates else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="vit_b16")
@@ -171,7 +213,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--scopes", default="block,tower", help="model.compile_scope values")
     parser.add_argument("--caches", default="cold,warm")
-    parser.add_argument("--openclip", action="store_true")
+    parser.add_argument("--openclip", action="store_true",
+                        help="OpenCLIP's train_one_epoch in a fresh process (common.openclip_training)")
+    parser.add_argument("--openclip-main", action="store_true",
+                        help="OpenCLIP as its users launch it: python -m open_clip_train.main (needs pandas)")
+    parser.add_argument("--openclip-workers", type=int, default=12, help="--workers of open_clip_train.main")
+    parser.add_argument("--openclip-set", nargs="*", default=[], help="more open_clip_train.main arguments")
     parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--decode", default="gpu", help="data.decode (cpu for a dry run without a GPU)")
@@ -198,10 +245,11 @@ def main() -> None:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:800], flush=True)
             write_results(args.out, rows)
         return
-    if args.openclip:
-        rows.append(openclip(args, workdir))
-        print(json.dumps(rows[-1])[:600], flush=True)
-        write_results(args.out, rows)
+    for wanted, system in ((args.openclip, openclip), (args.openclip_main, openclip_main)):
+        if wanted:
+            rows.append(system(args, workdir))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
+            write_results(args.out, rows)
     for scope in args.scopes.split(","):
         for cache in args.caches.split(","):
             rows.append(ours(args, scope, cache, workdir, urls))
