@@ -107,7 +107,7 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
     rates = [r["samples_per_s"] for r in records[1:] if "samples_per_s" in r]
     lines = (ran.stdout + ran.stderr).splitlines()
     compiled = [line for line in lines if "the towers compiled in" in line]
-    notes = [line.split(" - ", 1)[-1] for line in lines if "bytecode:" in line or "TRITON_CACHE_DIR" in line]
+    notes = [line.split(" - ", 1)[-1] for line in lines if "bytecode" in line or "TRITON_CACHE_DIR" in line]
     return row | {"time_to_first_step_s": status.get("time_to_first_step_s"),
                   "startup_s": {k.removeprefix("startup/"): v for k, v in status.get("startup_s", {}).items()},
                   "compile_log": compiled[-1].split(" - ")[-1] if compiled else None,
