@@ -55,7 +55,7 @@ print("FIRST_STEP_S", process_age_s() - result["step_s"], "STEP_S", result["step
 """
 
 
-def fresh_triton(environ, home: Path) -> dict:
+def fresh_cache_env(environ, home: Path) -> dict:
     """``environ`` with Triton's home (its default caches) in an empty ``home`` and no
     ``TRITON_CACHE_DIR`` or bytecode folder (``megabatch/bytecode.py``) from this process: a run then
     keeps its Triton kernels and bytecode where megabatch puts them (``$MEGABATCH_CACHE/triton``,
@@ -83,7 +83,7 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
     cache_dir, inductor = workdir / f"cache-{scope}", workdir / f"inductor-{scope}-{cache}"
     if cache == "cold":
         shutil.rmtree(cache_dir, ignore_errors=True)
-    kept_bytecode = settled(cache_dir / "pycache")
+    kept_bytecode = settled(cache_dir / "pycache") if cache == "warm" else 0  # cold: just emptied
     shutil.rmtree(inductor, ignore_errors=True)
     run_dir = workdir / f"run-{scope}-{cache}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -92,7 +92,7 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
                f"data.decode={args.decode}", f"data.num_workers={args.workers}", f"batch={args.batch}",
                f"trainer.max_steps={args.steps}",
                "trainer.log_every=5", "eval=none", f"run_dir={run_dir}", *args.set]
-    env = fresh_triton(os.environ, workdir / f"triton-home-{scope}-{cache}") | {
+    env = fresh_cache_env(os.environ, workdir / f"triton-home-{scope}-{cache}") | {
         "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
     started = time.perf_counter()
     ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -127,7 +127,7 @@ def sweep(args, workdir: Path, urls: str, tree: Path, label: str) -> dict:
                f"data.num_workers={args.workers}", f"batch={args.sweep_batches}", f"trainer.sub_batch={args.batch}",
                f"trainer.max_steps={args.sweep_steps}", "trainer.log_every=1", "eval=none", f"name=sweep-{label}",
                *args.set]
-    env = fresh_triton(os.environ, workdir / f"triton-home-sweep-{label}") | {
+    env = fresh_cache_env(os.environ, workdir / f"triton-home-sweep-{label}") | {
         "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
         "PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")])}
     started = time.time()
@@ -151,7 +151,7 @@ def sweep(args, workdir: Path, urls: str, tree: Path, label: str) -> dict:
 
 
 def openclip(args, workdir: Path) -> dict:
-    env = fresh_triton(os.environ, workdir / "triton-home-openclip") | {
+    env = fresh_cache_env(os.environ, workdir / "triton-home-openclip") | {
         "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-openclip")}
     shutil.rmtree(workdir / "inductor-openclip", ignore_errors=True)
     started = time.perf_counter()
@@ -182,7 +182,7 @@ def openclip_main(args, workdir: Path) -> dict:
                "--precision", "amp_bf16", "--torchcompile", "--workers", str(args.openclip_workers),
                "--log-every-n-steps", "1", "--save-frequency", "0", "--logs", str(logs), "--name", "startup",
                *args.openclip_set]
-    env = fresh_triton(os.environ, workdir / "triton-home-openclip-main") | {
+    env = fresh_cache_env(os.environ, workdir / "triton-home-openclip-main") | {
         "TORCHINDUCTOR_CACHE_DIR": str(inductor), "PYTHONUNBUFFERED": "1"}
     row = {"system": "openclip-3.3 open_clip_train.main --torchcompile", "model": arch, "batch": args.batch,
            "cache": "cold", "command": " ".join(command[1:])}
