@@ -254,6 +254,32 @@ def test_triton_kernels_are_kept_in_the_cache_directory_on_a_gpu(tmp_path, monke
     assert "TRITON_CACHE_DIR" not in os.environ
 
 
+def test_inductors_compile_workers_start_with_the_run_on_a_gpu(tmp_path, monkeypatch):
+    """With ``model.compile`` on CUDA the run starts inductor's compile workers at once (they then import
+    torch while the model and the data are built), not at the first compilation; not on the CPU, not
+    without ``model.compile``. The pool itself is stubbed: nothing here needs a GPU."""
+    from torch._inductor import async_compile
+
+    from megabatch.train.backends import configure_backends
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        configure_backends(compose(f"data.cache_dir={tmp_path}", "data.decode=cpu"), torch.device("cuda"))
+        assert not started
+        settings = configure_backends(compose(f"data.cache_dir={tmp_path}", "data.decode=cpu", "model.compile=true"),
+                                      torch.device("cuda"))
+        assert started == [True] and any("compile workers" in line or "compiles in this process" in line
+                                          for line in settings)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    configure_backends(compose(f"data.cache_dir={tmp_path}", "data.decode=cpu", "model.compile=true"),
+                       torch.device("cpu"))
+    assert started == [True]
+
+
 def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start_up(tmp_path, monkeypatch, caplog):
     """The trainer starts the first epoch's loader (its workers forked and reading), then compiles the
     towers (``model.compile``), then takes the first sub-batch; where the start-up went is in the log,

@@ -29,6 +29,10 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
       (``$MEGABATCH_CACHE``) beside the compile cache: the loss's and the towers' own Triton kernels,
       which torch's compile cache does not hold, are then compiled once for every job and node that
       shares the folder, not once per machine (each compiles in 0.1-1 s).
+    - ``model.compile`` on CUDA: inductor's pool of compile workers started now. torch starts it at the
+      first compilation and compiles in the main process, one kernel after another, until the pool's
+      processes have imported torch (seconds, longer on a machine without bytecode); started here, they
+      do that while the model, the data and the loader are built.
     - JPEG decoding on the GPU: this thread's work leaves the legacy default stream for a stream of
       its own, because nvJPEG's calls synchronise with the legacy stream and decoding ahead would
       otherwise wait for the step's queued kernels.
@@ -52,8 +56,25 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
         setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), RECOMPILE_LIMIT))
         done.append(f"compiled random ops drawn as in eager mode; up to {getattr(dynamo_config, limit)} graphs "
                     "per compiled function (model.compile)")
+        if device.type == "cuda":
+            done.append(start_compile_workers())
     if device.type == "cuda" and resolve_decode(cfg.data.decode, device) == "gpu":
         if torch.cuda.current_stream(device) == torch.cuda.default_stream(device):
             torch.cuda.set_stream(torch.cuda.Stream(device))
         done.append("the step's work on a CUDA stream of its own, beside the JPEG decoding (data.decode=gpu)")
     return done
+
+
+def start_compile_workers() -> str:
+    """Start inductor's compile workers (its ``maybe_warm_pool``, which the inductor backend calls at the
+    first compilation) and say how many, or why not."""
+    from torch._inductor import async_compile
+
+    warm = getattr(async_compile, "maybe_warm_pool", None)
+    if warm is None:  # a torch without it starts its pool at the first compilation
+        return "inductor's compile workers start at the first compilation (model.compile)"
+    warm()
+    threads = async_compile.get_compile_threads() if hasattr(async_compile, "get_compile_threads") else None
+    return (f"inductor's {threads} compile workers starting beside the build (model.compile)" if threads and threads > 1
+            else "inductor compiles in this process (TORCHINDUCTOR_COMPILE_THREADS=1)")
+
