@@ -117,7 +117,10 @@ def test_every_cut_caption_length_runs_one_compiled_text_graph():
 def test_block_compilation_runs_one_graph_per_tower_for_every_layer_and_caption_length():
     """``model.compile_scope=block``: each tower's transformer block is compiled once and reused by
     all its layers (three image blocks, two text blocks), at every cut caption length, with the
-    eager gradients."""
+    eager gradients; the rest of each tower (the images' normalisation and patches, the final norm,
+    the projection) is compiled around the blocks, not run eagerly."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     torch.manual_seed(0)
     model = build_model(compose("model=tiny", "model.image.patch_dropout=0").model).train()
     model.trim_text()
@@ -137,7 +140,10 @@ def test_block_compilation_runs_one_graph_per_tower_for_every_layer_and_caption_
     counts = torch._dynamo.utils.counters
     counts.clear()
     compiled = grads(lambda i, t: model(i, t)[:2])
-    assert counts["stats"]["unique_graphs"] == 2
+    block_code = {type(block).forward.__code__ for block in model.tower_blocks("image") + model.tower_blocks("text")}
+    block_graphs = sum(len(_debug_get_cache_entry_list(code)) for code in block_code)
+    assert block_graphs == 2  # one for the image blocks, one for the text blocks
+    assert counts["stats"]["unique_graphs"] >= block_graphs + 2  # and each tower's own graphs around them
     assert rel_error(compiled, eager) <= 1e-5
 
 

@@ -49,7 +49,6 @@ class ClipModel(nn.Module):
         self.tokenizer_folder = tokenizer_folder  # a pretrained folder holding the HF tokenizer
         self._compiled: dict | None = None        # compile_towers(): the compiled encoders, and their batch
         self._cuda_graphs = False                 # compile_towers(cuda_graphs=True): replayed as CUDA graphs
-        self._dynamic_blocks = False  # compile_towers(scope="block") with cut captions: the text blocks' length varies
         self.text_trim: TextTrim | None = None    # trim_text(): how captions are cut to their length
 
     @property
@@ -137,7 +136,7 @@ class ClipModel(nn.Module):
     def _text_prefix_features(self, texts: torch.Tensor) -> torch.Tensor:
         """``texts [n, L]`` with any ``L`` up to the context, without a branch on ``L``: what the
         compiled text tower runs when its length is dynamic."""
-        return nn.functional.normalize(encode_text_prefix(self.clip, texts, self._dynamic_blocks), dim=-1)
+        return nn.functional.normalize(encode_text_prefix(self.clip, texts), dim=-1)
 
     def trim_text(self, enabled: bool = True, step: int = 8) -> str | None:
         """``model.trim_text``: let the trainer cut captions to their own length (``text_length.py``),
@@ -181,17 +180,27 @@ class ClipModel(nn.Module):
     def tower_blocks(self, tower: str) -> list[nn.Module]:
         """A tower's repeated transformer blocks: the longest ``ModuleList`` in it whose members share
         one class (open_clip's ``resblocks``, a Hugging Face encoder's ``layer``); empty if none."""
+        found = self._tower_stack(tower)
+        return list(found[1]) if found is not None else []
+
+    def _tower_stack(self, tower: str) -> tuple[nn.Module, nn.ModuleList] | None:
+        """``tower_blocks``' ``ModuleList`` and the module holding it (open_clip's ``Transformer``, a
+        Hugging Face encoder), whose forward runs the blocks in turn; ``None`` if there is none."""
         module = self.clip.visual if tower == "image" else getattr(self.clip, "text", None) or self.clip.transformer
-        found: list[nn.Module] = []
-        for child in module.modules():
-            if isinstance(child, nn.ModuleList) and len(child) > max(1, len(found)) \
-                    and len({type(block) for block in child}) == 1:
-                found = list(child)
+        found: tuple[nn.Module, nn.ModuleList] | None = None
+        for parent in module.modules():
+            for child in parent.children():
+                if isinstance(child, nn.ModuleList) and len(child) > max(1, len(found[1]) if found else 0) \
+                        and len({type(block) for block in child}) == 1:
+                    found = (parent, child)
         return found
 
     def compile_towers(self, rows: int, cuda_graphs: bool = False, scope: str = "tower") -> None:
         """``model.compile=true``: ``torch.compile`` each tower's encoder (normalisation of the
-        images and of the features included), static shapes for ``rows`` inputs. A call with fewer
+        images and of the features included), static shapes for ``rows`` inputs. ``scope="block"``
+        (``model.compile_scope``): each tower's repeated transformer block compiled once for all its
+        layers, and the tower compiled around the loop over them (``_run_blocks_outside_the_graph``),
+        the shortest compilation; ``"tower"``: each tower one graph. A call with fewer
         rows (a short last sub-batch) is padded to ``rows`` and its output cut, a call with more
         goes through in chunks of ``rows``: neither recompiles. Gradient mode is part of what a
         compiled graph assumes, so GradCache's graph-free encoding, the replay and a frozen tower's
@@ -215,13 +224,12 @@ class ClipModel(nn.Module):
         if scope == "block":
             if cuda_graphs:
                 raise ValueError("CUDA graphs record whole towers: compile_towers(scope='tower') with them")
-            for block in self.tower_blocks("image") + self.tower_blocks("text"):
-                block.compile(dynamic=False)
-            self._dynamic_blocks = dynamic  # the text blocks' inputs, marked dynamic where they are made
-            self._compiled = {"image": _FixedRows(self._image_features, rows),
-                              "text": _FixedRows(self._text_prefix_features if trim else self._text_features, rows)}
-            self._cuda_graphs = False
-            return
+            for tower in ("image", "text"):
+                found = self._tower_stack(tower)
+                if found is not None:
+                    for block in found[1]:
+                        block.compile(dynamic=False)
+                    _run_blocks_outside_the_graph(found[0], dynamic_length=tower == "text" and dynamic)
         mode = "reduce-overhead" if cuda_graphs else None
         compiled = {"image": torch.compile(self._image_features, dynamic=False, mode=mode),
                     "text": torch.compile(self._text_prefix_features, mode=mode) if trim else
@@ -304,6 +312,29 @@ class _FixedRows:
         if self.dynamic_length:
             torch._dynamo.maybe_mark_dynamic(inputs, 1)
         return self.fn(inputs)
+
+
+def _run_blocks_outside_the_graph(stack: nn.Module, dynamic_length: bool = False) -> None:
+    """``compile_towers(scope="block")``: ``stack`` (the module whose forward runs a tower's blocks in
+    turn) runs its forward outside the tower's compiled graph (``torch.compiler.disable``), so that
+    the tower compiles around it (images normalised, patches embedded, the final norm and projection,
+    fused as whole-tower compilation fuses them) and each block in it calls its own compiled graph,
+    one for all layers. Set on the instance: the class and the state dict are unchanged.
+    ``dynamic_length``: the blocks' inputs (``[b, L, e]`` and the ``[L, L]`` mask) get their length
+    marked dynamic (captions cut to varying lengths: one graph for the lengths its guards admit)."""
+    forward = stack.forward
+
+    @torch.compiler.disable
+    def run_blocks(x: torch.Tensor, *args, **kwargs):
+        if dynamic_length:
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+            mask = kwargs.get("attn_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                torch._dynamo.maybe_mark_dynamic(mask, 0)
+                torch._dynamo.maybe_mark_dynamic(mask, 1)
+        return forward(x, *args, **kwargs)
+
+    stack.forward = run_blocks
 
 
 def _dataclass_kwargs(cls, values: dict[str, Any], key: str) -> dict[str, Any]:

@@ -89,12 +89,11 @@ def why_untrimmed(clip: torch.nn.Module) -> str | None:
     return None
 
 
-def encode_text_prefix(clip: torch.nn.Module, texts: torch.Tensor, dynamic_length: bool = False) -> torch.Tensor:
+def encode_text_prefix(clip: torch.nn.Module, texts: torch.Tensor) -> torch.Tensor:
     """``clip.encode_text`` of captions cut to ``L <= context`` tokens (unnormalised ``[b, e]``):
     open_clip's towers take their positional embedding and causal mask of full length, so their
     first ``L`` rows and columns are taken here; an HF tower and a padding-masked tower take any
-    length as they are. ``dynamic_length`` (run eagerly around compiled blocks): the blocks' inputs
-    get their length marked dynamic (one graph for the lengths its guards admit)."""
+    length as they are."""
     text = getattr(clip, "text", None)
     if isinstance(text, HFTextEncoder) or (isinstance(text, TextTransformer) and text.use_pad_mask):
         return clip.encode_text(texts)
@@ -105,10 +104,6 @@ def encode_text_prefix(clip: torch.nn.Module, texts: torch.Tensor, dynamic_lengt
     # open_clip's causal mask, built at this length (a slice of the full one is not contiguous, and a
     # compiled tower would specialise its dynamic length on that)
     mask = torch.full((length, length), float("-inf"), device=x.device, dtype=tower.attn_mask.dtype).triu(1)
-    if dynamic_length and not torch.compiler.is_compiling():
-        for tensor, dims in ((x, (1,)), (mask, (0, 1))):
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
     x = tower.transformer(x, attn_mask=mask)
     x = tower.ln_final(x)
     if tower is clip:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bumped when what goes into a key changes
+FORMAT = 2  # bumped when what goes into a key, or what is compiled for it, changes
 
 
 def cache_key(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device) -> dict:
