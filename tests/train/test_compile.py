@@ -143,7 +143,9 @@ def test_block_compilation_runs_one_graph_per_tower_for_every_layer_and_caption_
     block_code = {type(block).forward.__code__ for block in model.tower_blocks("image") + model.tower_blocks("text")}
     block_graphs = sum(len(_debug_get_cache_entry_list(code)) for code in block_code)
     assert block_graphs == 2  # one for the image blocks, one for the text blocks
-    assert counts["stats"]["unique_graphs"] >= block_graphs + 2  # and each tower's own graphs around them
+    # and each tower's own graphs around them: two where a graph may break inside the calls it makes
+    around = counts["stats"]["unique_graphs"] - block_graphs
+    assert around == 4 if hasattr(torch._dynamo.config, "nested_graph_breaks") else around >= 2
     assert rel_error(compiled, eager) <= 1e-5
 
 

@@ -234,6 +234,11 @@ class ClipModel(nn.Module):
         compiled = {"image": torch.compile(self._image_features, dynamic=False, mode=mode),
                     "text": torch.compile(self._text_prefix_features, mode=mode) if trim else
                     torch.compile(self._text_features, dynamic=False, mode=mode)}
+        if scope == "block" and hasattr(torch._dynamo.config, "nested_graph_breaks"):
+            # the loop over the blocks, deep in the tower's calls, splits it where it is: two graphs
+            # (before and after the blocks), not a graph per function on the way down and back
+            nested = torch._dynamo.config.patch(nested_graph_breaks=True)
+            compiled = {tower: nested(fn) for tower, fn in compiled.items()}
         self._compiled = {"image": _FixedRows(compiled["image"], rows),
                           "text": _FixedRows(compiled["text"], rows, dynamic_length=dynamic)}
         self._cuda_graphs = cuda_graphs
