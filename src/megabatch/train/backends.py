@@ -77,4 +77,3 @@ def start_compile_workers() -> str:
     threads = async_compile.get_compile_threads() if hasattr(async_compile, "get_compile_threads") else None
     return (f"inductor's {threads} compile workers starting beside the build (model.compile)" if threads and threads > 1
             else "inductor compiles in this process (TORCHINDUCTOR_COMPILE_THREADS=1)")
-
