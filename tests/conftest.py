@@ -7,7 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# inductor's C++ kernels for the CPU (the compile tests' stand-in for the GPU's Triton code) in plain
+# scalar C++: they compile about a fifth faster than the vectorised ones and give the same results to
+# the tests' tolerances (set before torch reads its inductor config; the processes a test starts inherit it)
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter (read when a kernel is decorated, so
