@@ -62,7 +62,13 @@ def fresh_cache_env(environ, home: Path) -> dict:
     ``/pycache``) and finds none from another run of this benchmark elsewhere."""
     shutil.rmtree(home, ignore_errors=True)
     inherited = ("TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "MEGABATCH_PYCACHE_FOLDER")  # each run its own caches
-    return {k: v for k, v in environ.items() if k not in inherited} | {"TRITON_HOME": str(home)}
+    env = {k: v for k, v in environ.items() if k not in inherited} | {"TRITON_HOME": str(home)}
+    if INSTALLED_BYTECODE:  # --installed-bytecode: the packages' bytecode, as pip compiles it when it installs them
+        env["PYTHONPYCACHEPREFIX"] = INSTALLED_BYTECODE
+    return env
+
+
+INSTALLED_BYTECODE: str | None = None  # --installed-bytecode
 
 
 def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:
@@ -230,8 +236,15 @@ def main() -> None:
     parser.add_argument("--sweep-steps", type=int, default=3)
     parser.add_argument("--before", default=None,
                         help="with --sweep-batches: also the sweep from this source tree (an earlier revision)")
+    parser.add_argument("--installed-bytecode", default=None, metavar="DIR",
+                        help="every run (OpenCLIP's too) reads the installed packages' bytecode from DIR "
+                             "(PYTHONPYCACHEPREFIX), compiled there before: `PYTHONPYCACHEPREFIX=DIR python -m "
+                             "compileall <site-packages> src`; for an image whose packages have none (pip installs "
+                             "them with it)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    global INSTALLED_BYTECODE
+    INSTALLED_BYTECODE = args.installed_bytecode
     from megabatch.data.synthetic import photo_shards
 
     workdir = Path(args.workdir)
@@ -243,18 +256,18 @@ def main() -> None:
         for tree, label in trees:
             rows.append(sweep(args, workdir, urls, tree.resolve(), label))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:800], flush=True)
-            write_results(args.out, rows)
+            write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
         return
     for wanted, system in ((args.openclip, openclip), (args.openclip_main, openclip_main)):
         if wanted:
             rows.append(system(args, workdir))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
-            write_results(args.out, rows)
+            write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
     for scope in args.scopes.split(","):
         for cache in args.caches.split(","):
             rows.append(ours(args, scope, cache, workdir, urls))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
-            write_results(args.out, rows)
+            write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def test_a_multirun_writes_its_summary_with_a_failed_job_among_the_rows(tmp_path
         status = json.loads((sweep / row["run"] / "status.json").read_text())
         first, launch = float(row["first step s"]), status["startup_s"]["startup/launch_s"]
         assert first == pytest.approx(status["time_to_first_step_s"], abs=0.06) and first > launch >= 0
-        assert first - launch <= float(row["wall s"]) + 0.5  # rounding (0.1 s in the table) and the trainer's first lines
+        assert first - launch <= float(row["wall s"]) + 0.5  # rounding (0.1 s in the table), the trainer's first lines
     assert rows[2]["first step s"] == ""  # it never stepped
     assert sorted(r["best"] for r in rows) == ["", "", "best"] and rows[2]["best"] == ""
     # the jobs' TensorBoard scalars are those of metrics.jsonl
