@@ -362,27 +362,3 @@ def test_a_multiruns_later_job_counts_its_start_up_from_the_job_before(monkeypat
         time.sleep(0.02)
     assert later.seconds["model"] >= 0.02 and later.elapsed() >= later.seconds["launch"] + 0.02
     assert later.record()["startup/model_s"] == round(later.seconds["model"], 2)
-
-
-def test_the_random_weights_are_drawn_where_model_init_device_says(monkeypatch):
-    """``model.init_device=auto``: a built-in shape is built (its weights drawn) on the run's GPU, a faster
-    start; ``cpu``, a CPU run, an open_clip architecture by name and a Hugging Face text tower: on the CPU."""
-    from megabatch.distributed import DistEnv
-    from megabatch.train import parts
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert parts.init_device(compose().model, cuda) == cuda
-    assert parts.init_device(compose("model=vit_l14").model, cuda) == cuda
-    for overrides, device in ((["model.init_device=cpu"], cuda), ([], cpu), (["model=openclip"], cuda),
-                              (["model=tiny_minilm"], cuda)):
-        assert parts.init_device(compose(*overrides).model, device) == cpu, overrides
-    with pytest.raises(ConfigError, match="model.init_device='gpu'"):
-        validate(compose("model.init_device=gpu"))
-    built_on = []  # the default device while the model is built, and the seeded weights
-    monkeypatch.setattr(parts, "init_device", lambda model_cfg, device: torch.device("meta"))
-    monkeypatch.setattr(parts, "build_model", lambda node: built_on.append(torch.get_default_device())
-                        or build_model(node))
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=cpu)
-    with pytest.raises(NotImplementedError):  # meta tensors have no data to move: built there, not on the CPU
-        parts.build_model_for(validate(compose()), env)
-    assert built_on == [torch.device("meta")] and torch.get_default_device() == cpu

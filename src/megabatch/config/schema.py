@@ -464,9 +464,6 @@ def check_model(model: DictConfig) -> None:
     if model.get("fused_layernorm", False) and not model.get("direct_attention", False):
         raise ConfigError("model.fused_layernorm=true runs in the blocks that model.direct_attention makes: set "
                           "model.direct_attention=true (or model.fused_layernorm=false)")
-    if model.get("init_device", "auto") not in ("auto", "cpu"):
-        raise ConfigError(f"model.init_device={model.init_device!r}: give auto (the random weights drawn on the "
-                          "run's GPU: a faster start) or cpu (drawn on the CPU: the same weights on any machine)")
     scope = model.get("compile_scope", "auto")
     if scope not in ("auto", "block", "tower"):
         raise ConfigError(f"model.compile_scope={scope!r}: give block (each transformer block compiled once for all "

@@ -498,14 +498,14 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
 
 # model.* keys the run applies to a built model, not builder arguments
 RUN_SETTINGS = ("compile", "compile_scope", "cuda_graphs", "trim_text", "direct_attention", "attention", "patch_gemm",
-                "fused_mlp", "gelu", "fused_layernorm", "fp8", "init_device")
+                "fused_mlp", "gelu", "fused_layernorm", "fp8")
 
 
 def builder_node(node):
     """The ``model`` config less its run settings (``compile``, ``compile_scope``, ``cuda_graphs``:
-    ``ClipModel.compile_towers``; ``trim_text``: ``ClipModel.trim_text``; ``init_device``: ``train/parts.py``;
-    ``direct_attention``, ``attention``, ``fused_layernorm``: ``models/attention.py``; ``patch_gemm``:
-    ``models/patches.py``; ``fused_mlp``, ``gelu``: ``models/mlp.py``; ``fp8``: ``models/fp8.py``)."""
+    ``ClipModel.compile_towers``; ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``,
+    ``attention``, ``fused_layernorm``: ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``fused_mlp``,
+    ``gelu``: ``models/mlp.py``; ``fp8``: ``models/fp8.py``)."""
     from omegaconf import OmegaConf
 
     if not any(key in node for key in RUN_SETTINGS):

@@ -120,26 +120,9 @@ class RunParts:
 def build_model_for(cfg: DictConfig, env: DistEnv) -> ClipModel:
     """``cfg.model`` on ``env``'s device in training mode, from weights seeded with ``cfg.seed``
     (the same on every rank). Frozen towers stay in eval mode; a Hugging Face tower, which
-    transformers loads in eval mode, trains with its dropout on. The random weights are drawn where
-    ``init_device`` says."""
+    transformers loads in eval mode, trains with its dropout on."""
     torch.manual_seed(cfg.seed)
-    with torch.device(init_device(cfg.model, env.device)):
-        model = build_model(cfg.model)
-    return model.to(env.device).train()
-
-
-def init_device(model_cfg: DictConfig, device: torch.device) -> torch.device:
-    """Where the model is built and its random weights drawn (``model.init_device``). ``auto``: on the
-    run's GPU, where drawing is fast (ViT-L/14's 428M on one CPU core took about 3 s of the start-up);
-    the seed then gives the same weights on GPUs of one kind, others may differ. ``cpu``: the same
-    weights on any machine (the CPU's generator). The built-in shapes only (``build_clip``) and without a
-    Hugging Face text tower (transformers loads it on the CPU): an open_clip architecture by name
-    (``model=openclip``: timm towers, CoCa, ...) is built on the CPU, as is any model of a CPU run."""
-    built_in = str(model_cfg.get("_target_", "")).endswith(".build_clip")
-    if (device.type != "cuda" or model_cfg.get("init_device", "auto") == "cpu" or not built_in
-            or (model_cfg.get("text") or {}).get("hf_path")):
-        return torch.device("cpu")
-    return device
+    return build_model(cfg.model).to(env.device).train()
 
 
 def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv):
