@@ -55,7 +55,7 @@ print("FIRST_STEP_S", process_age_s() - result["step_s"], "STEP_S", result["step
 """
 
 
-def fresh_cache_env(environ, home: Path) -> dict:
+def fresh_cache_env(environ, home: Path, installed_bytecode: str | None = None) -> dict:
     """``environ`` with Triton's home (its default caches) in an empty ``home`` and no
     ``TRITON_CACHE_DIR`` or bytecode folder (``megabatch/bytecode.py``) from this process: a run then
     keeps its Triton kernels and bytecode where megabatch puts them (``$MEGABATCH_CACHE/triton``,
@@ -63,12 +63,9 @@ def fresh_cache_env(environ, home: Path) -> dict:
     shutil.rmtree(home, ignore_errors=True)
     inherited = ("TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "MEGABATCH_PYCACHE_FOLDER")  # each run its own caches
     env = {k: v for k, v in environ.items() if k not in inherited} | {"TRITON_HOME": str(home)}
-    if INSTALLED_BYTECODE:  # --installed-bytecode: the packages' bytecode, as pip compiles it when it installs them
-        env["PYTHONPYCACHEPREFIX"] = INSTALLED_BYTECODE
+    if installed_bytecode:  # --installed-bytecode: the packages' bytecode, as pip compiles it when it installs them
+        env["PYTHONPYCACHEPREFIX"] = installed_bytecode
     return env
-
-
-INSTALLED_BYTECODE: str | None = None  # --installed-bytecode
 
 
 def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:
@@ -98,7 +95,7 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
                f"data.decode={args.decode}", f"data.num_workers={args.workers}", f"batch={args.batch}",
                f"trainer.max_steps={args.steps}",
                "trainer.log_every=5", "eval=none", f"run_dir={run_dir}", *args.set]
-    env = fresh_cache_env(os.environ, workdir / f"triton-home-{scope}-{cache}") | {
+    env = fresh_cache_env(os.environ, workdir / f"triton-home-{scope}-{cache}", args.installed_bytecode) | {
         "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
     started = time.perf_counter()
     ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -133,7 +130,7 @@ def sweep(args, workdir: Path, urls: str, tree: Path, label: str) -> dict:
                f"data.num_workers={args.workers}", f"batch={args.sweep_batches}", f"trainer.sub_batch={args.batch}",
                f"trainer.max_steps={args.sweep_steps}", "trainer.log_every=1", "eval=none", f"name=sweep-{label}",
                *args.set]
-    env = fresh_cache_env(os.environ, workdir / f"triton-home-sweep-{label}") | {
+    env = fresh_cache_env(os.environ, workdir / f"triton-home-sweep-{label}", args.installed_bytecode) | {
         "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
         "PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")])}
     started = time.time()
@@ -157,7 +154,7 @@ def sweep(args, workdir: Path, urls: str, tree: Path, label: str) -> dict:
 
 
 def openclip(args, workdir: Path) -> dict:
-    env = fresh_cache_env(os.environ, workdir / "triton-home-openclip") | {
+    env = fresh_cache_env(os.environ, workdir / "triton-home-openclip", args.installed_bytecode) | {
         "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-openclip")}
     shutil.rmtree(workdir / "inductor-openclip", ignore_errors=True)
     started = time.perf_counter()
@@ -188,7 +185,7 @@ def openclip_main(args, workdir: Path) -> dict:
                "--precision", "amp_bf16", "--torchcompile", "--workers", str(args.openclip_workers),
                "--log-every-n-steps", "1", "--save-frequency", "0", "--logs", str(logs), "--name", "startup",
                *args.openclip_set]
-    env = fresh_cache_env(os.environ, workdir / "triton-home-openclip-main") | {
+    env = fresh_cache_env(os.environ, workdir / "triton-home-openclip-main", args.installed_bytecode) | {
         "TORCHINDUCTOR_CACHE_DIR": str(inductor), "PYTHONUNBUFFERED": "1"}
     row = {"system": "openclip-3.3 open_clip_train.main --torchcompile", "model": arch, "batch": args.batch,
            "cache": "cold", "command": " ".join(command[1:])}
@@ -243,8 +240,6 @@ def main() -> None:
                              "them with it)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    global INSTALLED_BYTECODE
-    INSTALLED_BYTECODE = args.installed_bytecode
     from megabatch.data.synthetic import photo_shards
 
     workdir = Path(args.workdir)

@@ -64,7 +64,9 @@ def test_compiled_towers_under_ddp_give_the_one_process_gradients(tmp_path):
     """Two ranks, each compiled under DDP, against one eager process. The one process compiled first gives
     the eager gradients too, and leaves its graphs in inductor's cache on disk: the ranks, which compile the
     same graphs (a sub-batch's rows are the same), load them instead of both compiling them at once."""
-    flat = lambda grads: torch.cat([g.flatten() for g in grads.values()])  # noqa: E731
+    def flat(grads):
+        return torch.cat([g.flatten() for g in grads.values()])
+
     _, single = gradients(*DDP_RUN)
     _, compiled = gradients(*DDP_RUN, "model.compile=true")
     assert compiled.keys() == single.keys() and rel_error(flat(compiled), flat(single)) <= 1e-4
