@@ -235,3 +235,42 @@ def test_kernel_only_launch_used_by_tuning(monkeypatch):
     _, _, d_scale = triton_tiles.block_grads(rows, cols, scale, row_lse, col_lse, weight, False,
                                             fp32_precision="ieee")
     torch.testing.assert_close(dots * weight, d_scale)
+
+
+@pytest.mark.parametrize("kernel", ["grad", "sigmoid"])
+def test_a_tile_past_two_to_the_31_elements(kernel):
+    """The last rows of a [rows, 768] block whose element offsets pass 2^31 (~2.8M rows: a 4M batch
+    on one rank). One program's tile at the block's end, against float64: 32-bit offsets wrap there
+    (a wrong or illegal address). The block is left unwritten except its last rows, so it takes
+    almost no memory."""
+    c, tile = 768, 16
+    m = 2**31 // c + 2 * tile  # every row of the tile starts past 2^31 elements
+    generator = torch.Generator().manual_seed(11)
+    rows = torch.empty((m, c), dtype=torch.bfloat16, device=DEVICE)  # pages never touched stay unallocated
+    last = F.normalize(torch.randn(tile, c, generator=generator, dtype=torch.float64), dim=-1)
+    cols = F.normalize(last + 0.5 * torch.randn(tile, c, generator=generator, dtype=torch.float64), dim=-1)
+    rows[m - tile:] = last.to(torch.bfloat16).to(DEVICE)
+    cols = cols.to(torch.bfloat16).to(DEVICE)
+    last, cols64 = rows[m - tile:].double(), cols.double()
+    scale = torch.tensor(20.0, device=DEVICE)
+    dots = (last @ cols64.T).cpu()
+    g = torch.zeros((tile, tile), dtype=torch.float32, device=DEVICE)
+    sums = torch.zeros((1, 3), dtype=torch.float32, device=DEVICE)
+    shapes = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=64, PRECISION="ieee", DIAGONAL=False, UPCAST=True,
+                  GROUP_M=1, ROUND_TF32=False, num_warps=4, num_stages=1)
+    strides = (rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1), g.stride(0), g.stride(1))
+    if kernel == "grad":
+        row_lse = torch.zeros((m,), dtype=torch.float32, device=DEVICE)
+        row_lse[m - tile:] = 3.0
+        col_lse = torch.full((tile,), 4.0, dtype=torch.float32, device=DEVICE)
+        triton_tiles._grad_kernel[(1,)](rows, cols, scale, row_lse, col_lse, g, sums, c, m - tile, m, 0, tile,
+                                        1.0, *strides, **shapes)
+        logits = 20.0 * dots
+        expected = torch.exp(logits - 3.0) + torch.exp(logits - 4.0)
+    else:
+        bias = torch.tensor(-5.0, device=DEVICE)
+        triton_tiles._sigmoid_kernel[(1,)](rows, cols, scale, bias, g, sums, c, m - tile, m, 0, tile, 1.0,
+                                           *strides, **shapes, WRITE_G=True, SCALE_SUM=True)
+        expected = torch.sigmoid(20.0 * dots - 5.0)  # off the diagonal: g = sigmoid(l)
+    torch.testing.assert_close(g.cpu().double(), expected, rtol=1e-5, atol=1e-6)
+    assert float(sums[0, 0 if kernel == "grad" else 1]) == pytest.approx(float((expected * dots).sum()), rel=1e-5)

@@ -70,13 +70,14 @@ def _dot_tile(
     ``c`` in steps of BLOCK_K; masked rows and columns read as zeros (inlined into the kernels).
     ``ROUND_TF32`` (fp32 inputs, TF32 dots): operands rounded to nearest first (``_round_tf32``)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # element offsets in 64 bits: rows x c passes 2^31 at ~2.8M rows of c = 768 (a 4M batch on one rank)
+    row_at = rows_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
+    col_at = cols_ptr + offs_n.to(tl.int64)[None, :] * stride_cn
     for k0 in range(0, c, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < c
-        a = tl.load(rows_ptr + offs_m[:, None] * stride_rm + offs_k[None, :] * stride_rk,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(cols_ptr + offs_k[:, None] * stride_ck + offs_n[None, :] * stride_cn,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a = tl.load(row_at + offs_k[None, :] * stride_rk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(col_at + offs_k[:, None] * stride_ck, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         if ROUND_TF32:
@@ -125,11 +126,12 @@ def _stats_kernel(
         s_col = tl.where(row_ok[:, None], s, float("-inf"))
         c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
         c_sum = tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
-        part = pid_m * stride_col_part + offs_n - col_start
+        part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
         tl.store(col_max_ptr + part, c_max, mask=col_ok)
         tl.store(col_sum_ptr + part, c_sum, mask=col_ok)
-    tl.store(row_max_ptr + pid_s * stride_row_part + offs_m, m_i, mask=row_ok)
-    tl.store(row_sum_ptr + pid_s * stride_row_part + offs_m, l_i, mask=row_ok)
+    row_part = pid_s.to(tl.int64) * stride_row_part + offs_m  # [splits, m]
+    tl.store(row_max_ptr + row_part, m_i, mask=row_ok)
+    tl.store(row_sum_ptr + row_part, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -175,7 +177,7 @@ def _grad_kernel(
         g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
     g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
     tl.store(dscale_ptr + pid, tl.sum(g * acc))
-    g_offs = (offs_m - row_start)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
+    g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
     tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -222,7 +224,7 @@ def _sigmoid_kernel(
         if SCALE_SUM:  # else the launcher takes sum(g * dots) from the row gradients
             tl.store(sums_ptr + 3 * pid + 1, tl.sum(tl.sum(g * dots, 1), 0))
         tl.store(sums_ptr + 3 * pid + 2, tl.sum(tl.sum(g, 1), 0))
-        g_offs = (offs_m - row_start)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
+        g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
         tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
 
 
