@@ -197,18 +197,41 @@ def test_the_decoding_threads_follow_data_decode_threads(monkeypatch):
     assert sizes == {"auto-hardware": (4, 3), "auto-cuda": (2, 1), "six": (6, 5)}
 
 
-def test_a_corrupt_jpeg_body_becomes_a_counted_black_image():
+def test_a_corrupt_jpeg_body_becomes_a_counted_black_image(monkeypatch):
+    """A JPEG whose header reads well and whose body no decoder takes (nvJPEG's batch, nvJPEG row by
+    row, then libjpeg-turbo on the CPU all refuse it) becomes a black image, counted once; the
+    good image beside it is decoded as it is alone. The decoders refuse the body on purpose: a real
+    corrupt body may decode to grey without an error, and the test must not depend on which."""
+    import torchvision.io
+
+    from megabatch.data import gpu_decode
+
     good = jpeg(0)
     broken = good[:200] + bytes(len(good) - 202) + good[-2:]  # header intact, body zeroed, end marker kept
-    try:
-        batch, _ = batch_of([good, broken])
-    except (ValueError, OSError, RuntimeError):
-        return  # this PIL refuses the header already: the worker skips and counts it, as on the CPU path
+    batch, _ = batch_of([good, broken])  # the header reads well: the row is left to the GPU decoder
+    real_jpeg, real_rgb = torchvision.io.decode_jpeg, gpu_decode.decode_rgb
+
+    def is_broken(data) -> bool:
+        return bytes(data.numpy() if isinstance(data, torch.Tensor) else data) == broken
+
+    def refusing_jpeg(items, **kwargs):
+        if any(is_broken(item) for item in items):
+            raise RuntimeError("corrupt JPEG body")
+        return real_jpeg(items, **kwargs)
+
+    def refusing_rgb(data):
+        if is_broken(data):
+            raise OSError("broken data stream")
+        return real_rgb(data)
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", refusing_jpeg)
+    monkeypatch.setattr(gpu_decode, "decode_rgb", refusing_rgb)
     decoder = GpuDecoder(torch.device("cpu"))
     images = decoder(batch)
     assert images.shape == (2, 3, 24, 24)
-    if decoder.corrupt_image:  # libjpeg-turbo may also decode such a body to grey without an error
-        assert decoder.corrupt_image == 1 and images[1].sum() == 0
+    assert decoder.corrupt_image == 1 and images[1].sum() == 0
+    alone, _ = batch_of([good])
+    assert torch.equal(images[0], GpuDecoder(torch.device("cpu"))(alone)[0])
 
 
 @pytest.mark.parametrize("mode", ["bicubic", "bilinear", "nearest"])
