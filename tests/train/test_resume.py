@@ -48,9 +48,48 @@ def test_checkpoint_contents(tmp_path):
     state = train(tmp_path / "run", "trainer.max_steps=2")
     assert {"model", "optimizer", "step", "rng", "config"} <= state.keys()
     assert "batch: 32" in state["config"]
-    assert isinstance(state["rng"][0]["torch"], torch.Tensor)
+    assert isinstance(state["rng"]["ranks"][0]["torch"], torch.Tensor)  # every rank's RNG states
+    assert state["train_state"] == {"step": 2, "samples_seen": 64} and state["step"] == 2
+    assert state["data_position"]["global_batch"] == state["global_batch"] == 32
+    assert state["schedule"]["total_steps"] == 2
     numbered = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert numbered == ["last.pt", "step_00000002.pt"]
+
+
+def legacy_layout(state: dict, era: str) -> dict:
+    """``state`` in the layout checkpoints had before each part saved its own entry (as written up to
+    commit 329791b: the counters and the data position flat, every rank's RNG states a list); the
+    ``oldest`` ones had no ``samples_seen`` and no ``loader_slots`` either."""
+    old = {"model": state["model"], "optimizer": state["optimizer"], "step": state["step"],
+           "samples_seen": state["train_state"]["samples_seen"], "global_batch": state["global_batch"],
+           "loader_slots": state["data_position"]["loader_slots"], "rng": state["rng"]["ranks"],
+           "config": state["config"], "open_clip": state["open_clip"]}
+    if era == "oldest":
+        del old["samples_seen"], old["loader_slots"]
+    return old
+
+
+@pytest.mark.parametrize("era", ["329791b", "oldest"])
+def test_a_checkpoint_in_the_earlier_layout_resumes_bitwise(tmp_path, era, caplog):
+    """A run resumed from a checkpoint of the layout before the parts had their own entries (no
+    schedule entry: it starts from this run's, logged) ends with the weights and the losses of the
+    run that never stopped."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    straight = train(tmp_path / "straight")
+    train(tmp_path / "first", "trainer.stop_at_step=2")
+    old = tmp_path / "old.pt"
+    torch.save(legacy_layout(torch.load(tmp_path / "first" / "checkpoints" / "step_00000002.pt",
+                                        weights_only=True), era), old)
+    resumed = train(tmp_path / "resumed", f"resume={old}")
+    assert resumed["step"] == 4 and resumed["train_state"] == straight["train_state"]
+    for name, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][name]), name
+    records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in again if "loss" in r] == [r["loss"] for r in records if "loss" in r][2:]
+    assert "has no schedule: it starts fresh" in caplog.text
 
 
 def test_existing_run_is_not_overwritten(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from ..data import TrainData
@@ -9,6 +10,8 @@ from ..data.gpu_decode import GpuDecoder, decode_ahead
 from ..data.read_ahead import ReadAhead
 from ..data.samples import SubBatch
 from .plan import BatchPlan
+
+log = logging.getLogger("megabatch")
 
 
 def read_ahead_budget(prefetch_gb, offload: bool) -> float:
@@ -80,6 +83,37 @@ class RunInputs:
                 if ahead is not None:
                     ahead.close()
             epoch, start = epoch + 1, 0
+
+    @property
+    def loader_slots(self) -> int:
+        """Ranks x loader workers: the slots ``data.train.split=shard`` deals the shards to."""
+        return self.plan.world_size * max(1, int(self.data.cfg.num_workers))
+
+    def state_dict(self) -> dict:
+        """What the data order of a run depends on beyond its step: the global batch and the loader
+        slots (the sub-batches of a step are found from the step itself)."""
+        return {"global_batch": self.plan.global_batch, "loader_slots": self.loader_slots,
+                "world_size": self.plan.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Say (rank 0) whether the resumed run reads what the uninterrupted one would have."""
+        if self.rank != 0:
+            return
+        batch, slots, ranks = state["global_batch"], state.get("loader_slots"), state.get("world_size")
+        train, split = self.data.cfg.train, self.data.split
+        if int(batch) != self.plan.global_batch:
+            log.warning("checkpoint trained with batch=%s, resuming with %s: the data order within the epoch "
+                        "changes", batch, self.plan.global_batch)
+        if split == "shard" and (train.mode == "resampled" or slots not in (None, self.loader_slots)):
+            log.warning("data.train.split=shard deals the shards to ranks x loader workers = %d slots (%s before "
+                        "this resume): the rest of the run reads %s. data.train.split=indexed reads the same "
+                        "samples in the same order on any number of GPUs and workers", self.loader_slots,
+                        slots or "unknown", "other shard draws" if train.mode == "resampled" else
+                        "this epoch in another order, some samples twice and some not at all")
+        elif ranks is not None and ranks != self.plan.world_size:
+            log.info("resumed on %d ranks (%d before): the same samples in the same steps, each augmented as "
+                     "before (data.train.split=%s); only the towers' random draws (dropout, patch dropout), "
+                     "per rank, start from new seeds", self.plan.world_size, ranks, split)
 
     def bad_input_counts(self) -> dict[str, int]:
         """This rank's bad-input counts so far (summed over loader workers and epochs; with

@@ -1,42 +1,30 @@
 """The training run: set-up, resume, the step loop, checkpoints, logs, evaluation.
 
-What one rank trains with is built by ``RunParts`` (``parts.py``); the work of one step is
-``TrainStep``'s (``step.py``); the sub-batches come from ``RunInputs`` (``inputs.py``). ``Trainer``
-owns what outlives a step: the run directory, resuming, the checkpoints, the metrics and the
-evaluations.
+What one rank trains with is built by ``RunParts`` (``parts.py``); one step and its outcome are
+``TrainStep.step``'s (``step.py``); the sub-batches come from ``RunInputs`` (``inputs.py``).
+``Trainer`` owns what outlives a step: the run directory, the counters (``TrainState``), and the
+hooks after each step: the log (``StepLog``), the checkpoints (``Checkpointer``: every part saves its
+own state), the evaluations and the stops.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import resource
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from ..bytecode import write_missing_bytecode
-from ..checkpoint import (
-    capture_rng,
-    load_checkpoint,
-    load_resume,
-    load_sharded_state,
-    load_whole_state,
-    restore_rng,
-    run_checkpoints,
-    write_run_checkpoint,
-    write_sharded_checkpoint,
-)
+from ..checkpoint import load_checkpoint, load_resume, run_checkpoints
 from ..config import ConfigError, parse_duration
 from ..config.schema import recipe_warning, validate
 from ..distributed import DistEnv, init_distributed
-from ..distributed.fsdp import is_sharded, local
+from ..distributed.fsdp import is_sharded
 from ..distributed.health import FAILED, RankLost, describe, is_communication_error
 from ..distributed.once import on_rank_zero
 from ..eval import headline, run_zeroshot, summary
@@ -44,48 +32,17 @@ from ..processes import ignore_stop_signals
 from ..report import RunStatus
 from ..report.runs import failure
 from .backends import configure_backends
-from .metrics import MetricsLogger
+from .checkpointer import Checkpointer, RngStates, TrainState
+from .metrics import MetricsLogger, RunFacts, StepLog
 from .parts import RunParts
 from .preemption import Preempted, StopRequests
 from .run_lock import RunLock
 from .startup import StartupTimes, run_ended
-from .step import Applied
-from .utilization import utilization
+from .step import NonFiniteError, StepOutcome
+
+__all__ = ["NonFiniteError", "Trainer", "run"]
 
 log = logging.getLogger("megabatch")
-
-
-class NonFiniteError(RuntimeError):
-    """Too many steps in a row with a non-finite loss or gradient (``trainer.max_bad_steps``)."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did: its number (counted from 1), the loss and the learning rate,
-    the update (``Applied``: its norm and whether it was made, still on the device until read), the
-    seconds of each phase and the host's wall time of the whole step."""
-
-    step: int
-    loss: torch.Tensor  # 0-d, on the device
-    lr: float
-    applied: Applied
-    times: dict[str, float]
-    seconds: float
-
-
-@dataclass
-class Interval:
-    """The steps since the last log line: their count, phase seconds and wall time."""
-
-    started: float = field(default_factory=time.perf_counter)
-    steps: int = 0
-    phase_totals: dict[str, float] = field(default_factory=dict)
-    last: StepResult | None = None
-
-    def add(self, result: StepResult) -> None:
-        self.steps, self.last = self.steps + 1, result
-        for phase, seconds in result.times.items():
-            self.phase_totals[phase] = self.phase_totals.get(phase, 0.0) + seconds
 
 
 def run(cfg: DictConfig) -> float:
@@ -96,7 +53,7 @@ def run(cfg: DictConfig) -> float:
     try:
         trainer = Trainer(cfg, env)
         result = trainer.fit()
-        trainer.status.end("completed" if trainer.step >= trainer.plan.total_steps else "stopped", result=result)
+        trainer.status.end("completed" if trainer.state.step >= trainer.plan.total_steps else "stopped", result=result)
         ended = "finished"
         return result
     except Preempted as stopped:
@@ -199,7 +156,7 @@ def warn_if_torchrun_may_cut(seconds: float) -> bool:
 
 class Trainer:
     """A run of ``RunParts`` (``parts.py``): ``fit`` runs the step loop in ``run_dir``, resuming
-    from and writing checkpoints, logging metrics and evaluating."""
+    from and writing checkpoints (``Checkpointer``), logging metrics (``StepLog``) and evaluating."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv):
         self.startup = StartupTimes()  # where the start-up goes, from the process's start to the first step
@@ -214,6 +171,7 @@ class Trainer:
         if self.main and (warning := recipe_warning(cfg)):
             log.warning(warning)
         self.parts: RunParts | None = None
+        self.metrics: StepLog | None = None
         try:
             self._build()
         except BaseException as error:  # a failed start leaves no workers, spill file or lock behind
@@ -232,24 +190,33 @@ class Trainer:
             if self.main:
                 log.info("backends: %s", setting)
         # model.compile: the towers compile in fit(), while the loader's workers start reading
-        self.parts = RunParts.build(cfg, env, warm_up=False, times=self.startup)
-        self.model, self.plan, self.stepper = self.parts.model, self.parts.plan, self.parts.step
-        self.sharded = is_sharded(self.model)  # FSDP across several ranks
-        self.sharded_ckpt = cfg.trainer.parallel == "fsdp"  # DCP folders, also on one rank
-        self.step = self.samples_seen = 0
-        self.bad_in_a_row = self.skipped_steps = 0  # steps whose update a non-finite value skipped
-        self.grad_norm = float("nan")
-        self.unsettled: StepResult | None = None  # the last step, its update's flag not yet read (settle)
-        self.interval = Interval()  # the steps since the last log line
-        self.unlogged_first_step_s: float | None = None  # time_to_first_step_s, for the next log record
-        self.progress: tqdm | None = None  # the steps' progress bar, in fit
+        self.parts = parts = RunParts.build(cfg, env, warm_up=False, times=self.startup)
+        self.model, self.plan, self.stepper = parts.model, parts.plan, parts.step
+        self.state = TrainState()  # steps done, samples seen
+        # each part saves and loads its own state; a new part is one more entry
+        self.checkpointer = Checkpointer(
+            self.ckpt_dir, self.model, parts.optimizer,
+            {"train_state": self.state, "scaler": self.stepper.scaler, "schedule": parts.schedule,
+             "data_position": parts.inputs, "rng": RngStates(env.rank, env.world_size)},
+            header=self._checkpoint_header, sharded=cfg.trainer.parallel == "fsdp", keep=cfg.trainer.keep_ckpts,
+            main=self.main, distributed=env.distributed)
         self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
         with self.startup.phase("resume"):
             self._resume()
         # steps after the checkpoint are redone: each logged once
-        self.metrics = MetricsLogger(self.run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), self.main,
-                                     resumed_step=self.step, sweep=sweep_job())
+        sinks = MetricsLogger(self.run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), self.main,
+                              resumed_step=self.state.step, sweep=sweep_job())
+        facts = RunFacts(self.plan, env.world_size, env.device, parts.flops, parts.peak,
+                         logit_scale=lambda: self.model.logit_scale, bad_input=parts.inputs.bad_input_counts,
+                         startup=self.startup)
+        self.metrics = StepLog(sinks, facts, cfg.trainer.log_every, self.main)
         self.stops = StopRequests(parse_duration(cfg.trainer.time_limit), env.distributed, env.control_group)
+
+    def _checkpoint_header(self) -> dict:
+        """What a checkpoint's readers need beside the parts: the batch (the report's samples), the config
+        and the model's architecture and preprocessing (evaluation and export)."""
+        return {"global_batch": self.plan.global_batch, "config": OmegaConf.to_yaml(self.cfg, resolve=True),
+                "open_clip": self.model.description()}
 
     def _lock_run_dir(self) -> RunLock | None:
         """Rank 0 locks the run directory; every rank learns whether it could (and fails alike)."""
@@ -278,90 +245,8 @@ class Trainer:
                 )
             return
         path, state = found
-        if path.is_dir():  # a sharded checkpoint (any number of ranks wrote it): each rank reads its part
-            load_sharded_state(path, self.model, self.parts.optimizer)
-        elif self.sharded:  # a whole-model .pt (a DDP run's): each rank keeps its shard of it
-            load_whole_state(state, self.model, self.parts.optimizer)
-        else:
-            self.model.load_state_dict(state["model"])
-            self.parts.optimizer.load_state_dict(state["optimizer"])
-        if "scaler" in state:
-            self.stepper.scaler.load_state_dict(state["scaler"])
-        self.step = int(state["step"])
-        # samples seen so far (checkpoints before it was stored: the steps at the checkpoint's batch)
-        self.samples_seen = int(state.get("samples_seen", self.step * int(state["global_batch"])))
-        if int(state["global_batch"]) != self.plan.global_batch:
-            log.warning("checkpoint trained with batch=%s, resuming with %s: the data order "
-                        "within the epoch changes", state["global_batch"], self.plan.global_batch)
-        rng = state["rng"]
-        if len(rng) == self.env.world_size:
-            restore_rng(rng[self.env.rank])
-        self._log_data_order_on_resume(len(rng), state.get("loader_slots"))
-        log.info("resumed from %s at step %d", path, self.step)
-
-    def _log_data_order_on_resume(self, ranks_before: int, slots_before: int | None) -> None:
-        """Say whether the resumed run reads what the uninterrupted one would have (rank 0)."""
-        train, ranks, split = self.cfg.data.train, self.env.world_size, self.parts.data.split
-        slots = ranks * max(1, int(self.cfg.data.num_workers))
-        if not self.main:
-            return
-        if split == "shard" and (train.mode == "resampled" or slots_before not in (None, slots)):
-            log.warning("data.train.split=shard deals the shards to ranks x loader workers = %d slots (%s before "
-                        "this resume): the rest of the run reads %s. data.train.split=indexed reads the same "
-                        "samples in the same order on any number of GPUs and workers", slots,
-                        slots_before or "unknown", "other shard draws" if train.mode == "resampled" else
-                        "this epoch in another order, some samples twice and some not at all")
-        elif ranks_before != ranks:
-            log.info("resumed on %d ranks (%d before): the same samples in the same steps, each augmented as "
-                     "before (data.train.split=%s); only the towers' random draws (dropout, patch dropout), "
-                     "per rank, start from new seeds", ranks, ranks_before, split)
-
-    def _weights_finite(self) -> bool:
-        """Whether every weight is finite (the same answer on every rank: replicas agree, and
-        FSDP's shards are checked together)."""
-        finite = torch.stack([torch.isfinite(local(p)).all() for p in self.model.parameters()]).all()
-        if self.sharded and self.env.distributed:
-            flag = finite.float().reshape(1)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            finite = flag[0] > 0
-        return bool(finite)
-
-    def _checkpoint(self, numbered: bool) -> None:
-        started = time.perf_counter()
-        self._write_checkpoint(numbered)
-        if self.main and not self.warned_shutdown:  # once a run
-            self.warned_shutdown = warn_if_torchrun_may_cut(time.perf_counter() - started)
-
-    def _write_checkpoint(self, numbered: bool) -> None:
-        if not self._weights_finite():
-            log.error("step %d: the weights are not finite; no checkpoint written (the last finite ones in %s "
-                      "are kept)", self.step, self.ckpt_dir)
-            return
-        rng = capture_rng()
-        if self.env.distributed:  # every rank's RNG, so a resumed run continues each exactly
-            gathered = [None] * self.env.world_size
-            dist.all_gather_object(gathered, rng)
-            rng = gathered
-        else:
-            rng = [rng]
-        meta = {
-            "step": self.step,
-            "samples_seen": self.samples_seen,
-            "global_batch": self.plan.global_batch,
-            "loader_slots": self.env.world_size * max(1, int(self.cfg.data.num_workers)),  # the shard split's
-            "rng": rng,
-            "config": OmegaConf.to_yaml(self.cfg, resolve=True),
-            "open_clip": self.model.description(),  # architecture and preprocessing, for evaluation and export
-        }
-        if self.stepper.scaler.is_enabled():
-            meta["scaler"] = self.stepper.scaler.state_dict()
-        keep = self.cfg.trainer.keep_ckpts
-        if self.sharded_ckpt:  # every rank writes its shards
-            write_sharded_checkpoint(self.ckpt_dir, self.model, self.parts.optimizer, meta if self.main else None,
-                                     self.step, numbered, keep)
-        elif self.main:
-            payload = {"model": self.model.state_dict(), "optimizer": self.parts.optimizer.state_dict(), **meta}
-            write_run_checkpoint(self.ckpt_dir, payload, self.step, numbered, keep)
+        self.checkpointer.load(path, state)
+        log.info("resumed from %s at step %d", path, self.state.step)
 
     def evaluate(self, final: bool) -> dict[str, dict[str, float]]:
         """Evaluate the sets due now (``eval.<name>.at_end`` when ``final``, else those whose
@@ -369,20 +254,21 @@ class Trainer:
         set after set, while the other ranks wait at the next collective: together the sets must
         finish within ``trainer.dist_timeout_s``. A sharded model (FSDP) is evaluated by every rank
         together (each forward gathers the weights from all of them); rank 0 reports."""
-        due = [s for s in self.cfg.eval.values() if (s.at_end if final else s.every and self.step % s.every == 0)]
-        if not due or not (self.main or self.sharded):
+        step, sharded = self.state.step, is_sharded(self.model)
+        due = [s for s in self.cfg.eval.values() if (s.at_end if final else s.every and step % s.every == 0)]
+        if not due or not (self.main or sharded):
             return {}
         started, results = time.perf_counter(), {}
         for eval_cfg in due:
             result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
             if not self.main:
                 continue
-            log.info("eval %s at step %d: %s", eval_cfg.name, self.step,
+            log.info("eval %s at step %d: %s", eval_cfg.name, step,
                      ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
-            self.metrics.log({f"eval/{eval_cfg.name}/{k}": v for k, v in result.items()}, self.step)
+            self.metrics.log({f"eval/{eval_cfg.name}/{k}": v for k, v in result.items()}, step)
             results[eval_cfg.name] = result
         seconds = time.perf_counter() - started
-        if self.env.distributed and not self.sharded and seconds > 0.5 * self.cfg.trainer.dist_timeout_s:
+        if self.env.distributed and not sharded and seconds > 0.5 * self.cfg.trainer.dist_timeout_s:
             log.warning("evaluation took %.0f s on rank 0, more than half of trainer.dist_timeout_s=%s that the "
                         "other ranks wait: raise trainer.dist_timeout_s or evaluate less (eval.<name>.every)",
                         seconds, self.cfg.trainer.dist_timeout_s)
@@ -399,160 +285,111 @@ class Trainer:
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, cfg.trainer.stop_at_step or plan.total_steps)
         with self.startup.phase("loader start"):
-            sub_batches = self.parts.inputs(self.step)  # the loader's workers start reading now
+            sub_batches = self.parts.inputs(self.state.step)  # the loader's workers start reading now
         try:
             if cfg.model.compile:
                 with self.startup.phase("compile"):
                     self.parts.warm_up()  # while the workers read the first sub-batches
-            self.progress = tqdm(total=plan.total_steps, initial=self.step, disable=not self.main,
-                                 desc="train", dynamic_ncols=True, mininterval=1.0, leave=False)
             # SIGTERM, SIGINT, SIGUSR1: stop after the step, checkpoint, exit 3; the handlers stay until
             # close(), so that a signal during a failure's report (torchrun ending the ranks) is counted
             self.stops.install()
-            self.interval = Interval()
-            loss = self._loop(sub_batches, stop)
+            self.metrics.start(self.state.step)
+            try:
+                loss = self._loop(sub_batches, stop)
+            except (Preempted, NonFiniteError):  # the steps since the last log line are logged too
+                self.metrics.write(self.state.step, self.state.samples_seen, self.stepper.settle())
+                raise
         finally:
-            if self.progress is not None:
-                self.progress.close()
+            self.metrics.close()
             sub_batches.close()  # the loader's workers and read-ahead thread
-        return self._finish(loss, numbered_just_written=self._due(cfg.trainer.ckpt_every))
+        return self._finish(loss)
 
     def _loop(self, sub_batches, stop: int) -> torch.Tensor:
-        """Steps until ``stop``; returns the last loss. A step, then what the trainer does with it."""
-        loss, first_step, started = torch.zeros(()), self.step + 1, time.perf_counter()
-        while self.step < stop:
-            result = self.train_step(sub_batches)
-            loss = result.loss
-            if result.step == first_step:
-                self.first_step_done(result, started)
-            self.interval.add(result)
-            self.progress.update(1)
+        """Steps until ``stop``; returns the last loss. The step, then the hooks: log, checkpoint,
+        evaluation, stop. Each reads the trainer's state alone and may run in any order."""
+        loss, first_step, started = torch.zeros(()), self.state.step + 1, time.perf_counter()
+        while self.state.step < stop:
+            step = self.state.step
+            lr = self.parts.peak_lr * self.parts.schedule(step)
+            outcome = self.stepper.step(sub_batches, lr, epoch=step // self.plan.steps_per_epoch, number=step + 1)
+            self.state.advance(self.plan.global_batch)
+            loss = outcome.loss
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
-            stop_reason = self.stops.reason(result.seconds)
-            if stop_reason or self.step == stop or self._due(self.cfg.trainer.log_every) \
-                    or self._due(self.cfg.trainer.ckpt_every):
-                self.settle()  # the loop acts on this step now: its update counts
-            self.maybe_log(force=bool(stop_reason) or self.step == stop)
-            self.maybe_stop()
-            checkpointed = self.maybe_checkpoint()
-            self.maybe_evaluate()
-            if stop_reason:
-                self.stop_here(stop_reason, checkpointed)
+            stop_reason = self.stops.reason(outcome.seconds)
+            last = self.state.step == stop
+            if stop_reason or last or self.metrics.due(self.state.step) or self._due(self.cfg.trainer.ckpt_every):
+                self.stepper.settle()  # host sync: the hooks act on this step, its update read
+            if outcome.number == first_step:
+                self.first_step_done(outcome, started)
+            self.metrics.on_step(outcome, self.state.step, self.state.samples_seen, self.stepper.health,
+                                 force=bool(stop_reason) or last)
+            self.checkpoint_if_due()
+            self.evaluate_if_due()
+            self.stop_if_asked(stop_reason)
         self.stops.drain()
         return loss
 
-    def train_step(self, sub_batches) -> StepResult:
-        """One optimizer step on this rank's share of the global batch, ``world_size x sub_batches x
-        sub_batch`` (1M = 2 x 1024 x 512): the learning rate, the data, forward, the global loss,
-        backward (GradCache with several sub-batches), then the clipped update, skipped on every rank
-        where a loss or gradient is not finite on one. The update's flag stays on the device: the
-        last step's is read (``settle``) once this step's work is queued, so that the host does not
-        wait for the GPU at the end of every step."""
-        started = time.perf_counter()
-        lr = self.parts.peak_lr * self.parts.schedule(self.step)
-        for group in self.parts.optimizer.param_groups:
-            group["lr"] = lr
-        loss, times = self.stepper.gradients(sub_batches, epoch=self.step // self.plan.steps_per_epoch)
-        self.settle()
-        self.maybe_stop()  # too many skipped in a row: stop before this step's update
-        applied = self.stepper.apply()
-        times["optimizer"] = applied.seconds
-        self.step += 1
-        self.samples_seen += self.plan.global_batch
-        self.unsettled = StepResult(self.step, loss, lr, applied, times, time.perf_counter() - started)
-        return self.unsettled
-
-    def first_step_done(self, result: StepResult, loop_started: float) -> None:
-        """This invocation's first step (``result``; the loop started at ``loop_started``) has finished, its update
+    def first_step_done(self, outcome: StepOutcome, loop_started: float) -> None:
+        """This invocation's first step (``outcome``; the loop started at ``loop_started``) has finished, its update
         read (a host sync): how long after the process started and where that time went, in the log,
         ``status.json`` and the next ``metrics.jsonl`` record (``time_to_first_step_s``, ``startup/*_s``)."""
-        self.settle()
+        self.stepper.settle()
         step_s = time.perf_counter() - loop_started
-        seconds, waited = self.startup.elapsed(), result.times.get("data", 0.0)
+        seconds, waited = self.startup.elapsed(), outcome.times.get("data", 0.0)
         self.startup.add("first batch wait", waited)  # what the loader had not read by then
         self.startup.add("first step", step_s - waited)
         if self.main:
             log.info("first step finished %.1f s after the start (model.compile: %s); start-up: %s",
                      seconds, f"{self.parts.compile_s:.1f} s of compiling" if self.cfg.model.compile else "off",
                      self.startup.describe())
-        self.unlogged_first_step_s = seconds  # in the next log record
+        self.metrics.first_step_s = seconds  # in the next log record
         self.status.note(time_to_first_step_s=round(seconds, 2), startup_s=self.startup.record())
         if self.env.local_rank == 0 and (compiling := write_missing_bytecode()):
             log.info("bytecode: the %d modules imported without it compile into %s in the background, for the "
                      "next start (MEGABATCH_PYCACHE=0: off)", compiling, sys.pycache_prefix)
 
-    def settle(self) -> None:
-        """Read the last step's update (a host sync; the one place its flag is read): its gradient
-        norm, and whether it was skipped, counted and logged (``maybe_stop`` ends the run after too
-        many in a row)."""
-        result, self.unsettled = self.unsettled, None
-        if result is None:
-            return
-        self.grad_norm = result.applied.grad_norm
-        if result.applied.stepped:
-            self.bad_in_a_row = 0
-            return
-        self.bad_in_a_row += 1
-        self.skipped_steps += 1
-        log.warning("step %d: non-finite loss (%.4g) or gradient norm (%.4g) on some rank: update skipped "
-                    "(%d in a row, %d in all; the run stops after trainer.max_bad_steps=%d in a row)",
-                    result.step, float(result.loss), self.grad_norm, self.bad_in_a_row, self.skipped_steps,
-                    self.cfg.trainer.max_bad_steps)
-
     def _due(self, every: int | None) -> bool:
         """Whether a task done every ``every`` steps (0 or ``None``: never) falls on this step."""
-        return bool(every) and self.step % every == 0
+        return bool(every) and self.state.step % every == 0
 
-    def maybe_log(self, force: bool = False) -> None:
-        """The log line of the steps since the last one: every ``trainer.log_every`` steps, at a stop
-        (``force``) and before the run ends on non-finite steps."""
-        diverged = self.bad_in_a_row >= self.cfg.trainer.max_bad_steps
-        if self.interval.steps and (force or diverged or self._due(self.cfg.trainer.log_every)):
-            self._log_interval(self.interval)
-            self.interval = Interval()
+    def checkpoint_if_due(self) -> None:
+        """A numbered checkpoint every ``trainer.ckpt_every`` steps (once a step)."""
+        if self._due(self.cfg.trainer.ckpt_every) and self.checkpointer.saved_step != self.state.step:
+            self._checkpoint(numbered=True)
 
-    def maybe_stop(self) -> None:
-        """End the run after ``trainer.max_bad_steps`` skipped updates in a row, logged first."""
-        limit = self.cfg.trainer.max_bad_steps
-        if self.bad_in_a_row < limit:
-            return
-        self.maybe_log()
-        raise NonFiniteError(
-            f"{self.bad_in_a_row} steps in a row (to step {self.step}) had a non-finite loss or "
-            f"gradient: stopping (trainer.max_bad_steps={limit}). The weights are those of the last "
-            f"finite step; the newest checkpoint is in {self.ckpt_dir}. Lower optim.lr, set "
-            "optim.grad_clip, or use trainer.precision=bf16 instead of fp16")
-
-    def maybe_checkpoint(self) -> bool:
-        """A numbered checkpoint every ``trainer.ckpt_every`` steps; whether one was written."""
-        if not self._due(self.cfg.trainer.ckpt_every):
-            return False
-        self._checkpoint(numbered=True)
-        return True
-
-    def maybe_evaluate(self) -> None:
+    def evaluate_if_due(self) -> None:
         """The sets whose ``eval.<name>.every`` divides the step (the final evaluation is ``_finish``'s)."""
-        if self.step < self.plan.total_steps:
+        if self.state.step < self.plan.total_steps:
             self.evaluate(final=False)
 
-    def stop_here(self, reason: str, checkpointed: bool) -> None:
-        """A signal or ``trainer.time_limit``: ``last.pt`` (unless this step's numbered checkpoint was
-        just written), every rank waits for it, then ``Preempted`` ends the run (exit 3)."""
-        if not checkpointed:
-            self._checkpoint(numbered=False)
-        self._checkpoint_on_disk()  # no rank exits (and lets torchrun end the writer) before it
+    def stop_if_asked(self, reason: str | None) -> None:
+        """End the run after this step: ``NonFiniteError`` after ``trainer.max_bad_steps`` skipped updates in a
+        row (as read so far); on a signal or ``trainer.time_limit`` (``reason``), this step's checkpoint (the
+        numbered one where one is due), every rank waiting for it, then ``Preempted`` (exit 3)."""
+        self.stepper.health.check()
+        if not reason:
+            return
+        if self.checkpointer.saved_step != self.state.step:
+            self._checkpoint(numbered=self._due(self.cfg.trainer.ckpt_every))
+        self._wait_for_checkpoint()  # no rank exits (and lets torchrun end the writer) before it
         self.stops.drain()
         log.warning("stopped after step %d (%s); last.pt written: continue with resume=latest name=%s",
-                    self.step, reason, self.run_dir.name)
-        raise Preempted(reason, self.step, self.ckpt_dir / "last.pt")
+                    self.state.step, reason, self.run_dir.name)
+        raise Preempted(reason, self.state.step, self.ckpt_dir / "last.pt")
 
-    def _checkpoint_on_disk(self) -> None:
+    def _checkpoint(self, numbered: bool) -> None:
+        started = time.perf_counter()
+        self.checkpointer.save(self.state.step, numbered)
+        if self.main and not self.warned_shutdown:  # once a run
+            self.warned_shutdown = warn_if_torchrun_may_cut(time.perf_counter() - started)
+
+    def _wait_for_checkpoint(self) -> None:
         """Every rank waits here until rank 0 has written the step's checkpoint: a rank that exited
         first would let torchrun end the others (rank 0 mid-write among them). The wait has no
         timeout while rank 0 is alive (a 30 GB checkpoint may take longer than any collective's)."""
         if not self.env.distributed:
             return
-        key = f"checkpoint_written/{self.step}"
+        key = f"checkpoint_written/{self.state.step}"
         if self.env.peers is None:  # a process group made by the caller (tests): a barrier
             dist.barrier()
         elif self.main:
@@ -560,65 +397,27 @@ class Trainer:
         else:
             self.env.peers.wait_for(key, owner=0)
 
-    def _log_interval(self, interval: Interval) -> None:
-        """One log line, progress-bar postfix and metrics.jsonl record for the steps of ``interval``."""
-        plan, env = self.plan, self.env
-        steps, phase_totals, lr = interval.steps, interval.phase_totals, interval.last.lr
-        elapsed = time.perf_counter() - interval.started
-        loss_value = interval.last.loss.item()  # host sync, once per log interval
-        record = {
-            "loss": loss_value, "lr": lr,
-            "logit_scale": self.model.logit_scale.exp().item(),
-            "samples_per_s": plan.global_batch * steps / elapsed,
-            "samples_seen": self.samples_seen,
-            "epoch": self.step / plan.steps_per_epoch,
-            **{f"time/{k}": v / steps for k, v in phase_totals.items()},
-            "data_wait": phase_totals.get("data", 0.0) / elapsed,  # fraction of wall time
-            "grad_norm": self.grad_norm, "skipped_steps": self.skipped_steps,
-        }
-        if self.unlogged_first_step_s is not None:
-            record["time_to_first_step_s"], self.unlogged_first_step_s = self.unlogged_first_step_s, None
-            record.update(self.startup.record())
-        # model TFLOP/s per GPU and MFU (utilization.py: model FLOPs counted at start-up, the GPU's bf16 peak)
-        record.update(utilization(self.parts.flops, self.parts.peak, record["samples_per_s"] / env.world_size))
-        record.update({f"data/{k}": v for k, v in self.parts.inputs.bad_input_counts().items() if v})
-        if env.device.type == "cuda":
-            record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(env.device) / 1e9
-        record["peak_host_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # this process; kB on Linux
-        self.progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", sps=f"{record['samples_per_s']:.0f}")
-        self.metrics.log(record, self.step)
-        if self.main:
-            phases = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in record.items() if k.startswith("time/"))
-            memory = f"  peak {record['peak_gpu_gb']:.1f} GB" if "peak_gpu_gb" in record else ""
-            if "model_tflops_per_gpu" in record:
-                memory += f"  {record['model_tflops_per_gpu']:.0f} TFLOP/s per GPU" + (
-                    f", MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
-            bad = {k[5:]: v for k, v in record.items() if k.startswith("data/")}
-            log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s  data wait %.0f%%  "
-                     "[%s]%s%s", self.step, plan.total_steps, loss_value, lr, record["logit_scale"],
-                     record["samples_per_s"], 100 * record["data_wait"], phases, memory,
-                     f"  bad input: {bad}" if bad else "")
-
     def close(self) -> None:
         """Release what the run holds (offload workers and spill file, the wandb run, the run
         directory's lock), also after an error; put the signal handlers back."""
         self.stops.restore()
         self.parts.close()
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.sinks.close()
         if self.lock is not None:
             self.lock.release()
 
-    def _finish(self, loss, numbered_just_written: bool) -> float:
+    def _finish(self, loss) -> float:
         """Last checkpoint, final evaluation; the value a sweeper optimises."""
-        plan = self.plan
+        plan, step = self.plan, self.state.step
         if self.main:
             bad = {k: v for k, v in self.parts.inputs.bad_input_counts().items() if v}
             log.info("bad input on rank 0: %s", bad or "none")
-        if not numbered_just_written:
+        if self.checkpointer.saved_step != step:
             self._checkpoint(numbered=False)
-        if self.step < plan.total_steps:
+        if step < plan.total_steps:
             log.info("stopped at step %d of %d (trainer.stop_at_step); continue with "
-                     "resume=latest name=%s", self.step, plan.total_steps, self.run_dir.name)
+                     "resume=latest name=%s", step, plan.total_steps, self.run_dir.name)
             return float(loss)
         results = self.evaluate(final=True)
         for name, result in results.items():

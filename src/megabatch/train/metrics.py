@@ -1,17 +1,32 @@
-"""Metrics sinks: ``metrics.jsonl`` in the run directory (always), TensorBoard (``logger=tensorboard``)
-and wandb (``logger=wandb``), several at once (``'logger=[jsonl,tensorboard,wandb]'``)."""
+"""The training log. ``StepLog`` owns the log line: it takes each step's outcome and every
+``trainer.log_every`` steps writes one record of the interval (loss, throughput, phases, MFU,
+memory, bad input) to the log, the progress bar and its sinks. ``MetricsLogger`` is those sinks:
+``metrics.jsonl`` in the run directory (always), TensorBoard (``logger=tensorboard``) and wandb
+(``logger=wandb``), several at once (``'logger=[jsonl,tensorboard,wandb]'``)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import resource
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+
+from .plan import BatchPlan
+from .startup import StartupTimes
+from .step import StepOutcome, UpdateHealth
+from .utilization import ModelFlops, Peak, utilization
+
 log = logging.getLogger(__name__)
+train_log = logging.getLogger("megabatch")  # the trainer's own log lines
 
 
 def finite_or_none(value):
@@ -114,3 +129,124 @@ class MetricsLogger:
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+
+
+@dataclass
+class Interval:
+    """The steps since the last log line: their count, phase seconds and wall time."""
+
+    started: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    phase_totals: dict[str, float] = field(default_factory=dict)
+    last: StepOutcome | None = None
+
+    def add(self, outcome: StepOutcome) -> None:
+        self.steps, self.last = self.steps + 1, outcome
+        for phase, seconds in outcome.times.items():
+            self.phase_totals[phase] = self.phase_totals.get(phase, 0.0) + seconds
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What every log line of a run reads beside its steps: the batch plan, the ranks and device,
+    the model FLOPs and the GPU's peak (MFU), the model's temperature, this rank's bad-input counts
+    and the start-up's account (``time_to_first_step_s`` and ``startup/*`` in the first record)."""
+
+    plan: BatchPlan
+    world_size: int
+    device: torch.device
+    flops: ModelFlops
+    peak: Peak | None
+    logit_scale: Callable[[], torch.Tensor]
+    bad_input: Callable[[], dict[str, int]]
+    startup: StartupTimes
+
+
+class StepLog:
+    """The training log: ``on_step`` takes each ``StepOutcome``; every ``log_every`` steps (and when
+    ``write`` is forced: a stop, the last step, a diverging run) one log line, progress-bar postfix
+    and record into ``sinks`` (``MetricsLogger``: ``metrics.jsonl`` and the ``logger=`` group's
+    loggers) for the steps since the last one. Rank 0 writes; every rank keeps the same counts."""
+
+    def __init__(self, sinks: MetricsLogger, facts: RunFacts, log_every: int | None, main: bool):
+        self.sinks, self.facts, self.log_every, self.main = sinks, facts, log_every, main
+        self.interval = Interval()
+        self.progress: tqdm | None = None
+        self.first_step_s: float | None = None  # time_to_first_step_s, for the next record
+
+    def start(self, step: int) -> None:
+        """The progress bar, from ``step``; the first interval starts now."""
+        plan = self.facts.plan
+        self.progress = tqdm(total=plan.total_steps, initial=step, disable=not self.main, desc="train",
+                             dynamic_ncols=True, mininterval=1.0, leave=False)
+        self.interval = Interval()
+
+    def due(self, step: int) -> bool:
+        return bool(self.log_every) and step % self.log_every == 0
+
+    def on_step(self, outcome: StepOutcome, step: int, samples_seen: int, health: UpdateHealth,
+                force: bool = False) -> None:
+        """Count ``outcome`` (the run's step ``step``); write the interval when due, ``force``d, or the
+        run diverged (``health``, as last settled)."""
+        self.interval.add(outcome)
+        if self.progress is not None:
+            self.progress.update(1)
+        if force or health.diverged or self.due(step):
+            self.write(step, samples_seen, health)
+
+    def write(self, step: int, samples_seen: int, health: UpdateHealth) -> None:
+        """One log line, progress-bar postfix and record for the steps since the last one (none: nothing)."""
+        interval, facts = self.interval, self.facts
+        if not interval.steps:
+            return
+        self.interval = Interval()
+        plan, steps, phase_totals, lr = facts.plan, interval.steps, interval.phase_totals, interval.last.lr
+        elapsed = time.perf_counter() - interval.started
+        loss_value = interval.last.loss.item()  # host sync, once per log interval
+        record = {
+            "loss": loss_value, "lr": lr,
+            "logit_scale": facts.logit_scale().exp().item(),
+            "samples_per_s": plan.global_batch * steps / elapsed,
+            "samples_seen": samples_seen,
+            "epoch": step / plan.steps_per_epoch,
+            **{f"time/{k}": v / steps for k, v in phase_totals.items()},
+            "data_wait": phase_totals.get("data", 0.0) / elapsed,  # fraction of wall time
+            "grad_norm": health.grad_norm, "skipped_steps": health.skipped_steps,
+        }
+        if self.first_step_s is not None:
+            record["time_to_first_step_s"], self.first_step_s = self.first_step_s, None
+            record.update(facts.startup.record())
+        # model TFLOP/s per GPU and MFU (utilization.py: model FLOPs counted at start-up, the GPU's bf16 peak)
+        record.update(utilization(facts.flops, facts.peak, record["samples_per_s"] / facts.world_size))
+        record.update({f"data/{k}": v for k, v in facts.bad_input().items() if v})
+        if facts.device.type == "cuda":
+            record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(facts.device) / 1e9
+        record["peak_host_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # this process; kB on Linux
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", sps=f"{record['samples_per_s']:.0f}")
+        self.sinks.log(record, step)
+        if self.main:
+            log_line(record, step, plan.total_steps)
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        """A record of its own (an evaluation's numbers) at ``step``."""
+        self.sinks.log(record, step)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+
+
+def log_line(record: dict[str, Any], step: int, total_steps: int) -> None:
+    """A training record as one line of the run's log."""
+    phases = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in record.items() if k.startswith("time/"))
+    memory = f"  peak {record['peak_gpu_gb']:.1f} GB" if "peak_gpu_gb" in record else ""
+    if "model_tflops_per_gpu" in record:
+        memory += f"  {record['model_tflops_per_gpu']:.0f} TFLOP/s per GPU" + (
+            f", MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
+    bad = {k[5:]: v for k, v in record.items() if k.startswith("data/")}
+    train_log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s  data wait %.0f%%  "
+                   "[%s]%s%s", step, total_steps, record["loss"], record["lr"], record["logit_scale"],
+                   record["samples_per_s"], 100 * record["data_wait"], phases, memory,
+                   f"  bad input: {bad}" if bad else "")

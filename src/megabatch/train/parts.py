@@ -197,7 +197,8 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
                      sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
                      grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
-                     fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0)
+                     fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0,
+                     max_bad_steps=cfg.trainer.max_bad_steps)
     return BuiltStep(step, optimizer, peak_lr, compilation)
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 from ..config import ConfigError, parse_optional_count
+
+log = logging.getLogger("megabatch")
 
 
 def _warmup_steps(warmup_steps, warmup_samples, warmup_epochs, global_batch: int, steps_per_epoch: int) -> int:
@@ -35,6 +38,19 @@ class ConstantSchedule:
         if step < self.warmup:
             return (step + 1) / self.warmup
         return 1.0
+
+    def state_dict(self) -> dict:
+        """The schedule's shape (its lengths in steps): a resumed run checks that it follows the same curve."""
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Warn where the resumed run's schedule differs from the checkpoint's (another batch, step
+        count or warm-up changes the learning rate from here on); this run's own is kept."""
+        changed = {key: (value, getattr(self, key, None)) for key, value in state.items()
+                   if getattr(self, key, None) != value}
+        if changed:
+            log.warning("resuming with another learning-rate schedule than the checkpoint's (%s): the rest of the "
+                        "run follows this run's", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
 
 
 class CosineSchedule(ConstantSchedule):

@@ -1,23 +1,28 @@
 """One rank's share of one optimizer step, apart from the run that repeats it.
 
 ``TrainStep`` is built once from the model, the loss, the optimizer, the precision, the device and
-where the replay gets its inputs (on the device, or re-decoded by an ``Offload``). ``gradients``
-turns one global batch's worth of this rank's ``SubBatch``es into gradients (a plain forward and
-backward for one sub-batch, GradCache's three phases for several); ``apply`` clips and steps.
-No run directory, config or logging: a test or a benchmark drives it directly.
+where the replay gets its inputs (on the device, or re-decoded by an ``Offload``). ``step`` is one
+whole optimizer step and returns its ``StepOutcome``; it is made of ``gradients`` (one global
+batch's worth of this rank's ``SubBatch``es into gradients: a plain forward and backward for one
+sub-batch, GradCache's three phases for several) and ``apply`` (clip, then step unless a value is
+not finite). No run directory, config or logging: a test or a benchmark drives it directly.
 
     step = TrainStep(model, loss_fn, optimizer, torch.device("cuda"), precision="bf16", sub_batches=64)
-    loss, times = step.gradients(sub_batches)   # takes 64 SubBatch of this rank's 32k / 512
-    applied = step.apply()                       # skipped (applied.stepped False) if not finite
+    outcome = step.step(sub_batches, lr=1e-3)   # takes 64 SubBatch of this rank's 32k / 512
+    step.settle()                               # host sync: outcome's update read (step.health)
 
 With a fused optimizer (AdamW's default on CUDA) in bf16 or fp32, nothing in ``apply`` waits for
 the GPU: whether to skip is decided on the device (the optimizer's ``found_inf``, as PyTorch's
-GradScaler passes it), so the host queues the next step while the GPU finishes this one. Reading
-``applied.stepped`` or ``applied.grad_norm`` waits for it: the trainer reads them a step late.
+GradScaler passes it), so the host queues the next step while the GPU finishes this one. The one
+place that reads that decision is ``settle``: ``step`` calls it for the previous step once its own
+gradients are queued (a read one step late), and a caller that acts on a step at once (its log
+line, its checkpoint, a stop) calls it first. ``health`` counts the skipped updates; ``step`` raises
+``NonFiniteError`` before an update once ``max_bad_steps`` in a row were skipped.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +37,12 @@ from ..data.samples import SubBatch
 from ..distributed.fsdp import full, is_sharded, no_gradient_sync, reduce_replicated
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay
 from .precision import Precision
+
+log = logging.getLogger("megabatch")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row with a non-finite loss or gradient (``trainer.max_bad_steps``)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,58 @@ class Applied:
         return bool(self.finite)  # host sync
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one optimizer step did: its number (counted from 1, the caller's), the loss, the learning
+    rate, the update (``Applied``: its norm and whether it was made, on the device until
+    ``TrainStep.settle`` reads it), the seconds of each phase and the host's wall time of the step."""
+
+    number: int
+    loss: torch.Tensor  # 0-d, on the device
+    lr: float
+    applied: Applied
+    times: dict[str, float]
+    seconds: float
+
+
+@dataclass
+class UpdateHealth:
+    """The updates skipped for a non-finite loss or gradient norm, as ``TrainStep.settle`` reads
+    them: in a row and in all, and the last read gradient norm. ``diverged``: ``max_bad_steps`` in
+    a row."""
+
+    max_bad_steps: int
+    bad_in_a_row: int = 0
+    skipped_steps: int = 0
+    grad_norm: float = float("nan")
+
+    @property
+    def diverged(self) -> bool:
+        return self.bad_in_a_row >= self.max_bad_steps
+
+    def record(self, outcome: StepOutcome) -> None:
+        """Count ``outcome``'s update (reads its flag and norm: a host sync)."""
+        self.grad_norm = outcome.applied.grad_norm
+        if outcome.applied.stepped:
+            self.bad_in_a_row = 0
+            return
+        self.bad_in_a_row += 1
+        self.skipped_steps += 1
+        log.warning("step %d: non-finite loss (%.4g) or gradient norm (%.4g) on some rank: update skipped "
+                    "(%d in a row, %d in all; the run stops after trainer.max_bad_steps=%d in a row)",
+                    outcome.number, float(outcome.loss), self.grad_norm, self.bad_in_a_row, self.skipped_steps,
+                    self.max_bad_steps)
+
+    def check(self) -> None:
+        """Raise ``NonFiniteError`` once ``max_bad_steps`` updates in a row were skipped."""
+        if self.diverged:
+            raise NonFiniteError(
+                f"{self.bad_in_a_row} steps in a row had a non-finite loss or gradient: stopping "
+                f"(trainer.max_bad_steps={self.max_bad_steps}). The weights are those of the last finite step, "
+                "and so is the newest checkpoint in the run's checkpoints/ folder. Lower optim.lr, set "
+                "optim.grad_clip, or use trainer.precision=bf16 instead of fp16")
+
+
 class TrainStep:
     """Gradients of one step on this rank, then the optimizer update.
 
@@ -70,13 +133,15 @@ class TrainStep:
     ``fsdp_reduce`` (a sharded model): ``sub_batch`` reduce-scatters each replayed sub-batch's
     gradients (sharded gradients accumulate: least memory), ``step`` once per step (unsharded
     gradients accumulate until the last sub-batch: fewer collectives, a whole model's gradients held).
-    ``optimizer`` may be ``None`` where only the gradients are wanted (tests).
+    ``optimizer`` may be ``None`` where only the gradients are wanted (tests). ``max_bad_steps``:
+    skipped updates in a row after which ``step`` raises ``NonFiniteError``.
     """
 
     def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
                  precision: str = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
                  grad_clip: float | None = None, offload: Offload | None = None,
-                 keep_graph: bool = True, fsdp_reduce: str = "sub_batch", show_progress: bool = False):
+                 keep_graph: bool = True, fsdp_reduce: str = "sub_batch", show_progress: bool = False,
+                 max_bad_steps: int = 10):
         self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
         self.precision = Precision.create(precision, device, feature_dtype)
         self.sub_batches, self.grad_clip, self.show_progress = sub_batches, grad_clip, show_progress
@@ -99,10 +164,39 @@ class TrainStep:
                                  offload=offload if replay_images else None, text_trim=model.text_trim,
                                  keep_graph=keep_graph)
         self.loss: torch.Tensor | None = None  # the last gradients() call's
+        self.health = UpdateHealth(max_bad_steps)
+        self.unsettled: StepOutcome | None = None  # the last step, its update not yet read (settle)
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
         return self.precision.scaler
+
+    def step(self, sub_batches: Iterator[SubBatch], lr: float, *, epoch: int = 0, number: int = 1) -> StepOutcome:
+        """One optimizer step on this rank's share of the global batch, ``world_size x sub_batches x
+        sub_batch`` (1M = 2 x 1024 x 512), of ``epoch``: the learning rate ``lr`` set on every group,
+        forward, the global loss, backward (GradCache with several sub-batches), then the clipped
+        update, skipped on every rank where a loss or gradient is not finite on one. ``number``: the
+        step's number in the run (counted from 1), for the outcome and the warnings. Raises
+        ``NonFiniteError`` before the update when ``max_bad_steps`` earlier updates in a row were
+        skipped."""
+        started = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss, times = self.gradients(sub_batches, epoch=epoch)
+        self.settle()  # host sync: the last step's update, read once this step's work is queued
+        self.health.check()  # too many skipped in a row: stop before this step's update
+        applied = self.apply()
+        times["optimizer"] = applied.seconds
+        self.unsettled = StepOutcome(number, loss, lr, applied, times, time.perf_counter() - started)
+        return self.unsettled
+
+    def settle(self) -> UpdateHealth:
+        """Read the last step's update (a host sync; the one place its flag is read): its gradient
+        norm, and whether it was skipped, counted in ``health``. Nothing to read: no wait."""
+        outcome, self.unsettled = self.unsettled, None
+        if outcome is not None:
+            self.health.record(outcome)
+        return self.health
 
     def gradients(self, sub_batches: Iterator[SubBatch], epoch: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
         """Take ``self.sub_batches`` sub-batches from ``sub_batches`` (this rank's share of one

@@ -1,0 +1,170 @@
+"""One checkpointer for every part of a run: each part saves and loads its own state.
+
+``Checkpointer`` holds the model and the optimizer (whose state goes whole into a ``.pt``, or as
+every rank's shards into a DCP folder: ``checkpoint.py``) and a dict of named ``Stateful`` parts
+(the scaler, the schedule, the data position, the RNG states, the trainer's counters), each
+saved under its name by its own ``state_dict`` and given back to its own ``load_state_dict``.
+A new part (EMA weights, a teacher's settings) is one more entry in that dict.
+
+    checkpointer = Checkpointer(ckpt_dir, model, optimizer, {"train_state": counters, "rng": RngStates(...)},
+                                header=lambda: {"config": ..., "open_clip": ...}, sharded=False, keep=3,
+                                main=rank == 0, distributed=False)
+    checkpointer.save(step=100, numbered=True)   # step_00000100.pt and last.pt
+    checkpointer.load(path, state)               # every part from the file load_resume found
+
+A file also carries a header for its readers (evaluation, export, the run reports): the step,
+the global batch, the config and the model's description. A part absent from a file (written
+before the part existed) keeps its fresh state, logged; files written before the parts had their
+own entries are read through ``legacy_parts``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import (
+    capture_rng,
+    load_sharded_state,
+    load_whole_state,
+    restore_rng,
+    write_run_checkpoint,
+    write_sharded_checkpoint,
+)
+from ..distributed.fsdp import is_sharded, local
+
+log = logging.getLogger("megabatch")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """The trainer's counters: optimizer steps done and samples seen."""
+
+    step: int = 0
+    samples_seen: int = 0
+
+    def advance(self, global_batch: int) -> None:
+        self.step += 1
+        self.samples_seen += global_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+
+
+class RngStates:
+    """Every rank's RNG states (python, numpy, torch CPU and CUDA): gathered into one list on save
+    (a collective: every rank saves), each rank's own restored on load when the number of ranks is
+    the same (else each rank keeps its fresh seed: ``seed + 1000 x rank``)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        rng = capture_rng()
+        if self.world_size == 1:
+            return {"ranks": [rng]}
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, rng)
+        return {"ranks": gathered}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["ranks"]) == self.world_size:
+            restore_rng(state["ranks"][self.rank])
+
+
+def legacy_parts(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before each part had its own entry (flat keys: ``step``,
+    ``samples_seen``, ``global_batch``, ``loader_slots``, ``rng`` as a list) with those entries
+    added; a newer one as it is."""
+    if "train_state" in state:
+        return state
+    step = int(state["step"])
+    upgraded = dict(state)
+    # samples seen (checkpoints before it was stored: the steps at the checkpoint's batch)
+    upgraded["train_state"] = {"step": step, "samples_seen": int(state.get("samples_seen",
+                                                                           step * int(state["global_batch"])))}
+    upgraded["data_position"] = {"global_batch": int(state["global_batch"]), "loader_slots": state.get("loader_slots")}
+    if isinstance(state.get("rng"), list):  # one entry a rank
+        upgraded["rng"] = {"ranks": state["rng"]}
+        upgraded["data_position"]["world_size"] = len(state["rng"])
+    return upgraded
+
+
+class Checkpointer:
+    """Saves and resumes ``model``, ``optimizer`` and the ``parts`` (name -> ``Stateful``) in
+    ``ckpt_dir``: ``.pt`` files written by rank 0, or (``sharded``) DCP folders every rank writes
+    its shards into. ``header()``: what readers of the file need beyond the parts (the config, the
+    model's description). ``keep``: numbered checkpoints kept. ``saved_step``: the step last saved."""
+
+    def __init__(self, ckpt_dir: Path, model: torch.nn.Module, optimizer, parts: dict[str, Stateful], *,
+                 header: Callable[[], dict[str, Any]], sharded: bool, keep: int | None, main: bool,
+                 distributed: bool):
+        self.ckpt_dir, self.model, self.optimizer, self.parts = ckpt_dir, model, optimizer, parts
+        self.header, self.sharded, self.keep, self.main, self.distributed = header, sharded, keep, main, distributed
+        self.saved_step: int | None = None
+
+    def save(self, step: int, numbered: bool) -> bool:
+        """Write the checkpoint of ``step`` (every rank calls it; ``numbered``: ``step_<N>`` beside
+        ``last``), unless a weight is not finite (the last finite checkpoint is kept). Returns whether
+        it was written."""
+        if not self.weights_finite():
+            log.error("step %d: the weights are not finite; no checkpoint written (the last finite ones in %s "
+                      "are kept)", step, self.ckpt_dir)
+            return False
+        payload = {name: part.state_dict() for name, part in self.parts.items()}  # collectives: every rank
+        payload = {name: state for name, state in payload.items() if state}  # a disabled scaler's {}: nothing
+        meta = {**self.header(), **payload, "step": step}
+        if self.sharded:  # every rank writes its shards
+            write_sharded_checkpoint(self.ckpt_dir, self.model, self.optimizer, meta if self.main else None,
+                                     step, numbered, self.keep)
+        elif self.main:
+            whole = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **meta}
+            write_run_checkpoint(self.ckpt_dir, whole, step, numbered, self.keep)
+        self.saved_step = step
+        return True
+
+    def load(self, path: Path, state: dict[str, Any]) -> None:
+        """Resume from ``path``, whose parts (and, for a ``.pt``, weights) ``state`` holds: the
+        weights and the optimizer's state as the file's format gives them (a DCP folder reshards to
+        this run's ranks; a whole ``.pt`` into a sharded model keeps each rank's shard), then each
+        part from its own entry."""
+        if path.is_dir():  # a sharded checkpoint (any number of ranks wrote it): each rank reads its part
+            load_sharded_state(path, self.model, self.optimizer)
+        elif is_sharded(self.model):  # a whole-model .pt (a DDP run's): each rank keeps its shard of it
+            load_whole_state(state, self.model, self.optimizer)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        state = legacy_parts(state)
+        for name, part in self.parts.items():
+            if name in state:
+                part.load_state_dict(state[name])
+            elif self.main:
+                log.info("checkpoint %s has no %s: it starts fresh", path, name)
+        self.saved_step = int(state["step"])
+
+    def weights_finite(self) -> bool:
+        """Whether every weight is finite (the same answer on every rank: replicas agree, and
+        FSDP's shards are checked together)."""
+        finite = torch.stack([torch.isfinite(local(p)).all() for p in self.model.parameters()]).all()
+        if is_sharded(self.model) and self.distributed:
+            flag = finite.float().reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            finite = flag[0] > 0
+        return bool(finite)
+
