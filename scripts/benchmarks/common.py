@@ -45,53 +45,6 @@ def gpu_time(fn, warmup: int, repeat: int) -> float:
     return statistics.median(times)
 
 
-def time_forward_backward(fn, tensors, grads, warmup: int, repeat: int) -> tuple[float, float, list]:
-    """``fn(*tensors)``'s median seconds without autograd, and its backward's (forward + backward for
-    the output gradients ``grads``, less the forward); then its outputs and the inputs' gradients, fp32."""
-    def forward():
-        with torch.no_grad():
-            return fn(*tensors)
-
-    def forward_backward():
-        for tensor in tensors:
-            tensor.grad = None
-        torch.autograd.backward(fn(*tensors), grads)
-
-    forward_s = gpu_time(forward, warmup, repeat)
-    both_s = gpu_time(forward_backward, warmup, repeat)
-    forward_backward()
-    outputs = forward()
-    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    return forward_s, max(both_s - forward_s, 1e-9), [t.float() for t in outputs] + [t.grad.float() for t in tensors]
-
-
-def kernel_arguments(doc: str, shapes: list[str], repeat: int, script: str):
-    """The command line of a kernel benchmark (``mlp.py``, ``layernorm.py``): ``--shapes``, ``--warmup``,
-    ``--repeat``, ``--out``, ``--tune``; exits with a clear line without a CUDA GPU."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(shapes))
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=repeat)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--tune", action="store_true", help="time candidate tiles first; compare at the best")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit(f"benchmarks/{script} times GPU kernels and needs a CUDA GPU")
-    return args
-
-
-def print_speedups(rows: list[dict], shapes: list[str], mine: str = "fused", theirs: str = "inductor") -> None:
-    """One line per shape: ``theirs``'s forward and backward times over ``mine``'s (rows with
-    ``shape``, ``impl``, ``forward_ms`` and ``backward_ms``)."""
-    for shape in shapes:
-        by = {row["impl"]: row for row in rows if row.get("shape") == shape and "forward_ms" in row}
-        if mine in by and theirs in by:
-            forward, backward = (by[theirs][f"{part}_ms"] / by[mine][f"{part}_ms"] for part in ("forward", "backward"))
-            print(f"{shape:>18}  {mine} against {theirs}: forward {forward:.2f}x  backward {backward:.2f}x")
-
-
 def peak_gb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
 

@@ -98,7 +98,9 @@ QUESTIONS = [
                 "GELU alone: cuBLAS's GEMM with its bias (`addmm`), that plus inductor's GELU kernel, cuBLASLt's "
                 "tanh-GELU epilogue, cuBLAS's hidden gradient plus inductor's `gelu_backward`, and "
                 "`kernels/mlp.py`'s GEMM with each epilogue at its tuned tiles; then the whole MLP, forward and "
-                "backward: open_clip's module eager, compiled by inductor, and `model.fused_mlp=true`.",
+                "backward: open_clip's module eager, compiled by inductor, and `model.fused_mlp=true`. The fused "
+                "MLP was slower than cuBLAS + inductor and was removed (its code is in git at commit "
+                "a2ff620).",
         "entries": [{"file": "mlp_tune_h100.json", "kind": "mlp"}],
     },
     {
@@ -114,7 +116,8 @@ QUESTIONS = [
                 "at 256, ViT-bigG-14 at 128, two text towers at 512 captions of 32 tokens), bf16 (`layernorm.py "
                 "--tune`): open_clip's add and norm eager, compiled by inductor, and `kernels/layernorm.py` at its "
                 "tuned tiles; GB/s on the least each pass must move (two tensors read and two written forward, "
-                "three and one backward). Then whole towers (`towers.py`), `model.fused_layernorm` off and on.",
+                "three and one backward). Then whole towers (`towers.py`), `model.fused_layernorm` off and on. "
+                "It gave no gain in whole towers and was removed (its code is in git at commit a2ff620).",
         "entries": [{"file": "layernorm_tune_h100.json", "kind": "layernorm"},
                     {"file": "towers_addln_vit_b16_h100.json", "kind": "towers"},
                     {"file": "towers_addln_vit_l14_h100.json", "kind": "towers"}],

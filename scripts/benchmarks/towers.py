@@ -14,10 +14,10 @@ Variants: ``eager``, ``compile`` (``model.compile=true`` as the trainer compiles
 a ``direct`` anywhere in the name: ``model.direct_attention=true`` (``compile-direct``,
 ``compile-direct-max-autotune``), a ``patch`` anywhere: ``model.patch_gemm=true``
 (``compile-direct-patch``), a ``triton`` anywhere: ``model.attention=triton`` (the project's attention
-kernels, with ``direct``: ``compile-direct-triton``), an ``auto``: ``model.attention=auto``, a ``fused``:
-``model.fused_mlp=true`` (the GELU in the MLP's GEMMs), a ``tanh``: ``model.gelu=tanh`` (cuBLASLt's tanh-GELU
-epilogue in the graph-free forward), an ``addln``: ``model.fused_layernorm=true`` (the residual add and
-``ln_2`` in one kernel); without them they are off (SDPA, open_clip's MLP, exact GELU).
+kernels, with ``direct``: ``compile-direct-triton``), an ``auto``: ``model.attention=auto``, a ``tanh``:
+``model.gelu=tanh`` (cuBLASLt's tanh-GELU epilogue in the graph-free forward); without them they are off
+(SDPA, exact GELU). (The ``fused`` and ``addln`` variants of the recorded JSONs measured ``model.fused_mlp``
+and ``model.fused_layernorm``, since removed: docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -68,10 +68,8 @@ def build(model_name: str, overrides: list[str], variant: str, rows: int, device
     patch = f"model.patch_gemm={str('patch' in variant).lower()}"
     compiled = f"model.compile={str(variant.startswith('compile')).lower()}"
     attention = "model.attention=" + next((k for k in ("triton", "auto") if k in variant), "sdpa")
-    mlp = f"model.fused_mlp={str('fused' in variant).lower()}"
     gelu = "model.gelu=" + ("tanh" if "tanh" in variant else "erf")
-    norm = f"model.fused_layernorm={str('addln' in variant).lower()}"
-    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled, attention, mlp, gelu, norm)
+    cfg = compose(f"model={model_name}", *overrides, direct, patch, compiled, attention, gelu)
     configure_backends(cfg, device)  # as the Trainer does, before building
     model = build_model(cfg.model).to(device).train()
     model.trim_text(True)

@@ -5,7 +5,6 @@ dict, and leave cross-attention blocks alone."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -144,48 +143,3 @@ def test_the_run_applies_it_by_default_and_can_turn_it_off():
         parts.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the kernels run on a GPU or through TRITON_INTERPRET=1")
-@pytest.mark.parametrize("name", ["tiny", "ViT-B-32"])
-def test_the_fused_residual_norm_gives_the_blocks_features_and_gradients(name, monkeypatch):
-    """``model.fused_layernorm=true``: each block's residual add and ``ln_2`` run in one kernel each
-    way, with the features and gradients of the block's own path and the same state dict (on a GPU
-    where there is one, else on the CPU through the interpreter)."""
-    from megabatch.models import attention
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    overrides, blocks = MODELS[name]
-    plain = built(overrides).train().to(device)
-    fused = built([*overrides, "model.fused_layernorm=true"]).train().to(device)
-    assert sum(m.fused_norm for m in fused.modules() if isinstance(m, DirectAttentionBlock)) == blocks
-    assert fused.state_dict().keys() == plain.state_dict().keys()
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():  # norms as training leaves them, not as initialised (weight 1, bias 0)
-        for norm in (m for m in plain.modules() if isinstance(m, torch.nn.LayerNorm)):
-            norm.weight.copy_(torch.rand(norm.weight.shape, generator=generator) + 0.5)
-            norm.bias.copy_(torch.rand(norm.bias.shape, generator=generator) - 0.5)
-    fused.load_state_dict(plain.state_dict())
-    calls = record_calls(monkeypatch, attention, "add_layer_norm")
-    plain.trim_text()
-    fused.trim_text()
-    pixels, texts = images(plain, 4).to(device), captions(plain, 4).to(device)
-    expected, got = features_and_grads(plain, pixels, texts), features_and_grads(fused, pixels, texts)
-    assert len(calls) == blocks  # each block once
-    for want, have in zip(expected, got, strict=True):
-        assert rel_error(have, want) <= 1e-5
-
-
-@pytest.mark.parametrize("overrides,message", [
-    (["model.fused_layernorm=true", "trainer.device=cpu"], "on the CPU"),
-    (["model.fused_layernorm=true", "model.direct_attention=false"], "set model.direct_attention=true"),
-    (["model.fused_layernorm=1"], r"model\.fused_layernorm=1: give true or false"),
-])
-def test_a_fused_norm_where_it_cannot_run_is_a_config_error(overrides, message, monkeypatch):
-    from megabatch.config import ConfigError
-    from megabatch.config.schema import validate
-
-    from ..helpers import compose
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' interpreter runs it on the CPU
-    with pytest.raises(ConfigError, match=message):
-        validate(compose(*overrides))

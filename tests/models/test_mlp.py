@@ -1,7 +1,6 @@
-"""``model.fused_mlp``: the blocks' MLPs through the fused GELU GEMMs give the features and gradients
-of open_clip's ``c_fc -> nn.GELU -> c_proj`` (fp32, rounding only), keep the state dict, leave other
-MLPs alone, and are refused where they cannot run. ``model.gelu=tanh``: the model with
-``nn.GELU(approximate="tanh")`` in its blocks, the same with and without autograd."""
+"""``model.gelu=tanh``: the model with ``nn.GELU(approximate="tanh")`` in its blocks, the same with
+and without autograd; bad values and removed options (``model.fused_mlp``, ``model.fused_layernorm``)
+named with the fix."""
 
 from __future__ import annotations
 
@@ -13,79 +12,24 @@ import torch
 
 from megabatch.config import ConfigError
 from megabatch.models import from_description
-from megabatch.models.mlp import FusedMlp, TanhGeluMlp
+from megabatch.models.mlp import TanhGeluMlp
 
-from ..helpers import compose, interpreted_only, rel_error
+from ..helpers import compose, rel_error
 from .test_attention import features_and_grads, images
-from .test_text_length import SMALL_IMAGE, SMALL_TEXT, built, captions
-
-MODELS = {  # name -> (overrides, MLPs fused)
-    "tiny": (["model=tiny"], 5),
-    "ViT-B-32": (["model=openclip", "model.arch=ViT-B-32", *SMALL_TEXT, *SMALL_IMAGE], 3),
-}
-
-
-@interpreted_only
-@pytest.mark.parametrize("name", list(MODELS))
-def test_the_fused_mlp_gives_the_modules_features_and_gradients(name):
-    overrides, count = MODELS[name]
-    plain = built(overrides).train()
-    fused = built([*overrides, "model.fused_mlp=true"]).train()
-    assert sum(isinstance(m, FusedMlp) for m in fused.modules()) == count
-    assert fused.state_dict().keys() == plain.state_dict().keys()
-    fused.load_state_dict(plain.state_dict())
-    plain.trim_text()
-    fused.trim_text()
-    pixels, texts = images(plain, 3), captions(plain, 3)
-    for want, have in zip(features_and_grads(plain, pixels, texts), features_and_grads(fused, pixels, texts),
-                          strict=True):
-        assert rel_error(have, want) <= 1e-5
-    with torch.autocast("cpu", torch.bfloat16):  # autocast's casts: the parameters' gradients stay fp32
-        image = fused(pixels, texts)[0]
-    image.float().sum().backward()
-    assert all(p.grad.dtype == torch.float32 for m in fused.modules() if isinstance(m, FusedMlp)
-               for p in m.parameters())
-
-
-def test_quick_gelu_and_tanh_mlps_are_left_alone():
-    quick = built(["model=tiny", "model.quick_gelu=true", "model.fused_mlp=true"])
-    assert not any(isinstance(m, FusedMlp) for m in quick.modules())
+from .test_text_length import built, captions
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.fused_mlp=true", "trainer.device=cpu"], "on the CPU"),
-    (["model.fused_mlp=true", "model.fp8=true"], "set one of them to false"),
-    (["model.fused_mlp=yes"], r"model\.fused_mlp"),
     (["model.gelu=relu"], r"model\.gelu='relu': give erf"),
-    (["model.gelu=tanh", "model.fused_mlp=true"], "set model.fused_mlp=false or model.gelu=erf"),
+    (["+model.fused_mlp=true"], r"model\.fused_mlp is gone: the fused MLP kernels measured slower"),
+    (["+model.fused_layernorm=true"], r"model\.fused_layernorm is gone"),
 ])
-def test_where_it_cannot_run_the_config_says_so(overrides, message, monkeypatch):
+def test_where_it_cannot_run_the_config_says_so(overrides, message):
+    """A bad value, and the options removed after their measurements, named with the fix."""
     from megabatch.config.schema import validate
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' interpreter runs it on the CPU
 
     with pytest.raises(ConfigError, match=message):
         validate(compose(*overrides))
-
-
-@interpreted_only
-def test_compiled_under_autocast_it_is_one_graph():
-    """``FusedMlp``'s autocast casts trace (no graph break): the op sees one dtype, the parameters'
-    gradients come back in theirs."""
-    from megabatch.models.mlp import use_fused_mlp
-
-    torch._dynamo.reset()
-    block = torch.nn.Module()
-    block.mlp = torch.nn.Sequential(OrderedDict([("c_fc", torch.nn.Linear(32, 64)), ("gelu", torch.nn.GELU()),
-                                                 ("c_proj", torch.nn.Linear(64, 32))]))
-    plain = copy.deepcopy(block.mlp)
-    assert use_fused_mlp(block) == 1
-    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", torch.bfloat16):
-        got, want = torch.compile(block.mlp, fullgraph=True)(x), plain(x)
-    assert got.dtype == want.dtype == torch.bfloat16 and rel_error(got.detach().float(), want.detach().float()) <= 1e-2
-    got.float().sum().backward()
-    assert block.mlp.c_fc.weight.grad.dtype == torch.float32
 
 
 def test_tanh_gelu_is_the_model_with_tanh_gelus():

@@ -94,7 +94,7 @@ def test_attention_counts_the_same_on_every_kernel_forward_and_backward(device, 
 
 
 @interpreted_only
-@pytest.mark.parametrize("setting", ["model.attention=triton", "model.fused_mlp=true"])
+@pytest.mark.parametrize("setting", ["model.attention=triton"])
 def test_the_projects_kernels_count_as_the_matmuls_they_replace(setting):
     assert tiny_model_flops(torch.device("cpu"), None, setting) == tiny_model_flops(torch.device("cpu"))
 

@@ -21,12 +21,6 @@ training, keeps SDPA. ``model.attention=auto`` picks per call from the kernels' 
 sequences, SDPA for forwards without autograd, short sequences and on the CPU. ``auto`` is the
 default: measured faster end to end at ViT-B/16 and ViT-L/14 (docs/performance.md).
 
-``model.fused_layernorm=true``: the residual add after the attention and the LayerNorm before the MLP
-(``x = q_x + attention``, ``ln_2(x)``) run as one kernel each way (``kernels/layernorm.py``), on CUDA
-tensors (elsewhere the block's own path). ``x`` keeps the add's dtype (the wider of the two: the text
-tower's residual is fp32 under autocast) and the norm's output is cast to it, as open_clip's
-``LayerNorm`` casts back.
-
 Only self-attention blocks of open_clip's ``ResidualAttentionBlock`` with a plain batch-first
 ``nn.MultiheadAttention`` are changed (no ``bias_k``/``bias_v``, no ``add_zero_attn``, one embedding
 size for q/k/v); cross-attention (CoCa's decoder), attentional pooling and open_clip's own
@@ -41,8 +35,6 @@ from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
 from ..kernels.attention import faster_than_sdpa, packed_attention
-from ..kernels.layernorm import add_layer_norm
-from ..kernels.triton_tiles import interpreting
 
 KERNELS = ("auto", "sdpa", "triton")  # model.attention
 
@@ -53,16 +45,6 @@ class DirectAttentionBlock(ResidualAttentionBlock):
 
     kernel = "sdpa"       # model.attention: auto | sdpa | triton (use_direct_attention sets it per block)
     causal_mask = False   # a mask given to this block is its tower's causal mask (open_clip's text tower)
-    fused_norm = False    # model.fused_layernorm: the residual add and ln_2 in one kernel (use_direct_attention)
-
-    def forward(self, q_x: torch.Tensor, k_x: torch.Tensor | None = None, v_x: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if not (self.fused_norm and k_x is None and v_x is None and (q_x.is_cuda or interpreting())):
-            return super().forward(q_x, k_x, v_x, attn_mask)
-        y = self.ls_1(self.attention(q_x=self.ln_1(q_x), attn_mask=attn_mask))
-        dtype = torch.promote_types(q_x.dtype, y.dtype)  # as the add promotes
-        x, h = add_layer_norm(q_x.to(dtype), y.to(dtype), self.ln_2.weight, self.ln_2.bias, self.ln_2.eps)
-        return x + self.ls_2(self.mlp(h))
 
     def attention(self, q_x: torch.Tensor, k_x: torch.Tensor | None = None, v_x: torch.Tensor | None = None,
                   attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,12 +74,10 @@ def eligible(block: nn.Module) -> bool:
             and not hasattr(block, "ln_1_kv"))
 
 
-def use_direct_attention(model: nn.Module, kernel: str = "sdpa", fused_norm: bool = False) -> int:
+def use_direct_attention(model: nn.Module, kernel: str = "sdpa") -> int:
     """Turn every eligible block of ``model`` into a ``DirectAttentionBlock`` (in place, parameters
-    kept) computing its attention with ``kernel`` (``model.attention``: auto, sdpa or triton), and its
-    residual add with ``ln_2`` in one kernel where ``fused_norm`` (``model.fused_layernorm``) and ``ln_2``
-    is a plain LayerNorm with weight and bias. Returns how many were changed. Call before sharding or
-    compiling."""
+    kept) computing its attention with ``kernel`` (``model.attention``: auto, sdpa or triton). Returns
+    how many were changed. Call before sharding or compiling."""
     if kernel not in KERNELS:  # a config's value is checked with the others (config/schema.py)
         raise ValueError(f"kernel={kernel!r}: give one of {KERNELS}")
     causal = causal_blocks(model)
@@ -106,16 +86,8 @@ def use_direct_attention(model: nn.Module, kernel: str = "sdpa", fused_norm: boo
         if eligible(module):
             module.__class__ = DirectAttentionBlock
             module.kernel, module.causal_mask = kernel, id(module) in causal
-            module.fused_norm = fused_norm and norm_fusable(module.ln_2)
             changed += 1
     return changed
-
-
-def norm_fusable(norm: nn.Module) -> bool:
-    """Whether ``norm`` is a LayerNorm over the last dim with a weight and a bias (open_clip's
-    ``LayerNorm`` and ``LayerNormFp32`` both compute in fp32 and cast back, as the kernel does)."""
-    return (isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1 and norm.weight is not None
-            and norm.bias is not None)
 
 
 def causal_blocks(model: nn.Module) -> set[int]:

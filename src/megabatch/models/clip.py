@@ -496,16 +496,17 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
     model.train(model.training)  # frozen towers switch to eval mode
 
 
-# model.* keys the run applies to a built model, not builder arguments
+# model.* keys the run applies to a built model, not builder arguments (fused_mlp and fused_layernorm: removed
+# options, still in the configs stored by older checkpoints)
 RUN_SETTINGS = ("compile", "compile_scope", "cuda_graphs", "trim_text", "direct_attention", "attention", "patch_gemm",
-                "fused_mlp", "gelu", "fused_layernorm", "fp8")
+                "gelu", "fp8", "fused_mlp", "fused_layernorm")
 
 
 def builder_node(node):
     """The ``model`` config less its run settings (``compile``, ``compile_scope``, ``cuda_graphs``:
     ``ClipModel.compile_towers``; ``trim_text``: ``ClipModel.trim_text``; ``direct_attention``,
-    ``attention``, ``fused_layernorm``: ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``fused_mlp``,
-    ``gelu``: ``models/mlp.py``; ``fp8``: ``models/fp8.py``)."""
+    ``attention``: ``models/attention.py``; ``patch_gemm``: ``models/patches.py``; ``gelu``: ``models/mlp.py``;
+    ``fp8``: ``models/fp8.py``)."""
     from omegaconf import OmegaConf
 
     if not any(key in node for key in RUN_SETTINGS):
@@ -516,15 +517,15 @@ def builder_node(node):
 def build_model(node) -> ClipModel:
     """``instantiate`` the ``model`` config, its attention blocks computed directly where
     ``model.direct_attention`` is set (``models/attention.py``) and its patch embedding as a GEMM
-    where ``model.patch_gemm`` is (``models/patches.py``), its MLPs fused where ``model.fused_mlp`` is
-    and with the tanh GELU where ``model.gelu=tanh`` (``models/mlp.py``): the same parameters, so a run, a
+    where ``model.patch_gemm`` is (``models/patches.py``) and its MLPs with the tanh GELU where
+    ``model.gelu=tanh`` (``models/mlp.py``): the same parameters, so a run, a
     benchmark and an evaluation build the same model; a ``ConfigError`` raised while building
     reaches the caller as itself (one line naming the key), not wrapped in Hydra's exception."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     from .attention import use_direct_attention
-    from .mlp import use_fused_mlp, use_tanh_gelu
+    from .mlp import use_tanh_gelu
     from .patches import use_patch_gemm
     try:
         model = instantiate(builder_node(node), _convert_="all")
@@ -533,11 +534,9 @@ def build_model(node) -> ClipModel:
             raise error.__cause__ from None
         raise
     if node.get("direct_attention", False):
-        use_direct_attention(model, node.get("attention", "auto"), node.get("fused_layernorm", False))
+        use_direct_attention(model, node.get("attention", "auto"))
     if node.get("patch_gemm", False):
         use_patch_gemm(model)
-    if node.get("fused_mlp", False):
-        use_fused_mlp(model)
     if node.get("gelu", "erf") == "tanh":
         use_tanh_gelu(model)
     return model

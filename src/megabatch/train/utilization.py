@@ -144,22 +144,15 @@ def _packed_attention_formula(qkv, *args, out_shape=None, **kwargs) -> int:
     return attention_forward_flops(each, each, each)
 
 
-def _fused_mlp_formula(x, w1, b1, w2, b2, *args, out_shape=None, **kwargs) -> int:
-    return 2 * x[0] * w1[1] * w1[0] + 2 * x[0] * w2[1] * w2[0]
-
-
 def model_flop_formulas() -> dict:
     """``attention_flop_formulas`` and the forwards torch's counter does not know, so that every
     ``model.*`` setting counts the model's FLOPs alike: cuBLASLt's GEMM with its GELU epilogue
-    (``model.gelu=tanh``: ``aten._addmm_activation``, counted as ``addmm``), the project's attention
-    kernels (``model.attention=triton|auto``) and fused MLP (``model.fused_mlp``), as the matmuls
-    they replace."""
-    from ..kernels import attention, mlp  # noqa: F401  (registers the custom ops)
+    (``model.gelu=tanh``: ``aten._addmm_activation``, counted as ``addmm``) and the project's attention
+    kernels (``model.attention=triton|auto``), as the matmuls they replace."""
+    from ..kernels import attention  # noqa: F401  (registers the custom op)
 
     return {**attention_flop_formulas(), torch.ops.aten._addmm_activation: _addmm_formula,
-            torch.ops.megabatch.packed_attention: _packed_attention_formula,
-            torch.ops.megabatch.fused_mlp: _fused_mlp_formula,
-            torch.ops.megabatch.fused_mlp_inference: _fused_mlp_formula}
+            torch.ops.megabatch.packed_attention: _packed_attention_formula}
 
 
 def count_model_flops(model, images: torch.Tensor, texts: torch.Tensor) -> ModelFlops:
