@@ -6,11 +6,15 @@ A sweep: `python train.py -m loss=vanilla optim.lr=1e-4,5e-4`. See README.md and
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
+from megabatch.backends import configure_process
 
-import megabatch.config  # noqa: F401  (registers the configs' resolvers and schemas before Hydra composes)
-from megabatch.config.cli import entry_args  # shard patterns reach Hydra with their braces
+configure_process()  # before torch is imported: CUDA's queues for the decoding streams, the kept bytecode
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers and schemas before Hydra composes)
+from megabatch.config.cli import entry_args  # noqa: E402  shard patterns reach Hydra with their braces
 
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")

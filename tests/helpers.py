@@ -131,8 +131,8 @@ def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Te
 
 def build_parts(cfg, device: str = "cpu"):
     """A run's parts as the trainer builds them: the process-wide settings first, then ``RunParts``."""
+    from megabatch.backends import configure_backends
     from megabatch.distributed import init_distributed
-    from megabatch.train.backends import configure_backends
     from megabatch.train.parts import RunParts
 
     env = init_distributed(device)

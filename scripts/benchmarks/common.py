@@ -21,6 +21,12 @@ from pathlib import Path
 
 import torch
 
+from megabatch.backends import configure_process
+
+# the process settings train.py makes first (CUDA's hardware queues for the decoding streams): every
+# benchmark imports this module before it starts CUDA
+configure_process()
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -58,9 +64,9 @@ def trainer_step(cfg, device: str | torch.device = "auto"):
     trains with on this process's rank, built by the trainer's own builder (``train.parts.train_step``:
     trimming, FP8, FSDP, compilation and the loss's checks included) after the trainer's process-wide
     settings. No run directory, data or logging."""
+    from megabatch.backends import configure_backends
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
-    from megabatch.train.backends import configure_backends
     from megabatch.train.parts import train_step
 
     cfg = validate(cfg)

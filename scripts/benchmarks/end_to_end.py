@@ -188,9 +188,9 @@ def cpu_by_phase(cpu: CpuUse, start: float, phases: dict) -> dict:
 
 def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
                 offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32"):
+    from megabatch.backends import configure_backends
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
-    from megabatch.train.backends import configure_backends
     from megabatch.train.parts import RunParts
 
     precision = "bf16" if device == "cuda" else "fp32"

@@ -60,8 +60,8 @@ def sdpa_context(variant: str):
 
 
 def build(model_name: str, overrides: list[str], variant: str, rows: int, device: torch.device):
+    from megabatch.backends import configure_backends
     from megabatch.models import build_model
-    from megabatch.train.backends import configure_backends
 
     torch.manual_seed(0)
     direct = f"model.direct_attention={str('direct' in variant).lower()}"

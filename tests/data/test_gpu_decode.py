@@ -505,22 +505,25 @@ def test_the_offload_replay_decodes_on_the_gpu_the_same_pixels_as_phase_1(tmp_pa
         offload.close()
 
 
-def test_importing_megabatch_asks_cuda_for_32_hardware_queues_unless_set():
+def test_the_process_asks_cuda_for_32_hardware_queues_unless_set():
     """With CUDA's default 8 queues a decode stream shares one with the step's kernels and waits
-    behind all of them (docs/bench/decode_connections8_h100.json): megabatch asks for 32 before
-    CUDA starts, and a value the user set stays."""
+    behind all of them (docs/bench/decode_connections8_h100.json): ``configure_process`` (train.py's
+    first call) asks for 32 before torch starts, and a value the user set stays; importing megabatch
+    sets nothing."""
     import os
     import subprocess
     import sys
 
-    code = "import os, megabatch; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])"
+    code = ("import os, sys, megabatch; before = os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'); "
+            "from megabatch.backends import configure_process; configure_process(); "
+            "print(before, os.environ['CUDA_DEVICE_MAX_CONNECTIONS'], 'torch' in sys.modules)")
     env = {key: value for key, value in os.environ.items() if key != "CUDA_DEVICE_MAX_CONNECTIONS"}
     def run(environment):
         return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
                               check=True).stdout.strip()
 
-    assert run(env) == "32"
-    assert run({**env, "CUDA_DEVICE_MAX_CONNECTIONS": "4"}) == "4"
+    assert run(env) == "None 32 False"  # set by the call, not the import, and before torch
+    assert run({**env, "CUDA_DEVICE_MAX_CONNECTIONS": "4"}) == "4 4 False"
 
 
 def test_a_gpu_without_hardware_jpeg_decoders_decodes_with_the_cuda_decoder(monkeypatch, caplog):

@@ -240,7 +240,7 @@ def test_the_process_wide_settings_are_made_once_in_one_place(monkeypatch):
     """configure_backends makes them (and says so); building the model and compiling its towers do not."""
     import torch._inductor.config as inductor_config
 
-    from megabatch.train.backends import configure_backends
+    from megabatch.backends import configure_backends
 
     monkeypatch.setattr(inductor_config, "fallback_random", False)
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # nothing compiled here
@@ -255,7 +255,7 @@ def test_the_process_wide_settings_are_made_once_in_one_place(monkeypatch):
 def test_triton_kernels_are_kept_in_the_cache_directory_on_a_gpu(tmp_path, monkeypatch):
     """On CUDA, Triton's kernel cache defaults to ``<data.cache_dir>/triton`` (shared like the compile
     cache); a ``TRITON_CACHE_DIR`` the user set wins. Nothing here needs a GPU (decoding on the CPU)."""
-    from megabatch.train.backends import configure_backends
+    from megabatch.backends import configure_backends
 
     cfg = compose(f"data.cache_dir={tmp_path}", "data.decode=cpu")
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -280,7 +280,7 @@ def test_inductors_compile_workers_start_with_the_run_on_a_gpu(tmp_path, monkeyp
     without ``model.compile``. The pool itself is stubbed: nothing here needs a GPU."""
     from torch._inductor import async_compile
 
-    from megabatch.train.backends import configure_backends
+    from megabatch.backends import configure_backends
 
     started = []
     monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))

@@ -22,7 +22,7 @@ from megabatch.config.compose import compose
 from megabatch.config.schema import validate
 from megabatch.data.samples import SubBatch
 from megabatch.distributed import init_distributed
-from megabatch.train.backends import configure_backends
+from megabatch.backends import configure_backends
 from megabatch.train.parts import train_step
 
 torch.set_num_threads(1)

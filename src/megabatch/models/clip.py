@@ -205,7 +205,7 @@ class ClipModel(nn.Module):
         goes through in chunks of ``rows``: neither recompiles. Gradient mode is part of what a
         compiled graph assumes, so GradCache's graph-free encoding, the replay and a frozen tower's
         no-grad pass each compile once. Random ops (dropout, patch dropout) draw from torch's
-        generator as in eager mode (inductor's ``fallback_random``, which ``train.backends.configure_backends``
+        generator as in eager mode (inductor's ``fallback_random``, which ``megabatch.backends.configure_backends``
         sets), so the replay redraws them.
         Captions cut to their length (``trim_text``) reach the text tower with their length marked
         dynamic from the first call: one graph per gradient mode for the lengths its guards admit

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from ..backends import configure_backends
 from ..bytecode import write_missing_bytecode
 from ..checkpoint import load_checkpoint, load_resume, run_checkpoints
 from ..config import ConfigError, parse_duration
@@ -31,7 +32,6 @@ from ..eval import headline, run_zeroshot, summary
 from ..processes import ignore_stop_signals
 from ..report import RunStatus
 from ..report.runs import failure
-from .backends import configure_backends
 from .checkpointer import Checkpointer, RngStates, TrainState
 from .metrics import MetricsLogger, RunFacts, StepLog
 from .parts import RunParts

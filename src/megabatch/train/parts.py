@@ -59,7 +59,7 @@ class RunParts:
     @classmethod
     def build(cls, cfg: DictConfig, env: DistEnv, *, warm_up: bool = True,
               times: StartupTimes | None = None) -> RunParts:
-        """Build every part for ``env``'s rank, after ``configure_backends`` (train/backends.py) has made
+        """Build every part for ``env``'s rank, after ``configure_backends`` (megabatch/backends.py) has made
         the process-wide settings: the model, then the data it reads, the batch plan the data and the
         GPU's memory allow, then the step (``build_step``, as the benchmarks build it). ``warm_up=False``:
         the towers are compiled later, by ``warm_up()`` (the trainer's, once the loader's workers are
@@ -154,6 +154,7 @@ class Compilation:
 
     def __init__(self, cfg: DictConfig, env: DistEnv, model: ClipModel, plan: BatchPlan):
         self.cfg, self.env, self.model, self.plan = cfg, env, model, plan
+        check_exact_replay(model, plan)
         self.scope = compile_scope(cfg.model)
         model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs, scope=self.scope)
         self.seconds, self.done = 0.0, False
@@ -200,6 +201,19 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
                      fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0,
                      max_bad_steps=cfg.trainer.max_bad_steps)
     return BuiltStep(step, optimizer, peak_lr, compilation)
+
+
+def check_exact_replay(model: ClipModel, plan: BatchPlan) -> None:
+    """GradCache's replay of compiled towers that draw random numbers (dropout, patch dropout) redraws
+    phase 1's draws only where inductor draws from torch's generator as eager code does
+    (``fallback_random``, which ``megabatch.backends.configure_backends`` sets for ``model.compile``)."""
+    import torch._inductor.config as inductor_config
+
+    drawn = model.random_modules()
+    if plan.sub_batches > 1 and drawn and not inductor_config.fallback_random:
+        raise RuntimeError(f"model.compile with GradCache and random draws in the towers ({', '.join(drawn)}): the "
+                           "replay is exact only with inductor's fallback_random; call "
+                           "megabatch.backends.configure_backends(cfg, device) before building the step")
 
 
 def train_step(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) -> TrainStep:

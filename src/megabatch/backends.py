@@ -1,18 +1,51 @@
-"""The process-wide settings a run makes: one place, once, at start, logged."""
+"""The process-wide settings a run makes: one place, at the start, logged; none at import.
+
+    configure_process()                       # an entry point's first call, before torch is imported
+    configure_backends(cfg, torch.device(...))  # a run's own, before anything is built
+
+``configure_process``: what must be set before torch (and CUDA) start. ``CUDA_DEVICE_MAX_CONNECTIONS``:
+the GPU decoding (data/gpu_decode.py) runs beside the step on other CUDA streams; CUDA maps all
+streams onto that many hardware queues (8 by default), and a stream that shares a queue with the
+step's waits behind everything the step has queued; 32 is the most CUDA allows
+(docs/performance.md). A value already set wins. The kept bytecode (``bytecode.py``): where torch
+was installed without bytecode and Python may not write it, bytecode is read from the cache
+directory. ``train.py`` calls it first; ``configure_backends`` calls it again (idempotent), for a
+benchmark or a notebook that did not.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from omegaconf import DictConfig
+from .bytecode import in_use as bytecode_in_use
+from .bytecode import use_kept_bytecode
 
-from ..bytecode import in_use as bytecode_in_use
-from ..data.gpu_decode import resolve_decode
+if TYPE_CHECKING:
+    import torch
+    from omegaconf import DictConfig
+
+log = logging.getLogger("megabatch")
+
+CUDA_QUEUES = "32"  # CUDA_DEVICE_MAX_CONNECTIONS unless set
 
 RECOMPILE_LIMIT = 16  # graphs per compiled function: 3 gradient modes x the caption lengths met before dynamic
+
+
+def configure_process() -> None:
+    """Before torch starts: CUDA's hardware queues for the decoding streams, and the kept bytecode (see
+    the module). Idempotent; a setting made too late (CUDA already started) is warned about."""
+    if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = CUDA_QUEUES
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            log.warning("CUDA_DEVICE_MAX_CONNECTIONS=%s set after CUDA started, so it does not apply: the GPU "
+                        "decoding may wait behind the step's kernels; call megabatch.backends.configure_process() "
+                        "first, or set it in the environment", CUDA_QUEUES)
+    use_kept_bytecode()
 
 
 def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
@@ -37,6 +70,11 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
       its own, because nvJPEG's calls synchronise with the legacy stream and decoding ahead would
       otherwise wait for the step's queued kernels.
     """
+    import torch
+
+    from .data.gpu_decode import resolve_decode
+
+    configure_process()
     done = []
     if bytecode_in_use():
         done.append(f"bytecode read from {sys.pycache_prefix}: the packages were installed without it and Python may "
