@@ -93,11 +93,15 @@ class TrainData:
     def workers(self) -> int:
         return max(1, int(self.cfg.num_workers))
 
+    def slots(self, world_size: int) -> int:
+        """Ranks x loader workers: the slots ``data.train.split=shard`` deals the shards to."""
+        return world_size * self.workers
+
     def steps_per_epoch(self, global_batch: int, world_size: int, sub_batch: int) -> int:
         """Steps in one epoch. Shard split: what the least-filled slot allows (see shard_split);
         position split and resampled mode: all samples, the last incomplete batch dropped."""
         if self.split == "shard" and self.mode == "epoch":
-            slots = world_size * self.workers
+            slots = self.slots(world_size)
             if len(self.urls) < slots:
                 raise ConfigError(
                     f"data.train.split=shard: {len(self.urls)} shards for {world_size} ranks x "

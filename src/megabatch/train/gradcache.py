@@ -37,6 +37,15 @@ from ..models.text_length import TextTrim
 from .precision import Precision
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, copied asynchronously: a CPU tensor bound for a GPU is page-locked
+    first (a copy from pageable memory would wait for the kernels already queued); one already on
+    ``device`` comes back as it is. The one place inputs reach the device."""
+    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 @dataclass
 class RngState:
     """The CPU and (on CUDA) current-device RNG states at one point."""
@@ -134,8 +143,8 @@ def encode_without_graph(model, sub_batches: Iterator[SubBatch], count: int, pre
         with_graph = keep.keep_graph and index == count - 1
         waited = time.perf_counter()
         sub = next(sub_batches)
-        images = sub.images.to(device, non_blocking=True)
-        texts = None if keep.text_trim is not None else sub.texts.to(device, non_blocking=True)
+        images = to_device(sub.images, device)
+        texts = None if keep.text_trim is not None else to_device(sub.texts, device)
         data_s = time.perf_counter() - waited
         rng = RngState.capture(device)
         with torch.enable_grad() if with_graph else contextlib.nullcontext(), precision.autocast():
@@ -179,9 +188,8 @@ def encode_captions(model, encoded: EncodedBatch, texts: torch.Tensor, precision
     trim, keep, device = encoded.replays.text_trim, encoded.replays, precision.device
     lengths = trim.lengths(texts)
     order = torch.argsort(lengths, stable=True)  # shortest first: each chunk is as short as it can be
-    if device.type == "cuda":
-        texts = texts.pin_memory()  # one asynchronous copy; the chunks are gathered on the device
-    texts, encoded.text_order = texts.to(device, non_blocking=True), order.to(device, non_blocking=True)
+    # one asynchronous copy each; the chunks are gathered on the device
+    texts, encoded.text_order = to_device(texts, device), to_device(order, device)
     chunks = order.split(encoded.sub_batch)
     for index, rows in enumerate(chunks):
         with_graph = keep.keep_graph and index == len(chunks) - 1
@@ -257,10 +265,7 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
             images = None
         elif images_again is not None:
             start = time.perf_counter()
-            images = next(images_again)  # on the device already when decoded there (data.decode=gpu)
-            if device.type == "cuda" and images.device.type == "cpu":
-                images = images.pin_memory()  # page-locked: the copy need not wait for the queued kernels
-            images = images.to(device, non_blocking=True)
+            images = to_device(next(images_again), device)  # on the device already when decoded there
             waited_s += time.perf_counter() - start
         else:
             images = encoded.images[index]

@@ -84,15 +84,10 @@ class RunInputs:
                     ahead.close()
             epoch, start = epoch + 1, 0
 
-    @property
-    def loader_slots(self) -> int:
-        """Ranks x loader workers: the slots ``data.train.split=shard`` deals the shards to."""
-        return self.plan.world_size * max(1, int(self.data.cfg.num_workers))
-
     def state_dict(self) -> dict:
         """What the data order of a run depends on beyond its step: the global batch and the loader
         slots (the sub-batches of a step are found from the step itself)."""
-        return {"global_batch": self.plan.global_batch, "loader_slots": self.loader_slots,
+        return {"global_batch": self.plan.global_batch, "loader_slots": self.data.slots(self.plan.world_size),
                 "world_size": self.plan.world_size}
 
     def load_state_dict(self, state: dict) -> None:
@@ -100,14 +95,14 @@ class RunInputs:
         if self.rank != 0:
             return
         batch, slots, ranks = state["global_batch"], state.get("loader_slots"), state.get("world_size")
-        train, split = self.data.cfg.train, self.data.split
+        train, split, now = self.data.cfg.train, self.data.split, self.data.slots(self.plan.world_size)
         if int(batch) != self.plan.global_batch:
             log.warning("checkpoint trained with batch=%s, resuming with %s: the data order within the epoch "
                         "changes", batch, self.plan.global_batch)
-        if split == "shard" and (train.mode == "resampled" or slots not in (None, self.loader_slots)):
+        if split == "shard" and (train.mode == "resampled" or slots not in (None, now)):
             log.warning("data.train.split=shard deals the shards to ranks x loader workers = %d slots (%s before "
                         "this resume): the rest of the run reads %s. data.train.split=indexed reads the same "
-                        "samples in the same order on any number of GPUs and workers", self.loader_slots,
+                        "samples in the same order on any number of GPUs and workers", now,
                         slots or "unknown", "other shard draws" if train.mode == "resampled" else
                         "this epoch in another order, some samples twice and some not at all")
         elif ranks is not None and ranks != self.plan.world_size:

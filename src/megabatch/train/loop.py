@@ -51,7 +51,7 @@ def run(cfg: DictConfig) -> float:
     env = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend, cfg.trainer.dist_timeout_s)
     trainer, ended = None, "failed"
     try:
-        trainer = Trainer(cfg, env)
+        trainer = Trainer(cfg, env)  # cfg validated above
         result = trainer.fit()
         trainer.status.end("completed" if trainer.state.step >= trainer.plan.total_steps else "stopped", result=result)
         ended = "finished"
@@ -156,11 +156,12 @@ def warn_if_torchrun_may_cut(seconds: float) -> bool:
 
 class Trainer:
     """A run of ``RunParts`` (``parts.py``): ``fit`` runs the step loop in ``run_dir``, resuming
-    from and writing checkpoints (``Checkpointer``), logging metrics (``StepLog``) and evaluating."""
+    from and writing checkpoints (``Checkpointer``), logging metrics (``StepLog``) and evaluating.
+    ``cfg``: validated (``config.schema.validate``, which ``run`` calls before the process group exists)."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv):
         self.startup = StartupTimes()  # where the start-up goes, from the process's start to the first step
-        self.cfg, self.env = validate(cfg), env
+        self.cfg, self.env = cfg, env
         self.main = env.rank == 0
         self.run_dir = resolve_run_dir(cfg, env)
         self.ckpt_dir = self.run_dir / "checkpoints"

@@ -80,12 +80,12 @@ class RunParts:
         if env.rank == 0:
             log_utilization_basis(flops, peak, gpu_decoder is not None, ahead)
         with phase("plan"):
-            loss = prepare_model(cfg, model, env)
+            loss = prepare_model(cfg, model, env, precision)
             # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
             plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
             offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
         with phase("step"):
-            built = build_step(cfg, env, model, loss, plan, offload, warm_up=False)
+            built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False)
             schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
                                    steps_per_epoch=plan.steps_per_epoch)
             inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
@@ -125,7 +125,7 @@ def build_model_for(cfg: DictConfig, env: DistEnv) -> ClipModel:
     return build_model(cfg.model).to(env.device).train()
 
 
-def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv):
+def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision):
     """The model as it trains, and its loss: the loss's logit bias checked against the model's,
     the Linear layers in FP8 (``model.fp8``), the weights sharded (``trainer.parallel=fsdp``);
     before the optimizer takes the parameters. Returns the loss."""
@@ -136,7 +136,7 @@ def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv):
         if env.rank == 0:
             log.info("model.fp8: %d Linear layers train in FP8 (torchao)%s", converted, "" if cfg.model.compile else
                      "; without model.compile the casts cost more than FP8 saves: set model.compile=true")
-    shard(cfg, model, env, precision_of(cfg, env))
+    shard(cfg, model, env, precision)
     return loss
 
 
@@ -152,8 +152,8 @@ class Compilation:
     ``run``, which compiles every graph training calls (``ClipModel.warm_up``) between loading and
     saving the compile cache (``compile_cache.py``). ``seconds``: how long ``run`` took (0 before)."""
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, model: ClipModel, plan: BatchPlan):
-        self.cfg, self.env, self.model, self.plan = cfg, env, model, plan
+    def __init__(self, cfg: DictConfig, env: DistEnv, model: ClipModel, plan: BatchPlan, precision: Precision):
+        self.cfg, self.env, self.model, self.plan, self.precision = cfg, env, model, plan, precision
         check_exact_replay(model, plan)
         self.scope = compile_scope(cfg.model)
         model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs, scope=self.scope)
@@ -171,7 +171,7 @@ class Compilation:
             log.info("model.compile: compiling %s now%s", "each tower's transformer block once for all its layers "
                      "(model.compile_scope=block)" if self.scope == "block" else "the towers whole "
                      "(model.compile_scope=tower)", " (from the cache)" if cache.loaded else "")
-        self.seconds = self.model.warm_up(plan.sub_batch, env.device, precision_of(cfg, env).autocast,
+        self.seconds = self.model.warm_up(plan.sub_batch, env.device, self.precision.autocast,
                                           graph_free=graph_free)
         self.done = True
         if env.rank == 0:
@@ -180,7 +180,7 @@ class Compilation:
         return self.seconds
 
 
-def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan,
+def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan, precision: Precision,
                offload: Offload | None = None, *, warm_up: bool = True) -> BuiltStep:
     """The step a run of ``cfg`` trains ``model`` (``prepare_model``'s) with at ``plan``: the
     optimizer, the text tower's trimming, the compiled towers (``model.compile``; compiled here, or
@@ -192,11 +192,10 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     if cfg.model.cuda_graphs:
         check_cuda_graphs(model, plan.sub_batches)
     # after the memory probe and the FLOP count, which run eagerly
-    compilation = Compilation(cfg, env, model, plan) if cfg.model.compile else None
+    compilation = Compilation(cfg, env, model, plan, precision) if cfg.model.compile else None
     if compilation is not None and warm_up:
         compilation.run()
-    step = TrainStep(model, loss, optimizer, env.device, precision=cfg.trainer.precision,
-                     sub_batches=plan.sub_batches, feature_dtype=cfg.trainer.feature_dtype,
+    step = TrainStep(model, loss, optimizer, env.device, precision=precision, sub_batches=plan.sub_batches,
                      grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
                      fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0,
                      max_bad_steps=cfg.trainer.max_bad_steps)
@@ -223,8 +222,8 @@ def train_step(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) ->
     if cfg.trainer.sub_batch == "auto":
         raise ConfigError("train_step() takes no trainer.sub_batch=auto (it has no data to plan with): give a number")
     plan = BatchPlan.from_config(cfg, env.world_size, parse_count(cfg.batch, "batch"))
-    model = build_model_for(cfg, env)
-    step = build_step(cfg, env, model, prepare_model(cfg, model, env), plan, offload).step
+    model, precision = build_model_for(cfg, env), precision_of(cfg, env)
+    step = build_step(cfg, env, model, prepare_model(cfg, model, env, precision), plan, precision, offload).step
     seed_rank(cfg, env)
     return step
 

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from ..data.offload import Offload
 from ..data.samples import SubBatch
 from ..distributed.fsdp import full, is_sharded, no_gradient_sync, reduce_replicated
-from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay
+from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay, to_device
 from .precision import Precision
 
 log = logging.getLogger("megabatch")
@@ -124,8 +124,9 @@ class TrainStep:
     initialised, unless it is already sharded by FSDP (``distributed.fsdp.shard_model``);
     ``loss_fn``: a ``ContrastiveLoss``; ``sub_batches``: how many sub-batches make this rank's
     share of a global batch (``rank_batch = sub_batches x sub_batch``); ``precision``:
-    ``auto``, ``bf16``, ``fp16`` (with loss scaling) or ``fp32``; ``feature_dtype``: GradCache's
-    feature buffers (``auto``: bf16 with bf16 towers, else fp32);
+    ``auto``, ``bf16``, ``fp16`` (with loss scaling) or ``fp32``, or a ``Precision`` already made
+    (``feature_dtype`` then unused); ``feature_dtype``: GradCache's feature buffers (``auto``: bf16 with
+    bf16 towers, else fp32);
     ``grad_clip``: max norm of the true gradient, or ``None``; ``offload``: keeps
     the image bytes and re-decodes them for the replay (``None``: inputs stay on the device);
     ``keep_graph``: GradCache's last sub-batch keeps its phase-1 graph instead of being encoded
@@ -138,12 +139,13 @@ class TrainStep:
     """
 
     def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
-                 precision: str = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
+                 precision: str | Precision = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
                  grad_clip: float | None = None, offload: Offload | None = None,
                  keep_graph: bool = True, fsdp_reduce: str = "sub_batch", show_progress: bool = False,
                  max_bad_steps: int = 10):
         self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
-        self.precision = Precision.create(precision, device, feature_dtype)
+        self.precision = precision if isinstance(precision, Precision) else \
+            Precision.create(precision, device, feature_dtype)
         self.sub_batches, self.grad_clip, self.show_progress = sub_batches, grad_clip, show_progress
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.sharded = is_sharded(model)
@@ -279,12 +281,9 @@ class TrainStep:
             # the offload owns every sub-batch's bytes, a one-sub-batch step's too: the spill file
             # then holds exactly one step's bytes, which its test checks
             self.keep.offload.keep(sub.raw)
-        images = sub.images.to(self.device, non_blocking=True)
+        images = to_device(sub.images, self.device)
         trim = self.keep.text_trim  # cut on the host, where the token ids are: no sync
-        texts = sub.texts if trim is None else trim.cut(sub.texts)
-        if self.device.type == "cuda" and not texts.is_pinned():
-            texts = texts.pin_memory()  # a copy from pageable memory would wait for the queued kernels
-        texts = texts.to(self.device, non_blocking=True)
+        texts = to_device(sub.texts if trim is None else trim.cut(sub.texts), self.device)
         start = time.perf_counter()
         with self.precision.autocast():
             image_features, text_features, scale, bias = self.wrapped(images, texts)
