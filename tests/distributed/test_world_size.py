@@ -52,7 +52,7 @@ def test_a_run_resumed_on_1_then_2_then_3_ranks_ends_as_the_uninterrupted_one(tm
     assert ".dcp at step 4" in third and "step 6/6" in third
     reference = load_checkpoint(tmp_path / "runs" / "straight" / "checkpoints" / "last.pt")
     moved = load_checkpoint(tmp_path / "runs" / "moved" / "checkpoints" / "last.pt")
-    assert moved["step"] == reference["step"] == 6 and moved["samples_seen"] == 6 * 48
+    assert moved["step"] == reference["step"] == 6 and moved["train_state"]["samples_seen"] == 6 * 48
     # the same samples, augmented alike, in the same steps: only the reduction order differs. The
     # tolerance: measured 3e-7 over all weights, 9e-6 at most for one (an attention key bias, whose
     # true gradient is 0: AdamW moves it by the sign of rounding noise, up to lr = 6e-4 a step)

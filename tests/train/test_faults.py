@@ -56,7 +56,7 @@ def test_sigterm_stops_two_ranks_at_one_step_and_resume_continues_bitwise(tmp_pa
     output = finish(job, timeout=120)
     stopped = torch.load(tmp_path / "runs" / "stopped" / "checkpoints" / "last.pt", weights_only=True)
     assert 3 <= stopped["step"] < 12, output[-3000:]
-    assert len(stopped["rng"]) == 2  # gathered from both ranks, at the same step
+    assert len(stopped["rng"]["ranks"]) == 2  # gathered from both ranks, at the same step
     assert f"stopped after step {stopped['step']} (SIGTERM)" in output
     resumed = torchrun(tmp_path, "name=stopped", "resume=latest")
     output = finish(resumed, timeout=600)

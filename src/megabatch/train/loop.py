@@ -9,6 +9,7 @@ own state), the evaluations and the stops.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -254,14 +255,16 @@ class Trainer:
         ``every`` divides the step), each logged under ``eval/<name>/``. Rank 0 evaluates alone,
         set after set, while the other ranks wait at the next collective: together the sets must
         finish within ``trainer.dist_timeout_s``. A sharded model (FSDP) is evaluated by every rank
-        together (each forward gathers the weights from all of them); rank 0 reports."""
+        together (each forward gathers the weights from all of them) under the run's autocast, as it
+        trains: FSDP hands the blocks' outputs on in bf16 to norms it keeps in fp32; rank 0 reports."""
         step, sharded = self.state.step, is_sharded(self.model)
         due = [s for s in self.cfg.eval.values() if (s.at_end if final else s.every and step % s.every == 0)]
         if not due or not (self.main or sharded):
             return {}
         started, results = time.perf_counter(), {}
         for eval_cfg in due:
-            result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
+            with self.stepper.precision.autocast() if sharded else contextlib.nullcontext():
+                result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
             if not self.main:
                 continue
             log.info("eval %s at step %d: %s", eval_cfg.name, step,
