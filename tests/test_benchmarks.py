@@ -41,21 +41,19 @@ def test_the_runner_runs_a_benchmark_by_name_and_refuses_an_unknown_one():
 
 
 def test_the_benchmarks_time_the_step_the_trainer_builds():
-    """``common.trainer_step`` (what gradcache.py and fsdp.py time) is the trainer's own step: the
+    """``megabatch.bench.trainer_step`` (what gradcache.py and fsdp.py time) is the trainer's own step: the
     same weights, sub-batches, caption trimming and gradients as ``RunParts.build``'s on a fixed
     batch."""
     from itertools import repeat
 
+    from megabatch import bench
     from megabatch.config.schema import validate
     from megabatch.data.synthetic import synthetic_sub_batch
 
     from .helpers import build_parts, compose, rel_error
 
-    spec = importlib.util.spec_from_file_location("benchmarks_common", FOLDER / "common.py")
-    common = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(common)
     cfg = validate(compose("batch=32", "trainer.sub_batch=16", "model.image.patch_dropout=0"))
-    step, trained = common.trainer_step(cfg, "cpu"), build_parts(cfg).step
+    step, trained = bench.trainer_step(cfg, "cpu"), build_parts(cfg).step
     assert step.sub_batches == trained.sub_batches == 2
     assert step.keep.text_trim is not None and trained.keep.text_trim is not None  # model.trim_text, as configured
     weights, trained_weights = step.model.state_dict(), trained.model.state_dict()

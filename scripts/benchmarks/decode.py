@@ -29,8 +29,9 @@ import threading
 import time
 
 import torch
-from common import write_results
 
+from megabatch.backends import configure_process
+from megabatch.bench import write_results
 from megabatch.data.samples import EncodedImages
 from megabatch.data.synthetic import photos
 
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument("--crops", action="store_true", help="measure the crop-and-resize, not the decoding")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    configure_process()  # what train.py sets first, before CUDA starts: the decoding streams' queues
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/decode.py measures GPU decoding and needs a CUDA GPU")
     device = torch.device("cuda")

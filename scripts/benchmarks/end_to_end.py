@@ -24,7 +24,7 @@ overrides of ``--set`` (``data.decode=gpu``, ``model.compile=true``, ``trainer.s
 MFU: the run's own figures (``train/utilization.py``). ``--openclip``: then OpenCLIP's
 ``train_one_epoch`` with ``--accum-freq batch / sub-batch`` (``--openclip-sub-batch`` where ours are
 several or ``auto``) and its best flags (``--torchcompile``,
-``--precision amp_bf16``; ``common.openclip_training``) on the same loader's sub-batches. Host memory: the
+``--precision amp_bf16``; ``megabatch.bench.openclip_training``) on the same loader's sub-batches. Host memory: the
 peak, sampled every 0.5 s, of the proportional set size (PSS: shared pages split between the
 processes sharing them) summed over this process and all its descendants (loader and re-decode
 workers), and the peak drop of the machine's available memory below its level at the start.
@@ -41,8 +41,9 @@ import time
 from pathlib import Path
 
 import torch
-from common import write_results
 
+from megabatch.backends import configure_process
+from megabatch.bench import write_results
 from megabatch.config import parse_count
 from megabatch.config.compose import compose
 from megabatch.data.synthetic import photo_shards
@@ -239,8 +240,9 @@ def profile_steps(step, sub_batches, epoch: int, count: int = 3) -> dict:
     """``count`` more steps under ``torch.profiler`` (as the timed ones run: one sync at the end):
     the GPU's kernel time by class, its busy fraction (below 1: the GPU waited on the host), the
     host's time to queue each step, and the host operations that took the most of it."""
-    from common import kernel_summary, sync
     from torch.profiler import ProfilerActivity, profile
+
+    from megabatch.bench import kernel_summary, sync
 
     sync(step.device)
     queued = []
@@ -420,8 +422,7 @@ def openclip_on_our_loader(urls: list[str], batch: int, sub_batch: int, workers:
     """OpenCLIP 3.3's training loop with its best flags, fed by our loader (the same shards, workers
     and ``--set`` data options; images normalised on the GPU as our model does), training ``arch``
     (default: the open_clip architecture of our ``model``)."""
-    from common import openclip_training
-
+    from megabatch.bench import openclip_training
     from megabatch.images import normalize_images
 
     parts = build_parts(urls, batch, sub_batch, False, workers, "cuda", steps + 1, None, overrides, model)
@@ -479,6 +480,7 @@ def main() -> None:
                              "sub-batches a step (e.g. 2,4,8,16,32,64), --steps pairs each, on one built step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    configure_process()  # what train.py sets first, before CUDA starts: the decoding streams' queues
     sub_batches = args.sub_batch.split(",")
     openclip_sub_batch = args.openclip_sub_batch or (int(sub_batches[0]) if sub_batches[0].isdigit() else None)
     if args.openclip and openclip_sub_batch is None:

@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 
-from common import ROOT, write_results
+from megabatch.bench import ROOT, write_results
 
 
 def run(setting: str, seed: int, overrides: list[str], reuse: bool) -> dict:

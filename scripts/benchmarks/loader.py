@@ -23,8 +23,8 @@ import shutil
 import time
 from pathlib import Path
 
-from common import write_results
-
+from megabatch.backends import configure_process
+from megabatch.bench import write_results
 from megabatch.config.compose import compose
 from megabatch.data.synthetic import photo_shards
 from megabatch.models import build_model
@@ -81,6 +81,7 @@ def main() -> None:
                              "re-decode) or gpu (tar members, JPEG headers and crop boxes: no GPU needed)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    configure_process()  # what train.py sets first, before CUDA starts: the decoding streams' queues
     shards = photo_shards(args.images, args.size, Path(args.workdir) / "shards", per_shard=512)
     mean_kb = sum(Path(s).stat().st_size for s in shards) / args.images / 1e3
     urls = shards * (4 * -(-args.samples // args.images) + 1)

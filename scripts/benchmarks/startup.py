@@ -16,7 +16,7 @@ again (as a job on another node that shares ``$MEGABATCH_CACHE``).
 ``samples_per_s`` the median of its logged intervals after the first. ``--sweep-batches``: a 3-job
 multirun's start-up instead, also from an earlier source tree (``--before``, e.g. ``git archive``'s).
 OpenCLIP 3.3 (``--openclip``): its own ``train_one_epoch`` with
-``--torchcompile --precision amp_bf16`` (``common.openclip_training``) in a fresh process with an
+``--torchcompile --precision amp_bf16`` (``megabatch.bench.openclip_training``) in a fresh process with an
 empty inductor cache, the time from the process's start to the end of its first step; or
 (``--openclip-main``) ``python -m open_clip_train.main`` itself, as its users launch it.
 """
@@ -35,19 +35,18 @@ import threading
 import time
 from pathlib import Path
 
-from common import write_results
+from megabatch.bench import write_results
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14"}
 
 OPENCLIP = """
 import sys, torch
-sys.path.insert(0, sys.argv[1])
-from common import openclip_training
+from megabatch.bench import openclip_training
 from megabatch.data.synthetic import synthetic_sub_batch
 from megabatch.processes import process_age_s
 from itertools import repeat
-batch, arch = int(sys.argv[2]), sys.argv[3]
+batch, arch = int(sys.argv[1]), sys.argv[2]
 sub = synthetic_sub_batch(batch, 336 if arch.endswith("336") else 224, 77, torch.device("cuda"))
 result = openclip_training(repeat((sub.images, sub.texts)), batch, batch, 1, torch.device("cuda"), warmup=1,
                            torchcompile=True, arch=arch)
@@ -158,7 +157,7 @@ def openclip(args, workdir: Path) -> dict:
         "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-openclip")}
     shutil.rmtree(workdir / "inductor-openclip", ignore_errors=True)
     started = time.perf_counter()
-    ran = subprocess.run([sys.executable, "-c", OPENCLIP, str(Path(__file__).parent), str(args.batch),
+    ran = subprocess.run([sys.executable, "-c", OPENCLIP, str(args.batch),
                           ARCH.get(args.model, args.model)], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=args.timeout)
     row = {"system": "openclip-3.3 --torchcompile", "model": ARCH.get(args.model, args.model), "batch": args.batch,
@@ -217,7 +216,7 @@ def main() -> None:
     parser.add_argument("--scopes", default="block,tower", help="model.compile_scope values")
     parser.add_argument("--caches", default="cold,warm")
     parser.add_argument("--openclip", action="store_true",
-                        help="OpenCLIP's train_one_epoch in a fresh process (common.openclip_training)")
+                        help="OpenCLIP's train_one_epoch in a fresh process (megabatch.bench.openclip_training)")
     parser.add_argument("--openclip-main", action="store_true",
                         help="OpenCLIP as its users launch it: python -m open_clip_train.main (needs pandas)")
     parser.add_argument("--openclip-workers", type=int, default=12, help="--workers of open_clip_train.main")

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import write_results
+
+from megabatch.bench import write_results
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,8 +28,8 @@ import statistics
 import time
 
 import torch
-from common import kernel_summary, write_results
 
+from megabatch.bench import kernel_summary, write_results
 from megabatch.config.compose import compose
 from megabatch.train.utilization import count_model_flops, gpu_peak
 

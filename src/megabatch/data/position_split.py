@@ -163,7 +163,7 @@ def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: boo
     """A DataLoader over ``dataset``'s ready-made batches. With ``pin_memory`` a background thread
     copies them into page-locked memory: a pageable copy to the GPU first waits for every kernel
     queued before it, so the loader could not run ahead of the encoder
-    (``scripts/benchmarks/loader_copy.py`` measures both)."""
+    (measured in ``docs/bench/loader_copy_h200.json``)."""
     return DataLoader(
         dataset,
         batch_size=None,

@@ -1,10 +1,11 @@
-"""What the benchmarks beside this file share: GPU timing and memory helpers, the trainer's step
-built without a run, OpenCLIP's own training loop, a profile's kernel summary, and one result
+"""What the benchmarks in ``scripts/benchmarks/`` share: GPU timing and memory helpers, the trainer's
+step built without a run, OpenCLIP's own training loop, a profile's kernel summary, and one result
 writer with one metadata schema.
 
 Every benchmark writes ``{"meta": {...}, "results": [...]}`` through ``write_results``; ``meta``
-records the command, the git commit, the GPU(s), the library versions and the time. A benchmark
-run as ``python scripts/benchmarks/NAME.py`` (or through ``run.py``) imports this as ``common``.
+records the command, the git commit, the GPU(s), the library versions and the time. The benchmarks
+import it as any module of the package (``from megabatch.bench import write_results``), with no
+path edits; it is the top floor (it builds the trainer's step).
 """
 
 from __future__ import annotations
@@ -21,13 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megabatch.backends import configure_process
-
-# the process settings train.py makes first (CUDA's hardware queues for the decoding streams): every
-# benchmark imports this module before it starts CUDA
-configure_process()
-
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (src/megabatch/bench.py): git's commit, the configs
 
 
 def sync(device: torch.device) -> None:
