@@ -70,7 +70,6 @@ def parse_yaml(path: Path) -> tuple[list[str], list[tuple[str, str, str]]]:
 
 def schema_types() -> dict[str, str]:
     """``{dotted key: type}`` of the typed groups."""
-    sys.path.insert(0, str(ROOT / "src"))
     from megabatch.config.schema import LOGGER_SECTIONS, SCHEMAS, EvalConfig
 
     types: dict[str, str] = {}
