@@ -56,18 +56,18 @@ def reset_peak(device: torch.device) -> None:
 
 def trainer_step(cfg, device: str | torch.device = "auto"):
     """The ``TrainStep`` a run of ``cfg`` (a composed config with a numeric ``trainer.sub_batch``)
-    trains with on this process's rank, built by the trainer's own builder (``train.parts.train_step``:
+    trains with on this process's rank, built by the trainer's own builder (``train.parts.step_without_data``:
     trimming, FP8, FSDP, compilation and the loss's checks included) after the trainer's process-wide
     settings. No run directory, data or logging."""
     from megabatch.backends import configure_backends
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
-    from megabatch.train.parts import train_step
+    from megabatch.train.parts import step_without_data
 
     cfg = validate(cfg)
     env = init_distributed(str(device) if isinstance(device, torch.device) else device)
     configure_backends(cfg, env.device)
-    return train_step(cfg, env)
+    return step_without_data(cfg, env)
 
 
 def openclip_training(batches: Iterator, batch: int, sub_batch: int, steps: int, device: torch.device,

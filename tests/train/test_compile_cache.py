@@ -23,7 +23,7 @@ from megabatch.config.schema import validate
 from megabatch.data.samples import SubBatch
 from megabatch.distributed import init_distributed
 from megabatch.backends import configure_backends
-from megabatch.train.parts import train_step
+from megabatch.train.parts import step_without_data
 
 torch.set_num_threads(1)
 logging.basicConfig(level=logging.INFO)
@@ -31,7 +31,7 @@ cfg = validate(compose("batch=8", "model.compile=true", "model.trim_text=false",
                        "data.cache_dir=" + sys.argv[1]))
 env = init_distributed("cpu")
 configure_backends(cfg, env.device)
-step = train_step(cfg, env)
+step = step_without_data(cfg, env)
 images, texts = step.model.example_inputs(8, torch.device("cpu"))  # uint8 images, as a loader gives them
 step.gradients(iter([SubBatch(images, texts, None)]))
 grads = torch.cat([p.grad.flatten() for p in step.model.parameters() if p.grad is not None])

@@ -131,9 +131,9 @@ class FeatureGrads:
 
 
 @torch.no_grad()
-def encode_without_graph(model, sub_batches: Iterator[SubBatch], count: int, precision: Precision,
+def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precision: Precision,
                          keep: ReplayInputs, progress=None) -> EncodedBatch:
-    """Phase 1: encode ``count`` sub-batches from ``sub_batches`` into preallocated feature buffers
+    """Phase 1: encode ``count`` sub-batches from ``stream`` into preallocated feature buffers
     (``precision.feature_dtype``), recording each one's RNG state and keeping what ``keep`` says.
     With ``keep.text_trim`` the captions wait on the host until all images are encoded, then are
     encoded grouped by length (``encode_captions``); with ``keep.keep_graph`` the last sub-batch
@@ -142,7 +142,7 @@ def encode_without_graph(model, sub_batches: Iterator[SubBatch], count: int, pre
     for index in range(count):
         with_graph = keep.keep_graph and index == count - 1
         waited = time.perf_counter()
-        sub = next(sub_batches)
+        sub = next(stream)
         images = to_device(sub.images, device)
         texts = None if keep.text_trim is not None else to_device(sub.texts, device)
         data_s = time.perf_counter() - waited

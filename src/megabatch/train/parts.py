@@ -215,12 +215,13 @@ def check_exact_replay(model: ClipModel, plan: BatchPlan) -> None:
                            "megabatch.backends.configure_backends(cfg, device) before building the step")
 
 
-def train_step(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) -> TrainStep:
+def step_without_data(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) -> TrainStep:
     """The step a run of ``cfg`` trains with on ``env``'s rank, built as ``RunParts.build`` builds it
     but without data: the batch plan from ``batch`` and a numeric ``trainer.sub_batch``, one step an
     epoch. For the benchmarks and the tests, after ``configure_backends``."""
     if cfg.trainer.sub_batch == "auto":
-        raise ConfigError("train_step() takes no trainer.sub_batch=auto (it has no data to plan with): give a number")
+        raise ConfigError("step_without_data() takes no trainer.sub_batch=auto (it has no data to plan with): "
+                          "give a number")
     plan = BatchPlan.from_config(cfg, env.world_size, parse_count(cfg.batch, "batch"))
     model, precision = build_model_for(cfg, env), precision_of(cfg, env)
     step = build_step(cfg, env, model, prepare_model(cfg, model, env, precision), plan, precision, offload).step

@@ -8,7 +8,7 @@ sub-batch, GradCache's three phases for several) and ``apply`` (clip, then step 
 not finite). No run directory, config or logging: a test or a benchmark drives it directly.
 
     step = TrainStep(model, loss_fn, optimizer, torch.device("cuda"), precision="bf16", sub_batches=64)
-    outcome = step.step(sub_batches, lr=1e-3)   # takes 64 SubBatch of this rank's 32k / 512
+    outcome = step.step(stream, lr=1e-3)   # takes 64 SubBatch of this rank's 32k / 512 from stream
     step.settle()                               # host sync: outcome's update read (step.health)
 
 With a fused optimizer (AdamW's default on CUDA) in bf16 or fp32, nothing in ``apply`` waits for
@@ -173,9 +173,10 @@ class TrainStep:
     def scaler(self) -> torch.amp.GradScaler:
         return self.precision.scaler
 
-    def step(self, sub_batches: Iterator[SubBatch], lr: float, *, epoch: int = 0, number: int = 1) -> StepOutcome:
-        """One optimizer step on this rank's share of the global batch, ``world_size x sub_batches x
-        sub_batch`` (1M = 2 x 1024 x 512), of ``epoch``: the learning rate ``lr`` set on every group,
+    def step(self, stream: Iterator[SubBatch], lr: float, *, epoch: int = 0, number: int = 1) -> StepOutcome:
+        """One optimizer step on this rank's share of the global batch, ``sub_batches`` taken from
+        ``stream`` (``global_batch = world_size x sub_batches x sub_batch``: 1M = 2 x 1024 x 512), of
+        ``epoch``: the learning rate ``lr`` set on every group,
         forward, the global loss, backward (GradCache with several sub-batches), then the clipped
         update, skipped on every rank where a loss or gradient is not finite on one. ``number``: the
         step's number in the run (counted from 1), for the outcome and the warnings. Raises
@@ -184,7 +185,7 @@ class TrainStep:
         started = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, times = self.gradients(sub_batches, epoch=epoch)
+        loss, times = self.gradients(stream, epoch=epoch)
         self.settle()  # host sync: the last step's update, read once this step's work is queued
         self.health.check()  # too many skipped in a row: stop before this step's update
         applied = self.apply()
@@ -200,17 +201,17 @@ class TrainStep:
             self.health.record(outcome)
         return self.health
 
-    def gradients(self, sub_batches: Iterator[SubBatch], epoch: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
-        """Take ``self.sub_batches`` sub-batches from ``sub_batches`` (this rank's share of one
+    def gradients(self, stream: Iterator[SubBatch], epoch: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+        """Take ``self.sub_batches`` sub-batches from ``stream`` (this rank's share of one
         global batch, of ``epoch``), accumulate the step's gradients (DDP-averaged) into ``.grad``
         and return the loss and the seconds of each phase (``data``, then ``forward_backward``, or
         ``encode``, ``loss`` and ``replay``)."""
         if self.keep.offload is not None:
             self.keep.offload.new_step()  # the last step's kept bytes are no longer needed
         if self.sub_batches == 1:
-            loss, times = self._forward_backward(next_timed(sub_batches))
+            loss, times = self._forward_backward(next_timed(stream))
         else:
-            loss, times = self._gradcache(sub_batches, epoch)
+            loss, times = self._gradcache(stream, epoch)
         if self.sharded and self.distributed:
             reduce_replicated(self.model)  # the scalars FSDP leaves whole
         self.loss = loss
@@ -292,12 +293,12 @@ class TrainStep:
         self.precision.scale(loss).backward()
         return loss.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
 
-    def _gradcache(self, sub_batches: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def _gradcache(self, stream: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The three GradCache phases (``gradcache.py``) over ``self.sub_batches`` sub-batches."""
         progress = tqdm(total=2 * self.sub_batches, desc="encode", leave=False, dynamic_ncols=True,
                         disable=not self.show_progress or self.sub_batches < 8, position=1, unit="sub-batch")
         times, start = {}, time.perf_counter()
-        encoded = encode_without_graph(self.model, sub_batches, self.sub_batches, self.precision, self.keep,
+        encoded = encode_without_graph(self.model, stream, self.sub_batches, self.precision, self.keep,
                                        progress)
         times["data"] = encoded.data_s
         times["encode"] = self._lap(start) - encoded.data_s
