@@ -72,13 +72,44 @@ class ReplayInputs:
     images as tensors on the device, or with ``offload`` as encoded bytes handed to it.
     ``text_trim``: captions are grouped by length and cut (``models.text_length``); ``None``: each
     sub-batch's captions are encoded whole with its images. ``keep_graph``: the last sub-batch is
-    encoded with its graph in phase 1 and not encoded again (one forward of K saved)."""
+    encoded with its graph in phase 1 and not encoded again (one forward of K saved).
+
+    The one way in to the offload during a step: ``new_step``, ``keep_images`` (phase 1),
+    ``images_again`` (phase 3) and ``keep_bytes`` (a one-pass step)."""
 
     images: bool
     texts: bool
     offload: Offload | None = None
     text_trim: TextTrim | None = None
     keep_graph: bool = False
+
+    def new_step(self) -> None:
+        """A step begins: the last step's kept bytes are no longer needed."""
+        if self.offload is not None:
+            self.offload.new_step()
+
+    def keep_images(self, encoded: EncodedBatch, sub: SubBatch, images: torch.Tensor) -> None:
+        """Phase 1 keeps ``sub``'s images for the replay: ``images`` on the device, or (offload) its
+        encoded bytes, handed to the offload."""
+        if not self.images:
+            return
+        if self.offload is None:
+            encoded.images.append(images)
+            return
+        if sub.raw is None:
+            raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes (keep_raw)")
+        encoded.kept.append(self.offload.keep(sub.raw, sub.boxes))
+
+    def images_again(self, encoded: EncodedBatch, epoch: int) -> Iterator[torch.Tensor] | None:
+        """The offloaded sub-batches' images decoded again, in order (``None`` without offload); the
+        decoding starts now (on the GPU, or in the offload's workers)."""
+        return self.offload.replay_images(encoded.kept, epoch) if encoded.kept else None
+
+    def keep_bytes(self, sub: SubBatch) -> None:
+        """A one-pass step's sub-batch: the offload owns every step's bytes, so the spill file holds
+        exactly one step's (its test checks)."""
+        if self.offload is not None and sub.raw is not None:
+            self.offload.keep(sub.raw)
 
 
 @dataclass
@@ -166,12 +197,8 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
                 encoded.texts.append(texts)
         if with_graph:
             encoded.graph = (image_features, text_features)
-        elif keep.images and keep.offload is not None:
-            if sub.raw is None:
-                raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes (keep_raw)")
-            encoded.kept.append(keep.offload.keep(sub.raw, sub.boxes))
-        elif keep.images:
-            encoded.images.append(images)
+        else:
+            keep.keep_images(encoded, sub, images)
         if progress is not None:
             progress.update(1)
     if captions:

@@ -206,8 +206,7 @@ class TrainStep:
         global batch, of ``epoch``), accumulate the step's gradients (DDP-averaged) into ``.grad``
         and return the loss and the seconds of each phase (``data``, then ``forward_backward``, or
         ``encode``, ``loss`` and ``replay``)."""
-        if self.keep.offload is not None:
-            self.keep.offload.new_step()  # the last step's kept bytes are no longer needed
+        self.keep.new_step()  # the last step's kept bytes (offload) are no longer needed
         if self.sub_batches == 1:
             loss, times = self._forward_backward(next_timed(stream))
         else:
@@ -278,10 +277,7 @@ class TrainStep:
         """One sub-batch: encode, the global loss, backward (fp16: scaled). The loss runs on fp32
         features, so the b x b softmax never runs in half precision."""
         sub, data_s = timed
-        if self.keep.offload is not None and sub.raw is not None:
-            # the offload owns every sub-batch's bytes, a one-sub-batch step's too: the spill file
-            # then holds exactly one step's bytes, which its test checks
-            self.keep.offload.keep(sub.raw)
+        self.keep.keep_bytes(sub)
         images = to_device(sub.images, self.device)
         trim = self.keep.text_trim  # cut on the host, where the token ids are: no sync
         texts = to_device(sub.texts if trim is None else trim.cut(sub.texts), self.device)
@@ -304,7 +300,7 @@ class TrainStep:
         times["encode"] = self._lap(start) - encoded.data_s
         start = time.perf_counter()
         # decoding on the GPU, the offload's re-decoding starts now: the replay's first images are ready after the loss
-        again = self.keep.offload.replay_images(encoded.kept, epoch) if encoded.kept else None
+        again = self.keep.images_again(encoded, epoch)
         bias = self.model.logit_bias
         grads = loss_and_feature_grads(self.loss_fn, encoded, full(self.model.logit_scale),
                                        None if bias is None else full(bias), self.precision)
