@@ -432,3 +432,23 @@ def test_a_recipe_trains(recipe, tmp_path, caplog):
     assert records[-1]["step"] == 8  # 2 epochs of 64 samples at 16
     lrs = [r["lr"] for r in records if "lr" in r]
     assert max(lrs) <= cfg.optim.lr * (1 + 1e-6) and lrs[-1] < cfg.optim.lr / 2  # warm-up (2 steps), cosine decay
+
+
+def test_the_models_run_settings_are_typed_and_their_absent_values_live_in_one_place():
+    """``model.*`` run settings (``ModelSettings``): train.yaml's values for a run; a checkpoint's stored
+    config without some of them builds as before those keys existed; a flag of the wrong type is named."""
+    from omegaconf import OmegaConf
+
+    from megabatch.config import ConfigError
+    from megabatch.config.schema import ModelSettings, model_settings, validate
+    from megabatch.models.clip import RUN_SETTINGS, builder_node
+
+    settings = model_settings(compose().model)
+    assert settings.direct_attention and settings.patch_gemm and settings.trim_text and not settings.compile
+    assert settings.attention == "auto" and settings.gelu == "erf"
+    stored = OmegaConf.create({"_target_": "megabatch.models.build_clip", "name": "tiny", "compile": True})
+    assert model_settings(stored) == ModelSettings(compile=True)  # the rest as before they existed: off
+    assert set(RUN_SETTINGS) >= {"compile", "gelu", "fused_mlp"}
+    assert "compile" not in builder_node(stored)
+    with pytest.raises(ConfigError, match=r"model\.compile=1: give true or false"):
+        validate(compose("model.compile=1"))

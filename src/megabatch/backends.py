@@ -72,6 +72,7 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
     """
     import torch
 
+    from .config.schema import model_settings
     from .data.gpu_decode import resolve_decode
 
     configure_process()
@@ -85,7 +86,7 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
         if "TRITON_CACHE_DIR" not in os.environ:
             os.environ["TRITON_CACHE_DIR"] = str(Path(cfg.data.cache_dir).expanduser() / "triton")
         done.append(f"Triton's compiled kernels kept in {os.environ['TRITON_CACHE_DIR']} (TRITON_CACHE_DIR)")
-    if cfg.model.get("compile", False):
+    if model_settings(cfg.model).compile:
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 

@@ -172,7 +172,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_loss(cfg.loss, cfg.trainer.device)
     check_model(cfg.model)
     on_cpu = not runs_on_cuda(cfg.trainer.device)
-    if cfg.model.get("fp8", False) and on_cpu:  # the GPU's own capability is checked once chosen (models/fp8.py)
+    if model_settings(cfg.model).fp8 and on_cpu:  # the GPU's own capability is checked once chosen (models/fp8.py)
         raise ConfigError("model.fp8=true trains the towers' matmuls in FP8 on a GPU's FP8 tensor cores, and this "
                           "run is on the CPU: set model.fp8=false")
     check_logit_bias(cfg.loss, cfg.model)
@@ -437,37 +437,64 @@ RETIRED_MODEL_KEYS = {
 }
 
 
+@dataclass(frozen=True)
+class ModelSettings:
+    """The ``model.*`` keys a run applies to the built model, typed (the model group's other keys are
+    its builder's, which differ per option). ``train.yaml``'s ``model:`` section gives every run all
+    of them; a key absent from a config (one a checkpoint stored before the key existed) takes the
+    value it had then, below: off, ``auto``, ``erf``. Read them through ``model_settings``."""
+
+    compile: bool = False
+    compile_scope: str = "auto"   # auto | block | tower
+    cuda_graphs: bool = False
+    trim_text: bool = False
+    direct_attention: bool = False
+    attention: str = "auto"       # auto | sdpa | triton
+    patch_gemm: bool = False
+    gelu: str = "erf"             # erf | tanh
+    fp8: bool = False
+
+
+def model_settings(model: DictConfig) -> ModelSettings:
+    """``model``'s run settings, typed, absent ones as ``ModelSettings`` says; a flag that is not a
+    boolean is a ``ConfigError`` naming it."""
+    values = {spec.name: model[spec.name] for spec in fields(ModelSettings) if spec.name in model}
+    for spec in fields(ModelSettings):
+        if spec.type == "bool" and spec.name in values and not isinstance(values[spec.name], bool):
+            raise ConfigError(f"model.{spec.name}={values[spec.name]!r}: give true or false")
+    return ModelSettings(**values)
+
+
 def check_model(model: DictConfig) -> None:
-    """What can be checked of the model before it is built: the sizes a built-in shape gives.
-    The towers' own fields are open_clip's, checked by the builders with errors naming
-    ``model.image`` / ``model.text``; an open_clip architecture's sizes are its own."""
+    """What can be checked of the model before it is built: its run settings (``ModelSettings``)
+    and the sizes a built-in shape gives. The towers' own fields are open_clip's, checked by the
+    builders with errors naming ``model.image`` / ``model.text``; an open_clip architecture's sizes
+    are its own."""
     for key, measured in RETIRED_MODEL_KEYS.items():
         if model.get(key, False):  # false: an older run's stored config, harmless
             raise ConfigError(f"model.{key} is gone: {measured} (docs/performance.md); remove the override")
-    for key in ("compile", "cuda_graphs", "trim_text", "direct_attention", "patch_gemm", "fp8"):
-        if not isinstance(model.get(key, False), bool):
-            raise ConfigError(f"model.{key}={model[key]!r}: give true or false")
-    gelu = model.get("gelu", "erf")
+    settings = model_settings(model)
+    gelu = settings.gelu
     if gelu not in ("erf", "tanh"):
         raise ConfigError(f"model.gelu={gelu!r}: give erf (the exact GELU, open_clip's) or tanh (its tanh "
                           "approximation, cuBLASLt's GEMM epilogue; not exact)")
-    attention = model.get("attention", "auto")
+    attention = settings.attention
     if attention not in ("auto", "sdpa", "triton"):
         raise ConfigError(f"model.attention={attention!r}: give auto (per call, from the kernels' measured table), "
                           "sdpa (PyTorch's scaled_dot_product_attention) or triton (the project's kernels on the "
                           "packed projection)")
-    if attention == "triton" and not model.get("direct_attention", False):
+    if attention == "triton" and not settings.direct_attention:
         raise ConfigError("model.attention=triton runs in the blocks that model.direct_attention makes: set "
                           "model.direct_attention=true (or model.attention=sdpa)")
     # auto without direct_attention: nn.MultiheadAttention's own SDPA, nothing to choose
-    scope = model.get("compile_scope", "auto")
+    scope = settings.compile_scope
     if scope not in ("auto", "block", "tower"):
         raise ConfigError(f"model.compile_scope={scope!r}: give block (each transformer block compiled once for all "
                           "layers), tower (each tower whole) or auto")
-    if scope == "block" and model.get("cuda_graphs", False):
+    if scope == "block" and settings.cuda_graphs:
         raise ConfigError("model.cuda_graphs=true records each tower whole as CUDA graphs: use "
                           "model.compile_scope=tower or auto with it")
-    if model.get("cuda_graphs", False) and not model.get("compile", False):
+    if settings.cuda_graphs and not settings.compile:
         raise ConfigError("model.cuda_graphs=true replays the compiled towers as CUDA graphs: set model.compile=true "
                           "too (or model.cuda_graphs=false)")
     size = model.image.get("image_size", 224)

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg, CustomTextCLIP, se
 from torch import nn
 
 from ..config import ConfigError
+from ..config.schema import RETIRED_MODEL_KEYS, ModelSettings, model_settings
 from ..images import normalize_images
 from .preprocess import build_tokenizer, resolve_preprocess
 from .pretrained import load_weights, resolve_pretrained
@@ -496,10 +498,9 @@ def _lock(model: ClipModel, tower: str, unlocked_layers: int) -> None:
     model.train(model.training)  # frozen towers switch to eval mode
 
 
-# model.* keys the run applies to a built model, not builder arguments (fused_mlp and fused_layernorm: removed
-# options, still in the configs stored by older checkpoints)
-RUN_SETTINGS = ("compile", "compile_scope", "cuda_graphs", "trim_text", "direct_attention", "attention", "patch_gemm",
-                "gelu", "fp8", "fused_mlp", "fused_layernorm")
+# model.* keys the run applies to a built model, not builder arguments (config.schema.ModelSettings), and the
+# removed options that configs stored by older checkpoints still hold
+RUN_SETTINGS = (*(spec.name for spec in fields(ModelSettings)), *RETIRED_MODEL_KEYS)
 
 
 def builder_node(node):
@@ -533,10 +534,11 @@ def build_model(node) -> ClipModel:
         if isinstance(error.__cause__, ConfigError):
             raise error.__cause__ from None
         raise
-    if node.get("direct_attention", False):
-        use_direct_attention(model, node.get("attention", "auto"))
-    if node.get("patch_gemm", False):
+    settings = model_settings(node)  # a stored config's absent keys: as before the key existed
+    if settings.direct_attention:
+        use_direct_attention(model, settings.attention)
+    if settings.patch_gemm:
         use_patch_gemm(model)
-    if node.get("gelu", "erf") == "tanh":
+    if settings.gelu == "tanh":
         use_tanh_gelu(model)
     return model

@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from ..config import ConfigError, parse_count, parse_optional_count
+from ..config.schema import model_settings
 from ..data import TrainData
 from ..data.gpu_decode import GpuDecoder, resolve_decode
 from ..data.offload import Offload
@@ -233,7 +234,7 @@ def compile_scope(model_cfg: DictConfig) -> str:
     """``model.compile_scope``, ``auto`` resolved: each transformer block (one graph per tower and
     gradient mode, reused by every layer: the shortest compilation), or the towers whole with
     ``model.cuda_graphs`` (a CUDA graph records a whole tower)."""
-    scope = model_cfg.get("compile_scope", "auto")
+    scope = model_settings(model_cfg).compile_scope
     return ("tower" if model_cfg.cuda_graphs else "block") if scope == "auto" else scope
 
 
