@@ -163,7 +163,10 @@ def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: boo
     """A DataLoader over ``dataset``'s ready-made batches. With ``pin_memory`` a background thread
     copies them into page-locked memory: a pageable copy to the GPU first waits for every kernel
     queued before it, so the loader could not run ahead of the encoder
-    (measured in ``docs/bench/loader_copy_h200.json``)."""
+    (measured in ``docs/bench/loader_copy_h200.json``). Its own generator: starting it draws the
+    workers' base seed from that, not from the global one the towers draw from, so when a loader
+    starts (the next epoch's starts before the boundary) changes no training randomness (the
+    samples' augmentation is seeded by their position, ``transforms.py``)."""
     return DataLoader(
         dataset,
         batch_size=None,
@@ -172,4 +175,5 @@ def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: boo
         persistent_workers=False,
         prefetch_factor=4 if num_workers > 0 else None,
         worker_init_fn=ignore_stop_signals,  # the main process stops the run (train/preemption.py)
+        generator=torch.Generator().manual_seed(0),
     )

@@ -1,0 +1,105 @@
+"""A run's sub-batches across epoch boundaries (``train/inputs.py``): the next epoch's loader starts
+before the current one drains, and the samples, their order and their augmentation are what a
+loader per epoch, each started at its boundary, gives (indexed, position and shard splits); a
+resume mid-epoch continues the same sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megabatch.data import TrainData
+from megabatch.data.shard_writer import Sample, encode_png, write_shards
+from megabatch.train.inputs import EPOCH_LEAD_STEPS, RunInputs
+from megabatch.train.plan import BatchPlan
+
+from ..helpers import compose, preprocess
+
+SHARDS, PER_SHARD, BATCH, SUB_BATCH = 6, 10, 12, 4
+
+
+@pytest.fixture(scope="module")
+def shard_urls(tmp_path_factory) -> list[str]:
+    folder = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    samples = [Sample(encode_png(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)), "png", f"sample {i}")
+               for i in range(SHARDS * PER_SHARD)]
+    write_shards(samples, folder, "s", per_shard=PER_SHARD)
+    return [str(folder / f"s-{{000000..{SHARDS - 1:06d}}}.tar")]
+
+
+def make_data(urls, tmp_path, split: str) -> TrainData:
+    cfg = compose("data=webdataset", f"data.train.split={split}", "data.num_workers=2",
+                  "data.train.shuffle_buffer=7")
+    cfg.data.train.urls, cfg.data.cache_dir = urls, str(tmp_path / "cache")
+    ids = lambda captions: torch.tensor([int(c.split()[-1]) for c in captions])  # noqa: E731
+    return TrainData(cfg.data, ids, preprocess(8), seed=cfg.seed)
+
+
+def make_plan(data: TrainData, epochs: int, extra_steps: int) -> BatchPlan:
+    steps = data.steps_per_epoch(BATCH, 1, SUB_BATCH)
+    return BatchPlan(BATCH, 1, BATCH, SUB_BATCH, steps, epochs * steps + extra_steps)
+
+
+def per_epoch_loaders(data: TrainData, plan: BatchPlan, start_step: int) -> list:
+    """What a loader per epoch, each started when the one before has drained, gives from ``start_step``."""
+    subs, epoch, start = [], *divmod(start_step, plan.steps_per_epoch)
+    while epoch * plan.steps_per_epoch + start < plan.total_steps:
+        steps = min(plan.steps_per_epoch - start, plan.total_steps - epoch * plan.steps_per_epoch - start)
+        loader = iter(data.loader(epoch, start, BATCH, 0, 1, plan.steps_per_epoch, sub_batch=SUB_BATCH))
+        subs += [next(loader) for _ in range(steps * plan.sub_batches)]
+        del loader
+        epoch, start = epoch + 1, 0
+    return subs
+
+
+@pytest.mark.parametrize("split", ["indexed", "position", "shard"])
+def test_the_next_epochs_loader_starts_before_the_boundary_and_the_order_is_unchanged(shard_urls, tmp_path, split):
+    data = make_data(shard_urls, tmp_path, split)
+    plan = make_plan(data, epochs=2, extra_steps=1)  # three epochs begun, the last one step long
+    assert plan.steps_per_epoch >= EPOCH_LEAD_STEPS + 1
+    inputs = RunInputs(data, plan, rank=0)
+    started_after = {}  # (epoch, step) -> sub-batches taken when that loader started
+    taken, stream = [], inputs(0)
+    for _ in range(plan.total_steps * plan.sub_batches):
+        taken.append(next(stream))
+        for key in inputs.loaders_started:
+            started_after.setdefault(key, len(taken))
+    stream.close()  # the run ends: the last epoch's loader stops with it
+    epoch_subs = plan.steps_per_epoch * plan.sub_batches
+    # each later epoch's loader started when the last EPOCH_LEAD_STEPS steps of the one before began
+    assert started_after == {(0, 0): 1, (1, 0): epoch_subs - EPOCH_LEAD_STEPS * plan.sub_batches + 1,
+                             (2, 0): 2 * epoch_subs - EPOCH_LEAD_STEPS * plan.sub_batches + 1}
+    expected = per_epoch_loaders(data, plan, 0)
+    assert [sub.texts.tolist() for sub in taken] == [sub.texts.tolist() for sub in expected]
+    assert all(torch.equal(a.images, b.images) for a, b in zip(taken, expected, strict=True))
+    # every sample once per epoch (the shard split: per loader worker's shards, within its quota)
+    first = torch.cat([sub.texts for sub in taken[:epoch_subs]]).tolist()
+    assert len(set(first)) == len(first)
+
+
+@pytest.mark.parametrize("split", ["indexed", "shard"])
+def test_a_resume_mid_epoch_continues_across_the_boundary(shard_urls, tmp_path, split):
+    data = make_data(shard_urls, tmp_path, split)
+    plan = make_plan(data, epochs=1, extra_steps=2)
+    start = plan.steps_per_epoch - 1  # the last step of the first epoch
+    inputs = RunInputs(data, plan, rank=0)
+    stream = inputs(start)
+    taken = [next(stream) for _ in range((plan.total_steps - start) * plan.sub_batches)]
+    stream.close()
+    assert inputs.loaders_started == [(0, start), (1, 0)]
+    expected = per_epoch_loaders(data, plan, start)
+    assert [sub.texts.tolist() for sub in taken] == [sub.texts.tolist() for sub in expected]
+    assert all(torch.equal(a.images, b.images) for a, b in zip(taken, expected, strict=True))
+
+
+def test_starting_a_loader_leaves_the_training_randomness_alone(shard_urls, tmp_path):
+    """The towers draw dropout from the global generator; a loader started earlier or later must not
+    move it (the loader's workers take their base seed from its own generator)."""
+    data = make_data(shard_urls, tmp_path, "indexed")
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    loader = iter(data.loader(0, 0, BATCH, 0, 1, 2, sub_batch=SUB_BATCH))
+    next(loader)
+    assert torch.equal(torch.get_rng_state(), before)
