@@ -293,14 +293,39 @@ def get_config(kernel: str, rows: torch.Tensor, precision: str) -> dict:
     if key not in table:
         if os.environ.get("MEGABATCH_AUTOTUNE", "1") == "0":
             return default_config(rows.dtype)
-        log.info("tuning the Triton loss kernel %s for %s (once; cached in %s)", key, gpu, _cache_file())
-        table[key] = tune(kernel, rows.dtype, rows.shape[1], precision, rows.device, verbose=False)
-        save_config(gpu, key, table[key], _cache_file())
+        table[key] = tuned_once(gpu, key, lambda: tune(kernel, rows.dtype, rows.shape[1], precision, rows.device,
+                                                       verbose=False))
     return table[key]
 
 
+def tuned_once(gpu: str, key: str, tune_now, path: Path | None = None) -> dict:
+    """``key``'s config for ``gpu`` from the cache file, tuned by ``tune_now()`` and saved there by the
+    first process of the host to ask: the ranks of a run reach the same kernels at once, and one of
+    them tunes while the others wait on the file's lock and then read its result (a tuning per rank
+    took ~30 s before the first step, 4 GPUs each timing candidates beside the others)."""
+    import fcntl
+
+    path = path or _cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        try:
+            saved = json.loads(path.read_text()).get(gpu, {}) if path.exists() else {}
+        except json.JSONDecodeError:  # a file cut short by a crash: tuned again, written whole
+            saved = {}
+        if key in saved:
+            return saved[key]
+        log.info("tuning the Triton loss kernel %s for %s (once per host; cached in %s)", key, gpu, path)
+        config = tune_now()
+        save_config(gpu, key, config, path)
+        return config
+
+
 def save_config(gpu: str, key: str, config: dict, path: Path) -> None:
-    data = json.loads(path.read_text()) if path.exists() else {}
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except json.JSONDecodeError:  # cut short (a crash before atomic writes): written whole again
+        data = {}
     data.setdefault(gpu, {})[key] = config
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

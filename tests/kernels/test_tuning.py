@@ -1,0 +1,49 @@
+"""Kernel tuning once per host: the ranks of a run ask for the same untuned tile config at once; one
+process tunes (a counted call), the others wait for it and read its result from the cache file."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+
+from megabatch.kernels.triton_tiles import tuned_once
+
+CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+
+
+def rank(cache, calls, go, results, index) -> None:
+    def tune_now():
+        with open(calls, "a") as out:
+            out.write("tuned\n")
+        time.sleep(0.5)  # the others arrive while it tunes
+        return CONFIG
+
+    go.wait()
+    results.put((index, tuned_once("Some GPU", "grad/bfloat16/native/c1024", tune_now, path=cache)))
+
+
+def test_two_ranks_on_one_host_tune_once_and_both_get_its_config(tmp_path):
+    cache, calls = tmp_path / "triton_tuned.json", tmp_path / "calls"
+    context = multiprocessing.get_context("fork")
+    go, results = context.Event(), context.Queue()
+    ranks = [context.Process(target=rank, args=(cache, calls, go, results, index)) for index in range(2)]
+    for process in ranks:
+        process.start()
+    go.set()
+    got = dict(results.get(timeout=60) for _ in ranks)
+    for process in ranks:
+        process.join(30)
+        assert process.exitcode == 0
+    assert calls.read_text().splitlines() == ["tuned"]
+    assert got == {0: CONFIG, 1: CONFIG}
+    assert json.loads(cache.read_text()) == {"Some GPU": {"grad/bfloat16/native/c1024": CONFIG}}
+    # a later run reads it and tunes nothing
+    assert tuned_once("Some GPU", "grad/bfloat16/native/c1024", lambda: 1 / 0, path=cache) == CONFIG
+
+
+def test_a_cache_file_cut_short_is_tuned_again_and_written_whole(tmp_path):
+    cache = tmp_path / "triton_tuned.json"
+    cache.write_text('{"Some GPU": {"grad/bf')
+    assert tuned_once("Some GPU", "stats/bfloat16/native/c512", lambda: CONFIG, path=cache) == CONFIG
+    assert json.loads(cache.read_text()) == {"Some GPU": {"stats/bfloat16/native/c512": CONFIG}}
