@@ -1,0 +1,251 @@
+"""Several GPUs as users launch them: ``torchrun --nproc_per_node=N train.py ...`` on JPEG shards, at
+each GPU count and batch asked for, beside OpenCLIP 3.3's own trainer under ``torchrun`` with its
+best settings at that batch; every step's samples/s, MFU, phases and peak memory, in one JSON.
+
+    python scripts/benchmarks/multi_gpu.py --gpus 1,2,4 --batch 32k --openclip --out scaling.json
+    python scripts/benchmarks/multi_gpu.py --gpus 4 --batch 1M --steps 3 --set trainer.offload=true \\
+        --out 1m_4gpu.json
+    python scripts/benchmarks/multi_gpu.py --gpus 4 --model openclip --arch ViT-bigG-14 --batch 512 \\
+        --variant 'ddp: trainer.sub_batch=32' --variant 'fsdp: trainer.parallel=fsdp' --out bigg.json
+
+Our side: ``--images`` distinct photo-like JPEGs (``--size`` px) written once as shards, listed
+again under more names (hard links, with their ``sizes.json``) until an epoch holds
+``--epoch-samples``: an epoch of a few steps, so the run crosses epoch boundaries as a small set
+makes it. Each run is ``torchrun --standalone --nproc_per_node=N train.py`` with ``trainer.log_every=1``
+(one ``metrics.jsonl`` record a step: samples/s, MFU, phases, the peak GPU memory of rank 0) and
+``--set``/``--variant`` overrides; ``nvidia-smi`` is sampled meanwhile for every GPU's peak memory
+in use (the same figure for both trainers).
+
+OpenCLIP's side (``--openclip``): ``open_clip_train.main`` under ``torchrun`` with ``--dataset-type
+synthetic`` (no JPEG decoding: its data costs it less than ours costs us), ``--precision amp_bf16
+--local-loss --gather-with-grad --torchcompile``, ``--batch-size`` per GPU of ``--openclip-sub-batch``
+(``--accum-freq`` for the rest of the per-GPU batch) and ``--log-every-n-steps 1``; its per-step
+samples/s are parsed from its log, MFU computed with our run's FLOPs per sample and GPU peak.
+torchrun's parser refuses OpenCLIP's ``--logs`` (a prefix of its ``--logs-specs``), so this file is
+also the small script torchrun starts, which passes OpenCLIP its arguments (``--openclip-worker``).
+
+Steady figures leave out the first ``--warmup-steps`` steps (compilation, tuning); the step-by-step
+lists keep them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_ARGV = "MEGABATCH_OPENCLIP_ARGV"
+
+
+class GpuMemory:
+    """Peak memory in use on each GPU, sampled through ``nvidia-smi`` (``None`` without one)."""
+
+    def __init__(self, period_s: float = 0.5):
+        self.period_s, self.peak_mb, self._stop = period_s, {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return
+            for line in out.strip().splitlines():
+                index, used = (int(v) for v in line.split(","))
+                self.peak_mb[index] = max(self.peak_mb.get(index, 0), used)
+
+    def __enter__(self) -> GpuMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+    def peaks_gb(self, gpus: int) -> list[float] | None:
+        return [round(self.peak_mb[i] / 1024, 2) for i in range(gpus)] if self.peak_mb else None
+
+
+def dataset(images: int, size: int, epoch_samples: int, workdir: Path) -> str:
+    """The shard pattern of an epoch of ``epoch_samples`` from ``images`` distinct JPEGs."""
+    from megabatch.data.synthetic import photo_shards
+
+    real_dir, listed = workdir / "distinct", workdir / "listed"
+    per_shard = min(1024, images)
+    real = sorted(real_dir.glob("photo-*.tar")) or [Path(p) for p in photo_shards(images, size, real_dir, per_shard)]
+    sizes = json.loads((real_dir / "sizes.json").read_text())
+    count = -(-epoch_samples // per_shard)
+    shutil.rmtree(listed, ignore_errors=True)
+    listed.mkdir(parents=True)
+    listed_sizes = {}
+    for index in range(count):
+        source = real[index % len(real)]
+        name = f"shard-{index:06d}.tar"
+        os.link(source, listed / name)
+        listed_sizes[name] = sizes[source.name]
+    (listed / "sizes.json").write_text(json.dumps(listed_sizes))
+    return str(listed / f"shard-{{000000..{count - 1:06d}}}.tar")
+
+
+def steady(values: list[float], warmup: int) -> dict:
+    rest = values[warmup:] or values
+    if not rest:
+        return {}
+    median = statistics.median(rest)
+    return {"median": median, "min": min(rest), "max": max(rest),
+            "slowest_over_median": max(median / v for v in rest) if median else None}
+
+
+def torchrun(gpus: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+
+
+def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str], workdir: Path, warmup: int,
+             timeout_s: float) -> dict:
+    run_dir = workdir / "runs" / f"ours-{gpus}gpu-{batch}-{time.time_ns()}"
+    command = [*torchrun(gpus), str(ROOT / "train.py"), f"batch={batch}", "data=webdataset",
+               f"data.train.urls={urls}", f"trainer.max_steps={steps}", "trainer.log_every=1",
+               "trainer.ckpt_every=1000000", "eval=none", f"run_dir={run_dir}", *overrides]
+    print("$", " ".join(command), flush=True)
+    start = time.perf_counter()
+    with GpuMemory() as memory:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
+            code, out = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as error:
+            code, out = "timeout", (error.stdout or b"").decode() + (error.stderr or b"").decode()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
+    records = [r for r in records if "samples_per_s" in r]
+    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else out
+    flops = re.search(r"([\d.]+) GFLOP per trained sample", log)
+    peak = re.search(r"GPU peak ([\d.]+) TFLOP/s", log)
+    row = {"system": "megabatch", "gpus": gpus, "batch": batch, "overrides": overrides, "command": " ".join(command),
+           "returncode": code, "wall_s": round(time.perf_counter() - start, 1),
+           "gflop_per_sample": float(flops[1]) if flops else None, "gpu_peak_tflops": float(peak[1]) if peak else None,
+           "steps": [{"step": r.get("step"), "samples_per_s": r["samples_per_s"], "mfu": r.get("mfu"),
+                      "peak_gpu_gb": r.get("peak_gpu_gb"), "data_wait": r.get("data_wait"),
+                      "phases_s": {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("time/")}}
+                     for r in records],
+           "gpu_memory_peak_gb": memory.peaks_gb(gpus)}
+    row["samples_per_s"] = steady([s["samples_per_s"] for s in row["steps"]], warmup)
+    row["mfu"] = steady([s["mfu"] for s in row["steps"] if s["mfu"] is not None], warmup)
+    if code != 0:
+        row["log_tail"] = out[-4000:]
+    return row
+
+
+def run_openclip(gpus: int, batch: int, sub_batch: int, arch: str, steps: int, workers: int, warmup: int,
+                 basis: dict, timeout_s: float, extra: list[str]) -> dict:
+    per_gpu = batch // gpus
+    micro = min(sub_batch, per_gpu)
+    argv = ["--model", arch, "--dataset-type", "synthetic", "--train-num-samples", str(batch * steps),
+            "--batch-size", str(micro), "--accum-freq", str(per_gpu // micro), "--precision", "amp_bf16",
+            "--local-loss", "--gather-with-grad", "--torchcompile", "--epochs", "1", "--warmup", "0",
+            "--lr", "5e-4", "--workers", str(workers), "--log-every-n-steps", "1", "--logs", "none",
+            "--report-to", "", "--seed", "0", *extra]
+    command = [*torchrun(gpus), str(Path(__file__).resolve()), "--openclip-worker"]
+    print("$", f"{WORKER_ARGV}='{json.dumps(argv)}'", " ".join(command), flush=True)
+    start = time.perf_counter()
+    with GpuMemory() as memory:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s,
+                                  env={**os.environ, WORKER_ARGV: json.dumps(argv)})
+            code, out = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as error:
+            code, out = "timeout", (error.stdout or b"").decode() + (error.stderr or b"").decode()
+    per_step = [float(v) for v in re.findall(r"Batch \(t\): [\d.]+, ([\d.e+]+)/s,", out)]
+    row = {"system": "openclip", "gpus": gpus, "batch": batch, "openclip_argv": argv,
+           "command": f"{WORKER_ARGV}='{json.dumps(argv)}' " + " ".join(command), "returncode": code,
+           "wall_s": round(time.perf_counter() - start, 1),
+           "steps": [{"step": i + 1, "samples_per_s": v} for i, v in enumerate(per_step)],
+           "gpu_memory_peak_gb": memory.peaks_gb(gpus)}
+    if basis.get("gflop_per_sample") and basis.get("gpu_peak_tflops"):
+        for item in row["steps"]:  # our FLOP count of the same architecture and the same GPU peak
+            item["mfu"] = item["samples_per_s"] / gpus * basis["gflop_per_sample"] / (basis["gpu_peak_tflops"] * 1e3)
+    row["samples_per_s"] = steady(per_step, warmup)
+    row["mfu"] = steady([s["mfu"] for s in row["steps"] if "mfu" in s], warmup)
+    if code != 0 or not per_step:
+        row["log_tail"] = out[-4000:]
+    return row
+
+
+def openclip_worker() -> None:
+    """What torchrun starts for OpenCLIP: its ``main`` with the arguments the parent passed."""
+    from open_clip_train.main import main
+
+    main(json.loads(os.environ[WORKER_ARGV]))
+
+
+def main() -> None:
+    if "--openclip-worker" in sys.argv:
+        openclip_worker()
+        return
+    from megabatch.bench import write_results
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", default="1,2,4", help="GPU counts, in turn")
+    parser.add_argument("--batch", default="32k", help="global batches, comma-separated, in turn")
+    parser.add_argument("--model", default="openclip", help="our model option (model=...)")
+    parser.add_argument("--arch", default="ViT-B-32", help="model.arch with --model openclip; OpenCLIP's --model")
+    parser.add_argument("--loss", default="infcl")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--images", type=int, default=4096)
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--epoch-samples", type=int, default=160_000,
+                        help="samples an epoch lists (the distinct images again and again)")
+    parser.add_argument("--workers", type=int, default=12, help="loader workers a rank (data.num_workers)")
+    parser.add_argument("--set", nargs="*", default=["data.decode=gpu", "model.compile=true", "trainer.sub_batch=auto"],
+                        help="our config overrides")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="'name: override ...': a run per variant, each with --set and its own overrides")
+    parser.add_argument("--openclip", action="store_true", help="also OpenCLIP's trainer at each GPU count and batch")
+    parser.add_argument("--openclip-gpus", default=None, help="its GPU counts (default: --gpus)")
+    parser.add_argument("--openclip-sub-batch", type=int, default=1024, help="its --batch-size per GPU")
+    parser.add_argument("--openclip-set", nargs="*", default=[], help="more OpenCLIP arguments")
+    parser.add_argument("--timeout-s", type=float, default=540, help="per run")
+    parser.add_argument("--workdir", default="/tmp/multi-gpu-bench")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from megabatch.config import parse_count
+
+    workdir = Path(args.workdir)
+    urls = dataset(args.images, args.size, args.epoch_samples, workdir)
+    model = [f"model={args.model}", *([f"model.arch={args.arch}"] if args.model == "openclip" else [])]
+    common = [*model, f"loss={args.loss}", f"data.num_workers={args.workers}", *args.set]
+    variants = [(name.strip(), rest.split()) for name, _, rest in (v.partition(":") for v in args.variant)] \
+        or [(None, [])]
+    results, basis = [], {}
+    for batch in args.batch.split(","):
+        for gpus in (int(g) for g in args.gpus.split(",")):
+            for name, extra in variants:
+                row = run_ours(gpus, batch, urls, args.steps, [*common, *extra], workdir, args.warmup_steps,
+                               args.timeout_s)
+                row["variant"] = name
+                basis = basis if not row.get("gflop_per_sample") else row
+                results.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
+                write_results(args.out, results, images=args.images, size=args.size, epoch_samples=args.epoch_samples)
+        if args.openclip:
+            for gpus in (int(g) for g in (args.openclip_gpus or args.gpus).split(",")):
+                row = run_openclip(gpus, parse_count(batch, "--batch"), args.openclip_sub_batch, args.arch,
+                                   args.steps, args.workers, args.warmup_steps, basis, args.timeout_s,
+                                   args.openclip_set)
+                results.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
+                write_results(args.out, results, images=args.images, size=args.size, epoch_samples=args.epoch_samples)
+
+
+if __name__ == "__main__":
+    main()
