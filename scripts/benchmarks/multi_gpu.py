@@ -58,8 +58,10 @@ class GpuMemory:
             try:
                 out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True, timeout=10).stdout
-            except (OSError, subprocess.TimeoutExpired):
+            except OSError:  # no nvidia-smi: nothing to sample
                 return
+            except subprocess.TimeoutExpired:  # a busy host: try again at the next period
+                continue
             for line in out.strip().splitlines():
                 index, used = (int(v) for v in line.split(","))
                 self.peak_mb[index] = max(self.peak_mb.get(index, 0), used)
@@ -187,6 +189,12 @@ def openclip_worker() -> None:
     main(json.loads(os.environ[WORKER_ARGV]))
 
 
+def host_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def main() -> None:
     if "--openclip-worker" in sys.argv:
         openclip_worker()
@@ -236,7 +244,8 @@ def main() -> None:
                 basis = basis if not row.get("gflop_per_sample") else row
                 results.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
-                write_results(args.out, results, images=args.images, size=args.size, epoch_samples=args.epoch_samples)
+                write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
+                              epoch_samples=args.epoch_samples)
         if args.openclip:
             for gpus in (int(g) for g in (args.openclip_gpus or args.gpus).split(",")):
                 row = run_openclip(gpus, parse_count(batch, "--batch"), args.openclip_sub_batch, args.arch,
@@ -244,7 +253,8 @@ def main() -> None:
                                    args.openclip_set)
                 results.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
-                write_results(args.out, results, images=args.images, size=args.size, epoch_samples=args.epoch_samples)
+                write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
+                              epoch_samples=args.epoch_samples)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "docs" / "bench"
 PAGE = ROOT / "docs" / "benchmarks.md"
 E2E_PLOT = "end_to_end_vs_openclip_h100.png"
+MULTI_GPU_PLOT = "multi_gpu_scaling_4xh200.png"
 
 # Files written before the JSONs carried their own date and commit (meta.time, meta.git_commit):
 # the date of the commit that added each file.
@@ -150,10 +151,21 @@ QUESTIONS = [
     },
     {
         "title": "Several GPUs",
-        "text": "The Inf-CL ring on two GPUs of one host (NVLink) against one, per-GPU figures for the same "
-                "global batch, bf16, c = 768. No end-to-end multi-GPU run has been measured yet: the two-GPU "
-                "machines were not lent when the trainer changed last.",
+        "text": "As users launch them: `torchrun --nproc_per_node=N train.py` (ViT-B/32, `loss=infcl`, GPU "
+                "decoding, `model.compile=true`, `trainer.sub_batch=auto`, 12 loader workers a rank, an epoch of "
+                "160k samples: a boundary every 4 steps at 32k) against OpenCLIP 3.3's own trainer under torchrun "
+                "(`--local-loss --gather-with-grad --torchcompile --precision amp_bf16`, 1024 x `--accum-freq 8`, "
+                "synthetic data: no JPEG decoding on its side). Samples/s over the steps after the first two "
+                "(compilation): median, slowest and fastest; 'slowest / median' is the step-time ratio of the "
+                "slowest step to the median one. MFU counts the model's FLOPs x 3 against the GPU's bf16 peak "
+                "(OpenCLIP's with our FLOP count of the same architecture). Peak GB: the most any GPU had in use "
+                "(nvidia-smi, both trainers). Then the Inf-CL ring on two GPUs of one host (NVLink) against one, "
+                "per-GPU figures for the same global batch, bf16, c = 768.",
+        "picture": MULTI_GPU_PLOT,
         "entries": [
+            {"file": "multi_gpu_vit_b32_32k_4xh200.json", "kind": "multi_gpu", "label": "ViT-B/32, batch 32k"},
+            {"file": "multi_gpu_vit_b32_1m_4xh200.json", "kind": "multi_gpu", "phases": True,
+             "label": "ViT-B/32, batch 1M, `trainer.offload=true` (4 steps, the first left out)"},
             {"file": "loss_h200_1gpu_c768.json", "kind": "loss"},
             {"file": "loss_h200_2gpu_c768.json", "kind": "loss"},
             {"file": "siglip_loss_2xh200.json", "kind": "loss", "backends": ["siglip", "ref_siglip", "infcl"]},
@@ -256,6 +268,40 @@ def e2e_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
+def multi_gpu_table(data: dict, entry: dict) -> list[str]:
+    rows = ["| trainer | GPUs | samples/s (median) | slowest - fastest | slowest / median | s / step | "
+            "x 1 GPU | vs OpenCLIP | MFU | peak GB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    results = [row for row in data["results"] if row.get("samples_per_s")]
+    for row in results:
+        speed = row["samples_per_s"]
+        one = next((r for r in results if r["system"] == row["system"] and r["gpus"] == 1), None)
+        theirs = next((r for r in results if r["system"] == "openclip" and r["gpus"] == row["gpus"]), None)
+        scaling = f"{speed['median'] / one['samples_per_s']['median']:.2f}x" if one and row["gpus"] > 1 else "-"
+        versus = f"**{speed['median'] / theirs['samples_per_s']['median']:.2f}x**" \
+            if theirs and row["system"] == "megabatch" else "-"
+        trainer = "megabatch" if row["system"] == "megabatch" else "OpenCLIP 3.3"
+        peak = max(row["gpu_memory_peak_gb"]) if row.get("gpu_memory_peak_gb") else None
+        mfu = row.get("mfu", {}).get("median")
+        rows.append(f"| {trainer} | {row['gpus']} | {speed['median']:,.0f} | {speed['min']:,.0f} - {speed['max']:,.0f} "
+                    f"| {speed['slowest_over_median']:.2f} | {sample_batch(row) / speed['median']:.2f} | {scaling} | "
+                    f"{versus} | {f'{mfu * 100:.1f}%' if mfu else '-'} | {f'{peak:.1f}' if peak else '-'} |")
+    if entry.get("phases"):
+        ours = next(row for row in results if row["system"] == "megabatch")
+        last = ours["steps"][-1]["phases_s"]
+        rows += ["", "Where the last step's time went (rank 0): " + ", ".join(f"{k} {v:.1f} s" for k, v in last.items())
+                 + "."]
+    return rows
+
+
+def sample_batch(row: dict) -> int:
+    """A row's global batch in samples (``32k``, ``1M`` or a number)."""
+    batch = str(row["batch"])
+    for suffix, size in (("k", 2**10), ("M", 2**20)):
+        if batch.endswith(suffix):
+            return int(batch[:-1]) * size
+    return int(batch)
+
+
 def loader_table(data: dict, entry: dict) -> list[str]:
     rows = ["| split | index cache | workers | sub-batch | samples/s |", "|---|---|---|---|---|"]
     for row in data["results"]:
@@ -336,7 +382,7 @@ def learning_table(data: dict, entry: dict) -> list[str]:
 
 TABLES = {"loss": loss_table, "e2e": e2e_table, "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
-          "layernorm": layernorm_table}
+          "layernorm": layernorm_table, "multi_gpu": multi_gpu_table}
 
 
 def page() -> str:
@@ -397,6 +443,38 @@ def plot_end_to_end(out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_multi_gpu(out: Path) -> None:
+    """Samples/s against GPUs at 32k, each step after warm-up a dot, the median a line; OpenCLIP beside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = load("multi_gpu_vit_b32_32k_4xh200.json")
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for system, color, label in (("megabatch", "#3b7dd8", "megabatch (torchrun train.py)"),
+                                 ("openclip", "#d8703b", "OpenCLIP 3.3 (torchrun)")):
+        rows = sorted((r for r in data["results"] if r["system"] == system and r.get("steps")), key=lambda r: r["gpus"])
+        if not rows:
+            continue
+        for row in rows:
+            speeds = [s["samples_per_s"] / 1e3 for s in row["steps"][2:]]
+            ax.scatter([row["gpus"]] * len(speeds), speeds, color=color, alpha=0.35, s=14)
+        ax.plot([r["gpus"] for r in rows], [r["samples_per_s"]["median"] / 1e3 for r in rows], "o-", color=color,
+                label=label)
+    ours = [r for r in data["results"] if r["system"] == "megabatch" and r["gpus"] == 1]
+    if ours:
+        base = ours[0]["samples_per_s"]["median"] / 1e3
+        ax.plot([1, 4], [base, 4 * base], ":", color="gray", label="linear from 1 GPU")
+    ax.set_xticks([1, 2, 4])
+    ax.set_xlabel("H200 GPUs of one host")
+    ax.set_ylabel("k samples/s (dots: steps; line: median)")
+    ax.set_title("ViT-B/32, batch 32k, loss=infcl")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
@@ -415,7 +493,8 @@ def main(argv: list[str]) -> int:
     PAGE.write_text(text)
     if args.plots:
         plot_end_to_end(BENCH / E2E_PLOT)
-    print(f"wrote {PAGE.relative_to(ROOT)}" + (f" and {E2E_PLOT}" if args.plots else ""))
+        plot_multi_gpu(BENCH / MULTI_GPU_PLOT)
+    print(f"wrote {PAGE.relative_to(ROOT)}" + (f" and {E2E_PLOT}, {MULTI_GPU_PLOT}" if args.plots else ""))
     return 0
 
 
