@@ -382,7 +382,7 @@ def kept_graph_sweep(urls: list[str], counts: list[int], sub_batch: int, workers
             times: dict[bool, list[float]] = {True: [], False: []}
             peaks: dict[bool, float] = {True: 0.0, False: 0.0}
             for kept in [True] + [True, False] * rounds:
-                step.keep = dataclasses.replace(keep, keep_graph=kept)
+                step.keep = dataclasses.replace(keep, kept_graphs=int(kept))
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()

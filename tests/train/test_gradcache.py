@@ -63,6 +63,32 @@ def test_sub_batches_give_the_full_batch_gradients(loss, tmp_path):
     assert torch.equal(cached["loss"], full["loss"])
 
 
+@pytest.mark.parametrize("kept", [0, 2, 4])
+def test_kept_graphs_give_the_one_pass_gradients(kept, monkeypatch):
+    """``trainer.keep_graph=N``: the last N of 4 sub-batches back-propagate from their phase-1
+    graphs and are not encoded again; none, some and all of them, with patch dropout drawn: the
+    one-pass step's gradients, the temperature's included (with all kept it goes with the last graph)."""
+    from megabatch.models.clip import ClipModel
+
+    calls, original = [], ClipModel._text_features
+    monkeypatch.setattr(ClipModel, "_text_features", lambda self, texts: calls.append(1) or original(self, texts))
+    extra = ["loss=infcl", "loss.tile=8", "model.trim_text=false"]
+    full = step_gradients(0, 1, extra)
+    calls.clear()
+    cached = step_gradients(0, 1, extra + [f"trainer.sub_batch={BATCH // 4}", f"trainer.keep_graph={kept}"])
+    assert len(calls) == 1 + 4 + (4 - kept)  # the FLOP count, phase 1, the replayed sub-batches
+    assert rel_error(flat(cached["grads"]), flat(full["grads"])) <= 1e-6
+    assert rel_error(cached["grads"]["clip.logit_scale"], full["grads"]["clip.logit_scale"]) <= 1e-6
+
+
+def test_kept_graphs_of_caption_chunks_give_the_gradients_of_none_kept():
+    """Captions cut and grouped by length: chunk i keeps its graph with image sub-batch i."""
+    extra = ["loss=vanilla", f"trainer.sub_batch={BATCH // 4}"]
+    none = step_gradients(0, 1, extra + ["trainer.keep_graph=false"])
+    some = step_gradients(0, 1, extra + ["trainer.keep_graph=3"])
+    assert rel_error(flat(some["grads"]), flat(none["grads"])) <= 1e-6
+
+
 def test_patch_dropout_replays_bit_for_bit():
     cfg = compose("model.image.patch_dropout=0.5")
     torch.manual_seed(0)
@@ -184,8 +210,9 @@ def test_fp16_with_scaler_is_finite_and_close_to_fp32(tmp_path):
 
 def two_rank_step(rank: int, world: int) -> dict:
     # no patch dropout: each rank draws its own masks, so 1 and 2 processes would differ
+    # every graph asked to be kept: on two ranks all but the last, whose replay synchronises them
     return step_gradients(rank, world, ["loss=infcl", "loss.tile=8", "trainer.sub_batch=4",
-                                        "model.image.patch_dropout=0"], step=True)
+                                        "model.image.patch_dropout=0", "trainer.keep_graph=4"], step=True)
 
 
 def test_two_ranks_equal_one_process_and_replicas_stay_identical(tmp_path):

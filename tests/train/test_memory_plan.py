@@ -35,6 +35,27 @@ def test_the_largest_divisor_that_fits_is_chosen():
     assert plan_sub_batch(256, fit, 80 * GB, 0.9).sub_batch == 256
 
 
+def test_the_graphs_that_fit_beside_the_chosen_sub_batch():
+    """``trainer.keep_graph=auto``: what the chosen sub-batch leaves of the budget, in kept graphs of
+    ``graph_per_row x sub_batch`` each (the measured graph), else ``per_row x sub_batch``."""
+    # 0.9 x 141 GB = 126.9 GB, 2 GB held: 8192 rows (1 + 81.92 GB) fit, 16384 do not; 41.98 GB left
+    fit = MemoryFit(fixed=1 * GB, per_row=0.01 * GB, graph_per_row=0.001 * GB)
+    choice = plan_sub_batch(32768, fit, 141 * GB, 0.9, batch_bytes=2 * GB)
+    assert choice.sub_batch == 8192 and choice.graphs_that_fit == 5  # 8.192 GB a graph
+    # not measured: a whole forward-backward a graph (81.92 GB): none beside it
+    unmeasured = MemoryFit(fixed=1 * GB, per_row=0.01 * GB)
+    assert plan_sub_batch(32768, unmeasured, 141 * GB, 0.9, batch_bytes=2 * GB).graphs_that_fit == 0
+    # a batch the divisors leave room beside: 3,000 rows, 600 (61 GB) of 70 GB, 9 GB left, 6 GB a graph
+    assert plan_sub_batch(3000, MemoryFit(1 * GB, 0.1 * GB, 0.01 * GB), 80 * GB, 0.9,
+                          batch_bytes=2 * GB).graphs_that_fit == 1
+
+
+def test_the_graph_is_fitted_through_the_probes():
+    fit = MemoryFit.through([(64, 3.25 * GB, 1.2 * GB), (32, 2.11 * GB, 0.7 * GB)])
+    assert fit.graph_per_row == pytest.approx(0.5 * GB / 32)
+    assert MemoryFit.through([(32, 2.11 * GB), (64, 3.25 * GB)]).graph_per_row == 0.0
+
+
 def test_nothing_fitting_is_a_clear_error():
     with pytest.raises(ConfigError, match="trainer.sub_batch=auto: not even one sample fits.*trainer.offload=true"):
         plan_sub_batch(1024, MemoryFit(fixed=70 * GB, per_row=0.1 * GB), 80 * GB, 0.9, batch_bytes=5 * GB)

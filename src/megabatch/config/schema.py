@@ -62,7 +62,7 @@ class TrainerConfig:
     feature_dtype: str = MISSING
     parallel: str = MISSING
     fsdp_reduce: str = MISSING
-    keep_graph: bool = MISSING
+    keep_graph: Any = MISSING         # auto, true, false or a count of sub-batches
     max_bad_steps: int = MISSING
     tf32: bool = MISSING
 
@@ -287,6 +287,11 @@ def check_trainer(trainer: DictConfig) -> None:
     if trainer.offload_dir and not trainer.offload:
         raise ConfigError("trainer.offload_dir is set but trainer.offload=false; set trainer.offload=true "
                           "or drop trainer.offload_dir")
+    kept = trainer.keep_graph
+    if kept != "auto" and not isinstance(kept, bool) and not (isinstance(kept, int) and kept >= 0):
+        raise ConfigError(f"trainer.keep_graph={kept!r}: give how many GradCache sub-batches keep their phase-1 "
+                          "graphs: auto (as many as the memory plan leaves room for), true (the last one), false "
+                          "(none) or a count, e.g. trainer.keep_graph=4")
     budget = trainer.prefetch_gb
     if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
         raise ConfigError(f"trainer.prefetch_gb={budget!r}: give the host memory (GB per rank) the "

@@ -71,8 +71,9 @@ class ReplayInputs:
     (a frozen tower's phase-1 features are final: nothing of it is kept or encoded again), the
     images as tensors on the device, or with ``offload`` as encoded bytes handed to it.
     ``text_trim``: captions are grouped by length and cut (``models.text_length``); ``None``: each
-    sub-batch's captions are encoded whole with its images. ``keep_graph``: the last sub-batch is
-    encoded with its graph in phase 1 and not encoded again (one forward of K saved).
+    sub-batch's captions are encoded whole with its images. ``kept_graphs``: the last that many
+    sub-batches are encoded with their graphs in phase 1 and not encoded again (a forward each saved;
+    their activations held through the loss).
 
     The one way in to the offload during a step: ``new_step``, ``keep_images`` (phase 1),
     ``images_again`` (phase 3) and ``keep_bytes`` (a one-pass step)."""
@@ -81,7 +82,11 @@ class ReplayInputs:
     texts: bool
     offload: Offload | None = None
     text_trim: TextTrim | None = None
-    keep_graph: bool = False
+    kept_graphs: int = 0
+
+    def with_graph(self, index: int, count: int) -> bool:
+        """Whether sub-batch (or caption chunk) ``index`` of ``count`` keeps its phase-1 graph."""
+        return index >= count - self.kept_graphs
 
     def new_step(self) -> None:
         """A step begins: the last step's kept bytes are no longer needed."""
@@ -130,7 +135,8 @@ class EncodedBatch:
     texts: list[torch.Tensor] = field(default_factory=list)    # token ids, on the device
     images: list[torch.Tensor] = field(default_factory=list)   # offload off: inputs on the device
     kept: list = field(default_factory=list)                    # offload on: what Offload.keep gave
-    graph: tuple | None = None                                  # keep_graph: last (image, text) features + graph
+    graphs: dict = field(default_factory=dict)                 # index -> [image, text] features with their graphs
+    scalars: tuple = (None, None)                               # the last kept graph's scale and bias
     data_s: float = 0.0                                          # time spent waiting on the loader
 
     @property
@@ -139,8 +145,8 @@ class EncodedBatch:
 
     @property
     def num_replayed(self) -> int:
-        """Sub-batches encoded again in phase 3: all but one whose graph phase 1 kept."""
-        return self.num_sub - (self.graph is not None)
+        """Sub-batches encoded again in phase 3: all but those whose graphs phase 1 kept (the last ones)."""
+        return self.num_sub - len(self.graphs)
 
     def text_rows(self, index: int) -> slice | torch.Tensor:
         """The rows of text chunk ``index`` in the feature buffers (those of sub-batch ``index``
@@ -167,11 +173,11 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
     """Phase 1: encode ``count`` sub-batches from ``stream`` into preallocated feature buffers
     (``precision.feature_dtype``), recording each one's RNG state and keeping what ``keep`` says.
     With ``keep.text_trim`` the captions wait on the host until all images are encoded, then are
-    encoded grouped by length (``encode_captions``); with ``keep.keep_graph`` the last sub-batch
-    (and caption chunk) keeps its graph."""
+    encoded grouped by length (``encode_captions``); the last ``keep.kept_graphs`` sub-batches (and
+    caption chunks) keep their graphs."""
     device, encoded, captions = precision.device, None, []
     for index in range(count):
-        with_graph = keep.keep_graph and index == count - 1
+        with_graph = keep.with_graph(index, count)
         waited = time.perf_counter()
         sub = next(stream)
         images = to_device(sub.images, device)
@@ -179,7 +185,7 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
         data_s = time.perf_counter() - waited
         rng = RngState.capture(device)
         with torch.enable_grad() if with_graph else contextlib.nullcontext(), precision.autocast():
-            image_features, text_features, *_ = model(images, texts)
+            image_features, text_features, *scalars = model(images, texts)
         if encoded is None:  # preallocate once the feature width is known
             rows, dtype = count * len(sub.texts), precision.feature_dtype
             encoded = EncodedBatch(image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
@@ -196,15 +202,16 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
             if keep.texts:
                 encoded.texts.append(texts)
         if with_graph:
-            encoded.graph = (image_features, text_features)
+            encoded.graphs[index] = [image_features, text_features]
+            encoded.scalars = (*scalars, None)[:2]  # the last kept sub-batch's scale and bias, with their graph
         else:
             keep.keep_images(encoded, sub, images)
         if progress is not None:
             progress.update(1)
     if captions:
         encode_captions(model, encoded, torch.cat(captions), precision)
-    if encoded.graph is not None and not any(f is not None and f.requires_grad for f in encoded.graph):
-        encoded.graph = None  # nothing trainable in it (both towers frozen): replayed like the others
+    if not any(f is not None and f.requires_grad for graph in encoded.graphs.values() for f in graph):
+        encoded.graphs.clear()  # nothing trainable in them (both towers frozen): replayed like the others
     return encoded
 
 
@@ -219,7 +226,7 @@ def encode_captions(model, encoded: EncodedBatch, texts: torch.Tensor, precision
     texts, encoded.text_order = to_device(texts, device), to_device(order, device)
     chunks = order.split(encoded.sub_batch)
     for index, rows in enumerate(chunks):
-        with_graph = keep.keep_graph and index == len(chunks) - 1
+        with_graph = keep.with_graph(index, len(chunks))
         length = trim.bucket(int(lengths[rows].max()))  # a host tensor: no sync
         on_device = encoded.text_rows(index)  # this chunk's rows, as indices on the device
         chunk = texts.index_select(0, on_device)[:, :length].contiguous()
@@ -228,7 +235,7 @@ def encode_captions(model, encoded: EncodedBatch, texts: torch.Tensor, precision
             _, text_features, *_ = model(None, chunk)
         encoded.text_features.index_copy_(0, on_device, text_features.detach().to(encoded.text_features.dtype))
         if with_graph:
-            encoded.graph = (encoded.graph[0], text_features)
+            encoded.graphs[index][1] = text_features
         elif keep.texts:
             encoded.texts.append(chunk)
 
@@ -265,25 +272,28 @@ class GradSync:
 
 def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precision,
            images_again: Iterator[torch.Tensor] | None = None, progress=None, sync: GradSync | None = None) -> float:
-    """Phase 3: back-propagate the cached feature gradients, first through the graph phase 1 kept
+    """Phase 3: back-propagate the cached feature gradients, first through the graphs phase 1 kept
     (if any), then through each other sub-batch re-encoded with its RNG state (and its caption
     chunk's). ``images_again`` yields the re-decoded images when data is offloaded. Only the
     towers whose inputs phase 1 kept are encoded again. ``sync`` says which backward passes reduce
     the gradients across ranks (default ``GradSync.of(model)``): with DDP only the last replayed
-    sub-batch's (the kept graph, built by the unwrapped model in phase 1, is back-propagated first,
-    outside DDP's bookkeeping; its gradients join the synchronisation with the others'). Returns
+    sub-batch's (the kept graphs, built by the unwrapped model in phase 1, are back-propagated first,
+    outside DDP's bookkeeping; their gradients join the synchronisation with the others'). Returns
     the time spent waiting for re-decoded images."""
     device, replayed = precision.device, encoded.num_replayed
     sync = GradSync.of(model) if sync is None else sync
     after_encoding = RngState.capture(device)
     waited_s = 0.0
-    if encoded.graph is not None:
-        index = encoded.num_sub - 1
-        surrogate = _surrogate(*encoded.graph, grads, index, encoded)
+    for index in sorted(encoded.graphs):
+        # the temperature's (and the bias's) gradient goes with the last kept graph when no
+        # sub-batch is replayed (all kept: one process), else with the last replayed one
+        scalars = replayed == 0 and index == encoded.num_sub - 1
+        surrogate = _surrogate(*encoded.graphs.pop(index)[:2], grads, index, encoded,
+                               *(encoded.scalars if scalars else (None, None)))
         if surrogate is not None:
             with contextlib.nullcontext() if sync.kept is None else sync.kept():
                 surrogate.backward()
-        encoded.graph = None  # its activations are freed
+        del surrogate  # its activations are freed
         if progress is not None:
             progress.update(1)
     for index in range(replayed):

@@ -21,19 +21,22 @@ from ..config import ConfigError
 
 @dataclass(frozen=True)
 class MemoryFit:
-    """``peak(rows) = fixed + per_row x rows`` (bytes), fitted through two probes."""
+    """``peak(rows) = fixed + per_row x rows`` (bytes), fitted through two probes; ``graph_per_row``:
+    what a forward's graph holds per sample until its backward (0: not measured)."""
 
     fixed: float
     per_row: float
+    graph_per_row: float = 0.0
 
     @classmethod
-    def through(cls, probes: list[tuple[int, int]]) -> MemoryFit:
-        """The line through two ``(rows, peak bytes)`` probes."""
-        (rows_a, peak_a), (rows_b, peak_b) = sorted(probes)
+    def through(cls, probes: list[tuple]) -> MemoryFit:
+        """The line through two ``(rows, peak bytes[, graph bytes])`` probes."""
+        (rows_a, peak_a, *graph_a), (rows_b, peak_b, *graph_b) = sorted(probes)
         if rows_a == rows_b:
             raise ValueError("two probes of different sizes are needed")
         per_row = max(0.0, (peak_b - peak_a) / (rows_b - rows_a))
-        return cls(peak_a - per_row * rows_a, per_row)
+        graph = max(0.0, (graph_b[0] - graph_a[0]) / (rows_b - rows_a)) if graph_a and graph_b else 0.0
+        return cls(peak_a - per_row * rows_a, per_row, graph)
 
     def peak(self, rows: int) -> float:
         return self.fixed + self.per_row * rows
@@ -41,10 +44,23 @@ class MemoryFit:
 
 @dataclass(frozen=True)
 class SubBatchChoice:
+    """A sub-batch, its predicted peak within the budget, the fit behind it, and ``graphs_that_fit``:
+    the sub-batch graphs GradCache can keep from phase 1 to the replay in what is left of the budget
+    (``trainer.keep_graph=auto``; ``graphs_in``)."""
+
     sub_batch: int
     predicted_bytes: float
     budget_bytes: float
     fit: MemoryFit
+    graphs_that_fit: int = 0
+
+
+def graphs_in(room_bytes: float, fit: MemoryFit, sub_batch: int) -> int:
+    """Kept sub-batch graphs that ``room_bytes`` holds: each what a forward's graph was measured to
+    hold per sample (``fit.graph_per_row``, eager: more than compiled towers keep), else a whole
+    forward-backward's cost per sample (``fit.per_row``, an upper bound)."""
+    graph = (fit.graph_per_row or fit.per_row) * sub_batch
+    return int(max(0.0, room_bytes) // graph) if graph > 0 else 0
 
 
 def plan_sub_batch(rank_batch: int, fit: MemoryFit, capacity_bytes: float, memory_fraction: float,
@@ -60,7 +76,9 @@ def plan_sub_batch(rank_batch: int, fit: MemoryFit, capacity_bytes: float, memor
             f"{memory_fraction} x {capacity_bytes / 1e9:.1f} GB (trainer.memory_fraction); use "
             "trainer.offload=true, a smaller batch, or more GPUs")
     best = max(fitting)
-    return SubBatchChoice(best, fit.peak(best) + batch_bytes, memory_fraction * capacity_bytes, fit)
+    predicted = fit.peak(best) + batch_bytes
+    return SubBatchChoice(best, predicted, memory_fraction * capacity_bytes, fit,
+                          graphs_in(memory_fraction * capacity_bytes - predicted, fit, best))
 
 
 def divisors(n: int) -> list[int]:
@@ -77,14 +95,17 @@ def batch_bytes(rank_batch: int, embed_dim: int, feature_bytes: int, kept_input_
     return features + rank_batch * kept_input_bytes_per_row + 2 * 4 * trainable_params
 
 
-def probe_peak_memory(model, rows: int, precision, device: torch.device) -> int:
+def probe_peak_memory(model, rows: int, precision, device: torch.device) -> tuple[int, int]:
     """Peak allocated bytes of one forward-backward of ``rows`` synthetic samples
-    (``ClipModel.example_inputs``) under ``precision``'s autocast; the gradients are cleared after."""
+    (``ClipModel.example_inputs``) under ``precision``'s autocast, and the bytes its graph held
+    between the forward and the backward; the gradients are cleared after."""
     images, texts = model.example_inputs(rows, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
     with precision.autocast():
         image_features, text_features, scale, _ = model(images, texts)
+    graph = torch.cuda.memory_allocated(device) - before
     surrogate = scale.float()
     for features in (image_features, text_features):
         if features.requires_grad:
@@ -95,4 +116,4 @@ def probe_peak_memory(model, rows: int, precision, device: torch.device) -> int:
     model.zero_grad(set_to_none=True)
     del images, texts, image_features, text_features, surrogate
     torch.cuda.empty_cache()
-    return peak
+    return peak, graph

@@ -30,7 +30,7 @@ from ..models.fp8 import convert_to_fp8
 from ..models.preprocess import describe_preprocess
 from .compile_cache import CompileCache, cache_file
 from .inputs import RunInputs, read_ahead_budget
-from .memory_plan import MemoryFit, batch_bytes, plan_sub_batch, probe_peak_memory
+from .memory_plan import MemoryFit, SubBatchChoice, batch_bytes, graphs_in, plan_sub_batch, probe_peak_memory
 from .optim import build_optimizer
 from .plan import BatchPlan
 from .precision import Precision
@@ -83,10 +83,12 @@ class RunParts:
         with phase("plan"):
             loss = prepare_model(cfg, model, env, precision)
             # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
-            plan = plan_batches(cfg, env.world_size, data, choose_sub_batch(cfg, model, env, data, precision, ahead))
+            auto = choose_sub_batch(cfg, model, env, data, precision, ahead)
+            plan = plan_batches(cfg, env.world_size, data, auto.sub_batch if auto else None)
             offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
         with phase("step"):
-            built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False)
+            built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False,
+                               graphs_that_fit=auto.graphs_that_fit if auto else None)
             schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
                                    steps_per_epoch=plan.steps_per_epoch)
             inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
@@ -182,7 +184,8 @@ class Compilation:
 
 
 def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan, precision: Precision,
-               offload: Offload | None = None, *, warm_up: bool = True) -> BuiltStep:
+               offload: Offload | None = None, *, warm_up: bool = True,
+               graphs_that_fit: int | None = None) -> BuiltStep:
     """The step a run of ``cfg`` trains ``model`` (``prepare_model``'s) with at ``plan``: the
     optimizer, the text tower's trimming, the compiled towers (``model.compile``; compiled here, or
     later by the returned ``compilation.run()`` with ``warm_up=False``), and the ``TrainStep``."""
@@ -197,10 +200,25 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     if compilation is not None and warm_up:
         compilation.run()
     step = TrainStep(model, loss, optimizer, env.device, precision=precision, sub_batches=plan.sub_batches,
-                     grad_clip=cfg.optim.grad_clip, offload=offload, keep_graph=cfg.trainer.keep_graph,
+                     grad_clip=cfg.optim.grad_clip, offload=offload,
+                     keep_graph=kept_graphs(cfg.trainer.keep_graph, graphs_that_fit, plan, env),
                      fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0,
                      max_bad_steps=cfg.trainer.max_bad_steps)
     return BuiltStep(step, optimizer, peak_lr, compilation)
+
+
+def kept_graphs(keep_graph, graphs_that_fit: int | None, plan: BatchPlan, env: DistEnv) -> int:
+    """``trainer.keep_graph``'s count of GradCache sub-batches whose phase-1 graphs are kept: ``auto``
+    as many as ``trainer.sub_batch=auto``'s plan leaves room for (at least the last one; the last
+    one alone where no plan measured the memory), ``true`` one, ``false`` none, or a number.
+    ``TrainStep`` caps it (all but one sub-batch on several ranks)."""
+    if keep_graph == "auto":
+        count = 1 if graphs_that_fit is None else max(1, graphs_that_fit)
+        if graphs_that_fit is not None and plan.sub_batches > 1 and env.rank == 0:
+            log.info("trainer.keep_graph=auto: %d of the %d sub-batches keep their phase-1 graphs (room for %d)",
+                     min(count, plan.sub_batches - (env.world_size > 1)), plan.sub_batches, graphs_that_fit)
+        return count
+    return int(keep_graph)
 
 
 def check_exact_replay(model: ClipModel, plan: BatchPlan) -> None:
@@ -320,21 +338,22 @@ def plan_batches(cfg: DictConfig, world_size: int, data: TrainData, sub_batch: i
 
 
 def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: TrainData,
-                     precision: Precision, decode_ahead: float = 0.0) -> int | None:
+                     precision: Precision, decode_ahead: float = 0.0) -> SubBatchChoice | None:
     """``trainer.sub_batch=auto``: the largest divisor of the per-rank batch whose forward-backward
     fits ``trainer.memory_fraction`` of the GPU (``memory_plan.py``), the smallest over the ranks
-    (they must agree); ``None`` when the config gives a number or null. ``decode_ahead``: the GPU bytes
+    (they must agree), and the kept graphs the rest of the memory holds (``graphs_that_fit``, the
+    smallest over the ranks); ``None`` when the config gives a number or null. ``decode_ahead``: the GPU bytes
     kept for images decoded ahead of the step (``data.decode_ahead_gb``), left free."""
     if cfg.trainer.sub_batch != "auto":
         return None
     rank_batch = BatchPlan.from_config(cfg, env.world_size, data.num_samples, sub_batch=1).rank_batch
     if env.device.type != "cuda":
         log.info("trainer.sub_batch=auto on the CPU: no GPU memory to fit, the whole per-rank batch (%d)", rank_batch)
-        return rank_batch
-    probes = [(rows, probe_peak_memory(model, rows, precision, env.device))
+        return SubBatchChoice(rank_batch, 0.0, 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
+    probes = [(rows, *probe_peak_memory(model, rows, precision, env.device))
               for rows in sorted({min(rank_batch, 32), min(rank_batch, 64)})]
     if len(probes) == 1:  # a per-rank batch of at most 32: the probe ran it whole
-        return rank_batch
+        return SubBatchChoice(rank_batch, float(probes[0][1]), 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
     offload, replayed = cfg.trainer.offload, not model.frozen("image")
     images, texts = model.example_inputs(1, torch.device("meta"))  # one row's shapes
     kept_per_row = texts.numel() * 8 + (0 if offload or not replayed else images.numel())
@@ -344,18 +363,22 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
     capacity = torch.cuda.get_device_properties(env.device).total_memory
     choice = plan_sub_batch(rank_batch, MemoryFit.through(probes), capacity, cfg.trainer.memory_fraction, held)
     sub_batch = choice.sub_batch
-    if env.distributed:  # every rank must split its batch alike: the smallest choice wins
+    if env.distributed:  # every rank must split its batch alike, and keep as many graphs: the smallest wins
         agreed = torch.tensor([sub_batch], device=env.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         sub_batch = int(agreed.item())
+        predicted = choice.fit.peak(sub_batch) + held
+        graphs = torch.tensor([graphs_in(choice.budget_bytes - predicted, choice.fit, sub_batch)], device=env.device)
+        dist.all_reduce(graphs, op=dist.ReduceOp.MIN)
+        choice = SubBatchChoice(sub_batch, predicted, choice.budget_bytes, choice.fit, int(graphs.item()))
     if env.rank == 0:
-        log.info("trainer.sub_batch=auto: %d (peak memory measured at %s: %.2f GB + %.1f MB per sample; with "
-                 "%.1f GB held for the per-rank batch of %d, %.1f of %.1f GB predicted, trainer.memory_fraction=%s)",
-                 sub_batch,
-                 " and ".join(f"{rows} ({peak / 1e9:.2f} GB)" for rows, peak in probes), choice.fit.fixed / 1e9,
-                 choice.fit.per_row / 1e6, held / 1e9, rank_batch, choice.predicted_bytes / 1e9, capacity / 1e9,
-                 cfg.trainer.memory_fraction)
-    return sub_batch
+        log.info("trainer.sub_batch=auto: %d (peak memory measured at %s: %.2f GB + %.1f MB per sample, a graph "
+                 "%.2f MB per sample; with %.1f GB held for the per-rank batch of %d, %.1f of %.1f GB predicted, "
+                 "room for %d kept graphs; trainer.memory_fraction=%s)", sub_batch,
+                 " and ".join(f"{rows} ({peak / 1e9:.2f} GB)" for rows, peak, _ in probes), choice.fit.fixed / 1e9,
+                 choice.fit.per_row / 1e6, choice.fit.graph_per_row / 1e6, held / 1e9, rank_batch,
+                 choice.predicted_bytes / 1e9, capacity / 1e9, choice.graphs_that_fit, cfg.trainer.memory_fraction)
+    return choice
 
 
 def rank_trainable_params(model: torch.nn.Module) -> int:

@@ -129,8 +129,10 @@ class TrainStep:
     bf16 towers, else fp32);
     ``grad_clip``: max norm of the true gradient, or ``None``; ``offload``: keeps
     the image bytes and re-decodes them for the replay (``None``: inputs stay on the device);
-    ``keep_graph``: GradCache's last sub-batch keeps its phase-1 graph instead of being encoded
-    again. Captions are cut to their length where ``model.text_trim`` is set (``trim_text``).
+    ``keep_graph``: GradCache's last sub-batches whose phase-1 graphs are kept instead of being
+    encoded again (``True``: one, ``False``: none, or a count; with several ranks at most all but one,
+    whose replay synchronises the gradients). Captions are cut to their length where
+    ``model.text_trim`` is set (``trim_text``).
     ``fsdp_reduce`` (a sharded model): ``sub_batch`` reduce-scatters each replayed sub-batch's
     gradients (sharded gradients accumulate: least memory), ``step`` once per step (unsharded
     gradients accumulate until the last sub-batch: fewer collectives, a whole model's gradients held).
@@ -141,7 +143,7 @@ class TrainStep:
     def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
                  precision: str | Precision = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
                  grad_clip: float | None = None, offload: Offload | None = None,
-                 keep_graph: bool = True, fsdp_reduce: str = "sub_batch", show_progress: bool = False,
+                 keep_graph: bool | int = True, fsdp_reduce: str = "sub_batch", show_progress: bool = False,
                  max_bad_steps: int = 10):
         self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
         self.precision = precision if isinstance(precision, Precision) else \
@@ -164,10 +166,19 @@ class TrainStep:
         replay_images = not model.frozen("image")
         self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text"),
                                  offload=offload if replay_images else None, text_trim=model.text_trim,
-                                 keep_graph=keep_graph)
+                                 kept_graphs=self.kept_graphs(keep_graph))
         self.loss: torch.Tensor | None = None  # the last gradients() call's
         self.health = UpdateHealth(max_bad_steps)
         self.unsettled: StepOutcome | None = None  # the last step, its update not yet read (settle)
+
+    def kept_graphs(self, keep_graph: bool | int) -> int:
+        """How many sub-batches keep their phase-1 graphs: ``keep_graph`` (``True``: 1), at most
+        all of them on one rank; with several, all but one, whose replay reduces the gradients
+        across the ranks (the kept graphs' backward passes go outside DDP's bookkeeping, and under
+        FSDP's held reduction)."""
+        if self.sub_batches == 1:
+            return 0
+        return min(int(keep_graph), self.sub_batches - 1 if self.distributed else self.sub_batches)
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
