@@ -19,8 +19,9 @@ def ddp_and_fsdp(rank: int, world: int, overrides: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("overrides", [
-    # both towers, every exact option on (captions cut, the last graph kept), a reduce-scatter per sub-batch
-    ["loss=local"],
+    # both towers, every exact option on (captions cut, graphs kept: all but the last sub-batch's, the most
+    # allowed on several ranks), a reduce-scatter per sub-batch
+    ["loss=local", "trainer.fsdp_reduce=sub_batch", "trainer.keep_graph=8"],
     # LiT (a locked image tower: no shard of it has a gradient), the sigmoid loss's bias, one reduction per step
     ["loss=siglip", "loss.tile=8", "model.init_logit_bias=-10", "model.lock_image=true", "trainer.fsdp_reduce=step"],
 ], ids=["gradcache", "locked-siglip-once-per-step"])

@@ -86,3 +86,31 @@ def test_the_keys_are_checked():
             validate(compose(f"data.decode_threads={bad}"))
     with pytest.raises(ConfigError, match="model.compile"):
         validate(compose("model.compile=maybe"))
+
+
+def test_fsdp_reduces_once_per_step_where_the_whole_gradient_fits():
+    """``trainer.fsdp_reduce=auto``: once per step (the whole gradient held) unless that halves the
+    sub-batch or nothing fits beside the gradient; ``step`` counts the gradient or fails clearly."""
+    from megabatch.train.memory_plan import plan_sub_batch_and_reduction as plan
+
+    fit = MemoryFit(fixed=1 * GB, per_row=0.1 * GB)
+    # 70 GB beside the batch: 512 rows per sub-batch alone; with a 10 GB gradient 512 still fits (52.2 GB)
+    choice, reduce = plan(32768, fit, 80 * GB, 0.9, 2 * GB, 10 * GB, "auto")
+    assert (choice.sub_batch, reduce) == (512, "step")
+    assert choice.predicted_bytes == pytest.approx(1 * GB + 51.2 * GB + 12 * GB)
+    # a 30 GB gradient: 256 rows beside it (half of 512): still once per step
+    assert plan(32768, fit, 80 * GB, 0.9, 2 * GB, 30 * GB, "auto")[0].sub_batch == 256
+    assert plan(32768, fit, 80 * GB, 0.9, 2 * GB, 30 * GB, "auto")[1] == "step"
+    # a 50 GB gradient: 128 rows, a quarter: reduce per sub-batch, at 512
+    choice, reduce = plan(32768, fit, 80 * GB, 0.9, 2 * GB, 50 * GB, "auto")
+    assert (choice.sub_batch, reduce) == (512, "sub_batch")
+    # a 70 GB gradient: nothing fits beside it
+    assert plan(32768, fit, 80 * GB, 0.9, 2 * GB, 70 * GB, "auto")[1] == "sub_batch"
+    with pytest.raises(ConfigError, match="not even one sample fits"):
+        plan(32768, fit, 80 * GB, 0.9, 2 * GB, 70 * GB, "step")
+    # asked for: per sub-batch, or once per step at what fits beside the gradient
+    assert plan(32768, fit, 80 * GB, 0.9, 2 * GB, 50 * GB, "sub_batch") == (plan_sub_batch(32768, fit, 80 * GB, 0.9,
+                                                                                           2 * GB), "sub_batch")
+    assert plan(32768, fit, 80 * GB, 0.9, 2 * GB, 50 * GB, "step")[0].sub_batch == 128
+    # not sharded: the plan alone
+    assert plan(32768, fit, 80 * GB, 0.9, 2 * GB, 0, None)[1] is None

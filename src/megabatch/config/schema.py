@@ -270,7 +270,7 @@ def check_trainer(trainer: DictConfig) -> None:
     choice(trainer.precision, "trainer.precision", PRECISIONS)
     choice(trainer.feature_dtype, "trainer.feature_dtype", FEATURE_DTYPES)
     choice(trainer.parallel, "trainer.parallel", ("ddp", "fsdp"))
-    choice(trainer.fsdp_reduce, "trainer.fsdp_reduce", ("sub_batch", "step"))
+    choice(trainer.fsdp_reduce, "trainer.fsdp_reduce", ("auto", "sub_batch", "step"))
     at_least(trainer.ckpt_every, "trainer.ckpt_every", 0, "100 (0 or null: only at the end)")
     at_least(trainer.keep_ckpts, "trainer.keep_ckpts", 1, "3 (null keeps all)")
     at_least(trainer.log_every, "trainer.log_every", 1, "10")

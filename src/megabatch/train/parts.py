@@ -8,6 +8,7 @@ stream and the step. No run directory, checkpoints or logs: those are the ``Trai
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,14 @@ from ..models.fp8 import convert_to_fp8
 from ..models.preprocess import describe_preprocess
 from .compile_cache import CompileCache, cache_file
 from .inputs import RunInputs, read_ahead_budget
-from .memory_plan import MemoryFit, SubBatchChoice, batch_bytes, graphs_in, plan_sub_batch, probe_peak_memory
+from .memory_plan import (
+    MemoryFit,
+    SubBatchChoice,
+    batch_bytes,
+    graphs_in,
+    plan_sub_batch_and_reduction,
+    probe_peak_memory,
+)
 from .optim import build_optimizer
 from .plan import BatchPlan
 from .precision import Precision
@@ -88,7 +96,8 @@ class RunParts:
             offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
         with phase("step"):
             built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False,
-                               graphs_that_fit=auto.graphs_that_fit if auto else None)
+                               graphs_that_fit=auto.graphs_that_fit if auto else None,
+                               fsdp_reduce=fsdp_reduction(cfg, model, env, auto))
             schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
                                    steps_per_epoch=plan.steps_per_epoch)
             inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
@@ -185,7 +194,7 @@ class Compilation:
 
 def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan, precision: Precision,
                offload: Offload | None = None, *, warm_up: bool = True,
-               graphs_that_fit: int | None = None) -> BuiltStep:
+               graphs_that_fit: int | None = None, fsdp_reduce: str | None = None) -> BuiltStep:
     """The step a run of ``cfg`` trains ``model`` (``prepare_model``'s) with at ``plan``: the
     optimizer, the text tower's trimming, the compiled towers (``model.compile``; compiled here, or
     later by the returned ``compilation.run()`` with ``warm_up=False``), and the ``TrainStep``."""
@@ -199,10 +208,12 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     compilation = Compilation(cfg, env, model, plan, precision) if cfg.model.compile else None
     if compilation is not None and warm_up:
         compilation.run()
+    fsdp_reduce = fsdp_reduce or fsdp_reduction(cfg, model, env, None)
+    log_fsdp_reduction(fsdp_reduce, cfg, model, env)
     step = TrainStep(model, loss, optimizer, env.device, precision=precision, sub_batches=plan.sub_batches,
                      grad_clip=cfg.optim.grad_clip, offload=offload,
                      keep_graph=kept_graphs(cfg.trainer.keep_graph, graphs_that_fit, plan, env),
-                     fsdp_reduce=cfg.trainer.fsdp_reduce, show_progress=env.rank == 0,
+                     fsdp_reduce=fsdp_reduce, show_progress=env.rank == 0,
                      max_bad_steps=cfg.trainer.max_bad_steps)
     return BuiltStep(step, optimizer, peak_lr, compilation)
 
@@ -219,6 +230,33 @@ def kept_graphs(keep_graph, graphs_that_fit: int | None, plan: BatchPlan, env: D
                      min(count, plan.sub_batches - (env.world_size > 1)), plan.sub_batches, graphs_that_fit)
         return count
     return int(keep_graph)
+
+
+def whole_gradient_bytes(model: torch.nn.Module) -> int:
+    """Every trainable parameter's unsharded fp32 gradient: what ``trainer.fsdp_reduce=step`` holds
+    from the first replayed sub-batch to the step's one reduce-scatter."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
+
+
+def fsdp_reduction(cfg: DictConfig, model: ClipModel, env: DistEnv, auto: SubBatchChoice | None) -> str:
+    """``trainer.fsdp_reduce`` as this run does it: ``sub_batch`` or ``step``. ``auto``: what
+    ``trainer.sub_batch=auto``'s plan chose (``choose_sub_batch``), else ``step`` where the whole
+    gradient takes at most a quarter of the GPU's free memory (on the CPU: always), else ``sub_batch``."""
+    reduce = cfg.trainer.fsdp_reduce
+    if auto is not None and auto.fsdp_reduce is not None:
+        reduce = auto.fsdp_reduce
+    elif reduce == "auto":
+        free = torch.cuda.mem_get_info(env.device)[0] if env.device.type == "cuda" else float("inf")
+        reduce = "step" if whole_gradient_bytes(model) <= free / 4 else "sub_batch"
+    return reduce
+
+
+def log_fsdp_reduction(reduce: str, cfg: DictConfig, model: ClipModel, env: DistEnv) -> None:
+    if cfg.trainer.parallel == "fsdp" and env.distributed and env.rank == 0:
+        log.info("FSDP: gradients reduce-scattered %s (trainer.fsdp_reduce=%s%s)",
+                 "after each sub-batch" if reduce == "sub_batch" else
+                 f"once per step, the whole gradient held meanwhile ({whole_gradient_bytes(model) / 1e9:.2f} GB)",
+                 cfg.trainer.fsdp_reduce, "" if cfg.trainer.fsdp_reduce != "auto" else f": {reduce}")
 
 
 def check_exact_replay(model: ClipModel, plan: BatchPlan) -> None:
@@ -305,9 +343,8 @@ def shard(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision)
         return
     groups = shard_model(model, env.device, bf16=precision.name == "bf16")
     if env.rank == 0:
-        log.info("FSDP: %d groups sharded across %d ranks (%s of each rank's weights, gradients and AdamW moments); "
-                 "gradients reduce-scattered %s", groups, env.world_size, f"1/{env.world_size}",
-                 "after each sub-batch" if cfg.trainer.fsdp_reduce == "sub_batch" else "once per step")
+        log.info("FSDP: %d groups sharded across %d ranks (%s of each rank's weights, gradients and AdamW moments)",
+                 groups, env.world_size, f"1/{env.world_size}")
 
 
 def check_bias(model: ClipModel, loss) -> None:
@@ -361,16 +398,22 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
                        rank_trainable_params(model))
     held += decode_ahead  # images decoded ahead of the step (data.decode_ahead_gb)
     capacity = torch.cuda.get_device_properties(env.device).total_memory
-    choice = plan_sub_batch(rank_batch, MemoryFit.through(probes), capacity, cfg.trainer.memory_fraction, held)
-    sub_batch = choice.sub_batch
-    if env.distributed:  # every rank must split its batch alike, and keep as many graphs: the smallest wins
-        agreed = torch.tensor([sub_batch], device=env.device)
+    fit, fraction = MemoryFit.through(probes), cfg.trainer.memory_fraction
+    reduce = cfg.trainer.fsdp_reduce if cfg.trainer.parallel == "fsdp" and env.distributed else None
+    whole = whole_gradient_bytes(model) if reduce is not None else 0
+    choice, reduce = plan_sub_batch_and_reduction(rank_batch, fit, capacity, fraction, held, whole, reduce)
+    held += whole if reduce == "step" else 0
+    sub_batch, stepwise_flag = choice.sub_batch, int(reduce == "step")
+    if env.distributed:  # every rank must split its batch alike, keep as many graphs and reduce alike
+        agreed = torch.tensor([sub_batch, stepwise_flag], device=env.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        sub_batch = int(agreed.item())
+        sub_batch, stepwise_flag = (int(v) for v in agreed.tolist())
         predicted = choice.fit.peak(sub_batch) + held
         graphs = torch.tensor([graphs_in(choice.budget_bytes - predicted, choice.fit, sub_batch)], device=env.device)
         dist.all_reduce(graphs, op=dist.ReduceOp.MIN)
         choice = SubBatchChoice(sub_batch, predicted, choice.budget_bytes, choice.fit, int(graphs.item()))
+    if reduce is not None:
+        choice = dataclasses.replace(choice, fsdp_reduce="step" if stepwise_flag else "sub_batch")
     if env.rank == 0:
         log.info("trainer.sub_batch=auto: %d (peak memory measured at %s: %.2f GB + %.1f MB per sample, a graph "
                  "%.2f MB per sample; with %.1f GB held for the per-rank batch of %d, %.1f of %.1f GB predicted, "
