@@ -44,6 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ARGV = "MEGABATCH_OPENCLIP_ARGV"
+PLAN_LINES = ("trainer.sub_batch=auto", "trainer.keep_graph", "FSDP:", "tuning the Triton", "decoded ahead")
 
 
 class GpuMemory:
@@ -142,6 +143,9 @@ def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str],
            "gpu_memory_peak_gb": memory.peaks_gb(gpus)}
     row["samples_per_s"] = steady([s["samples_per_s"] for s in row["steps"]], warmup)
     row["mfu"] = steady([s["mfu"] for s in row["steps"] if s["mfu"] is not None], warmup)
+    # what the run decided at start-up: the sub-batch and kept graphs, FSDP's reduction, kernel tuning
+    row["plan_log"] = [line.split(" - ", 1)[-1] for line in log.splitlines()
+                       if any(key in line for key in PLAN_LINES)]
     if code != 0:
         row["log_tail"] = out[-4000:]
     return row
