@@ -163,7 +163,15 @@ QUESTIONS = [
                 "per-GPU figures for the same global batch, bf16, c = 768.",
         "picture": MULTI_GPU_PLOT,
         "entries": [
-            {"file": "multi_gpu_vit_b32_32k_4xh200.json", "kind": "multi_gpu", "label": "ViT-B/32, batch 32k"},
+            {"file": "multi_gpu_vit_b32_32k_4xh200.json", "kind": "multi_gpu",
+             "label": "ViT-B/32, batch 32k, against OpenCLIP (one machine)"},
+            {"file": "multi_gpu_vit_b32_32k_defaults_4xh200.json", "kind": "multi_gpu",
+             "label": "The same with the next epoch's loader started early, tuning once per host and "
+                      "`trainer.keep_graph=auto` (another 4 x H200 machine; the slow steps come every second "
+                      "step, boundary or not, on 1 GPU too: the data phase of those steps, 0.3-0.9 s)"},
+            {"file": "multi_gpu_vit_b32_32k_variants_4xh200.json", "kind": "multi_gpu",
+             "label": "On that machine: 8 GB decoded ahead (`data.decode_ahead_gb=8`) and FSDP "
+                      "(`trainer.parallel=fsdp`, `fsdp_reduce=auto`: once per step) against the row above"},
             {"file": "multi_gpu_vit_b32_1m_4xh200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/32, batch 1M, `trainer.offload=true` (4 steps, the first left out)"},
             {"file": "loss_h200_1gpu_c768.json", "kind": "loss"},
@@ -279,7 +287,8 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
         scaling = f"{speed['median'] / one['samples_per_s']['median']:.2f}x" if one and row["gpus"] > 1 else "-"
         versus = f"**{speed['median'] / theirs['samples_per_s']['median']:.2f}x**" \
             if theirs and row["system"] == "megabatch" else "-"
-        trainer = "megabatch" if row["system"] == "megabatch" else "OpenCLIP 3.3"
+        trainer = ("megabatch" + (f" ({row['variant']})" if row.get("variant") else "")
+                   if row["system"] == "megabatch" else "OpenCLIP 3.3")
         peak = max(row["gpu_memory_peak_gb"]) if row.get("gpu_memory_peak_gb") else None
         mfu = row.get("mfu", {}).get("median")
         rows.append(f"| {trainer} | {row['gpus']} | {speed['median']:,.0f} | {speed['min']:,.0f} - {speed['max']:,.0f} "
