@@ -138,7 +138,8 @@ def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str],
            "gflop_per_sample": float(flops[1]) if flops else None, "gpu_peak_tflops": float(peak[1]) if peak else None,
            "steps": [{"step": r.get("step"), "samples_per_s": r["samples_per_s"], "mfu": r.get("mfu"),
                       "peak_gpu_gb": r.get("peak_gpu_gb"), "data_wait": r.get("data_wait"),
-                      "phases_s": {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("time/")}}
+                      "phases_s": {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("time/")},
+                      "decode_waits_s": {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("data_wait_s/")}}
                      for r in records],
            "gpu_memory_peak_gb": memory.peaks_gb(gpus)}
     row["samples_per_s"] = steady([s["samples_per_s"] for s in row["steps"]], warmup)

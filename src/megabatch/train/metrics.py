@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..data import gpu_decode
 from .plan import BatchPlan
 from .startup import StartupTimes
 from .step import StepOutcome, UpdateHealth
@@ -133,12 +134,19 @@ class MetricsLogger:
 
 @dataclass
 class Interval:
-    """The steps since the last log line: their count, phase seconds and wall time."""
+    """The steps since the last log line: their count, phase seconds and wall time; with GPU decoding,
+    the decoding streams' waits when it began (``gpu_decode.wait_seconds``: which side a data wait is on)."""
 
     started: float = field(default_factory=time.perf_counter)
     steps: int = 0
     phase_totals: dict[str, float] = field(default_factory=dict)
     last: StepOutcome | None = None
+    decode_waits: dict[str, float] = field(default_factory=lambda: dict(gpu_decode.wait_seconds))
+
+    def decode_waits_since(self) -> dict[str, float]:
+        """Seconds a step waited, by decoding stream and cause, over this interval (none: empty)."""
+        return {key: (value - self.decode_waits.get(key, 0.0)) / max(1, self.steps)
+                for key, value in gpu_decode.wait_seconds.items() if value > self.decode_waits.get(key, 0.0)}
 
     def add(self, outcome: StepOutcome) -> None:
         self.steps, self.last = self.steps + 1, outcome
@@ -219,6 +227,10 @@ class StepLog:
         # model TFLOP/s per GPU and MFU (utilization.py: model FLOPs counted at start-up, the GPU's bf16 peak)
         record.update(utilization(facts.flops, facts.peak, record["samples_per_s"] / facts.world_size))
         record.update({f"data/{k}": v for k, v in facts.bad_input().items() if v})
+        # GPU decoding: a step's wait for its images by stream and cause (look_ahead_source: the
+        # loader had not read them; look_ahead_decode: their decoding had not finished; replay_*: the
+        # offload's re-decoding)
+        record.update({f"data_wait_s/{k}": v for k, v in interval.decode_waits_since().items()})
         if facts.device.type == "cuda":
             record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(facts.device) / 1e9
         record["peak_host_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # this process; kB on Linux
