@@ -280,6 +280,33 @@ def test_siglip_on_two_ranks_with_offload_equals_one_process(tmp_path):
         assert torch.equal(value, ranks[1]["params"][name]), name
 
 
+def offloaded_steps(rank: int, world: int) -> dict:
+    """Two offloaded GradCache steps on this rank, the loader read ahead through each step's loss and
+    replay into 8 GB or not at all (the next step's samples read while this one replays)."""
+    results = {}
+    for prefetch in ("0", "8"):
+        parts = build("loss=infcl", "loss.tile=8", "trainer.sub_batch=4", "model.image.patch_dropout=0",
+                      "trainer.offload=true", "data.num_workers=2", f"trainer.prefetch_gb={prefetch}")
+        assert parts.inputs.reads_ahead == (prefetch == "8")
+        stream, steps = parts.inputs(0), []
+        for _ in range(2):
+            parts.step.gradients(stream)
+            steps.append({n: p.grad.detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None})
+            parts.step.apply()
+        stream.close()
+        parts.close()
+        results[prefetch] = steps
+    return results
+
+
+def test_offloaded_steps_read_ahead_give_bitwise_the_same_gradients_on_two_ranks(tmp_path):
+    for result in run_ranks(2, offloaded_steps, tmp_path=tmp_path):
+        for plain, ahead in zip(result["0"], result["8"], strict=True):
+            assert plain.keys() == ahead.keys()
+            for name, grad in plain.items():
+                assert torch.equal(grad, ahead[name]), name
+
+
 def worker_pids(redecoder, count: int) -> set[int]:
     """The pids of a started pool's ``count`` workers (each takes one task that outlasts the others' start)."""
     return set(redecoder.pool.map(_pid_after_a_while, range(count), chunksize=1))

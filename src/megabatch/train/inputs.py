@@ -51,6 +51,22 @@ class RunInputs:
         self.worker_stats: dict = {}  # (epoch, worker) -> that loader worker's cumulative counts
         self.loaders_started: list[tuple[int, int]] = []  # (epoch, first step) of each loader, in order
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether a thread reads the loader ahead through the loss and the replay: with a budget,
+        loader workers and steps that have a replay."""
+        return self.read_ahead_bytes > 0 and int(self.data.cfg.num_workers) > 0 and self.plan.sub_batches > 1
+
+    def describe_read_ahead(self) -> str:
+        """The host memory the loader may be read ahead into, for the log."""
+        if self.reads_ahead:
+            return (f"the loader is read ahead through the loss and the replay into up to "
+                    f"{self.read_ahead_bytes / 1e9:.1f} GB of host memory per rank (trainer.prefetch_gb)")
+        why = ("trainer.prefetch_gb is 0" + (" (auto: none with trainer.offload)" if self.keep_raw else "")
+               if self.read_ahead_bytes <= 0 else "no loader workers" if int(self.data.cfg.num_workers) <= 0
+               else "one-pass steps: no replay to read behind")
+        return f"the loader is not read ahead ({why})"
+
     def __call__(self, start_step: int) -> Iterator[SubBatch]:
         """The sub-batches from step ``start_step`` on. The first epoch's reading starts now (the
         loader's workers forked, the read-ahead and GPU decoding threads running), so that what the
@@ -86,9 +102,7 @@ class RunInputs:
                 # workers keep decoding through the loss and the replay; only steps with a replay: a
                 # one-sub-batch step has nothing to hide the reading behind, and the reading thread
                 # then competes with the step for the host (docs/performance.md)
-                reads_ahead = self.read_ahead_bytes > 0 and int(self.data.cfg.num_workers) > 0 \
-                    and plan.sub_batches > 1
-                ahead = ReadAhead(loader, self.read_ahead_bytes) if reads_ahead else None
+                ahead = ReadAhead(loader, self.read_ahead_bytes) if self.reads_ahead else None
                 source = ahead if ahead is not None else loader
                 if self.gpu_decoder is not None:
                     gpu = self.gpu_decoder

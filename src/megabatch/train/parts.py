@@ -104,6 +104,8 @@ class RunParts:
                                pin_memory=env.device.type == "cuda",
                                read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
                                gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead)
+            if env.rank == 0:
+                log.info("data: %s", inputs.describe_read_ahead())
         seed_rank(cfg, env)
         parts = cls(model, tokenize, data, plan, built.optimizer, built.peak_lr, schedule, offload, inputs, built.step,
                     flops, peak, built.compilation)
@@ -385,7 +387,9 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
         return None
     rank_batch = BatchPlan.from_config(cfg, env.world_size, data.num_samples, sub_batch=1).rank_batch
     if env.device.type != "cuda":
-        log.info("trainer.sub_batch=auto on the CPU: no GPU memory to fit, the whole per-rank batch (%d)", rank_batch)
+        if env.rank == 0:
+            log.info("trainer.sub_batch=auto on the CPU: no GPU memory to fit, the whole per-rank batch (%d)",
+                     rank_batch)
         return SubBatchChoice(rank_batch, 0.0, 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
     probes = [(rows, *probe_peak_memory(model, rows, precision, env.device))
               for rows in sorted({min(rank_batch, 32), min(rank_batch, 64)})]
