@@ -95,9 +95,7 @@ class RunParts:
             plan = plan_batches(cfg, env.world_size, data, auto.sub_batch if auto else None)
             offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
         with phase("step"):
-            built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False,
-                               graphs_that_fit=auto.graphs_that_fit if auto else None,
-                               fsdp_reduce=fsdp_reduction(cfg, model, env, auto))
+            built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False, auto=auto)
             schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
                                    steps_per_epoch=plan.steps_per_epoch)
             inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
@@ -196,10 +194,11 @@ class Compilation:
 
 def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan, precision: Precision,
                offload: Offload | None = None, *, warm_up: bool = True,
-               graphs_that_fit: int | None = None, fsdp_reduce: str | None = None) -> BuiltStep:
+               auto: SubBatchChoice | None = None) -> BuiltStep:
     """The step a run of ``cfg`` trains ``model`` (``prepare_model``'s) with at ``plan``: the
     optimizer, the text tower's trimming, the compiled towers (``model.compile``; compiled here, or
-    later by the returned ``compilation.run()`` with ``warm_up=False``), and the ``TrainStep``."""
+    later by the returned ``compilation.run()`` with ``warm_up=False``), and the ``TrainStep``, with
+    the kept graphs and FSDP reduction ``trainer.sub_batch=auto``'s plan (``auto``) chose."""
     optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
     untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
     if untrimmed and env.rank == 0:
@@ -210,11 +209,11 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     compilation = Compilation(cfg, env, model, plan, precision) if cfg.model.compile else None
     if compilation is not None and warm_up:
         compilation.run()
-    fsdp_reduce = fsdp_reduce or fsdp_reduction(cfg, model, env, None)
+    fsdp_reduce = fsdp_reduction(cfg, model, env, auto)
     log_fsdp_reduction(fsdp_reduce, cfg, model, env)
     step = TrainStep(model, loss, optimizer, env.device, precision=precision, sub_batches=plan.sub_batches,
                      grad_clip=cfg.optim.grad_clip, offload=offload,
-                     keep_graph=kept_graphs(cfg.trainer.keep_graph, graphs_that_fit, plan, env),
+                     keep_graph=kept_graphs(cfg.trainer.keep_graph, auto.graphs_that_fit if auto else None, plan, env),
                      fsdp_reduce=fsdp_reduce, show_progress=env.rank == 0,
                      max_bad_steps=cfg.trainer.max_bad_steps)
     return BuiltStep(step, optimizer, peak_lr, compilation)
