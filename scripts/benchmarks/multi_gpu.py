@@ -2,11 +2,15 @@
 each GPU count and batch asked for, beside OpenCLIP 3.3's own trainer under ``torchrun`` with its
 best settings at that batch; every step's samples/s, MFU, phases and peak memory, in one JSON.
 
-    python scripts/benchmarks/multi_gpu.py --gpus 1,2,4 --batch 32k --openclip --out scaling.json
-    python scripts/benchmarks/multi_gpu.py --gpus 4 --batch 1M --steps 3 --set trainer.offload=true \\
-        --out 1m_4gpu.json
-    python scripts/benchmarks/multi_gpu.py --gpus 4 --model openclip --arch ViT-bigG-14 --batch 512 \\
-        --variant 'ddp: trainer.sub_batch=32' --variant 'fsdp: trainer.parallel=fsdp' --out bigg.json
+    python scripts/benchmarks/multi_gpu.py --gpus 4,2,1 --batch 32k --openclip --openclip-gpus 4 --steps 9 \\
+        --out vit_b32_32k_gpus.json
+    python scripts/benchmarks/multi_gpu.py --gpus 4 --batch 1M --steps 4 --warmup-steps 1 --epoch-samples 4200000 \\
+        --set data.decode=gpu model.compile=true trainer.sub_batch=auto trainer.offload=true --out 1m_4gpu.json
+    python scripts/benchmarks/multi_gpu.py --gpus 4 --batch 32k --steps 10 \\
+        --variant 'decode-ahead-8gb: data.decode_ahead_gb=8' --variant 'fsdp: trainer.parallel=fsdp' --out variants.json
+
+``--set`` replaces its default (``data.decode=gpu model.compile=true trainer.sub_batch=auto``): repeat those
+with it.
 
 Our side: ``--images`` distinct photo-like JPEGs (``--size`` px) written once as shards, listed
 again under more names (hard links, with their ``sizes.json``) until an epoch holds
