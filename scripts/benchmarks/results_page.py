@@ -151,7 +151,7 @@ QUESTIONS = [
     },
     {
         "title": "Several GPUs",
-        "text": "As users launch them: `torchrun --nproc_per_node=N train.py` (ViT-B/32, `loss=infcl`, GPU "
+        "text": "As users launch them: `torchrun --nproc_per_node=N train.py` (ViT-B/32 unless named, `loss=infcl`, GPU "
                 "decoding, `model.compile=true`, `trainer.sub_batch=auto`, 12 loader workers a rank, an epoch of "
                 "160k samples: a boundary every 4 steps at 32k) against OpenCLIP 3.3's own trainer under torchrun "
                 "(`--local-loss --gather-with-grad --torchcompile --precision amp_bf16`, 1024 x `--accum-freq 8`, "
@@ -175,6 +175,12 @@ QUESTIONS = [
             {"file": "multi_gpu_vit_b32_32k_1gpu_waits_h200.json", "kind": "multi_gpu", "waits": True,
              "label": "Where the slow steps' time goes: one H200, 8 steps of 4-step epochs, the data wait of each "
                       "step by cause (`metrics.jsonl`'s `data_wait_s`)"},
+            {"file": "multi_gpu_vit_b16_32k_4xh200.json", "kind": "multi_gpu",
+             "label": "ViT-B/16, batch 32k, 4 GPUs against 1 (a third 4 x H200 machine; 7 steps, the first two "
+                      "left out; step 3 starts the next epoch's loader, step 5 is the boundary)"},
+            {"file": "multi_gpu_vit_b32_256k_4xh200.json", "kind": "multi_gpu",
+             "label": "ViT-B/32, batch 256k, 4 GPUs (that machine; an epoch of 600k samples: 5 steps, the first "
+                      "two left out; 1 and 2 GPUs not run)"},
             {"file": "multi_gpu_vit_b32_1m_4xh200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/32, batch 1M, `trainer.offload=true` (4 steps, the first left out)"},
             {"file": "loss_h200_1gpu_c768.json", "kind": "loss"},
@@ -471,33 +477,37 @@ def plot_end_to_end(out: Path) -> None:
 
 
 def plot_multi_gpu(out: Path) -> None:
-    """Samples/s against GPUs at 32k, each step after warm-up a dot, the median a line; OpenCLIP beside."""
+    """Samples/s against GPUs at 32k (ViT-B/32 beside OpenCLIP, ViT-B/16), each step after warm-up a dot,
+    the median a line, linear scaling from one GPU dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = load("multi_gpu_vit_b32_32k_4xh200.json")
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    for system, color, label in (("megabatch", "#3b7dd8", "megabatch (torchrun train.py)"),
-                                 ("openclip", "#d8703b", "OpenCLIP 3.3 (torchrun)")):
-        rows = sorted((r for r in data["results"] if r["system"] == system and r.get("steps")), key=lambda r: r["gpus"])
-        if not rows:
-            continue
-        for row in rows:
-            speeds = [s["samples_per_s"] / 1e3 for s in row["steps"][2:]]
-            ax.scatter([row["gpus"]] * len(speeds), speeds, color=color, alpha=0.35, s=14)
-        ax.plot([r["gpus"] for r in rows], [r["samples_per_s"]["median"] / 1e3 for r in rows], "o-", color=color,
-                label=label)
-    ours = [r for r in data["results"] if r["system"] == "megabatch" and r["gpus"] == 1]
-    if ours:
-        base = ours[0]["samples_per_s"]["median"] / 1e3
-        ax.plot([1, 4], [base, 4 * base], ":", color="gray", label="linear from 1 GPU")
-    ax.set_xticks([1, 2, 4])
-    ax.set_xlabel("H200 GPUs of one host")
-    ax.set_ylabel("k samples/s (dots: steps; line: median)")
-    ax.set_title("ViT-B/32, batch 32k, loss=infcl")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (file, arch) in zip(axes, (("multi_gpu_vit_b32_32k_4xh200.json", "ViT-B/32"),
+                                       ("multi_gpu_vit_b16_32k_4xh200.json", "ViT-B/16"))):
+        data = load(file)
+        for system, color, label in (("megabatch", "#3b7dd8", "megabatch (torchrun train.py)"),
+                                     ("openclip", "#d8703b", "OpenCLIP 3.3 (torchrun)")):
+            rows = sorted((r for r in data["results"] if r["system"] == system and r.get("steps")),
+                          key=lambda r: r["gpus"])
+            if not rows:
+                continue
+            for row in rows:
+                speeds = [s["samples_per_s"] / 1e3 for s in row["steps"][2:]]
+                ax.scatter([row["gpus"]] * len(speeds), speeds, color=color, alpha=0.35, s=14)
+            ax.plot([r["gpus"] for r in rows], [r["samples_per_s"]["median"] / 1e3 for r in rows], "o-",
+                    color=color, label=label)
+        ours = [r for r in data["results"] if r["system"] == "megabatch" and r["gpus"] == 1]
+        if ours:
+            base = ours[0]["samples_per_s"]["median"] / 1e3
+            ax.plot([1, 4], [base, 4 * base], ":", color="gray", label="linear from 1 GPU")
+        ax.set_xticks([1, 2, 4])
+        ax.set_xlabel("H200 GPUs of one host")
+        ax.set_ylabel("k samples/s (dots: steps; line: median)")
+        ax.set_title(f"{arch}, batch 32k, loss=infcl")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
