@@ -151,9 +151,10 @@ QUESTIONS = [
     },
     {
         "title": "Several GPUs",
-        "text": "As users launch them: `torchrun --nproc_per_node=N train.py` (ViT-B/32 unless named, `loss=infcl`, GPU "
-                "decoding, `model.compile=true`, `trainer.sub_batch=auto`, 12 loader workers a rank, an epoch of "
-                "160k samples: a boundary every 4 steps at 32k) against OpenCLIP 3.3's own trainer under torchrun "
+        "text": "As users launch them: `torchrun --nproc_per_node=N train.py` (ViT-B/32 unless named, "
+                "`loss=infcl`, GPU decoding, `model.compile=true`, `trainer.sub_batch=auto`, 12 loader workers "
+                "a rank, an epoch of 160k samples: a boundary every 4 steps at 32k) against OpenCLIP 3.3's own "
+                "trainer under torchrun "
                 "(`--local-loss --gather-with-grad --torchcompile --precision amp_bf16`, 1024 x `--accum-freq 8`, "
                 "synthetic data: no JPEG decoding on its side). Samples/s over the steps after the first two "
                 "(compilation): median, slowest and fastest; 'slowest / median' is the step-time ratio of the "
@@ -486,7 +487,7 @@ def plot_multi_gpu(out: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, (file, arch) in zip(axes, (("multi_gpu_vit_b32_32k_4xh200.json", "ViT-B/32"),
-                                       ("multi_gpu_vit_b16_32k_4xh200.json", "ViT-B/16"))):
+                                       ("multi_gpu_vit_b16_32k_4xh200.json", "ViT-B/16")), strict=True):
         data = load(file)
         for system, color, label in (("megabatch", "#3b7dd8", "megabatch (torchrun train.py)"),
                                      ("openclip", "#d8703b", "OpenCLIP 3.3 (torchrun)")):

@@ -5,11 +5,15 @@ resume mid-epoch continues the same sequence."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from megabatch.data import TrainData
+from megabatch.data.gpu_decode import DecodePool
 from megabatch.data.shard_writer import Sample, encode_png, write_shards
 from megabatch.train.inputs import EPOCH_LEAD_STEPS, RunInputs
 from megabatch.train.plan import BatchPlan
@@ -103,3 +107,46 @@ def test_starting_a_loader_leaves_the_training_randomness_alone(shard_urls, tmp_
     loader = iter(data.loader(0, 0, BATCH, 0, 1, 2, sub_batch=SUB_BATCH))
     next(loader)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+class RecordingDecoder:
+    """``data.decode=gpu``'s decoder as ``RunInputs`` uses it, on the CPU: its pool's threads run
+    ``sub_batch``, which records what it decoded and returns the sub-batch as it came."""
+
+    def __init__(self):
+        self.pool, self.decoded, self.corrupt_image = DecodePool(torch.device("cpu")), [], 0
+
+    def sub_batch(self, sub):
+        self.decoded.append(sub.texts.tolist())
+        return sub
+
+
+def test_decoding_ahead_crosses_the_boundary_and_loaders_start_in_the_consumers_thread(shard_urls, tmp_path):
+    """The next epoch's first sub-batch is decoded before the step at the boundary asks for it (one
+    decoding stream across epochs, fed by a thread), the loaders still start in the consumer's thread,
+    and the order is a loader per epoch's."""
+    data = make_data(shard_urls, tmp_path, "indexed")
+    plan = make_plan(data, epochs=1, extra_steps=2)
+    started_in = []
+    make_loader = data.loader
+
+    def loader(*args, **kwargs):
+        started_in.append(threading.current_thread())
+        return make_loader(*args, **kwargs)
+
+    data.loader = loader
+    decoder = RecordingDecoder()
+    inputs = RunInputs(data, plan, rank=0, gpu_decoder=decoder, decode_ahead_bytes=float("inf"))
+    epoch_subs = plan.steps_per_epoch * plan.sub_batches
+    stream = inputs(0)
+    taken = [next(stream) for _ in range(epoch_subs)]  # the first epoch, to its last sub-batch
+    deadline = time.monotonic() + 20
+    while len(decoder.decoded) <= epoch_subs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(decoder.decoded) > epoch_subs, "the next epoch's first sub-batch was not decoded ahead"
+    taken += [next(stream) for _ in range((plan.total_steps - plan.steps_per_epoch) * plan.sub_batches)]
+    stream.close()
+    assert started_in == [threading.main_thread()] * 2 and inputs.loaders_started == [(0, 0), (1, 0)]
+    expected = per_epoch_loaders(data, plan, 0)
+    assert [sub.texts.tolist() for sub in taken] == [sub.texts.tolist() for sub in expected]
+    assert decoder.decoded[:len(taken)] == [sub.texts.tolist() for sub in expected]

@@ -4,6 +4,8 @@ read ahead, bad input counted."""
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Iterator
 
 from ..data import TrainData
@@ -86,47 +88,81 @@ class RunInputs:
         return loader
 
     def _sub_batches(self, start_step: int) -> Iterator[SubBatch]:
+        """The sub-batches from ``start_step`` on, after a ``None`` once the first epoch is reading.
+        The epochs come from one chain (``_epochs``), decoded ahead across the boundaries: the GPU
+        decodes the next epoch's first sub-batches during this epoch's last step. Loaders start here,
+        in the calling thread (a loader started from another thread lost its workers), and are handed
+        to the chain, which may run in the decoding thread."""
         plan = self.plan
         epoch, start = divmod(start_step, plan.steps_per_epoch)
-        started, upcoming = False, None
+        if epoch * plan.steps_per_epoch + start >= plan.total_steps:
+            return
+        handoff: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        chain = self._epochs(epoch, start, self._loader(epoch, start), handoff, stop)
+        source = chain
+        if self.gpu_decoder is not None:
+            gpu = self.gpu_decoder
+            source = decode_ahead(chain, gpu.sub_batch, gpu.pool, depth=max(2, plan.sub_batches),
+                                  budget_bytes=self.decode_ahead_bytes)
+        # the next epoch's loader starts when this epoch's last EPOCH_LEAD_STEPS steps begin: its
+        # workers fork and read while those steps run, and the first step of the next epoch does not
+        # wait for them (a loader per epoch: the order is an epoch's own)
+        lead = EPOCH_LEAD_STEPS * plan.sub_batches
+        left, handed = (plan.steps_per_epoch - start) * plan.sub_batches, False
         try:
-            while epoch * plan.steps_per_epoch + start < plan.total_steps:
-                loader = upcoming if upcoming is not None else self._loader(epoch, start)
-                upcoming = None
-                # the next epoch's loader starts when this epoch's last EPOCH_LEAD_STEPS steps begin:
-                # its workers fork and read while those steps run, and the first step of the next
-                # epoch does not wait for them (a loader per epoch: the order is an epoch's own)
-                left = (plan.steps_per_epoch - start) * plan.sub_batches
-                lead = EPOCH_LEAD_STEPS * plan.sub_batches
-                goes_on = (epoch + 1) * plan.steps_per_epoch < plan.total_steps
-                # workers keep decoding through the loss and the replay; only steps with a replay: a
-                # one-sub-batch step has nothing to hide the reading behind, and the reading thread
-                # then competes with the step for the host (docs/performance.md)
-                ahead = ReadAhead(loader, self.read_ahead_bytes) if self.reads_ahead else None
-                source = ahead if ahead is not None else loader
-                if self.gpu_decoder is not None:
-                    gpu = self.gpu_decoder
-                    source = decode_ahead(source, gpu.sub_batch, gpu.pool, depth=max(2, plan.sub_batches),
-                                          budget_bytes=self.decode_ahead_bytes)
-                try:
-                    if not started:  # __call__ takes this: the first epoch is reading
-                        started = True
-                        yield None
-                    for sub in source:
-                        if sub.stats:
-                            self.worker_stats[(epoch, sub.stats["worker"])] = sub.stats
-                        left -= 1
-                        if goes_on and upcoming is None and left < lead:
-                            upcoming = self._loader(epoch + 1, 0)
-                        yield sub
-                finally:
-                    if self.gpu_decoder is not None:
-                        source.close()  # stops the decoding thread
-                    if ahead is not None:
-                        ahead.close()
-                epoch, start = epoch + 1, 0
+            yield None  # __call__ takes this: the first epoch is reading
+            for sub in source:
+                left -= 1
+                if not handed and left < lead and (epoch + 1) * plan.steps_per_epoch < plan.total_steps:
+                    handoff.put(self._loader(epoch + 1, 0))
+                    handed = True
+                yield sub
+                if left == 0:
+                    epoch, left, handed = epoch + 1, plan.steps_per_epoch * plan.sub_batches, False
         finally:
-            del upcoming  # a run stopped before the boundary: that loader's workers end with it
+            stop.set()
+            if source is not chain:
+                source.close()  # stops the decoding thread
+            else:
+                chain.close()
+            while not handoff.empty():  # a run stopped before the boundary: that loader's workers end with it
+                handoff.get_nowait()
+
+    def _epochs(self, epoch: int, start: int, loader, handoff: queue.Queue,
+                stop: threading.Event) -> Iterator[SubBatch]:
+        """Each epoch's sub-batches in turn, from ``start`` of ``epoch`` to the run's end, each loader
+        read ahead (``reads_ahead``); the next epoch's loader is taken from ``handoff`` once this one
+        is drained. Runs in the consumer's thread or in the GPU decoding's feeding thread."""
+        plan = self.plan
+        while True:
+            # workers keep decoding through the loss and the replay; only steps with a replay: a
+            # one-sub-batch step has nothing to hide the reading behind, and the reading thread
+            # then competes with the step for the host (docs/performance.md)
+            ahead = ReadAhead(loader, self.read_ahead_bytes) if self.reads_ahead else None
+            expected, taken = (plan.steps_per_epoch - start) * plan.sub_batches, 0
+            try:
+                for sub in ahead if ahead is not None else loader:
+                    if sub.stats:
+                        self.worker_stats[(epoch, sub.stats["worker"])] = sub.stats
+                    taken += 1
+                    yield sub
+            finally:
+                if ahead is not None:
+                    ahead.close()
+            epoch, start, loader = epoch + 1, 0, None  # the drained loader's workers end
+            if epoch * plan.steps_per_epoch >= plan.total_steps:
+                return
+            if taken < expected:
+                raise RuntimeError(f"the loader of epoch {epoch - 1} ended after {taken} of its {expected} "
+                                   "sub-batches: the data changed while the run read it?")
+            while loader is None and not stop.is_set():
+                try:
+                    loader = handoff.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            if loader is None:
+                return
 
     def state_dict(self) -> dict:
         """What the data order of a run depends on beyond its step: the global batch and the loader
@@ -160,7 +196,7 @@ class RunInputs:
         totals: dict[str, int] = {}
         if self.gpu_decoder is not None and self.gpu_decoder.corrupt_image:
             totals["corrupt_image"] = self.gpu_decoder.corrupt_image
-        for stats in self.worker_stats.values():
+        for stats in list(self.worker_stats.values()):  # written by the chain's thread
             for kind, count in stats.items():
                 if kind != "worker":
                     totals[kind] = totals.get(kind, 0) + count
