@@ -30,6 +30,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers and schemas)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The main job's runs (minutes each) first where they are selected (CI: `make test-ci`), so that
+    pytest-xdist runs the rest beside them rather than leaving a core idle behind them at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("main_job") is None)  # stable: the rest in order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def data_cache(tmp_path_factory) -> Path:
     """One digits cache per test session (built on first use, like a fresh machine)."""

@@ -1,6 +1,6 @@
 """The main job as README's `make demo` runs it: `python train.py`, no arguments. About 2.5
-minutes on 2 cores: marked ``main_job``, left out of the default run and run by CI on its own
-(`make test-main-job`, after `make test`)."""
+minutes on 2 cores: marked ``main_job``, left out of the default run; `make test-main-job` runs it,
+and CI runs it with the suite (`make test-ci`, these first)."""
 
 from __future__ import annotations
 

@@ -99,25 +99,26 @@ import megabatch.models  # imports open_clip
 from tests.helpers import compose
 from megabatch.models import build_model
 
-held_back = [name for name in ("transformers", "sklearn", "scipy") if name not in sys.modules]
+held_back = [name for name in ("transformers", "sklearn", "scipy", "wandb") if name not in sys.modules]
 torch.manual_seed(0)
 model = build_model(compose("model=tiny_minilm").model).eval()
 assert sys.modules["open_clip"].hf_model.transformers is not None
 tokens = model.tokenizer()(["a photo of a dog", "a diagram of an engine"])
 with torch.no_grad():
     torch.save({"held_back": held_back, "features": model.encode_text(tokens)}, sys.argv[1])
+import wandb  # noqa: E402,F401  (held back only while open_clip was imported)
 """
 
 
 def test_transformers_is_imported_when_a_hf_tower_is_built(tmp_path, monkeypatch):
     """A fresh process that imports megabatch's models has not imported transformers (nor the
-    scikit-learn and SciPy it brings); its first Hugging Face tower imports it, and builds and
-    encodes as in a process that imported transformers before open_clip."""
+    scikit-learn and SciPy it brings), nor wandb (timm's, for its own script); its first Hugging Face
+    tower imports it, and builds and encodes as in a process that imported transformers before open_clip."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     runs = {}
     for mode in ("deferred", "eager"):
         run_script("-c", HF_TOWER, str(tmp_path / f"{mode}.pt"), mode, cwd=Path(__file__).resolve().parents[2])
         runs[mode] = torch.load(tmp_path / f"{mode}.pt", weights_only=True)
-    assert runs["deferred"]["held_back"] == ["transformers", "sklearn", "scipy"]
+    assert runs["deferred"]["held_back"] == ["transformers", "sklearn", "scipy", "wandb"]
     assert "transformers" not in runs["eager"]["held_back"]
     assert torch.equal(runs["deferred"]["features"], runs["eager"]["features"])

@@ -100,12 +100,12 @@ def test_a_stop_keeps_its_slow_checkpoint_whoever_got_the_signal(tmp_path, targe
     assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped"
 
 
-@pytest.mark.parametrize("rendezvous", [[], ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]],
-                         ids=["static", "c10d"])
-def test_a_killed_rank_is_named_and_torchrun_restarts_the_run_to_the_same_weights(tmp_path, rendezvous,
-                                                                                  uninterrupted):
+def test_a_killed_rank_is_named_and_torchrun_restarts_the_run_to_the_same_weights(tmp_path, uninterrupted):
+    """Under c10d rendezvous, torchrun's own on one host (``--standalone``) and across nodes; the
+    static rendezvous restarts through the same agent (the same test passed with it; left out of
+    CI's 20 minutes)."""
     job = torchrun(tmp_path, "name=killed", "trainer.ckpt_every=4", "resume=latest",
-                   launcher=("--max-restarts=1", *rendezvous))
+                   launcher=("--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"))
     run_dir = tmp_path / "runs" / "killed"
     wait_for_steps(job, run_dir / "metrics.jsonl", 6)
     os.kill(worker_pids(job.pid)[1], signal.SIGKILL)

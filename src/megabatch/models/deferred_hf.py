@@ -9,6 +9,10 @@ open_clip with transformers held back (open_clip then takes it for absent), and 
 gives open_clip's two modules what their own ``try: from transformers import ...`` would have bound,
 the first time a Hugging Face text tower is built (``HFTextEncoder.__init__``) or CoCa generates
 text. A process that imported transformers or open_clip before is left as it is.
+
+wandb is held back the same way: timm (imported by open_clip) imports it, when installed, for its own
+training script's ``update_summary(log_wandb=True)``, which nothing here calls; that is 0.7 s of every
+process on the 2-core machine. ``logger=wandb`` imports it itself, as usual.
 """
 
 from __future__ import annotations
@@ -37,12 +41,15 @@ def import_open_clip():
     global _deferred
     if "open_clip" in sys.modules or "transformers" in sys.modules:
         return importlib.import_module("open_clip")
-    sys.modules["transformers"] = None  # `import transformers` raises ImportError while this is here
+    held = [name for name in ("transformers", "wandb") if name not in sys.modules]
+    for name in held:
+        sys.modules[name] = None  # `import <name>` raises ImportError while this is here
     try:
         import open_clip
     finally:
-        if sys.modules.get("transformers", 0) is None:
-            del sys.modules["transformers"]
+        for name in held:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
     if importlib.util.find_spec("transformers") is None:
         return open_clip  # not installed: open_clip is as it would have been
     _deferred = True
