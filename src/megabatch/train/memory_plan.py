@@ -83,10 +83,10 @@ def plan_sub_batch(rank_batch: int, fit: MemoryFit, capacity_bytes: float, memor
 
 
 def plan_sub_batch_and_reduction(rank_batch: int, fit: MemoryFit, capacity_bytes: float, memory_fraction: float,
-                                 batch_bytes: float, whole_gradient_bytes: float,
+                                 batch_bytes: float, step_bytes: float,
                                  fsdp_reduce: str | None) -> tuple[SubBatchChoice, str | None]:
     """``plan_sub_batch`` under FSDP's ``trainer.fsdp_reduce`` (``None``: not sharded): ``step`` holds
-    the whole gradient (``whole_gradient_bytes``) through the step; ``auto`` reduces once per step
+    the whole gradient and the gathered weights (``step_bytes``) through the step; ``auto`` reduces once per step
     unless that would halve the sub-batch per-sub-batch reduction allows (measured on ViT-bigG-14, 4
     GPUs: reducing per sub-batch of 32, 164-197 samples/s; once per step at 128, 469-484), or nothing
     fits beside the gradient. Returns the choice and the reduction (``sub_batch`` or ``step``)."""
@@ -94,7 +94,7 @@ def plan_sub_batch_and_reduction(rank_batch: int, fit: MemoryFit, capacity_bytes
     if fsdp_reduce not in ("auto", "step"):
         return choice, fsdp_reduce
     try:
-        stepwise = plan_sub_batch(rank_batch, fit, capacity_bytes, memory_fraction, batch_bytes + whole_gradient_bytes)
+        stepwise = plan_sub_batch(rank_batch, fit, capacity_bytes, memory_fraction, batch_bytes + step_bytes)
     except ConfigError:
         if fsdp_reduce == "step":
             raise

@@ -209,8 +209,8 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     compilation = Compilation(cfg, env, model, plan, precision) if cfg.model.compile else None
     if compilation is not None and warm_up:
         compilation.run()
-    fsdp_reduce = fsdp_reduction(cfg, model, env, auto)
-    log_fsdp_reduction(fsdp_reduce, cfg, model, env)
+    fsdp_reduce = fsdp_reduction(cfg, model, env, auto, precision)
+    log_fsdp_reduction(fsdp_reduce, cfg, model, env, precision)
     step = TrainStep(model, loss, optimizer, env.device, precision=precision, sub_batches=plan.sub_batches,
                      grad_clip=cfg.optim.grad_clip, offload=offload,
                      keep_graph=kept_graphs(cfg.trainer.keep_graph, auto.graphs_that_fit if auto else None, plan, env),
@@ -233,30 +233,35 @@ def kept_graphs(keep_graph, graphs_that_fit: int | None, plan: BatchPlan, env: D
     return int(keep_graph)
 
 
-def whole_gradient_bytes(model: torch.nn.Module) -> int:
-    """Every trainable parameter's unsharded fp32 gradient: what ``trainer.fsdp_reduce=step`` holds
-    from the first replayed sub-batch to the step's one reduce-scatter."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
+def fsdp_step_bytes(model: torch.nn.Module, bf16: bool) -> int:
+    """What ``trainer.fsdp_reduce=step`` holds through a step besides the sharded state: every
+    trainable parameter's unsharded fp32 gradient (to the step's one reduce-scatter) and every
+    weight gathered (bf16 with bf16 towers; kept to the step's end: ``fsdp.gathered_through``)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad) * 4 + sum(p.numel() for p in params) * (2 if bf16 else 4)
 
 
-def fsdp_reduction(cfg: DictConfig, model: ClipModel, env: DistEnv, auto: SubBatchChoice | None) -> str:
+def fsdp_reduction(cfg: DictConfig, model: ClipModel, env: DistEnv, auto: SubBatchChoice | None,
+                   precision: Precision) -> str:
     """``trainer.fsdp_reduce`` as this run does it: ``sub_batch`` or ``step``. ``auto``: what
     ``trainer.sub_batch=auto``'s plan chose (``choose_sub_batch``), else ``step`` where the whole
-    gradient takes at most a quarter of the GPU's free memory (on the CPU: always), else ``sub_batch``."""
+    gradient and the gathered weights take at most a quarter of the GPU's free memory (on the CPU:
+    always), else ``sub_batch``."""
     reduce = cfg.trainer.fsdp_reduce
     if auto is not None and auto.fsdp_reduce is not None:
         reduce = auto.fsdp_reduce
     elif reduce == "auto":
         free = torch.cuda.mem_get_info(env.device)[0] if env.device.type == "cuda" else float("inf")
-        reduce = "step" if whole_gradient_bytes(model) <= free / 4 else "sub_batch"
+        reduce = "step" if fsdp_step_bytes(model, precision.name == "bf16") <= free / 4 else "sub_batch"
     return reduce
 
 
-def log_fsdp_reduction(reduce: str, cfg: DictConfig, model: ClipModel, env: DistEnv) -> None:
+def log_fsdp_reduction(reduce: str, cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision) -> None:
     if cfg.trainer.parallel == "fsdp" and env.distributed and env.rank == 0:
         log.info("FSDP: gradients reduce-scattered %s (trainer.fsdp_reduce=%s%s)",
                  "after each sub-batch" if reduce == "sub_batch" else
-                 f"once per step, the whole gradient held meanwhile ({whole_gradient_bytes(model) / 1e9:.2f} GB)",
+                 "once per step, the weights kept gathered through the step (the whole gradient and the gathered "
+                 f"weights held meanwhile: {fsdp_step_bytes(model, precision.name == 'bf16') / 1e9:.2f} GB)",
                  cfg.trainer.fsdp_reduce, "" if cfg.trainer.fsdp_reduce != "auto" else f": {reduce}")
 
 
@@ -403,7 +408,7 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
     capacity = torch.cuda.get_device_properties(env.device).total_memory
     fit, fraction = MemoryFit.through(probes), cfg.trainer.memory_fraction
     reduce = cfg.trainer.fsdp_reduce if cfg.trainer.parallel == "fsdp" and env.distributed else None
-    whole = whole_gradient_bytes(model) if reduce is not None else 0
+    whole = fsdp_step_bytes(model, precision.name == "bf16") if reduce is not None else 0
     choice, reduce = plan_sub_batch_and_reduction(rank_batch, fit, capacity, fraction, held, whole, reduce)
     held += whole if reduce == "step" else 0
     sub_batch, stepwise_flag = choice.sub_batch, int(reduce == "step")

@@ -22,6 +22,7 @@ line, its checkpoint, a stop) calls it first. ``health`` counts the skipped upda
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ from tqdm.auto import tqdm
 
 from ..data.offload import Offload
 from ..data.samples import SubBatch
-from ..distributed.fsdp import full, is_sharded, no_gradient_sync, reduce_replicated
+from ..distributed.fsdp import full, gathered_through, is_sharded, no_gradient_sync, reduce_replicated
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay, to_device
 from .precision import Precision
 
@@ -156,6 +157,7 @@ class TrainStep:
         # step with the others held (fsdp_reduce)
         self.wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) \
             if self.distributed and not self.sharded else model
+        self.gather_once = self.sharded and fsdp_reduce == "step"  # the weights too: once per step
         if self.sharded:
             held = (lambda: no_gradient_sync(model)) if fsdp_reduce == "step" else None
             self.sync = GradSync(hold=held, kept=held)
@@ -196,7 +198,8 @@ class TrainStep:
         started = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, times = self.gradients(stream, epoch=epoch)
+        with gathered_through(self.model) if self.gather_once else contextlib.nullcontext():
+            loss, times = self.gradients(stream, epoch=epoch)
         self.settle()  # host sync: the last step's update, read once this step's work is queued
         self.health.check()  # too many skipped in a row: stop before this step's update
         applied = self.apply()
