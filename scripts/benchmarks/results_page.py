@@ -173,15 +173,32 @@ QUESTIONS = [
             {"file": "multi_gpu_vit_b32_32k_variants_4xh200.json", "kind": "multi_gpu",
              "label": "On that machine: 8 GB decoded ahead (`data.decode_ahead_gb=8`) and FSDP "
                       "(`trainer.parallel=fsdp`, `fsdp_reduce=auto`: once per step) against the row above"},
-            {"file": "multi_gpu_vit_b32_32k_1gpu_waits_h200.json", "kind": "multi_gpu", "waits": True,
+            {"file": "multi_gpu_vit_b32_32k_1gpu_waits_h200.json", "kind": "multi_gpu",
+             "waits": "Step 3 starts the next epoch's loader (two steps before the boundary): forking its workers "
+                      "from the training process is the wait not spent on decoding (0.41 s for 12 workers, 0.61 s "
+                      "for 14). Step 5 is the boundary: the new epoch's decoding starts cold.",
              "label": "Where the slow steps' time goes: one H200, 8 steps of 4-step epochs, the data wait of each "
                       "step by cause (`metrics.jsonl`'s `data_wait_s`)"},
+            {"file": "multi_gpu_vit_b32_32k_across_boundary_4xh200.json", "kind": "multi_gpu",
+             "label": "ViT-B/32 at 32k on 4 GPUs with the GPU decoding reading ahead across the epoch boundary "
+                      "(one decoding stream over the epochs' loaders; a fourth 4 x H200 machine)",
+             "waits": "The boundary steps (5 and 9) no longer wait for the decoding. Steps 3 and 7 start the next "
+                      "epoch's loader: forking its 12 workers from the training process (0.48 s) is what is left "
+                      "of the boundary, and the slowest step's 1.74x."},
             {"file": "multi_gpu_vit_b16_32k_4xh200.json", "kind": "multi_gpu",
              "label": "ViT-B/16, batch 32k, 4 GPUs against 1 (a third 4 x H200 machine; 7 steps, the first two "
                       "left out; step 3 starts the next epoch's loader, step 5 is the boundary)"},
             {"file": "multi_gpu_vit_b32_256k_4xh200.json", "kind": "multi_gpu",
              "label": "ViT-B/32, batch 256k, 4 GPUs (that machine; an epoch of 600k samples: 5 steps, the first "
                       "two left out; 1 and 2 GPUs not run)"},
+            {"file": "multi_gpu_vit_bigg_512_fsdp_ddp_4xh200.json", "kind": "multi_gpu",
+             "label": "ViT-bigG-14, batch 512, 4 GPUs: DDP against FSDP (`fsdp_reduce=auto`: once per step, the "
+                      "weights kept gathered through the step), `trainer.sub_batch=auto` (64 for both), "
+                      "`model.compile=false`; 6 steps, the first two left out (the DDP run's last checkpoint, 43 s, "
+                      "ran past the harness's 150 s limit after its steps)"},
+            {"file": "multi_gpu_vit_bigg_512_fsdp_ddp_regather_4xh200.json", "kind": "multi_gpu",
+             "label": "The same earlier that morning (another 4 x H200 machine), FSDP gathering each group's "
+                      "weights again for every pass of the step"},
             {"file": "multi_gpu_vit_b32_1m_4xh200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/32, batch 1M, `trainer.offload=true` (4 steps, the first left out)"},
             {"file": "loss_h200_1gpu_c768.json", "kind": "loss"},
@@ -310,10 +327,8 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
         for row in results:
             data = " ".join(f"{s['phases_s'].get('data', 0):.2f}" for s in row["steps"])
             decode = " ".join(f"{decoding_wait(s):.2f}" for s in row["steps"])
-            rows.append(f"| megabatch ({row.get('variant')}) | {data} | {decode} |")
-        rows += ["", "Step 3 starts the next epoch's loader (two steps before the boundary): forking its workers "
-                 "from the training process is the wait not spent on decoding (0.41 s for 12 workers, 0.61 s for 14). "
-                 "Step 5 is the boundary: the new epoch's decoding starts cold."]
+            rows.append(f"| megabatch ({row.get('variant') or 'default'}) | {data} | {decode} |")
+        rows += ["", entry["waits"]]
     if entry.get("phases"):
         ours = next(row for row in results if row["system"] == "megabatch")
         last = ours["steps"][-1]["phases_s"]
