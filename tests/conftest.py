@@ -12,6 +12,10 @@ import pytest
 # scalar C++: they compile about a fifth faster than the vectorised ones and give the same results to
 # the tests' tolerances (set before torch reads its inductor config; the processes a test starts inherit it)
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one core per pytest-xdist worker (below): inductor compiles in the process that compiles, rather than
+    # starting a pool of compile workers per compiling process, each importing torch again
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
