@@ -31,11 +31,9 @@ setup: $(STAMP)
 demo: setup
 	$(PY) train.py
 
-# pytest-xdist workers, one thread each (tests/conftest.py): one per core and one more, since a sixth of the
-# time a worker waits (a rank's heartbeat timing out, a signal, a subprocess starting) and leaves its core
-# idle (CI on 2 cores: 1.66 cores busy with 2 workers); worksteal balances the long tests; the 25 slowest
-# are listed, so that a CI log shows where its 20-minute budget goes
-XDIST := -n $(shell echo $$(( $$(nproc) + 1 ))) --dist worksteal --durations=25
+# one pytest-xdist worker per core (tests/conftest.py gives each one thread); worksteal balances the long
+# tests; the 25 slowest are listed, so that a CI log shows where its 20-minute budget goes
+XDIST := -n auto --dist worksteal --durations=25
 
 test: setup
 	$(PY) -m pytest $(XDIST)

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs a pytest-xdist worker per core and one more: one thread each, and in the processes a test
+    # `make test` runs one pytest-xdist worker per core: one thread each, and in the processes a test
     # starts (train.py, torchrun, spawned ranks), so that the workers do not fight over the cores
     # (two threads each made the slowest test 4x slower)
     os.environ["OMP_NUM_THREADS"] = "1"
