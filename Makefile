@@ -1,4 +1,4 @@
-# make demo: set up .venv if missing, then train the tiny CLIP on the embedded digits (CPU, ~2.5 min)
+# make demo: set up .venv if missing, then train the tiny CLIP on the embedded digits (CPU, ~2 min)
 # make test: set up .venv if missing, then run the test suite (CPU); make test-main-job: the main job's own test;
 # make test-ci: both in one session (CI)
 PYTHON ?= python3

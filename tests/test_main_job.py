@@ -1,4 +1,4 @@
-"""The main job as README's `make demo` runs it: `python train.py`, no arguments. About 2.5
+"""The main job as README's `make demo` runs it: `python train.py`, no arguments. About 2
 minutes on 2 cores: marked ``main_job``, left out of the default run; `make test-main-job` runs it,
 and CI runs it with the suite (`make test-ci`, these first)."""
 

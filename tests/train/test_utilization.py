@@ -44,9 +44,9 @@ def tiny_model_flops(device: torch.device, backend=None, *overrides: str) -> Mod
 @pytest.mark.parametrize("backend", [None, SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
 def test_the_tiny_models_flops_equal_a_count_by_hand(backend):
     flops = tiny_model_flops(torch.device("cpu"), backend)
-    patches, width = (32 // 4) ** 2, 96                 # 8 x 8 patches of 4 px, width 96
-    image = (2 * patches * width * 3 * 4 * 4            # patch embedding (a 4x4 convolution)
-             + 3 * transformer_layer(patches + 1, width, 192)  # 3 layers over 64 patches + the class token
+    patches, width = (32 // 8) ** 2, 96                 # 4 x 4 patches of 8 px, width 96
+    image = (2 * patches * width * 3 * 8 * 8            # patch embedding (an 8x8 convolution)
+             + 3 * transformer_layer(patches + 1, width, 192)  # 3 layers over 16 patches + the class token
              + 2 * width * 64)                           # projection of the class token to 64
     text = 2 * transformer_layer(16, 64, 128) + 2 * 64 * 64  # 2 layers over 16 tokens; projection of one
     assert flops.image_forward == image and flops.text_forward == text
