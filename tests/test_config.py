@@ -318,8 +318,8 @@ def test_pretrained_path_must_exist(tmp_path: Path):
     ("trainer.time_limit=soon", "trainer.time_limit"),
     ("trainer.max_bad_steps=0", "trainer.max_bad_steps"), ("eval.digits.chunk=0", "eval.digits.chunk"),
     ("+eval.digits.no_such=1", "eval.digits.no_such"), ("+model.preprocess.size=64", "model.preprocess"),
-    ("model.attention=flash", "model.attention"), ("model.attention=triton model.direct_attention=false",
-                                                   "model.direct_attention"),
+    ("model.attention=flash", "model.attention"), ("data.worker_start=spawn", "data.worker_start"),
+    ("model.attention=triton model.direct_attention=false", "model.direct_attention"),
 ])
 def test_every_bad_value_is_refused_at_start_up_naming_the_key(override, key):
     from megabatch.config.schema import validate

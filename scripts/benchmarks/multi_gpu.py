@@ -48,7 +48,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ARGV = "MEGABATCH_OPENCLIP_ARGV"
-PLAN_LINES = ("trainer.sub_batch=auto", "trainer.keep_graph", "FSDP:", "tuning the Triton", "decoded ahead")
+PLAN_LINES = ("trainer.sub_batch=auto", "trainer.keep_graph", "FSDP:", "tuning the Triton", "decoded ahead",
+              "data.worker_start")
 
 
 class GpuMemory:

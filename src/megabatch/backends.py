@@ -69,11 +69,14 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
     - JPEG decoding on the GPU: this thread's work leaves the legacy default stream for a stream of
       its own, because nvJPEG's calls synchronise with the legacy stream and decoding ahead would
       otherwise wait for the step's queued kernels.
+    - Loader workers started from a fork server (``data.worker_start``, ``auto`` on CUDA): the server
+      started now, importing the data modules while the model is built (``data/worker_start.py``).
     """
     import torch
 
     from .config.schema import model_settings
     from .data.gpu_decode import resolve_decode
+    from .data.worker_start import resolve_worker_start, start_worker_server
 
     configure_process()
     done = []
@@ -101,6 +104,10 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
         if torch.cuda.current_stream(device) == torch.cuda.default_stream(device):
             torch.cuda.set_stream(torch.cuda.Stream(device))
         done.append("the step's work on a CUDA stream of its own, beside the JPEG decoding (data.decode=gpu)")
+    if resolve_worker_start(cfg.data, device.type) == "forkserver":
+        start_worker_server()
+        done.append("loader workers forked from a server process started now (data.worker_start=forkserver): an "
+                    "epoch's loader costs this process no fork of itself")
     return done
 
 

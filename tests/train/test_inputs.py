@@ -5,8 +5,13 @@ resume mid-epoch continues the same sequence."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import pickle
+import signal
 import threading
 import time
+from multiprocessing import forkserver
 
 import numpy as np
 import pytest
@@ -15,6 +20,8 @@ import torch
 from megabatch.data import TrainData
 from megabatch.data.gpu_decode import DecodePool
 from megabatch.data.shard_writer import Sample, encode_png, write_shards
+from megabatch.data.worker_start import PickledOnce
+from megabatch.processes import process_alive
 from megabatch.train.inputs import EPOCH_LEAD_STEPS, RunInputs
 from megabatch.train.plan import BatchPlan
 
@@ -150,3 +157,50 @@ def test_decoding_ahead_crosses_the_boundary_and_loaders_start_in_the_consumers_
     expected = per_epoch_loaders(data, plan, 0)
     assert [sub.texts.tolist() for sub in taken] == [sub.texts.tolist() for sub in expected]
     assert decoder.decoded[:len(taken)] == [sub.texts.tolist() for sub in expected]
+
+
+def caption_ids(captions) -> torch.Tensor:
+    """The shards' captions ("sample 7") as ids: a module's function, which a fork server's worker unpickles."""
+    return torch.tensor([int(c.split()[-1]) for c in captions])
+
+
+@pytest.mark.parametrize("split", ["position", "shard"])
+def test_every_splits_loader_pickled_once_as_a_fork_server_sends_it_gives_the_same_sub_batches(shard_urls, tmp_path,
+                                                                                               split):
+    """A fork server's worker gets its dataset pickled, the tokenizer's part pickled once for all
+    (``PickledOnce``): unpickled, each split's dataset reads what the original does (the indexed
+    split through the fork server itself, below)."""
+    data = make_data(shard_urls, tmp_path, split)
+    data.tokenize = PickledOnce(caption_ids)
+    dataset = data.loader(1, 0, BATCH, 0, 1, data.steps_per_epoch(BATCH, 1, SUB_BATCH), sub_batch=SUB_BATCH).dataset
+    copies = [pickle.loads(pickle.dumps(dataset)) for _ in range(2)]
+    assert data.tokenize._pickled is not None and copies[0].tokenize is not data.tokenize
+    original, *copied = ([(sub.texts.tolist(), sub.images) for sub in ds] for ds in [dataset, *copies])
+    for again in copied:
+        assert [texts for texts, _ in again] == [texts for texts, _ in original]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(again, original, strict=True))
+
+
+def test_workers_from_the_fork_server_give_the_forked_workers_samples_through_a_stop_signal(shard_urls, tmp_path):
+    """data.worker_start=forkserver (worker_start.py): across two boundaries the same sub-batches as
+    forked workers; a SIGTERM to the server and the workers (a job's signal reaches every process)
+    ends neither, since the training process is the one that stops the run."""
+    data = make_data(shard_urls, tmp_path, "indexed")
+    data.tokenize = caption_ids
+    plan = make_plan(data, epochs=2, extra_steps=1)
+    expected = per_epoch_loaders(data, plan, 0)  # forked workers
+    data.worker_start = "forkserver"
+    stream = RunInputs(data, plan, rank=0)(0)
+    taken = [next(stream)]
+    server = forkserver._forkserver._forkserver_pid  # started by the first loader
+    workers = [child.pid for child in multiprocessing.active_children()]
+    assert server is not None and process_alive(server)
+    for pid in [server, *workers]:
+        if process_alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert process_alive(server)
+    taken += [next(stream) for _ in range(plan.total_steps * plan.sub_batches - 1)]
+    stream.close()
+    assert [sub.texts.tolist() for sub in taken] == [sub.texts.tolist() for sub in expected]
+    assert all(torch.equal(a.images, b.images) for a, b in zip(taken, expected, strict=True))

@@ -89,6 +89,7 @@ class DataTrainConfig:
 class DataConfig:
     cache_dir: str = MISSING
     num_workers: int = MISSING
+    worker_start: str = MISSING       # auto | fork | forkserver (data/worker_start.py)
     decode: str = MISSING
     decode_ahead_gb: Any = MISSING    # auto or a number of GB
     decode_threads: Any = MISSING     # auto or a number >= 2
@@ -304,6 +305,7 @@ def check_data(data: DictConfig) -> None:
         raise ConfigError("data.train.urls is not set: give your shards, e.g. "
                           "data.train.urls='/data/cc12m/{000000..001242}.tar' (quoted: Hydra reads braces)")
     at_least(data.num_workers, "data.num_workers", 0, "8")
+    choice(data.worker_start, "data.worker_start", ("auto", "fork", "forkserver"))
     choice(data.decode, "data.decode", DECODES)
     ahead = data.decode_ahead_gb
     if ahead != "auto" and (isinstance(ahead, bool) or not isinstance(ahead, (int, float)) or ahead < 0):

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ..processes import ignore_stop_signals
 from .samples import EncodedImages, SampleDecoder, Stats, SubBatch, decode_pair
 from .tars import tar_samples
+from .worker_start import worker_context
 
 log = logging.getLogger(__name__)
 
@@ -159,20 +160,23 @@ class PositionSplitBatches(IterableDataset):
         return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()})
 
 
-def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: bool = False) -> DataLoader:
+def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: bool = False,
+                worker_start: str = "fork") -> DataLoader:
     """A DataLoader over ``dataset``'s ready-made batches. With ``pin_memory`` a background thread
     copies them into page-locked memory: a pageable copy to the GPU first waits for every kernel
     queued before it, so the loader could not run ahead of the encoder
     (measured in ``docs/bench/loader_copy_h200.json``). Its own generator: starting it draws the
     workers' base seed from that, not from the global one the towers draw from, so when a loader
     starts (the next epoch's starts before the boundary) changes no training randomness (the
-    samples' augmentation is seeded by their position, ``transforms.py``)."""
+    samples' augmentation is seeded by their position, ``transforms.py``). ``worker_start``: how its
+    workers start, ``fork`` or ``forkserver`` (``data/worker_start.py``)."""
     return DataLoader(
         dataset,
         batch_size=None,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,
+        multiprocessing_context=worker_context(worker_start) if num_workers > 0 else None,
         prefetch_factor=4 if num_workers > 0 else None,
         worker_init_fn=ignore_stop_signals,  # the main process stops the run (train/preemption.py)
         generator=torch.Generator().manual_seed(0),

@@ -13,6 +13,7 @@ from .shard_split import ShardBatches, slot_quota
 from .tars import reads_locally
 from .transforms import train_transform
 from .urls import expand_urls, is_remote, shard_sizes
+from .worker_start import PickledOnce
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class TrainData:
     ``::``-joined) with ``weights``.
     """
 
-    def __init__(self, cfg, tokenize, preprocess: dict, seed: int, show_progress: bool = True):
+    def __init__(self, cfg, tokenize, preprocess: dict, seed: int, show_progress: bool = True,
+                 worker_start: str = "fork"):
         urls = cfg.train.urls or ensure_digits(cfg.cache_dir)["train"]
         patterns = [urls] if isinstance(urls, str) and "::" not in urls else (
             urls.split("::") if isinstance(urls, str) else list(urls))
@@ -59,6 +61,9 @@ class TrainData:
         self.num_samples = parse_optional_count(cfg.train.num_samples, "data.train.num_samples")
         self.cfg, self.tokenize, self.seed = cfg, tokenize, seed
         self.show_progress, self._sizes = show_progress, None
+        self.worker_start = worker_start  # fork | forkserver: how the loaders' workers start (worker_start.py)
+        if worker_start == "forkserver":  # each worker's dataset is pickled: the vocabulary once
+            self.tokenize = PickledOnce(tokenize)
         if self.num_samples is None:
             self.num_samples = sum(self.sizes)
         self.transform = train_transform(preprocess["size"], preprocess["interpolation"], **cfg.train.augment)
@@ -138,4 +143,4 @@ class TrainData:
                                      cache_dir=self.cfg.cache_dir, **common)
         else:
             dataset = PositionSplitBatches(self.urls, **common)
-        return make_loader(dataset, int(self.cfg.num_workers), pin_memory)
+        return make_loader(dataset, int(self.cfg.num_workers), pin_memory, self.worker_start)

@@ -24,6 +24,7 @@ from ..config.schema import model_settings
 from ..data import TrainData
 from ..data.gpu_decode import GpuDecoder, resolve_decode
 from ..data.offload import Offload
+from ..data.worker_start import resolve_worker_start
 from ..distributed import DistEnv
 from ..distributed.fsdp import local, shard_model
 from ..models import ClipModel, build_model
@@ -80,7 +81,8 @@ class RunParts:
         if env.rank == 0:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
         with phase("data"):
-            data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0)
+            data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0,
+                             worker_start=resolve_worker_start(cfg.data, env.device.type))
             precision = precision_of(cfg, env)
             gpu_decoder, ahead = build_gpu_decoder(cfg, env)
         with phase("flop count"):  # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
