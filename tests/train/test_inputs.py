@@ -190,7 +190,11 @@ def test_workers_from_the_fork_server_give_the_forked_workers_samples_through_a_
     plan = make_plan(data, epochs=2, extra_steps=1)
     expected = per_epoch_loaders(data, plan, 0)  # forked workers
     data.worker_start = "forkserver"
-    stream = RunInputs(data, plan, rank=0)(0)
+    inputs = RunInputs(data, plan, rank=0)
+    threads = []
+    start = inputs._loader
+    inputs._loader = lambda *args: threads.append(threading.current_thread()) or start(*args)
+    stream = inputs(0)
     taken = [next(stream)]
     server = forkserver._forkserver._forkserver_pid  # started by the first loader
     workers = [child.pid for child in multiprocessing.active_children()]
@@ -204,3 +208,6 @@ def test_workers_from_the_fork_server_give_the_forked_workers_samples_through_a_
     stream.close()
     assert [sub.texts.tolist() for sub in taken] == [sub.texts.tolist() for sub in expected]
     assert all(torch.equal(a.images, b.images) for a, b in zip(taken, expected, strict=True))
+    # the first loader in the consumer's thread, the next epochs' from threads of their own (the step goes on)
+    assert inputs.loaders_started == [(0, 0), (1, 0), (2, 0)]
+    assert threads[0] is threading.main_thread() and all(t is not threading.main_thread() for t in threads[1:])

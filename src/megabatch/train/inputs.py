@@ -29,10 +29,14 @@ def read_ahead_budget(prefetch_gb, offload: bool) -> float:
 
 # steps before an epoch's end at which the next epoch's loader starts: worker start-up and the first
 # sub-batches (about two steps of ViT-B/32 at 32k on 4 GPUs, where the boundary step took 3x the others).
-# Starting it still costs the step that does it the fork of its workers from this large process (0.41 s
-# for 12, 0.61 s for 14, ViT-B/32 at 32k on an H200); a loader started from another thread lost its
-# workers (exit status 1, no traceback), so it starts here
+# Forked from this large process, its workers cost the step that starts them 0.41-0.61 s (12-14 workers,
+# ViT-B/32 at 32k on H200s), and a loader forked from another thread lost its workers (exit status 1, no
+# traceback), so it starts in the consumer's thread; from the fork server (data.worker_start), from a thread
+# of its own (RunInputs._start_loader)
 EPOCH_LEAD_STEPS = 2
+# from a thread of its own the start takes longer (it shares the interpreter with the step: ViT-B/32 at 32k on
+# 4 H200s, the boundary waited 0.9-1.1 s with a lead of 2), so it begins a step earlier
+THREADED_LEAD_STEPS = 3
 
 
 class RunInputs:
@@ -91,7 +95,8 @@ class RunInputs:
         """The sub-batches from ``start_step`` on, after a ``None`` once the first epoch is reading.
         The epochs come from one chain (``_epochs``), decoded ahead across the boundaries: the GPU
         decodes the next epoch's first sub-batches during this epoch's last step. Loaders start here,
-        in the calling thread (a loader started from another thread lost its workers), and are handed
+        in the calling thread (a loader forked from another thread lost its workers), or from a thread
+        of their own when their workers come from the fork server (``_start_loader``), and are handed
         to the chain, which may run in the decoding thread."""
         plan = self.plan
         epoch, start = divmod(start_step, plan.steps_per_epoch)
@@ -108,26 +113,42 @@ class RunInputs:
         # the next epoch's loader starts when this epoch's last EPOCH_LEAD_STEPS steps begin: its
         # workers fork and read while those steps run, and the first step of the next epoch does not
         # wait for them (a loader per epoch: the order is an epoch's own)
-        lead = EPOCH_LEAD_STEPS * plan.sub_batches
+        lead = (THREADED_LEAD_STEPS if self.data.worker_start == "forkserver" else EPOCH_LEAD_STEPS) * plan.sub_batches
         left, handed = (plan.steps_per_epoch - start) * plan.sub_batches, False
+        starter = None
         try:
             yield None  # __call__ takes this: the first epoch is reading
             for sub in source:
                 left -= 1
                 if not handed and left < lead and (epoch + 1) * plan.steps_per_epoch < plan.total_steps:
-                    handoff.put(self._loader(epoch + 1, 0))
+                    starter = self._start_loader(epoch + 1, handoff)
                     handed = True
                 yield sub
                 if left == 0:
                     epoch, left, handed = epoch + 1, plan.steps_per_epoch * plan.sub_batches, False
         finally:
             stop.set()
+            if starter is not None:
+                starter.join()
             if source is not chain:
                 source.close()  # stops the decoding thread
             else:
                 chain.close()
             while not handoff.empty():  # a run stopped before the boundary: that loader's workers end with it
                 handoff.get_nowait()
+
+    def _start_loader(self, epoch: int, handoff: queue.Queue) -> threading.Thread | None:
+        """Start epoch ``epoch``'s loader and hand it to the chain. Workers from the fork server
+        (``data.worker_start``) start from a thread of their own, so that the step goes on meanwhile
+        (12 workers: 0.31-0.34 s on a GPU rank); forked workers start in this thread (started from
+        another one, they died)."""
+        if self.data.worker_start != "forkserver":
+            handoff.put(self._loader(epoch, 0))
+            return None
+        starter = threading.Thread(target=lambda: handoff.put(self._loader(epoch, 0)), daemon=True,
+                                   name=f"loader-start-epoch-{epoch}")
+        starter.start()
+        return starter
 
     def _epochs(self, epoch: int, start: int, loader, handoff: queue.Queue,
                 stop: threading.Event) -> Iterator[SubBatch]:
