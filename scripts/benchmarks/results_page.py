@@ -185,9 +185,23 @@ QUESTIONS = [
              "waits": "The boundary steps (5 and 9) no longer wait for the decoding. Steps 3 and 7 start the next "
                       "epoch's loader: forking its 12 workers from the training process (0.48 s) is what is left "
                       "of the boundary, and the slowest step's 1.74x."},
+            {"file": "multi_gpu_vit_b32_32k_forkserver_thread_4xh200.json", "kind": "multi_gpu",
+             "label": "ViT-B/32 at 32k, 4 GPUs against 1, as released: the loader's workers from a fork server, "
+                      "the next epoch's loader started from a thread of its own three steps before the boundary "
+                      "(a seventh 4 x H200 machine, 2026-11-27; 14 steps, three boundaries)",
+             "waits": "No step waits for its data: the slowest step is 1.09x the median on 4 GPUs and 1.02x on 1. "
+                      "4 GPUs give 4.02x one GPU's median (31.7k against 7.88k samples/s; 3.96x by the means of "
+                      "steps 3-14). The next row is the same machine minutes later with the workers forked from "
+                      "the training process: 1.66x, and a mean of 27.2k samples/s against 31.3k."},
+            {"file": "multi_gpu_vit_b32_32k_fork_14_steps_4xh200.json", "kind": "multi_gpu",
+             "label": "The same machine: the workers forked from the training process (`data.worker_start=fork`)"},
+            {"file": "multi_gpu_vit_b32_32k_forkserver_thread_lead2_4xh200.json", "kind": "multi_gpu",
+             "label": "Before that, on a sixth machine: started from its own thread but two steps before the "
+                      "boundary, the new loader's first sub-batches came late (the boundary steps 5, 9 and 13 "
+                      "waited 0.86-1.07 s): hence three"},
             {"file": "multi_gpu_vit_b32_32k_forkserver_4xh200.json", "kind": "multi_gpu",
-             "label": "ViT-B/32 at 32k, 4 GPUs against 1, the loader's workers started from a fork server "
-                      "(`data.worker_start=auto`: forkserver on GPUs; a fifth 4 x H200 machine, 2026-11-27)",
+             "label": "Earlier, on a fifth machine: the workers from the fork server, the loader started in the "
+                      "step's thread two steps ahead",
              "waits": "Steps 3 and 7 start the next epoch's loader: 0.31-0.34 s of the main thread, against 0.61 s "
                       "forking the training process (next row, the same machine): the slowest step 1.25x the median "
                       "instead of 1.60x, and the mean of steps 2-10 29.3k samples/s instead of 27.3k. The median "
@@ -503,7 +517,7 @@ def plot_end_to_end(out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-FORKSERVER_RUN = "multi_gpu_vit_b32_32k_forkserver_4xh200.json"
+FORKSERVER_RUN = "multi_gpu_vit_b32_32k_forkserver_thread_4xh200.json"
 
 
 def plot_multi_gpu(out: Path) -> None:
@@ -535,7 +549,7 @@ def plot_multi_gpu(out: Path) -> None:
                 speeds = [s["samples_per_s"] / 1e3 for s in row["steps"][2:]]
                 ax.scatter([row["gpus"]] * len(speeds), speeds, color="#3ba65a", alpha=0.35, s=14)
             ax.plot([r["gpus"] for r in rows], [r["samples_per_s"]["median"] / 1e3 for r in rows], "s-",
-                    color="#3ba65a", label="megabatch, workers from a fork server (another machine)")
+                    color="#3ba65a", label="megabatch as released (fork server; another machine)")
         ours = [r for r in data["results"] if r["system"] == "megabatch" and r["gpus"] == 1]
         if ours:
             base = ours[0]["samples_per_s"]["median"] / 1e3
