@@ -189,6 +189,15 @@ def test_workers_from_the_fork_server_give_the_forked_workers_samples_through_a_
     data.tokenize = caption_ids
     plan = make_plan(data, epochs=2, extra_steps=1)
     expected = per_epoch_loaders(data, plan, 0)  # forked workers
+    # this process's fork server is the loaders' own (the multi-rank helpers start one with other modules)
+    forkserver._forkserver._stop()
+    try:
+        loaders_from_the_fork_server(data, plan, expected)
+    finally:
+        forkserver._forkserver._stop()  # the next test's helpers start theirs
+
+
+def loaders_from_the_fork_server(data: TrainData, plan: BatchPlan, expected: list) -> None:
     data.worker_start = "forkserver"
     inputs = RunInputs(data, plan, rank=0)
     threads = []

@@ -36,14 +36,17 @@ def resolve_worker_start(data_cfg, device_type: str) -> str:
 
 
 def start_worker_server() -> None:
-    """Start this process's fork server now, with ``SERVER_PRELOAD`` imported in it (idempotent). It
-    imports while the model and the data are built; the first loader's workers wait for it only if
-    it is not done by then. It ends when this process does."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(SERVER_PRELOAD)
+    """Start this process's fork server now, with ``SERVER_PRELOAD`` imported in it (idempotent: a
+    server already running, started by other code, is kept as it is). It imports while the model and
+    the data are built; the first loader's workers wait for it only if it is not done by then. It
+    ends when this process does."""
     from multiprocessing import forkserver
 
-    forkserver.ensure_running()
+    from ..processes import stop_signals_blocked
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(SERVER_PRELOAD)
+    with stop_signals_blocked():  # the server starts with them blocked, until its preload ignores them
+        forkserver.ensure_running()
 
 
 def worker_context(start: str):
