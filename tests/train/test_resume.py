@@ -44,6 +44,25 @@ def test_resume_is_bitwise_exact(tmp_path, loss):
     assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
 
 
+@pytest.mark.parametrize("optim", ["optim=timm optim.name=lamb", "optim=timm optim.name=muon",
+                                   "optim.layer_decay.image=0.8 optim.layer_decay.text=0.7"])
+def test_resume_is_bitwise_exact_with_each_optimizer(tmp_path, optim):
+    """timm's optimizers (LAMB; Muon, with its AdamW for what is not a matrix) and layer-wise lr
+    decay: 2 steps + resume + 2 steps equal 4 straight, weights and optimizer state."""
+    straight = train(tmp_path / "straight", *optim.split())
+    train(tmp_path / "resumed", *optim.split(), "trainer.stop_at_step=2")
+    resumed = train(tmp_path / "resumed", *optim.split(), "resume=latest")
+    assert straight["step"] == resumed["step"] == 4
+    for name, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][name]), name
+    states = [[(key, value) for entry in run["optimizer"]["state"].values() for key, value in sorted(entry.items())
+               if isinstance(value, torch.Tensor)] for run in (straight, resumed)]
+    assert states[0] and [key for key, _ in states[0]] == [key for key, _ in states[1]]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(*states, strict=True))
+    assert [g.get("lr_scale") for g in straight["optimizer"]["param_groups"]] == \
+        [g.get("lr_scale") for g in resumed["optimizer"]["param_groups"]]
+
+
 def test_checkpoint_contents(tmp_path):
     state = train(tmp_path / "run", "trainer.max_steps=2")
     assert {"model", "optimizer", "step", "rng", "config"} <= state.keys()

@@ -123,6 +123,8 @@ class OptimConfig:
     base_batch: Any = MISSING
     weight_decay: float = MISSING
     grad_clip: float | None = MISSING
+    layer_decay: Any = field(default_factory=lambda: {"image": None, "text": None})  # per tower, or one number
+    name: str | None = None           # optim=timm: timm's optimizer name
     optimizer: Any = MISSING          # a _partial_ torch.optim class and its arguments
 
 
@@ -168,6 +170,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_data(cfg.data)
     check_eval(cfg.eval)
     check_optim(cfg.optim)
+    if str(cfg.optim.get("name")) in ("muon", "adamuon") and cfg.trainer.parallel == "fsdp":
+        raise ConfigError(f"optim.name={cfg.optim.name} with trainer.parallel=fsdp: Muon orthogonalises each "
+                          "whole matrix, and FSDP holds a shard of it on each rank; use trainer.parallel=ddp, or "
+                          "an element-wise optimizer (optim=adamw, optim.name=lamb)")
     check_schedule(cfg.sched)
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"), steps_per_epoch=1)
     check_loss(cfg.loss, cfg.trainer.device)
@@ -377,6 +383,27 @@ def check_optim(optim: DictConfig) -> None:
     choice(optim.lr_scaling, "optim.lr_scaling", (None, "none", "linear", "sqrt"))
     if optim.lr_scaling not in (None, "none"):
         parse_count(optim.base_batch, "optim.base_batch")
+    check_layer_decay(optim.get("layer_decay"))
+    if str(optim.optimizer.get("_target_", "")).endswith("timm_optimizer") and not optim.get("name"):
+        raise ConfigError("optim=timm needs optim.name: timm's name of the optimizer, e.g. optim.name=lamb")
+
+
+def check_layer_decay(decay) -> None:
+    """``optim.layer_decay``: null, one number for both towers, or ``{image: ..., text: ...}``, each in (0, 1]."""
+    fix = "e.g. optim.layer_decay.image=0.75 optim.layer_decay.text=0.65, or null (off)"
+    if decay is None or isinstance(decay, (int, float)) and not isinstance(decay, bool):
+        per_tower = {"both towers": decay}
+    elif isinstance(decay, DictConfig):
+        unknown = set(decay) - {"image", "text"}
+        if unknown:
+            raise ConfigError(f"optim.layer_decay has {sorted(unknown)}: it takes image and text; {fix}")
+        per_tower = {f"optim.layer_decay.{tower}": decay.get(tower) for tower in ("image", "text")}
+    else:
+        raise ConfigError(f"optim.layer_decay={decay!r}: {fix}")
+    for key, value in per_tower.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value <= 1):
+            raise ConfigError(f"{key}={value!r}: a decay per layer in (0, 1]; {fix}")
 
 
 def check_schedule(sched: DictConfig) -> None:

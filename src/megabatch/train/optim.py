@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any
 
 import torch
@@ -28,18 +29,83 @@ def scaled_lr(lr: float, rule: str | None, global_batch: int, base_batch: Any) -
     raise ConfigError(f"optim.lr_scaling={rule!r}; use null, linear or sqrt")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def decayed(name: str, param: torch.Tensor) -> bool:
     """Weight decay on matrices only: gains, biases, embeddings of rank 1 and logit_scale get none."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
+    return not (param.ndim < 2 or "logit_scale" in name or name.endswith(".bias"))
+
+
+# where a tower's blocks sit in its parameters' names: open_clip's transformers (resblocks), Hugging Face
+# encoders (encoder.layer / layers), timm trunks (blocks, stages); the block's index follows
+BLOCK = re.compile(r"\.(?:resblocks|layer|layers|blocks|stages)\.(\d+)\.")
+# what sits below the first block: patch and token embeddings, positions, class tokens, the pre-norm
+EMBEDDING = re.compile(r"embed|conv1|class_embedding|cls_emb|cls_token|ln_pre|patch_|pos_drop")
+# the text tower's parameters that native open_clip CLIPs keep at the model's top level
+TOP_LEVEL_TEXT = ("clip.token_embedding", "clip.positional_embedding", "clip.transformer.", "clip.ln_final",
+                  "clip.text_projection", "clip.text_pool")
+
+
+def tower_of(name: str) -> str | None:
+    """``image``, ``text`` or ``None`` (the logit scale and bias, a caption decoder: outside both towers)."""
+    if name.startswith("clip.visual."):
+        return "image"
+    if name.startswith("clip.text.") or name.startswith(TOP_LEVEL_TEXT):
+        return "text"
+    return None
+
+
+def layer_depths(names: list[str]) -> dict[str, tuple[str | None, int, int]]:
+    """Each parameter's ``(tower, depth, top)``: depth 0 for the embeddings, ``i + 1`` for block ``i``,
+    ``top = layers + 1`` for what follows the last block (the final norm, the projection, an attention
+    pool); outside a tower ``(None, 0, 0)``. Each tower counts from its own top."""
+    layers: dict[str, int] = {}
+    for name in names:
+        tower, block = tower_of(name), BLOCK.search(name)
+        if tower is not None and block is not None:
+            layers[tower] = max(layers.get(tower, 0), int(block[1]) + 1)
+    depths = {}
+    for name in names:
+        tower = tower_of(name)
+        if tower is None:
+            depths[name] = (None, 0, 0)
             continue
-        exempt = param.ndim < 2 or "logit_scale" in name or name.endswith(".bias")
-        (no_decay if exempt else decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        top, block = layers.get(tower, 0) + 1, BLOCK.search(name)
+        depth = int(block[1]) + 1 if block else 0 if EMBEDDING.search(name) else top
+        depths[name] = (tower, depth, top)
+    return depths
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay=None) -> list[dict]:
+    """Weight decay on matrices only (``decayed``). ``layer_decay`` (``optim.layer_decay``: null, or a
+    decay per tower, ``{image: 0.75, text: null}``): each parameter's learning rate scaled by decay^(top
+    - depth) of its tower (``layer_depths``), in a group per tower, depth and decay with its ``lr_scale``;
+    the logit scale and bias, and a tower whose decay is null, keep the peak lr. Off: the two groups."""
+    params = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    if not layer_decay:
+        return [{"params": [p for n, p in params if decayed(n, p)], "weight_decay": weight_decay},
+                {"params": [p for n, p in params if not decayed(n, p)], "weight_decay": 0.0}]
+    depths = layer_depths([name for name, _ in params])
+    groups: dict[tuple, dict] = {}
+    for name, param in params:
+        tower, depth, top = depths[name]
+        decay = layer_decay.get(tower) if tower is not None else None
+        scale = float(decay) ** (top - depth) if decay else 1.0
+        wd = weight_decay if decayed(name, param) else 0.0
+        key = (tower or "-", depth if decay else top, wd)
+        group = groups.setdefault(key, {"params": [], "weight_decay": wd, "lr_scale": scale,
+                                        "name": f"{tower or 'scale/bias'}/" + (
+                                            f"depth {depth} of {top}" if decay else "all")})
+        group["params"].append(param)
+    return list(groups.values())
+
+
+def describe_param_groups(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The optimizer's parameter groups as a table for the log: name, parameters, lr scale, weight decay."""
+    rows = ["| group | parameters | lr scale | weight decay |", "|---|---|---|---|"]
+    for group in optimizer.param_groups:
+        count = sum(p.numel() for p in group["params"])
+        rows.append(f"| {group.get('name', '-')} | {count:,} | {group.get('lr_scale', 1.0):.4g} | "
+                    f"{group['weight_decay']:g} |")
+    return rows
 
 
 def build_optimizer(cfg, model: nn.Module, global_batch: int) -> tuple[torch.optim.Optimizer, float]:
@@ -52,7 +118,28 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> tuple[torch.opt
     kwargs = {}
     if "fused" not in cfg.optimizer and _takes_fused(factory) and next(model.parameters()).is_cuda:
         kwargs["fused"] = True  # one kernel for the whole update (CUDA); optim.optimizer.fused=false: foreach
-    return factory(param_groups(model, float(cfg.weight_decay)), lr=lr, **kwargs), lr
+    return factory(param_groups(model, float(cfg.weight_decay), layer_decay_of(cfg)), lr=lr, **kwargs), lr
+
+
+def layer_decay_of(cfg) -> dict | None:
+    """``optim.layer_decay`` as ``{tower: decay or None}``, or ``None`` where it is off (null, or null for
+    both towers). One number is both towers' decay."""
+    decay = cfg.get("layer_decay")
+    if isinstance(decay, (int, float)):
+        decay = {"image": decay, "text": decay}
+    elif decay is not None:
+        decay = dict(decay)
+    return decay if decay and any(value is not None for value in decay.values()) else None
+
+
+def timm_optimizer(params, lr: float, name: str, **kwargs) -> torch.optim.Optimizer:
+    """``optim=timm``: timm's optimizer ``name`` (``optim.name``) over megabatch's parameter groups."""
+    from timm.optim import create_optimizer_v2, list_optimizers
+
+    if name not in list_optimizers():
+        raise ConfigError(f"optim.name={name!r} is not one of timm's optimizers; e.g. optim.name=lamb, lion, "
+                          "nadamw, lars or muon (timm.optim.list_optimizers() lists them)")
+    return create_optimizer_v2(params, opt=name, lr=lr, **kwargs)
 
 
 def _takes_fused(factory) -> bool:

@@ -189,7 +189,7 @@ class TrainStep:
     def step(self, stream: Iterator[SubBatch], lr: float, *, epoch: int = 0, number: int = 1) -> StepOutcome:
         """One optimizer step on this rank's share of the global batch, ``sub_batches`` taken from
         ``stream`` (``global_batch = world_size x sub_batches x sub_batch``: 1M = 2 x 1024 x 512), of
-        ``epoch``: the learning rate ``lr`` set on every group,
+        ``epoch``: the learning rate ``lr`` set on every group (times its ``lr_scale``: ``optim.layer_decay``),
         forward, the global loss, backward (GradCache with several sub-batches), then the clipped
         update, skipped on every rank where a loss or gradient is not finite on one. ``number``: the
         step's number in the run (counted from 1), for the outcome and the warnings. Raises
@@ -197,7 +197,7 @@ class TrainStep:
         skipped."""
         started = time.perf_counter()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         with gathered_through(self.model) if self.gather_once else contextlib.nullcontext():
             loss, times = self.gradients(stream, epoch=epoch)
         self.settle()  # host sync: the last step's update, read once this step's work is queued
