@@ -34,10 +34,32 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers and schemas)
 
 
+# the longest tests after the main job's (40-130 s each on 2 cores, CI's durations of 2026-11-27): started early,
+# none of them is left running on one core at the end while the other waits
+LONG_TESTS = (
+    "test_a_run_resumed_on_1_then_2_then_3_ranks_ends_as_the_uninterrupted_one",
+    "test_a_second_run_loads_the_compiled_towers_and_compiles_nothing",
+    "test_offloaded_steps_read_ahead_give_bitwise_the_same_gradients_on_two_ranks",
+    "test_a_killed_rank_is_named_and_torchrun_restarts_the_run_to_the_same_weights",
+    "test_srun_variables_alone_give_the_torchrun_gradients",
+    "test_several_ranks_add_no_host_sync_per_step",
+    "test_two_torchrun_launches_of_one_rank_each_train_as_one_job",
+    "test_sigterm_stops_two_ranks_at_one_step_and_resume_continues_bitwise",
+    "test_compiled_towers_under_ddp_give_the_one_process_gradients",
+    "test_locked_text_training_on_digits",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The main job's runs (minutes each) first where they are selected (CI: `make test-ci`), so that
-    pytest-xdist runs the rest beside them rather than leaving a core idle behind them at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("main_job") is None)  # stable: the rest in order
+    """The main job's runs (minutes each) first where they are selected (CI: `make test-ci`), then the
+    longest tests, so that pytest-xdist runs the rest beside them rather than leaving a core idle
+    behind one of them at the end."""
+    def order(item) -> int:
+        if item.get_closest_marker("main_job") is not None:
+            return 0
+        return 1 if item.originalname in LONG_TESTS else 2
+
+    items.sort(key=order)  # stable: the rest in order
 
 
 @pytest.fixture(scope="session", autouse=True)

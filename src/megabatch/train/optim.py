@@ -95,7 +95,7 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay=None) -> lis
                                         "name": f"{tower or 'scale/bias'}/" + (
                                             f"depth {depth} of {top}" if decay else "all")})
         group["params"].append(param)
-    return list(groups.values())
+    return [groups[key] for key in sorted(groups, key=lambda k: (k[0] == "-", k[0], k[1], -k[2]))]
 
 
 def describe_param_groups(optimizer: torch.optim.Optimizer) -> list[str]:
