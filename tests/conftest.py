@@ -33,7 +33,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import megabatch.config  # noqa: E402,F401  (registers the configs' resolvers and schemas)
 
-
 # the longest tests after the main job's (40-130 s each on 2 cores, CI's durations of 2026-11-27): started early,
 # none of them is left running on one core at the end while the other waits
 LONG_TESTS = (
