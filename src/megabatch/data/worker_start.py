@@ -20,8 +20,6 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 
-WORKER_STARTS = ("auto", "fork", "forkserver")
-
 # imported once in the fork server, so that each worker forked from it starts with them: what
 # unpickling a loader's dataset needs, and the module that keeps the server alive through a stop signal
 SERVER_PRELOAD = ["__main__", "megabatch.data.worker_server", "megabatch.data.train_data", "open_clip"]
