@@ -226,6 +226,14 @@ QUESTIONS = [
                       "weights again for every pass of the step"},
             {"file": "multi_gpu_vit_b32_1m_4xh200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/32, batch 1M, `trainer.offload=true` (4 steps, the first left out)"},
+            {"file": "multi_gpu_vit_b32_32k_2xh200.json", "kind": "multi_gpu",
+             "label": "ViT-B/32, batch 32k, 2 GPUs against 1 (2 x H200 of one host, 32 cores, 2026-11-27, commit "
+                      "05fa62f; 12 steps, the first two left out): 16.1k against 8.14k samples/s, 1.97x; the "
+                      "slowest step 1.08x the median on 2 GPUs, 1.04x on 1"},
+            {"file": "multi_gpu_vit_b16_32k_2xh200.json", "kind": "multi_gpu",
+             "label": "ViT-B/16, batch 32k, 2 GPUs against 1 (the same machine; 6 steps, the first two left out): "
+                      "5.45k against 2.70k samples/s, 2.02x; the slowest step 1.01x the median on 2 GPUs, 1.02x "
+                      "on 1"},
             {"file": "loss_h200_1gpu_c768.json", "kind": "loss"},
             {"file": "loss_h200_2gpu_c768.json", "kind": "loss"},
             {"file": "siglip_loss_2xh200.json", "kind": "loss", "backends": ["siglip", "ref_siglip", "infcl"]},
