@@ -6,7 +6,8 @@ open_clip and what builds on it (CLIP_benchmark):
     python -c "import open_clip; m, _, t = open_clip.create_model_and_transforms('local-dir:exports/b32-1M')"
 
 Options (key=value): ckpt (required), out (required), overwrite=false (replace an export in out),
-check=true (load the export back with open_clip and compare its embeddings with megabatch's).
+check=true (load the export back with open_clip and compare its embeddings with megabatch's),
+weights=raw (the weights as trained) or ema (their moving average, from a run with ``ema.decay``).
 """
 
 import json
@@ -14,7 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
-OPTIONS = {"ckpt": None, "out": None, "overwrite": "false", "check": "true"}
+OPTIONS = {"ckpt": None, "out": None, "overwrite": "false", "check": "true", "weights": "raw"}
 
 
 def parse(argv: list[str]) -> dict[str, str]:
@@ -37,6 +38,9 @@ def parse(argv: list[str]) -> dict[str, str]:
         for key in ("overwrite", "check"):
             if values[key].lower() not in ("true", "false"):
                 raise ConfigError(f"{key}={values[key]!r}: use true or false")
+        if values["weights"] not in ("raw", "ema"):
+            raise ConfigError(f"weights={values['weights']!r}: use raw (the weights as trained) or ema (their moving "
+                              "average, from a run with ema.decay)")
     except ConfigError as error:  # one line, status 2, as the other entry points
         raise config_error_exit(error) from None
     return values
@@ -54,14 +58,15 @@ def main(argv: list[str]) -> None:
 
     try:
         state = load_checkpoint(args["ckpt"])
-        model = model_from_checkpoint(state)
+        model = model_from_checkpoint(state, args["weights"])
         out = export_open_clip(model, Path(args["out"]), overwrite=args["overwrite"].lower() == "true",
                                extra={"ckpt": str(Path(args["ckpt"]).resolve()), "step": int(state["step"]),
-                                      "name": model.name, "arch": model.arch})
+                                      "name": model.name, "arch": model.arch, "weights": args["weights"]})
     except ConfigError as error:
         raise config_error_exit(error) from None
-    print(f"exported {args['ckpt']} (step {state['step']}) -> {out}: open_clip.create_model_and_transforms("
-          f"'local-dir:{out}'), open_clip.get_tokenizer('local-dir:{out}')", flush=True)
+    print(f"exported {args['ckpt']} (step {state['step']}, {args['weights']} weights) -> {out}: "
+          f"open_clip.create_model_and_transforms('local-dir:{out}'), open_clip.get_tokenizer('local-dir:{out}')",
+          flush=True)
     if args["check"].lower() == "true":
         error = check_export(model, out)
         print(f"open_clip loads it back: embeddings within {error:.1e} (relative) of megabatch's", flush=True)

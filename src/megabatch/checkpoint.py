@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 _STEP_FILE = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 SHARDED = ".dcp"      # a sharded checkpoint's folder suffix
 META = "meta.pt"      # a sharded checkpoint's step, RNG states, config and model description
+EMA = "ema"           # the moving average's entry (train/ema.py): counters, and its "weights" (name -> tensor)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -190,7 +191,23 @@ def load_sharded_meta(path: Path, weights: bool = True) -> dict[str, Any]:
     state = _load_file(path / META, required=("step",))
     if weights:
         state["model"] = _read_sharded(path, "model")
+        if EMA in state:  # its counters in meta.pt, its weights in every rank's shards
+            state[EMA] = {**state[EMA], **_read_sharded(path, EMA)}
     return state
+
+
+def model_weights(state: dict[str, Any], weights: str, where: str) -> dict[str, torch.Tensor]:
+    """A loaded checkpoint's model state dict with ``weights``: ``raw`` (as trained) or ``ema`` (the
+    moving average, ``ema.decay``, in place of every parameter it holds). ``where``: the key that
+    chose (named by the error for a checkpoint without an average)."""
+    if weights == "raw":
+        return state["model"]
+    if weights != "ema":
+        raise ConfigError(f"{where}={weights!r}: use raw (the weights as trained) or ema (their moving average)")
+    if not (state.get(EMA) or {}).get("weights"):
+        raise ConfigError(f"{where}=ema but the checkpoint holds no moving average of the weights (its run had no "
+                          f"ema.decay): use {where}=raw")
+    return {**state["model"], **state[EMA]["weights"]}
 
 
 def _read_sharded(path: Path, key: str) -> dict[str, Any]:
@@ -231,10 +248,12 @@ def _child(node: dict | list, part: str | int, empty: Any, replace: bool = False
 
 
 def write_sharded_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optimizer, meta: dict[str, Any] | None,
-                             step: int, numbered: bool, keep: int | None) -> None:
-    """Every rank: write its shards of ``model`` and ``optimizer`` as ``step_<N>.dcp`` (``numbered``)
-    or ``last.dcp``; rank 0 (the one given ``meta``) adds ``meta.pt``, publishes the folder by
-    renaming it once all are done, links ``last.dcp`` to a numbered one, and prunes old ones."""
+                             step: int, numbered: bool, keep: int | None,
+                             tensors: dict[str, Any] | None = None) -> None:
+    """Every rank: write its shards of ``model`` and ``optimizer`` (and of ``tensors``: entry -> state
+    of sharded tensors, the moving average's) as ``step_<N>.dcp`` (``numbered``) or ``last.dcp``; rank
+    0 (the one given ``meta``) adds ``meta.pt``, publishes the folder by renaming it once all are done,
+    links ``last.dcp`` to a numbered one, and prunes old ones."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -250,7 +269,8 @@ def write_sharded_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optimizer, 
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
         with _one_process_quietly():
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp), no_dist=not distributed)
+            dcp.save({"model": model_state, "optimizer": optim_state, **(tensors or {})}, checkpoint_id=str(tmp),
+                     no_dist=not distributed)
     except BaseException as error:
         if _disk_full(error):
             raise _no_space(ckpt_dir, name) from error
@@ -266,15 +286,16 @@ def write_sharded_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optimizer, 
         dist.barrier()  # no rank goes on (and may be stopped) before the folder is in place
 
 
-def load_sharded_state(path: Path, model: torch.nn.Module, optimizer) -> None:
+def load_sharded_state(path: Path, model: torch.nn.Module, optimizer, tensors: dict[str, Any] | None = None) -> None:
     """Load a sharded checkpoint's weights and AdamW state into ``model`` and ``optimizer``, sharded
-    or not, on any number of ranks (DCP reads each rank's part of every tensor)."""
+    or not, on any number of ranks (DCP reads each rank's part of every tensor); ``tensors`` (entry ->
+    state of tensors, e.g. the moving average's) are read in place too."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    state = {"model": model_state, "optimizer": optim_state, **(tensors or {})}
     with _one_process_quietly():
         dcp.load(state, checkpoint_id=str(path), no_dist=not (dist.is_available() and dist.is_initialized()))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

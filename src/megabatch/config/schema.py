@@ -114,6 +114,7 @@ class EvalConfig:
     batch_size: int = 256
     num_workers: int = 4
     chunk: int = 1024
+    weights: str = "auto"             # raw | ema | both | auto (both with ema.decay, else raw)
 
 
 @dataclass
@@ -126,6 +127,13 @@ class OptimConfig:
     layer_decay: Any = field(default_factory=lambda: {"image": None, "text": None})  # per tower, or one number
     name: str | None = None           # optim=timm: timm's optimizer name
     optimizer: Any = MISSING          # a _partial_ torch.optim class and its arguments
+
+
+@dataclass
+class EmaConfig:
+    decay: float | None = None
+    every: int = 1
+    warmup_power: float | None = 0.6667
 
 
 @dataclass
@@ -174,6 +182,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"optim.name={cfg.optim.name} with trainer.parallel=fsdp: Muon orthogonalises each "
                           "whole matrix, and FSDP holds a shard of it on each rank; use trainer.parallel=ddp, or "
                           "an element-wise optimizer (optim=adamw, optim.name=lamb)")
+    check_ema(cfg.get("ema"), cfg.eval, cfg.trainer)
     check_schedule(cfg.sched)
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"), steps_per_epoch=1)
     check_loss(cfg.loss, cfg.trainer.device)
@@ -354,6 +363,7 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
     at_least(eval_cfg.num_workers, f"{key}.num_workers", 0, "4")
     choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval"))
     choice(eval_cfg.format, f"{key}.format", ("wds", "folder", "objectnet"))
+    choice(eval_cfg.weights, f"{key}.weights", ("auto", "raw", "ema", "both"))
     if eval_cfg.task == "retrieval":
         if not (eval_cfg.jsonl or eval_cfg.urls):
             raise ConfigError(f"eval={eval_cfg.name} needs {key}.jsonl (a JSONL of pairs) or {key}.urls (shards)")
@@ -404,6 +414,28 @@ def check_layer_decay(decay) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value <= 1):
             raise ConfigError(f"{key}={value!r}: a decay per layer in (0, 1]; {fix}")
+
+
+def check_ema(ema: DictConfig | None, eval_sets: DictConfig, trainer: DictConfig) -> None:
+    """``ema.*`` (absent in a config stored before it existed: off), and ``eval.<name>.weights=ema``
+    only where there is an average."""
+    decay = None
+    if ema is not None:
+        check_known_keys(ema, EmaConfig, "ema")
+        decay, every, power = ema.get("decay"), ema.get("every", 1), ema.get("warmup_power")
+        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1):
+            raise ConfigError(f"ema.decay={decay!r}: give the average's decay per update in (0, 1), e.g. "
+                              "ema.decay=0.9999, or null (off)")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"ema.every={every!r}: give the optimizer steps between updates of the average, e.g. 1")
+        if power is not None and (isinstance(power, bool) or not isinstance(power, (int, float)) or power <= 0):
+            raise ConfigError(f"ema.warmup_power={power!r}: give a power > 0 (timm's 2/3; 3/4 for long runs), "
+                              "or null (no warm-up)")
+    for name in eval_sets:
+        weights = eval_sets[name].weights
+        if weights in ("ema", "both") and decay is None:
+            raise ConfigError(f"eval.{name}.weights={weights} but the run keeps no moving average: set ema.decay "
+                              f"(e.g. 0.9999) or eval.{name}.weights=raw")
 
 
 def check_schedule(sched: DictConfig) -> None:

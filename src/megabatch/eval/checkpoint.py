@@ -7,24 +7,26 @@ import logging
 import torch
 from omegaconf import OmegaConf
 
-from ..checkpoint import build_stored, load_checkpoint
+from ..checkpoint import EMA, build_stored, load_checkpoint, model_weights
 from ..config.schema import check_eval
 from ..models import ClipModel, from_description
 from ..models.clip import builder_node
-from .zeroshot import run_zeroshot
+from .zeroshot import result_name, run_zeroshot, weights_to_evaluate
 
 log = logging.getLogger(__name__)
 
 
-def model_from_checkpoint(state: dict) -> ClipModel:
-    """The checkpoint's model with its weights: built from its open_clip description (architecture,
-    preprocessing, tokenizer; no pretrained file needed), or for checkpoints older than the
-    description from the stored config (only megabatch's own targets: a crafted file runs nothing)."""
+def model_from_checkpoint(state: dict, weights: str = "raw", where: str = "weights") -> ClipModel:
+    """The checkpoint's model with its weights (``weights``: ``raw`` as trained, or ``ema``, their
+    moving average; ``where`` names the key that chose, for the error without one): built from its
+    open_clip description (architecture, preprocessing, tokenizer; no pretrained file needed), or for
+    checkpoints older than the description from the stored config (only megabatch's own targets: a
+    crafted file runs nothing)."""
     if "open_clip" in state:
         model = from_description(state["open_clip"])
     else:
         model = build_stored(builder_node(OmegaConf.create(state["config"]).model), "model")
-    model.load_state_dict(state["model"])
+    model.load_state_dict(model_weights(state, weights, where))
     return model
 
 
@@ -42,9 +44,14 @@ def evaluate_checkpoint(cfg) -> dict[str, dict]:
     model = model_from_checkpoint(state).to(device)
     tokenize = model.tokenizer()
     data_cfg = OmegaConf.create({"cache_dir": cfg.cache_dir})
-    results = {}
+    results, loaded = {}, "raw"
     for name, eval_cfg in cfg.eval.items():
-        log.info("evaluating %s (step %d) on %s", cfg.ckpt, state["step"], name)
-        result = run_zeroshot(model, tokenize, eval_cfg, data_cfg, device)
-        results[name] = {**result, "step": int(state["step"]), "ckpt": str(cfg.ckpt)}
+        for weights in weights_to_evaluate(eval_cfg.weights, bool((state.get(EMA) or {}).get("weights"))):
+            if weights != loaded:  # the moving average (ema.decay) or the weights as trained
+                model.load_state_dict(model_weights(state, weights, f"eval.{name}.weights"))
+                loaded = weights
+            log.info("evaluating %s (step %d, %s weights) on %s", cfg.ckpt, state["step"], weights, name)
+            result = run_zeroshot(model, tokenize, eval_cfg, data_cfg, device)
+            results[result_name(name, weights)] = {**result, "step": int(state["step"]), "ckpt": str(cfg.ckpt),
+                                                   "weights": weights}
     return results

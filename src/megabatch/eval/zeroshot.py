@@ -78,6 +78,19 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device) -> dict[str, float
         model.train(was_training)
 
 
+def weights_to_evaluate(weights: str, has_average: bool) -> list[str]:
+    """``eval.<name>.weights`` as the weights to evaluate in turn: ``raw`` (as trained) and/or ``ema``
+    (the moving average); ``auto``: both where there is an average, else raw."""
+    if weights == "auto":
+        return ["raw", "ema"] if has_average else ["raw"]
+    return ["raw", "ema"] if weights == "both" else [weights]
+
+
+def result_name(name: str, weights: str) -> str:
+    """A set's name in the logs and result files: ``<name>``, or ``<name>-ema`` for the moving average."""
+    return name if weights == "raw" else f"{name}-{weights}"
+
+
 def headline(result: dict[str, float]) -> float:
     """The one number of a set's result: zero-shot top-1, or image-to-text R@1 for retrieval."""
     return result["top1"] if "top1" in result else result["image_to_text_R@1"]

@@ -12,6 +12,11 @@ A new part (EMA weights, a teacher's settings) is one more entry in that dict.
     checkpointer.save(step=100, numbered=True)   # step_00000100.pt and last.pt
     checkpointer.load(path, state)               # every part from the file load_resume found
 
+A part with tensors sharded like the model's parameters (the moving average of ``train/ema.py``) has a
+``tensors()`` method (name -> tensor, the same objects its state's ``weights`` entry holds): a sharded
+checkpoint writes them with the model's shards (every rank its own) and its other entries in
+``meta.pt``, and reads them back in place.
+
 A file also carries a header for its readers (evaluation, export, the run reports): the step,
 the global batch, the config and the model's description. A part absent from a file (written
 before the part existed) keeps its fresh state, logged; files written before the parts had their
@@ -40,6 +45,8 @@ from ..checkpoint import (
 from ..distributed.fsdp import is_sharded, local
 
 log = logging.getLogger("megabatch")
+
+TENSORS = "weights"  # a part's entry of tensors sharded like the model's (written to a DCP folder with them)
 
 
 class Stateful(Protocol):
@@ -128,11 +135,15 @@ class Checkpointer:
             return False
         payload = {name: part.state_dict() for name, part in self.parts.items()}  # collectives: every rank
         payload = {name: state for name, state in payload.items() if state}  # a disabled scaler's {}: nothing
-        meta = {**self.header(), **payload, "step": step}
-        if self.sharded:  # every rank writes its shards
+        if self.sharded:  # every rank writes its shards: of the model, the optimizer and the parts' weights
+            tensors = {name: {TENSORS: state.pop(TENSORS)} for name, state in payload.items() if TENSORS in state}
+            meta = {**self.header(), **payload, "step": step}
             write_sharded_checkpoint(self.ckpt_dir, self.model, self.optimizer, meta if self.main else None,
-                                     step, numbered, self.keep)
-        elif self.main:
+                                     step, numbered, self.keep, tensors)
+            self.saved_step = step
+            return True
+        meta = {**self.header(), **payload, "step": step}
+        if self.main:
             whole = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **meta}
             write_run_checkpoint(self.ckpt_dir, whole, step, numbered, self.keep)
         self.saved_step = step
@@ -144,7 +155,10 @@ class Checkpointer:
         this run's ranks; a whole ``.pt`` into a sharded model keeps each rank's shard), then each
         part from its own entry."""
         if path.is_dir():  # a sharded checkpoint (any number of ranks wrote it): each rank reads its part
-            load_sharded_state(path, self.model, self.optimizer)
+            tensors = {name: {TENSORS: part.tensors()} for name, part in self.parts.items()
+                       if name in state and hasattr(part, "tensors")}  # read in place (DCP), then loaded below
+            load_sharded_state(path, self.model, self.optimizer, tensors)
+            state = {**state, **{name: {**state[name], **read} for name, read in tensors.items()}}
         elif is_sharded(self.model):  # a whole-model .pt (a DDP run's): each rank keeps its shard of it
             load_whole_state(state, self.model, self.optimizer)
         else:

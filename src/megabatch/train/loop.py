@@ -29,7 +29,7 @@ from ..distributed import DistEnv, init_distributed
 from ..distributed.fsdp import is_sharded
 from ..distributed.health import FAILED, RankLost, describe, is_communication_error
 from ..distributed.once import on_rank_zero
-from ..eval import headline, run_zeroshot, summary
+from ..eval import headline, result_name, run_zeroshot, summary, weights_to_evaluate
 from ..processes import ignore_stop_signals
 from ..report import RunStatus
 from ..report.runs import failure
@@ -199,7 +199,8 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.ckpt_dir, self.model, parts.optimizer,
             {"train_state": self.state, "scaler": self.stepper.scaler, "schedule": parts.schedule,
-             "data_position": parts.inputs, "rng": RngStates(env.rank, env.world_size)},
+             "data_position": parts.inputs, "rng": RngStates(env.rank, env.world_size),
+             **({"ema": self.stepper.ema} if self.stepper.ema is not None else {})},
             header=self._checkpoint_header, sharded=cfg.trainer.parallel == "fsdp", keep=cfg.trainer.keep_ckpts,
             main=self.main, distributed=env.distributed)
         self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
@@ -261,16 +262,18 @@ class Trainer:
         due = [s for s in self.cfg.eval.values() if (s.at_end if final else s.every and step % s.every == 0)]
         if not due or not (self.main or sharded):
             return {}
-        started, results = time.perf_counter(), {}
+        started, results, ema = time.perf_counter(), {}, self.stepper.ema
         for eval_cfg in due:
-            with self.stepper.precision.autocast() if sharded else contextlib.nullcontext():
-                result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
-            if not self.main:
-                continue
-            log.info("eval %s at step %d: %s", eval_cfg.name, step,
-                     ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
-            self.metrics.log({f"eval/{eval_cfg.name}/{k}": v for k, v in result.items()}, step)
-            results[eval_cfg.name] = result
+            for weights in weights_to_evaluate(eval_cfg.weights, ema is not None):
+                with self.stepper.precision.autocast() if sharded else contextlib.nullcontext(), \
+                        ema.swapped() if weights == "ema" else contextlib.nullcontext():
+                    result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
+                if not self.main:
+                    continue
+                name = result_name(eval_cfg.name, weights)
+                log.info("eval %s at step %d: %s", name, step, ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
+                self.metrics.log({f"eval/{name}/{k}": v for k, v in result.items()}, step)
+                results[name] = result
         seconds = time.perf_counter() - started
         if self.env.distributed and not sharded and seconds > 0.5 * self.cfg.trainer.dist_timeout_s:
             log.warning("evaluation took %.0f s on rank 0, more than half of trainer.dist_timeout_s=%s that the "

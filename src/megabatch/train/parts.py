@@ -31,6 +31,7 @@ from ..models import ClipModel, build_model
 from ..models.fp8 import convert_to_fp8
 from ..models.preprocess import describe_preprocess
 from .compile_cache import CompileCache, cache_file
+from .ema import WeightAverage
 from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import (
     MemoryFit,
@@ -221,8 +222,22 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
                      grad_clip=cfg.optim.grad_clip, offload=offload,
                      keep_graph=kept_graphs(cfg.trainer.keep_graph, auto.graphs_that_fit if auto else None, plan, env),
                      fsdp_reduce=fsdp_reduce, show_progress=env.rank == 0,
-                     max_bad_steps=cfg.trainer.max_bad_steps)
+                     max_bad_steps=cfg.trainer.max_bad_steps, ema=weight_average(cfg.ema, model, env))
     return BuiltStep(step, optimizer, peak_lr, compilation)
+
+
+def weight_average(ema: DictConfig, model: ClipModel, env: DistEnv) -> WeightAverage | None:
+    """``ema.decay``'s moving average of ``model``'s trainable weights (after sharding: each rank its
+    shards), or ``None`` where it is off; its memory logged once."""
+    if ema.decay is None:
+        return None
+    average = WeightAverage(model, ema.decay, ema.every, ema.warmup_power)
+    if env.rank == 0:
+        held = sum(local(tensor).numel() * tensor.element_size() for tensor in average.average)
+        log.info("ema: a moving average of %d weights (decay %s every %d step(s), warm-up power %s): %.2f GB on %s "
+                 "per rank; evaluated with eval.<name>.weights (auto: raw and ema), exported with weights=ema",
+                 len(average.names), ema.decay, ema.every, ema.warmup_power, held / 1e9, env.device)
+    return average
 
 
 def kept_graphs(keep_graph, graphs_that_fit: int | None, plan: BatchPlan, env: DistEnv) -> int:

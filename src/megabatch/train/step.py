@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from ..data.offload import Offload
 from ..data.samples import SubBatch
 from ..distributed.fsdp import full, gathered_through, is_sharded, no_gradient_sync, reduce_replicated
+from .ema import WeightAverage
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay, to_device
 from .precision import Precision
 
@@ -138,14 +139,15 @@ class TrainStep:
     gradients (sharded gradients accumulate: least memory), ``step`` once per step (unsharded
     gradients accumulate until the last sub-batch: fewer collectives, a whole model's gradients held).
     ``optimizer`` may be ``None`` where only the gradients are wanted (tests). ``max_bad_steps``:
-    skipped updates in a row after which ``step`` raises ``NonFiniteError``.
+    skipped updates in a row after which ``step`` raises ``NonFiniteError``. ``ema``: the moving average
+    of the weights (``WeightAverage``, ``ema.decay``), updated after each optimizer step.
     """
 
     def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
                  precision: str | Precision = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
                  grad_clip: float | None = None, offload: Offload | None = None,
                  keep_graph: bool | int = True, fsdp_reduce: str = "sub_batch", show_progress: bool = False,
-                 max_bad_steps: int = 10):
+                 max_bad_steps: int = 10, ema: WeightAverage | None = None):
         self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
         self.precision = precision if isinstance(precision, Precision) else \
             Precision.create(precision, device, feature_dtype)
@@ -172,6 +174,7 @@ class TrainStep:
         self.loss: torch.Tensor | None = None  # the last gradients() call's
         self.health = UpdateHealth(max_bad_steps)
         self.unsettled: StepOutcome | None = None  # the last step, its update not yet read (settle)
+        self.ema = ema
 
     def kept_graphs(self, keep_graph: bool | int) -> int:
         """How many sub-batches keep their phase-1 graphs: ``keep_graph`` (``True``: 1), at most
@@ -203,6 +206,10 @@ class TrainStep:
         self.settle()  # host sync: the last step's update, read once this step's work is queued
         self.health.check()  # too many skipped in a row: stop before this step's update
         applied = self.apply()
+        if self.ema is not None:  # queued after the update on the device: no host sync
+            ema_started = time.perf_counter()
+            self.ema.step()
+            times["ema"] = time.perf_counter() - ema_started
         times["optimizer"] = applied.seconds
         self.unsettled = StepOutcome(number, loss, lr, applied, times, time.perf_counter() - started)
         return self.unsettled
