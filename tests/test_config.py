@@ -120,8 +120,10 @@ def test_optim_options_instantiate(option):
     model = build_model(cfg.model)
     optimizer, lr = build_optimizer(cfg.optim, model, global_batch=256)
     assert lr == pytest.approx(cfg.optim.lr * 2)
-    no_decay = {id(p) for p in optimizer.param_groups[1]["params"]}
-    assert id(model.logit_scale) in no_decay and optimizer.param_groups[1]["weight_decay"] == 0
+    no_decay = {id(p) for group in optimizer.param_groups if group["weight_decay"] == 0 for p in group["params"]}
+    decayed = {id(p) for group in optimizer.param_groups if group["weight_decay"] > 0 for p in group["params"]}
+    assert id(model.logit_scale) in no_decay
+    assert (id(model.clip.text_projection) in decayed) == (cfg.optim.weight_decay > 0)
 
 
 @pytest.mark.parametrize("option", options("sched"))

@@ -111,3 +111,47 @@ def test_a_bad_timm_optimizer_names_the_key():
         build_optimizer(cfg.optim, build_model(cfg.model), 128)
     with pytest.raises(ConfigError, match=r"optim\.name=muon with trainer\.parallel=fsdp"):
         validate(compose("optim=timm", "optim.name=muon", "trainer.parallel=fsdp"))
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    """optim=muon (torch.optim.Muon with AdamW): the split by hand on the tiny towers, layer decay and weight
+    decay kept in both halves, AdamW's own lr (optim.optimizer.adamw_lr), a step through TrainStep that
+    moves every parameter, and Muon refused under FSDP."""
+    from megabatch.config.schema import validate
+    from megabatch.train.optim import MuonWithAdamW
+
+    scale, decay, optimizer = scales(["optim=muon", "optim.layer_decay.image=0.5", "optim.lr=0.01",
+                                      "optim.optimizer.adamw_lr=0.002"])
+    assert isinstance(optimizer, MuonWithAdamW)
+    cfg = compose("optim=muon")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    muon = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
+    by_name = {n: p for n, p in model.named_parameters()}
+    expected_muon = sorted(n for n, p in by_name.items() if p.ndim == 2 and ".resblocks." in n)
+    # the embeddings, the projections after the last block, norms, biases and the logit scale go to AdamW
+    assert "clip.visual.transformer.resblocks.0.attn.in_proj_weight" in expected_muon
+    assert "clip.transformer.resblocks.1.mlp.c_proj.weight" in expected_muon
+    rebuilt, _ = build_optimizer(validate(compose("optim=muon")).optim, model, 128)
+    got_muon = sorted(n for n, p in by_name.items() if id(p) in
+                      {id(q) for g in rebuilt.muon.param_groups for q in g["params"]})
+    assert got_muon == expected_muon and len(muon) == len(expected_muon)
+    for name in ("clip.token_embedding.weight", "clip.text_projection", "clip.visual.proj", "clip.logit_scale",
+                 "clip.visual.conv1.weight", "clip.visual.transformer.resblocks.0.ln_1.weight"):
+        assert id(by_name[name]) in {id(q) for g in rebuilt.adamw.param_groups for q in g["params"]}, name
+    # layer decay on both halves, AdamW's lr x 0.2 (0.002 / 0.01); weight decay on matrices only
+    assert scale["clip.visual.transformer.resblocks.0.attn.in_proj_weight"] == pytest.approx(0.5 ** 3)
+    assert scale["clip.visual.ln_post.weight"] == pytest.approx(0.2)
+    assert scale["clip.visual.conv1.weight"] == pytest.approx(0.2 * 0.5 ** 4)
+    assert decay["clip.visual.transformer.resblocks.0.attn.in_proj_weight"] == 0.2 == decay["clip.text_projection"]
+    assert "(Muon)" in "\n".join(describe_param_groups(optimizer))
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    images, texts = fixed_batch(model.tokenizer())
+    step = TrainStep(model, instantiate(cfg.loss), rebuilt, torch.device("cpu"))
+    step.step(iter([SubBatch(images, texts, None)]), lr=0.01)
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
+    assert all("momentum_buffer" in rebuilt.state[by_name[n]] for n in expected_muon)
+    assert all("exp_avg" in rebuilt.state[by_name[n]] for n in ("clip.visual.proj", "clip.logit_scale"))
+    with pytest.raises(ConfigError, match=r"optim=muon with trainer\.parallel=fsdp"):
+        validate(compose("optim=muon", "trainer.parallel=fsdp"))

@@ -45,10 +45,11 @@ def test_resume_is_bitwise_exact(tmp_path, loss):
 
 
 @pytest.mark.parametrize("optim", ["optim=timm optim.name=lamb", "optim=timm optim.name=muon",
+                                   "optim=muon optim.layer_decay.image=0.8 optim.optimizer.adamw_lr=1e-3",
                                    "optim.layer_decay.image=0.8 optim.layer_decay.text=0.7"])
 def test_resume_is_bitwise_exact_with_each_optimizer(tmp_path, optim):
-    """timm's optimizers (LAMB; Muon, with its AdamW for what is not a matrix) and layer-wise lr
-    decay: 2 steps + resume + 2 steps equal 4 straight, weights and optimizer state."""
+    """timm's optimizers (LAMB; Muon, with its AdamW for what is not a matrix), torch's Muon with AdamW
+    (optim=muon) and layer-wise lr decay: 2 steps + resume + 2 steps equal 4 straight, weights and optimizer state."""
     straight = train(tmp_path / "straight", *optim.split())
     train(tmp_path / "resumed", *optim.split(), "trainer.stop_at_step=2")
     resumed = train(tmp_path / "resumed", *optim.split(), "resume=latest")

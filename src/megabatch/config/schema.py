@@ -178,10 +178,12 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_data(cfg.data)
     check_eval(cfg.eval)
     check_optim(cfg.optim)
-    if str(cfg.optim.get("name")) in ("muon", "adamuon") and cfg.trainer.parallel == "fsdp":
-        raise ConfigError(f"optim.name={cfg.optim.name} with trainer.parallel=fsdp: Muon orthogonalises each "
-                          "whole matrix, and FSDP holds a shard of it on each rank; use trainer.parallel=ddp, or "
-                          "an element-wise optimizer (optim=adamw, optim.name=lamb)")
+    torch_muon = str(cfg.optim.optimizer.get("_target_", "")).endswith("MuonWithAdamW")
+    if (torch_muon or str(cfg.optim.get("name")) in ("muon", "adamuon")) and cfg.trainer.parallel == "fsdp":
+        raise ConfigError(f"{'optim=muon' if torch_muon else f'optim.name={cfg.optim.name}'} with "
+                          "trainer.parallel=fsdp: Muon orthogonalises each whole matrix, and FSDP holds a shard of it "
+                          "on each rank; use trainer.parallel=ddp, or an element-wise optimizer (optim=adamw, "
+                          "optim=timm optim.name=lamb)")
     check_ema(cfg.get("ema"), cfg.eval, cfg.trainer)
     check_schedule(cfg.sched)
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"), steps_per_epoch=1)

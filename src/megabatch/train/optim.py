@@ -74,12 +74,31 @@ def layer_depths(names: list[str]) -> dict[str, tuple[str | None, int, int]]:
     return depths
 
 
-def param_groups(model: nn.Module, weight_decay: float, layer_decay=None) -> list[dict]:
+def hidden_matrix(name: str, param: torch.Tensor) -> bool:
+    """A 2-D weight inside a tower's blocks (attention and MLP matrices): what Muon orthogonalises. The
+    embeddings, the projections after the last block, norms, biases and the logit scale are not."""
+    return param.ndim == 2 and tower_of(name) is not None and BLOCK.search(name) is not None
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay=None, split_matrices: bool = False) -> list[dict]:
     """Weight decay on matrices only (``decayed``). ``layer_decay`` (``optim.layer_decay``: null, or a
     decay per tower, ``{image: 0.75, text: null}``): each parameter's learning rate scaled by decay^(top
     - depth) of its tower (``layer_depths``), in a group per tower, depth and decay with its ``lr_scale``;
-    the logit scale and bias, and a tower whose decay is null, keep the peak lr. Off: the two groups."""
+    the logit scale and bias, and a tower whose decay is null, keep the peak lr. Off: the two groups.
+    ``split_matrices`` (``optim=muon``): each group split in two, its hidden matrices (``hidden_matrix``,
+    ``"matrices": True``) and the rest."""
     params = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    if split_matrices:
+        groups = []
+        for group in param_groups(model, weight_decay, layer_decay):
+            names = {id(param): name for name, param in params}
+            for matrices in (True, False):
+                chosen = [p for p in group["params"] if hidden_matrix(names[id(p)], p) == matrices]
+                if chosen:
+                    name = group.get("name", "decayed" if group["weight_decay"] else "not decayed")
+                    groups.append({**group, "params": chosen, "matrices": matrices,
+                                   "name": f"{name} ({'Muon' if matrices else 'AdamW'})"})
+        return groups
     if not layer_decay:
         return [{"params": [p for n, p in params if decayed(n, p)], "weight_decay": weight_decay},
                 {"params": [p for n, p in params if not decayed(n, p)], "weight_decay": 0.0}]
@@ -118,7 +137,12 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> tuple[torch.opt
     kwargs = {}
     if "fused" not in cfg.optimizer and _takes_fused(factory) and next(model.parameters()).is_cuda:
         kwargs["fused"] = True  # one kernel for the whole update (CUDA); optim.optimizer.fused=false: foreach
-    return factory(param_groups(model, float(cfg.weight_decay), layer_decay_of(cfg)), lr=lr, **kwargs), lr
+    cls = getattr(factory, "func", factory)
+    if cfg.optimizer.get("adamw_lr") is not None:  # optim=muon: AdamW's own peak lr, scaled as optim.lr is
+        kwargs["adamw_lr"] = scaled_lr(float(cfg.optimizer.adamw_lr), cfg.lr_scaling, global_batch, cfg.base_batch)
+    groups = param_groups(model, float(cfg.weight_decay), layer_decay_of(cfg),
+                          split_matrices=getattr(cls, "splits_matrices", False))
+    return factory(groups, lr=lr, **kwargs), lr
 
 
 def layer_decay_of(cfg) -> dict | None:
@@ -140,6 +164,60 @@ def timm_optimizer(params, lr: float, name: str, **kwargs) -> torch.optim.Optimi
         raise ConfigError(f"optim.name={name!r} is not one of timm's optimizers; e.g. optim.name=lamb, lion, "
                           "nadamw, lars or muon (timm.optim.list_optimizers() lists them)")
     return create_optimizer_v2(params, opt=name, lr=lr, **kwargs)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``optim=muon``: ``torch.optim.Muon`` on the towers' hidden matrices (``hidden_matrix``), AdamW on
+    every other parameter (embeddings, projections, norms, biases, the logit scale and bias), as one
+    optimizer: one set of ``param_groups`` (megabatch's, split by ``param_groups(split_matrices=True)``;
+    the schedule sets their lr, times each one's ``lr_scale``), one ``state``, one state dict.
+    ``adamw_lr``: AdamW's peak lr (``None``: ``lr``), applied through the AdamW groups' ``lr_scale``.
+    ``adjust_lr_fn``: Muon's update scale, ``match_rms_adamw`` (Moonshot's: the lr and weight decay tuned
+    for AdamW serve Muon too) or ``original`` (Keller Jordan's; Muon's lr then ~0.02)."""
+
+    splits_matrices = True  # build_optimizer hands it the groups split into matrices and the rest
+
+    def __init__(self, params, lr: float, adamw_lr: float | None = None, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw",
+                 adamw_betas: tuple[float, float] = (0.9, 0.98), adamw_eps: float = 1e-6):
+        groups = [dict(group) for group in params]
+        if any("matrices" not in group for group in groups):
+            raise ValueError("MuonWithAdamW takes param_groups(..., split_matrices=True)'s groups")
+        for group in groups:
+            if not group["matrices"] and adamw_lr is not None:
+                group["lr_scale"] = group.get("lr_scale", 1.0) * adamw_lr / lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        super().__init__(groups, {"lr": lr})
+        muon = [group for group in self.param_groups if group["matrices"]]
+        adamw = [group for group in self.param_groups if not group["matrices"]]
+        # the inner optimizers hold the same group dicts and state: the schedule's lr reaches them
+        self.muon = torch.optim.Muon(muon, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                                     adjust_lr_fn=adjust_lr_fn) if muon else None
+        self.adamw = torch.optim.AdamW(adamw, lr=lr, betas=tuple(adamw_betas), eps=adamw_eps) if adamw else None
+        self._link()
+
+    def _link(self) -> None:
+        """Give the inner optimizers this one's groups and state (again after ``load_state_dict``, which
+        replaces both)."""
+        for inner, matrices in ((self.muon, True), (self.adamw, False)):
+            if inner is not None:
+                inner.param_groups = [group for group in self.param_groups if group["matrices"] == matrices]
+                inner.state = self.state
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for inner in (self.muon, self.adamw):
+            if inner is not None:
+                inner.step()
+        return loss
 
 
 def _takes_fused(factory) -> bool:

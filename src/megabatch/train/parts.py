@@ -204,9 +204,9 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     the kept graphs and FSDP reduction ``trainer.sub_batch=auto``'s plan (``auto``) chose."""
     optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
     layer_decay = layer_decay_of(cfg.optim)
-    if layer_decay is not None and env.rank == 0:
-        log.info("optim.layer_decay %s: each group's learning rate is the schedule's times its scale\n%s",
-                 layer_decay, "\n".join(describe_param_groups(optimizer)))
+    if (layer_decay is not None or getattr(optimizer, "splits_matrices", False)) and env.rank == 0:
+        log.info("optimizer groups (optim.layer_decay %s): each group's learning rate is the schedule's times its "
+                 "scale\n%s", layer_decay, "\n".join(describe_param_groups(optimizer)))
     untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
     if untrimmed and env.rank == 0:
         log.info("captions are encoded at their full context: %s", untrimmed)
