@@ -82,6 +82,8 @@ class DataTrainConfig:
     num_samples: Any = MISSING        # a count or null (read sizes.json)
     shuffle_buffer: int = MISSING
     streams: int = MISSING
+    text_key: Any = MISSING           # a key (txt, json:caption) or a list of them
+    text_probs: list[float] | None = MISSING
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -344,8 +346,26 @@ def check_data(data: DictConfig) -> None:
         values = train.augment[key]
         if len(values) != 2 or not 0 < values[0] <= values[1]:
             raise ConfigError(f"data.train.augment.{key}={list(values)}: give [low, high] with 0 < low <= high")
+    keys = train.text_key
+    check_text_keys([keys] if isinstance(keys, str) else list(keys) if keys is not None else [], train.text_probs)
     if train.weights is not None and any(w < 0 for w in train.weights):
         raise ConfigError(f"data.train.weights={list(train.weights)}: weights must not be negative")
+
+
+def check_text_keys(keys: list[str], probs) -> None:
+    """``data.train.text_key`` and ``data.train.text_probs``: keys given, one probability per key, >= 0,
+    not all 0."""
+    if not keys or any(not key or key == "json:" or key in ("__key__", "__url__") for key in keys):
+        raise ConfigError(f"data.train.text_key={keys!r}: give the caption's key in the shards (txt), a JSON field "
+                          "(json:caption) or a list of them, e.g. data.train.text_key='[txt,json:recaption]'")
+    if probs is None:
+        return
+    probs = list(probs)
+    if len(probs) != len(keys) or any(isinstance(p, bool) or not isinstance(p, (int, float)) or p < 0 for p in probs) \
+            or not sum(probs) > 0:
+        raise ConfigError(f"data.train.text_probs={probs!r}: give one weight >= 0 per key of data.train.text_key "
+                          f"({len(keys)}: {', '.join(keys)}), not all 0, e.g. data.train.text_probs="
+                          f"[{','.join(['0.5'] * len(keys))}], or null (equal)")
 
 
 def check_eval(eval_sets: DictConfig) -> None:

@@ -221,7 +221,7 @@ class IndexedBatches(PositionSplitBatches):
         if raw is None:
             return None
         self.stats.got_sample()
-        pair = decode_pair(raw, self.stats, self.decoder.decode)
+        pair = decode_pair(raw, self.stats, self.decoder.decode, self.decoder.captions, position)
         if pair is None:
             return None
         image_bytes, image, caption = pair

@@ -17,6 +17,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..processes import ignore_stop_signals
+from .captions import CaptionKeys
 from .samples import EncodedImages, SampleDecoder, Stats, SubBatch, decode_pair
 from .tars import tar_samples
 from .worker_start import worker_context
@@ -52,11 +53,13 @@ class PositionSplitBatches(IterableDataset):
         sub_batch: int | None = None,
         keep_raw: bool = False,
         gpu_decode: bool = False,
+        captions: CaptionKeys | None = None,
     ):
         super().__init__()
         self.urls, self.tokenize = urls, tokenize
-        # gpu_decode (data.decode=gpu): JPEGs are left encoded, with their crop boxes, for the GPU
-        self.decoder = SampleDecoder(transform, seed, epoch, gpu=gpu_decode)
+        # gpu_decode (data.decode=gpu): JPEGs are left encoded, with their crop boxes, for the GPU;
+        # captions (data.train.text_key): which caption of each sample
+        self.decoder = SampleDecoder(transform, seed, epoch, gpu=gpu_decode, captions=captions)
         self.rank_batch, self.rank, self.world_size = rank_batch, rank, world_size
         self.sub_batch = sub_batch or rank_batch
         self.num_batches, self.start_batch = num_batches, start_batch
@@ -119,7 +122,7 @@ class PositionSplitBatches(IterableDataset):
                 mine = chunk if (chunk - first_chunk) % num_workers == worker else None
             if mine is None and not waiting:
                 continue
-            pair = decode_pair(raw, self.stats, self.decoder.decode)
+            pair = decode_pair(raw, self.stats, self.decoder.decode, self.decoder.captions, position)
             if pair is None:
                 for chunk in waiting + ([mine] if mine is not None else []):
                     wanted.setdefault(position + global_batch, []).append(chunk)

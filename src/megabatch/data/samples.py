@@ -20,6 +20,7 @@ try:
 except ImportError:  # a torchvision without image decoding (deprecated since 0.29): PIL decodes
     decode_image = None
 
+from .captions import CaptionKeys
 from .transforms import crop_box, resized_crop, seeded
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ warnings.filterwarnings("ignore", message="The image decoding and encoding capab
                         category=DeprecationWarning)
 
 IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
+TXT = CaptionKeys("txt")  # the caption of img2dataset's shards
 
 
 @dataclass
@@ -163,14 +165,16 @@ def decode_rgb(image_bytes: bytes | None) -> torch.Tensor:
     return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
 
 
-def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image) -> tuple[bytes, object, str] | None:
+def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, captions: CaptionKeys = TXT,
+                position: int = 0) -> tuple[bytes, object, str] | None:
     """(image bytes, ``decode(bytes)``, caption) from a raw sample, or ``None`` (counted) when
     unusable. Evaluation decodes to PIL (its transforms are the reference evaluator's); training to
-    uint8 tensors (``decode_rgb``)."""
-    caption = sample.get("txt")
+    uint8 tensors (``decode_rgb``). ``captions``: which caption (``data.train.text_key``; the draw among
+    several seeded by the sample's ``position``)."""
+    caption = captions.pick(sample, position)
     if caption is None:
         stats.missing_caption += 1
-        log.warning("skipping %s: no caption", sample.get("__key__"))
+        log.warning("skipping %s: no caption (%s)", sample.get("__key__"), captions.describe())
         return None
     image_bytes = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
     try:
@@ -179,7 +183,7 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image) -> tu
         stats.corrupt_image += 1
         log.warning("skipping %s: undecodable image (%s)", sample.get("__key__"), error)
         return None
-    return image_bytes, image, caption.decode("utf-8") if isinstance(caption, bytes) else caption
+    return image_bytes, image, caption
 
 
 @dataclass(frozen=True)
@@ -249,9 +253,12 @@ class SampleDecoder:
     sample becomes its crop box; ``collate`` then makes a ``JpegBatch`` whose pixels the GPU makes
     (``data/gpu_decode.py``) with the same box, drawn here from the same seed."""
 
-    def __init__(self, transform: Callable, seed: int, epoch: int, gpu: bool = False):
+    def __init__(self, transform: Callable, seed: int, epoch: int, gpu: bool = False,
+                 captions: CaptionKeys | None = None):
         self.transform, self.seed, self.epoch = transform, seed, epoch
         self.decode = probe_jpeg if gpu else decode_rgb
+        # data.train.text_key: which caption, drawn with (seed, epoch, position) as the augmentation is
+        self.captions = (captions or TXT).for_epoch(seed, epoch)
 
     def sample_seed(self, position: int) -> int:
         return (self.seed * 1_000_003 + self.epoch) * 10_000_019 + position

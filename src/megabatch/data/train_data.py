@@ -6,6 +6,7 @@ import logging
 
 from ..config import ConfigError, parse_optional_count
 from ..distributed.once import on_rank_zero
+from .captions import CaptionKeys
 from .digits import ensure_digits
 from .indexed_split import EpochOrder, IndexedBatches
 from .position_split import PositionSplitBatches, make_loader
@@ -67,6 +68,9 @@ class TrainData:
         if self.num_samples is None:
             self.num_samples = sum(self.sizes)
         self.transform = train_transform(preprocess["size"], preprocess["interpolation"], **cfg.train.augment)
+        text_key = cfg.train.text_key
+        self.captions = CaptionKeys(text_key if isinstance(text_key, str) else list(text_key),
+                                    None if cfg.train.text_probs is None else list(cfg.train.text_probs))
         # split and mode are checked with the rest of the config (config/schema.py); the weights
         # against the sources the URLs expand to
         self.mode, self.weights = cfg.train.mode, cfg.train.weights
@@ -133,7 +137,7 @@ class TrainData:
         common = dict(transform=self.transform, tokenize=self.tokenize, rank_batch=rank_batch, rank=rank,
                       world_size=world_size, num_batches=num_batches, seed=self.seed, epoch=epoch,
                       start_batch=start_batch, shuffle_buffer=int(self.cfg.train.shuffle_buffer),
-                      sub_batch=sub_batch, keep_raw=keep_raw, gpu_decode=gpu_decode)
+                      sub_batch=sub_batch, keep_raw=keep_raw, gpu_decode=gpu_decode, captions=self.captions)
         if self.split == "shard":
             dataset = ShardBatches(self.sources, mode=self.mode, weights=self.weights,
                                    num_workers=int(self.cfg.num_workers),
