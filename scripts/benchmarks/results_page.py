@@ -240,6 +240,25 @@ QUESTIONS = [
         ],
     },
     {
+        "title": "Trainer options: EMA and Muon",
+        "text": "What each option costs a step, as users launch it: `python train.py` on one GPU through the "
+                "multi-GPU harness (`--gpus 1`; JPEG shards, GPU decoding, `model.compile=true`, "
+                "`trainer.sub_batch=auto`), each option a variant beside the plain run in one call. The "
+                "phases are the medians of steps 3-8 (host seconds: `optimizer` and `ema` are what the host "
+                "spends queueing them; the step's samples/s carries their GPU time).",
+        "entries": [
+            {"file": "options_ema_vit_b32_32k_h200.json", "kind": "multi_gpu", "phases": True,
+             "label": "`ema.decay=0.9999` against none: ViT-B/32, batch 32k, one H200 (the average of 151M "
+                      "weights, fp32, updated after each step): 7,817 against 7,971 samples/s (-1.9%; the "
+                      "update queues in 0.6 ms, and the difference sits in the encode phase, 1.39 against 1.30 s, "
+                      "which the average does not touch)"},
+            {"file": "options_muon_vit_b16_4k_h200.json", "kind": "multi_gpu", "phases": True,
+             "label": "`optim=muon` (torch's Muon on the blocks' matrices, AdamW on the rest) against AdamW "
+                      "(fused): ViT-B/16, batch 4k, one H200: the optimizer phase 58 ms against 6 ms, the step "
+                      "1.52 against 1.48 s (2,694 against 2,766 samples/s, -2.6%)"},
+        ],
+    },
+    {
         "title": "Stopping: a signal to a checkpoint on disk",
         "text": "ViT-L/14 with AdamW's state (a 5.13 GB `last.pt`), SIGTERM after step 3: seconds from the signal "
                 "to the process's exit with the checkpoint written and fsync'ed.",
