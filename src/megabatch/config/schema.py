@@ -84,6 +84,8 @@ class DataTrainConfig:
     streams: int = MISSING
     text_key: Any = MISSING           # a key (txt, json:caption) or a list of them
     text_probs: list[float] | None = MISSING
+    negatives_key: str | None = MISSING    # hard negatives: a JSON list (json:negatives) or a file of lines
+    negatives: int = MISSING               # hard negatives per sample
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -196,7 +198,18 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise ConfigError("model.fp8=true trains the towers' matmuls in FP8 on a GPU's FP8 tensor cores, and this "
                           "run is on the CPU: set model.fp8=false")
     check_logit_bias(cfg.loss, cfg.model)
+    check_negatives(cfg.data.train, cfg.loss)
     return cfg
+
+
+def check_negatives(train: DictConfig, loss: DictConfig) -> None:
+    """Hard negatives are extra columns of a softmax: the sigmoid loss refuses them."""
+    from hydra.utils import get_class
+
+    if train.negatives_key is not None and not getattr(get_class(loss._target_), "takes_negatives", True):
+        raise ConfigError(f"data.train.negatives_key={train.negatives_key} with "
+                          f"{loss._target_.rsplit('.', 1)[-1]}: hard negatives are extra columns of a softmax over "
+                          "the captions; use loss=infcl, local, disco or vanilla, or data.train.negatives_key=null")
 
 
 # The keys of the digits demo's optimizer and schedule, and the option files of train.yaml's defaults
@@ -348,6 +361,10 @@ def check_data(data: DictConfig) -> None:
             raise ConfigError(f"data.train.augment.{key}={list(values)}: give [low, high] with 0 < low <= high")
     keys = train.text_key
     check_text_keys([keys] if isinstance(keys, str) else list(keys) if keys is not None else [], train.text_probs)
+    if train.negatives_key is not None and (not str(train.negatives_key) or str(train.negatives_key) == "json:"):
+        raise ConfigError(f"data.train.negatives_key={train.negatives_key!r}: give the key of each sample's hard "
+                          "negatives, a JSON list (json:negatives) or a text file of one caption a line, or null")
+    at_least(train.negatives, "data.train.negatives", 1, "4 (hard negatives per sample)")
     if train.weights is not None and any(w < 0 for w in train.weights):
         raise ConfigError(f"data.train.weights={list(train.weights)}: weights must not be negative")
 

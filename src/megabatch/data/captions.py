@@ -27,14 +27,30 @@ class CaptionKeys:
     (``None``: equal); ``seed``, ``epoch``: the draw's (with the sample's position)."""
 
     def __init__(self, keys: str | Sequence[str] = "txt", probs: Sequence[float] | None = None, seed: int = 0,
-                 epoch: int = 0):
+                 epoch: int = 0, negatives_key: str | None = None, negatives: int = 1):
         self.keys = [keys] if isinstance(keys, str) else [str(key) for key in keys]
         check_text_keys(self.keys, probs)
         self.probs = [1.0] * len(self.keys) if probs is None else [float(p) for p in probs]
         self.seed, self.epoch = seed, epoch
+        self.negatives_key, self.negatives = negatives_key, int(negatives)
 
     def for_epoch(self, seed: int, epoch: int) -> CaptionKeys:
-        return CaptionKeys(self.keys, self.probs, seed, epoch)
+        return CaptionKeys(self.keys, self.probs, seed, epoch, self.negatives_key, self.negatives)
+
+    def negatives_of(self, sample: dict) -> list[str] | None:
+        """``negatives`` hard-negative captions of ``sample`` from ``negatives_key`` (a JSON list, or a
+        text file of one caption a line): the first ``negatives``, cycled where it holds fewer; ``None``
+        where it holds none."""
+        key = self.negatives_key
+        if key.startswith(JSON):
+            found = self._values(sample, key, {})
+        else:
+            text = text_of(sample.get(key))
+            found = [line for line in (text or "").splitlines() if line.strip()]
+        found = [text for text in found if text.strip()]
+        if not found:
+            return None
+        return [found[i % len(found)] for i in range(self.negatives)]
 
     def describe(self) -> str:
         return " or ".join(self.keys)

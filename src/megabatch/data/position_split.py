@@ -158,9 +158,13 @@ class PositionSplitBatches(IterableDataset):
         encoded = EncodedImages.from_bytes([s[0] for s in samples], [s[1] for s in samples]) \
             if self.keep_raw or self.gpu_decode else None
         images = self.decoder.collate([s[2] for s in samples], encoded)
-        texts = self.tokenize([s[3] for s in samples])
+        captions, negatives = [s[3] for s in samples], None
+        if captions and isinstance(captions[0], tuple):  # data.train.negatives_key: (caption, its negatives)
+            negatives = self.tokenize([negative for _, held in captions for negative in held])
+            captions = [caption for caption, _ in captions]
+        texts = self.tokenize(captions)
         raw = encoded if self.keep_raw else None
-        return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()})
+        return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()}, negatives=negatives)
 
 
 def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: bool = False,

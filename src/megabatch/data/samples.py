@@ -47,6 +47,7 @@ class Stats:
 
     corrupt_image: int = 0
     missing_caption: int = 0
+    missing_negatives: int = 0
     broken_shard: int = 0
     stand_in: int = 0
     padded: int = 0
@@ -75,7 +76,8 @@ class Stats:
 
     def as_dict(self) -> dict[str, int]:
         return {"corrupt_image": self.corrupt_image, "missing_caption": self.missing_caption,
-                "broken_shard": self.broken_shard, "stand_in": self.stand_in, "padded": self.padded}
+                "missing_negatives": self.missing_negatives, "broken_shard": self.broken_shard,
+                "stand_in": self.stand_in, "padded": self.padded}
 
 
 class EncodedImages:
@@ -137,6 +139,7 @@ class SubBatch(NamedTuple):
     raw: EncodedImages | None
     stats: dict | None = None
     boxes: torch.Tensor | None = None  # data.decode=gpu: the crop boxes of an all-JPEG sub-batch (offload keeps them)
+    negatives: torch.Tensor | None = None  # data.train.negatives_key: [n x K, ctx], row i's K hard negatives together
 
 
 def open_image(image_bytes: bytes | None) -> Image.Image:
@@ -176,6 +179,13 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, capti
         stats.missing_caption += 1
         log.warning("skipping %s: no caption (%s)", sample.get("__key__"), captions.describe())
         return None
+    if captions.negatives_key is not None:  # data.train.negatives_key: (caption, its hard negatives)
+        negatives = captions.negatives_of(sample)
+        if negatives is None:
+            stats.missing_negatives += 1
+            log.warning("skipping %s: no hard negatives (%s)", sample.get("__key__"), captions.negatives_key)
+            return None
+        caption = (caption, negatives)
     image_bytes = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
     try:
         image = decode(image_bytes)

@@ -70,7 +70,8 @@ class TrainData:
         self.transform = train_transform(preprocess["size"], preprocess["interpolation"], **cfg.train.augment)
         text_key = cfg.train.text_key
         self.captions = CaptionKeys(text_key if isinstance(text_key, str) else list(text_key),
-                                    None if cfg.train.text_probs is None else list(cfg.train.text_probs))
+                                    None if cfg.train.text_probs is None else list(cfg.train.text_probs),
+                                    negatives_key=cfg.train.negatives_key, negatives=cfg.train.negatives)
         # split and mode are checked with the rest of the config (config/schema.py); the weights
         # against the sources the URLs expand to
         self.mode, self.weights = cfg.train.mode, cfg.train.weights

@@ -31,12 +31,19 @@ class ContrastiveLoss(nn.Module):
     A loss with ``uses_bias`` (SigLIP's sigmoid loss) is called with a fourth argument, the model's
     learnable ``bias`` []; the mean over ranks of its gradient is ``dL/d(bias)``, like the scale's.
 
+    ``negatives`` (keyword; ``[n_local, c]``, L2-normalised, the same count on every rank): hard-negative
+    captions' features, extra columns of the image->text direction only (NegCLIP): every image's softmax
+    runs over the global batch's texts and all ranks' negatives, the text->image direction and the
+    positives as without them. Their gradient follows the contract (W x on each rank). A loss with
+    ``takes_negatives = False`` refuses them.
+
     ``values_in`` (keyword): the fp32 features hold values of this dtype (GradCache's phase 2 calls
     the loss on fp32 copies of its bf16 feature buffers); a tiled loss's Triton kernels then take
     their dot products in it, exactly. The gradients and the loss stay fp32.
     """
 
     uses_bias = False
+    takes_negatives = True
 
     def __init__(self, group=None):
         super().__init__()
@@ -46,6 +53,7 @@ class ContrastiveLoss(nn.Module):
     def forward(
         self, image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor,
         bias: torch.Tensor | None = None, *, values_in: torch.dtype | None = None,
+        negatives: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if image_features.shape != text_features.shape or image_features.dim() != 2:
             raise ValueError(
@@ -60,6 +68,17 @@ class ContrastiveLoss(nn.Module):
             check_equal_batch(image_features, self.group)
             self._checked_rows.add(rows)
         options = self.compute_options(values_in)
+        if negatives is not None:
+            if not self.takes_negatives:
+                raise ValueError(f"{type(self).__name__} takes no hard negatives (data.train.negatives_key): use a "
+                                 "softmax loss (loss=infcl, local, disco or vanilla)")
+            if negatives.dim() != 2 or negatives.shape[1] != image_features.shape[1]:
+                raise ValueError(f"negatives must be [n_local, {image_features.shape[1]}]; "
+                                 f"got {tuple(negatives.shape)}")
+            if negatives.shape[0] not in self._checked_rows:
+                check_equal_batch(negatives, self.group)
+                self._checked_rows.add(negatives.shape[0])
+            options["negatives"] = negatives
         if self.uses_bias:
             return self.compute(image_features, text_features, scale, bias, **options)
         return self.compute(image_features, text_features, scale, **options)

@@ -12,18 +12,21 @@ from .reference import upcast
 
 
 class _DiscoLoss(torch.autograd.Function):
-    """Forward: ``loss_r`` from local rows against the gathered columns (both directions), and the
-    mean over ranks as the value. Backward: local-row gradients directly; the column gradients of
-    all ranks are summed by one all-reduce of ``[2, b, c]`` (a sum, not DisCo's "average", which
-    would lose the factor W) and the local slice kept."""
+    """Forward: ``loss_r`` from local rows against the gathered columns (both directions; with hard
+    negatives, every rank's negatives are extra columns of the image->text direction), and the mean over
+    ranks as the value. Backward: local-row gradients directly; the column gradients of all ranks are
+    summed by one all-reduce of ``[2b (+ n), c]`` (a sum, not DisCo's "average", which would lose the
+    factor W) and the local slices kept."""
 
     @staticmethod
-    def forward(ctx, image_features, text_features, scale, group):
+    def forward(ctx, image_features, text_features, scale, negatives, group):
         world, rank, rows = group_size(group), group_rank(group), image_features.shape[0]
         all_images = gather_no_grad(image_features, group)
-        all_texts = gather_no_grad(text_features, group)
+        columns = gather_no_grad(text_features, group)  # [b, c]; with negatives [b + n, c]
+        if negatives is not None:
+            columns = torch.cat([columns, gather_no_grad(negatives, group)])
         labels = torch.arange(rows, device=image_features.device) + rank * rows
-        image_to_text = upcast(image_features @ all_texts.T) * scale  # [b_local, b]
+        image_to_text = upcast(image_features @ columns.T) * scale  # [b_local, b (+ n)]
         text_to_image = upcast(text_features @ all_images.T) * scale  # [b_local, b]
         lse_i, lse_t = image_to_text.logsumexp(1), text_to_image.logsumexp(1)
         positives = image_to_text.gather(1, labels[:, None]).squeeze(1)  # = text_to_image's
@@ -33,16 +36,17 @@ class _DiscoLoss(torch.autograd.Function):
             dist.all_reduce(total, group=group)
         # keep the logits (not the softmax): backward re-derives P with one element-wise pass
         # and the scale gradient from the logits themselves, with no GEMM recomputation
-        ctx.save_for_backward(image_features, text_features, all_images, all_texts, scale, labels,
+        ctx.save_for_backward(image_features, text_features, all_images, columns, scale, labels,
                               image_to_text, text_to_image, lse_i, lse_t)
         ctx.group, ctx.world, ctx.rank = group, world, rank
+        ctx.negatives = None if negatives is None else negatives.shape[0]
         return total / world
 
     @staticmethod
     def backward(ctx, grad_output):
-        (image_features, text_features, all_images, all_texts, scale, labels,
+        (image_features, text_features, all_images, columns, scale, labels,
          image_to_text, text_to_image, lse_i, lse_t) = ctx.saved_tensors
-        rows = image_features.shape[0]
+        rows, world, rank = image_features.shape[0], ctx.world, ctx.rank
         weight = grad_output / (2 * rows)
 
         def logit_grads(logits, lse):
@@ -56,20 +60,25 @@ class _DiscoLoss(torch.autograd.Function):
         g_text, ds_text = logit_grads(text_to_image, lse_t)
         dtype = image_features.dtype
         g_image_in, g_text_in = g_image.to(dtype), g_text.to(dtype)  # GEMMs in the input dtype
-        # column gradients of every rank's loss w.r.t. the gathered features: [2, b, c]
-        d_columns = upcast(torch.stack([g_text_in.T @ text_features, g_image_in.T @ image_features]))
+        # column gradients of every rank's loss w.r.t. the gathered features: images [b], then the
+        # columns of the image->text direction (texts [b], negatives [n])
+        d_columns = upcast(torch.cat([g_text_in.T @ text_features, g_image_in.T @ image_features]))
         d_columns *= scale  # summed over ranks in fp32 at least
-        if ctx.world > 1:
+        if world > 1:
             dist.all_reduce(d_columns, group=ctx.group)
-        local = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
-        d_image = (g_image_in @ all_texts) * scale + d_columns[0, local]
-        d_text = (g_text_in @ all_images) * scale + d_columns[1, local]
+        b = world * rows
+        d_image = (g_image_in @ columns) * scale + d_columns[rank * rows:(rank + 1) * rows]
+        d_text = (g_text_in @ all_images) * scale + d_columns[b + rank * rows:b + (rank + 1) * rows]
+        d_negatives = None
+        if ctx.negatives is not None:
+            n = ctx.negatives
+            d_negatives = d_columns[2 * b + rank * n:2 * b + (rank + 1) * n].to(dtype)
         d_scale = ds_image + ds_text
-        return d_image.to(dtype), d_text.to(dtype), d_scale.reshape(scale.shape), None
+        return d_image.to(dtype), d_text.to(dtype), d_scale.reshape(scale.shape), d_negatives, None
 
 
 class DiscoLoss(ContrastiveLoss):
     """DisCo-CLIP's distributed loss with a hand-written backward (see ``_DiscoLoss``)."""
 
-    def compute(self, image_features, text_features, scale) -> torch.Tensor:
-        return _DiscoLoss.apply(image_features, text_features, scale, self.group)
+    def compute(self, image_features, text_features, scale, negatives=None) -> torch.Tensor:
+        return _DiscoLoss.apply(image_features, text_features, scale, negatives, self.group)

@@ -31,12 +31,15 @@ def _row_dots(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, chunk: int = 6
 
 class _InfClLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, image_features, text_features, scale, group, stats_fn, grads_fn):
+    def forward(ctx, image_features, text_features, scale, negatives, group, stats_fn, grads_fn):
         world, rows = group_size(group), image_features.shape[0]
         ring = RingExchange(group) if world > 1 else None
         acc = accumulation_dtype(image_features.dtype)
         row_lse = torch.full((rows,), float("-inf"), dtype=acc, device=image_features.device)
-        texts, pending_lse = text_features, None
+        # hard negatives travel with their rank's texts as further columns: the rows' log-sum-exps take
+        # them in, their own column log-sum-exps (computed alongside) are not used
+        block = text_features if negatives is None else torch.cat([text_features, negatives])
+        texts, pending_lse = block, None
         for step in range(world):
             pending_texts = ring.start(texts) if step < world - 1 else None  # next block, in flight
             block_rows, block_cols = stats_fn(image_features, texts, scale)
@@ -51,17 +54,19 @@ class _InfClLoss(torch.autograd.Function):
         if ring is not None:
             col_lse = pending_lse.wait()  # own texts' column log-sum-exp, every rank's rows in it
         positives = _row_dots(image_features, text_features, acc) * scale.to(acc)
-        local = (row_lse.sum() + col_lse.sum() - 2 * positives.sum()) / (2 * rows)
+        if negatives is not None:  # the negatives' columns have no text->image term: +inf zeroes their P_col
+            col_lse = torch.cat([col_lse[:rows], torch.full_like(col_lse[rows:], float("inf"))])
+        local = (row_lse.sum() + col_lse[:rows].sum() - 2 * positives.sum()) / (2 * rows)
         total = local.clone()
         if world > 1:
             dist.all_reduce(total, group=group)
-        ctx.save_for_backward(image_features, text_features, scale, row_lse, col_lse)
-        ctx.group, ctx.world, ctx.grads_fn = group, world, grads_fn
+        ctx.save_for_backward(image_features, block, scale, row_lse, col_lse)
+        ctx.group, ctx.world, ctx.grads_fn, ctx.negatives = group, world, grads_fn, negatives is not None
         return total / world  # fp32 (float64 for float64 inputs)
 
     @staticmethod
     def backward(ctx, grad_output):
-        image_features, text_features, scale, row_lse, col_lse = ctx.saved_tensors
+        image_features, block, scale, row_lse, col_lse = ctx.saved_tensors
         world, rows = ctx.world, image_features.shape[0]
         ring = RingExchange(ctx.group) if world > 1 else None
         acc = row_lse.dtype
@@ -72,7 +77,7 @@ class _InfClLoss(torch.autograd.Function):
         d_image = None if world == 1 else \
             torch.zeros(image_features.shape, dtype=acc, device=image_features.device)
         d_scale = torch.zeros((), dtype=acc, device=image_features.device)
-        texts, texts_lse, pending_acc = text_features, col_lse, None
+        texts, texts_lse, pending_acc = block, col_lse, None
         for step in range(world):
             if step < world - 1:  # the next block and its column log-sum-exp, in flight
                 pending_texts, pending_texts_lse = ring.start(texts), ring.start(texts_lse)
@@ -91,15 +96,17 @@ class _InfClLoss(torch.autograd.Function):
         d_text = pending_acc.wait() if ring is not None else d_texts
         del d_texts, pending_acc, block_d_image, _
         # cast one accumulator at a time, freeing each: peak stays one fp32 [b_local, c] lower
-        d_text = d_text.to(text_features.dtype)
+        d_text = d_text.to(block.dtype)
         d_image = d_image.to(image_features.dtype)
-        return d_image, d_text, d_scale.to(scale.dtype).reshape(scale.shape), None, None, None
+        d_negatives = d_text[rows:] if ctx.negatives else None
+        return (d_image, d_text[:rows], d_scale.to(scale.dtype).reshape(scale.shape), d_negatives,
+                None, None, None)
 
 
 class InfClLoss(TiledLoss):
     """Inf-CL ring loss (options: ``base.TiledLoss``)."""
 
-    def compute(self, image_features, text_features, scale, values_in=None) -> torch.Tensor:
+    def compute(self, image_features, text_features, scale, values_in=None, negatives=None) -> torch.Tensor:
         stats_fn, grads_fn = self.tile_functions(image_features.device, "block_stats", "block_grads",
                                                  values_in=values_in)
-        return _InfClLoss.apply(image_features, text_features, scale, self.group, stats_fn, grads_fn)
+        return _InfClLoss.apply(image_features, text_features, scale, negatives, self.group, stats_fn, grads_fn)

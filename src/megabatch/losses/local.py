@@ -16,12 +16,14 @@ class LocalLoss(ContrastiveLoss):
     at columns ``r * b_local + i``. The gather's backward sums every rank's column gradients, so
     the local features receive ``d(sum_r loss_r) = W x dL``; the value returned is the mean."""
 
-    def compute(self, image_features, text_features, scale) -> torch.Tensor:
+    def compute(self, image_features, text_features, scale, negatives=None) -> torch.Tensor:
         all_images = all_gather_with_grad(image_features, self.group)
         all_texts = all_gather_with_grad(text_features, self.group)
         rows = image_features.shape[0]
         labels = torch.arange(rows, device=image_features.device) + group_rank(self.group) * rows
-        image_to_text = upcast(image_features @ all_texts.T) * scale  # [b_local, b]
+        columns = all_texts if negatives is None else \
+            torch.cat([all_texts, all_gather_with_grad(negatives, self.group)])
+        image_to_text = upcast(image_features @ columns.T) * scale  # [b_local, b (+ every rank's negatives)]
         text_to_image = upcast(text_features @ all_images.T) * scale  # [b_local, b]
         local = (F.cross_entropy(image_to_text, labels) + F.cross_entropy(text_to_image, labels)) / 2
         return global_mean_value(local, self.group)

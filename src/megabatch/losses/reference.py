@@ -12,15 +12,19 @@ def upcast(logits: torch.Tensor) -> torch.Tensor:
 
 
 def clip_loss_reference(
-    image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor
+    image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor,
+    negatives: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(CE(I T^T * scale) + CE(T I^T * scale)) / 2`` over the full ``[b, c]`` batch.
+    """``(CE(I T^T * scale) + CE(T I^T * scale)) / 2`` over the full ``[b, c]`` batch; with
+    ``negatives [n, c]`` (hard negatives) the image->text softmax runs over ``[T; negatives]``.
 
     The GEMM runs in the features' dtype; the softmax in fp32 (or float64) at least.
     """
-    logits = upcast(image_features @ text_features.T) * scale
-    labels = torch.arange(logits.shape[0], device=logits.device)
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    rows = image_features.shape[0]
+    columns = text_features if negatives is None else torch.cat([text_features, negatives])
+    logits = upcast(image_features @ columns.T) * scale  # [b, b (+ n)]
+    labels = torch.arange(rows, device=logits.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :rows].T, labels)) / 2
 
 
 def siglip_loss_reference(

@@ -85,6 +85,7 @@ class SigLipLoss(TiledLoss):
     """
 
     uses_bias = True
+    takes_negatives = False  # hard negatives are a softmax's extra columns
 
     def compute(self, image_features, text_features, scale, bias=None, values_in=None) -> torch.Tensor:
         (block_fn,) = self.tile_functions(image_features.device, "sigmoid_block", values_in=values_in)

@@ -14,7 +14,8 @@ class VanillaLoss(ContrastiveLoss):
     backward sums the W identical copies of dL/d(local) (hence W x, per the contract), and every
     rank holds the full dL/d(scale)."""
 
-    def compute(self, image_features, text_features, scale) -> torch.Tensor:
+    def compute(self, image_features, text_features, scale, negatives=None) -> torch.Tensor:
         all_images = all_gather_with_grad(image_features, self.group)
         all_texts = all_gather_with_grad(text_features, self.group)
-        return clip_loss_reference(all_images, all_texts, scale)
+        all_negatives = None if negatives is None else all_gather_with_grad(negatives, self.group)
+        return clip_loss_reference(all_images, all_texts, scale, all_negatives)

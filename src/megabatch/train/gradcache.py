@@ -138,6 +138,11 @@ class EncodedBatch:
     graphs: dict = field(default_factory=dict)                 # index -> [image, text] features with their graphs
     scalars: tuple = (None, None)                               # the last kept graph's scale and bias
     data_s: float = 0.0                                          # time spent waiting on the loader
+    # hard negatives (data.train.negatives_key): their features [b_rank x K, e], encoded in chunks of
+    # sub_batch rows after the captions, each chunk's tokens (on the device) and RNG state
+    negative_features: torch.Tensor | None = None
+    negatives: list[torch.Tensor] = field(default_factory=list)
+    negative_rng: list[RngState] = field(default_factory=list)
 
     @property
     def num_sub(self) -> int:
@@ -165,6 +170,7 @@ class FeatureGrads:
     text: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None = None
+    negatives: torch.Tensor | None = None  # [b_rank x K, e], with hard negatives
 
 
 @torch.no_grad()
@@ -175,7 +181,7 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
     With ``keep.text_trim`` the captions wait on the host until all images are encoded, then are
     encoded grouped by length (``encode_captions``); the last ``keep.kept_graphs`` sub-batches (and
     caption chunks) keep their graphs."""
-    device, encoded, captions = precision.device, None, []
+    device, encoded, captions, negatives = precision.device, None, [], []
     for index in range(count):
         with_graph = keep.with_graph(index, count)
         waited = time.perf_counter()
@@ -195,6 +201,8 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
         rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
         encoded.image_features[rows] = image_features.detach()
         encoded.rng.append(rng)
+        if sub.negatives is not None:
+            negatives.append(sub.negatives)
         if texts is None:
             captions.append(sub.texts)
         else:
@@ -210,6 +218,8 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
             progress.update(1)
     if captions:
         encode_captions(model, encoded, torch.cat(captions), precision)
+    if negatives:
+        encode_negatives(model, encoded, torch.cat(negatives), precision)
     if not any(f is not None and f.requires_grad for graph in encoded.graphs.values() for f in graph):
         encoded.graphs.clear()  # nothing trainable in them (both towers frozen): replayed like the others
     return encoded
@@ -240,6 +250,42 @@ def encode_captions(model, encoded: EncodedBatch, texts: torch.Tensor, precision
             encoded.texts.append(chunk)
 
 
+def encode_negatives(model, encoded: EncodedBatch, negatives: torch.Tensor, precision: Precision) -> None:
+    """Phase 1's text tower on this rank's hard negatives ``[b_rank x K, ctx]`` (sample i's K rows
+    together), in chunks of ``sub_batch`` rows, each cut to its longest caption where the captions are
+    cut (``text_trim``); no graph kept: every chunk is encoded again in phase 3 (``replay_negatives``)."""
+    keep, device, trim = encoded.replays, precision.device, encoded.replays.text_trim
+    features = None
+    for start in range(0, negatives.shape[0], encoded.sub_batch):
+        chunk = negatives[start:start + encoded.sub_batch]
+        chunk = to_device(chunk if trim is None else trim.cut(chunk), device)  # cut on the host: no sync
+        encoded.negative_rng.append(RngState.capture(device))
+        with precision.autocast():
+            _, chunk_features, *_ = model(None, chunk)
+        if features is None:
+            features = chunk_features.new_empty((negatives.shape[0], chunk_features.shape[1]),
+                                                dtype=encoded.text_features.dtype)
+        features[start:start + chunk.shape[0]] = chunk_features.detach()
+        if keep.texts:
+            encoded.negatives.append(chunk)
+    encoded.negative_features = features
+
+
+def replay_negatives(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precision, sync: GradSync) -> None:
+    """Phase 3 for the hard negatives: each chunk encoded again with its RNG state, its cached feature
+    gradients back-propagated under ``sync.hold`` (the sub-batches after them synchronise)."""
+    if encoded.negative_features is None or not encoded.replays.texts:
+        return
+    for index, chunk in enumerate(encoded.negatives):
+        encoded.negative_rng[index].restore()
+        rows = slice(index * encoded.sub_batch, index * encoded.sub_batch + chunk.shape[0])
+        with contextlib.nullcontext() if sync.hold is None else sync.hold():
+            with precision.autocast():
+                _, features, *_ = model(None, chunk)
+            (features.float() * grads.negatives[rows]).sum().backward()
+    encoded.negatives.clear()
+
+
 def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Tensor,
                            logit_bias: torch.Tensor | None, precision: Precision) -> FeatureGrads:
     """Phase 2: the loss once on all of this rank's features; gradients of the (fp16: scaled)
@@ -249,8 +295,14 @@ def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Te
     inputs = [image_features, text_features, logit_scale.detach().exp().float().requires_grad_()]
     if logit_bias is not None:
         inputs.append(logit_bias.detach().float().requires_grad_())
-    loss = loss_fn(*inputs, values_in=encoded.image_features.dtype)  # bf16 buffers: the kernels' dots in bf16, exact
-    return FeatureGrads(loss.detach(), *torch.autograd.grad(precision.scale(loss), inputs))
+    negatives = None if encoded.negative_features is None else encoded.negative_features.float().requires_grad_()
+    # bf16 buffers: the kernels' dots in bf16, exact
+    loss = loss_fn(*inputs, values_in=encoded.image_features.dtype,
+                   **({} if negatives is None else {"negatives": negatives}))
+    found = torch.autograd.grad(precision.scale(loss), inputs + ([] if negatives is None else [negatives]))
+    if negatives is None:
+        return FeatureGrads(loss.detach(), *found)
+    return FeatureGrads(loss.detach(), *found[:-1], *(() if logit_bias is not None else (None,)), negatives=found[-1])
 
 
 @dataclass(frozen=True)
@@ -284,6 +336,7 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
     sync = GradSync.of(model) if sync is None else sync
     after_encoding = RngState.capture(device)
     waited_s = 0.0
+    replay_negatives(model, encoded, grads, precision, sync)  # before the sub-batch whose backward synchronises
     for index in sorted(encoded.graphs):
         # the temperature's (and the bias's) gradient goes with the last kept graph when no
         # sub-batch is replayed (all kept: one process), else with the last replayed one

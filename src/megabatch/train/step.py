@@ -300,13 +300,17 @@ class TrainStep:
         sub, data_s = timed
         self.keep.keep_bytes(sub)
         images = to_device(sub.images, self.device)
+        rows = len(sub.texts)
+        # hard negatives (data.train.negatives_key) ride with the captions through one forward of the text tower
+        captions = sub.texts if sub.negatives is None else torch.cat([sub.texts, sub.negatives])
         trim = self.keep.text_trim  # cut on the host, where the token ids are: no sync
-        texts = to_device(sub.texts if trim is None else trim.cut(sub.texts), self.device)
+        texts = to_device(captions if trim is None else trim.cut(captions), self.device)
         start = time.perf_counter()
         with self.precision.autocast():
             image_features, text_features, scale, bias = self.wrapped(images, texts)
-        loss = self.loss_fn(image_features.float(), text_features.float(), scale.float(),
-                            *(() if bias is None else (bias.float(),)))
+        negatives = None if sub.negatives is None else {"negatives": text_features[rows:].float()}
+        loss = self.loss_fn(image_features.float(), text_features[:rows].float(), scale.float(),
+                            *(() if bias is None else (bias.float(),)), **(negatives or {}))
         self.precision.scale(loss).backward()
         return loss.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
 
