@@ -8,6 +8,8 @@ best settings at that batch; every step's samples/s, MFU, phases and peak memory
         --set data.decode=gpu model.compile=true trainer.sub_batch=auto trainer.offload=true --out 1m_4gpu.json
     python scripts/benchmarks/multi_gpu.py --gpus 4 --batch 32k --steps 10 \\
         --variant 'decode-ahead-8gb: data.decode_ahead_gb=8' --variant 'fsdp: trainer.parallel=fsdp' --out variants.json
+    python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --negatives 16 --variant 'plain:' \\
+        --variant 'negatives-4: data.train.negatives_key=json:negatives data.train.negatives=4' --out negatives.json
 
 ``--set`` replaces its default (``data.decode=gpu model.compile=true trainer.sub_batch=auto``): repeat those
 with it.
@@ -84,13 +86,16 @@ class GpuMemory:
         return [round(self.peak_mb[i] / 1024, 2) for i in range(gpus)] if self.peak_mb else None
 
 
-def dataset(images: int, size: int, epoch_samples: int, workdir: Path) -> str:
-    """The shard pattern of an epoch of ``epoch_samples`` from ``images`` distinct JPEGs."""
+def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives: int = 0) -> str:
+    """The shard pattern of an epoch of ``epoch_samples`` from ``images`` distinct JPEGs (with
+    ``negatives`` more captions each in their JSON: ``data.train.negatives_key=json:negatives``)."""
     from megabatch.data.synthetic import photo_shards
 
-    real_dir, listed = workdir / "distinct", workdir / "listed"
+    real_dir = workdir / ("distinct" if not negatives else f"distinct-negatives-{negatives}")
+    listed = workdir / "listed"
     per_shard = min(1024, images)
-    real = sorted(real_dir.glob("photo-*.tar")) or [Path(p) for p in photo_shards(images, size, real_dir, per_shard)]
+    real = sorted(real_dir.glob("photo-*.tar")) or [Path(p) for p in photo_shards(images, size, real_dir, per_shard,
+                                                                                  negatives)]
     sizes = json.loads((real_dir / "sizes.json").read_text())
     count = -(-epoch_samples // per_shard)
     shutil.rmtree(listed, ignore_errors=True)
@@ -224,6 +229,8 @@ def main() -> None:
     parser.add_argument("--epoch-samples", type=int, default=160_000,
                         help="samples an epoch lists (the distinct images again and again)")
     parser.add_argument("--workers", type=int, default=12, help="loader workers a rank (data.num_workers)")
+    parser.add_argument("--negatives", type=int, default=0,
+                        help="more captions a sample in the JSON (data.train.negatives_key=json:negatives)")
     parser.add_argument("--set", nargs="*", default=["data.decode=gpu", "model.compile=true", "trainer.sub_batch=auto"],
                         help="our config overrides")
     parser.add_argument("--variant", action="append", default=[],
@@ -239,7 +246,7 @@ def main() -> None:
     from megabatch.config import parse_count
 
     workdir = Path(args.workdir)
-    urls = dataset(args.images, args.size, args.epoch_samples, workdir)
+    urls = dataset(args.images, args.size, args.epoch_samples, workdir, args.negatives)
     model = [f"model={args.model}", *([f"model.arch={args.arch}"] if args.model == "openclip" else [])]
     common = [*model, f"loss={args.loss}", f"data.num_workers={args.workers}", *args.set]
     variants = [(name.strip(), rest.split()) for name, _, rest in (v.partition(":") for v in args.variant)] \

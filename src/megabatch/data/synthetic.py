@@ -14,12 +14,13 @@ from .samples import SubBatch
 from .shard_writer import Sample, write_shards
 
 
-def photos(count: int, size: int, seed: int = 0) -> Iterator[Sample]:
+def photos(count: int, size: int, seed: int = 0, negatives: int = 0) -> Iterator[Sample]:
     """``count`` distinct JPEG samples of ``size`` px: smooth random pictures with noise, which
-    compress like photos (about 33 KB at 256 px)."""
+    compress like photos (about 33 KB at 256 px). ``negatives``: that many more captions each, in
+    the sample's JSON (``negatives``: hard negatives' stand-ins, drawn from a generator of their own)."""
     from PIL import Image
 
-    rng = np.random.default_rng(seed)
+    rng, other = np.random.default_rng(seed), np.random.default_rng(seed + 1)
     for _ in range(count):
         coarse = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
         image = Image.fromarray(coarse).resize((size, size), Image.BICUBIC)
@@ -27,7 +28,8 @@ def photos(count: int, size: int, seed: int = 0) -> Iterator[Sample]:
         pixels = np.clip(np.asarray(image, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
-        yield Sample(buffer.getvalue(), "jpg", caption(rng))
+        meta = {"negatives": [caption(other) for _ in range(negatives)]} if negatives else {}
+        yield Sample(buffer.getvalue(), "jpg", caption(rng), meta)
 
 
 # one BPE token each in CLIP's vocabulary: a caption of n words is n + 2 tokens (start and end)
@@ -42,9 +44,9 @@ def caption(rng: np.random.Generator) -> str:
     return " ".join(rng.choice(WORDS, words))
 
 
-def photo_shards(count: int, size: int, folder: str | Path, per_shard: int = 1024) -> list[str]:
+def photo_shards(count: int, size: int, folder: str | Path, per_shard: int = 1024, negatives: int = 0) -> list[str]:
     """``photos`` written as img2dataset-style shards (with ``sizes.json``) under ``folder``."""
-    return write_shards(photos(count, size), Path(folder), "photo", per_shard)
+    return write_shards(photos(count, size, negatives=negatives), Path(folder), "photo", per_shard)
 
 
 def synthetic_sub_batch(sub_batch: int, image_size: int, context: int, device) -> SubBatch:
