@@ -143,6 +143,7 @@ class EncodedBatch:
     negative_features: torch.Tensor | None = None
     negatives: list[torch.Tensor] = field(default_factory=list)
     negative_rng: list[RngState] = field(default_factory=list)
+    negative_order: torch.Tensor | None = None                 # on the device: the chunks' rows, one after another
 
     @property
     def num_sub(self) -> int:
@@ -152,6 +153,10 @@ class EncodedBatch:
     def num_replayed(self) -> int:
         """Sub-batches encoded again in phase 3: all but those whose graphs phase 1 kept (the last ones)."""
         return self.num_sub - len(self.graphs)
+
+    def negative_rows(self, index: int) -> torch.Tensor:
+        """The rows of hard-negative chunk ``index`` in ``negative_features`` (indices on the device)."""
+        return self.negative_order[index * self.sub_batch:(index + 1) * self.sub_batch]
 
     def text_rows(self, index: int) -> slice | torch.Tensor:
         """The rows of text chunk ``index`` in the feature buffers (those of sub-batch ``index``
@@ -252,20 +257,26 @@ def encode_captions(model, encoded: EncodedBatch, texts: torch.Tensor, precision
 
 def encode_negatives(model, encoded: EncodedBatch, negatives: torch.Tensor, precision: Precision) -> None:
     """Phase 1's text tower on this rank's hard negatives ``[b_rank x K, ctx]`` (sample i's K rows
-    together), in chunks of ``sub_batch`` rows, each cut to its longest caption where the captions are
-    cut (``text_trim``); no graph kept: every chunk is encoded again in phase 3 (``replay_negatives``)."""
+    together), in chunks of ``sub_batch`` rows; where captions are cut (``text_trim``) sorted by length
+    first (on the host: no sync), each chunk cut to its longest, as ``encode_captions`` does. No graph is
+    kept: every chunk is encoded again in phase 3 (``replay_negatives``)."""
     keep, device, trim = encoded.replays, precision.device, encoded.replays.text_trim
+    lengths = None if trim is None else trim.lengths(negatives)
+    order = torch.arange(negatives.shape[0]) if lengths is None else torch.argsort(lengths, stable=True)
+    encoded.negative_order = to_device(order, device)
     features = None
-    for start in range(0, negatives.shape[0], encoded.sub_batch):
-        chunk = negatives[start:start + encoded.sub_batch]
-        chunk = to_device(chunk if trim is None else trim.cut(chunk), device)  # cut on the host: no sync
+    for index, rows in enumerate(order.split(encoded.sub_batch)):
+        chunk = negatives.index_select(0, rows)
+        if trim is not None:
+            chunk = chunk[:, :trim.bucket(int(lengths[rows].max()))].contiguous()
+        chunk = to_device(chunk, device)
         encoded.negative_rng.append(RngState.capture(device))
         with precision.autocast():
             _, chunk_features, *_ = model(None, chunk)
         if features is None:
             features = chunk_features.new_empty((negatives.shape[0], chunk_features.shape[1]),
                                                 dtype=encoded.text_features.dtype)
-        features[start:start + chunk.shape[0]] = chunk_features.detach()
+        features.index_copy_(0, encoded.negative_rows(index), chunk_features.detach().to(features.dtype))
         if keep.texts:
             encoded.negatives.append(chunk)
     encoded.negative_features = features
@@ -278,11 +289,10 @@ def replay_negatives(model, encoded: EncodedBatch, grads: FeatureGrads, precisio
         return
     for index, chunk in enumerate(encoded.negatives):
         encoded.negative_rng[index].restore()
-        rows = slice(index * encoded.sub_batch, index * encoded.sub_batch + chunk.shape[0])
         with contextlib.nullcontext() if sync.hold is None else sync.hold():
             with precision.autocast():
                 _, features, *_ = model(None, chunk)
-            (features.float() * grads.negatives[rows]).sum().backward()
+            (features.float() * grads.negatives[encoded.negative_rows(index)]).sum().backward()
     encoded.negatives.clear()
 
 
