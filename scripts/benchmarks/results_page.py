@@ -240,7 +240,7 @@ QUESTIONS = [
         ],
     },
     {
-        "title": "Trainer options: EMA and Muon",
+        "title": "Trainer options: EMA, Muon, hard negatives",
         "text": "What each option costs a step, as users launch it: `python train.py` on one GPU through the "
                 "multi-GPU harness (`--gpus 1`; JPEG shards, GPU decoding, `model.compile=true`, "
                 "`trainer.sub_batch=auto`), each option a variant beside the plain run in one call. The "
@@ -256,6 +256,13 @@ QUESTIONS = [
              "label": "`optim=muon` (torch's Muon on the blocks' matrices, AdamW on the rest) against AdamW "
                       "(fused): ViT-B/16, batch 4k, one H200: the optimizer phase 58 ms against 6 ms, the step "
                       "1.52 against 1.48 s (2,694 against 2,766 samples/s, -2.6%)"},
+            {"file": "options_negatives_vit_b32_32k_h200.json", "kind": "multi_gpu", "phases": True,
+             "label": "Hard negatives (`data.train.negatives_key=json:negatives`, K a sample: K x 32k more "
+                      "captions through the text tower and K x 32k more columns of the image->text softmax) "
+                      "against none: ViT-B/32, batch 32k, one H200, 4 steps, the first left out (K = 16: 2 steps "
+                      "in the harness's 175 s). Measured before the negatives were sorted by length "
+                      "(97d1c09): every chunk of them ran at the full 77-token context, hence the replay's "
+                      "4.6 / 10.1 / 32 s and the 106 GB; not re-measured since"},
         ],
     },
     {
