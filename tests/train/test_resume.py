@@ -44,7 +44,8 @@ def test_resume_is_bitwise_exact(tmp_path, loss):
     assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
 
 
-@pytest.mark.parametrize("optim", ["optim=timm optim.name=lamb", "optim=timm optim.name=muon",
+@pytest.mark.parametrize("optim", ["optim=timm optim.name=lamb", "optim=timm optim.name=lion",
+                                   "optim=timm optim.name=muon",
                                    "optim=muon optim.layer_decay.image=0.8 optim.optimizer.adamw_lr=1e-3",
                                    "optim.layer_decay.image=0.8 optim.layer_decay.text=0.7"])
 def test_resume_is_bitwise_exact_with_each_optimizer(tmp_path, optim):

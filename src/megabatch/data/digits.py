@@ -3,6 +3,9 @@
 1,797 real 8x8 scans (bundled with scikit-learn, no download) are upscaled to 32x32 and paired with
 captions in several phrasings ("a photo of the digit seven", "a handwritten 7", ...). A stratified
 20% held-out split is the zero-shot evaluation set. Built on first use into a cache directory.
+Each sample's JSON also holds a second phrasing (``recaption``: ``data.train.text_key='[txt,json:recaption]'``)
+and three captions of other digits (``negatives``: ``data.train.negatives_key=json:negatives``), drawn
+from a generator of their own: the images and captions are those of version 1.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ EVAL_TEMPLATES = [
 
 IMAGE_SIZE = 32
 HELD_OUT_FRACTION = 0.2
-VERSION = 1  # bump when the generated data changes, so caches rebuild
+VERSION = 2  # bump when the generated data changes, so caches rebuild (2: recaption and negatives in the JSON)
+NEGATIVES = 3  # captions of other digits a sample (its hard negatives)
 
 
 def _upscale(image_8x8: np.ndarray) -> np.ndarray:
@@ -71,15 +75,19 @@ def digit_samples(split: str, seed: int = 0) -> Iterator[Sample]:
     )
     chosen = {"train": train_idx, "test": test_idx}[split]
     rng = random.Random(seed * 1000 + (split == "test"))
+    other = random.Random(seed * 1000 + (split == "test") + 7_919)  # the JSON's extra captions: rng's draws unchanged
     for index in chosen:
         label = int(digits.target[index])
         phrasing = rng.choice(CAPTION_PHRASINGS)
         caption = phrasing.format(word=CLASS_NAMES[label], num=label)
+        recaption = other.choice(CAPTION_PHRASINGS).format(word=CLASS_NAMES[label], num=label)
+        wrong = other.sample([digit for digit in range(10) if digit != label], NEGATIVES)
+        negatives = [other.choice(CAPTION_PHRASINGS).format(word=CLASS_NAMES[digit], num=digit) for digit in wrong]
         yield Sample(
             image=encode_png(_upscale(digits.images[index])),
             ext="png",
             caption=caption,
-            meta={"label": label, "source_index": int(index)},
+            meta={"label": label, "source_index": int(index), "recaption": recaption, "negatives": negatives},
         )
 
 
