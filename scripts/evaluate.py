@@ -3,6 +3,9 @@
     python scripts/evaluate.py ckpt=runs/<name>/checkpoints/last.pt            # embedded digits
     python scripts/evaluate.py ckpt=... eval=<set> eval.<set>.urls=... eval.<set>.batch_size=1024
     python scripts/evaluate.py ckpt=... 'eval=[imagenet,imagenet_v2]' eval.imagenet.root=... eval.imagenet_v2.root=...
+
+Beside the checkpoint: one ``<ckpt>.eval-<set>.json`` a set, and the checkpoint's table of every set's
+metrics, ``<ckpt>.results.csv`` / ``.json`` (set, task, metric, value; the main metrics' average).
 """
 
 import json
@@ -22,6 +25,7 @@ def main(cfg: DictConfig) -> float:
     from megabatch.config.cli import config_error_exit
     from megabatch.eval import headline, summary
     from megabatch.eval.checkpoint import evaluate_checkpoint
+    from megabatch.eval.results import results_table, write_results
 
     try:
         results = evaluate_checkpoint(cfg)
@@ -36,6 +40,9 @@ def main(cfg: DictConfig) -> float:
         if not cfg.output:
             output.write_text(json.dumps(result, indent=1))
         print(f"{summary(name, result)}, step {result['step']} -> {output}", flush=True)
+    # one table per checkpoint: every set's metrics (set, task, metric, value), and the main metrics' average
+    csv_path, _ = write_results(stem, results)
+    print(f"{results_table(results)}\n-> {csv_path} (and .json)", flush=True)
     return headline(next(iter(results.values())))
 
 

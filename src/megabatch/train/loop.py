@@ -30,6 +30,7 @@ from ..distributed.fsdp import is_sharded
 from ..distributed.health import FAILED, RankLost, describe, is_communication_error
 from ..distributed.once import on_rank_zero
 from ..eval import headline, result_name, run_zeroshot, summary, weights_to_evaluate
+from ..eval.results import results_table, write_results
 from ..processes import ignore_stop_signals
 from ..report import RunStatus
 from ..report.runs import failure
@@ -429,6 +430,9 @@ class Trainer:
         results = self.evaluate(final=True)
         for name, result in results.items():
             print(summary(name, result), flush=True)
+        if results and self.main:  # the last checkpoint's table: every set's metrics, the main metrics' average
+            csv_path, _ = write_results(self.ckpt_dir / "last", results)
+            log.info("results of the last checkpoint -> %s (and .json)\n%s", csv_path, results_table(results))
         if results:  # the first set's headline number is what a sweeper optimises
             return headline(next(iter(results.values())))
         return float(loss)

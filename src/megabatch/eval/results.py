@@ -1,0 +1,57 @@
+"""One results table per checkpoint: every evaluated set's metrics as rows (set, task, metric, value),
+written beside the checkpoint as ``<ckpt>.results.csv`` and ``.json``, and printed with each set's main
+metric (zero-shot top-1, retrieval image-to-text R@1) and their average, the form in which model cards
+and OpenCLIP's results CSV compare models."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from .zeroshot import headline
+
+NOT_METRICS = ("samples", "step", "ckpt", "weights")  # a result's bookkeeping, not a measured number
+
+
+def task_of(result: dict) -> str:
+    return "zeroshot" if "top1" in result else "retrieval"
+
+
+def main_metric(result: dict) -> str:
+    """The name of a set's one number (``headline``'s)."""
+    return "top1" if "top1" in result else "image_to_text_R@1"
+
+
+def results_rows(results: dict[str, dict]) -> list[dict]:
+    """``{set name: result}`` as rows ``{set, task, metric, value}``, each set's metrics in its order."""
+    return [{"set": name, "task": task_of(result), "metric": metric, "value": float(value)}
+            for name, result in results.items() for metric, value in result.items()
+            if metric not in NOT_METRICS and isinstance(value, (int, float))]
+
+
+def average_of_main_metrics(results: dict[str, dict]) -> float:
+    return sum(headline(result) for result in results.values()) / len(results)
+
+
+def write_results(stem: Path, results: dict[str, dict]) -> tuple[Path, Path]:
+    """``<stem>.results.csv`` and ``<stem>.results.json`` (the rows, and the average of the main
+    metrics in the JSON); returns both paths."""
+    rows = results_rows(results)
+    csv_path, json_path = stem.with_name(stem.name + ".results.csv"), stem.with_name(stem.name + ".results.json")
+    with open(csv_path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["set", "task", "metric", "value"])
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path.write_text(json.dumps({"rows": rows, "average_main_metric": average_of_main_metrics(results)},
+                                    indent=1))
+    return csv_path, json_path
+
+
+def results_table(results: dict[str, dict]) -> str:
+    """Each set's main metric, one line a set, and their average (a Markdown table)."""
+    lines = ["| set | task | main metric | value |", "|---|---|---|---|"]
+    lines += [f"| {name} | {task_of(result)} | {main_metric(result)} | {headline(result):.2f} |"
+              for name, result in results.items()]
+    lines.append(f"| average | | | {average_of_main_metrics(results):.2f} |")
+    return "\n".join(lines)
