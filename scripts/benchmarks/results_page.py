@@ -216,6 +216,11 @@ QUESTIONS = [
             {"file": "multi_gpu_vit_b32_256k_4xh200.json", "kind": "multi_gpu",
              "label": "ViT-B/32, batch 256k, 4 GPUs (that machine; an epoch of 600k samples: 5 steps, the first "
                       "two left out; 1 and 2 GPUs not run)"},
+            {"file": "multi_gpu_vit_b32_256k_2gpu_4xh200.json", "kind": "multi_gpu", "phases": True,
+             "label": "ViT-B/32, batch 256k, 2 GPUs (two of an eighth 4 x H200 machine, 2026-11-27; 4 steps, the first "
+                      "left out): 16.0k samples/s, 2.04x the 1-GPU median at 32k on the 2 x H200 machine (7.9-8.1k on "
+                      "every H200 measured) and 0.54x the 4-GPU figure above; the data phase (1.0-2.6 s a step) is "
+                      "the wait for the GPU decoding"},
             {"file": "multi_gpu_vit_bigg_512_fsdp_ddp_4xh200.json", "kind": "multi_gpu",
              "label": "ViT-bigG-14, batch 512, 4 GPUs: DDP against FSDP (`fsdp_reduce=auto`: once per step, the "
                       "weights kept gathered through the step), `trainer.sub_batch=auto` (64 for both), "
