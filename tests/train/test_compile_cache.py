@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megabatch.train.compile_cache import CompileCache
@@ -47,6 +48,7 @@ def compiled_run(cache_dir, out, inductor_dir) -> dict:
     return torch.load(out) | {"log": ran.stderr}
 
 
+@pytest.mark.slow  # two compilations from scratch, 130 s on 2 cores: make test-all
 def test_a_second_run_loads_the_compiled_towers_and_compiles_nothing(tmp_path):
     cache = tmp_path / "cache"
     first = compiled_run(cache, tmp_path / "first.pt", tmp_path / "inductor-1")

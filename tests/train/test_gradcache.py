@@ -299,6 +299,7 @@ def offloaded_steps(rank: int, world: int) -> dict:
     return results
 
 
+@pytest.mark.slow  # 60 s on 2 cores (the read-ahead alone: tests/data/test_read_ahead.py): make test-all
 def test_offloaded_steps_read_ahead_give_bitwise_the_same_gradients_on_two_ranks(tmp_path):
     for result in run_ranks(2, offloaded_steps, tmp_path=tmp_path):
         for plain, ahead in zip(result["0"], result["8"], strict=True):
