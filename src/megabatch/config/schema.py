@@ -141,6 +141,14 @@ class EmaConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: str | None = None
+    pretrained: str | None = None
+    weight: float = 1.0
+    temperature: float | None = None
+
+
+@dataclass
 class WandbConfig:
     project: str = MISSING
     entity: str | None = MISSING
@@ -189,6 +197,7 @@ def validate(cfg: DictConfig) -> DictConfig:
                           "on each rank; use trainer.parallel=ddp, or an element-wise optimizer (optim=adamw, "
                           "optim=timm optim.name=lamb)")
     check_ema(cfg.get("ema"), cfg.eval, cfg.trainer)
+    check_distill(cfg.get("distill"), cfg.loss)
     check_schedule(cfg.sched)
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"), steps_per_epoch=1)
     check_loss(cfg.loss, cfg.trainer.device)
@@ -475,6 +484,29 @@ def check_ema(ema: DictConfig | None, eval_sets: DictConfig, trainer: DictConfig
         if weights in ("ema", "both") and decay is None:
             raise ConfigError(f"eval.{name}.weights={weights} but the run keeps no moving average: set ema.decay "
                               f"(e.g. 0.9999) or eval.{name}.weights=raw")
+
+
+def check_distill(distill: DictConfig | None, loss: DictConfig) -> None:
+    """``distill.*`` (absent in a config stored before it existed: off): its numbers, and a softmax loss."""
+    if distill is None:
+        return
+    check_known_keys(distill, DistillConfig, "distill")
+    weight, temperature = distill.get("weight", 1.0), distill.get("temperature")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+        raise ConfigError(f"distill.weight={weight!r}: give the distillation term's weight beside the contrastive "
+                          "loss's, a number >= 0, e.g. distill.weight=1.0")
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                                    or temperature <= 0):
+        raise ConfigError(f"distill.temperature={temperature!r}: give the teacher's softmax temperature > 0 (its "
+                          "logits are divided by it), e.g. 0.01, or null (the teacher's own: 1 / its logit scale)")
+    if distill.get("teacher") is None:
+        if distill.get("pretrained") is not None:
+            raise ConfigError(f"distill.pretrained={distill.pretrained!r} without distill.teacher: name the teacher's "
+                              "architecture too, e.g. distill.teacher=ViT-L-14")
+        return
+    if str(loss.get("_target_", "")).endswith("SigLipLoss"):
+        raise ConfigError("distill.teacher with loss=siglip: distillation runs with a softmax loss (loss=infcl, local, "
+                          "disco or vanilla); the sigmoid loss has no distillation term yet")
 
 
 def check_schedule(sched: DictConfig) -> None:

@@ -144,6 +144,9 @@ class EncodedBatch:
     negatives: list[torch.Tensor] = field(default_factory=list)
     negative_rng: list[RngState] = field(default_factory=list)
     negative_order: torch.Tensor | None = None                 # on the device: the chunks' rows, one after another
+    # distill.teacher: the teacher's features of this rank's samples [b_rank, e_teacher] (image order)
+    teacher_image: torch.Tensor | None = None
+    teacher_text: torch.Tensor | None = None
 
     @property
     def num_sub(self) -> int:
@@ -180,12 +183,14 @@ class FeatureGrads:
 
 @torch.no_grad()
 def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precision: Precision,
-                         keep: ReplayInputs, progress=None) -> EncodedBatch:
+                         keep: ReplayInputs, progress=None, teacher=None) -> EncodedBatch:
     """Phase 1: encode ``count`` sub-batches from ``stream`` into preallocated feature buffers
     (``precision.feature_dtype``), recording each one's RNG state and keeping what ``keep`` says.
     With ``keep.text_trim`` the captions wait on the host until all images are encoded, then are
     encoded grouped by length (``encode_captions``); the last ``keep.kept_graphs`` sub-batches (and
-    caption chunks) keep their graphs."""
+    caption chunks) keep their graphs. ``teacher`` (``train/teacher.py``, distillation): a frozen model
+    encoded on each sub-batch's images and whole captions too, its features kept for the loss (never
+    replayed)."""
     device, encoded, captions, negatives = precision.device, None, [], []
     for index in range(count):
         with_graph = keep.with_graph(index, count)
@@ -202,8 +207,13 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
             encoded = EncodedBatch(image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
                                    image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
                                    sub_batch=len(sub.texts), replays=keep)
+            if teacher is not None:
+                encoded.teacher_image = image_features.new_empty((rows, teacher.width), dtype=dtype)
+                encoded.teacher_text = image_features.new_empty((rows, teacher.width), dtype=dtype)
         encoded.data_s += data_s
         rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
+        if teacher is not None:
+            encoded.teacher_image[rows], encoded.teacher_text[rows] = teacher(images, sub.texts, precision.autocast)
         encoded.image_features[rows] = image_features.detach()
         encoded.rng.append(rng)
         if sub.negatives is not None:
@@ -306,9 +316,11 @@ def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Te
     if logit_bias is not None:
         inputs.append(logit_bias.detach().float().requires_grad_())
     negatives = None if encoded.negative_features is None else encoded.negative_features.float().requires_grad_()
+    options = {} if negatives is None else {"negatives": negatives}
+    if encoded.teacher_image is not None:  # distill.teacher: the teacher's features, no gradient
+        options["teacher"] = (encoded.teacher_image.float(), encoded.teacher_text.float())
     # bf16 buffers: the kernels' dots in bf16, exact
-    loss = loss_fn(*inputs, values_in=encoded.image_features.dtype,
-                   **({} if negatives is None else {"negatives": negatives}))
+    loss = loss_fn(*inputs, values_in=encoded.image_features.dtype, **options)
     found = torch.autograd.grad(precision.scale(loss), inputs + ([] if negatives is None else [negatives]))
     if negatives is None:
         return FeatureGrads(loss.detach(), *found)

@@ -221,6 +221,8 @@ class StepLog:
             "data_wait": phase_totals.get("data", 0.0) / elapsed,  # fraction of wall time
             "grad_norm": health.grad_norm, "skipped_steps": health.skipped_steps,
         }
+        # a loss of several terms (distill.teacher: contrastive and distill), unweighted, the last step's
+        record.update({f"loss/{k}": v.item() for k, v in interval.last.terms.items()})
         if self.first_step_s is not None:
             record["time_to_first_step_s"], self.first_step_s = self.first_step_s, None
             record.update(facts.startup.record())
@@ -258,7 +260,8 @@ def log_line(record: dict[str, Any], step: int, total_steps: int) -> None:
         memory += f"  {record['model_tflops_per_gpu']:.0f} TFLOP/s per GPU" + (
             f", MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
     bad = {k[5:]: v for k, v in record.items() if k.startswith("data/")}
-    train_log.info("step %d/%d  loss %.4f  lr %.3g  logit_scale %.2f  %.0f samples/s  data wait %.0f%%  "
-                   "[%s]%s%s", step, total_steps, record["loss"], record["lr"], record["logit_scale"],
-                   record["samples_per_s"], 100 * record["data_wait"], phases, memory,
+    terms = ", ".join(f"{k[5:]} {v:.4f}" for k, v in record.items() if k.startswith("loss/"))
+    train_log.info("step %d/%d  loss %.4f%s  lr %.3g  logit_scale %.2f  %.0f samples/s  data wait %.0f%%  "
+                   "[%s]%s%s", step, total_steps, record["loss"], f" ({terms})" if terms else "",
+                   record["lr"], record["logit_scale"], record["samples_per_s"], 100 * record["data_wait"], phases, memory,
                    f"  bad input: {bad}" if bad else "")

@@ -146,6 +146,7 @@ def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Pr
     before the optimizer takes the parameters. Returns the loss."""
     loss = instantiate(cfg.loss)
     check_bias(model, loss)
+    loss = distilled(cfg, loss, model, env)
     if cfg.model.fp8:
         converted = convert_to_fp8(model, env.device)
         if env.rank == 0:
@@ -153,6 +154,25 @@ def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Pr
                      "; without model.compile the casts cost more than FP8 saves: set model.compile=true")
     shard(cfg, model, env, precision)
     return loss
+
+
+def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv):
+    """``loss``, or with ``distill.teacher`` the loss plus the distillation term (``DistilledLoss``),
+    holding the frozen teacher it is computed against; the teacher's cost logged once."""
+    distill = cfg.get("distill")
+    if distill is None or distill.teacher is None:
+        return loss
+    from ..losses.distill import DistilledLoss
+    from .teacher import build_teacher
+
+    teacher = build_teacher(distill, model, env.device)
+    if env.rank == 0:
+        params = sum(p.numel() for p in teacher.model.parameters())
+        log.info("distill: teacher %s (%.0fM parameters, frozen, %s; width %d, logit scale %.2f), weight %s: the loss "
+                 "is the contrastive term plus the distillation term (OpenCLIP's DistillClipLoss), in row blocks",
+                 teacher.model.name, params / 1e6, next(teacher.model.parameters()).dtype, teacher.width,
+                 teacher.scale, distill.weight)
+    return DistilledLoss(loss, distill.weight, teacher.scale, teacher)
 
 
 class BuiltStep(NamedTuple):

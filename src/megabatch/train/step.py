@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,7 @@ class StepOutcome:
     applied: Applied
     times: dict[str, float]
     seconds: float
+    terms: dict = field(default_factory=dict)  # the loss's terms, 0-d on the device (distillation: contrastive, distill)
 
 
 @dataclass
@@ -175,6 +176,7 @@ class TrainStep:
         self.health = UpdateHealth(max_bad_steps)
         self.unsettled: StepOutcome | None = None  # the last step, its update not yet read (settle)
         self.ema = ema
+        self.teacher = getattr(loss_fn, "teacher", None)  # distill.teacher: encoded in phase 1 beside the student
 
     def kept_graphs(self, keep_graph: bool | int) -> int:
         """How many sub-batches keep their phase-1 graphs: ``keep_graph`` (``True``: 1), at most
@@ -211,7 +213,8 @@ class TrainStep:
             self.ema.step()
             times["ema"] = time.perf_counter() - ema_started
         times["optimizer"] = applied.seconds
-        self.unsettled = StepOutcome(number, loss, lr, applied, times, time.perf_counter() - started)
+        self.unsettled = StepOutcome(number, loss, lr, applied, times, time.perf_counter() - started,
+                                     dict(getattr(self.loss_fn, "terms", {})))
         return self.unsettled
 
     def settle(self) -> UpdateHealth:
@@ -308,9 +311,11 @@ class TrainStep:
         start = time.perf_counter()
         with self.precision.autocast():
             image_features, text_features, scale, bias = self.wrapped(images, texts)
-        negatives = None if sub.negatives is None else {"negatives": text_features[rows:].float()}
+        options = {} if sub.negatives is None else {"negatives": text_features[rows:].float()}
+        if self.teacher is not None:  # distill.teacher: its features of the same samples, without a graph
+            options["teacher"] = self.teacher(images, sub.texts, self.precision.autocast)
         loss = self.loss_fn(image_features.float(), text_features[:rows].float(), scale.float(),
-                            *(() if bias is None else (bias.float(),)), **(negatives or {}))
+                            *(() if bias is None else (bias.float(),)), **options)
         self.precision.scale(loss).backward()
         return loss.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
 
@@ -320,7 +325,7 @@ class TrainStep:
                         disable=not self.show_progress or self.sub_batches < 8, position=1, unit="sub-batch")
         times, start = {}, time.perf_counter()
         encoded = encode_without_graph(self.model, stream, self.sub_batches, self.precision, self.keep,
-                                       progress)
+                                       progress, teacher=self.teacher)
         times["data"] = encoded.data_s
         times["encode"] = self._lap(start) - encoded.data_s
         start = time.perf_counter()

@@ -1,0 +1,172 @@
+"""Distillation from a teacher CLIP at any batch: OpenCLIP's ``DistillClipLoss`` term, computed in row
+blocks so that no ``b x b`` matrix is held, on one process or across ranks.
+
+The term (both directions, as OpenCLIP's): the cross-entropy of the student's softmax against the
+teacher's,
+
+    D = (1/2b) sum_i CE(p_i, q_i) + (1/2b) sum_j CE(p^T_j, q^T_j),   CE(p, q) = -sum_k p_k log q_k,
+
+with ``q = softmax(scale * I T^T)`` the student's and ``p = softmax(teacher_scale * I' T'^T)`` the
+teacher's (``I'``, ``T'``: the teacher's features of the same samples). Per row,
+``CE = lse(s) - sum_k p_k s_k``, and ``dCE/ds = q - p``: a block of rows needs its student and teacher
+logits only while it is processed, so memory is ``rows_per_block x b`` for the logits plus the gathered
+``[b, c]`` features and their gradient accumulators, linear in b.
+
+Across W ranks each rank gathers the student's and the teacher's features (no autograd) and computes
+its own rows in both directions (its images against every text, its texts against every image); the
+gradients of the gathered columns are summed by one all-reduce and each rank keeps its slice, as in
+DisCo-CLIP (``disco.py``). The gradient contract is ``base.ContrastiveLoss``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed.gather import gather_no_grad, group_rank, group_size
+from .reference import upcast
+
+# logits of one block: rows x columns elements at most (x 4 bytes, a few such tensors alive at once)
+BLOCK_ELEMENTS = 1 << 26
+
+
+def distill_loss_reference(image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor,
+                           teacher_image: torch.Tensor, teacher_text: torch.Tensor,
+                           teacher_scale: torch.Tensor | float) -> torch.Tensor:
+    """The distillation term over the whole ``[b, c]`` batch, dense: OpenCLIP's ``DistillClipLoss``
+    ``(dist_loss(teacher I->T, student I->T) + dist_loss(teacher T->I, student T->I)) / 2``."""
+    student = upcast(image_features @ text_features.T) * scale
+    teacher = upcast(teacher_image @ teacher_text.T) * teacher_scale
+
+    def cross_entropy(target_logits, logits):
+        return -(target_logits.softmax(1) * logits.log_softmax(1)).sum(1).mean()
+
+    return (cross_entropy(teacher, student) + cross_entropy(teacher.T, student.T)) / 2
+
+
+def _block_rows(columns: int) -> int:
+    return max(1, BLOCK_ELEMENTS // max(columns, 1))
+
+
+def _logits(rows: torch.Tensor, columns: torch.Tensor, scale, dots: torch.dtype | None) -> torch.Tensor:
+    """``scale * rows @ columns^T`` in fp32 at least; ``dots``: the dtype the values are exact in (bf16
+    buffers copied to fp32), in which the GEMM then runs."""
+    if dots is not None:
+        rows, columns = rows.to(dots), columns.to(dots)
+    return upcast(rows @ columns.T) * scale
+
+
+def _direction(rows, columns, teacher_rows, teacher_columns, scale, teacher_scale, dots,
+               weight=None, d_rows=None, d_columns=None):
+    """One direction over this rank's ``rows`` against all ``columns``, in blocks of rows. Without
+    ``weight``: the sum of the rows' cross-entropies. With it (backward): ``weight x dCE/d`` into
+    ``d_rows`` and ``d_columns`` (fp32 at least), and returns the scale's gradient."""
+    total = torch.zeros((), dtype=torch.promote_types(rows.dtype, torch.float32), device=rows.device)
+    step = _block_rows(columns.shape[0])
+    for start in range(0, rows.shape[0], step):
+        block = slice(start, start + step)
+        student = _logits(rows[block], columns, scale, dots)
+        teacher = _logits(teacher_rows[block], teacher_columns, teacher_scale, dots).softmax(1)
+        if weight is None:
+            total += (student.logsumexp(1) - (teacher * student).sum(1)).sum()
+            continue
+        grad = student.softmax(1).sub_(teacher).mul_(weight)  # d(weight x CE)/d logits
+        total += (grad * student).sum() / scale
+        grad = grad.mul_(scale).to(d_rows.dtype)
+        d_rows[block] += grad @ columns.to(grad.dtype)
+        d_columns += grad.T @ rows[block].to(grad.dtype)
+    return total
+
+
+class _Distill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots):
+        world, rows = group_size(group), image_features.shape[0]
+        all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
+        all_teacher_images, all_teacher_texts = gather_no_grad(teacher_image, group), gather_no_grad(teacher_text, group)
+        local = (_direction(image_features, all_texts, teacher_image, all_teacher_texts, scale, teacher_scale, dots)
+                 + _direction(text_features, all_images, teacher_text, all_teacher_images, scale, teacher_scale, dots))
+        local = local / (2 * rows)
+        total = local.clone()
+        if world > 1:
+            dist.all_reduce(total, group=group)
+        ctx.save_for_backward(image_features, text_features, scale, teacher_image, teacher_text)
+        ctx.teacher_scale, ctx.group, ctx.world, ctx.dots = teacher_scale, group, world, dots
+        return total / world
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        image_features, text_features, scale, teacher_image, teacher_text = ctx.saved_tensors
+        group, world, rows, dots = ctx.group, ctx.world, image_features.shape[0], ctx.dots
+        rank = group_rank(group)
+        all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
+        all_teacher_images, all_teacher_texts = gather_no_grad(teacher_image, group), gather_no_grad(teacher_text, group)
+        acc = torch.promote_types(image_features.dtype, torch.float32)
+        weight = grad_output.to(acc) / (2 * rows)  # W-scaled per-rank gradient (base.py contract)
+        d_image = torch.zeros(image_features.shape, dtype=acc, device=image_features.device)
+        d_text = torch.zeros_like(d_image)
+        # every rank's column gradients w.r.t. the gathered features: texts [b] (image rows), images [b]
+        d_columns = torch.zeros((2 * all_texts.shape[0], all_texts.shape[1]), dtype=acc, device=d_image.device)
+        b = all_texts.shape[0]
+        d_scale = _direction(image_features, all_texts, teacher_image, all_teacher_texts, scale, ctx.teacher_scale,
+                             dots, weight, d_image, d_columns[:b])
+        d_scale = d_scale + _direction(text_features, all_images, teacher_text, all_teacher_images, scale,
+                                       ctx.teacher_scale, dots, weight, d_text, d_columns[b:])
+        if world > 1:
+            dist.all_reduce(d_columns, group=group)
+        d_image += d_columns[b + rank * rows:b + (rank + 1) * rows]
+        d_text += d_columns[rank * rows:(rank + 1) * rows]
+        return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
+                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None)
+
+
+def distill_term(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group=None,
+                 values_in: torch.dtype | None = None) -> torch.Tensor:
+    """The distillation term ``D`` of the global batch (this rank's ``[b_local, c]`` student features,
+    ``[b_local, c_teacher]`` teacher features, L2-normalised), the same value on every rank; its
+    backward follows ``base.ContrastiveLoss``'s contract. ``teacher_scale``: a number (no gradient).
+    ``values_in``: the features hold values of this dtype (GradCache's bf16 buffers): the forward's
+    GEMMs run in it."""
+    dots = values_in if values_in in (torch.bfloat16, torch.float16) else None
+    return _Distill.apply(image_features, text_features, scale, teacher_image, teacher_text,
+                          float(teacher_scale), group, dots)
+
+
+class DistilledLoss(nn.Module):
+    """A contrastive loss plus ``weight`` x the distillation term (``distill.weight``): called as the
+    contrastive loss is, with ``teacher=(image, text)``, the teacher's features of the same samples.
+    ``teacher_scale``: the teacher's logit multiplier (``1 / distill.temperature``). ``teacher``: the
+    frozen model phase 1 runs (``train/teacher.py``), held here for the step. ``terms``: the last
+    call's two terms, detached (the log's ``loss/contrastive`` and ``loss/distill``)."""
+
+    def __init__(self, contrastive: nn.Module, weight: float, teacher_scale: float, teacher=None):
+        super().__init__()
+        if getattr(contrastive, "uses_bias", False):
+            raise ValueError(f"{type(contrastive).__name__} is a sigmoid loss: distillation (distill.teacher) "
+                             "takes a softmax loss (loss=infcl, local, disco or vanilla)")
+        self.contrastive, self.weight, self.teacher_scale = contrastive, float(weight), float(teacher_scale)
+        self.teacher = teacher
+        self.terms: dict[str, torch.Tensor] = {}
+
+    uses_bias = False
+
+    @property
+    def takes_negatives(self) -> bool:
+        return getattr(self.contrastive, "takes_negatives", True)
+
+    @property
+    def group(self):
+        return self.contrastive.group
+
+    def forward(self, image_features, text_features, scale, *, teacher, values_in=None, negatives=None):
+        teacher_image, teacher_text = teacher
+        options = {} if negatives is None else {"negatives": negatives}
+        contrastive = self.contrastive(image_features, text_features, scale, values_in=values_in, **options)
+        if self.weight == 0:
+            self.terms = {"contrastive": contrastive.detach()}
+            return contrastive
+        distill = distill_term(image_features, text_features, scale, teacher_image.to(image_features.dtype),
+                               teacher_text.to(image_features.dtype), self.teacher_scale, self.group, values_in)
+        self.terms = {"contrastive": contrastive.detach(), "distill": distill.detach()}
+        return contrastive + self.weight * distill
