@@ -179,7 +179,8 @@ def test_logger_options_instantiate(option, tmp_path, monkeypatch):
 
 # what a recipe leaves to the user (its ??? values), filled in as README's commands fill them
 RECIPE_PLACES = {"data.train.urls": "'/data/laion400m/{00000..41455}.tar'", "eval.imagenet.root": "/data/imagenet/val",
-                 "model.image.ckpt": "/models/vit_b16.pt", "model.text.hf_path": "/models/bert-base-uncased"}
+                 "model.image.ckpt": "/models/vit_b16.pt", "model.text.hf_path": "/models/bert-base-uncased",
+                 "distill.pretrained": "/models/vit_l14_openai.pt"}
 
 
 def recipe_overrides(option: str) -> list[str]:
@@ -189,6 +190,8 @@ def recipe_overrides(option: str) -> list[str]:
     places = [] if option == "digits_fast" else ["data.train.urls", "eval.imagenet.root"]
     if cfg.model.name == "vit_b16_bert":
         places += ["model.image.ckpt", "model.text.hf_path"]
+    if cfg.distill.teacher is not None:
+        places.append("distill.pretrained")
     return [f"experiment={option}", *quote_patterns([f"{key}={RECIPE_PLACES[key]}" for key in places])]
 
 
@@ -246,6 +249,10 @@ def test_recipes_set_the_published_numbers():
     assert (infcl.trainer.epochs, infcl.sched.warmup_epochs, parse_count(infcl.batch)) == (8, 0.5, 2**20)
     l14 = compose("experiment=infcl_l14_laion400m")
     assert l14.trainer.offload and l14.trainer.sub_batch == 128 and l14.model.name == "vit_l14"
+    distilled = compose("experiment=distill_b32_from_l14_laion400m")
+    assert (distilled.distill.teacher, distilled.distill.weight, distilled.distill.temperature) == \
+        ("ViT-L-14-quickgelu", 1.0, None)
+    assert parse_count(distilled.batch) == 32768 and distilled.optim.lr == 5e-4
     siglip = compose("experiment=siglip_b16_laion400m")
     assert siglip.model.init_logit_bias == -10.0 and siglip.model.text.context_length == 64
 

@@ -46,7 +46,8 @@ def reference(world: int, dtype: torch.dtype):
 
 
 def results(rank: int, world: int, dtype: torch.dtype) -> dict:
-    blocks, distill_module.BLOCK_ELEMENTS = distill_module.BLOCK_ELEMENTS, 5 * world * B_LOCAL  # ragged blocks of 5 rows
+    # ragged blocks of 5 rows, several a rank
+    blocks, distill_module.BLOCK_ELEMENTS = distill_module.BLOCK_ELEMENTS, 5 * world * B_LOCAL
     try:
         return _results(rank, world, dtype)
     finally:

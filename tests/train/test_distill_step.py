@@ -80,8 +80,9 @@ def test_two_ranks_equal_one_process(teacher, tmp_path):
 
 def test_a_run_logs_both_terms(teacher, tmp_path):
     ran = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=2",
-                          "batch=32", "trainer.sub_batch=16", "trainer.log_every=1", "eval=none", f"distill.teacher={teacher}",
-                          "distill.weight=0.5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "batch=32", "trainer.sub_batch=16", "trainer.log_every=1", "eval=none",
+                          f"distill.teacher={teacher}", "distill.weight=0.5"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "distill: teacher tiny" in ran.stdout and "(contrastive " in ran.stdout
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -84,7 +84,8 @@ class _Distill(torch.autograd.Function):
     def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots):
         world, rows = group_size(group), image_features.shape[0]
         all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
-        all_teacher_images, all_teacher_texts = gather_no_grad(teacher_image, group), gather_no_grad(teacher_text, group)
+        all_teacher_images = gather_no_grad(teacher_image, group)
+        all_teacher_texts = gather_no_grad(teacher_text, group)
         local = (_direction(image_features, all_texts, teacher_image, all_teacher_texts, scale, teacher_scale, dots)
                  + _direction(text_features, all_images, teacher_text, all_teacher_images, scale, teacher_scale, dots))
         local = local / (2 * rows)
@@ -101,7 +102,8 @@ class _Distill(torch.autograd.Function):
         group, world, rows, dots = ctx.group, ctx.world, image_features.shape[0], ctx.dots
         rank = group_rank(group)
         all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
-        all_teacher_images, all_teacher_texts = gather_no_grad(teacher_image, group), gather_no_grad(teacher_text, group)
+        all_teacher_images = gather_no_grad(teacher_image, group)
+        all_teacher_texts = gather_no_grad(teacher_text, group)
         acc = torch.promote_types(image_features.dtype, torch.float32)
         weight = grad_output.to(acc) / (2 * rows)  # W-scaled per-rank gradient (base.py contract)
         d_image = torch.zeros(image_features.shape, dtype=acc, device=image_features.device)

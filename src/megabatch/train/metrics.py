@@ -263,5 +263,5 @@ def log_line(record: dict[str, Any], step: int, total_steps: int) -> None:
     terms = ", ".join(f"{k[5:]} {v:.4f}" for k, v in record.items() if k.startswith("loss/"))
     train_log.info("step %d/%d  loss %.4f%s  lr %.3g  logit_scale %.2f  %.0f samples/s  data wait %.0f%%  "
                    "[%s]%s%s", step, total_steps, record["loss"], f" ({terms})" if terms else "",
-                   record["lr"], record["logit_scale"], record["samples_per_s"], 100 * record["data_wait"], phases, memory,
-                   f"  bad input: {bad}" if bad else "")
+                   record["lr"], record["logit_scale"], record["samples_per_s"], 100 * record["data_wait"], phases,
+                   memory, f"  bad input: {bad}" if bad else "")

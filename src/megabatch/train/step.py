@@ -79,7 +79,7 @@ class StepOutcome:
     applied: Applied
     times: dict[str, float]
     seconds: float
-    terms: dict = field(default_factory=dict)  # the loss's terms, 0-d on the device (distillation: contrastive, distill)
+    terms: dict = field(default_factory=dict)  # the loss's terms, 0-d on the device (distill: contrastive, distill)
 
 
 @dataclass
