@@ -4,10 +4,12 @@
     torchrun --nproc_per_node=2 scripts/benchmarks/loss.py --batches 256k,1M --out loss2.json
 
 Backends: ours (vanilla, local, disco, infcl = Triton kernels on CUDA, infcl_torch = plain-torch
-tiles; the sigmoid loss: siglip = Triton kernels, siglip_torch = plain-torch tiles) and, when
+tiles; infcl_distill = infcl plus the distillation term, against random ViT-L/14-wide teacher
+features; the sigmoid loss: siglip = Triton kernels, siglip_torch = plain-torch tiles) and, when
 importable, the reference systems side by side in the same process: ``ref_openclip`` (OpenCLIP 3.3
 ``ClipLoss(local_loss=True, gather_with_grad=True)``), ``ref_infcl`` (``inf_cl.cal_inf_loss`` both
-directions) and ``ref_siglip`` (OpenCLIP 3.3 ``SigLipLoss``: each rank's rows against every text
+directions), ``ref_openclip_distill`` (OpenCLIP 3.3 ``DistillClipLoss``, its two terms summed) and
+``ref_siglip`` (OpenCLIP 3.3 ``SigLipLoss``: each rank's rows against every text
 block, exchanged between neighbours). Features are random, L2-normalised, ``[b / W, c]`` per rank;
 the scale is a learnable 0-dim tensor at 100; sigmoid losses add a learnable bias at -10.
 
@@ -64,11 +66,45 @@ def make_backend(name: str, tile: int, world: int, rank: int, fp32_precision: st
 
         loss = ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
         return lambda i, t, s: loss(i, t, s)
+    if name == "infcl_distill":  # infcl plus the distillation term (distill.teacher), against a random teacher
+        from megabatch.losses.distill import DistilledLoss
+
+        return with_teacher(DistilledLoss(InfClLoss(tile=tile, fp32_precision=fp32_precision), 1.0, 100.0))
+    if name == "ref_openclip_distill":  # OpenCLIP 3.3 DistillClipLoss (--distill-model): both b x b logits
+        from open_clip.loss import DistillClipLoss
+
+        return with_teacher(DistillClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world))
     if name == "ref_infcl":
         from inf_cl import cal_inf_loss
 
         return lambda i, t, s: (cal_inf_loss(i, t, scale=s) + cal_inf_loss(t, i, scale=s)) / 2
     raise ValueError(f"unknown backend {name}")
+
+
+TEACHER_WIDTH = 768  # ViT-L/14's embedding
+
+
+def with_teacher(loss):
+    """A distillation loss called as the others are, against random teacher features of the same rows
+    (``TEACHER_WIDTH``), made by ``prepare`` before the timing (not counted as the loss's memory):
+    megabatch's ``DistilledLoss`` (told ``values_in``) or OpenCLIP's ``DistillClipLoss`` (its two terms summed,
+    as its trainer sums them; the teacher's scale 100)."""
+    held = []
+
+    def prepare(images: torch.Tensor) -> None:
+        held.clear()
+        generator = torch.Generator(device=images.device).manual_seed(1)
+        held.extend(F.normalize(torch.randn(images.shape[0], TEACHER_WIDTH, device=images.device,
+                                            generator=generator), dim=-1).to(images.dtype) for _ in range(2))
+
+    def call(i, t, s, **told):
+        if hasattr(loss, "teacher_scale"):  # megabatch's
+            return loss(i, t, s, teacher=tuple(held), **told)
+        out = loss(i, t, s, *held, torch.tensor(100.0, device=i.device), output_dict=True)
+        return out["contrastive_loss"] + out["distill_loss"]
+
+    call.prepare, call.takes_values_in = prepare, hasattr(loss, "teacher_scale")
+    return call
 
 
 def with_bias(loss):
@@ -99,6 +135,8 @@ def measure(loss_fn, b_local: int, dim: int, dtype, repeats: int, device, preall
     images = images.to(dtype).requires_grad_()
     texts = texts.to(dtype).requires_grad_()
     scale = torch.tensor(100.0, device=device, requires_grad=True)
+    if hasattr(loss_fn, "prepare"):  # a distillation loss's teacher features: inputs, not the loss's memory
+        loss_fn.prepare(images)
     grad_bytes = 2 * images.numel() * images.element_size()
     times = []
     for _ in range(repeats):
@@ -109,7 +147,9 @@ def measure(loss_fn, b_local: int, dim: int, dtype, repeats: int, device, preall
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()  # the inputs
         start = time.perf_counter()
-        told = {"values_in": values} if isinstance(loss_fn, ContrastiveLoss) else {}  # the references take no hint
+        # the references take no hint
+        told = {"values_in": values} if isinstance(loss_fn, ContrastiveLoss) or \
+            getattr(loss_fn, "takes_values_in", False) else {}
         loss = loss_fn(images, texts, scale, **told)
         loss.backward()
         sync()
@@ -193,9 +233,11 @@ def main() -> None:
                     dist.all_gather_object(flags, row.get("status"))
                     if any(f == "out of memory" for f in flags):
                         row["status"], failed = "out of memory", True
+                results.append(row)
                 if rank == 0:
                     print(json.dumps(row), flush=True)
-                results.append(row)
+                    write_results(args.out, results, tf32=bool(args.tf32), tile=args.tile,
+                                  preallocate_grads=args.preallocate_grads)  # a run cut short keeps its rows
     if rank == 0:
         write_results(args.out, results, tf32=bool(args.tf32), tile=args.tile,
                       preallocate_grads=args.preallocate_grads)

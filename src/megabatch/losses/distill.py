@@ -27,8 +27,9 @@ from torch import nn
 from ..distributed.gather import gather_no_grad, group_rank, group_size
 from .reference import upcast
 
-# logits of one block: rows x columns elements at most (x 4 bytes, a few such tensors alive at once)
-BLOCK_ELEMENTS = 1 << 26
+# logits of one block: rows x columns elements at most (x 4 bytes, about five such tensors alive at once: 5 GB;
+# 256 rows a block at 1M columns)
+BLOCK_ELEMENTS = 1 << 28
 
 
 def distill_loss_reference(image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor,
