@@ -4,16 +4,24 @@
     python scripts/make_shards.py folder --src photos/ --out shards/ --prefix train
     python scripts/make_shards.py table --src captions.csv --out shards/ [--path-key path --caption-key caption]
     python scripts/make_shards.py index '/data/cc12m/{00000..01242}.tar'      # sizes.json for any shards
+    python scripts/make_shards.py teacher '/data/cc12m/{00000..01242}.tar' --out /data/cc12m-l14 \
+        --teacher ViT-L-14-quickgelu --pretrained /models/vit_l14_openai.pt    # stored teacher embeddings
 
 A folder's captions come from a .txt beside each image (else "a photo of a <folder name>"); a table
 is a CSV with a header, or JSONL, naming each image's path (relative to the table) and caption.
 A sizes.json with each shard's sample count is written beside the shards. `index` writes one for
 shards made elsewhere (img2dataset's <shard>_stats.json counts, else one scan of each tar's headers).
+`teacher` copies shards with each sample's teacher embeddings added (`<key>.teacher.npy`: its image's and
+caption's, per teacher; several --teacher: an ensemble), for `distill.teacher=stored
+data.train.teacher_key=teacher.npy`: a teacher is an open_clip architecture with --pretrained weights (a
+local file), a megabatch checkpoint or an export folder. Under torchrun each rank writes its share of the
+shards on its GPU; shards already written are skipped, so an interrupted run resumes.
 """
 
 import argparse
 import logging
 import os
+from pathlib import Path
 
 from megabatch.data.digits import digit_samples
 from megabatch.data.shard_writer import (
@@ -26,14 +34,22 @@ from megabatch.data.shard_writer import (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", choices=["digits", "folder", "table", "index"])
-    parser.add_argument("pattern", nargs="?", help="index: the shards, a brace pattern (quote it)")
+    parser.add_argument("source", choices=["digits", "folder", "table", "index", "teacher"])
+    parser.add_argument("pattern", nargs="?", help="index, teacher: the shards, a brace pattern (quote it)")
     parser.add_argument("--src", help="image folder (folder) or CSV/JSONL file (table)")
     parser.add_argument("--out", help="output folder for the .tar shards (all but index)")
     parser.add_argument("--prefix", default="train", help="shard name prefix (digits: ignored)")
     parser.add_argument("--per-shard", type=int, default=1000, help="samples per shard")
     parser.add_argument("--path-key", default="path", help="table column holding the image path")
-    parser.add_argument("--caption-key", default="caption", help="table column holding the caption")
+    parser.add_argument("--caption-key", default="caption", help="table column holding the caption (teacher: "
+                        "the shards' caption member, default txt)")
+    parser.add_argument("--teacher", action="append", default=[], help="teacher: an open_clip architecture, a "
+                        "checkpoint or an export folder; repeat for an ensemble")
+    parser.add_argument("--pretrained", action="append", default=[], help="teacher: the weights of each "
+                        "--teacher given by architecture, in order ('none' for random weights)")
+    parser.add_argument("--key", default="teacher.npy", help="teacher: the member the embeddings go in")
+    parser.add_argument("--batch", type=int, default=256, help="teacher: images a forward pass")
+    parser.add_argument("--dtype", choices=["float16", "float32"], default="float16", help="teacher: stored as")
     return parser
 
 
@@ -44,6 +60,8 @@ def main(argv=None) -> None:
 
     if args.source == "index":
         return index(parser, args.pattern)
+    if args.source == "teacher":
+        return teacher(parser, args)
     if args.out is None:
         parser.error(f"{args.source} needs --out")
     if args.source == "digits":
@@ -72,6 +90,41 @@ def index(parser: argparse.ArgumentParser, pattern: str | None) -> None:
         parser.error(str(error))
     for path, sizes in written.items():
         print(f"{path}: {len(sizes)} shards, {sum(sizes.values())} samples")
+
+
+def teacher(parser: argparse.ArgumentParser, args) -> None:
+    import numpy as np
+    import torch
+    from omegaconf import OmegaConf
+
+    from megabatch.config import ConfigError
+    from megabatch.data.urls import expand_urls
+    from megabatch.train.teacher import Teacher, load_teacher_model, write_teacher_shards
+
+    if not args.pattern or not args.out or not args.teacher:
+        parser.error("teacher needs the shards, --out and --teacher: make_shards.py teacher '/data/{00000..00099}.tar' "
+                     "--out /data/with-teacher --teacher ViT-L-14 --pretrained /models/vit_l14.pt")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    pretrained = list(args.pretrained)
+    try:
+        urls = expand_urls(args.pattern, "pattern")
+        teachers = []
+        for name in args.teacher:
+            weights = None
+            if not os.path.exists(name):  # an architecture takes the next --pretrained
+                weights = pretrained.pop(0) if pretrained else None
+                weights = None if weights in (None, "none") else weights
+            model = load_teacher_model(OmegaConf.create({"teacher": name, "pretrained": weights}))
+            teachers.append((name, Teacher(model, model.logit_scale.exp().item(), device)))
+        written = write_teacher_shards(urls, Path(args.out).expanduser(), teachers, key=args.key,
+                                       caption_key=args.caption_key if args.caption_key != "caption" else "txt",
+                                       batch=args.batch, dtype=getattr(np, args.dtype), rank=rank, world=world,
+                                       show_progress=rank == 0)
+    except ConfigError as error:
+        parser.error(str(error))
+    print(f"rank {rank}: wrote {len(written)} shard(s) with teacher embeddings to {args.out}")
 
 
 if __name__ == "__main__":

@@ -289,7 +289,8 @@ QUESTIONS = [
                       "the plain step, one H200: 1,439 against 8,285 samples/s. The teacher's forward pass is the "
                       "encode phase's difference, 19.8 against 1.2 s (the teacher, ~5.3 PFLOP at 32k, runs "
                       "uncompiled at ~290 TFLOP/s); the term adds 0.14 s to the loss phase (0.16 against 0.02 s); "
-                      "the replay is unchanged (2.7 s); rank 0 allocated at most 84 against 78 GB (97.5 against 75.5 GB in use, nvidia-smi)"},
+                      "the replay is unchanged (2.7 s); rank 0 allocated at most 84 against 78 GB (97.5 against "
+                      "75.5 GB in use, nvidia-smi)"},
         ],
     },
     {

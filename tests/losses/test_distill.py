@@ -124,3 +124,34 @@ def test_weight_zero_is_the_contrastive_loss_and_the_sigmoid_loss_is_refused():
         images, texts, scale, teacher=(teacher_images, teacher_texts)), plain)
     with pytest.raises(ValueError, match="softmax loss"):
         DistilledLoss(SigLipLoss(impl="torch"), 1.0, TEACHER_SCALE)
+
+
+def test_an_ensembles_target_is_the_mean_of_its_members_probabilities():
+    """Teacher features ``[b, members, c]`` with a scale each (MobileCLIP's ensembles), in row blocks, against
+    the members' softmaxes averaged by hand; one member is the plain term."""
+    images, texts, teacher_images, teacher_texts = global_inputs(1, torch.float64)
+    other_images, other_texts = global_inputs(2, torch.float64)[2:]
+    members_images = torch.stack([teacher_images, other_images[:B_LOCAL]], 1)
+    members_texts = torch.stack([teacher_texts, other_texts[:B_LOCAL]], 1)
+    scales = (TEACHER_SCALE, 9.0)
+    student = images @ texts.T * SCALE
+    rows = sum((members_images[:, m] @ members_texts[:, m].T * scales[m]).softmax(1) for m in range(2)) / 2
+    columns = sum((members_texts[:, m] @ members_images[:, m].T * scales[m]).softmax(1) for m in range(2)) / 2
+    by_hand = (-(rows * student.log_softmax(1)).sum(1).mean() - (columns * student.T.log_softmax(1)).sum(1).mean()) / 2
+    inputs = [x.clone().requires_grad_() for x in (images, texts, torch.tensor(SCALE, dtype=torch.float64))]
+    blocks, distill_module.BLOCK_ELEMENTS = distill_module.BLOCK_ELEMENTS, 4 * B_LOCAL
+    try:
+        ours = distill_module.distill_term(*inputs, members_images, members_texts, scales)
+        ours.backward()
+    finally:
+        distill_module.BLOCK_ELEMENTS = blocks
+    assert rel_error(ours, by_hand) <= 1e-12
+    dense = [x.clone().requires_grad_() for x in (images, texts, torch.tensor(SCALE, dtype=torch.float64))]
+    reference_value = distill_loss_reference(*dense, members_images, members_texts, scales)
+    reference_value.backward()
+    assert rel_error(reference_value, by_hand) <= 1e-12
+    for got, want in zip(inputs, dense, strict=True):
+        assert rel_error(got.grad, want.grad) <= 1e-10
+    one = distill_loss_reference(images, texts, SCALE, members_images[:, :1], members_texts[:, :1], scales[:1])
+    plain = distill_loss_reference(images, texts, SCALE, teacher_images, teacher_texts, TEACHER_SCALE)
+    assert rel_error(one, plain) <= 1e-12

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megabatch.config import ConfigError
+from megabatch.config.cli import quote_patterns
 from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
 from megabatch.distributed.fsdp import full
@@ -37,13 +39,13 @@ def teacher(tmp_path_factory) -> str:
 def gradients(teacher: str | None, *overrides: str, loss: str = "infcl") -> dict:
     cfg = validate(compose(*BASE, f"loss={loss}", *(["loss.tile=8"] if loss == "infcl" else []),
                            "model.image.patch_dropout=0",
-                           *([f"distill.teacher={teacher}"] if teacher else []), *overrides))
+                           *([f"distill.teacher={teacher}"] if teacher else []), *quote_patterns(list(overrides))))
     parts = RunParts.build(cfg, init_distributed("cpu"))
     loss, _ = parts.step.gradients(parts.inputs(0))
     grads = {n: full(p.grad).detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
-    result = {"loss": loss, "grads": grads, "terms": dict(parts.step.loss_fn.terms) if teacher else {}}
+    result = {"loss": loss, "grads": grads, "terms": dict(getattr(parts.step.loss_fn, "terms", {}))}
     held = parts.step.teacher
-    if held is not None:
+    if held is not None and held.model is not None:
         optimized = {id(p) for group in parts.optimizer.param_groups for p in group["params"]}
         result["teacher_grads"] = sum(p.grad is not None for p in held.model.parameters())
         result["teacher_in_optimizer"] = sum(id(p) in optimized for p in held.model.parameters())
@@ -101,6 +103,12 @@ def test_bad_settings_are_config_errors_naming_the_key(teacher, tmp_path):
         validate(compose("distill.temperature=0"))
     with pytest.raises(ConfigError, match=r"distill\.pretrained=.* without distill\.teacher"):
         validate(compose("distill.pretrained=/x.pt"))
+    with pytest.raises(ConfigError, match=r"distill\.teacher=stored reads .* set data\.train\.teacher_key"):
+        validate(compose("distill.teacher=stored"))
+    with pytest.raises(ConfigError, match=r"data\.train\.teacher_key=teacher\.npy is read only with distill"):
+        validate(compose("data.train.teacher_key=teacher.npy"))
+    with pytest.raises(ConfigError, match=r"data\.train\.teacher_key=teacher\.npy: .*teacher\.json does not exist"):
+        RunParts.build(validate(compose(*BASE, *STORED)), init_distributed("cpu"))  # the digits: none written
     with pytest.raises(ConfigError, match=r"distill\.teacher='no-such-model' is neither"):
         RunParts.build(validate(compose(*BASE, "distill.teacher=no-such-model")), init_distributed("cpu"))
     with pytest.raises(ConfigError, match=r"distill\.teacher=.*README\.md.*cannot be loaded"):
@@ -108,3 +116,88 @@ def test_bad_settings_are_config_errors_naming_the_key(teacher, tmp_path):
     with pytest.raises(ConfigError, match=r"distill\.pretrained=.* drop distill\.pretrained"):
         RunParts.build(validate(compose(*BASE, f"distill.teacher={teacher}", f"distill.pretrained={teacher}")),
                        init_distributed("cpu"))
+
+
+
+AUGMENT_OFF = ["data.train.augment.scale=[1.0,1.0]", "data.train.augment.ratio=[1.0,1.0]"]  # the whole 32 px scan
+STORED = ["distill.teacher=stored", "data.train.teacher_key=teacher.npy"]
+
+
+def make_teacher_shards(pattern: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/make_shards.py", "teacher", pattern, "--out", str(out),
+                           "--batch", "100", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def stored(teacher, tmp_path_factory) -> dict:
+    """The digits' training shards copied with the teacher's embeddings (float32, and float16), as
+    ``scripts/make_shards.py teacher`` writes them."""
+    from megabatch.data.digits import ensure_digits
+
+    pattern = ensure_digits(compose().data.cache_dir)["train"]
+    folder = tmp_path_factory.mktemp("stored")
+    # float32 as users run it; float16 (the default) in this process
+    made = make_teacher_shards(pattern, folder / "float32", "--teacher", teacher, "--dtype", "float32")
+    assert made.returncode == 0, made.stderr[-3000:]
+    script().main(["teacher", pattern, "--out", str(folder / "float16"), "--teacher", teacher])
+    return {dtype: str(folder / dtype / Path(pattern).name) for dtype in ("float32", "float16")}
+
+
+def script():
+    """scripts/make_shards.py as a module (its main() called in this process: no interpreter start-up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_shards", ROOT / "scripts" / "make_shards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stored_embeddings_give_the_online_teachers_gradients(teacher, stored, capsys):
+    online = gradients(teacher, *AUGMENT_OFF)
+    exact = gradients(None, *AUGMENT_OFF, *STORED, f"data.train.urls={stored['float32']}")
+    assert set(exact["terms"]) == {"contrastive", "distill"}
+    assert rel_error(exact["loss"], online["loss"]) <= 1e-6
+    assert rel_error(flat(exact["grads"]), flat(online["grads"])) <= 1e-5
+    half = gradients(None, *AUGMENT_OFF, *STORED, f"data.train.urls={stored['float16']}")
+    assert 0 < rel_error(flat(half["grads"]), flat(online["grads"])) <= 1e-2  # fp16 embeddings: rounded
+    # written again into the same folder: the shards there are kept; other teachers there are refused
+    folder = Path(stored["float32"]).parent
+    script().main(["teacher", stored["float32"], "--out", str(folder), "--teacher", teacher])
+    assert "wrote 0 shard(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script().main(["teacher", stored["float32"], "--out", str(folder), "--teacher", teacher, "--teacher", teacher])
+    assert "describes other teachers" in capsys.readouterr().err
+
+
+def test_samples_without_or_with_bad_embeddings_are_skipped_and_counted(stored, tmp_path):
+    import io
+    import shutil
+    import tarfile
+
+    import numpy as np
+
+    source = Path(stored["float32"]).parent
+    for path in source.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    first = sorted(tmp_path.glob("*.tar"))[0]
+    with tarfile.open(first) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    keys = sorted({m.name.split(".")[0] for m, _ in members})
+    with tarfile.open(first, "w") as tar:
+        for member, data in members:
+            if member.name == f"{keys[0]}.teacher.npy":
+                continue  # no embeddings
+            if member.name == f"{keys[1]}.teacher.npy":  # another width
+                buffer = io.BytesIO()
+                np.save(buffer, np.zeros((1, 2, 7), np.float32))
+                data = buffer.getvalue()
+                member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    parts = RunParts.build(validate(compose(*BASE, "loss=infcl", *STORED, *quote_patterns(
+                               [f"data.train.urls={tmp_path / Path(stored['float32']).name}"]))),
+                           init_distributed("cpu"))
+    sub = next(parts.inputs(0))
+    assert sub.teacher is not None and sub.teacher.shape[1:] == (1, 2, 64)
+    assert sub.stats["missing_teacher"] == 1 and sub.stats["bad_teacher"] == 1
+    parts.close()

@@ -86,6 +86,7 @@ class DataTrainConfig:
     text_probs: list[float] | None = MISSING
     negatives_key: str | None = MISSING    # hard negatives: a JSON list (json:negatives) or a file of lines
     negatives: int = MISSING               # hard negatives per sample
+    teacher_key: str | None = None         # distill.teacher=stored: each sample's stored teacher embeddings
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -197,7 +198,7 @@ def validate(cfg: DictConfig) -> DictConfig:
                           "on each rank; use trainer.parallel=ddp, or an element-wise optimizer (optim=adamw, "
                           "optim=timm optim.name=lamb)")
     check_ema(cfg.get("ema"), cfg.eval, cfg.trainer)
-    check_distill(cfg.get("distill"), cfg.loss)
+    check_distill(cfg.get("distill"), cfg.loss, cfg.data.train)
     check_schedule(cfg.sched)
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"), steps_per_epoch=1)
     check_loss(cfg.loss, cfg.trainer.device)
@@ -486,8 +487,17 @@ def check_ema(ema: DictConfig | None, eval_sets: DictConfig, trainer: DictConfig
                               f"(e.g. 0.9999) or eval.{name}.weights=raw")
 
 
-def check_distill(distill: DictConfig | None, loss: DictConfig) -> None:
-    """``distill.*`` (absent in a config stored before it existed: off): its numbers, and a softmax loss."""
+def check_distill(distill: DictConfig | None, loss: DictConfig, train: DictConfig) -> None:
+    """``distill.*`` (absent in a config stored before it existed: off): its numbers, a softmax loss, and
+    ``data.train.teacher_key`` exactly with stored embeddings."""
+    stored = distill is not None and distill.get("teacher") == "stored"
+    key = train.get("teacher_key")
+    if stored and not key:
+        raise ConfigError("distill.teacher=stored reads each sample's teacher embeddings from the shards: set "
+                          "data.train.teacher_key (e.g. teacher.npy, as scripts/make_shards.py teacher writes it)")
+    if key and not stored:
+        raise ConfigError(f"data.train.teacher_key={key} is read only with distill.teacher=stored: set "
+                          "distill.teacher=stored, or data.train.teacher_key=null")
     if distill is None:
         return
     check_known_keys(distill, DistillConfig, "distill")
@@ -504,6 +514,9 @@ def check_distill(distill: DictConfig | None, loss: DictConfig) -> None:
             raise ConfigError(f"distill.pretrained={distill.pretrained!r} without distill.teacher: name the teacher's "
                               "architecture too, e.g. distill.teacher=ViT-L-14")
         return
+    if stored and distill.get("pretrained") is not None:
+        raise ConfigError(f"distill.pretrained={distill.pretrained!r} with distill.teacher=stored: stored embeddings "
+                          "need no teacher weights; drop distill.pretrained")
     if str(loss.get("_target_", "")).endswith("SigLipLoss"):
         raise ConfigError("distill.teacher with loss=siglip: distillation runs with a softmax loss (loss=infcl, local, "
                           "disco or vanilla); the sigmoid loss has no distillation term yet")

@@ -27,15 +27,16 @@ class CaptionKeys:
     (``None``: equal); ``seed``, ``epoch``: the draw's (with the sample's position)."""
 
     def __init__(self, keys: str | Sequence[str] = "txt", probs: Sequence[float] | None = None, seed: int = 0,
-                 epoch: int = 0, negatives_key: str | None = None, negatives: int = 1):
+                 epoch: int = 0, negatives_key: str | None = None, negatives: int = 1, teacher=None):
         self.keys = [keys] if isinstance(keys, str) else [str(key) for key in keys]
         check_text_keys(self.keys, probs)
         self.probs = [1.0] * len(self.keys) if probs is None else [float(p) for p in probs]
         self.seed, self.epoch = seed, epoch
         self.negatives_key, self.negatives = negatives_key, int(negatives)
+        self.teacher = teacher  # distill.teacher=stored: the stored embeddings' TeacherSpec (data/teacher_store.py)
 
     def for_epoch(self, seed: int, epoch: int) -> CaptionKeys:
-        return CaptionKeys(self.keys, self.probs, seed, epoch, self.negatives_key, self.negatives)
+        return CaptionKeys(self.keys, self.probs, seed, epoch, self.negatives_key, self.negatives, self.teacher)
 
     def negatives_of(self, sample: dict) -> list[str] | None:
         """``negatives`` hard-negative captions of ``sample`` from ``negatives_key`` (a JSON list, or a

@@ -12,13 +12,14 @@ import logging
 import random
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..processes import ignore_stop_signals
 from .captions import CaptionKeys
-from .samples import EncodedImages, SampleDecoder, Stats, SubBatch, decode_pair
+from .samples import EncodedImages, SampleDecoder, Stats, SubBatch, Texts, decode_pair
 from .tars import tar_samples
 from .worker_start import worker_context
 
@@ -158,13 +159,17 @@ class PositionSplitBatches(IterableDataset):
         encoded = EncodedImages.from_bytes([s[0] for s in samples], [s[1] for s in samples]) \
             if self.keep_raw or self.gpu_decode else None
         images = self.decoder.collate([s[2] for s in samples], encoded)
-        captions, negatives = [s[3] for s in samples], None
-        if captions and isinstance(captions[0], tuple):  # data.train.negatives_key: (caption, its negatives)
-            negatives = self.tokenize([negative for _, held in captions for negative in held])
-            captions = [caption for caption, _ in captions]
+        captions, negatives, teacher = [s[3] for s in samples], None, None
+        if captions and isinstance(captions[0], Texts):  # hard negatives, stored teacher embeddings
+            if captions[0].negatives is not None:
+                negatives = self.tokenize([negative for held in captions for negative in held.negatives])
+            if captions[0].teacher is not None:
+                teacher = torch.from_numpy(np.stack([held.teacher for held in captions]))
+            captions = [held.caption for held in captions]
         texts = self.tokenize(captions)
         raw = encoded if self.keep_raw else None
-        return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()}, negatives=negatives)
+        return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()}, negatives=negatives,
+                        teacher=teacher)
 
 
 def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: bool = False,

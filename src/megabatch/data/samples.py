@@ -48,6 +48,8 @@ class Stats:
     corrupt_image: int = 0
     missing_caption: int = 0
     missing_negatives: int = 0
+    missing_teacher: int = 0  # distill.teacher=stored: no stored embeddings
+    bad_teacher: int = 0      # stored embeddings unreadable or of another shape than teacher.json's
     broken_shard: int = 0
     stand_in: int = 0
     padded: int = 0
@@ -76,7 +78,8 @@ class Stats:
 
     def as_dict(self) -> dict[str, int]:
         return {"corrupt_image": self.corrupt_image, "missing_caption": self.missing_caption,
-                "missing_negatives": self.missing_negatives, "broken_shard": self.broken_shard,
+                "missing_negatives": self.missing_negatives, "missing_teacher": self.missing_teacher,
+                "bad_teacher": self.bad_teacher, "broken_shard": self.broken_shard,
                 "stand_in": self.stand_in, "padded": self.padded}
 
 
@@ -140,6 +143,16 @@ class SubBatch(NamedTuple):
     stats: dict | None = None
     boxes: torch.Tensor | None = None  # data.decode=gpu: the crop boxes of an all-JPEG sub-batch (offload keeps them)
     negatives: torch.Tensor | None = None  # data.train.negatives_key: [n x K, ctx], row i's K hard negatives together
+    teacher: torch.Tensor | None = None    # distill.teacher=stored: [n, members, 2, width] (image, caption) embeddings
+
+
+class Texts(NamedTuple):
+    """A sample's caption with what rides along: its hard negatives (``data.train.negatives_key``) and
+    its stored teacher embeddings (``data.train.teacher_key``), each ``None`` when not read."""
+
+    caption: str
+    negatives: list[str] | None = None
+    teacher: np.ndarray | None = None
 
 
 def open_image(image_bytes: bytes | None) -> Image.Image:
@@ -179,13 +192,26 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, capti
         stats.missing_caption += 1
         log.warning("skipping %s: no caption (%s)", sample.get("__key__"), captions.describe())
         return None
-    if captions.negatives_key is not None:  # data.train.negatives_key: (caption, its hard negatives)
+    negatives = teacher = None
+    if captions.negatives_key is not None:  # data.train.negatives_key: the caption's hard negatives
         negatives = captions.negatives_of(sample)
         if negatives is None:
             stats.missing_negatives += 1
             log.warning("skipping %s: no hard negatives (%s)", sample.get("__key__"), captions.negatives_key)
             return None
-        caption = (caption, negatives)
+    if captions.teacher is not None:  # distill.teacher=stored: the sample's teacher embeddings
+        teacher = captions.teacher.read(sample)
+        if teacher is None or isinstance(teacher, str):
+            if teacher is None:
+                stats.missing_teacher += 1
+            else:
+                stats.bad_teacher += 1
+            log.warning("skipping %s: %s teacher embeddings (%s, [%d, 2, %d] expected)", sample.get("__key__"),
+                        "no" if teacher is None else "unreadable or misshapen", captions.teacher.key,
+                        captions.teacher.members, captions.teacher.width)
+            return None
+    if negatives is not None or teacher is not None:
+        caption = Texts(caption, negatives, teacher)
     image_bytes = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
     try:
         image = decode(image_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from ..config import ConfigError, parse_optional_count
 from ..distributed.once import on_rank_zero
@@ -12,6 +13,7 @@ from .indexed_split import EpochOrder, IndexedBatches
 from .position_split import PositionSplitBatches, make_loader
 from .shard_split import ShardBatches, slot_quota
 from .tars import reads_locally
+from .teacher_store import TeacherSpec
 from .transforms import train_transform
 from .urls import expand_urls, is_remote, shard_sizes
 from .worker_start import PickledOnce
@@ -69,9 +71,11 @@ class TrainData:
             self.num_samples = sum(self.sizes)
         self.transform = train_transform(preprocess["size"], preprocess["interpolation"], **cfg.train.augment)
         text_key = cfg.train.text_key
+        self.teacher = self._teacher_spec(cfg.train.get("teacher_key"))
         self.captions = CaptionKeys(text_key if isinstance(text_key, str) else list(text_key),
                                     None if cfg.train.text_probs is None else list(cfg.train.text_probs),
-                                    negatives_key=cfg.train.negatives_key, negatives=cfg.train.negatives)
+                                    negatives_key=cfg.train.negatives_key, negatives=cfg.train.negatives,
+                                    teacher=self.teacher)
         # split and mode are checked with the rest of the config (config/schema.py); the weights
         # against the sources the URLs expand to
         self.mode, self.weights = cfg.train.mode, cfg.train.weights
@@ -84,6 +88,22 @@ class TrainData:
                                   f"{len(self.sources)} sources in data.train.urls")
             if self.mode != "resampled":
                 log.warning("data.train.weights has no effect in epoch mode (use mode=resampled)")
+
+    def _teacher_spec(self, key: str | None) -> TeacherSpec | None:
+        """``data.train.teacher_key``'s stored embeddings, described by the ``teacher.json`` beside every
+        source's shards (the same for all of them)."""
+        if not key:
+            return None
+        specs = []
+        for source in self.sources:
+            if is_remote(source[0]):
+                raise ConfigError(f"data.train.teacher_key={key}: {source[0]} is a stream; stored teacher embeddings "
+                                  "are read with local or mounted shards, their teacher.json beside them")
+            specs.append(TeacherSpec.load(Path(source[0]).expanduser().parent, key))
+        if any(spec != specs[0] for spec in specs):
+            raise ConfigError(f"data.train.teacher_key={key}: the sources' teacher.json files differ (other teachers "
+                              "or widths): give shards whose embeddings come from the same teacher(s)")
+        return specs[0]
 
     @property
     def sizes(self) -> list[int]:

@@ -36,14 +36,22 @@ def distill_loss_reference(image_features: torch.Tensor, text_features: torch.Te
                            teacher_image: torch.Tensor, teacher_text: torch.Tensor,
                            teacher_scale: torch.Tensor | float) -> torch.Tensor:
     """The distillation term over the whole ``[b, c]`` batch, dense: OpenCLIP's ``DistillClipLoss``
-    ``(dist_loss(teacher I->T, student I->T) + dist_loss(teacher T->I, student T->I)) / 2``."""
+    ``(dist_loss(teacher I->T, student I->T) + dist_loss(teacher T->I, student T->I)) / 2``. An ensemble
+    (``[b, members, c_teacher]`` teacher features, ``teacher_scale`` one per member): the target is the
+    mean of the members' probabilities (MobileCLIP's)."""
     student = upcast(image_features @ text_features.T) * scale
-    teacher = upcast(teacher_image @ teacher_text.T) * teacher_scale
+    if teacher_image.dim() == 2:
+        teacher_image, teacher_text = teacher_image[:, None], teacher_text[:, None]
+    members = teacher_image.shape[1]
+    scales = teacher_scale if isinstance(teacher_scale, (tuple, list)) else (teacher_scale,) * members
+    logits = [upcast(teacher_image[:, m] @ teacher_text[:, m].T) * scales[m] for m in range(members)]
+    rows = sum(t.softmax(1) for t in logits) / members
+    columns = sum(t.T.softmax(1) for t in logits) / members
 
-    def cross_entropy(target_logits, logits):
-        return -(target_logits.softmax(1) * logits.log_softmax(1)).sum(1).mean()
+    def cross_entropy(target, logits):
+        return -(target * logits.log_softmax(1)).sum(1).mean()
 
-    return (cross_entropy(teacher, student) + cross_entropy(teacher.T, student.T)) / 2
+    return (cross_entropy(rows, student) + cross_entropy(columns, student.T)) / 2
 
 
 def _block_rows(columns: int) -> int:
@@ -58,6 +66,20 @@ def _logits(rows: torch.Tensor, columns: torch.Tensor, scale, dots: torch.dtype 
     return upcast(rows @ columns.T) * scale
 
 
+def _teacher_probs(rows: torch.Tensor, columns: torch.Tensor, teacher_scale, dots) -> torch.Tensor:
+    """The teacher's softmax of a block of ``rows`` against all ``columns``; an ensemble's
+    (``[n, members, c]``, one scale per member) the mean of its members'."""
+    if rows.dim() == 2:
+        return _logits(rows, columns, teacher_scale, dots).softmax(1)
+    members = rows.shape[1]
+    scales = teacher_scale if isinstance(teacher_scale, tuple) else (teacher_scale,) * members
+    probs = None
+    for member, member_scale in enumerate(scales):
+        p = _logits(rows[:, member], columns[:, member], member_scale, dots).softmax(1)
+        probs = p if probs is None else probs.add_(p)
+    return probs.div_(members)
+
+
 def _direction(rows, columns, teacher_rows, teacher_columns, scale, teacher_scale, dots,
                weight=None, d_rows=None, d_columns=None):
     """One direction over this rank's ``rows`` against all ``columns``, in blocks of rows. Without
@@ -68,7 +90,7 @@ def _direction(rows, columns, teacher_rows, teacher_columns, scale, teacher_scal
     for start in range(0, rows.shape[0], step):
         block = slice(start, start + step)
         student = _logits(rows[block], columns, scale, dots)
-        teacher = _logits(teacher_rows[block], teacher_columns, teacher_scale, dots).softmax(1)
+        teacher = _teacher_probs(teacher_rows[block], teacher_columns, teacher_scale, dots)
         if weight is None:
             total += (student.logsumexp(1) - (teacher * student).sum(1)).sum()
             continue
@@ -127,13 +149,15 @@ class _Distill(torch.autograd.Function):
 def distill_term(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group=None,
                  values_in: torch.dtype | None = None) -> torch.Tensor:
     """The distillation term ``D`` of the global batch (this rank's ``[b_local, c]`` student features,
-    ``[b_local, c_teacher]`` teacher features, L2-normalised), the same value on every rank; its
-    backward follows ``base.ContrastiveLoss``'s contract. ``teacher_scale``: a number (no gradient).
+    ``[b_local, c_teacher]`` teacher features, L2-normalised; an ensemble's ``[b_local, members, c_teacher]``),
+    the same value on every rank; its backward follows ``base.ContrastiveLoss``'s contract.
+    ``teacher_scale``: a number, or one per member (no gradient).
     ``values_in``: the features hold values of this dtype (GradCache's bf16 buffers): the forward's
     GEMMs run in it."""
     dots = values_in if values_in in (torch.bfloat16, torch.float16) else None
-    return _Distill.apply(image_features, text_features, scale, teacher_image, teacher_text,
-                          float(teacher_scale), group, dots)
+    teacher_scale = tuple(float(s) for s in teacher_scale) if isinstance(teacher_scale, (tuple, list)) \
+        else float(teacher_scale)
+    return _Distill.apply(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots)
 
 
 class DistilledLoss(nn.Module):
@@ -148,7 +172,7 @@ class DistilledLoss(nn.Module):
         if getattr(contrastive, "uses_bias", False):
             raise ValueError(f"{type(contrastive).__name__} is a sigmoid loss: distillation (distill.teacher) "
                              "takes a softmax loss (loss=infcl, local, disco or vanilla)")
-        self.contrastive, self.weight, self.teacher_scale = contrastive, float(weight), float(teacher_scale)
+        self.contrastive, self.weight, self.teacher_scale = contrastive, float(weight), teacher_scale
         self.teacher = teacher
         self.terms: dict[str, torch.Tensor] = {}
 

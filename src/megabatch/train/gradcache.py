@@ -208,12 +208,12 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
                                    image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
                                    sub_batch=len(sub.texts), replays=keep)
             if teacher is not None:
-                encoded.teacher_image = image_features.new_empty((rows, teacher.width), dtype=dtype)
-                encoded.teacher_text = image_features.new_empty((rows, teacher.width), dtype=dtype)
+                encoded.teacher_image = image_features.new_empty((rows, *teacher.shape), dtype=dtype)
+                encoded.teacher_text = image_features.new_empty((rows, *teacher.shape), dtype=dtype)
         encoded.data_s += data_s
         rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
         if teacher is not None:
-            encoded.teacher_image[rows], encoded.teacher_text[rows] = teacher(images, sub.texts, precision.autocast)
+            encoded.teacher_image[rows], encoded.teacher_text[rows] = teacher.features(sub, images, precision.autocast)
         encoded.image_features[rows] = image_features.detach()
         encoded.rng.append(rng)
         if sub.negatives is not None:

@@ -92,7 +92,7 @@ class RunParts:
         if env.rank == 0:
             log_utilization_basis(flops, peak, gpu_decoder is not None, ahead)
         with phase("plan"):
-            loss = prepare_model(cfg, model, env, precision)
+            loss = prepare_model(cfg, model, env, precision, data)
             # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
             auto = choose_sub_batch(cfg, model, env, data, precision, ahead)
             plan = plan_batches(cfg, env.world_size, data, auto.sub_batch if auto else None)
@@ -140,13 +140,13 @@ def build_model_for(cfg: DictConfig, env: DistEnv) -> ClipModel:
     return build_model(cfg.model).to(env.device).train()
 
 
-def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision):
+def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision, data: TrainData | None = None):
     """The model as it trains, and its loss: the loss's logit bias checked against the model's,
     the Linear layers in FP8 (``model.fp8``), the weights sharded (``trainer.parallel=fsdp``);
     before the optimizer takes the parameters. Returns the loss."""
     loss = instantiate(cfg.loss)
     check_bias(model, loss)
-    loss = distilled(cfg, loss, model, env)
+    loss = distilled(cfg, loss, model, env, data)
     if cfg.model.fp8:
         converted = convert_to_fp8(model, env.device)
         if env.rank == 0:
@@ -156,17 +156,25 @@ def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Pr
     return loss
 
 
-def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv):
+def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv, data: TrainData | None = None):
     """``loss``, or with ``distill.teacher`` the loss plus the distillation term (``DistilledLoss``),
-    holding the frozen teacher it is computed against; the teacher's cost logged once."""
+    holding the frozen teacher it is computed against (or with ``stored`` the embeddings ``data``
+    reads); the teacher's cost logged once."""
     distill = cfg.get("distill")
     if distill is None or distill.teacher is None:
         return loss
     from ..losses.distill import DistilledLoss
     from .teacher import build_teacher
 
-    teacher = build_teacher(distill, model, env.device)
-    if env.rank == 0:
+    teacher = build_teacher(distill, model, env.device, None if data is None else data.teacher)
+    if env.rank == 0 and teacher.model is None:
+        spec = teacher.spec
+        log.info("distill: stored teacher embeddings (%s: %s, width %d, logit scale(s) %s), weight %s: the loss is "
+                 "the contrastive term plus the distillation term (OpenCLIP's DistillClipLoss%s), in row blocks",
+                 spec.key, ", ".join(spec.teachers) or f"{spec.members} member(s)", spec.width, teacher.scale,
+                 distill.weight, "; the ensemble's target the mean of its members' probabilities"
+                 if spec.members > 1 else "")
+    elif env.rank == 0:
         params = sum(p.numel() for p in teacher.model.parameters())
         log.info("distill: teacher %s (%.0fM parameters, frozen, %s; width %d, logit scale %.2f), weight %s: the loss "
                  "is the contrastive term plus the distillation term (OpenCLIP's DistillClipLoss), in row blocks",

@@ -313,7 +313,7 @@ class TrainStep:
             image_features, text_features, scale, bias = self.wrapped(images, texts)
         options = {} if sub.negatives is None else {"negatives": text_features[rows:].float()}
         if self.teacher is not None:  # distill.teacher: its features of the same samples, without a graph
-            options["teacher"] = self.teacher(images, sub.texts, self.precision.autocast)
+            options["teacher"] = self.teacher.features(sub, images, self.precision.autocast)
         loss = self.loss_fn(image_features.float(), text_features[:rows].float(), scale.float(),
                             *(() if bias is None else (bias.float(),)), **options)
         self.precision.scale(loss).backward()

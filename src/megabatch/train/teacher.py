@@ -3,12 +3,17 @@ GradCache's first pass (never replayed), its features handed to the loss (``loss
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
+from tqdm import tqdm
 
 from ..config import ConfigError
 from ..images import normalize_images
@@ -36,9 +41,17 @@ class Teacher:
         self.context = model.context_length
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        """A sample's features: ``(width,)``."""
+        return (self.width,)
+
+    @property
     def width(self) -> int:
-        """The teacher's embedding width."""
         return int(self.model.model_cfg["embed_dim"])
+
+    def features(self, sub, images: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sub-batch ``sub``'s teacher features (``images``: its images on the device)."""
+        return self(images, sub.texts, autocast)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, texts: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +66,34 @@ class Teacher:
         dtype = next(self.model.parameters()).dtype
         with autocast():
             return self.model.encode_image(images.to(dtype)), self.model.encode_text(texts)
+
+
+class StoredTeacher:
+    """``distill.teacher=stored``: the teacher features each sub-batch carries from its shards
+    (``SubBatch.teacher``, ``data/teacher_store.py``): no teacher runs. An ensemble's members stay apart
+    (``[n, members, width]``): the loss averages their probabilities. ``scale``: one per member."""
+
+    def __init__(self, spec, scales: tuple[float, ...], device: torch.device):
+        self.spec, self.scale, self.device = spec, scales if len(scales) > 1 else scales[0], device
+        self.model = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.spec.width,) if self.spec.members == 1 else (self.spec.members, self.spec.width)
+
+    @property
+    def width(self) -> int:
+        return self.spec.width
+
+    def features(self, sub, images: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        if sub.teacher is None:
+            raise RuntimeError("distill.teacher=stored but the sub-batch carries no teacher embeddings "
+                               "(data.train.teacher_key)")
+        stored = sub.teacher.to(self.device, non_blocking=True)  # [n, members, 2, width]
+        if self.spec.members == 1:
+            stored = stored[:, 0]
+            return stored[:, 0], stored[:, 1]
+        return stored[:, :, 0], stored[:, :, 1]
 
 
 def load_teacher_model(distill: DictConfig) -> ClipModel:
@@ -104,9 +145,112 @@ def check_tokenizers(teacher: ClipModel, student: ClipModel) -> None:
                           "tokenizer")
 
 
-def build_teacher(distill: DictConfig, student: ClipModel, device: torch.device) -> Teacher:
-    """The frozen teacher of ``distill`` for ``student`` on ``device``, checked against it."""
+def build_teacher(distill: DictConfig, student: ClipModel, device: torch.device, spec=None) -> Teacher | StoredTeacher:
+    """The frozen teacher of ``distill`` for ``student`` on ``device``, checked against it; with
+    ``distill.teacher=stored`` the stored embeddings ``spec`` describes (the training data's)."""
+    if distill.teacher == "stored":
+        if spec is None:
+            raise ConfigError("distill.teacher=stored reads each sample's teacher embeddings from the shards: set "
+                              "data.train.teacher_key (e.g. teacher.npy, as scripts/make_shards.py teacher writes)")
+        scales = spec.scales if distill.temperature is None else (1.0 / float(distill.temperature),) * spec.members
+        return StoredTeacher(spec, tuple(scales), device)
     model = load_teacher_model(distill)
     check_tokenizers(model, student)
     scale = model.logit_scale.exp().item() if distill.temperature is None else 1.0 / float(distill.temperature)
     return Teacher(model, scale, device)
+
+
+def _teacher_images(images: list[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:
+    """uint8 ``[3, h, w]`` images as the teacher's ``[n, 3, *size]``: the shorter side resized to the size
+    (bicubic, antialiased), then the centre cropped (open_clip's evaluation preprocessing, on uint8);
+    an image of the size already is taken as it is."""
+    from torchvision.transforms.v2 import functional as TF
+
+    out = []
+    for image in images:
+        if tuple(image.shape[-2:]) != size:
+            image = TF.center_crop(TF.resize(image, min(size), interpolation=TF.InterpolationMode.BICUBIC,
+                                             antialias=True), list(size))
+        out.append(image)
+    return torch.stack(out)
+
+
+def write_teacher_shards(urls: list[str], out: Path, teachers: list[tuple[str, Teacher]], *, key: str = "teacher.npy",
+                         caption_key: str = "txt", batch: int = 256, dtype=np.float16, rank: int = 0,
+                         world: int = 1, show_progress: bool = True) -> list[Path]:
+    """Copies of the shards ``urls`` in ``out`` with each sample's teacher embeddings added as member ``key``
+    (``[members, 2, width]``: its image's and its caption's, per teacher), and ``teacher.json`` (rank 0)
+    and ``sizes.json`` (copied from the shards' own, when there). Rank ``rank`` of ``world`` writes every
+    ``world``-th shard; a shard already in ``out`` is skipped (each is written to a temporary name and
+    renamed when whole: an interrupted run resumes). A sample without an image or a caption is copied
+    without embeddings (a run skips and counts it). Returns the shards this rank wrote."""
+    import tarfile
+
+    from ..data.samples import IMAGE_KEYS, decode_rgb
+    from ..data.teacher_store import SPEC_NAME, TeacherSpec, encode_embeddings
+
+    widths = {teacher.width for _, teacher in teachers}
+    if len(widths) != 1:
+        raise ConfigError(f"the teachers' embedding widths differ ({sorted(widths)}): an ensemble's members must "
+                          "share one width")
+    spec = TeacherSpec(key, len(teachers), widths.pop(), tuple(teacher.scale for _, teacher in teachers),
+                       tuple(name for name, _ in teachers))
+    out.mkdir(parents=True, exist_ok=True)
+    written_spec = out / SPEC_NAME
+    if written_spec.exists() and TeacherSpec.load(out, key) != spec:
+        raise ConfigError(f"{written_spec} describes other teachers ({written_spec.read_text().strip()}): write "
+                          "these embeddings to another folder")
+    if rank == 0:
+        written_spec.write_text(spec.to_json(caption_key))
+        sizes = Path(urls[0]).parent / "sizes.json"
+        if sizes.is_file():
+            (out / "sizes.json").write_text(sizes.read_text())
+    mine = [Path(url) for url in urls[rank::world]]
+    suffix = "." + key
+    written = []
+    progress = tqdm(total=len(mine), desc="teacher embeddings", unit="shard", disable=not show_progress)
+    for source in mine:
+        target = out / source.name
+        if target.exists():
+            progress.update(1)
+            continue
+        with tarfile.open(source) as tar:
+            members = [(m, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
+        samples: dict[str, dict[str, bytes]] = {}
+        for member, data in members:
+            name = member.name
+            sample_key, _, ext = name.partition(".")
+            samples.setdefault(sample_key, {})[ext] = data
+        usable = [k for k, sample in samples.items()
+                  if any(e in sample for e in IMAGE_KEYS) and caption_key in sample]
+        embeddings = {}
+        for start in range(0, len(usable), batch):
+            chunk = usable[start:start + batch]
+            images = [decode_rgb(next(samples[k][e] for e in IMAGE_KEYS if e in samples[k])) for k in chunk]
+            captions = [samples[k][caption_key].decode("utf-8").strip() for k in chunk]
+            per_teacher = []
+            for _, teacher in teachers:
+                pixels = _teacher_images(images, teacher.size).to(teacher.device)
+                tokens = teacher.model.tokenizer()(captions)
+                image_features, text_features = teacher(pixels, tokens, contextlib.nullcontext)
+                per_teacher.append(torch.stack([image_features.float(), text_features.float()], 1).cpu())
+            stacked = torch.stack(per_teacher, 1).numpy().astype(dtype)  # [n, members, 2, width]
+            embeddings.update(zip(chunk, stacked, strict=True))
+        partial = target.with_name(target.name + ".partial")
+        with tarfile.open(partial, "w") as tar:
+            def add(name: str, data: bytes) -> None:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = len(data), 0o644, 0
+                tar.addfile(info, io.BytesIO(data))
+
+            for sample_key, sample in samples.items():
+                for ext, data in sample.items():
+                    if ext != key:
+                        add(f"{sample_key}.{ext}", data)
+                if sample_key in embeddings:
+                    add(sample_key + suffix, encode_embeddings(embeddings[sample_key]))
+        os.replace(partial, target)
+        written.append(target)
+        progress.update(1)
+    progress.close()
+    return written
