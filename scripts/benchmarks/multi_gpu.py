@@ -8,6 +8,8 @@ best settings at that batch; every step's samples/s, MFU, phases and peak memory
         --set data.decode=gpu model.compile=true trainer.sub_batch=auto trainer.offload=true --out 1m_4gpu.json
     python scripts/benchmarks/multi_gpu.py --gpus 4 --batch 32k --steps 10 \\
         --variant 'decode-ahead-8gb: data.decode_ahead_gb=8' --variant 'fsdp: trainer.parallel=fsdp' --out variants.json
+    python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --stored-teacher ViT-L-14 --variant plain: \\
+        --variant 'stored: distill.teacher=stored data.train.teacher_key=teacher.npy' --out stored_teacher.json
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --negatives 16 --variant 'plain:' \\
         --variant 'negatives-4: data.train.negatives_key=json:negatives data.train.negatives=4' --out negatives.json
 
@@ -86,9 +88,12 @@ class GpuMemory:
         return [round(self.peak_mb[i] / 1024, 2) for i in range(gpus)] if self.peak_mb else None
 
 
-def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives: int = 0) -> str:
+def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives: int = 0,
+            stored_teacher: str | None = None) -> str:
     """The shard pattern of an epoch of ``epoch_samples`` from ``images`` distinct JPEGs (with
-    ``negatives`` more captions each in their JSON: ``data.train.negatives_key=json:negatives``)."""
+    ``negatives`` more captions each in their JSON: ``data.train.negatives_key=json:negatives``; with
+    ``stored_teacher``, an open_clip architecture with random weights, each sample's embeddings by it, as
+    ``scripts/make_shards.py teacher`` writes them: ``distill.teacher=stored data.train.teacher_key=teacher.npy``)."""
     from megabatch.data.synthetic import photo_shards
 
     real_dir = workdir / ("distinct" if not negatives else f"distinct-negatives-{negatives}")
@@ -97,6 +102,8 @@ def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives
     real = sorted(real_dir.glob("photo-*.tar")) or [Path(p) for p in photo_shards(images, size, real_dir, per_shard,
                                                                                   negatives)]
     sizes = json.loads((real_dir / "sizes.json").read_text())
+    if stored_teacher:
+        real = teacher_shards(real, real_dir.with_name(f"{real_dir.name}-teacher-{stored_teacher}"), stored_teacher)
     count = -(-epoch_samples // per_shard)
     shutil.rmtree(listed, ignore_errors=True)
     listed.mkdir(parents=True)
@@ -107,7 +114,23 @@ def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives
         os.link(source, listed / name)
         listed_sizes[name] = sizes[source.name]
     (listed / "sizes.json").write_text(json.dumps(listed_sizes))
+    if stored_teacher:
+        shutil.copy(real[0].parent / "teacher.json", listed / "teacher.json")
     return str(listed / f"shard-{{000000..{count - 1:06d}}}.tar")
+
+
+def teacher_shards(shards: list[Path], out: Path, arch: str) -> list[Path]:
+    """``shards`` copied into ``out`` with ``arch``'s embeddings (random weights; timing only), once."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from megabatch.train.teacher import Teacher, load_teacher_model, write_teacher_shards
+
+    if not (out / "teacher.json").exists() or len(list(out.glob("photo-*.tar"))) < len(shards):
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_teacher_model(OmegaConf.create({"teacher": arch, "pretrained": None}))
+        write_teacher_shards([str(s) for s in shards], out, [(arch, Teacher(model, 100.0, device))])
+    return [out / s.name for s in shards]
 
 
 def steady(values: list[float], warmup: int) -> dict:
@@ -229,6 +252,9 @@ def main() -> None:
     parser.add_argument("--epoch-samples", type=int, default=160_000,
                         help="samples an epoch lists (the distinct images again and again)")
     parser.add_argument("--workers", type=int, default=12, help="loader workers a rank (data.num_workers)")
+    parser.add_argument("--stored-teacher", default=None,
+                        help="an open_clip architecture whose embeddings (random weights) the shards carry, for "
+                             "distill.teacher=stored data.train.teacher_key=teacher.npy")
     parser.add_argument("--negatives", type=int, default=0,
                         help="more captions a sample in the JSON (data.train.negatives_key=json:negatives)")
     parser.add_argument("--set", nargs="*", default=["data.decode=gpu", "model.compile=true", "trainer.sub_batch=auto"],
@@ -246,7 +272,7 @@ def main() -> None:
     from megabatch.config import parse_count
 
     workdir = Path(args.workdir)
-    urls = dataset(args.images, args.size, args.epoch_samples, workdir, args.negatives)
+    urls = dataset(args.images, args.size, args.epoch_samples, workdir, args.negatives, args.stored_teacher)
     model = [f"model={args.model}", *([f"model.arch={args.arch}"] if args.model == "openclip" else [])]
     common = [*model, f"loss={args.loss}", f"data.num_workers={args.workers}", *args.set]
     variants = [(name.strip(), rest.split()) for name, _, rest in (v.partition(":") for v in args.variant)] \
