@@ -291,6 +291,12 @@ QUESTIONS = [
                       "uncompiled at ~290 TFLOP/s); the term adds 0.14 s to the loss phase (0.16 against 0.02 s); "
                       "the replay is unchanged (2.7 s); rank 0 allocated at most 84 against 78 GB (97.5 against "
                       "75.5 GB in use, nvidia-smi)"},
+            {"file": "distill_stored_vit_b32_32k_h200.json", "kind": "multi_gpu", "phases": True,
+             "label": "The same with stored embeddings (`distill.teacher=stored data.train.teacher_key=teacher.npy`: "
+                      "each sample's ViT-L/14 embeddings in its shard, written by `scripts/make_shards.py teacher`) "
+                      "against the plain step reading the same shards, another H200, 6 steps, the first two left "
+                      "out: 7,605 against 7,983 samples/s (-4.7%); the loss phase 0.16 against 0.02 s, encode and "
+                      "replay as without (the first step's loss phase, 26.6 s, tunes the loss kernels for both runs)"},
         ],
     },
     {
