@@ -48,7 +48,8 @@ class DirectAttentionBlock(ResidualAttentionBlock):
 
     def attention(self, q_x: torch.Tensor, k_x: torch.Tensor | None = None, v_x: torch.Tensor | None = None,
                   attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``q_x [b, s, e]`` -> ``[b, s, e]``; ``attn_mask [s, s]`` additive (open_clip's causal mask)."""
+        """``q_x [b, s, e]`` -> ``[b, s, e]``; ``attn_mask [s, s]`` additive (open_clip's causal mask), or
+        ``[b x heads, s, s]`` (CoCa's text tower: its class token's mask of each sample's padding)."""
         if k_x is not None or v_x is not None:  # cross-attention: the module's own path
             return super().attention(q_x, k_x, v_x, attn_mask)
         attn = self.attn
@@ -56,12 +57,15 @@ class DirectAttentionBlock(ResidualAttentionBlock):
         heads = attn.num_heads
         qkv = F.linear(q_x, attn.in_proj_weight, attn.in_proj_bias).view(batch, length, 3, heads, width // heads)
         dropout = attn.dropout if self.training else 0.0
-        if self.kernel != "sdpa" and dropout == 0.0 and (attn_mask is None or self.causal_mask) \
+        per_sample = attn_mask is not None and attn_mask.dim() == 3  # CoCa's text: causal and padding, per sample
+        if self.kernel != "sdpa" and dropout == 0.0 and (attn_mask is None or self.causal_mask and not per_sample) \
                 and (self.kernel == "triton" or faster_than_sdpa(qkv)):
             out = packed_attention(qkv, causal=attn_mask is not None)  # [b, s, h, d]: [b, s, e] as it is
             return attn.out_proj(out.view(batch, length, width))
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [b, h, s, d] views of the one projection
         mask = attn_mask.to(q_x.dtype) if attn_mask is not None else None  # as open_clip's attention() casts it
+        if per_sample:  # [b x heads, s, s], each sample's mask repeated for its heads: [b, heads, s, s]
+            mask = mask.view(batch, heads, length, length)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return attn.out_proj(out.transpose(1, 2).reshape(batch, length, width))
 

@@ -165,12 +165,15 @@ class ClipModel(nn.Module):
         with torch.no_grad() if self.frozen(tower) else contextlib.nullcontext():
             return self._compiled[tower](inputs)
 
-    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None, before_text=None):
+    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None, before_text=None, caption: bool = False):
         """Either input may be ``None`` (its features are then ``None``): GradCache's replay
         skips a frozen tower. A frozen tower always runs without autograd. After
         ``compile_towers`` the towers run compiled (evaluation's ``encode_*`` calls stay eager).
         ``before_text``: called between the towers (GradCache's replay restores the RNG state its
-        text chunk was first encoded with: the towers' inputs are grouped differently)."""
+        text chunk was first encoded with: the towers' inputs are grouped differently). ``caption``: a CoCa's
+        caption loss too, a fifth output (``caption_forward``)."""
+        if caption:
+            return self.caption_forward(images, texts, before_text)
         if self._cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs are consumed
         image_features = None if images is None else self._encode("image", images)
@@ -178,6 +181,30 @@ class ClipModel(nn.Module):
             before_text()
         text_features = None if texts is None else self._encode("text", texts)
         return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias
+
+    @property
+    def has_decoder(self) -> bool:
+        """A CoCa: a caption decoder over the image tower's tokens (``loss.caption_weight``)."""
+        return getattr(self.clip, "text_decoder", None) is not None
+
+    def caption_forward(self, images: torch.Tensor | None, texts: torch.Tensor, before_text=None):
+        """``forward``'s outputs and the caption decoder's cross-entropy summed over the captions' tokens
+        (teacher forcing: token t + 1 from the image's tokens and the caption's up to t; padding ignored):
+        ``loss.caption_weight``. The towers run eagerly (not compiled), a frozen one without autograd; the
+        features are the same as ``forward``'s."""
+        with torch.no_grad() if self.frozen("image") else contextlib.nullcontext():
+            pixels = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
+            image_latent, image_tokens = self.clip._encode_image(pixels)
+            image_features = nn.functional.normalize(image_latent, dim=-1)
+        if before_text is not None:
+            before_text()
+        with torch.no_grad() if self.frozen("text") else contextlib.nullcontext():
+            text_latent, token_embeddings = self.clip._encode_text(texts)
+            text_features = nn.functional.normalize(text_latent, dim=-1)
+        logits = self.clip.text_decoder(image_tokens, token_embeddings[:, :-1])
+        caption = nn.functional.cross_entropy(logits.float().flatten(0, 1), texts[:, 1:].flatten(),
+                                              ignore_index=self.clip.pad_id, reduction="sum")
+        return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias, caption
 
     def tower_blocks(self, tower: str) -> list[nn.Module]:
         """A tower's repeated transformer blocks: the longest ``ModuleList`` in it whose members share
@@ -365,6 +392,7 @@ def build_clip(
     grad_checkpointing: bool = False,
     lock_image: bool = False,
     lock_text: bool = False,
+    multimodal: dict[str, Any] | None = None,
 ) -> ClipModel:
     """Build a CLIP from tower configs.
 
@@ -377,6 +405,8 @@ def build_clip(
     (null values: the pretrained folder's, else OpenAI CLIP's).
     ``init_logit_bias``: a learnable logit bias with this initial value (the sigmoid loss's).
     ``lock_image`` / ``lock_text`` freeze a whole tower, projection included (LiT).
+    ``multimodal``: open_clip's ``MultimodalCfg`` fields: a CoCa, whose caption decoder reads the image
+    tower's tokens (``loss.caption_weight`` trains it; the towers then output their tokens).
     """
     image, text = dict(image), dict(text)
     image_ckpt = image.pop("ckpt", None)
@@ -392,6 +422,23 @@ def build_clip(
         clip = CustomTextCLIP(embed_dim=embed_dim, vision_cfg=CLIPVisionCfg(**vision_cfg),
                               text_cfg=CLIPTextCfg(**model_cfg["text_cfg"]), quick_gelu=quick_gelu,
                               init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias)
+    elif multimodal:
+        from open_clip.coca_model import CoCa, MultimodalCfg
+
+        from .openclip import init_caption_decoder
+
+        for key in ("pooling", "proj"):
+            text.pop(key, None)
+        vision_cfg.update(attentional_pool=True, output_tokens=True)
+        model_cfg.update(vision_cfg=vision_cfg, custom_text=True,
+                         text_cfg={**_dataclass_kwargs(CLIPTextCfg, text, "model.text"), "embed_cls": True,
+                                   "output_tokens": True},
+                         multimodal_cfg=_dataclass_kwargs(MultimodalCfg, dict(multimodal), "model.multimodal"))
+        clip = CoCa(embed_dim, MultimodalCfg(**model_cfg["multimodal_cfg"]), CLIPTextCfg(**model_cfg["text_cfg"]),
+                    CLIPVisionCfg(**vision_cfg), quick_gelu=quick_gelu, init_logit_scale=init_logit_scale,
+                    init_logit_bias=init_logit_bias)
+        init_caption_decoder(clip)  # open_clip leaves its projection uninitialised
+        clip.text_decoder.requires_grad_(False)  # trained only with loss.caption_weight > 0 (train/parts.py)
     else:
         for key in ("pooling", "proj"):
             text.pop(key, None)

@@ -11,7 +11,9 @@ from copy import deepcopy
 from typing import Any
 
 import open_clip
+import torch
 from open_clip.model import CLIP, CustomTextCLIP, set_model_preprocess_cfg
+from torch import nn
 
 from ..config import ConfigError
 from .clip import ClipModel, lock_towers
@@ -125,13 +127,24 @@ def _create(model_cfg: dict[str, Any], label: str, **kwargs) -> CLIP | CustomTex
     custom_text = cfg.pop("custom_text", False) or "hf_model_name" in cfg["text_cfg"]
     cls = open_clip.CoCa if "multimodal_cfg" in cfg else CustomTextCLIP if custom_text else CLIP
     try:
-        return cls(**cfg, **kwargs)
+        return init_caption_decoder(cls(**cfg, **kwargs))
     except TypeError as error:  # an override that the tower's config has no field for
         raise ConfigError(f"{label}: {error} (check model.image.* / model.text.* against open_clip's "
                           "CLIPVisionCfg / CLIPTextCfg fields)") from None
     except OSError as error:  # transformers: an HF text tower's config is not on disk
         raise ConfigError(f"{label}: {str(error).splitlines()[0][:200]}; a Hugging Face text tower's config is "
                           "read from local files only: set model.text.hf_model_name=<a local model folder>") from None
+
+
+def init_caption_decoder(clip):
+    """A CoCa's caption decoder's output projection, which open_clip leaves uninitialised (``torch.empty``:
+    its ``MultimodalTransformer.init_parameters`` is never called), drawn as open_clip draws the text tower's
+    (normal, std width^-0.5); pretrained weights replace it. Returns ``clip``."""
+    decoder = getattr(clip, "text_decoder", None)
+    if decoder is not None:
+        with torch.no_grad():
+            nn.init.normal_(decoder.text_projection, std=decoder.width ** -0.5)
+    return clip
 
 
 def _freeze_caption_decoder(clip) -> None:

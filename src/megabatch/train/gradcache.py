@@ -83,6 +83,7 @@ class ReplayInputs:
     offload: Offload | None = None
     text_trim: TextTrim | None = None
     kept_graphs: int = 0
+    caption_pad: int | None = None  # loss.caption_weight (CoCa): the captions' pad id; their tokens are counted
 
     def with_graph(self, index: int, count: int) -> bool:
         """Whether sub-batch (or caption chunk) ``index`` of ``count`` keeps its phase-1 graph."""
@@ -147,6 +148,7 @@ class EncodedBatch:
     # distill.teacher: the teacher's features of this rank's samples [b_rank, e_teacher] (image order)
     teacher_image: torch.Tensor | None = None
     teacher_text: torch.Tensor | None = None
+    caption_tokens: int = 0  # loss.caption_weight: this rank's caption tokens the decoder predicts (pad left out)
 
     @property
     def num_sub(self) -> int:
@@ -179,6 +181,11 @@ class FeatureGrads:
     scale: torch.Tensor
     bias: torch.Tensor | None = None
     negatives: torch.Tensor | None = None  # [b_rank x K, e], with hard negatives
+    # loss.caption_weight (CoCa): each replayed sub-batch's caption cross-entropy sum enters the surrogate times
+    # this (the weight over the global batch's caption tokens, W-scaled and loss-scaled as the feature
+    # gradients); the sums are kept (detached) for the log
+    caption: torch.Tensor | None = None
+    caption_sums: list = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -211,6 +218,8 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
                 encoded.teacher_image = image_features.new_empty((rows, *teacher.shape), dtype=dtype)
                 encoded.teacher_text = image_features.new_empty((rows, *teacher.shape), dtype=dtype)
         encoded.data_s += data_s
+        if keep.caption_pad is not None:  # the tokens the caption decoder predicts (each caption's second on)
+            encoded.caption_tokens += int((sub.texts[:, 1:] != keep.caption_pad).sum())
         rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
         if teacher is not None:
             encoded.teacher_image[rows], encoded.teacher_text[rows] = teacher.features(sub, images, precision.autocast)
@@ -387,11 +396,17 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
         # DDP all-reduces once per step: only the last sub-batch's backward synchronises
         with contextlib.nullcontext() if last or sync.hold is None else sync.hold():
             with precision.autocast():
-                image_features, text_features, scale, bias = model(images, texts, before_text=before_text)
+                outputs = model(images, texts, before_text=before_text,
+                                **({} if grads.caption is None else {"caption": True}))
+            image_features, text_features, scale, bias = outputs[:4]
             # the temperature's (and the bias's) gradient joins DDP's synchronisation in the last
             # sub-batch, with the rest
             surrogate = _surrogate(image_features, text_features, grads, index, encoded,
                                    scale if last else None, bias if last else None)
+            if grads.caption is not None:  # CoCa: this sub-batch's caption loss, a term of the one global loss
+                grads.caption_sums.append(outputs[4].detach())
+                term = outputs[4] * grads.caption
+                surrogate = term if surrogate is None else surrogate + term
             if surrogate is not None:
                 surrogate.backward()
         if images_again is None and encoded.images:

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from ..config import ConfigError, parse_count, parse_optional_count
-from ..config.schema import model_settings
+from ..config.schema import loss_options, loss_weights, model_settings
 from ..data import TrainData
 from ..data.gpu_decode import GpuDecoder, resolve_decode
 from ..data.offload import Offload
@@ -144,8 +144,9 @@ def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Pr
     """The model as it trains, and its loss: the loss's logit bias checked against the model's,
     the Linear layers in FP8 (``model.fp8``), the weights sharded (``trainer.parallel=fsdp``);
     before the optimizer takes the parameters. Returns the loss."""
-    loss = instantiate(cfg.loss)
+    loss = instantiate(loss_options(cfg.loss))
     check_bias(model, loss)
+    train_decoder(cfg, model, env)
     loss = distilled(cfg, loss, model, env, data)
     if cfg.model.fp8:
         converted = convert_to_fp8(model, env.device)
@@ -154,6 +155,22 @@ def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Pr
                      "; without model.compile the casts cost more than FP8 saves: set model.compile=true")
     shard(cfg, model, env, precision)
     return loss
+
+
+def train_decoder(cfg: DictConfig, model: ClipModel, env: DistEnv) -> None:
+    """``loss.caption_weight > 0``: the model's caption decoder (a CoCa's) trains beside the towers; a model
+    without one is a config error naming the key."""
+    caption, contrastive = loss_weights(cfg.loss)
+    if caption <= 0:
+        return
+    if not model.has_decoder:
+        raise ConfigError(f"loss.caption_weight={caption} but model {model.name} has no caption decoder: train a CoCa "
+                          "(model=openclip model.arch=coca_ViT-B-32, or model=tiny_coca), or loss.caption_weight=0")
+    model.clip.text_decoder.requires_grad_(True)
+    if env.rank == 0:
+        log.info("loss: %s x contrastive + %s x caption (the CoCa decoder's cross-entropy over the global batch's "
+                 "caption tokens, in GradCache's replay); the decoder trains (%.1fM parameters)", contrastive,
+                 caption, sum(p.numel() for p in model.clip.text_decoder.parameters()) / 1e6)
 
 
 def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv, data: TrainData | None = None):
@@ -250,7 +267,8 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
                      grad_clip=cfg.optim.grad_clip, offload=offload,
                      keep_graph=kept_graphs(cfg.trainer.keep_graph, auto.graphs_that_fit if auto else None, plan, env),
                      fsdp_reduce=fsdp_reduce, show_progress=env.rank == 0,
-                     max_bad_steps=cfg.trainer.max_bad_steps, ema=weight_average(cfg.ema, model, env))
+                     max_bad_steps=cfg.trainer.max_bad_steps, ema=weight_average(cfg.ema, model, env),
+                     caption_weight=loss_weights(cfg.loss)[0], contrastive_weight=loss_weights(cfg.loss)[1])
     return BuiltStep(step, optimizer, peak_lr, compilation)
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
+from ..config import ConfigError
 from ..data.offload import Offload
 from ..data.samples import SubBatch
 from ..distributed.fsdp import full, gathered_through, is_sharded, no_gradient_sync, reduce_replicated
@@ -148,7 +149,8 @@ class TrainStep:
                  precision: str | Precision = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
                  grad_clip: float | None = None, offload: Offload | None = None,
                  keep_graph: bool | int = True, fsdp_reduce: str = "sub_batch", show_progress: bool = False,
-                 max_bad_steps: int = 10, ema: WeightAverage | None = None):
+                 max_bad_steps: int = 10, ema: WeightAverage | None = None, caption_weight: float = 0.0,
+                 contrastive_weight: float = 1.0):
         self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
         self.precision = precision if isinstance(precision, Precision) else \
             Precision.create(precision, device, feature_dtype)
@@ -168,10 +170,16 @@ class TrainStep:
             self.sync = GradSync.of(self.wrapped)
         # a frozen tower is encoded once and never replayed; images come back through the offload
         # owner, or stay on the device
-        replay_images = not model.frozen("image")
-        self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text"),
+        # loss.caption_weight (a CoCa): the replay runs the caption decoder on both towers' outputs, so both
+        # are encoded again (a frozen one without autograd), and no sub-batch keeps its phase-1 graph
+        self.caption_weight, self.contrastive_weight = float(caption_weight), float(contrastive_weight)
+        captioning = self.caption_weight > 0
+        replay_images = not model.frozen("image") or captioning
+        self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text") or captioning,
                                  offload=offload if replay_images else None, text_trim=model.text_trim,
-                                 kept_graphs=self.kept_graphs(keep_graph))
+                                 kept_graphs=0 if captioning else self.kept_graphs(keep_graph),
+                                 caption_pad=model.clip.pad_id if captioning else None)
+        self.terms: dict[str, torch.Tensor] = {}  # the last step's loss terms (unweighted), 0-d on the device
         self.loss: torch.Tensor | None = None  # the last gradients() call's
         self.health = UpdateHealth(max_bad_steps)
         self.unsettled: StepOutcome | None = None  # the last step, its update not yet read (settle)
@@ -214,7 +222,7 @@ class TrainStep:
             times["ema"] = time.perf_counter() - ema_started
         times["optimizer"] = applied.seconds
         self.unsettled = StepOutcome(number, loss, lr, applied, times, time.perf_counter() - started,
-                                     dict(getattr(self.loss_fn, "terms", {})))
+                                     {**getattr(self.loss_fn, "terms", {}), **self.terms})
         return self.unsettled
 
     def settle(self) -> UpdateHealth:
@@ -304,6 +312,8 @@ class TrainStep:
         self.keep.keep_bytes(sub)
         images = to_device(sub.images, self.device)
         rows = len(sub.texts)
+        if self.caption_weight > 0:
+            return self._forward_backward_captioned(sub, images, data_s)
         # hard negatives (data.train.negatives_key) ride with the captions through one forward of the text tower
         captions = sub.texts if sub.negatives is None else torch.cat([sub.texts, sub.negatives])
         trim = self.keep.text_trim  # cut on the host, where the token ids are: no sync
@@ -319,6 +329,49 @@ class TrainStep:
         self.precision.scale(loss).backward()
         return loss.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
 
+    def _caption_tokens(self, local: int) -> torch.Tensor:
+        """The global batch's caption tokens (every rank's ``local`` count summed: one small all-reduce)."""
+        tokens = torch.tensor(float(local), device=self.device)
+        if self.distributed:
+            dist.all_reduce(tokens)
+        return tokens.clamp_(min=1.0)
+
+    def _caption_value(self, sums: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """The caption loss of the global batch: every rank's cross-entropy sums over its tokens."""
+        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
+        if self.distributed:
+            dist.all_reduce(total)
+        return total / tokens
+
+    def _contrastive(self, *args, **kwargs) -> torch.Tensor:
+        """The contrastive loss (with its distillation term, if any) times ``loss.contrastive_weight``."""
+        loss = self.loss_fn(*args, **kwargs)
+        return loss if self.contrastive_weight == 1 else loss * self.contrastive_weight
+
+    def _forward_backward_captioned(self, sub: SubBatch, images: torch.Tensor, data_s: float):
+        """A one-pass step of a CoCa with ``loss.caption_weight``: the contrastive loss and the caption loss
+        (its cross-entropy sum over the global batch's caption tokens), one backward."""
+        if sub.negatives is not None:
+            raise ConfigError("loss.caption_weight with hard negatives (data.train.negatives_key): the caption loss "
+                              "reads each sample's own caption; set one of them off")
+        texts = to_device(sub.texts, self.device)
+        tokens = self._caption_tokens(int((sub.texts[:, 1:] != self.model.clip.pad_id).sum()))
+        start = time.perf_counter()
+        with self.precision.autocast():
+            image_features, text_features, scale, bias, caption = self.wrapped(images, texts, caption=True)
+        options = {}
+        if self.teacher is not None:
+            options["teacher"] = self.teacher.features(sub, images, self.precision.autocast)
+        contrastive = self._contrastive(image_features.float(), text_features.float(), scale.float(),
+                                        *(() if bias is None else (bias.float(),)), **options)
+        world = dist.get_world_size() if self.distributed else 1  # DDP averages: the term is W-scaled as the loss's
+        self.precision.scale(contrastive + caption * (self.caption_weight * world / tokens)).backward()
+        caption_value = self._caption_value([caption.detach()], tokens)
+        self.terms = {"contrastive": contrastive.detach() / self.contrastive_weight
+                      if self.contrastive_weight else contrastive.detach(), "caption": caption_value}
+        loss = contrastive.detach() + self.caption_weight * caption_value
+        return loss, {"data": data_s, "forward_backward": time.perf_counter() - start}
+
     def _gradcache(self, stream: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The three GradCache phases (``gradcache.py``) over ``self.sub_batches`` sub-batches."""
         progress = tqdm(total=2 * self.sub_batches, desc="encode", leave=False, dynamic_ncols=True,
@@ -332,8 +385,15 @@ class TrainStep:
         # decoding on the GPU, the offload's re-decoding starts now: the replay's first images are ready after the loss
         again = self.keep.images_again(encoded, epoch)
         bias = self.model.logit_bias
-        grads = loss_and_feature_grads(self.loss_fn, encoded, full(self.model.logit_scale),
+        grads = loss_and_feature_grads(self._contrastive, encoded, full(self.model.logit_scale),
                                        None if bias is None else full(bias), self.precision)
+        if self.caption_weight > 0:  # CoCa: the replay adds each sub-batch's caption loss to its surrogate
+            if encoded.negative_features is not None:
+                raise ConfigError("loss.caption_weight with hard negatives (data.train.negatives_key): the caption "
+                                  "loss reads each sample's own caption; set one of them off")
+            tokens = self._caption_tokens(encoded.caption_tokens)
+            world = dist.get_world_size() if self.distributed else 1
+            grads.caption = self.precision.scale(self.caption_weight * world / tokens)
         times["loss"] = self._lap(start)
         progress.set_description("replay")
         start = time.perf_counter()
@@ -345,6 +405,11 @@ class TrainStep:
         times["data"] += waited
         times["replay"] = self._lap(start) - waited
         progress.close()
+        if grads.caption is not None:
+            caption_value = self._caption_value(grads.caption_sums, tokens)
+            contrastive = grads.loss / self.contrastive_weight if self.contrastive_weight else grads.loss
+            self.terms = {"contrastive": contrastive, "caption": caption_value}
+            return grads.loss + self.caption_weight * caption_value, times
         return grads.loss, times
 
     def _lap(self, start: float) -> float:

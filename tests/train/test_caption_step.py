@@ -1,0 +1,98 @@
+"""CoCa's caption loss through the trainer's step (``loss.caption_weight``): a tiny CoCa (``model=tiny_coca``)
+on the digits. GradCache's sub-batches (each replayed sub-batch adding its caption loss), offload and 2 gloo
+ranks give the one-pass step's gradients of every parameter, the decoder's included, with the terms alone and
+together; the caption term is the cross-entropy over the global batch's caption tokens (OpenCLIP's ``CoCaLoss``
+on the whole batch, float64); ``caption_weight=0`` is today's step; a model without a decoder is a config error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megabatch.config import ConfigError
+from megabatch.config.schema import validate
+from megabatch.distributed import init_distributed
+from megabatch.distributed.fsdp import full
+from megabatch.train.parts import RunParts
+
+from ..helpers import compose, rel_error, run_ranks
+from .test_gradcache import BASE, BATCH, flat
+
+COCA = [*BASE, "model=tiny_coca", "loss=infcl", "loss.tile=8", "model.image.patch_dropout=0"]
+
+
+def gradients(*overrides: str, batch_of: bool = False) -> dict:
+    parts = RunParts.build(validate(compose(*COCA, *overrides)), init_distributed("cpu"))
+    stream = parts.inputs(0)
+    if batch_of:  # the step's sub-batches, kept for a reference computed on them
+        subs = [next(stream) for _ in range(parts.plan.sub_batches)]
+        stream = iter(subs)
+    loss, _ = parts.step.gradients(stream)
+    grads = {n: full(p.grad).detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
+    result = {"loss": loss, "grads": grads, "terms": dict(parts.step.terms)}
+    if batch_of:
+        result["model"], result["subs"] = parts.model, subs
+    parts.close()
+    return result
+
+
+def decoder(grads: dict) -> torch.Tensor:
+    return flat({n: g for n, g in grads.items() if "text_decoder" in n})
+
+
+@pytest.mark.parametrize("weights", [("2.0", "1.0"), ("1.0", "0.0")])
+def test_sub_batches_and_offload_give_the_one_pass_gradients(weights):
+    caption, contrastive = weights
+    extra = [f"loss.caption_weight={caption}", f"loss.contrastive_weight={contrastive}"]
+    one_pass = gradients(*extra)
+    assert set(one_pass["terms"]) == {"contrastive", "caption"} and decoder(one_pass["grads"]).abs().sum() > 0
+    for more in ([f"trainer.sub_batch={BATCH // 4}"], [f"trainer.sub_batch={BATCH // 4}", "trainer.offload=true"]):
+        cached = gradients(*extra, *more)
+        assert cached["grads"].keys() == one_pass["grads"].keys(), more
+        assert rel_error(cached["loss"], one_pass["loss"]) <= 1e-6, more
+        assert rel_error(flat(cached["grads"]), flat(one_pass["grads"])) <= 1e-5, more
+        assert rel_error(decoder(cached["grads"]), decoder(one_pass["grads"])) <= 1e-5, more
+
+
+def test_the_caption_term_is_the_cross_entropy_over_the_global_batchs_tokens():
+    """Against OpenCLIP's CoCaLoss on the whole batch in float64 (its caption term: the mean over the batch's
+    non-pad tokens), and ``caption_weight=0`` against the contrastive step's gradients."""
+    from open_clip.loss import CoCaLoss
+
+    ours = gradients("loss.caption_weight=1.0", f"trainer.sub_batch={BATCH // 4}", batch_of=True)
+    model = ours["model"].double()
+    images = torch.cat([sub.images for sub in ours["subs"]])
+    texts = torch.cat([sub.texts for sub in ours["subs"]])
+    with torch.no_grad():
+        pixels = (images.double() / 255 - torch.tensor(model.preprocess["mean"]).view(1, 3, 1, 1)) \
+            / torch.tensor(model.preprocess["std"]).view(1, 3, 1, 1)
+        out = model.clip(pixels, texts)
+        loss = CoCaLoss(caption_loss_weight=1.0, clip_loss_weight=0.0, pad_id=model.clip.pad_id)
+        _, caption = loss(out["image_features"], out["text_features"], out["logits"], out["labels"],
+                          out["logit_scale"])
+    assert rel_error(ours["terms"]["caption"].double(), caption) <= 1e-5
+    assert rel_error(ours["loss"].double(), ours["terms"]["contrastive"].double() + caption) <= 1e-5
+    plain = gradients(f"trainer.sub_batch={BATCH // 4}")  # caption_weight 0: today's step, the decoder frozen
+    without = gradients("loss.caption_weight=0", f"trainer.sub_batch={BATCH // 4}")
+    assert not any("text_decoder" in name for name in plain["grads"]) and plain["terms"] == {}
+    assert torch.equal(flat(plain["grads"]), flat(without["grads"]))
+    assert rel_error(flat({n: g for n, g in ours["grads"].items() if "text_decoder" not in n}),
+                     flat(plain["grads"])) > 1e-4  # not vacuous: the caption loss reaches the towers too
+
+
+def two_ranks(rank: int, world: int) -> dict:
+    return gradients("loss.caption_weight=1.5", "trainer.sub_batch=4")
+
+
+def test_two_ranks_equal_one_process(tmp_path):
+    single = gradients("loss.caption_weight=1.5")
+    for result in run_ranks(2, two_ranks, tmp_path=tmp_path):
+        assert rel_error(result["loss"], single["loss"]) <= 1e-6
+        assert rel_error(flat(result["grads"]), flat(single["grads"])) <= 1e-5
+
+
+def test_a_model_without_a_decoder_and_bad_weights_are_config_errors():
+    with pytest.raises(ConfigError, match=r"loss\.caption_weight=1\.0 but model tiny has no caption decoder"):
+        RunParts.build(validate(compose(*BASE, "loss.caption_weight=1.0")), init_distributed("cpu"))
+    with pytest.raises(ConfigError, match=r"loss\.caption_weight=-1"):
+        validate(compose("loss.caption_weight=-1"))
