@@ -109,7 +109,7 @@ def test_bad_caption_keys_name_the_key(overrides, key):
 
 
 def test_hard_negatives_are_read_cycled_and_a_sample_without_them_is_counted():
-    from megabatch.data.samples import Stats, decode_pair
+    from megabatch.data.samples import Stats, Texts, decode_pair
 
     keys = CaptionKeys("txt", negatives_key="json:negatives", negatives=3)
     sample = {"txt": b"a cat", "png": b"", "json": json.dumps({"negatives": ["a dog", "a cow"]}).encode()}
@@ -117,6 +117,6 @@ def test_hard_negatives_are_read_cycled_and_a_sample_without_them_is_counted():
     lines = CaptionKeys("txt", negatives_key="neg.txt", negatives=2)
     assert lines.negatives_of({"neg.txt": b"a dog\n\na cow\na pig\n"}) == ["a dog", "a cow"]
     stats = Stats()
-    assert decode_pair(sample, stats, lambda data: "image", keys, 0)[2] == ("a cat", ["a dog", "a cow", "a dog"])
+    assert decode_pair(sample, stats, lambda data: "image", keys, 0)[2] == Texts("a cat", ["a dog", "a cow", "a dog"])
     assert decode_pair({**sample, "json": b"{}"}, stats, lambda data: "image", keys, 0) is None
     assert stats.missing_negatives == 1 and stats.as_dict()["missing_negatives"] == 1

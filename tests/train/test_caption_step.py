@@ -6,6 +6,8 @@ on the whole batch, float64); ``caption_weight=0`` is today's step; a model with
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -96,3 +98,37 @@ def test_a_model_without_a_decoder_and_bad_weights_are_config_errors():
         RunParts.build(validate(compose(*BASE, "loss.caption_weight=1.0")), init_distributed("cpu"))
     with pytest.raises(ConfigError, match=r"loss\.caption_weight=-1"):
         validate(compose("loss.caption_weight=-1"))
+
+
+def test_caption_script_writes_a_caption_per_image(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from megabatch.data.shard_writer import encode_png
+    from megabatch.models import build_model
+
+    from ..helpers import ROOT
+
+    torch.manual_seed(0)
+    model = build_model(compose("model=tiny_coca").model)
+    ckpt = tmp_path / "coca.pt"
+    torch.save({"model": model.state_dict(), "step": 0, "open_clip": model.description()}, ckpt)
+    images = tmp_path / "images"
+    (images / "more").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in ("a.png", "b.png", "more/c.png"):
+        (images / name).write_bytes(encode_png(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)))
+    (images / "broken.png").write_bytes(b"not an image")
+    ran = subprocess.run([sys.executable, "scripts/caption.py", f"ckpt={ckpt}", f"images={images}",
+                          f"out={tmp_path / 'captions.jsonl'}", "max_len=8"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "captions.jsonl").read_text().splitlines()]
+    assert [Path(row["image"]).name for row in rows] == ["a.png", "b.png", "c.png"]
+    assert all(isinstance(row["caption"], str) for row in rows) and "skipping" in ran.stderr
+    plain = subprocess.run([sys.executable, "scripts/caption.py", f"ckpt={ckpt}", "images=/nowhere", "batch=0"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 2 and "batch=" in plain.stderr

@@ -556,14 +556,7 @@ def runs_on_cuda(device: str) -> bool:
     return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
-LOSS_WEIGHTS = {"caption_weight": 0.0, "contrastive_weight": 1.0}  # the step's, not the loss class's arguments
-
-
-def loss_options(loss: DictConfig) -> DictConfig:
-    """``cfg.loss`` without the step's weights (``LOSS_WEIGHTS``): what the loss class is built from."""
-    options = OmegaConf.masked_copy(loss, [key for key in loss if key not in LOSS_WEIGHTS]) \
-        if any(key in loss for key in LOSS_WEIGHTS) else loss
-    return options
+LOSS_WEIGHTS = {"caption_weight": 0.0, "contrastive_weight": 1.0}  # applied by the step (losses/base.py keeps them)
 
 
 def loss_weights(loss: DictConfig) -> tuple[float, float]:
@@ -578,7 +571,7 @@ def check_loss(loss: DictConfig, device: str) -> None:
         value = loss.get(key, LOSS_WEIGHTS[key])
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(f"loss.{key}={value!r}: give a weight >= 0, e.g. loss.{key}={LOSS_WEIGHTS[key] or 1.0}")
-    check_buildable(loss_options(loss), "loss")
+    check_buildable(loss, "loss")
     if loss.get("impl") == "triton":
         if not runs_on_cuda(device) and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise ConfigError("loss.impl=triton needs a CUDA GPU and this run is on the CPU; use "

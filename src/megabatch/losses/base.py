@@ -45,9 +45,12 @@ class ContrastiveLoss(nn.Module):
     uses_bias = False
     takes_negatives = True
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, caption_weight: float = 0.0, contrastive_weight: float = 1.0):
         super().__init__()
         self.group = group
+        # loss.caption_weight / loss.contrastive_weight: the step's weights of the caption loss (a CoCa's) and
+        # of this loss, kept in the loss's config; the trainer applies them (train/step.py), not this module
+        self.caption_weight, self.contrastive_weight = float(caption_weight), float(contrastive_weight)
         self._checked_rows: set[int] = set()  # the per-rank row counts already checked equal on every rank
 
     def forward(
@@ -101,8 +104,9 @@ class TiledLoss(ContrastiveLoss):
     size their own tiles). ``fp32_precision``: ``tf32`` or ``ieee`` dots for fp32 features.
     """
 
-    def __init__(self, tile: int = 8192, impl: str = "auto", fp32_precision: str = "tf32", group=None):
-        super().__init__(group)
+    def __init__(self, tile: int = 8192, impl: str = "auto", fp32_precision: str = "tf32", group=None,
+                 **weights):
+        super().__init__(group, **weights)
         if tile <= 0:
             raise ValueError(f"loss.tile={tile} must be positive")
         if fp32_precision not in ("tf32", "ieee"):

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from ..config import ConfigError, parse_count, parse_optional_count
-from ..config.schema import loss_options, loss_weights, model_settings
+from ..config.schema import loss_weights, model_settings
 from ..data import TrainData
 from ..data.gpu_decode import GpuDecoder, resolve_decode
 from ..data.offload import Offload
@@ -144,7 +144,7 @@ def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Pr
     """The model as it trains, and its loss: the loss's logit bias checked against the model's,
     the Linear layers in FP8 (``model.fp8``), the weights sharded (``trainer.parallel=fsdp``);
     before the optimizer takes the parameters. Returns the loss."""
-    loss = instantiate(loss_options(cfg.loss))
+    loss = instantiate(cfg.loss)
     check_bias(model, loss)
     train_decoder(cfg, model, env)
     loss = distilled(cfg, loss, model, env, data)
