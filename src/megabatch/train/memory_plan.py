@@ -118,18 +118,20 @@ def batch_bytes(rank_batch: int, embed_dim: int, feature_bytes: int, kept_input_
     return features + rank_batch * kept_input_bytes_per_row + 2 * 4 * trainable_params
 
 
-def probe_peak_memory(model, rows: int, precision, device: torch.device) -> tuple[int, int]:
+def probe_peak_memory(model, rows: int, precision, device: torch.device, caption: bool = False) -> tuple[int, int]:
     """Peak allocated bytes of one forward-backward of ``rows`` synthetic samples
     (``ClipModel.example_inputs``) under ``precision``'s autocast, and the bytes its graph held
-    between the forward and the backward; the gradients are cleared after."""
+    between the forward and the backward; the gradients are cleared after. ``caption``: with a CoCa's
+    caption loss (``loss.caption_weight``), the decoder's logits over every token included."""
     images, texts = model.example_inputs(rows, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     with precision.autocast():
-        image_features, text_features, scale, _ = model(images, texts)
+        outputs = model(images, texts, **({"caption": True} if caption else {}))
+    image_features, text_features, scale = outputs[:3]
     graph = torch.cuda.memory_allocated(device) - before
-    surrogate = scale.float()
+    surrogate = scale.float() + (outputs[4] if caption else 0)
     for features in (image_features, text_features):
         if features.requires_grad:
             surrogate = surrogate + features.float().sum()
@@ -137,6 +139,6 @@ def probe_peak_memory(model, rows: int, precision, device: torch.device) -> tupl
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     model.zero_grad(set_to_none=True)
-    del images, texts, image_features, text_features, surrogate
+    del images, texts, image_features, text_features, surrogate, outputs
     torch.cuda.empty_cache()
     return peak, graph

@@ -462,7 +462,8 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
             log.info("trainer.sub_batch=auto on the CPU: no GPU memory to fit, the whole per-rank batch (%d)",
                      rank_batch)
         return SubBatchChoice(rank_batch, 0.0, 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
-    probes = [(rows, *probe_peak_memory(model, rows, precision, env.device))
+    caption = loss_weights(cfg.loss)[0] > 0 and model.has_decoder  # the replay runs the caption decoder too
+    probes = [(rows, *probe_peak_memory(model, rows, precision, env.device, caption))
               for rows in sorted({min(rank_batch, 32), min(rank_batch, 64)})]
     if len(probes) == 1:  # a per-rank batch of at most 32: the probe ran it whole
         return SubBatchChoice(rank_batch, float(probes[0][1]), 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
