@@ -114,12 +114,13 @@ def test_readme_command_composes(command):
     if script.endswith("compare_export.py"):  # key=value: exactly these two
         assert sorted(arg.partition("=")[0] for arg in args) == ["ckpt", "export"], args
         return
-    if script.endswith(("make_shards.py", "export.py", "report.py", "config_reference.py", "results_page.py")):
+    if script.endswith(("make_shards.py", "export.py", "caption.py", "report.py", "config_reference.py",
+                        "results_page.py")):
         name = Path(script).stem
         spec = importlib.util.spec_from_file_location(name, ROOT / script)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        if name == "export":
+        if name in ("export", "caption"):
             module.parse(args)  # key=value arguments: unknown or missing keys exit
         else:
             module.build_parser().parse_args(args)
