@@ -110,6 +110,7 @@ import wandb  # noqa: E402,F401  (held back only while open_clip was imported)
 """
 
 
+@pytest.mark.slow  # 30 s on 2 cores (fresh interpreters): make test-all
 def test_transformers_is_imported_when_a_hf_tower_is_built(tmp_path, monkeypatch):
     """A fresh process that imports megabatch's models has not imported transformers (nor the
     scikit-learn and SciPy it brings), nor wandb (timm's, for its own script); its first Hugging Face
