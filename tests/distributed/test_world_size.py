@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megabatch.checkpoint import load_checkpoint
@@ -65,6 +66,7 @@ def test_a_run_resumed_on_1_then_2_then_3_ranks_ends_as_the_uninterrupted_one(tm
     assert rel_error(torch.cat([first["model"][name].flatten() for name in names]), weights) > 1e-3
 
 
+@pytest.mark.slow  # 37 s on 2 cores (three launches): make test-all
 def test_two_torchrun_launches_of_one_rank_each_train_as_one_job(tmp_path):
     """README's multi-node command: one launch per node, a c10d rendezvous at node 0's address."""
     endpoint = f"127.0.0.1:{free_port()}"
