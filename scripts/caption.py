@@ -24,20 +24,10 @@ GENERATIONS = ("beam_search", "top_k", "top_p")
 def parse(argv: list[str]) -> dict[str, str]:
     """``key=value`` arguments (as the other scripts take them); unknown, missing or bad values exit 2."""
     from megabatch.config import ConfigError
-    from megabatch.config.cli import config_error_exit
+    from megabatch.config.cli import config_error_exit, key_values
 
-    values = dict(OPTIONS)
     try:
-        for arg in argv:
-            key, sep, value = arg.partition("=")
-            if not sep or key not in OPTIONS:
-                raise ConfigError(f"{arg!r}: give key=value with key one of {', '.join(OPTIONS)}, e.g. "
-                                  "ckpt=runs/coca/checkpoints/last.pt images=photos/")
-            values[key] = value
-        missing = [key for key, value in values.items() if value is None]
-        if missing:
-            raise ConfigError(f"{' and '.join(missing)} not given: python scripts/caption.py "
-                              "ckpt=runs/coca/checkpoints/last.pt images=photos/")
+        values = key_values(argv, OPTIONS, "ckpt=runs/coca/checkpoints/last.pt images=photos/", "scripts/caption.py")
         if values["generation"] not in GENERATIONS:
             raise ConfigError(f"generation={values['generation']!r}: use one of {', '.join(GENERATIONS)}")
         for key in ("max_len", "batch"):

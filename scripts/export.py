@@ -21,20 +21,11 @@ OPTIONS = {"ckpt": None, "out": None, "overwrite": "false", "check": "true", "we
 def parse(argv: list[str]) -> dict[str, str]:
     """``key=value`` arguments (as scripts/evaluate.py takes them); unknown or missing keys exit 2."""
     from megabatch.config import ConfigError
-    from megabatch.config.cli import config_error_exit
+    from megabatch.config.cli import config_error_exit, key_values
 
-    values = dict(OPTIONS)
     try:
-        for arg in argv:
-            key, sep, value = arg.partition("=")
-            if not sep or key not in OPTIONS:
-                raise ConfigError(f"{arg!r}: give key=value with key one of {', '.join(OPTIONS)}, e.g. "
-                                  "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>")
-            values[key] = value
-        missing = [key for key, value in values.items() if value is None]
-        if missing:
-            raise ConfigError(f"{' and '.join(missing)} not given: python scripts/export.py "
-                              "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>")
+        values = key_values(argv, OPTIONS, "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>",
+                            "scripts/export.py")
         for key in ("overwrite", "check"):
             if values[key].lower() not in ("true", "false"):
                 raise ConfigError(f"{key}={values[key]!r}: use true or false")

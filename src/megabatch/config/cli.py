@@ -84,6 +84,22 @@ def split_top_level(text: str, separator: str = ",") -> list[str]:
     return pieces
 
 
+def key_values(argv: list[str], options: dict[str, str | None], example: str, script: str) -> dict[str, str]:
+    """A script's ``key=value`` arguments over its ``options`` (defaults; ``None``: required): a
+    ``ConfigError`` for an unknown key, a word without ``=`` or a required key not given, with
+    ``example`` (``ckpt=... out=...``) as the fix."""
+    values = dict(options)
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in options:
+            raise ConfigError(f"{arg!r}: give key=value with key one of {', '.join(options)}, e.g. {example}")
+        values[key] = value
+    missing = [key for key, value in values.items() if value is None]
+    if missing:
+        raise ConfigError(f"{' and '.join(missing)} not given: python {script} {example}")
+    return values
+
+
 def config_error_exit(error: ConfigError) -> SystemExit:
     """What an entry point raises for a ``ConfigError``: one line on stderr naming the key and the
     fix, status 2 (usage), no traceback; with ``HYDRA_FULL_ERROR=1`` the error itself, traceback

@@ -205,6 +205,7 @@ def write_teacher_shards(urls: list[str], out: Path, teachers: list[tuple[str, T
         sizes = Path(urls[0]).parent / "sizes.json"
         if sizes.is_file():
             (out / "sizes.json").write_text(sizes.read_text())
+    tokenizers = [teacher.model.tokenizer() for _, teacher in teachers]  # built once, not per chunk
     mine = [Path(url) for url in urls[rank::world]]
     suffix = "." + key
     written = []
@@ -229,9 +230,9 @@ def write_teacher_shards(urls: list[str], out: Path, teachers: list[tuple[str, T
             images = [decode_rgb(next(samples[k][e] for e in IMAGE_KEYS if e in samples[k])) for k in chunk]
             captions = [samples[k][caption_key].decode("utf-8").strip() for k in chunk]
             per_teacher = []
-            for _, teacher in teachers:
+            for (_, teacher), tokenizer in zip(teachers, tokenizers, strict=True):
                 pixels = _teacher_images(images, teacher.size).to(teacher.device)
-                tokens = teacher.model.tokenizer()(captions)
+                tokens = tokenizer(captions)
                 image_features, text_features = teacher(pixels, tokens, contextlib.nullcontext)
                 per_teacher.append(torch.stack([image_features.float(), text_features.float()], 1).cpu())
             stacked = torch.stack(per_teacher, 1).numpy().astype(dtype)  # [n, members, 2, width]
