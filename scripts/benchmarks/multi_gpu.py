@@ -263,6 +263,9 @@ def main() -> None:
                         help="'name: override ...': a run per variant, each with --set and its own overrides")
     parser.add_argument("--openclip", action="store_true", help="also OpenCLIP's trainer at each GPU count and batch")
     parser.add_argument("--openclip-gpus", default=None, help="its GPU counts (default: --gpus)")
+    parser.add_argument("--openclip-batch", default=None,
+                        help="its global batches, comma-separated, tried after ours at the last --batch (default: "
+                             "--batch, each beside ours); e.g. where it runs out of memory at ours")
     parser.add_argument("--openclip-sub-batch", type=int, default=1024, help="its --batch-size per GPU")
     parser.add_argument("--openclip-set", nargs="*", default=[], help="more OpenCLIP arguments")
     parser.add_argument("--timeout-s", type=float, default=540, help="per run")
@@ -289,9 +292,11 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
                 write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
                               epoch_samples=args.epoch_samples)
-        if args.openclip:
+        last = batch == args.batch.split(",")[-1]
+        theirs = [batch] if not args.openclip_batch else args.openclip_batch.split(",") if last else []
+        for their_batch in theirs if args.openclip else []:
             for gpus in (int(g) for g in (args.openclip_gpus or args.gpus).split(",")):
-                row = run_openclip(gpus, parse_count(batch, "--batch"), args.openclip_sub_batch, args.arch,
+                row = run_openclip(gpus, parse_count(their_batch, "--batch"), args.openclip_sub_batch, args.arch,
                                    args.steps, args.workers, args.warmup_steps, basis, args.timeout_s,
                                    args.openclip_set)
                 results.append(row)
