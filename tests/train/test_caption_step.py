@@ -140,3 +140,17 @@ def caption_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.slow  # inductor compiles the three graphs on the CPU: ~80 s (make test-all)
+def test_model_compile_compiles_the_caption_pass_and_keeps_its_gradients():
+    extra = ["loss.caption_weight=2.0", f"trainer.sub_batch={BATCH // 4}"]
+    eager = gradients(*extra)
+    parts = RunParts.build(validate(compose(*COCA, *extra, "model.compile=true")), init_distributed("cpu"))
+    loss, _ = parts.step.gradients(parts.inputs(0))
+    assert parts.model._compiled_caption is not None
+    grads = {n: full(p.grad).detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
+    parts.close()
+    assert rel_error(loss, eager["loss"]) <= 1e-6
+    assert rel_error(flat(grads), flat(eager["grads"])) <= 1e-5
+    assert rel_error(decoder(grads), decoder(eager["grads"])) <= 1e-5

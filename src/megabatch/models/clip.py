@@ -51,6 +51,7 @@ class ClipModel(nn.Module):
         self.tokenizer_folder = tokenizer_folder  # a pretrained folder holding the HF tokenizer
         self._compiled: dict | None = None        # compile_towers(): the compiled encoders, and their batch
         self._cuda_graphs = False                 # compile_towers(cuda_graphs=True): replayed as CUDA graphs
+        self._compiled_caption: dict | None = None  # compile_towers() of a CoCa: caption_forward's three graphs
         self.text_trim: TextTrim | None = None    # trim_text(): how captions are cut to their length
 
     @property
@@ -190,21 +191,34 @@ class ClipModel(nn.Module):
     def caption_forward(self, images: torch.Tensor | None, texts: torch.Tensor, before_text=None):
         """``forward``'s outputs and the caption decoder's cross-entropy summed over the captions' tokens
         (teacher forcing: token t + 1 from the image's tokens and the caption's up to t; padding ignored):
-        ``loss.caption_weight``. The towers run eagerly (not compiled), a frozen one without autograd; the
-        features are the same as ``forward``'s."""
+        ``loss.caption_weight``. A frozen tower runs without autograd; the features are the same as
+        ``forward``'s. After ``compile_towers`` the image tower, the text tower and the decoder with its
+        cross-entropy run compiled, each its own graph (the first two also output their tokens)."""
+        parts = self._compiled_caption or {"image": self._caption_image, "text": self._caption_text,
+                                           "decoder": self._caption_loss}
         with torch.no_grad() if self.frozen("image") else contextlib.nullcontext():
-            pixels = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
-            image_latent, image_tokens = self.clip._encode_image(pixels)
-            image_features = nn.functional.normalize(image_latent, dim=-1)
+            image_features, image_tokens = parts["image"](images)
         if before_text is not None:
             before_text()
         with torch.no_grad() if self.frozen("text") else contextlib.nullcontext():
-            text_latent, token_embeddings = self.clip._encode_text(texts)
-            text_features = nn.functional.normalize(text_latent, dim=-1)
-        logits = self.clip.text_decoder(image_tokens, token_embeddings[:, :-1])
-        caption = nn.functional.cross_entropy(logits.float().flatten(0, 1), texts[:, 1:].flatten(),
-                                              ignore_index=self.clip.pad_id, reduction="sum")
+            text_features, token_embeddings = parts["text"](texts)
+        caption = parts["decoder"](image_tokens, token_embeddings, texts)
         return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias, caption
+
+    def _caption_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        latent, tokens = self.clip._encode_image(normalize_images(images, self.preprocess["mean"],
+                                                                  self.preprocess["std"]))
+        return nn.functional.normalize(latent, dim=-1), tokens
+
+    def _caption_text(self, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        latent, token_embeddings = self.clip._encode_text(texts)
+        return nn.functional.normalize(latent, dim=-1), token_embeddings
+
+    def _caption_loss(self, image_tokens: torch.Tensor, token_embeddings: torch.Tensor,
+                      texts: torch.Tensor) -> torch.Tensor:
+        logits = self.clip.text_decoder(image_tokens, token_embeddings[:, :-1])
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), texts[:, 1:].flatten(),
+                                           ignore_index=self.clip.pad_id, reduction="sum")
 
     def tower_blocks(self, tower: str) -> list[nn.Module]:
         """A tower's repeated transformer blocks: the longest ``ModuleList`` in it whose members share
@@ -271,6 +285,10 @@ class ClipModel(nn.Module):
         self._compiled = {"image": _FixedRows(compiled["image"], rows),
                           "text": _FixedRows(compiled["text"], rows, dynamic_length=dynamic)}
         self._cuda_graphs = cuda_graphs
+        if self.has_decoder and not cuda_graphs:  # loss.caption_weight's pass (caption_forward): three graphs,
+            # shapes automatically dynamic (a short last sub-batch, a frozen tower's no-grad mode: compiled once more)
+            self._compiled_caption = {name: torch.compile(fn) for name, fn in (
+                ("image", self._caption_image), ("text", self._caption_text), ("decoder", self._caption_loss))}
 
     def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool) -> float:
         """After ``compile_towers``: compile now every graph training will call, so that no step
