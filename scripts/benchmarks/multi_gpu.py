@@ -269,6 +269,7 @@ def main() -> None:
     parser.add_argument("--openclip-sub-batch", type=int, default=1024, help="its --batch-size per GPU")
     parser.add_argument("--openclip-set", nargs="*", default=[], help="more OpenCLIP arguments")
     parser.add_argument("--timeout-s", type=float, default=540, help="per run")
+    parser.add_argument("--openclip-timeout-s", type=float, default=None, help="per OpenCLIP run (default: --timeout-s)")
     parser.add_argument("--workdir", default="/tmp/multi-gpu-bench")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -297,7 +298,8 @@ def main() -> None:
         for their_batch in theirs if args.openclip else []:
             for gpus in (int(g) for g in (args.openclip_gpus or args.gpus).split(",")):
                 row = run_openclip(gpus, parse_count(their_batch, "--batch"), args.openclip_sub_batch, args.arch,
-                                   args.steps, args.workers, args.warmup_steps, basis, args.timeout_s,
+                                   args.steps, args.workers, args.warmup_steps, basis,
+                                   args.openclip_timeout_s or args.timeout_s,
                                    args.openclip_set)
                 results.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
