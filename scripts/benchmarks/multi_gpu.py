@@ -217,6 +217,8 @@ def run_openclip(gpus: int, batch: int, sub_batch: int, arch: str, steps: int, w
     row["mfu"] = steady([s["mfu"] for s in row["steps"] if "mfu" in s], warmup)
     if code != 0 or not per_step:
         row["log_tail"] = out[-4000:]
+        row["error_lines"] = [line[:400] for line in out.splitlines()
+                              if re.search(r"Error|error:|Aborted|terminate called|what\(\)", line)][-20:]
     return row
 
 
