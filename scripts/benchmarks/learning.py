@@ -6,6 +6,13 @@ final zero-shot top-1, side by side with their means over the seeds.
     python scripts/benchmarks/learning.py --settings model.fp8=false model.fp8=true \
         --set model.compile=true batch=256 trainer.sub_batch=64 --out fp8.json
 
+``--caption-accuracy`` (a CoCa, ``--set model=tiny_coca``): each run's last checkpoint also captions the held-out
+digits with ``scripts/caption.py`` (beam search), and the run reports the share of captions that name the scan's
+digit, as a word or a numeral, and no other digit (``caption_accuracy``).
+
+    python scripts/benchmarks/learning.py --set model=tiny_coca --settings loss.caption_weight=0 \
+        loss.caption_weight=2.0 --caption-accuracy --out coca_digits.json
+
 Each run is a process of its own, ``python train.py <--set ...> <setting> seed=<seed>
 name=learning_<setting>_s<seed>``, in ``runs/``; ``--reuse`` reads a run that already finished there
 instead of training it again. Loss: the logged training loss at each logged step; ``loss_last_100``:
@@ -16,14 +23,52 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from megabatch.bench import ROOT, write_results
 
 
-def run(setting: str, seed: int, overrides: list[str], reuse: bool) -> dict:
+def named_digits(caption: str) -> set[int]:
+    """The digits a caption names, as words (``seven``) or numerals (``7``)."""
+    from megabatch.data.digits import CLASS_NAMES
+
+    words = re.findall(r"[a-z]+|\d+", caption.lower())
+    return {d for d, name in enumerate(CLASS_NAMES) if name in words or str(d) in words}
+
+
+def caption_accuracy(run_dir: Path) -> dict:
+    """``scripts/caption.py`` on the held-out digits with ``run_dir``'s last checkpoint: the share of captions
+    naming exactly the scan's digit, and a few examples."""
+    import tarfile
+
+    from megabatch.data.digits import ensure_digits
+    from megabatch.data.urls import expand_urls
+
+    test = ensure_digits(os.environ.get("MEGABATCH_CACHE", "~/.cache/megabatch"))["test"]
+    out = run_dir / "captions.jsonl"
+    command = [sys.executable, "scripts/caption.py", f"ckpt={run_dir / 'checkpoints' / 'last.pt'}", f"images={test}",
+               f"out={out}", "batch=256"]
+    print("$", " ".join(command[1:]), flush=True)
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    labels = {}
+    for url in expand_urls(test, "digits"):
+        with tarfile.open(url) as tar:
+            for member in tar.getmembers():
+                key, _, ext = Path(member.name).name.partition(".")
+                if ext == "json":
+                    labels[f"{Path(url).name}/{key}"] = json.loads(tar.extractfile(member).read())["label"]
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    right = sum(named_digits(row["caption"]) == {labels[row["image"]]} for row in rows)
+    return {"caption_accuracy": 100.0 * right / len(rows), "captions": len(rows),
+            "caption_examples": [{"digit": labels[row["image"]], "caption": row["caption"]} for row in rows[:5]]}
+
+
+def run(setting: str, seed: int, overrides: list[str], reuse: bool, captions: bool = False) -> dict:
     name = "learning_" + "".join(c if c.isalnum() else "_" for c in setting) + f"_s{seed}"
     metrics = ROOT / "runs" / name / "metrics.jsonl"
     finished = metrics.exists() and any("/top1" in line for line in metrics.read_text().splitlines())
@@ -36,8 +81,9 @@ def run(setting: str, seed: int, overrides: list[str], reuse: bool) -> dict:
     top1 = [value for row in rows for key, value in row.items() if key.startswith("eval/") and key.endswith("/top1")]
     last = max(losses)
     tail = [loss for step, loss in losses.items() if step > last - 100]
-    return {"setting": setting, "seed": seed, "run": name, "loss": losses, "final_loss": losses[last],
-            "loss_last_100": statistics.mean(tail), "zero_shot_top1": top1[-1] if top1 else None}
+    result = {"setting": setting, "seed": seed, "run": name, "loss": losses, "final_loss": losses[last],
+              "loss_last_100": statistics.mean(tail), "zero_shot_top1": top1[-1] if top1 else None}
+    return {**result, **(caption_accuracy(metrics.parent) if captions else {})}
 
 
 def main() -> None:
@@ -46,12 +92,14 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--set", nargs="*", default=[], help="overrides every run shares")
     parser.add_argument("--reuse", action="store_true", help="read runs that already finished")
+    parser.add_argument("--caption-accuracy", action="store_true",
+                        help="a CoCa's captions of the held-out digits: the share naming the right digit")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     results = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for setting in args.settings:
-            results.append(run(setting, seed, args.set, args.reuse))
+            results.append(run(setting, seed, args.set, args.reuse, args.caption_accuracy))
             write_results(args.out, results, shared=args.set)
     summary = []
     for setting in args.settings:
@@ -61,6 +109,11 @@ def main() -> None:
                         "loss_last_100_mean": statistics.mean(row["loss_last_100"] for row in mine),
                         "zero_shot_top1_mean": statistics.mean(top1) if top1 else None,
                         "zero_shot_top1_each": top1})
+        if args.caption_accuracy:
+            summary[-1]["caption_accuracy_each"] = [row["caption_accuracy"] for row in mine]
+            summary[-1]["caption_accuracy_mean"] = statistics.mean(summary[-1]["caption_accuracy_each"])
+            print(f"{setting:>24}: digit named in {summary[-1]['caption_accuracy_mean']:.2f}% of the captions "
+                  f"({', '.join(f'{a:.2f}' for a in summary[-1]['caption_accuracy_each'])})", flush=True)
         print(f"{setting:>24}: last-100-step loss {summary[-1]['loss_last_100_mean']:.4f}, zero-shot top-1 "
               f"{summary[-1]['zero_shot_top1_mean']:.2f}% ({', '.join(f'{t:.2f}' for t in top1)})", flush=True)
     write_results(args.out, results, shared=args.set, summary=summary)
