@@ -300,6 +300,34 @@ QUESTIONS = [
         ],
     },
     {
+        "title": "Captions: CoCa's caption loss at any batch",
+        "text": "`loss.caption_weight` (docs/models.md): CoCa ViT-B/32 (`model=openclip model.arch=coca_ViT-B-32`, "
+                "random weights) on one H200 through the multi-GPU harness (`--gpus 1`, `trainer.sub_batch=auto`, "
+                "`model.compile=true`), the first step left out, beside OpenCLIP 3.3's own trainer on CoCa "
+                "(`--coca-caption-loss-weight 2`, its default) at the batches it was tried at. Then learning: the "
+                "tiny CoCa (`model=tiny_coca`) on the embedded digits, 1000 steps of 128, with the caption loss "
+                "and without, three seeds: the zero-shot top-1 and the share of the 360 held-out scans whose "
+                "beam-search caption (`scripts/caption.py`) names the scan's digit (word or numeral) and no other.",
+        "entries": [
+            {"file": "coca_vit_b32_32k_h200.json", "kind": "multi_gpu", "phases": True,
+             "label": "32k, the caption pass eager: contrastive only (`loss.caption_weight=0`) 5,811 against "
+                      "1,776 samples/s with the caption loss (`loss.caption_weight=2.0`); the replay 4.1 against "
+                      "16.2 s (sub-batch 2048 against 512: the decoder's logits, 140 MB a sample). OpenCLIP at 8k "
+                      "(1024 x `--accum-freq 8`) logged no step in 190 s"},
+            {"file": "coca_caption_compiled_vit_b32_32k_h200.json", "kind": "multi_gpu", "phases": True,
+             "label": "32k with the caption pass compiled (ac949ed): 2,448 samples/s (+38%), the replay 11.4 s, "
+                      "rank 0's peak 56 against 83 GB; the caption loss is 58% of the step (13.4 against 5.6 s without it). "
+                      "OpenCLIP: 2k (1024 x `--accum-freq 2`) ran out of memory (28 GB more asked at 125 GB: it "
+                      "concatenates every micro-batch's [b, 76, 49408] logits and recomputes the whole batch's "
+                      "caption loss in each micro-batch's replay); 1k without accumulation aborted at 125 GB"},
+            {"file": "coca_caption_vit_b32_256k_h200.json", "kind": "multi_gpu", "phases": True,
+             "label": "256k with the caption loss, one step after the first: 2,278 samples/s (115 s a step), "
+                      "rank 0's peak 90 GB (118 GB in use, nvidia-smi). OpenCLIP at 512 logged no step in its "
+                      "115 s"},
+            {"file": "coca_learning_digits_h200.json", "kind": "learning"},
+        ],
+    },
+    {
         "title": "Stopping: a signal to a checkpoint on disk",
         "text": "ViT-L/14 with AdamW's state (a 5.13 GB `last.pt`), SIGTERM after step 3: seconds from the signal "
                 "to the process's exit with the checkpoint written and fsync'ed.",
@@ -519,6 +547,12 @@ def learning_table(data: dict, entry: dict) -> list[str]:
         each = ", ".join(f"{top1:.2f}" for top1 in summary["zero_shot_top1_each"])
         rows.append(f"| `{summary['setting']}` | {summary['seeds']} | " + " | ".join(f"{v:.3f}" for v in curve)
                     + f" | {summary['loss_last_100_mean']:.3f} | {summary['zero_shot_top1_mean']:.2f}% ({each}) |")
+        if "caption_accuracy_mean" in summary:  # learning.py --caption-accuracy (a CoCa)
+            named = ", ".join(f"{value:.2f}" for value in summary["caption_accuracy_each"])
+            rows[-1] += f" {summary['caption_accuracy_mean']:.2f}% ({named}) |"
+    if any("caption_accuracy_mean" in summary for summary in data["meta"]["summary"]):
+        rows[0] += " held-out captions naming the digit: mean (each) |"
+        rows[1] += "---|"
     return rows
 
 
