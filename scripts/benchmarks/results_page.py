@@ -316,7 +316,8 @@ QUESTIONS = [
                       "(1024 x `--accum-freq 8`) logged no step in 190 s"},
             {"file": "coca_caption_compiled_vit_b32_32k_h200.json", "kind": "multi_gpu", "phases": True,
              "label": "32k with the caption pass compiled (ac949ed): 2,448 samples/s (+38%), the replay 11.4 s, "
-                      "rank 0's peak 56 against 83 GB; the caption loss is 58% of the step (13.4 against 5.6 s without it). "
+                      "rank 0's peak 56 against 83 GB; the caption loss is 58% of the step (13.4 against 5.6 s "
+                      "without it). "
                       "OpenCLIP: 2k (1024 x `--accum-freq 2`) ran out of memory (28 GB more asked at 125 GB: it "
                       "concatenates every micro-batch's [b, 76, 49408] logits and recomputes the whole batch's "
                       "caption loss in each micro-batch's replay); 1k without accumulation aborted at 125 GB"},

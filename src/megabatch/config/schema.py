@@ -108,7 +108,7 @@ class EvalConfig:
     every: int | None = MISSING
     at_end: bool = MISSING
     # only some eval options set these
-    task: str = "zeroshot"            # zeroshot | retrieval
+    task: str = "zeroshot"            # zeroshot | retrieval | captioning (a CoCa's captions: BLEU, CIDEr)
     format: str = "wds"               # wds | folder | objectnet
     root: str | None = None
     urls: str | None = None
@@ -410,12 +410,13 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
     at_least(eval_cfg.batch_size, f"{key}.batch_size", 1, "256")
     at_least(eval_cfg.chunk, f"{key}.chunk", 1, "1024")
     at_least(eval_cfg.num_workers, f"{key}.num_workers", 0, "4")
-    choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval"))
+    choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval", "captioning"))
     choice(eval_cfg.format, f"{key}.format", ("wds", "folder", "objectnet"))
     choice(eval_cfg.weights, f"{key}.weights", ("auto", "raw", "ema", "both"))
-    if eval_cfg.task == "retrieval":
+    if eval_cfg.task in ("retrieval", "captioning"):
         if not (eval_cfg.jsonl or eval_cfg.urls):
-            raise ConfigError(f"eval={eval_cfg.name} needs {key}.jsonl (a JSONL of pairs) or {key}.urls (shards)")
+            raise ConfigError(f"eval={eval_cfg.name} needs {key}.jsonl (a JSONL of images and their captions) or "
+                              f"{key}.urls (shards)")
         return
     if eval_cfg.format in ("folder", "objectnet"):
         eval_root(eval_cfg)

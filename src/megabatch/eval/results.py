@@ -1,6 +1,6 @@
 """One results table per checkpoint: every evaluated set's metrics as rows (set, task, metric, value),
 written beside the checkpoint as ``<ckpt>.results.csv`` and ``.json``, and printed with each set's main
-metric (zero-shot top-1, retrieval image-to-text R@1) and their average, the form in which model cards
+metric (zero-shot top-1, retrieval image-to-text R@1, captioning CIDEr) and their average, the form in which model cards
 and OpenCLIP's results CSV compare models."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ NOT_METRICS = ("samples", "step", "ckpt", "weights")  # a result's bookkeeping, 
 
 
 def task_of(result: dict) -> str:
-    return "zeroshot" if "top1" in result else "retrieval"
+    return "zeroshot" if "top1" in result else "captioning" if "cider" in result else "retrieval"
 
 
 def main_metric(result: dict) -> str:
     """The name of a set's one number (``headline``'s)."""
-    return "top1" if "top1" in result else "image_to_text_R@1"
+    return {"zeroshot": "top1", "captioning": "cider", "retrieval": "image_to_text_R@1"}[task_of(result)]
 
 
 def results_rows(results: dict[str, dict]) -> list[dict]:

@@ -16,15 +16,14 @@ from PIL import Image
 from ..config import ConfigError
 
 
-def load_pairs(jsonl: str | None) -> tuple[list[Path], list[str], torch.Tensor]:
+def load_pairs(jsonl: str | None, key: str = "eval.retrieval") -> tuple[list[Path], list[str], torch.Tensor]:
     """Rows ``{"image": path, "captions": [...]}`` (or ``"caption": str``) -> image paths, all
-    captions, and for each caption the index of its image."""
+    captions, and for each caption the index of its image. ``key``: the set's config key, for errors."""
     if not jsonl:
-        raise ConfigError("eval=retrieval needs eval.retrieval.jsonl (a JSONL of pairs) or eval.retrieval.urls "
-                          "(shards)")
+        raise ConfigError(f"{key} needs {key}.jsonl (a JSONL of pairs) or {key}.urls (shards)")
     path = Path(jsonl).expanduser()
     if not path.is_file():
-        raise ConfigError(f"eval.retrieval.jsonl={jsonl!r} does not exist")
+        raise ConfigError(f"{key}.jsonl={jsonl!r} does not exist")
     images, captions, owner = [], [], []
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -38,7 +37,7 @@ def load_pairs(jsonl: str | None) -> tuple[list[Path], list[str], torch.Tensor]:
     return images, captions, torch.tensor(owner)
 
 
-def load_pairs_from_shards(urls: str, transform) -> tuple[list, list[str], torch.Tensor]:
+def load_pairs_from_shards(urls: str, transform, key: str = "eval.retrieval") -> tuple[list, list[str], torch.Tensor]:
     """Image tensors, captions and caption owners from webdataset shards: the captions of a sample
     are its ``json`` ``captions`` list when present, else its ``txt``."""
     import webdataset as wds
@@ -48,7 +47,7 @@ def load_pairs_from_shards(urls: str, transform) -> tuple[list, list[str], torch
 
     stats, images, captions, owner = Stats(), [], [], []
     for raw in wds.tarfile_to_samples(handler=stats.handler)(
-            iter({"url": u} for u in expand_urls(urls, "eval.retrieval.urls"))):
+            iter({"url": u} for u in expand_urls(urls, f"{key}.urls"))):
         pair = decode_pair(raw, stats)
         if pair is None:
             continue
@@ -95,10 +94,10 @@ def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device) -> dic
     """Encode the pairs of ``eval.jsonl`` (or of the shards ``eval.urls``) in batches and compute
     Recall@K both ways."""
     if eval_cfg.urls:
-        images, captions, owner = load_pairs_from_shards(eval_cfg.urls, transform)
+        images, captions, owner = load_pairs_from_shards(eval_cfg.urls, transform, f"eval.{eval_cfg.name}")
         load = lambda item: item  # noqa: E731 - already decoded
     else:
-        images, captions, owner = load_pairs(eval_cfg.jsonl)
+        images, captions, owner = load_pairs(eval_cfg.jsonl, f"eval.{eval_cfg.name}")
         load = lambda path: transform(Image.open(path).convert("RGB"))  # noqa: E731
     batch = eval_cfg.batch_size
     was_training = model.training

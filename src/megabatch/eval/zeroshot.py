@@ -57,7 +57,8 @@ def evaluate_zeroshot(
 
 def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device) -> dict[str, float]:
     """Evaluate ``model`` on one set ``eval_cfg``: zero-shot classification (class names,
-    templates, images), or image-text retrieval when ``task=retrieval``. Images are preprocessed
+    templates, images), image-text retrieval when ``task=retrieval``, a CoCa's captions scored against
+    references when ``task=captioning``. Images are preprocessed
     as the model says (``model.preprocess``: open_clip's evaluation transform)."""
     from ..data.transforms import eval_transform
     from .datasets import eval_batches, resolve_eval_set
@@ -70,6 +71,10 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device) -> dict[str, float
             from .retrieval import run_retrieval
 
             return run_retrieval(model, tokenize, eval_cfg, transform, device)
+        if eval_cfg.task == "captioning":
+            from .captioning import run_captioning
+
+            return run_captioning(model, eval_cfg, transform, device)
         classnames, templates = resolve_eval_set(eval_cfg)
         classifier = build_classifier(model, tokenize, classnames, templates, device)
         batches = eval_batches(eval_cfg, data_cfg, transform, len(classnames))
@@ -92,8 +97,10 @@ def result_name(name: str, weights: str) -> str:
 
 
 def headline(result: dict[str, float]) -> float:
-    """The one number of a set's result: zero-shot top-1, or image-to-text R@1 for retrieval."""
-    return result["top1"] if "top1" in result else result["image_to_text_R@1"]
+    """The one number of a set's result: zero-shot top-1, image-to-text R@1 for retrieval, CIDEr (x 100) for
+    captioning."""
+    return result["top1"] if "top1" in result else result["cider"] if "cider" in result \
+        else result["image_to_text_R@1"]
 
 
 def summary(name: str, result: dict[str, float]) -> str:
