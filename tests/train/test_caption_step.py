@@ -1,6 +1,6 @@
 """CoCa's caption loss through the trainer's step (``loss.caption_weight``): a tiny CoCa (``model=tiny_coca``)
 on the digits. GradCache's sub-batches (each replayed sub-batch adding its caption loss), offload and 2 gloo
-ranks give the one-pass step's gradients of every parameter, the decoder's included, with the terms alone and
+ranks (DDP and FSDP) give the one-pass step's gradients of every parameter, the decoder's included, with the terms alone and
 together; the caption term is the cross-entropy over the global batch's caption tokens (OpenCLIP's ``CoCaLoss``
 on the whole batch, float64); ``caption_weight=0`` is today's step; a model without a decoder is a config error."""
 
@@ -83,14 +83,19 @@ def test_the_caption_term_is_the_cross_entropy_over_the_global_batchs_tokens():
 
 
 def two_ranks(rank: int, world: int) -> dict:
-    return gradients("loss.caption_weight=1.5", "trainer.sub_batch=4")
+    """DDP, and FSDP (each rank a shard of every parameter, the decoder's included; ``full`` gathers them)."""
+    return {parallel: gradients("loss.caption_weight=1.5", "trainer.sub_batch=4", f"trainer.parallel={parallel}")
+            for parallel in ("ddp", "fsdp")}
 
 
-def test_two_ranks_equal_one_process(tmp_path):
+def test_two_ranks_ddp_and_fsdp_equal_one_process(tmp_path):
     single = gradients("loss.caption_weight=1.5")
-    for result in run_ranks(2, two_ranks, tmp_path=tmp_path):
-        assert rel_error(result["loss"], single["loss"]) <= 1e-6
-        assert rel_error(flat(result["grads"]), flat(single["grads"])) <= 1e-5
+    for ranks in run_ranks(2, two_ranks, tmp_path=tmp_path):
+        for parallel, result in ranks.items():
+            assert result["grads"].keys() == single["grads"].keys(), parallel
+            assert rel_error(result["loss"], single["loss"]) <= 1e-6, parallel
+            assert rel_error(flat(result["grads"]), flat(single["grads"])) <= 1e-5, parallel
+            assert rel_error(decoder(result["grads"]), decoder(single["grads"])) <= 1e-5, parallel
 
 
 def test_a_model_without_a_decoder_and_bad_weights_are_config_errors():
