@@ -149,11 +149,11 @@ def init_caption_decoder(clip):
 
 def _freeze_caption_decoder(clip) -> None:
     """CoCa: its captioning decoder takes no part in a contrastive loss; frozen, so that DDP and the
-    optimizer see only what the loss trains."""
+    optimizer see only what the loss trains (``loss.caption_weight > 0`` unfreezes it: train/parts.py)."""
     decoder = getattr(clip, "text_decoder", None)
     if decoder is not None:
         decoder.requires_grad_(False)
-        log.warning("CoCa: the captioning decoder (text_decoder) is frozen; the contrastive towers train")
+        log.info("CoCa: the captioning decoder (text_decoder) is frozen unless loss.caption_weight > 0 trains it")
 
 
 def from_description(description: dict[str, Any]) -> ClipModel:
