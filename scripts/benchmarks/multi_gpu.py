@@ -264,6 +264,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help="'name: override ...': a run per variant, each with --set and its own overrides")
     parser.add_argument("--openclip", action="store_true", help="also OpenCLIP's trainer at each GPU count and batch")
+    parser.add_argument("--openclip-only", action="store_true",
+                        help="OpenCLIP's runs alone (without MFU: ours gives the FLOPs)")
     parser.add_argument("--openclip-gpus", default=None, help="its GPU counts (default: --gpus)")
     parser.add_argument("--openclip-batch", default=None,
                         help="its global batches, comma-separated, tried after ours at the last --batch (default: "
@@ -279,14 +281,15 @@ def main() -> None:
     from megabatch.config import parse_count
 
     workdir = Path(args.workdir)
-    urls = dataset(args.images, args.size, args.epoch_samples, workdir, args.negatives, args.stored_teacher)
+    urls = None if args.openclip_only else dataset(args.images, args.size, args.epoch_samples, workdir, args.negatives,
+                                                   args.stored_teacher)
     model = [f"model={args.model}", *([f"model.arch={args.arch}"] if args.model == "openclip" else [])]
     common = [*model, f"loss={args.loss}", f"data.num_workers={args.workers}", *args.set]
     variants = [(name.strip(), rest.split()) for name, _, rest in (v.partition(":") for v in args.variant)] \
         or [(None, [])]
     results, basis = [], {}
     for batch in args.batch.split(","):
-        for gpus in (int(g) for g in args.gpus.split(",")):
+        for gpus in (int(g) for g in args.gpus.split(",")) if not args.openclip_only else ():
             for name, extra in variants:
                 row = run_ours(gpus, batch, urls, args.steps, [*common, *extra], workdir, args.warmup_steps,
                                args.timeout_s)
@@ -298,7 +301,7 @@ def main() -> None:
                               epoch_samples=args.epoch_samples)
         last = batch == args.batch.split(",")[-1]
         theirs = [batch] if not args.openclip_batch else args.openclip_batch.split(",") if last else []
-        for their_batch in theirs if args.openclip else []:
+        for their_batch in theirs if args.openclip or args.openclip_only else []:
             for gpus in (int(g) for g in (args.openclip_gpus or args.gpus).split(",")):
                 row = run_openclip(gpus, parse_count(their_batch, "--batch"), args.openclip_sub_batch, args.arch,
                                    args.steps, args.workers, args.warmup_steps, basis,
