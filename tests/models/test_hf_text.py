@@ -50,6 +50,7 @@ def test_lock_freezes_whole_towers_and_keeps_them_in_eval_mode():
     assert image_locked.frozen("image") and not image_locked.frozen("text")
 
 
+@pytest.mark.slow  # 45 s on 2 cores (40 steps of a MiniLM tower); its composition is tested on 2 ranks: make test-all
 def test_locked_text_training_on_digits(tmp_path, capsys):
     from megabatch.train import run
 

@@ -195,6 +195,7 @@ def count_syncs(rank: int, world: int, run_dir: str) -> list[dict[str, int]]:
     return [{k: after[k] - before[k] for k in counts} for before, after in pairs]
 
 
+@pytest.mark.slow  # 41 s on 2 cores (three spawned ranks): make test-all
 def test_several_ranks_add_no_host_sync_per_step(tmp_path):
     one = run_ranks(1, count_syncs, str(tmp_path / "one"), tmp_path=tmp_path)[0]
     two = run_ranks(2, count_syncs, str(tmp_path / "two"), tmp_path=tmp_path)
