@@ -151,10 +151,10 @@ def test_eval_options_resolve(option, data_cache):
         assert len(cfg.eval) == 0
         return
     eval_set = cfg.eval[option]  # each set in its own package: eval.<name>
-    if eval_set.format == "objectnet":  # class names come from the release's mappings
+    if eval_set.format in ("objectnet", "clip_benchmark"):  # class names come from the folder
         from megabatch.config import ConfigError
 
-        with pytest.raises(ConfigError, match="eval.objectnet.root is not set"):
+        with pytest.raises(ConfigError, match=f"eval.{option}.root is not set"):
             resolve_eval_set(eval_set)
     elif eval_set.task in ("retrieval", "captioning"):
         assert eval_set.chunk > 0  # its data (eval.<name>.jsonl) is exercised in tests/eval

@@ -37,4 +37,5 @@ def test_a_run_writes_the_last_checkpoints_table(tmp_path):
     cfg.run_dir = str(tmp_path)
     run(cfg)
     rows = json.loads((tmp_path / "checkpoints" / "last.results.json").read_text())["rows"]
-    assert {(r["set"], r["metric"]) for r in rows} == {("digits", "top1"), ("digits", "top5")}
+    assert {(r["set"], r["metric"]) for r in rows} == {("digits", "top1"), ("digits", "top5"),
+                                                        ("digits", "mean_per_class_recall")}

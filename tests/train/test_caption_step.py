@@ -1,8 +1,9 @@
 """CoCa's caption loss through the trainer's step (``loss.caption_weight``): a tiny CoCa (``model=tiny_coca``)
 on the digits. GradCache's sub-batches (each replayed sub-batch adding its caption loss), offload and 2 gloo
-ranks (DDP and FSDP) give the one-pass step's gradients of every parameter, the decoder's included, with the terms alone and
-together; the caption term is the cross-entropy over the global batch's caption tokens (OpenCLIP's ``CoCaLoss``
-on the whole batch, float64); ``caption_weight=0`` is today's step; a model without a decoder is a config error."""
+ranks (DDP and FSDP) give the one-pass step's gradients of every parameter, the decoder's included, with the
+terms alone and together; the caption term is the cross-entropy over the global batch's caption tokens
+(OpenCLIP's ``CoCaLoss`` on the whole batch, float64); ``caption_weight=0`` is today's step; a model without a
+decoder is a config error."""
 
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ class EvalConfig:
     at_end: bool = MISSING
     # only some eval options set these
     task: str = "zeroshot"            # zeroshot | retrieval | captioning (a CoCa's captions: BLEU, CIDEr)
-    format: str = "wds"               # wds | folder | objectnet
+    format: str = "wds"               # wds | folder | objectnet | clip_benchmark (root: CLIP_benchmark's wds layout)
+    split: str = "test"               # format=clip_benchmark: the split folder under root
     root: str | None = None
     urls: str | None = None
     jsonl: str | None = None
@@ -411,8 +412,11 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
     at_least(eval_cfg.chunk, f"{key}.chunk", 1, "1024")
     at_least(eval_cfg.num_workers, f"{key}.num_workers", 0, "4")
     choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval", "captioning"))
-    choice(eval_cfg.format, f"{key}.format", ("wds", "folder", "objectnet"))
+    choice(eval_cfg.format, f"{key}.format", ("wds", "folder", "objectnet", "clip_benchmark"))
     choice(eval_cfg.weights, f"{key}.weights", ("auto", "raw", "ema", "both"))
+    if eval_cfg.format == "clip_benchmark":  # its files are checked when the set is read (eval/clip_benchmark.py)
+        eval_root(eval_cfg)
+        return
     if eval_cfg.task in ("retrieval", "captioning"):
         if not (eval_cfg.jsonl or eval_cfg.urls):
             raise ConfigError(f"eval={eval_cfg.name} needs {key}.jsonl (a JSONL of images and their captions) or "
@@ -427,7 +431,9 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
 def eval_root(eval_cfg: DictConfig) -> str:
     """``eval.<name>.root`` of a folder-format evaluation set, which must be given."""
     if OmegaConf.is_missing(eval_cfg, "root") or not eval_cfg.root:
-        what = "the ObjectNet release folder" if eval_cfg.format == "objectnet" else "an ImageFolder path"
+        what = {"objectnet": "the ObjectNet release folder",
+                "clip_benchmark": "a CLIP_benchmark dataset folder: test/nshards.txt, test/0.tar, ..., classnames.txt"
+                }.get(eval_cfg.format, "an ImageFolder path")
         raise ConfigError(f"eval.{eval_cfg.name}.root is not set for eval={eval_cfg.name} ({what}), e.g. "
                           f"eval.{eval_cfg.name}.root=/data/{eval_cfg.name}; or eval=none")
     return eval_cfg.root

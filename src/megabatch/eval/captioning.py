@@ -64,7 +64,7 @@ def run_captioning(model, eval_cfg, transform, device) -> dict[str, float]:
     """Caption every image of the set (``eval_cfg.batch_size`` at a time, beam search) and score the captions
     against its references."""
     from ..models.generate import generate_captions
-    from .retrieval import load_pairs, load_pairs_from_shards
+    from .retrieval import pairs_of
 
     key = f"eval.{eval_cfg.name}"
     if not getattr(model, "has_decoder", False):
@@ -72,12 +72,9 @@ def run_captioning(model, eval_cfg, transform, device) -> dict[str, float]:
                           f"or model=openclip model.arch=coca_ViT-B-32); {getattr(model, 'name', 'this model')} "
                           "has none")
     scorers()  # before the captions are generated: a missing package is said at once
-    if eval_cfg.urls:
-        images, captions, owner = load_pairs_from_shards(eval_cfg.urls, transform, key)
-        load = lambda item: item  # noqa: E731 - already decoded
-    else:
-        images, captions, owner = load_pairs(eval_cfg.jsonl, key)
-        load = lambda path: transform(Image.open(path).convert("RGB"))  # noqa: E731
+    images, captions, owner = pairs_of(eval_cfg, transform)
+    load = (lambda item: item) if eval_cfg.urls or eval_cfg.format == "clip_benchmark" else \
+        (lambda path: transform(Image.open(path).convert("RGB")))
     references: list[list[str]] = [[] for _ in images]
     for text, index in zip(captions, owner.tolist(), strict=True):
         references[index].append(text)

@@ -5,7 +5,8 @@ and ``simple`` 7-prompt ensembles, taken from open_clip's package data, so nothi
 or explicit lists in the config. Images come from webdataset shards (``format: wds``: ``cls`` or
 ``json.label`` + image), an ImageFolder (``format: folder``: ``root/<class folder>/*``, class
 index = sorted folder order, as ImageNet's wnids) or an ObjectNet release (``format: objectnet``:
-its 113 ImageNet-overlapping classes, named by their ObjectNet labels).
+its 113 ImageNet-overlapping classes, named by their ObjectNet labels) or a CLIP_benchmark dataset folder
+(``format: clip_benchmark``: its shards, class names and templates, ``eval/clip_benchmark.py``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ def objectnet_classes(root: str) -> list[tuple[str, str]]:
 def classnames(eval_cfg) -> list[str]:
     if eval_cfg.format == "objectnet":  # the overlapping ObjectNet labels themselves
         return [label for _, label in objectnet_classes(eval_root(eval_cfg))]
+    if eval_cfg.format == "clip_benchmark" and not eval_cfg.classnames:  # its classnames.txt
+        from . import clip_benchmark
+
+        return clip_benchmark.classnames(eval_cfg)
     names = _named_classnames(eval_cfg)
     subset = subset_indices(eval_cfg)
     return names if subset is None else [names[i] for i in subset]
@@ -112,6 +117,10 @@ def _named_classnames(eval_cfg) -> list[str]:
 
 def templates(eval_cfg) -> list[str]:
     """Prompt templates with ``{}`` for the class name (open_clip's are callables: rendered)."""
+    if eval_cfg.format == "clip_benchmark" and not eval_cfg.templates:  # its zeroshot_classification_templates.txt
+        from . import clip_benchmark
+
+        return clip_benchmark.templates(eval_cfg)
     openai = lambda: [t("{}") for t in _imagenet().OPENAI_IMAGENET_TEMPLATES]  # noqa: E731
     return _named_set(eval_cfg, "templates", {
         "digits": lambda: _digits("EVAL_TEMPLATES"),
@@ -128,6 +137,11 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
     batch_size = eval_cfg.batch_size
     if eval_cfg.format == "objectnet":
         return _objectnet_batches(eval_cfg, transform, batch_size)
+    if eval_cfg.format == "clip_benchmark":
+        from . import clip_benchmark
+
+        clip_benchmark.check_task(eval_cfg)
+        return labelled_images(clip_benchmark.shard_urls(eval_cfg), transform, batch_size)
     if eval_cfg.format == "folder":
         from torch.utils.data import DataLoader
         from torchvision.datasets import ImageFolder

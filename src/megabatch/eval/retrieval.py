@@ -37,9 +37,11 @@ def load_pairs(jsonl: str | None, key: str = "eval.retrieval") -> tuple[list[Pat
     return images, captions, torch.tensor(owner)
 
 
-def load_pairs_from_shards(urls: str, transform, key: str = "eval.retrieval") -> tuple[list, list[str], torch.Tensor]:
+def load_pairs_from_shards(urls: str | list[str], transform, key: str = "eval.retrieval",
+                           lines: bool = False) -> tuple[list, list[str], torch.Tensor]:
     """Image tensors, captions and caption owners from webdataset shards: the captions of a sample
-    are its ``json`` ``captions`` list when present, else its ``txt``."""
+    are its ``json`` ``captions`` list when present, else its ``txt`` (``lines``: each line of it a caption,
+    as CLIP_benchmark's retrieval sets write them)."""
     import webdataset as wds
 
     from ..data.samples import Stats, decode_pair
@@ -52,11 +54,27 @@ def load_pairs_from_shards(urls: str, transform, key: str = "eval.retrieval") ->
         if pair is None:
             continue
         texts = json.loads(raw["json"]).get("captions") if "json" in raw else None
+        if lines and not texts:
+            texts = [line.strip() for line in raw["txt"].decode("utf-8").splitlines() if line.strip()]
         texts = texts or [pair[2]]
         images.append(transform(pair[1]))
         captions.extend(texts)
         owner.extend([len(images) - 1] * len(texts))
     return images, captions, torch.tensor(owner)
+
+
+def pairs_of(eval_cfg, transform) -> tuple[list, list[str], torch.Tensor]:
+    """A retrieval (or captioning) set's images (decoded and transformed from shards; paths from a JSONL),
+    captions and caption owners: ``eval.<name>.urls``, ``format=clip_benchmark`` or ``eval.<name>.jsonl``."""
+    key = f"eval.{eval_cfg.name}"
+    if eval_cfg.format == "clip_benchmark":
+        from . import clip_benchmark
+
+        clip_benchmark.check_task(eval_cfg)
+        return load_pairs_from_shards(clip_benchmark.shard_urls(eval_cfg), transform, key, lines=True)
+    if eval_cfg.urls:
+        return load_pairs_from_shards(eval_cfg.urls, transform, key)
+    return load_pairs(eval_cfg.jsonl, key)
 
 
 @torch.no_grad()
@@ -93,12 +111,9 @@ def recall_at_k(
 def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device) -> dict[str, float]:
     """Encode the pairs of ``eval.jsonl`` (or of the shards ``eval.urls``) in batches and compute
     Recall@K both ways."""
-    if eval_cfg.urls:
-        images, captions, owner = load_pairs_from_shards(eval_cfg.urls, transform, f"eval.{eval_cfg.name}")
-        load = lambda item: item  # noqa: E731 - already decoded
-    else:
-        images, captions, owner = load_pairs(eval_cfg.jsonl, f"eval.{eval_cfg.name}")
-        load = lambda path: transform(Image.open(path).convert("RGB"))  # noqa: E731
+    images, captions, owner = pairs_of(eval_cfg, transform)
+    load = (lambda item: item) if eval_cfg.urls or eval_cfg.format == "clip_benchmark" else \
+        (lambda path: transform(Image.open(path).convert("RGB")))
     batch = eval_cfg.batch_size
     was_training = model.training
     model.eval()

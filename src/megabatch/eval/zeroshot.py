@@ -40,9 +40,13 @@ def evaluate_zeroshot(
     model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], classifier: torch.Tensor,
     device: torch.device,
 ) -> dict[str, float]:
-    """Top-1 / top-5 accuracy (in %) of ``image_features @ classifier`` over ``batches``."""
+    """Top-1 / top-5 accuracy and the mean per-class recall (top-1 recall of each class present, averaged:
+    CLIP_benchmark's ``mean_per_class_recall``, scikit-learn's balanced accuracy), in %, of
+    ``image_features @ classifier`` over ``batches``."""
     correct1 = correct5 = total = 0
     k = min(5, classifier.shape[1])
+    seen = torch.zeros(classifier.shape[1], dtype=torch.long)
+    right = torch.zeros(classifier.shape[1], dtype=torch.long)
     for images, labels in batches:
         features = model.encode_image(images.to(device)).float()
         top = (features @ classifier).topk(k, dim=-1).indices.cpu()
@@ -50,9 +54,14 @@ def evaluate_zeroshot(
         correct1 += int(hits[:, 0].sum())
         correct5 += int(hits.any(dim=-1).sum())
         total += len(labels)
+        seen += torch.bincount(labels, minlength=len(seen))
+        right += torch.bincount(labels[hits[:, 0]], minlength=len(right))
     if total == 0:
         raise ValueError("zero-shot evaluation saw no images")
-    return {"top1": 100.0 * correct1 / total, "top5": 100.0 * correct5 / total, "samples": total}
+    present = seen > 0
+    recall = (right[present].double() / seen[present]).mean().item()
+    return {"top1": 100.0 * correct1 / total, "top5": 100.0 * correct5 / total,
+            "mean_per_class_recall": 100.0 * recall, "samples": total}
 
 
 def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device) -> dict[str, float]:
