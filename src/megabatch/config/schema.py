@@ -108,7 +108,7 @@ class EvalConfig:
     every: int | None = MISSING
     at_end: bool = MISSING
     # only some eval options set these
-    task: str = "zeroshot"            # zeroshot | retrieval | captioning (a CoCa's captions: BLEU, CIDEr)
+    task: str = "zeroshot"            # zeroshot | retrieval | captioning (BLEU, CIDEr) | image_caption_selection
     format: str = "wds"               # wds | folder | objectnet | clip_benchmark (root: CLIP_benchmark's wds layout)
     split: str = "test"               # format=clip_benchmark: the split folder under root
     root: str | None = None
@@ -411,11 +411,16 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
     at_least(eval_cfg.batch_size, f"{key}.batch_size", 1, "256")
     at_least(eval_cfg.chunk, f"{key}.chunk", 1, "1024")
     at_least(eval_cfg.num_workers, f"{key}.num_workers", 0, "4")
-    choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval", "captioning"))
+    choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval", "captioning", "image_caption_selection"))
     choice(eval_cfg.format, f"{key}.format", ("wds", "folder", "objectnet", "clip_benchmark"))
     choice(eval_cfg.weights, f"{key}.weights", ("auto", "raw", "ema", "both"))
     if eval_cfg.format == "clip_benchmark":  # its files are checked when the set is read (eval/clip_benchmark.py)
         eval_root(eval_cfg)
+        return
+    if eval_cfg.task == "image_caption_selection":
+        if not eval_cfg.jsonl:
+            raise ConfigError(f"eval={eval_cfg.name} needs {key}.jsonl (rows {{\"image\": ..., \"captions\": [true, "
+                              "negative, ...]}})")
         return
     if eval_cfg.task in ("retrieval", "captioning"):
         if not (eval_cfg.jsonl or eval_cfg.urls):

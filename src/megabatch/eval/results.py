@@ -15,12 +15,14 @@ NOT_METRICS = ("samples", "step", "ckpt", "weights")  # a result's bookkeeping, 
 
 
 def task_of(result: dict) -> str:
-    return "zeroshot" if "top1" in result else "captioning" if "cider" in result else "retrieval"
+    return "zeroshot" if "top1" in result else "captioning" if "cider" in result \
+        else "image_caption_selection" if "acc" in result else "retrieval"
 
 
 def main_metric(result: dict) -> str:
     """The name of a set's one number (``headline``'s)."""
-    return {"zeroshot": "top1", "captioning": "cider", "retrieval": "image_to_text_R@1"}[task_of(result)]
+    return {"zeroshot": "top1", "captioning": "cider", "image_caption_selection": "acc",
+            "retrieval": "image_to_text_R@1"}[task_of(result)]
 
 
 def results_rows(results: dict[str, dict]) -> list[dict]:

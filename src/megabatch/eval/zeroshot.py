@@ -67,7 +67,7 @@ def evaluate_zeroshot(
 def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device) -> dict[str, float]:
     """Evaluate ``model`` on one set ``eval_cfg``: zero-shot classification (class names,
     templates, images), image-text retrieval when ``task=retrieval``, a CoCa's captions scored against
-    references when ``task=captioning``. Images are preprocessed
+    references when ``task=captioning``, hard negatives when ``task=image_caption_selection``. Images are preprocessed
     as the model says (``model.preprocess``: open_clip's evaluation transform)."""
     from ..data.transforms import eval_transform
     from .datasets import eval_batches, resolve_eval_set
@@ -80,6 +80,10 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device) -> dict[str, float
             from .retrieval import run_retrieval
 
             return run_retrieval(model, tokenize, eval_cfg, transform, device)
+        if eval_cfg.task == "image_caption_selection":
+            from .selection import run_selection
+
+            return run_selection(model, tokenize, eval_cfg, transform, device)
         if eval_cfg.task == "captioning":
             from .captioning import run_captioning
 
@@ -107,9 +111,11 @@ def result_name(name: str, weights: str) -> str:
 
 def headline(result: dict[str, float]) -> float:
     """The one number of a set's result: zero-shot top-1, image-to-text R@1 for retrieval, CIDEr (x 100) for
-    captioning."""
-    return result["top1"] if "top1" in result else result["cider"] if "cider" in result \
-        else result["image_to_text_R@1"]
+    captioning, the accuracy (both ways) for image-caption selection."""
+    for metric in ("top1", "cider", "acc"):
+        if metric in result:
+            return result[metric]
+    return result["image_to_text_R@1"]
 
 
 def summary(name: str, result: dict[str, float]) -> str:
