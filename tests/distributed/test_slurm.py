@@ -74,6 +74,7 @@ def results(folder) -> list[dict]:
     return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.slow  # 37-46 s on 2 cores (srun-launched ranks against torchrun's): make test-all
 def test_srun_variables_alone_give_the_torchrun_gradients(tmp_path):
     worker = [sys.executable, "-m", "tests.distributed.rank_gradients"]
     (tmp_path / "slurm").mkdir()

@@ -60,6 +60,7 @@ def compiled_two_rank_step(rank: int, world: int) -> dict:
     return grads
 
 
+@pytest.mark.slow  # 39-43 s on 2 cores (inductor on two ranks); one rank's compile tests stay: make test-all
 def test_compiled_towers_under_ddp_give_the_one_process_gradients(tmp_path):
     """Two ranks, each compiled under DDP, against one eager process. The one process compiled first gives
     the eager gradients too, and leaves its graphs in inductor's cache on disk: the ranks, which compile the

@@ -101,6 +101,7 @@ def test_a_stop_keeps_its_slow_checkpoint_whoever_got_the_signal(tmp_path, targe
     assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped"
 
 
+@pytest.mark.slow  # 41-47 s on 2 cores (a torchrun restart after kill -9): make test-all
 def test_a_killed_rank_is_named_and_torchrun_restarts_the_run_to_the_same_weights(tmp_path, uninterrupted):
     """Under c10d rendezvous, torchrun's own on one host (``--standalone``) and across nodes; the
     static rendezvous restarts through the same agent (the same test passed with it; left out of
