@@ -70,7 +70,6 @@ def main(argv: list[str]) -> None:
     args = parse(argv)
     import io
 
-    import open_clip
     import torch
     from PIL import Image
     from tqdm import tqdm
@@ -80,7 +79,7 @@ def main(argv: list[str]) -> None:
     from megabatch.config.cli import config_error_exit
     from megabatch.data.transforms import eval_transform
     from megabatch.eval.checkpoint import model_from_checkpoint
-    from megabatch.models.generate import generate_captions
+    from megabatch.models.generate import caption_texts
 
     try:
         model = model_from_checkpoint(load_checkpoint(args["ckpt"]), args["weights"], "weights")
@@ -91,19 +90,14 @@ def main(argv: list[str]) -> None:
                               else "cpu" if args["device"] == "auto" else args["device"])
         model = model.to(device).eval()
         transform, batch = eval_transform(model.preprocess), int(args["batch"])
-        tokenizer = model.tokenizer()
-        max_len = min(int(args["max_len"]), model.context_length - 2)  # start token, class token
         out, written = Path(args["out"]).expanduser(), 0
         out.parent.mkdir(parents=True, exist_ok=True)
         pending: list[tuple[str, torch.Tensor]] = []
 
         def flush(file) -> int:
             images = torch.stack([image for _, image in pending]).to(device)
-            rows = generate_captions(model.clip, images, method=args["generation"], max_len=max_len,
-                                     sot=getattr(tokenizer, "sot_token_id", 49406),
-                                     eot=getattr(tokenizer, "eot_token_id", 49407), pad=model.clip.pad_id)
-            for (name, _), row in zip(pending, rows, strict=True):
-                text = (tokenizer.decode(row) if hasattr(tokenizer, "decode") else open_clip.decode(row)).strip()
+            texts = caption_texts(model, images, method=args["generation"], max_len=int(args["max_len"]))
+            for (name, _), text in zip(pending, texts, strict=True):
                 file.write(json.dumps({"image": name, "caption": text}) + "\n")
             count = len(pending)
             pending.clear()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 
 import torch
-from PIL import Image
 
 from ..config import ConfigError
 
@@ -63,7 +62,7 @@ def caption_scores(references: list[list[str]], candidates: list[str]) -> dict[s
 def run_captioning(model, eval_cfg, transform, device) -> dict[str, float]:
     """Caption every image of the set (``eval_cfg.batch_size`` at a time, beam search) and score the captions
     against its references."""
-    from ..models.generate import generate_captions
+    from ..models.generate import caption_texts
     from .retrieval import pairs_of
 
     key = f"eval.{eval_cfg.name}"
@@ -72,26 +71,13 @@ def run_captioning(model, eval_cfg, transform, device) -> dict[str, float]:
                           f"or model=openclip model.arch=coca_ViT-B-32); {getattr(model, 'name', 'this model')} "
                           "has none")
     scorers()  # before the captions are generated: a missing package is said at once
-    images, captions, owner = pairs_of(eval_cfg, transform)
-    load = (lambda item: item) if eval_cfg.urls or eval_cfg.format == "clip_benchmark" else \
-        (lambda path: transform(Image.open(path).convert("RGB")))
+    images, captions, owner, load = pairs_of(eval_cfg, transform)
     references: list[list[str]] = [[] for _ in images]
     for text, index in zip(captions, owner.tolist(), strict=True):
         references[index].append(text)
-    tokenizer = model.tokenizer()
-    sot, eot = getattr(tokenizer, "sot_token_id", 49406), getattr(tokenizer, "eot_token_id", 49407)
-    max_len = model.context_length - 2  # the start token, CoCa's class token
     generated: list[str] = []
     for start in range(0, len(images), eval_cfg.batch_size):
         batch = torch.stack([load(item) for item in images[start:start + eval_cfg.batch_size]]).to(device)
-        rows = generate_captions(model.clip, batch, method="beam_search", max_len=max_len, sot=sot, eot=eot,
-                                 pad=model.clip.pad_id)
-        generated += [tokenizer.decode(row).strip() if hasattr(tokenizer, "decode") else _decode(row)
-                      for row in rows]
+        generated += caption_texts(model, batch, max_len=model.context_length)
     return {**caption_scores(references, generated), "samples": len(images)}
 
-
-def _decode(tokens) -> str:
-    import open_clip
-
-    return open_clip.decode(tokens).strip()

@@ -63,18 +63,20 @@ def load_pairs_from_shards(urls: str | list[str], transform, key: str = "eval.re
     return images, captions, torch.tensor(owner)
 
 
-def pairs_of(eval_cfg, transform) -> tuple[list, list[str], torch.Tensor]:
-    """A retrieval (or captioning) set's images (decoded and transformed from shards; paths from a JSONL),
-    captions and caption owners: ``eval.<name>.urls``, ``format=clip_benchmark`` or ``eval.<name>.jsonl``."""
+def pairs_of(eval_cfg, transform) -> tuple[list, list[str], torch.Tensor, Callable]:
+    """A retrieval (or captioning) set's images, captions, caption owners and the function giving an image's
+    tensor: ``eval.<name>.urls`` or ``format=clip_benchmark`` (shards: images decoded and transformed as read)
+    or ``eval.<name>.jsonl`` (paths, opened when encoded)."""
     key = f"eval.{eval_cfg.name}"
+    decoded = lambda item: item  # noqa: E731 - read from shards: already a tensor
     if eval_cfg.format == "clip_benchmark":
         from . import clip_benchmark
 
         clip_benchmark.check_task(eval_cfg)
-        return load_pairs_from_shards(clip_benchmark.shard_urls(eval_cfg), transform, key, lines=True)
+        return *load_pairs_from_shards(clip_benchmark.shard_urls(eval_cfg), transform, key, lines=True), decoded
     if eval_cfg.urls:
-        return load_pairs_from_shards(eval_cfg.urls, transform, key)
-    return load_pairs(eval_cfg.jsonl, key)
+        return *load_pairs_from_shards(eval_cfg.urls, transform, key), decoded
+    return *load_pairs(eval_cfg.jsonl, key), lambda path: transform(Image.open(path).convert("RGB"))
 
 
 @torch.no_grad()
@@ -111,9 +113,7 @@ def recall_at_k(
 def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device) -> dict[str, float]:
     """Encode the pairs of ``eval.jsonl`` (or of the shards ``eval.urls``) in batches and compute
     Recall@K both ways."""
-    images, captions, owner = pairs_of(eval_cfg, transform)
-    load = (lambda item: item) if eval_cfg.urls or eval_cfg.format == "clip_benchmark" else \
-        (lambda path: transform(Image.open(path).convert("RGB")))
+    images, captions, owner, load = pairs_of(eval_cfg, transform)
     batch = eval_cfg.batch_size
     was_training = model.training
     model.eval()

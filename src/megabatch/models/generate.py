@@ -13,6 +13,21 @@ import torch
 METHODS = ("beam_search", "top_k", "top_p")
 
 
+def caption_texts(model, images: torch.Tensor, method: str = "beam_search", max_len: int = 30) -> list[str]:
+    """Each image's caption as text, from a ``ClipModel`` with a decoder (a CoCa) on ``images`` (normalised, on
+    its device): its tokenizer's start, end and pad tokens, at most ``max_len`` tokens (and what its context
+    leaves after the start token and CoCa's class token)."""
+    tokenizer = model.tokenizer()
+    rows = generate_captions(model.clip, images, method=method, max_len=min(max_len, model.context_length - 2),
+                             sot=getattr(tokenizer, "sot_token_id", 49406),
+                             eot=getattr(tokenizer, "eot_token_id", 49407), pad=model.clip.pad_id)
+    if hasattr(tokenizer, "decode"):
+        return [tokenizer.decode(row).strip() for row in rows]
+    import open_clip
+
+    return [open_clip.decode(row).strip() for row in rows]
+
+
 def _next_logits(clip, images, tokens, image_latent, image_embs) -> torch.Tensor:
     """The decoder's log-probabilities of the token after ``tokens [n, t]`` (fp32)."""
     out = clip(images, tokens, image_latent=image_latent, image_embs=image_embs, output_labels=False)
