@@ -162,6 +162,7 @@ def test_a_non_openai_mean_and_std_reach_training_and_evaluation(tmp_path, data_
     parts.close()
 
 
+@pytest.mark.slow  # 35-38 s on 2 cores (a training run, an export, open_clip's load): make test-all
 def test_train_export_and_open_clip_give_the_same_embeddings_and_top1(tmp_path, data_cache):
     from megabatch.checkpoint import load_checkpoint
     from megabatch.eval.checkpoint import model_from_checkpoint
