@@ -186,14 +186,14 @@ def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str],
 
 
 def run_openclip(gpus: int, batch: int, sub_batch: int, arch: str, steps: int, workers: int, warmup: int,
-                 basis: dict, timeout_s: float, extra: list[str]) -> dict:
+                 basis: dict, timeout_s: float, extra: list[str], compile_: bool = True) -> dict:
     per_gpu = batch // gpus
     micro = min(sub_batch, per_gpu)
     argv = ["--model", arch, "--dataset-type", "synthetic", "--train-num-samples", str(batch * steps),
             "--batch-size", str(micro), "--accum-freq", str(per_gpu // micro), "--precision", "amp_bf16",
-            "--local-loss", "--gather-with-grad", "--torchcompile", "--epochs", "1", "--warmup", "0",
-            "--lr", "5e-4", "--workers", str(workers), "--log-every-n-steps", "1", "--logs", "none",
-            "--report-to", "", "--seed", "0", *extra]
+            "--local-loss", "--gather-with-grad", *(["--torchcompile"] if compile_ else []),
+            "--epochs", "1", "--warmup", "0", "--lr", "5e-4", "--workers", str(workers), "--log-every-n-steps", "1",
+            "--logs", "none", "--report-to", "", "--seed", "0", *extra]
     command = [*torchrun(gpus), str(Path(__file__).resolve()), "--openclip-worker"]
     print("$", f"{WORKER_ARGV}='{json.dumps(argv)}'", " ".join(command), flush=True)
     start = time.perf_counter()
@@ -272,6 +272,8 @@ def main() -> None:
                              "--batch, each beside ours); e.g. where it runs out of memory at ours")
     parser.add_argument("--openclip-sub-batch", type=int, default=1024, help="its --batch-size per GPU")
     parser.add_argument("--openclip-set", nargs="*", default=[], help="more OpenCLIP arguments")
+    parser.add_argument("--openclip-eager", action="store_true",
+                        help="OpenCLIP without --torchcompile (where its compilation takes longer than the run)")
     parser.add_argument("--timeout-s", type=float, default=540, help="per run")
     parser.add_argument("--openclip-timeout-s", type=float, default=None,
                         help="per OpenCLIP run (default: --timeout-s)")
@@ -306,7 +308,7 @@ def main() -> None:
                 row = run_openclip(gpus, parse_count(their_batch, "--batch"), args.openclip_sub_batch, args.arch,
                                    args.steps, args.workers, args.warmup_steps, basis,
                                    args.openclip_timeout_s or args.timeout_s,
-                                   args.openclip_set)
+                                   args.openclip_set, compile_=not args.openclip_eager)
                 results.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
                 write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
