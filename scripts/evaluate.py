@@ -1,14 +1,17 @@
-"""Zero-shot evaluation of a checkpoint, on one set or several.
+"""Evaluation of a checkpoint, on one set or several, by one process or by every GPU of a machine.
 
     python scripts/evaluate.py ckpt=runs/<name>/checkpoints/last.pt            # embedded digits
     python scripts/evaluate.py ckpt=... eval=<set> eval.<set>.urls=... eval.<set>.batch_size=1024
     python scripts/evaluate.py ckpt=... 'eval=[imagenet,imagenet_v2]' eval.imagenet.root=... eval.imagenet_v2.root=...
+    torchrun --nproc_per_node=4 scripts/evaluate.py ckpt=... eval=suite       # each GPU its share of each set
 
 Beside the checkpoint: one ``<ckpt>.eval-<set>.json`` a set, and the checkpoint's table of every set's
-metrics, ``<ckpt>.results.csv`` / ``.json`` (set, task, metric, value; the main metrics' average).
+metrics, ``<ckpt>.results.csv`` / ``.json`` (set, task, metric, value; the main metrics' average). A linear
+probe keeps the features it encodes in ``<ckpt>.features/`` (``features=<folder>``, or ``features=null`` for none).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +34,8 @@ def main(cfg: DictConfig) -> float:
         results = evaluate_checkpoint(cfg)
     except ConfigError as error:  # the key and the fix, one line, no traceback; status 2 (usage)
         raise config_error_exit(error) from None
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 writes and prints
+        return headline(next(iter(results.values())))
     stem = Path(cfg.ckpt).with_suffix("")
     if cfg.output:  # one file: the result, or {set: result} for several sets
         Path(cfg.output).write_text(json.dumps(next(iter(results.values())) if len(results) == 1 else results,
@@ -39,7 +44,7 @@ def main(cfg: DictConfig) -> float:
         output = Path(cfg.output or f"{stem}.eval-{name}.json")
         if not cfg.output:
             output.write_text(json.dumps(result, indent=1))
-        print(f"{summary(name, result)}, step {result['step']} -> {output}", flush=True)
+        print(f"{summary(name, result)}, step {result['step']}, {result['seconds']:.1f} s -> {output}", flush=True)
     # one table per checkpoint: every set's metrics (set, task, metric, value), and the main metrics' average
     csv_path, _ = write_results(stem, results)
     print(f"{results_table(results)}\n-> {csv_path} (and .json)", flush=True)

@@ -28,19 +28,20 @@ classification = pytest.importorskip("clip_benchmark.metrics.zeroshot_classifica
 retrieval = pytest.importorskip("clip_benchmark.metrics.zeroshot_retrieval")
 
 
-def write_set(root, samples: list[dict], per_shard: int = 5, **files: str):
-    """CLIP_benchmark's layout: ``samples`` (``{"png": bytes, "cls" or "txt": ...}``) in shards of ``per_shard``."""
-    (root / "test").mkdir(parents=True)
+def write_set(root, samples: list[dict], per_shard: int = 5, split: str = "test", **files: str):
+    """CLIP_benchmark's layout: ``samples`` (``{"png": bytes, "cls" or "txt" or "npy": ...}``) in shards of
+    ``per_shard`` under ``split``."""
+    (root / split).mkdir(parents=True)
     shards = [samples[i:i + per_shard] for i in range(0, len(samples), per_shard)]
     for index, shard in enumerate(shards):
-        with tarfile.open(root / "test" / f"{index}.tar", "w") as tar:
+        with tarfile.open(root / split / f"{index}.tar", "w") as tar:
             for number, sample in enumerate(shard):
                 for ext, value in sample.items():
                     data = value if isinstance(value, bytes) else str(value).encode()
                     info = tarfile.TarInfo(f"s{index:03d}{number:03d}.{ext}")
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
-    (root / "test" / "nshards.txt").write_text(f"{len(shards)}\n")
+    (root / split / "nshards.txt").write_text(f"{len(shards)}\n")
     for name, text in files.items():
         (root / f"{name}.txt").write_text(text)
 

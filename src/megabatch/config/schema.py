@@ -109,10 +109,22 @@ class EvalConfig:
     at_end: bool = MISSING
     # only some eval options set these
     task: str = "zeroshot"            # zeroshot | retrieval | captioning (BLEU, CIDEr) | image_caption_selection
+    #                                   | linear_probe
     format: str = "wds"               # wds | folder | objectnet | clip_benchmark (root: CLIP_benchmark's wds layout)
     split: str = "test"               # format=clip_benchmark: the split folder under root
     root: str | None = None
     urls: str | None = None
+    # task=linear_probe (eval/probe.py): the training and validation splits, the shots, the classifier's training
+    train_split: str = "train"        # format=clip_benchmark or folder: the training split's folder under root
+    val_split: str | None = None      # null: root/val where it exists, else val_proportion of the training split
+    train_urls: str | None = None     # format=wds: the training split's shards (digits: its own)
+    val_urls: str | None = None
+    val_proportion: float = 0.2       # without a validation split; 0: no weight-decay search (weight decay 0)
+    fewshot: int | None = None        # k training images a class; null: all
+    probe_lr: float = 0.1
+    probe_epochs: int = 10
+    probe_batch_size: int = 64
+    probe_seed: int = 0
     jsonl: str | None = None
     classnames: Any = None            # a named set or a list; null: the set named like eval.name
     templates: Any = None
@@ -411,7 +423,10 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
     at_least(eval_cfg.batch_size, f"{key}.batch_size", 1, "256")
     at_least(eval_cfg.chunk, f"{key}.chunk", 1, "1024")
     at_least(eval_cfg.num_workers, f"{key}.num_workers", 0, "4")
-    choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval", "captioning", "image_caption_selection"))
+    choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval", "captioning", "image_caption_selection",
+                                          "linear_probe"))
+    if eval_cfg.task == "linear_probe":
+        check_probe(eval_cfg)
     choice(eval_cfg.format, f"{key}.format", ("wds", "folder", "objectnet", "clip_benchmark"))
     choice(eval_cfg.weights, f"{key}.weights", ("auto", "raw", "ema", "both"))
     if eval_cfg.format == "clip_benchmark":  # its files are checked when the set is read (eval/clip_benchmark.py)
@@ -429,8 +444,33 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
         return
     if eval_cfg.format in ("folder", "objectnet"):
         eval_root(eval_cfg)
-    if eval_cfg.format == "wds" and not eval_cfg.urls and eval_cfg.name != "digits":
+    if eval_cfg.format == "wds" and not eval_cfg.urls and not embedded_digits(eval_cfg):
         raise ConfigError(f"{key}.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
+
+
+def embedded_digits(eval_cfg: DictConfig) -> bool:
+    """A set of the digits (``eval.<name>.classnames=digits``, or ``eval=digits``) without shards of its own reads
+    the embedded digits' splits."""
+    return eval_cfg.name == "digits" or eval_cfg.classnames == "digits"
+
+
+def check_probe(eval_cfg: DictConfig) -> None:
+    key = f"eval.{eval_cfg.name}"
+    if eval_cfg.fewshot is not None:
+        at_least(eval_cfg.fewshot, f"{key}.fewshot", 1, "5 (images a class), or null for all")
+    if not 0 <= eval_cfg.val_proportion < 1:
+        raise ConfigError(f"{key}.val_proportion={eval_cfg.val_proportion}: the share of the training split held "
+                          "out for the weight-decay search, in [0, 1), e.g. 0.2 (0: no search)")
+    if eval_cfg.probe_lr <= 0:
+        raise ConfigError(f"{key}.probe_lr={eval_cfg.probe_lr} must be positive, e.g. 0.1")
+    at_least(eval_cfg.probe_epochs, f"{key}.probe_epochs", 1, "10")
+    at_least(eval_cfg.probe_batch_size, f"{key}.probe_batch_size", 1, "64")
+    if eval_cfg.format not in ("wds", "folder", "clip_benchmark"):
+        raise ConfigError(f"{key}.task=linear_probe reads format=clip_benchmark, folder or wds, not "
+                          f"{eval_cfg.format}")
+    if eval_cfg.format == "wds" and not embedded_digits(eval_cfg) and not (eval_cfg.urls and eval_cfg.train_urls):
+        raise ConfigError(f"{key}.task=linear_probe needs {key}.train_urls and {key}.urls (the training and test "
+                          "splits' shards: cls + image)")
 
 
 def eval_root(eval_cfg: DictConfig) -> str:

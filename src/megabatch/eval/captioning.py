@@ -59,10 +59,13 @@ def caption_scores(references: list[list[str]], candidates: list[str]) -> dict[s
 
 
 @torch.no_grad()
-def run_captioning(model, eval_cfg, transform, device) -> dict[str, float]:
+def run_captioning(model, eval_cfg, transform, device, ranks=None) -> dict[str, float]:
     """Caption every image of the set (``eval_cfg.batch_size`` at a time, beam search) and score the captions
-    against its references."""
+    against its references. With several ranks each captions every world-th image; a model sharded by FSDP
+    captions the whole set on every rank together (beam search runs as many passes as its captions need, which
+    differ between the ranks' images)."""
     from ..models.generate import caption_texts
+    from .ranks import Ranks, batched, progress
     from .retrieval import pairs_of
 
     key = f"eval.{eval_cfg.name}"
@@ -71,13 +74,14 @@ def run_captioning(model, eval_cfg, transform, device) -> dict[str, float]:
                           f"or model=openclip model.arch=coca_ViT-B-32); {getattr(model, 'name', 'this model')} "
                           "has none")
     scorers()  # before the captions are generated: a missing package is said at once
+    ranks = ranks if ranks is not None and not ranks.lockstep else Ranks()
     images, captions, owner, load = pairs_of(eval_cfg, transform)
     references: list[list[str]] = [[] for _ in images]
     for text, index in zip(captions, owner.tolist(), strict=True):
         references[index].append(text)
+    chunks = list(batched(ranks.take(images), eval_cfg.batch_size))
     generated: list[str] = []
-    for start in range(0, len(images), eval_cfg.batch_size):
-        batch = torch.stack([load(item) for item in images[start:start + eval_cfg.batch_size]]).to(device)
-        generated += caption_texts(model, batch, max_len=model.context_length)
-    return {**caption_scores(references, generated), "samples": len(images)}
-
+    for chunk in progress(chunks, ranks, f"eval {eval_cfg.name} captions"):
+        generated += caption_texts(model, torch.stack([load(item) for item in chunk]).to(device),
+                                   max_len=model.context_length)
+    return {**caption_scores(references, ranks.interleave_list(generated)), "samples": len(images)}

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from ..checkpoint import EMA, build_stored, load_checkpoint, model_weights
 from ..config.schema import check_eval
+from ..distributed.env import init_distributed
 from ..models import ClipModel, from_description
 from ..models.clip import builder_node
 from .zeroshot import result_name, run_zeroshot, weights_to_evaluate
@@ -32,26 +35,35 @@ def model_from_checkpoint(state: dict, weights: str = "raw", where: str = "weigh
 
 def evaluate_checkpoint(cfg) -> dict[str, dict]:
     """Every set of ``cfg.eval`` on the model in ``cfg.ckpt``: ``{set name: result}`` (top-1/top-5
-    or recalls, and the step)."""
+    or recalls, and the step). Under torchrun every rank loads the model and encodes its share of each set
+    (``eval/ranks.py``); every rank returns the same results."""
     check_eval(cfg.eval)  # each evaluation set's data is given, before the model is built
     if not cfg.eval:
         from ..config import ConfigError
 
         raise ConfigError("eval=none: name the evaluation set(s), e.g. eval=imagenet or eval=[imagenet,imagenet_v2]")
+    env = init_distributed(cfg.device if cfg.device in ("auto", "cpu", "cuda") else "auto")
     state = load_checkpoint(cfg.ckpt)
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                          else "cpu" if cfg.device == "auto" else cfg.device)
+    device = env.device if cfg.device in ("auto", "cpu", "cuda") else torch.device(cfg.device)
     model = model_from_checkpoint(state).to(device)
     tokenize = model.tokenizer()
     data_cfg = OmegaConf.create({"cache_dir": cfg.cache_dir})
+    features = cfg.get("features", "auto")
+    cache_root = Path(cfg.ckpt).with_suffix(".features") if features == "auto" else Path(features) if features \
+        else None
     results, loaded = {}, "raw"
     for name, eval_cfg in cfg.eval.items():
         for weights in weights_to_evaluate(eval_cfg.weights, bool((state.get(EMA) or {}).get("weights"))):
             if weights != loaded:  # the moving average (ema.decay) or the weights as trained
                 model.load_state_dict(model_weights(state, weights, f"eval.{name}.weights"))
                 loaded = weights
-            log.info("evaluating %s (step %d, %s weights) on %s", cfg.ckpt, state["step"], weights, name)
-            result = run_zeroshot(model, tokenize, eval_cfg, data_cfg, device)
-            results[result_name(name, weights)] = {**result, "step": int(state["step"]), "ckpt": str(cfg.ckpt),
+            if env.rank == 0:
+                log.info("evaluating %s (step %d, %s weights) on %s%s", cfg.ckpt, state["step"], weights, name,
+                         f" with {env.world_size} ranks" if env.distributed else "")
+            started = time.perf_counter()
+            result = run_zeroshot(model, tokenize, eval_cfg, data_cfg, device,
+                                  cache=str(cache_root / weights) if cache_root else None)
+            results[result_name(name, weights)] = {**result, "seconds": round(time.perf_counter() - started, 3),
+                                                   "step": int(state["step"]), "ckpt": str(cfg.ckpt),
                                                    "weights": weights}
     return results

@@ -6,7 +6,10 @@
                                                      or its ``txt`` (retrieval: one caption a line)
     <root>/classnames.txt                            one class name a line (classification)
     <root>/zeroshot_classification_templates.txt     one prompt a line, ``{c}`` for the class name
-    <root>/dataset_type.txt                          optional: ``retrieval`` (else classification)
+    <root>/dataset_type.txt                          optional: ``retrieval`` or ``multilabel`` (else
+                                                     classification); a multi-label sample's ``npy`` holds a
+                                                     0/1 vector over the classes (scored by mAP)
+    <root>/train/..., <root>/val/...                 the linear probe's training and validation splits
 
 The split is ``eval.<name>.split`` (``test``). A file the set needs and does not have is a config error naming
 ``eval.<name>.root`` and the file.
@@ -49,12 +52,12 @@ def check_task(eval_cfg) -> None:
     """The set's type and ``eval.<name>.task`` agree."""
     kind = dataset_type(eval_cfg)
     wanted = "retrieval" if kind == "retrieval" else "zeroshot"
-    if eval_cfg.task not in (wanted, "captioning" if kind == "retrieval" else wanted):
+    if eval_cfg.task not in (wanted, "captioning" if kind == "retrieval" else "linear_probe"):
         raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r} is a {kind} set (its dataset_type.txt): "
                           f"set eval.{eval_cfg.name}.task={wanted}")
-    if kind == "multilabel":
-        raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r} is a multilabel set: not read yet (its "
-                          "labels are npy vectors, scored by mean average precision)")
+    if kind == "multilabel" and eval_cfg.task == "linear_probe":
+        raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r} is a multilabel set: the linear probe takes "
+                          f"one class an image; set eval.{eval_cfg.name}.task=zeroshot (mean average precision)")
 
 
 def classnames(eval_cfg) -> list[str]:
@@ -67,9 +70,14 @@ def templates(eval_cfg) -> list[str]:
             _read(eval_cfg, "zeroshot_classification_templates.txt", "one prompt a line, {c} for the class name")]
 
 
-def shard_urls(eval_cfg) -> list[str]:
-    """The split's shards, ``<root>/<split>/0.tar`` to ``<n - 1>.tar`` (``nshards.txt``: n)."""
-    split = eval_cfg.split or "test"
+def has_split(eval_cfg, split: str) -> bool:
+    return os.path.isfile(os.path.join(_root(eval_cfg), split, "nshards.txt"))
+
+
+def shard_urls(eval_cfg, split: str | None = None) -> list[str]:
+    """The split's shards, ``<root>/<split>/0.tar`` to ``<n - 1>.tar`` (``nshards.txt``: n); ``split``:
+    ``eval.<name>.split`` unless given."""
+    split = split or eval_cfg.split or "test"
     lines = _read(eval_cfg, os.path.join(split, "nshards.txt"), f"the number of the {split} split's shards")
     try:
         count = int(lines[0])

@@ -11,10 +11,14 @@ its 113 ImageNet-overlapping classes, named by their ObjectNet labels) or a CLIP
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 
 from ..config import ConfigError
-from ..config.schema import eval_root
+from ..config.schema import embedded_digits, eval_root
+
+log = logging.getLogger(__name__)
 
 
 def _imagenet():
@@ -130,23 +134,28 @@ def templates(eval_cfg) -> list[str]:
     })
 
 
-def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
-    """``(images [n, 3, s, s], labels [n])`` batches of the evaluation set."""
+def eval_batches(eval_cfg, data_cfg, transform, num_classes: int, ranks=None, split: str | None = None) -> Iterator:
+    """``(images [n, 3, s, s], labels [n])`` batches of the evaluation set (``labels [n, classes]`` of a
+    multi-label set): with several ``ranks``, this rank's every world-th image. ``split``: another split of a
+    CLIP_benchmark folder (the linear probe's ``train``) than ``eval.<name>.split``."""
     from ..data.urls import expand_urls
+    from .ranks import Ranks
 
+    ranks = ranks or Ranks()
     batch_size = eval_cfg.batch_size
     if eval_cfg.format == "objectnet":
-        return _objectnet_batches(eval_cfg, transform, batch_size)
+        return _objectnet_batches(eval_cfg, transform, batch_size, ranks)
     if eval_cfg.format == "clip_benchmark":
         from . import clip_benchmark
 
         clip_benchmark.check_task(eval_cfg)
-        return labelled_images(clip_benchmark.shard_urls(eval_cfg), transform, batch_size)
+        return labelled_images(clip_benchmark.shard_urls(eval_cfg, split), transform, batch_size, ranks,
+                               multilabel=clip_benchmark.dataset_type(eval_cfg) == "multilabel")
     if eval_cfg.format == "folder":
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader, Subset
         from torchvision.datasets import ImageFolder
 
-        root = eval_root(eval_cfg)
+        root = eval_root(eval_cfg) if split is None else os.path.join(eval_root(eval_cfg), split)
         class NumericAwareFolder(ImageFolder):
             """ImageNet-V2 names its class folders 0..999: order those by number, not as text."""
 
@@ -160,39 +169,57 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int) -> Iterator:
             dataset = NumericAwareFolder(str(root), transform=transform)
         except (FileNotFoundError, OSError) as error:
             raise ConfigError(f"eval.{eval_cfg.name}.root={root!r}: not a readable ImageFolder ({error})") from error
-        if len(dataset.classes) != num_classes:
+        if num_classes and len(dataset.classes) != num_classes:
             raise ConfigError(
                 f"eval.{eval_cfg.name}.root={root!r} has {len(dataset.classes)} class folders but the class names "
                 f"has {num_classes} names; they must match one to one (sorted folder order)"
             )
-        return iter(DataLoader(dataset, batch_size=batch_size, num_workers=eval_cfg.num_workers))
-    urls = eval_cfg.urls
-    if not urls and eval_cfg.name == "digits":
+        mine = Subset(dataset, range(ranks.rank, len(dataset), ranks.world))
+        return iter(DataLoader(mine, batch_size=batch_size, num_workers=eval_cfg.num_workers))
+    urls = eval_cfg.urls if split is None else eval_cfg.get(f"{split}_urls")
+    if not urls and embedded_digits(eval_cfg):
         from ..data.digits import ensure_digits
 
-        urls = ensure_digits(data_cfg.cache_dir)["test"]
+        urls = ensure_digits(data_cfg.cache_dir)["test" if split is None else split]
+    key = f"eval.{eval_cfg.name}.{'urls' if split is None else split + '_urls'}"
     if not urls:
-        raise ConfigError(f"eval.{eval_cfg.name}.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
-    return labelled_images(expand_urls(urls, f"eval.{eval_cfg.name}.urls"), transform, batch_size)
+        raise ConfigError(f"{key} is not set for eval={eval_cfg.name} (shards with cls + image)")
+    return labelled_images(expand_urls(urls, key), transform, batch_size, ranks)
 
 
-def labelled_images(urls: list[str], transform, batch_size: int) -> Iterator:
+def labelled_images(urls: list[str], transform, batch_size: int, ranks=None, multilabel: bool = False) -> Iterator:
     """Evaluation batches ``(images [n, 3, s, s], labels [n])`` from shards whose ``json`` (or
-    ``cls``) holds the class index, in shard order. Corrupt images are skipped and counted."""
+    ``cls``) holds the class index (``multilabel``: whose ``npy`` holds a 0/1 vector over the classes, as
+    CLIP_benchmark's multi-label sets), in shard order; with several ``ranks``, this rank's every world-th
+    sample (the others are not decoded). Corrupt images are skipped and counted, as are samples without a
+    label."""
+    import io
     import json
 
+    import numpy as np
     import torch
     import webdataset as wds
 
     from ..data.samples import Stats, decode_pair
+    from .ranks import Ranks
 
-    stats = Stats()
+    ranks = ranks or Ranks()
+    stats, unlabelled = Stats(), 0
     images, labels = [], []
-    for raw in wds.tarfile_to_samples(handler=wds.warn_and_continue)(iter([{"url": u} for u in urls])):
-        if "cls" in raw:
-            label = int(raw["cls"])
-        else:
-            label = int(json.loads(raw["json"])["label"])
+    for index, raw in enumerate(wds.tarfile_to_samples(handler=wds.warn_and_continue)(iter([{"url": u}
+                                                                                             for u in urls]))):
+        if not ranks.mine(index):
+            continue
+        try:
+            if multilabel:
+                label = torch.from_numpy(np.load(io.BytesIO(raw["npy"])).astype(np.float32).reshape(-1))
+            elif "cls" in raw:
+                label = int(raw["cls"])
+            else:
+                label = int(json.loads(raw["json"])["label"])
+        except (KeyError, ValueError):
+            unlabelled += 1
+            continue
         raw.setdefault("txt", b"")
         pair = decode_pair(raw, stats)
         if pair is None:
@@ -200,10 +227,13 @@ def labelled_images(urls: list[str], transform, batch_size: int) -> Iterator:
         images.append(transform(pair[1]))
         labels.append(label)
         if len(images) == batch_size:
-            yield torch.stack(images), torch.tensor(labels)
+            yield torch.stack(images), torch.stack(labels) if multilabel else torch.tensor(labels)
             images, labels = [], []
     if images:
-        yield torch.stack(images), torch.tensor(labels)
+        yield torch.stack(images), torch.stack(labels) if multilabel else torch.tensor(labels)
+    if stats.corrupt_image or unlabelled:
+        log.warning("skipped %d corrupt images and %d samples without a label (%s) in %s ...", stats.corrupt_image,
+                    unlabelled, "npy" if multilabel else "cls or json label", urls[0])
 
 
 def _objectnet_image(path: str):
@@ -215,7 +245,7 @@ def _objectnet_image(path: str):
     return image.crop((1, 1, image.width - 1, image.height - 1))
 
 
-def _objectnet_batches(eval_cfg, transform, batch_size: int) -> Iterator:
+def _objectnet_batches(eval_cfg, transform, batch_size: int, ranks) -> Iterator:
     """Images of the ImageNet-overlapping ObjectNet classes, labelled in ``objectnet_classes``
     order; the other classes' folders are not read."""
     import os
@@ -236,8 +266,11 @@ def _objectnet_batches(eval_cfg, transform, batch_size: int) -> Iterator:
                                   "folders are missing under images/")
             return present, {folder: index for index, folder in enumerate(present)}
 
+    from torch.utils.data import Subset
+
     dataset = ObjectNetFolder(images, transform=transform, loader=_objectnet_image)
-    return iter(DataLoader(dataset, batch_size=batch_size, num_workers=eval_cfg.num_workers))
+    mine = Subset(dataset, range(ranks.rank, len(dataset), ranks.world))
+    return iter(DataLoader(mine, batch_size=batch_size, num_workers=eval_cfg.num_workers))
 
 
 def resolve_eval_set(eval_cfg) -> tuple[list[str], list[str]]:

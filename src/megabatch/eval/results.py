@@ -1,6 +1,7 @@
 """One results table per checkpoint: every evaluated set's metrics as rows (set, task, metric, value),
 written beside the checkpoint as ``<ckpt>.results.csv`` and ``.json``, and printed with each set's main
-metric (zero-shot top-1, retrieval image-to-text R@1, captioning CIDEr) and their average, the form in which model cards
+metric (zero-shot top-1 or a multi-label set's mAP, retrieval image-to-text R@1, captioning CIDEr,
+image-caption selection's accuracy, the linear probe's top-1) and their average, the form in which model cards
 and OpenCLIP's results CSV compare models."""
 
 from __future__ import annotations
@@ -11,18 +12,26 @@ from pathlib import Path
 
 from .zeroshot import headline
 
-NOT_METRICS = ("samples", "step", "ckpt", "weights")  # a result's bookkeeping, not a measured number
+NOT_METRICS = ("samples", "step", "ckpt", "weights", "seconds")  # a result's bookkeeping, not a measured number
+
+
+TASKS = {  # a result's task, told by the metric only it has, and that task's main metric
+    "top1": ("zeroshot", "top1"),
+    "mAP": ("zeroshot_multilabel", "mAP"),
+    "lp_top1": ("linear_probe", "lp_top1"),
+    "cider": ("captioning", "cider"),
+    "acc": ("image_caption_selection", "acc"),
+    "image_to_text_R@1": ("retrieval", "image_to_text_R@1"),
+}
 
 
 def task_of(result: dict) -> str:
-    return "zeroshot" if "top1" in result else "captioning" if "cider" in result \
-        else "image_caption_selection" if "acc" in result else "retrieval"
+    return next(task for metric, (task, _) in TASKS.items() if metric in result)
 
 
 def main_metric(result: dict) -> str:
     """The name of a set's one number (``headline``'s)."""
-    return {"zeroshot": "top1", "captioning": "cider", "image_caption_selection": "acc",
-            "retrieval": "image_to_text_R@1"}[task_of(result)]
+    return next(main for metric, (_, main) in TASKS.items() if metric in result)
 
 
 def results_rows(results: dict[str, dict]) -> list[dict]:

@@ -110,21 +110,25 @@ def recall_at_k(
 
 
 @torch.no_grad()
-def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device) -> dict[str, float]:
+def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device, ranks=None) -> dict[str, float]:
     """Encode the pairs of ``eval.jsonl`` (or of the shards ``eval.urls``) in batches and compute
-    Recall@K both ways."""
+    Recall@K both ways; with several ranks each encodes every world-th image and caption."""
+    from .ranks import Ranks, batched, progress
+
+    ranks = ranks or Ranks()
     images, captions, owner, load = pairs_of(eval_cfg, transform)
     batch = eval_cfg.batch_size
-    was_training = model.training
-    model.eval()
-    try:
-        image_features = torch.cat([
-            model.encode_image(torch.stack([load(p) for p in images[i : i + batch]]).to(device)).float()
-            for i in range(0, len(images), batch)])
-        text_features = torch.cat([
-            model.encode_text(tokenize(captions[i : i + batch]).to(device)).float()
-            for i in range(0, len(captions), batch)])
-    finally:
-        model.train(was_training)
+    image_batches = ((torch.stack([load(p) for p in chunk]), None) for chunk in batched(ranks.take(images), batch))
+    text_batches = ((tokenize(chunk), None) for chunk in batched(ranks.take(captions), batch))
+    image_features = encoded(ranks, model.encode_image, progress(image_batches, ranks, f"eval {eval_cfg.name} "
+                                                                 "images", -(-len(images) // batch // ranks.world)),
+                             device)
+    text_features = encoded(ranks, model.encode_text, text_batches, device)
     result = recall_at_k(image_features, text_features, owner, chunk=eval_cfg.chunk)
     return {**result, "samples": len(images)}
+
+
+def encoded(ranks, encode: Callable, batches, device) -> torch.Tensor:
+    """Every rank's features of its items of a set, in the set's order (float32, on ``device``)."""
+    mine = [features.float() for features, _ in ranks.encode(encode, batches, device)]
+    return ranks.interleave(torch.cat(mine) if mine else torch.zeros((0, 0), device=device)).to(device)

@@ -48,25 +48,34 @@ def load_instances(eval_cfg) -> list[dict]:
 
 
 @torch.no_grad()
-def run_selection(model, tokenize, eval_cfg, transform, device) -> dict[str, float]:
-    """Encode each instance's images and captions (``eval_cfg.batch_size`` instances at a time) and score them."""
+def run_selection(model, tokenize, eval_cfg, transform, device, ranks=None) -> dict[str, float]:
+    """Encode each instance's images and captions (``eval_cfg.batch_size`` instances at a time) and score them;
+    with several ranks each takes every world-th instance."""
+    from .ranks import Ranks, batched, progress
+
+    ranks = ranks or Ranks()
     instances = load_instances(eval_cfg)
+    mine = ranks.take(instances)
+    chunks = list(batched(mine, eval_cfg.batch_size))
+    image_batches = ((torch.stack([transform(Image.open(p).convert("RGB")) for item in chunk for p in item["images"]]),
+                      None) for chunk in chunks)
+    text_batches = ((tokenize([c for item in chunk for c in item["captions"]]), None) for chunk in chunks)
+    images = F.normalize(_features(ranks, model.encode_image, progress(image_batches, ranks,
+                                                                       f"eval {eval_cfg.name}", len(chunks)), device))
+    texts = F.normalize(_features(ranks, model.encode_text, text_batches, device))
+    outcomes_mine = []
+    first_image = first_text = 0
+    for item in mine:
+        count, captions = len(item["images"]), len(item["captions"])
+        scores = images[first_image:first_image + count] @ texts[first_text:first_text + captions].T
+        truth = torch.arange(min(count, captions), device=scores.device)
+        text_right = bool((scores.argmax(dim=1)[:len(truth)] == truth).all())
+        image_right = bool((scores.argmax(dim=0)[:len(truth)] == truth).all())
+        outcomes_mine.append((item["subset"], text_right, image_right))
+        first_image, first_text = first_image + count, first_text + captions
     outcomes: dict[str | None, list[tuple[bool, bool]]] = defaultdict(list)
-    for start in range(0, len(instances), eval_cfg.batch_size):
-        chunk = instances[start:start + eval_cfg.batch_size]
-        pixels = torch.stack([transform(Image.open(p).convert("RGB")) for item in chunk for p in item["images"]])
-        images = F.normalize(model.encode_image(pixels.to(device)).float(), dim=-1)
-        texts = F.normalize(model.encode_text(tokenize([c for item in chunk for c in item["captions"]]).to(device))
-                            .float(), dim=-1)
-        first_image = first_text = 0
-        for item in chunk:
-            count, captions = len(item["images"]), len(item["captions"])
-            scores = images[first_image:first_image + count] @ texts[first_text:first_text + captions].T
-            truth = torch.arange(min(count, captions), device=scores.device)
-            text_right = bool((scores.argmax(dim=1)[:len(truth)] == truth).all())
-            image_right = bool((scores.argmax(dim=0)[:len(truth)] == truth).all())
-            outcomes[item["subset"]].append((text_right, image_right))
-            first_image, first_text = first_image + count, first_text + captions
+    for subset, text_right, image_right in ranks.interleave_list(outcomes_mine):
+        outcomes[subset].append((text_right, image_right))
 
     def accuracies(rows: list[tuple[bool, bool]], suffix: str = "") -> dict[str, float]:
         n = len(rows)
@@ -78,3 +87,9 @@ def run_selection(model, tokenize, eval_cfg, transform, device) -> dict[str, flo
     for subset in sorted(s for s in outcomes if s is not None):
         result.update(accuracies(outcomes[subset], f"/{subset}"))
     return {**result, "samples": len(instances)}
+
+
+def _features(ranks, encode, batches, device) -> torch.Tensor:
+    """This rank's features (float32), its batches' in order."""
+    mine = [features.float() for features, _ in ranks.encode(encode, batches, device)]
+    return torch.cat(mine) if mine else torch.zeros((0, 1), device=device)

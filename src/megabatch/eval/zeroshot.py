@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .ranks import Ranks, batched, progress
+
 log = logging.getLogger(__name__)
 
 
@@ -20,78 +22,119 @@ def build_classifier(
     templates: Sequence[str],
     device: torch.device,
     batch_classes: int = 64,
+    ranks: Ranks | None = None,
 ) -> torch.Tensor:
     """``[e, n_classes]``: for each class, the normalised mean of its normalised prompt embeddings.
 
-    Prompts are encoded ``batch_classes`` classes at a time (all templates of a class together).
+    Prompts are encoded ``batch_classes`` classes at a time (all templates of a class together); with several
+    ranks each encodes every world-th class.
     """
-    weights = []
-    for start in range(0, len(classnames), batch_classes):
-        names = classnames[start : start + batch_classes]
-        prompts = [template.format(name) for name in names for template in templates]
-        embeddings = model.encode_text(tokenize(prompts).to(device)).float()
-        embeddings = embeddings.view(len(names), len(templates), -1).mean(dim=1)
-        weights.append(F.normalize(embeddings, dim=-1))
-    return torch.cat(weights).T
+    ranks = ranks or Ranks()
+    mine = ranks.take(list(classnames))
+
+    def prompts(names: list[str]) -> tuple[torch.Tensor, int]:
+        return tokenize([template.format(name) for name in names for template in templates]), len(names)
+
+    weights = [F.normalize(embeddings.float().view(count, len(templates), -1).mean(dim=1), dim=-1)
+               for embeddings, count in ranks.encode(model.encode_text, map(prompts, batched(mine, batch_classes)),
+                                                      device)]
+    width = weights[0].shape[-1] if weights else model.encode_text(tokenize([templates[0].format("x")]).to(device)
+                                                                   ).shape[-1]
+    return ranks.interleave(torch.cat(weights) if weights else torch.zeros((0, width), device=device)).T
 
 
 @torch.no_grad()
 def evaluate_zeroshot(
     model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], classifier: torch.Tensor,
-    device: torch.device,
+    device: torch.device, ranks: Ranks | None = None,
 ) -> dict[str, float]:
     """Top-1 / top-5 accuracy and the mean per-class recall (top-1 recall of each class present, averaged:
     CLIP_benchmark's ``mean_per_class_recall``, scikit-learn's balanced accuracy), in %, of
-    ``image_features @ classifier`` over ``batches``."""
-    correct1 = correct5 = total = 0
-    k = min(5, classifier.shape[1])
-    seen = torch.zeros(classifier.shape[1], dtype=torch.long)
-    right = torch.zeros(classifier.shape[1], dtype=torch.long)
-    for images, labels in batches:
-        features = model.encode_image(images.to(device)).float()
-        top = (features @ classifier).topk(k, dim=-1).indices.cpu()
+    ``image_features @ classifier`` over ``batches`` (this rank's, with several: the counts are summed).
+    Labels given as ``[n, classes]`` vectors (a multi-label set) give the mean average precision over the
+    classes (``mAP``, %, CLIP_benchmark's ``mean_average_precision``) instead."""
+    ranks = ranks or Ranks()
+    n_classes = classifier.shape[1]
+    k = min(5, n_classes)
+    counts = {"correct1": 0, "correct5": 0, "total": 0, "seen": torch.zeros(n_classes, dtype=torch.long),
+              "right": torch.zeros(n_classes, dtype=torch.long)}
+    scores, targets = [], []
+    for features, labels in ranks.encode(model.encode_image, batches, device):
+        logits = features.float() @ classifier
+        if labels.dim() == 2:  # multi-label: every class's score kept for its ranking
+            scores.append(logits.cpu())
+            targets.append(labels)
+            continue
+        top = logits.topk(k, dim=-1).indices.cpu()
         hits = top == labels[:, None]
-        correct1 += int(hits[:, 0].sum())
-        correct5 += int(hits.any(dim=-1).sum())
-        total += len(labels)
-        seen += torch.bincount(labels, minlength=len(seen))
-        right += torch.bincount(labels[hits[:, 0]], minlength=len(right))
+        counts["correct1"] += int(hits[:, 0].sum())
+        counts["correct5"] += int(hits.any(dim=-1).sum())
+        counts["total"] += len(labels)
+        counts["seen"] += torch.bincount(labels, minlength=n_classes)
+        counts["right"] += torch.bincount(labels[hits[:, 0]], minlength=n_classes)
+    if ranks.gather(bool(scores)) != [False] * ranks.world:
+        logits = ranks.interleave(torch.cat(scores) if scores else torch.zeros((0, n_classes)))
+        truth = ranks.interleave(torch.cat(targets) if targets else torch.zeros((0, n_classes)))
+        if len(logits) == 0:
+            raise ValueError("zero-shot evaluation saw no images")
+        return {"mAP": 100.0 * average_precision(logits, truth).mean().item(), "samples": len(logits)}
+    counts = ranks.sum(counts)
+    total = counts["total"]
     if total == 0:
         raise ValueError("zero-shot evaluation saw no images")
+    seen, right = counts["seen"], counts["right"]
     present = seen > 0
     recall = (right[present].double() / seen[present]).mean().item()
-    return {"top1": 100.0 * correct1 / total, "top5": 100.0 * correct5 / total,
+    return {"top1": 100.0 * counts["correct1"] / total, "top5": 100.0 * counts["correct5"] / total,
             "mean_per_class_recall": 100.0 * recall, "samples": total}
 
 
-def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device) -> dict[str, float]:
+def average_precision(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[classes]``: each class's average precision of ``scores [n, classes]`` against 0/1 ``targets``: the
+    precision at each of its positives, ranked by score, averaged (0 for a class without positives)."""
+    order = scores.double().argsort(dim=0, descending=True, stable=True)
+    truth = targets.double().gather(0, order)
+    precision = truth.cumsum(0) / torch.arange(1, len(scores) + 1, dtype=torch.float64)[:, None]
+    return (precision * truth).sum(0) / truth.sum(0).clamp(min=1)
+
+
+def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device, cache: str | None = None) -> dict[str, float]:
     """Evaluate ``model`` on one set ``eval_cfg``: zero-shot classification (class names,
     templates, images), image-text retrieval when ``task=retrieval``, a CoCa's captions scored against
-    references when ``task=captioning``, hard negatives when ``task=image_caption_selection``. Images are preprocessed
-    as the model says (``model.preprocess``: open_clip's evaluation transform)."""
+    references when ``task=captioning``, hard negatives when ``task=image_caption_selection``, a linear
+    classifier on the frozen image features when ``task=linear_probe`` (features kept under ``cache`` where
+    given). Images are preprocessed as the model says (``model.preprocess``: open_clip's evaluation
+    transform). Under torchrun every rank calls this together: each encodes its share of the set
+    (``eval/ranks.py``), and every rank returns the whole set's numbers."""
     from ..data.transforms import eval_transform
     from .datasets import eval_batches, resolve_eval_set
 
     transform = eval_transform(model.preprocess)
+    ranks = Ranks.of(model)
     was_training = model.training
     model.eval()
     try:
         if eval_cfg.task == "retrieval":
             from .retrieval import run_retrieval
 
-            return run_retrieval(model, tokenize, eval_cfg, transform, device)
+            return run_retrieval(model, tokenize, eval_cfg, transform, device, ranks)
         if eval_cfg.task == "image_caption_selection":
             from .selection import run_selection
 
-            return run_selection(model, tokenize, eval_cfg, transform, device)
+            return run_selection(model, tokenize, eval_cfg, transform, device, ranks)
         if eval_cfg.task == "captioning":
             from .captioning import run_captioning
 
-            return run_captioning(model, eval_cfg, transform, device)
+            return run_captioning(model, eval_cfg, transform, device, ranks)
+        if eval_cfg.task == "linear_probe":
+            from .probe import run_linear_probe
+
+            return run_linear_probe(model, eval_cfg, data_cfg, transform, device, ranks, cache)
         classnames, templates = resolve_eval_set(eval_cfg)
-        classifier = build_classifier(model, tokenize, classnames, templates, device)
-        batches = eval_batches(eval_cfg, data_cfg, transform, len(classnames))
-        return evaluate_zeroshot(model, batches, classifier, device)
+        classifier = build_classifier(model, tokenize, classnames, templates, device, ranks=ranks)
+        batches = eval_batches(eval_cfg, data_cfg, transform, len(classnames), ranks)
+        return evaluate_zeroshot(model, progress(batches, ranks, f"eval {eval_cfg.name}"), classifier, device,
+                                 ranks)
     finally:
         model.train(was_training)
 
@@ -110,9 +153,10 @@ def result_name(name: str, weights: str) -> str:
 
 
 def headline(result: dict[str, float]) -> float:
-    """The one number of a set's result: zero-shot top-1, image-to-text R@1 for retrieval, CIDEr (x 100) for
-    captioning, the accuracy (both ways) for image-caption selection."""
-    for metric in ("top1", "cider", "acc"):
+    """The one number of a set's result: zero-shot top-1 (mAP for a multi-label set), image-to-text R@1 for
+    retrieval, CIDEr (x 100) for captioning, the accuracy (both ways) for image-caption selection, the linear
+    probe's top-1."""
+    for metric in ("top1", "mAP", "lp_top1", "cider", "acc"):
         if metric in result:
             return result[metric]
     return result["image_to_text_R@1"]

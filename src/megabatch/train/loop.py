@@ -254,32 +254,28 @@ class Trainer:
 
     def evaluate(self, final: bool) -> dict[str, dict[str, float]]:
         """Evaluate the sets due now (``eval.<name>.at_end`` when ``final``, else those whose
-        ``every`` divides the step), each logged under ``eval/<name>/``. Rank 0 evaluates alone,
-        set after set, while the other ranks wait at the next collective: together the sets must
-        finish within ``trainer.dist_timeout_s``. A sharded model (FSDP) is evaluated by every rank
-        together (each forward gathers the weights from all of them) under the run's autocast, as it
-        trains: FSDP hands the blocks' outputs on in bf16 to norms it keeps in fp32; rank 0 reports."""
+        ``every`` divides the step), each logged under ``eval/<name>/``. Every rank evaluates together, set
+        after set: each encodes its share of the set and the numbers are the whole set's (``eval/ranks.py``).
+        A sharded model (FSDP) runs under the run's autocast, as it trains: FSDP hands the blocks' outputs on
+        in bf16 to norms it keeps in fp32; rank 0 reports."""
         step, sharded = self.state.step, is_sharded(self.model)
         due = [s for s in self.cfg.eval.values() if (s.at_end if final else s.every and step % s.every == 0)]
-        if not due or not (self.main or sharded):
+        if not due:
             return {}
-        started, results, ema = time.perf_counter(), {}, self.stepper.ema
+        results, ema = {}, self.stepper.ema
         for eval_cfg in due:
             for weights in weights_to_evaluate(eval_cfg.weights, ema is not None):
+                started = time.perf_counter()
                 with self.stepper.precision.autocast() if sharded else contextlib.nullcontext(), \
                         ema.swapped() if weights == "ema" else contextlib.nullcontext():
                     result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
                 if not self.main:
                     continue
                 name = result_name(eval_cfg.name, weights)
-                log.info("eval %s at step %d: %s", name, step, ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
+                log.info("eval %s at step %d (%.1f s, %d ranks): %s", name, step, time.perf_counter() - started,
+                         self.env.world_size, ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
                 self.metrics.log({f"eval/{name}/{k}": v for k, v in result.items()}, step)
                 results[name] = result
-        seconds = time.perf_counter() - started
-        if self.env.distributed and not sharded and seconds > 0.5 * self.cfg.trainer.dist_timeout_s:
-            log.warning("evaluation took %.0f s on rank 0, more than half of trainer.dist_timeout_s=%s that the "
-                        "other ranks wait: raise trainer.dist_timeout_s or evaluate less (eval.<name>.every)",
-                        seconds, self.cfg.trainer.dist_timeout_s)
         return results
 
     def fit(self) -> float:
