@@ -1,23 +1,30 @@
-"""Put runs side by side: one table and one picture for a sweep, finished or in progress.
+"""Put runs side by side: one table and one picture for a sweep, finished or in progress; and checkpoints'
+evaluation tables side by side.
 
     python scripts/report.py runs/<sweep>                 # its jobs -> runs/<sweep>/summary.{csv,md,png}
     python scripts/report.py runs/a runs/b --out cmp/     # any run or sweep directories together
+    python scripts/report.py runs/a/checkpoints/last.pt runs/b/checkpoints/step_5000.pt --out cmp/
 
-Prints the table (Markdown). A multirun writes the same files by itself when it ends.
+Prints the tables (Markdown). A run or sweep's summary ends with its runs' last checkpoints' evaluations side
+by side (results.{md,csv}); checkpoints (or their ``.results.json``, written by training's last evaluation and by
+``scripts/evaluate.py``) give that table alone: a row per set and its main metric, a column per checkpoint, the
+average. A multirun writes the same files by itself when it ends.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
+from megabatch.eval.results import read_results, results_path, write_side_by_side
 from megabatch.report import find_runs, write_summary
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", type=Path, help="sweep directories (runs/<sweep>) or run directories")
-    parser.add_argument("--out", type=Path, help="where to write summary.{csv,md,png} (default: the one "
-                        "directory given; required for several)")
+    parser.add_argument("paths", nargs="+", type=Path, help="sweep directories (runs/<sweep>) or run directories; "
+                        "or checkpoints (or their .results.json) to put their evaluations side by side")
+    parser.add_argument("--out", type=Path, help="where to write summary.{csv,md,png} or results.{csv,md} (default: "
+                        "the one directory given, or the checkpoint's; required for several)")
     parser.add_argument("--title", help="the title of the table and the picture (default: the output folder's name)")
     return parser
 
@@ -26,7 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.out is None and len(args.paths) > 1:
-        parser.error("several directories: say where the summary goes with --out DIR")
+        parser.error("several paths: say where the summary goes with --out DIR")
+    files = [path for path in args.paths if not path.is_dir()]
+    if files:  # checkpoints or their results files: their evaluation tables side by side
+        if len(files) != len(args.paths):
+            parser.error("give run or sweep directories, or checkpoints (results files), not both")
+        tables = {}
+        for path in files:
+            found = results_path(path)
+            if found is None:
+                parser.error(f"{path}: no results table beside it (<ckpt>.results.json: run scripts/evaluate.py "
+                             f"ckpt={path} eval=... first)")
+            tables[label_of(path, files)] = read_results(found)
+        out = args.out or files[0].parent
+        print(write_side_by_side(tables, out), flush=True)
+        print(f"{len(tables)} checkpoints -> {out}/results.md, results.csv", file=sys.stderr)
+        return 0
     try:
         runs = find_runs(args.paths)
     except FileNotFoundError as error:
@@ -37,6 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     print(write_summary(args.paths, out, args.title), end="", flush=True)
     print(f"{len(runs)} runs -> {out}/summary.md, summary.csv, summary.png", file=sys.stderr)
     return 0
+
+
+def label_of(path: Path, paths: list[Path]) -> str:
+    """A checkpoint's column: its file's name, with its run's where names repeat (runs/a/.../last.pt)."""
+    stem = path.name.split(".results.")[0].removesuffix(".pt")
+    if sum(p.name.split(".results.")[0].removesuffix(".pt") == stem for p in paths) == 1:
+        return stem
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return f"{run.name}/{stem}"
 
 
 if __name__ == "__main__":

@@ -39,3 +39,41 @@ def test_a_run_writes_the_last_checkpoints_table(tmp_path):
     rows = json.loads((tmp_path / "checkpoints" / "last.results.json").read_text())["rows"]
     assert {(r["set"], r["metric"]) for r in rows} == {("digits", "top1"), ("digits", "top5"),
                                                         ("digits", "mean_per_class_recall")}
+
+    from megabatch.report import write_summary
+
+    summary = write_summary([tmp_path], tmp_path / "report")  # a run's summary ends with its checkpoint's table
+    assert "Evaluations of the last checkpoints" in summary and "| digits | zeroshot | top1 |" in summary
+    assert (tmp_path / "report" / "results.csv").is_file()
+
+
+def test_checkpoints_side_by_side(tmp_path, capsys):
+    import importlib.util
+
+    from megabatch.eval.results import side_by_side
+
+    first = {"imagenet": {"top1": 70.0, "top5": 90.0}, "coco": {"image_to_text_R@1": 50.0},
+             "voc": {"mAP": 80.0}, "cars": {"lp_top1": 60.0, "weight_decay": 0.1}}
+    second = {"imagenet": {"top1": 74.0}, "coco": {"image_to_text_R@1": 56.0}, "voc": {"mAP": 82.0}}
+    for run, results in (("a", first), ("b", second)):
+        (tmp_path / run / "checkpoints").mkdir(parents=True)
+        write_results(tmp_path / run / "checkpoints" / "last", results)
+    header, body = side_by_side({"a": first, "b": second})
+    assert header == ["set", "task", "main metric", "a", "b"]
+    assert body[0] == ["imagenet", "zeroshot", "top1", 70.0, 74.0]
+    assert body[2] == ["voc", "zeroshot_multilabel", "mAP", 80.0, 82.0]
+    assert body[3] == ["cars", "linear_probe", "lp_top1", 60.0, None]  # b has no probe
+    assert body[-1][0] == "average (3 sets in every column)" and body[-1][3:] == [pytest.approx(200 / 3),
+                                                                                  pytest.approx(212 / 3)]
+    spec = importlib.util.spec_from_file_location("report_script", "scripts/report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    paths = [str(tmp_path / run / "checkpoints" / "last.pt") for run in ("a", "b")]
+    assert report.main([*paths, "--out", str(tmp_path / "cmp")]) == 0
+    printed = capsys.readouterr().out
+    assert "| set | task | main metric | a/last | b/last |" in printed
+    assert "| cars | linear_probe | lp_top1 | 60.00 |  |" in printed
+    assert (tmp_path / "cmp" / "results.md").read_text().count("| imagenet |") == 1
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path / "a" / "checkpoints" / "missing.pt"), "--out", str(tmp_path / "cmp")])
+    assert "no results table beside it" in capsys.readouterr().err

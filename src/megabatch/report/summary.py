@@ -142,7 +142,25 @@ def write_summary(paths: list[Path], out_dir: Path, title: str | None = None) ->
         tmp.write_text(f"# {title or out_dir.name}\n\n{text}")
     with _replaced(out_dir / "summary.png") as tmp:
         plot(rows, tmp, title or out_dir.name)
+    tables = run_results(find_runs(paths))
+    if tables:  # the runs' last checkpoints' evaluation tables side by side, beside the summary
+        from ..eval.results import write_side_by_side
+
+        text += f"\n\nEvaluations of the last checkpoints (results.md, results.csv):\n\n" \
+                f"{write_side_by_side(tables, out_dir)}\n"
     return text
+
+
+def run_results(run_dirs: list[Path]) -> dict[str, dict]:
+    """``{run name: {set: result}}`` of the runs whose last checkpoint has a results table."""
+    from ..eval.results import read_results, results_path
+
+    tables = {}
+    for run_dir in run_dirs:
+        found = results_path(run_dir)
+        if found is not None:
+            tables[Path(run_dir).name] = read_results(found)
+    return tables
 
 
 @contextlib.contextmanager
