@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from megabatch.eval.results import read_results, results_path, write_side_by_side
 from megabatch.report import find_runs, write_summary
+from megabatch.report.results import read_results, results_path, write_side_by_side
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -150,13 +150,24 @@ def test_eval_options_resolve(option, data_cache):
     if option == "none":
         assert len(cfg.eval) == 0
         return
+    if option == "suite":  # several sets, each a CLIP_benchmark folder under $CLIP_BENCHMARK_ROOT
+        from megabatch.config import ConfigError
+        from megabatch.config.schema import check_eval
+
+        assert {"imagenet1k", "cars", "voc2007_multilabel", "mscoco_captions", "sugarcrepe", "cifar10_probe"} <= \
+            set(cfg.eval)
+        assert cfg.eval.cifar10_probe.task == "linear_probe" and cfg.eval.flickr30k.task == "retrieval"
+        with pytest.raises(ConfigError, match=r"eval\.imagenet1k\.root='/data/clip_benchmark/wds_imagenet1k' is not "
+                                              r"a folder .*'~eval\.imagenet1k'"):
+            check_eval(cfg.eval)
+        return
     eval_set = cfg.eval[option]  # each set in its own package: eval.<name>
     if eval_set.format in ("objectnet", "clip_benchmark"):  # class names come from the folder
         from megabatch.config import ConfigError
 
         with pytest.raises(ConfigError, match=f"eval.{option}.root is not set"):
             resolve_eval_set(eval_set)
-    elif eval_set.task in ("retrieval", "captioning", "image_caption_selection"):
+    elif eval_set.task in ("retrieval", "captioning", "image_caption_selection", "linear_probe"):
         assert eval_set.chunk > 0  # its data (eval.<name>.jsonl) is exercised in tests/eval
     else:
         classnames, templates = resolve_eval_set(eval_set)

@@ -50,7 +50,7 @@ def test_a_run_writes_the_last_checkpoints_table(tmp_path):
 def test_checkpoints_side_by_side(tmp_path, capsys):
     import importlib.util
 
-    from megabatch.eval.results import side_by_side
+    from megabatch.report.results import side_by_side
 
     first = {"imagenet": {"top1": 70.0, "top5": 90.0}, "coco": {"image_to_text_R@1": 50.0},
              "voc": {"mAP": 80.0}, "cars": {"lp_top1": 60.0, "weight_decay": 0.1}}

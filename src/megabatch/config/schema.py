@@ -430,7 +430,11 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
     choice(eval_cfg.format, f"{key}.format", ("wds", "folder", "objectnet", "clip_benchmark"))
     choice(eval_cfg.weights, f"{key}.weights", ("auto", "raw", "ema", "both"))
     if eval_cfg.format == "clip_benchmark":  # its files are checked when the set is read (eval/clip_benchmark.py)
-        eval_root(eval_cfg)
+        root = os.path.expanduser(str(eval_root(eval_cfg)))
+        if not os.path.isdir(root):  # before a run (or a suite of sets) spends hours to reach it
+            raise ConfigError(f"{key}.root={eval_cfg.root!r} is not a folder (a CLIP_benchmark dataset: "
+                              f"{eval_cfg.split}/nshards.txt, {eval_cfg.split}/0.tar, ..., classnames.txt): download "
+                              f"it there, point {key}.root at it, or leave the set out ('~{key}')")
         return
     if eval_cfg.task == "image_caption_selection":
         if not eval_cfg.jsonl:

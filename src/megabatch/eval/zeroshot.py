@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..report.results import headline  # noqa: F401 (eval.headline, as before)
 from .ranks import Ranks, batched, progress
 
 log = logging.getLogger(__name__)
@@ -150,16 +151,6 @@ def weights_to_evaluate(weights: str, has_average: bool) -> list[str]:
 def result_name(name: str, weights: str) -> str:
     """A set's name in the logs and result files: ``<name>``, or ``<name>-ema`` for the moving average."""
     return name if weights == "raw" else f"{name}-{weights}"
-
-
-def headline(result: dict[str, float]) -> float:
-    """The one number of a set's result: zero-shot top-1 (mAP for a multi-label set), image-to-text R@1 for
-    retrieval, CIDEr (x 100) for captioning, the accuracy (both ways) for image-caption selection, the linear
-    probe's top-1."""
-    for metric in ("top1", "mAP", "lp_top1", "cider", "acc"):
-        if metric in result:
-            return result[metric]
-    return result["image_to_text_R@1"]
 
 
 def summary(name: str, result: dict[str, float]) -> str:

@@ -144,7 +144,7 @@ def write_summary(paths: list[Path], out_dir: Path, title: str | None = None) ->
         plot(rows, tmp, title or out_dir.name)
     tables = run_results(find_runs(paths))
     if tables:  # the runs' last checkpoints' evaluation tables side by side, beside the summary
-        from ..eval.results import write_side_by_side
+        from .results import write_side_by_side
 
         text += f"\n\nEvaluations of the last checkpoints (results.md, results.csv):\n\n" \
                 f"{write_side_by_side(tables, out_dir)}\n"
@@ -153,7 +153,7 @@ def write_summary(paths: list[Path], out_dir: Path, title: str | None = None) ->
 
 def run_results(run_dirs: list[Path]) -> dict[str, dict]:
     """``{run name: {set: result}}`` of the runs whose last checkpoint has a results table."""
-    from ..eval.results import read_results, results_path
+    from .results import read_results, results_path
 
     tables = {}
     for run_dir in run_dirs:
