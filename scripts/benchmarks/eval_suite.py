@@ -2,7 +2,7 @@
 ``scripts/evaluate.py`` and ``torchrun --nproc_per_node=N scripts/evaluate.py`` on the same sets, the time of each
 set and whether the numbers agree; then the linear probe again, reading the features the first run kept.
 
-    python scripts/benchmarks/eval_suite.py --gpus 2 --out eval_suite.json
+    python scripts/benchmarks/eval_suite.py --gpus 2,4 --out eval_suite.json
 
 The sets are real scans (scikit-learn's handwritten digits, jittered on a 64 px canvas), written in
 CLIP_benchmark's layouts: zero-shot classification (with a training split: the linear probe's), a multi-label set
@@ -172,7 +172,7 @@ def agreement(one: dict, other: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpus", type=int, default=2, help="the torchrun run's GPU count (beside one GPU)")
+    parser.add_argument("--gpus", default="2", help="the torchrun runs' GPU counts, comma-separated (beside one GPU)")
     parser.add_argument("--arch", default="ViT-B-16")
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--ckpt", help="a checkpoint to evaluate instead of training one")
@@ -195,9 +195,11 @@ def main() -> int:
     print(f"sets built in {built - started:.0f} s, checkpoint in {time.perf_counter() - built:.0f} s", flush=True)
     meta = {"arch": args.arch, "train_steps": args.train_steps, "sizes": {k: getattr(args, k) for k in (
         "classification", "probe_train", "multilabel", "retrieval", "selection")}}
+    counts = [1, *(int(g) for g in str(args.gpus).split(",") if int(g) > 1)]
+    plan = [("suite, features encoded", gpus, f"f{gpus}") for gpus in counts]
+    plan += [("probe, features kept", gpus, f"f{gpus}") for gpus in (1, counts[-1])]
     runs = []
-    for label, gpus, features in (("suite, features encoded", 1, "f1"), ("suite, features encoded", args.gpus, "f2"),
-                                  ("probe, features kept", 1, "f1"), ("probe, features kept", args.gpus, "f2")):
+    for label, gpus, features in plan:
         run = evaluate if label.startswith("suite") else evaluate_probe
         row = run(gpus, ckpt, configs, workdir / features, workdir / f"{label[:5]}-{gpus}.json", args.timeout_s)
         row["run"] = label
@@ -206,13 +208,15 @@ def main() -> int:
         if "log_tail" in row:
             print(row["log_tail"][-2000:], flush=True)
         write_results(args.out, runs, **meta)
-    suites = [r for r in runs if r["run"].startswith("suite") and "sets" in r]
-    if len(suites) == 2:
-        runs.append({"run": "agreement", "gpus": [1, args.gpus], "max_abs_difference": agreement(*suites)})
-        print(json.dumps(runs[-1]), flush=True)
-    for cold, kept in zip(runs[:2], runs[2:4], strict=False):  # the kept features give the cold run's probe
-        if "sets" in cold and "sets" in kept:
-            kept["probe_difference_to_cold"] = agreement(kept, cold)["digits_probe"]
+    suites = {r["gpus"]: r for r in runs if r["run"].startswith("suite") and "sets" in r}
+    for gpus in counts[1:]:
+        if 1 in suites and gpus in suites:
+            runs.append({"run": "agreement", "gpus": [1, gpus], "max_abs_difference": agreement(suites[1],
+                                                                                                 suites[gpus])})
+            print(json.dumps(runs[-1]), flush=True)
+    for kept in (r for r in runs if r["run"].startswith("probe") and "sets" in r):
+        if kept["gpus"] in suites:  # the kept features give the cold run's probe
+            kept["probe_difference_to_cold"] = agreement(kept, suites[kept["gpus"]])["digits_probe"]
     write_results(args.out, runs, **meta)
     return 0
 

@@ -22,7 +22,8 @@ def test_predictions_equal_clip_benchmark(data_cache):
     model = build_model(cfg.model).eval()
     tokenize = model.tokenizer()
     classnames, templates = resolve_eval_set(cfg.eval.digits)
-    batches = list(eval_batches(cfg.eval.digits, cfg.data, eval_transform(model.preprocess), len(classnames)))
+    batches = [(images, labels) for images, (labels, _) in
+               eval_batches(cfg.eval.digits, cfg.data, eval_transform(model.preprocess), len(classnames))]
     device = torch.device("cpu")
 
     ours = build_classifier(model, tokenize, classnames, templates, device)

@@ -36,7 +36,8 @@ def test_imagefolder_labels_follow_the_class_order(tmp_path, numeric):
     cfg = compose("eval=imagenet", f"eval.imagenet.root={root}", "eval.imagenet.num_workers=0",
                   f"eval.imagenet.classnames=[{','.join(names)}]", "eval.imagenet.batch_size=64")
     transform = eval_transform(resolve_preprocess({}, {}, 16, "model.preprocess"))
-    images, labels = next(eval_batches(cfg.eval.imagenet, cfg.data, transform, len(names)))
+    images, (labels, indices) = next(eval_batches(cfg.eval.imagenet, cfg.data, transform, len(names)))
+    assert indices.tolist() == list(range(12))
     assert sorted(labels.tolist()) == list(range(12))
     # the folder of class k holds images of brightness 20 k: labels must follow brightness
     brightness = images.mean(dim=(1, 2, 3))[labels.argsort()]
@@ -106,8 +107,8 @@ def test_objectnet_keeps_the_imagenet_classes_and_crops_the_border(tmp_path):
     sizes = []
     batches = eval_batches(cfg.eval.objectnet, cfg.data, lambda image: sizes.append(image.size) or
                            torch.tensor(np.asarray(image)).permute(2, 0, 1), 2)
-    images, labels = next(batches)
-    assert labels.tolist() == [0, 1] and sizes == [(10, 10), (10, 10)]
+    images, (labels, indices) = next(batches)
+    assert labels.tolist() == [0, 1] and indices.tolist() == [0, 1] and sizes == [(10, 10), (10, 10)]
     assert (images[:, 0] == images[:, 1]).all()  # uniform grey: no red border left
     assert images[0, 0, 0, 0] == 40 and images[1, 0, 0, 0] == 120  # alarm_clock, then banana
 

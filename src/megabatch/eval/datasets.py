@@ -15,6 +15,8 @@ import logging
 import os
 from collections.abc import Iterator
 
+from torch.utils.data import IterableDataset
+
 from ..config import ConfigError
 from ..config.schema import embedded_digits, eval_root
 
@@ -135,8 +137,9 @@ def templates(eval_cfg) -> list[str]:
 
 
 def eval_batches(eval_cfg, data_cfg, transform, num_classes: int, ranks=None, split: str | None = None) -> Iterator:
-    """``(images [n, 3, s, s], labels [n])`` batches of the evaluation set (``labels [n, classes]`` of a
-    multi-label set): with several ``ranks``, this rank's every world-th image. ``split``: another split of a
+    """``(images [n, 3, s, s], (labels [n], indices [n]))`` batches of the evaluation set (``labels [n, classes]``
+    of a multi-label set; ``indices``: each image's place in the set): with several ``ranks``, this rank's every
+    world-th image, decoded by ``eval.<name>.num_workers`` loader workers. ``split``: another split of a
     CLIP_benchmark folder (the linear probe's ``train``) than ``eval.<name>.split``."""
     from ..data.urls import expand_urls
     from .ranks import Ranks
@@ -150,9 +153,9 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int, ranks=None, sp
 
         clip_benchmark.check_task(eval_cfg)
         return labelled_images(clip_benchmark.shard_urls(eval_cfg, split), transform, batch_size, ranks,
-                               multilabel=clip_benchmark.dataset_type(eval_cfg) == "multilabel")
+                               multilabel=clip_benchmark.dataset_type(eval_cfg) == "multilabel",
+                               workers=eval_cfg.num_workers)
     if eval_cfg.format == "folder":
-        from torch.utils.data import DataLoader, Subset
         from torchvision.datasets import ImageFolder
 
         root = eval_root(eval_cfg) if split is None else os.path.join(eval_root(eval_cfg), split)
@@ -174,8 +177,7 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int, ranks=None, sp
                 f"eval.{eval_cfg.name}.root={root!r} has {len(dataset.classes)} class folders but the class names "
                 f"has {num_classes} names; they must match one to one (sorted folder order)"
             )
-        mine = Subset(dataset, range(ranks.rank, len(dataset), ranks.world))
-        return iter(DataLoader(mine, batch_size=batch_size, num_workers=eval_cfg.num_workers))
+        return _indexed(dataset, ranks, batch_size, eval_cfg.num_workers)
     urls = eval_cfg.urls if split is None else eval_cfg.get(f"{split}_urls")
     if not urls and embedded_digits(eval_cfg):
         from ..data.digits import ensure_digits
@@ -184,56 +186,100 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int, ranks=None, sp
     key = f"eval.{eval_cfg.name}.{'urls' if split is None else split + '_urls'}"
     if not urls:
         raise ConfigError(f"{key} is not set for eval={eval_cfg.name} (shards with cls + image)")
-    return labelled_images(expand_urls(urls, key), transform, batch_size, ranks)
+    return labelled_images(expand_urls(urls, key), transform, batch_size, ranks, workers=eval_cfg.num_workers)
 
 
-def labelled_images(urls: list[str], transform, batch_size: int, ranks=None, multilabel: bool = False) -> Iterator:
-    """Evaluation batches ``(images [n, 3, s, s], labels [n])`` from shards whose ``json`` (or
-    ``cls``) holds the class index (``multilabel``: whose ``npy`` holds a 0/1 vector over the classes, as
-    CLIP_benchmark's multi-label sets), in shard order; with several ``ranks``, this rank's every world-th
-    sample (the others are not decoded). Corrupt images are skipped and counted, as are samples without a
-    label."""
-    import io
-    import json
-
-    import numpy as np
+def _indexed(dataset, ranks, batch_size: int, workers: int) -> Iterator:
+    """A map-style set's batches of this rank's every world-th item, with each item's index."""
     import torch
-    import webdataset as wds
+    from torch.utils.data import DataLoader, Subset
 
-    from ..data.samples import Stats, decode_pair
+    indices = range(ranks.rank, len(dataset), ranks.world)
+    loader = DataLoader(Subset(dataset, indices), batch_size=batch_size, num_workers=workers,
+                        multiprocessing_context=_forked(workers))
+    for number, (images, labels) in enumerate(loader):  # a map-style loader keeps the order
+        yield images, (labels, torch.tensor(indices[number * batch_size:number * batch_size + len(labels)]))
+
+
+def labelled_images(urls: list[str], transform, batch_size: int, ranks=None, multilabel: bool = False,
+                    workers: int = 0) -> Iterator:
+    """Evaluation batches ``(images [n, 3, s, s], (labels [n], indices [n]))`` from shards whose ``json`` (or
+    ``cls``) holds the class index (``multilabel``: whose ``npy`` holds a 0/1 vector over the classes, as
+    CLIP_benchmark's multi-label sets); ``indices``: each sample's place in the shards. With several ``ranks``,
+    this rank's every world-th sample; ``workers`` loader processes decode every workers-th of those each (the
+    others' samples are read past, not decoded), so batches come in the workers' turn: ``Ranks.in_order`` puts
+    rows back in the set's order. Corrupt images are skipped and counted, as are samples without a label."""
+    from torch.utils.data import DataLoader
+
     from .ranks import Ranks
 
     ranks = ranks or Ranks()
-    stats, unlabelled = Stats(), 0
-    images, labels = [], []
-    for index, raw in enumerate(wds.tarfile_to_samples(handler=wds.warn_and_continue)(iter([{"url": u}
-                                                                                             for u in urls]))):
-        if not ranks.mine(index):
-            continue
-        try:
-            if multilabel:
-                label = torch.from_numpy(np.load(io.BytesIO(raw["npy"])).astype(np.float32).reshape(-1))
-            elif "cls" in raw:
-                label = int(raw["cls"])
-            else:
-                label = int(json.loads(raw["json"])["label"])
-        except (KeyError, ValueError):
-            unlabelled += 1
-            continue
-        raw.setdefault("txt", b"")
-        pair = decode_pair(raw, stats)
-        if pair is None:
-            continue
-        images.append(transform(pair[1]))
-        labels.append(label)
-        if len(images) == batch_size:
-            yield torch.stack(images), torch.stack(labels) if multilabel else torch.tensor(labels)
-            images, labels = [], []
-    if images:
-        yield torch.stack(images), torch.stack(labels) if multilabel else torch.tensor(labels)
-    if stats.corrupt_image or unlabelled:
-        log.warning("skipped %d corrupt images and %d samples without a label (%s) in %s ...", stats.corrupt_image,
-                    unlabelled, "npy" if multilabel else "cls or json label", urls[0])
+    dataset = _LabelledShards(urls, transform, ranks.rank, ranks.world, multilabel)
+    for images, labels, indices in DataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                                              collate_fn=_collate, multiprocessing_context=_forked(workers)):
+        yield images, (labels, indices)
+
+
+def _forked(workers: int):
+    """Evaluation's loader workers are forked from this process, whatever started it: a process started by a
+    fork server (a rank of a test, say) would start each worker through that server, importing torch again
+    (seconds a worker, for every set)."""
+    import multiprocessing
+
+    return multiprocessing.get_context("fork") if workers > 0 else None
+
+
+def _collate(rows: list) -> tuple:
+    import torch
+
+    images, labels, indices = zip(*rows, strict=True)
+    stacked = torch.stack(labels) if isinstance(labels[0], torch.Tensor) else torch.tensor(labels)
+    return torch.stack(images), stacked, torch.tensor(indices)
+
+
+class _LabelledShards(IterableDataset):
+    """``(image, label, index)`` of one rank's samples of ``urls``, split again over the loader's workers."""
+
+    def __init__(self, urls, transform, rank: int, world: int, multilabel: bool):
+        self.urls, self.transform, self.rank, self.world, self.multilabel = urls, transform, rank, world, multilabel
+
+    def __iter__(self):
+        import io
+        import json
+
+        import numpy as np
+        import torch
+        import webdataset as wds
+        from torch.utils.data import get_worker_info
+
+        from ..data.samples import Stats, decode_pair
+
+        worker = get_worker_info()
+        workers, number = (worker.num_workers, worker.id) if worker else (1, 0)
+        stride, mine = self.world * workers, self.rank + self.world * number
+        stats, unlabelled, multilabel, urls = Stats(), 0, self.multilabel, self.urls
+        for index, raw in enumerate(wds.tarfile_to_samples(handler=wds.warn_and_continue)(iter([{"url": u}
+                                                                                                 for u in urls]))):
+            if index % stride != mine:
+                continue
+            try:
+                if multilabel:
+                    label = torch.from_numpy(np.load(io.BytesIO(raw["npy"])).astype(np.float32).reshape(-1))
+                elif "cls" in raw:
+                    label = int(raw["cls"])
+                else:
+                    label = int(json.loads(raw["json"])["label"])
+            except (KeyError, ValueError):
+                unlabelled += 1
+                continue
+            raw.setdefault("txt", b"")
+            pair = decode_pair(raw, stats)
+            if pair is None:
+                continue
+            yield self.transform(pair[1]), label, index
+        if stats.corrupt_image or unlabelled:
+            log.warning("skipped %d corrupt images and %d samples without a label (%s) in %s ...",
+                        stats.corrupt_image, unlabelled, "npy" if multilabel else "cls or json label", urls[0])
 
 
 def _objectnet_image(path: str):
@@ -250,7 +296,6 @@ def _objectnet_batches(eval_cfg, transform, batch_size: int, ranks) -> Iterator:
     order; the other classes' folders are not read."""
     import os
 
-    from torch.utils.data import DataLoader
     from torchvision.datasets import ImageFolder
 
     root = eval_root(eval_cfg)
@@ -266,11 +311,8 @@ def _objectnet_batches(eval_cfg, transform, batch_size: int, ranks) -> Iterator:
                                   "folders are missing under images/")
             return present, {folder: index for index, folder in enumerate(present)}
 
-    from torch.utils.data import Subset
-
     dataset = ObjectNetFolder(images, transform=transform, loader=_objectnet_image)
-    mine = Subset(dataset, range(ranks.rank, len(dataset), ranks.world))
-    return iter(DataLoader(mine, batch_size=batch_size, num_workers=eval_cfg.num_workers))
+    return _indexed(dataset, ranks, batch_size, eval_cfg.num_workers)
 
 
 def resolve_eval_set(eval_cfg) -> tuple[list[str], list[str]]:

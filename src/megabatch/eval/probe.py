@@ -5,7 +5,7 @@ The protocol is CLIP_benchmark's (after CLIP's appendix A.3, with AdamW in place
 - features of the train, validation and test splits, encoded once (by every rank together, each its share);
 - ``eval.<name>.fewshot=k``: k random training images a class (a class with fewer is an error), else all;
 - the weight decay searched on the validation split over ``logspace(-6, 2, 97)``: seven values first, then the
-  best one's neighbours at 8, 4, 2 and 1 steps of that grid;
+  best one's neighbours at 8, 4, 2 and 1 steps of that grid (each round's classifiers shared out over the ranks);
 - the classifier for the chosen weight decay trained again on train + validation (only the k shots when
   few-shot) and scored on the test split: top-1, top-5, mean per-class recall, in %.
 Each classifier: ``nn.Linear`` from a seeded start, AdamW (``probe_lr``, default 0.1), a cosine schedule over
@@ -42,16 +42,18 @@ WEIGHT_DECAYS = np.logspace(-6, 2, num=97).tolist()  # CLIP_benchmark's grid
 FIRST = [0, 16, 32, 48, 64, 80, 96]                 # its seven starting points: 1e-6, 1e-5 ... 1e2
 
 
-def search_weight_decay(score: Callable[[float], float]) -> tuple[int, dict[int, float]]:
+def search_weight_decay(score: Callable[[float], float], ranks: Ranks | None = None) -> tuple[int, dict[int, float]]:
     """The index in ``WEIGHT_DECAYS`` of the best validation score (``score(weight_decay)``): the best of the
     seven starting points, then of it and its neighbours at 8, 4, 2 and 1 grid steps; the first on ties. Each
-    value is scored once. Returns the index and every scored index's score."""
+    value is scored once, the values of a round shared out over the ``ranks``. Returns the index and every
+    scored index's score."""
+    ranks = ranks or Ranks()
     scores: dict[int, float] = {}
 
     def best(indices: list[int]) -> int:
-        for index in indices:
-            if index not in scores:
-                scores[index] = score(WEIGHT_DECAYS[index])
+        todo = [index for index in dict.fromkeys(indices) if index not in scores]
+        for part in ranks.gather({index: score(WEIGHT_DECAYS[index]) for index in ranks.take(todo)}):
+            scores.update(part)
         return max(indices, key=lambda index: (scores[index], -indices.index(index)))
 
     peak, span = best(FIRST), 8
@@ -124,9 +126,11 @@ def fewshot_indices(labels: torch.Tensor, k: int | None, seed: int, key: str) ->
     return torch.tensor(sorted(rows))
 
 
-def probe(splits: dict[str, tuple[torch.Tensor, torch.Tensor]], eval_cfg, device) -> dict[str, float]:
+def probe(splits: dict[str, tuple[torch.Tensor, torch.Tensor]], eval_cfg, device, ranks: Ranks | None = None
+          ) -> dict[str, float]:
     """The probe on features ``{"train", "val" (optional), "test": (features, labels)}``: the weight-decay
-    search on val, the final classifier on train (+ val), its test scores."""
+    search on val (its classifiers shared out over the ranks), the final classifier on train (+ val), its test
+    scores."""
     key = f"eval.{eval_cfg.name}"
     seed, k = eval_cfg.probe_seed, eval_cfg.fewshot
     train, test = splits["train"], splits["test"]
@@ -144,7 +148,7 @@ def probe(splits: dict[str, tuple[torch.Tensor, torch.Tensor]], eval_cfg, device
                 logits = fit(train, wd)(val[0].to(device)).float().cpu()
             return classification_scores(logits, val[1])["lp_top1"]
 
-        index, searched = search_weight_decay(val_top1)
+        index, searched = search_weight_decay(val_top1, ranks)
         weight_decay = WEIGHT_DECAYS[index]
         if k is None:  # all the data: the final classifier sees train and validation (CLIP_benchmark)
             train = (torch.cat([train[0], val[0]]), torch.cat([train[1], val[1]]))
@@ -175,14 +179,16 @@ def encode_split(model, eval_cfg, data_cfg, transform, device, ranks: Ranks, spl
     from .datasets import eval_batches
 
     batches = eval_batches(eval_cfg, data_cfg, transform, 0, ranks, split=split)
-    features, labels = [], []
-    for encoded, label in ranks.encode(model.encode_image, progress(batches, ranks, f"probe {eval_cfg.name} {what}"),
-                                       device):
+    features, labels, places = [], [], []
+    for encoded, (label, indices) in ranks.encode(model.encode_image,
+                                                  progress(batches, ranks, f"probe {eval_cfg.name} {what}"), device):
         features.append(F.normalize(encoded.float(), dim=-1).cpu())
         labels.append(label)
+        places.append(indices)
+    where = torch.cat(places) if places else torch.zeros(0, dtype=torch.long)
     mine_features = torch.cat(features) if features else torch.zeros((0, 0))
     mine_labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
-    return ranks.interleave(mine_features), ranks.interleave(mine_labels)
+    return ranks.in_order(mine_features, where), ranks.in_order(mine_labels, where)
 
 
 def cache_key(eval_cfg, split: str, stored: str | None) -> dict:
@@ -238,7 +244,7 @@ def run_linear_probe(model, eval_cfg, data_cfg, transform, device, ranks: Ranks 
     for what, (features, _) in splits.items():
         if len(features) == 0:
             raise ConfigError(f"eval.{eval_cfg.name}: the linear probe's {what} split holds no labelled image")
-    result = probe(splits, eval_cfg, device)
+    result = probe(splits, eval_cfg, device, ranks)
     if ranks.main:
         log.info("probe %s: features %s in %.1f s, %d classifiers in %.1f s", eval_cfg.name,
                  "read from " + str(cache) if cached else "encoded", encoded - started,

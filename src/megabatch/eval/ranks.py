@@ -68,6 +68,14 @@ class Ranks:
                 whole[rank::self.world] = part
         return whole.to(mine.device)
 
+    def in_order(self, mine: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, each tagged with its item's index in the set (``indices``), put in the set's order:
+        for rows read by loader workers, whose batches come in the workers' turn, not the set's."""
+        parts = self.gather((mine.cpu(), indices.cpu())) if self.world > 1 else [(mine.cpu(), indices.cpu())]
+        rows = torch.cat([part for part, _ in parts if len(part)] or [mine.cpu()])
+        order = torch.cat([index for _, index in parts]).argsort(stable=True)
+        return rows[order].to(mine.device)
+
     def interleave_list(self, mine: list) -> list:
         """``interleave`` for a list of Python values (captions, outcomes)."""
         if self.world == 1:

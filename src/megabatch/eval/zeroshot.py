@@ -46,12 +46,13 @@ def build_classifier(
 
 @torch.no_grad()
 def evaluate_zeroshot(
-    model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], classifier: torch.Tensor,
+    model, batches: Iterable[tuple[torch.Tensor, torch.Tensor | tuple]], classifier: torch.Tensor,
     device: torch.device, ranks: Ranks | None = None,
 ) -> dict[str, float]:
     """Top-1 / top-5 accuracy and the mean per-class recall (top-1 recall of each class present, averaged:
     CLIP_benchmark's ``mean_per_class_recall``, scikit-learn's balanced accuracy), in %, of
-    ``image_features @ classifier`` over ``batches`` (this rank's, with several: the counts are summed).
+    ``image_features @ classifier`` over ``batches`` (this rank's, with several: the counts are summed;
+    ``(images, labels)`` or ``(images, (labels, indices))`` as ``eval_batches`` gives them).
     Labels given as ``[n, classes]`` vectors (a multi-label set) give the mean average precision over the
     classes (``mAP``, %, CLIP_benchmark's ``mean_average_precision``) instead."""
     ranks = ranks or Ranks()
@@ -59,12 +60,14 @@ def evaluate_zeroshot(
     k = min(5, n_classes)
     counts = {"correct1": 0, "correct5": 0, "total": 0, "seen": torch.zeros(n_classes, dtype=torch.long),
               "right": torch.zeros(n_classes, dtype=torch.long)}
-    scores, targets = [], []
-    for features, labels in ranks.encode(model.encode_image, batches, device):
+    scores, targets, places = [], [], []
+    for features, labelled in ranks.encode(model.encode_image, batches, device):
+        labels, indices = labelled if isinstance(labelled, (tuple, list)) else (labelled, None)
         logits = features.float() @ classifier
         if labels.dim() == 2:  # multi-label: every class's score kept for its ranking
             scores.append(logits.cpu())
             targets.append(labels)
+            places.append(indices if indices is not None else torch.arange(len(labels)) + sum(map(len, places)))
             continue
         top = logits.topk(k, dim=-1).indices.cpu()
         hits = top == labels[:, None]
@@ -74,8 +77,9 @@ def evaluate_zeroshot(
         counts["seen"] += torch.bincount(labels, minlength=n_classes)
         counts["right"] += torch.bincount(labels[hits[:, 0]], minlength=n_classes)
     if ranks.gather(bool(scores)) != [False] * ranks.world:
-        logits = ranks.interleave(torch.cat(scores) if scores else torch.zeros((0, n_classes)))
-        truth = ranks.interleave(torch.cat(targets) if targets else torch.zeros((0, n_classes)))
+        where = torch.cat(places) if places else torch.zeros(0, dtype=torch.long)
+        logits = ranks.in_order(torch.cat(scores) if scores else torch.zeros((0, n_classes)), where)
+        truth = ranks.in_order(torch.cat(targets) if targets else torch.zeros((0, n_classes)), where)
         if len(logits) == 0:
             raise ValueError("zero-shot evaluation saw no images")
         return {"mAP": 100.0 * average_precision(logits, truth).mean().item(), "samples": len(logits)}
