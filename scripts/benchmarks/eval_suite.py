@@ -143,9 +143,15 @@ def evaluate(gpus: int, ckpt: Path, configs: Path, features: Path, out: Path, ti
                f"features={features}", f"output={out}", f"hydra.searchpath=[file://{configs}]"]
     print("$", " ".join(command), flush=True)
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as error:
+        out = (error.stdout or b"").decode() + (error.stderr or b"").decode()
+        return {"gpus": gpus, "command": " ".join(command), "returncode": "timeout", "wall_s": timeout_s,
+                "log_tail": out[-4000:]}
     row = {"gpus": gpus, "command": " ".join(command), "returncode": done.returncode,
-           "wall_s": round(time.perf_counter() - started, 1)}
+           "wall_s": round(time.perf_counter() - started, 1), "log": [line for line in done.stdout.splitlines()
+                                                                      if " probe " in line or "evaluating" in line]}
     if done.returncode != 0:
         row["log_tail"] = (done.stdout + done.stderr)[-4000:]
         return row
@@ -183,15 +189,19 @@ def main() -> int:
     parser.add_argument("--selection", type=int, default=1000)
     parser.add_argument("--timeout-s", type=float, default=300, help="per evaluate.py run")
     parser.add_argument("--workdir", default="/tmp/eval-suite-bench")
+    parser.add_argument("--reuse", action="store_true", help="the sets and checkpoint already in --workdir")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     workdir = Path(args.workdir)
     started = time.perf_counter()
-    configs = build_sets(workdir, {"classification": args.classification, "probe_train": args.probe_train,
-                                   "multilabel": args.multilabel, "retrieval": args.retrieval,
-                                   "selection": args.selection})
+    reuse = args.reuse and (workdir / "configs" / "eval" / "bench_suite.yaml").is_file()
+    sizes = {"classification": args.classification, "probe_train": args.probe_train, "multilabel": args.multilabel,
+             "retrieval": args.retrieval, "selection": args.selection}
+    configs = workdir / "configs" if reuse else build_sets(workdir, sizes)
     built = time.perf_counter()
-    ckpt = Path(args.ckpt) if args.ckpt else checkpoint(workdir, args.arch, args.train_steps, 600)
+    kept = workdir / "run" / "checkpoints" / "last.pt"
+    ckpt = Path(args.ckpt) if args.ckpt else kept if reuse and kept.is_file() else \
+        checkpoint(workdir, args.arch, args.train_steps, 600)
     print(f"sets built in {built - started:.0f} s, checkpoint in {time.perf_counter() - built:.0f} s", flush=True)
     meta = {"arch": args.arch, "train_steps": args.train_steps, "sizes": {k: getattr(args, k) for k in (
         "classification", "probe_train", "multilabel", "retrieval", "selection")}}

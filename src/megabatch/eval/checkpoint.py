@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ..checkpoint import EMA, build_stored, load_checkpoint, model_weights
@@ -43,6 +44,20 @@ def evaluate_checkpoint(cfg) -> dict[str, dict]:
 
         raise ConfigError("eval=none: name the evaluation set(s), e.g. eval=imagenet or eval=[imagenet,imagenet_v2]")
     env = init_distributed(cfg.device if cfg.device in ("auto", "cpu", "cuda") else "auto")
+    ended = "failed"
+    try:
+        results = _evaluate(cfg, env)
+        ended = "finished"
+        return results
+    finally:  # under torchrun: the heartbeat thread and the process group end before the interpreter does (left
+        # running into its exit, their threads can abort the process: "terminate called without an active exception")
+        if env.peers is not None:
+            env.peers.end(ended)
+        if env.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _evaluate(cfg, env) -> dict[str, dict]:
     state = load_checkpoint(cfg.ckpt)
     device = env.device if cfg.device in ("auto", "cpu", "cuda") else torch.device(cfg.device)
     model = model_from_checkpoint(state).to(device)
