@@ -109,3 +109,30 @@ def test_interleave_puts_every_ranks_rows_back_in_order():
 
     assert torch.equal(Three(0, 3).interleave(parts[0]), whole)
     assert Three(1, 3).take(list(range(7))) == [1, 4]
+
+
+@pytest.mark.slow  # 30 s on 2 cores: make test-all
+def test_evaluate_under_torchrun_writes_one_table_and_exits_cleanly(tmp_path):
+    """The documented ``torchrun --nproc_per_node=N scripts/evaluate.py`` on 2 gloo ranks: status 0 (every rank's
+    process group and heartbeat ended before exit), rank 0 alone writes the table, the probe's features are kept."""
+    import os
+    import subprocess
+    import sys
+
+    from megabatch.train import run
+
+    from ..helpers import ROOT
+
+    cfg = compose("batch=32", "trainer.max_steps=2", "data.train.shuffle_buffer=64", "eval=none")
+    cfg.run_dir = str(tmp_path / "run")
+    run(cfg)
+    ckpt = tmp_path / "run" / "checkpoints" / "last.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(ROOT / "scripts/evaluate.py"),
+               f"ckpt={ckpt}", "eval=[digits,digits_probe]", "eval.digits_probe.probe_epochs=2"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("| average | | |") == 1  # one table, printed by rank 0
+    rows = json.loads((tmp_path / "run" / "checkpoints" / "last.results.json").read_text())["rows"]
+    assert {("digits", "top1"), ("digits_probe", "lp_top1")} <= {(r["set"], r["metric"]) for r in rows}
+    assert (tmp_path / "run" / "checkpoints" / "last.features" / "raw" / "digits_probe-train.pt").is_file()
