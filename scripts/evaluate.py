@@ -6,7 +6,8 @@
     torchrun --nproc_per_node=4 scripts/evaluate.py ckpt=... eval=suite       # each GPU its share of each set
 
 Beside the checkpoint: one ``<ckpt>.eval-<set>.json`` a set, and the checkpoint's table of every set's
-metrics, ``<ckpt>.results.csv`` / ``.json`` (set, task, metric, value; the main metrics' average). A linear
+metrics, ``<ckpt>.results.csv`` / ``.json`` (set, task, metric, value; the main metrics' average), the sets
+evaluated earlier on the same checkpoint kept beside these. A linear
 probe keeps the features it encodes in ``<ckpt>.features/`` (``features=<folder>``, or ``features=null`` for none).
 """
 
@@ -29,6 +30,7 @@ def main(cfg: DictConfig) -> float:
     from megabatch.eval import headline, summary
     from megabatch.eval.checkpoint import evaluate_checkpoint
     from megabatch.eval.results import results_table, write_results
+    from megabatch.report.results import read_results
 
     try:
         results = evaluate_checkpoint(cfg)
@@ -46,8 +48,8 @@ def main(cfg: DictConfig) -> float:
             output.write_text(json.dumps(result, indent=1))
         print(f"{summary(name, result)}, step {result['step']}, {result['seconds']:.1f} s -> {output}", flush=True)
     # one table per checkpoint: every set's metrics (set, task, metric, value), and the main metrics' average
-    csv_path, _ = write_results(stem, results)
-    print(f"{results_table(results)}\n-> {csv_path} (and .json)", flush=True)
+    csv_path, json_path = write_results(stem, results, step=next(iter(results.values()))["step"])
+    print(f"{results_table(read_results(json_path))}\n-> {csv_path} (and .json)", flush=True)
     return headline(next(iter(results.values())))
 
 

@@ -335,6 +335,31 @@ QUESTIONS = [
         ],
     },
     {
+        "title": "Evaluation: one GPU and several",
+        "text": "`scripts/benchmarks/eval_suite.py`: `scripts/evaluate.py` on one GPU and `torchrun "
+                "--nproc_per_node=N scripts/evaluate.py` on the same ViT-B/16 checkpoint (trained a few steps on the "
+                "digits: near chance, its features near-tied) and the same sets, real scans on a 64 px canvas in "
+                "CLIP_benchmark's layouts: zero-shot (10,000 images), multi-label (3,000, mAP), retrieval (3,000 "
+                "images, five captions each), selection (2,000) and a linear probe (20,000 training images, the "
+                "zero-shot images as its test split). Then the probe again, reading the features the first runs "
+                "kept beside the checkpoint. Each cell: the set's seconds (model load left out) and its main number.",
+        "entries": [
+            {"file": "eval_suite_vit_b16_2xh200.json", "kind": "eval_suite",
+             "label": "2 x H200 (32 cores), commit 815a23f: the suite 175.5 s on one GPU, 132.4 s on two; the "
+                      "zero-shot set 1.87x faster; the probe 107 s cold (its features ~75 s), 34 s from kept "
+                      "features. The numbers agree but for one retrieval hit in 3,000 (a near-tie of this near-chance "
+                      "model) and 4e-6 of mAP"},
+            {"file": "eval_suite_vit_b16_4xh200.json", "kind": "eval_suite",
+             "label": "4 x H200 (64 cores), commit b706a17 (shards decoded by loader workers, the probe's search "
+                      "shared out over the ranks): two GPUs ran the suite in 73.3 s (zero-shot 7.4 s against 16.5 s "
+                      "before; the probe 34 s cold against 77 s). One GPU passed its 150 s limit: its retrieval and "
+                      "selection sets, decoded in the main process, ran 3-8x slower on this host than on the 2-GPU "
+                      "host (not explained yet). Four GPUs finished every set but a rank aborted at exit (its "
+                      "heartbeat thread left running: fixed in 3e796e2, not re-measured). The probe from kept "
+                      "features: 24.0 s on one GPU, 18.6 s on four"},
+        ],
+    },
+    {
         "title": "Stopping: a signal to a checkpoint on disk",
         "text": "ViT-L/14 with AdamW's state (a 5.13 GB `last.pt`), SIGTERM after step 3: seconds from the signal "
                 "to the process's exit with the checkpoint written and fsync'ed.",
@@ -563,7 +588,30 @@ def learning_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
-TABLES = {"loss": loss_table, "e2e": e2e_table, "loader": loader_table, "stop": stop_table,
+def eval_suite_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/eval_suite.py: each run's wall time and each set's seconds and main number; the
+    agreement of the several-GPU run with the one-GPU run."""
+    from megabatch.report.results import headline, main_metric
+
+    runs = [r for r in data["results"] if r.get("run") != "agreement"]
+    names = list(dict.fromkeys(name for r in runs for name in r.get("sets", {})))
+    first = {n: next(r["sets"][n] for r in runs if n in r.get("sets", {})) for n in names}
+    rows = ["| run | GPUs | wall s | " + " | ".join(f"{n}: s, {main_metric(first[n])}" for n in names) + " |",
+            "|---|---|---|" + "---|" * len(names)]
+    for r in runs:
+        cells = [f"{r['sets'][n]['seconds']:.1f} s, {headline(r['sets'][n]):.2f}" if n in r.get("sets", {}) else
+                 ("-" if r.get("returncode") == 0 else f"({r.get('returncode')})") for n in names]
+        wall = f"{r['wall_s']:.1f}" if r.get("returncode") == 0 else f"{r['wall_s']:.0f} ({r.get('returncode')})"
+        rows.append(f"| {r['run']} | {r['gpus']} | {wall} | " + " | ".join(cells) + " |")
+    for r in data["results"]:
+        if r.get("run") == "agreement":
+            worst = ", ".join(f"{n} {v:.2g}" for n, v in r["max_abs_difference"].items())
+            rows += ["", f"Largest difference between the 1- and {r['gpus'][1]}-GPU numbers, per set: {worst}"]
+    return rows
+
+
+TABLES = {"eval_suite": eval_suite_table, "loss": loss_table, "e2e": e2e_table,
+          "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
           "layernorm": layernorm_table, "multi_gpu": multi_gpu_table}
 

@@ -77,3 +77,15 @@ def test_checkpoints_side_by_side(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main([str(tmp_path / "a" / "checkpoints" / "missing.pt"), "--out", str(tmp_path / "cmp")])
     assert "no results table beside it" in capsys.readouterr().err
+
+
+def test_a_later_evaluation_of_the_same_checkpoint_joins_its_table(tmp_path):
+    from megabatch.report.results import read_results
+
+    write_results(tmp_path / "last", {"digits": {"top1": 90.0}}, step=500)
+    write_results(tmp_path / "last", {"probe": {"lp_top1": 95.0}}, step=500)
+    assert read_results(tmp_path / "last.results.json") == {"digits": {"top1": 90.0}, "probe": {"lp_top1": 95.0}}
+    write_results(tmp_path / "last", {"digits": {"top1": 91.0}}, step=500)  # the same set again: its rows replaced
+    assert read_results(tmp_path / "last.results.json")["digits"] == {"top1": 91.0}
+    write_results(tmp_path / "last", {"probe": {"lp_top1": 97.0}}, step=600)  # another step: a new table
+    assert read_results(tmp_path / "last.results.json") == {"probe": {"lp_top1": 97.0}}

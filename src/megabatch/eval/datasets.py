@@ -195,6 +195,7 @@ def _indexed(dataset, ranks, batch_size: int, workers: int) -> Iterator:
     from torch.utils.data import DataLoader, Subset
 
     indices = range(ranks.rank, len(dataset), ranks.world)
+    workers = _capped(workers)
     loader = DataLoader(Subset(dataset, indices), batch_size=batch_size, num_workers=workers,
                         multiprocessing_context=_forked(workers))
     for number, (images, labels) in enumerate(loader):  # a map-style loader keeps the order
@@ -214,10 +215,15 @@ def labelled_images(urls: list[str], transform, batch_size: int, ranks=None, mul
     from .ranks import Ranks
 
     ranks = ranks or Ranks()
-    dataset = _LabelledShards(urls, transform, ranks.rank, ranks.world, multilabel)
+    dataset, workers = _LabelledShards(urls, transform, ranks.rank, ranks.world, multilabel), _capped(workers)
     for images, labels, indices in DataLoader(dataset, batch_size=batch_size, num_workers=workers,
                                               collate_fn=_collate, multiprocessing_context=_forked(workers)):
         yield images, (labels, indices)
+
+
+def _capped(workers: int) -> int:
+    """No more loader workers than this process may run on (2 on a 2-core machine, whatever the set asks)."""
+    return min(workers, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 def _forked(workers: int):

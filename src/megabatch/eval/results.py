@@ -26,17 +26,29 @@ def average_of_main_metrics(results: dict[str, dict]) -> float:
     return sum(headline(result) for result in results.values()) / len(results)
 
 
-def write_results(stem: Path, results: dict[str, dict]) -> tuple[Path, Path]:
+def write_results(stem: Path, results: dict[str, dict], step: int | None = None) -> tuple[Path, Path]:
     """``<stem>.results.csv`` and ``<stem>.results.json`` (the rows, and the average of the main
-    metrics in the JSON); returns both paths."""
-    rows = results_rows(results)
+    metrics in the JSON); returns both paths. With the checkpoint's ``step``, the sets an earlier evaluation of
+    the same checkpoint (the same step) wrote there stay in the table beside these (``scripts/evaluate.py`` one
+    set today, another tomorrow); a file from another step is replaced. Returns both paths."""
     csv_path, json_path = stem.with_name(stem.name + ".results.csv"), stem.with_name(stem.name + ".results.json")
+    if step is not None and json_path.is_file():
+        try:
+            earlier = json.loads(json_path.read_text())
+        except (OSError, ValueError):
+            earlier = {}
+        if earlier.get("step") == step:
+            from ..report.results import read_results
+
+            results = {**{name: result for name, result in read_results(json_path).items() if name not in results},
+                       **results}
+    rows = results_rows(results)
     with open(csv_path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=["set", "task", "metric", "value"])
         writer.writeheader()
         writer.writerows(rows)
-    json_path.write_text(json.dumps({"rows": rows, "average_main_metric": average_of_main_metrics(results)},
-                                    indent=1))
+    json_path.write_text(json.dumps({"rows": rows, "average_main_metric": average_of_main_metrics(results),
+                                     **({"step": step} if step is not None else {})}, indent=1))
     return csv_path, json_path
 
 

@@ -427,7 +427,7 @@ class Trainer:
         for name, result in results.items():
             print(summary(name, result), flush=True)
         if results and self.main:  # the last checkpoint's table: every set's metrics, the main metrics' average
-            csv_path, _ = write_results(self.ckpt_dir / "last", results)
+            csv_path, _ = write_results(self.ckpt_dir / "last", results, step=step)
             log.info("results of the last checkpoint -> %s (and .json)\n%s", csv_path, results_table(results))
         if results:  # the first set's headline number is what a sweeper optimises
             return headline(next(iter(results.values())))
