@@ -39,9 +39,8 @@ def build_classifier(
     weights = [F.normalize(embeddings.float().view(count, len(templates), -1).mean(dim=1), dim=-1)
                for embeddings, count in ranks.encode(model.encode_text, map(prompts, batched(mine, batch_classes)),
                                                       device)]
-    width = weights[0].shape[-1] if weights else model.encode_text(tokenize([templates[0].format("x")]).to(device)
-                                                                   ).shape[-1]
-    return ranks.interleave(torch.cat(weights) if weights else torch.zeros((0, width), device=device)).T
+    # a rank with no class (fewer classes than ranks) adds nothing: the width comes from rank 0's rows
+    return ranks.interleave(torch.cat(weights) if weights else torch.zeros((0, 0), device=device)).T
 
 
 @torch.no_grad()
