@@ -29,6 +29,7 @@ def test_train_smoke_then_evaluate(tmp_path):
     assert report["top1"] == next(r["eval/digits/top1"] for r in records if "eval/digits/top1" in r)
 
 
+@pytest.mark.slow  # 29 s on 2 cores: make test-all (several sets in one run: tests/eval/test_eval_ranks.py too)
 def test_two_evaluation_sets_in_one_run_both_report(tmp_path):
     """``eval=[digits,retrieval]``: during training (every 2 steps and at the end) and in
     evaluate.py, each set under its own name."""

@@ -20,6 +20,7 @@ def test_main_job_reaches_85_percent_zero_shot(tmp_path):
 
 
 @pytest.mark.main_job
+@pytest.mark.slow  # 206 s of one CI core: make test-main-job and make test-all (the sigmoid loss's gradients are in CI)
 def test_siglip_on_the_main_job_reaches_85_percent_zero_shot(tmp_path):
     """The sigmoid loss in the main job's budget: `python train.py loss=siglip`, nothing else."""
     result = run_script(str(ROOT / "train.py"), "loss=siglip", cwd=tmp_path)

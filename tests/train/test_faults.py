@@ -48,6 +48,7 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # 60 s and a 33 s fixture on 2 cores: make test-all
 def test_sigterm_stops_two_ranks_at_one_step_and_resume_continues_bitwise(tmp_path, uninterrupted):
     """SIGTERM to every process of a 2-rank job (as SLURM sends it), then resume=latest."""
     job = torchrun(tmp_path, "name=stopped")

@@ -181,6 +181,7 @@ def test_every_splits_loader_pickled_once_as_a_fork_server_sends_it_gives_the_sa
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(again, original, strict=True))
 
 
+@pytest.mark.slow  # 34 s on 2 cores: make test-all
 def test_workers_from_the_fork_server_give_the_forked_workers_samples_through_a_stop_signal(shard_urls, tmp_path):
     """data.worker_start=forkserver (worker_start.py): across two boundaries the same sub-batches as
     forked workers; a SIGTERM to the server and the workers (a job's signal reaches every process)
