@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -47,28 +46,13 @@ def canvas(rng, scans, digits: list[int], labels) -> np.ndarray:
     return np.repeat(image[..., None], 3, axis=2)
 
 
-def write_folder(root: Path, split: str, samples: list[dict], per_shard: int = 1000, **files: str) -> None:
-    (root / split).mkdir(parents=True, exist_ok=True)
-    shards = [samples[i:i + per_shard] for i in range(0, len(samples), per_shard)]
-    for index, shard in enumerate(shards):
-        with tarfile.open(root / split / f"{index}.tar", "w") as tar:
-            for number, sample in enumerate(shard):
-                for ext, value in sample.items():
-                    data = value if isinstance(value, bytes) else str(value).encode()
-                    info = tarfile.TarInfo(f"{index:04d}{number:06d}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-    (root / split / "nshards.txt").write_text(f"{len(shards)}\n")
-    for name, text in files.items():
-        (root / f"{name}.txt").write_text(text)
-
-
 def build_sets(workdir: Path, sizes: dict) -> Path:
     """The four sets under ``workdir``/sets and a config folder naming them (``eval=bench_suite``)."""
     from sklearn.datasets import load_digits
 
     from megabatch.data.digits import CAPTION_PHRASINGS, EVAL_TEMPLATES
     from megabatch.data.shard_writer import encode_png
+    from megabatch.eval.clip_benchmark import write_folder
 
     sets, rng = workdir / "sets", np.random.default_rng(0)
     digits = load_digits()

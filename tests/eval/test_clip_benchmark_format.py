@@ -6,9 +6,6 @@ config error naming the key and the file."""
 
 from __future__ import annotations
 
-import io
-import tarfile
-
 import numpy as np
 import pytest
 import torch
@@ -18,6 +15,7 @@ from megabatch.config import ConfigError
 from megabatch.config.schema import validate
 from megabatch.data.shard_writer import encode_png
 from megabatch.data.transforms import eval_transform
+from megabatch.eval.clip_benchmark import write_folder
 from megabatch.eval.zeroshot import run_zeroshot
 from megabatch.models import build_model
 
@@ -31,19 +29,7 @@ retrieval = pytest.importorskip("clip_benchmark.metrics.zeroshot_retrieval")
 def write_set(root, samples: list[dict], per_shard: int = 5, split: str = "test", **files: str):
     """CLIP_benchmark's layout: ``samples`` (``{"png": bytes, "cls" or "txt" or "npy": ...}``) in shards of
     ``per_shard`` under ``split``."""
-    (root / split).mkdir(parents=True)
-    shards = [samples[i:i + per_shard] for i in range(0, len(samples), per_shard)]
-    for index, shard in enumerate(shards):
-        with tarfile.open(root / split / f"{index}.tar", "w") as tar:
-            for number, sample in enumerate(shard):
-                for ext, value in sample.items():
-                    data = value if isinstance(value, bytes) else str(value).encode()
-                    info = tarfile.TarInfo(f"s{index:03d}{number:03d}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-    (root / split / "nshards.txt").write_text(f"{len(shards)}\n")
-    for name, text in files.items():
-        (root / f"{name}.txt").write_text(text)
+    write_folder(root, split, samples, per_shard, **files)
 
 
 def image(seed: int) -> bytes:

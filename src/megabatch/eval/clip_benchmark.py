@@ -91,3 +91,28 @@ def shard_urls(eval_cfg, split: str | None = None) -> list[str]:
         raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r}: {split}/nshards.txt says {count} shards "
                           f"but {missing[0]} is missing")
     return urls
+
+
+def write_folder(root, split: str, samples: list[dict], per_shard: int = 1000, **files: str) -> None:
+    """The layout above, written: ``samples`` (``{"png": bytes, "cls" or "txt" or "npy": ...}``, a value that is
+    not bytes written as its text) in shards of ``per_shard`` under ``root/split``, and ``files`` as
+    ``root/<name>.txt`` (``classnames``, ``zeroshot_classification_templates``, ``dataset_type``). The tests and
+    ``scripts/benchmarks/eval_suite.py`` make their sets with it."""
+    import io
+    import tarfile
+    from pathlib import Path
+
+    folder = Path(root) / split
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = [samples[i:i + per_shard] for i in range(0, len(samples), per_shard)]
+    for index, shard in enumerate(shards):
+        with tarfile.open(folder / f"{index}.tar", "w") as tar:
+            for number, sample in enumerate(shard):
+                for ext, value in sample.items():
+                    data = value if isinstance(value, bytes) else str(value).encode()
+                    info = tarfile.TarInfo(f"{index:04d}{number:06d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    (folder / "nshards.txt").write_text(f"{len(shards)}\n")
+    for name, text in files.items():
+        (Path(root) / f"{name}.txt").write_text(text)

@@ -40,10 +40,6 @@ class Ranks:
     def main(self) -> bool:
         return self.rank == 0
 
-    def mine(self, index: int) -> bool:
-        """Whether the set's ``index``-th item is this rank's."""
-        return index % self.world == self.rank
-
     def take(self, items: Sequence) -> list:
         """This rank's items of ``items``: every world-th, from its rank."""
         return list(items[self.rank::self.world])
@@ -114,6 +110,13 @@ class Ranks:
                 continue
             shape, dtype = next(shape for shape in shapes if shape is not None)
             encode(torch.zeros((1, *shape), dtype=dtype, device=device))
+
+
+    def features(self, encode: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[tuple[torch.Tensor, Any]],
+                 device: torch.device) -> torch.Tensor:
+        """This rank's features of its batches (``encode``'s outputs, float32), concatenated in order."""
+        mine = [features.float() for features, _ in self.encode(encode, batches, device)]
+        return torch.cat(mine) if mine else torch.zeros((0, 0), device=device)
 
 
 def progress(iterable: Iterable, ranks: Ranks, description: str, total: int | None = None) -> Iterable:

@@ -120,15 +120,8 @@ def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device, ranks=
     batch = eval_cfg.batch_size
     image_batches = ((torch.stack([load(p) for p in chunk]), None) for chunk in batched(ranks.take(images), batch))
     text_batches = ((tokenize(chunk), None) for chunk in batched(ranks.take(captions), batch))
-    image_features = encoded(ranks, model.encode_image, progress(image_batches, ranks, f"eval {eval_cfg.name} "
-                                                                 "images", -(-len(images) // batch // ranks.world)),
-                             device)
-    text_features = encoded(ranks, model.encode_text, text_batches, device)
+    image_features = ranks.interleave(ranks.features(model.encode_image, progress(
+        image_batches, ranks, f"eval {eval_cfg.name} images", -(-len(images) // batch // ranks.world)), device))
+    text_features = ranks.interleave(ranks.features(model.encode_text, text_batches, device))
     result = recall_at_k(image_features, text_features, owner, chunk=eval_cfg.chunk)
     return {**result, "samples": len(images)}
-
-
-def encoded(ranks, encode: Callable, batches, device) -> torch.Tensor:
-    """Every rank's features of its items of a set, in the set's order (float32, on ``device``)."""
-    mine = [features.float() for features, _ in ranks.encode(encode, batches, device)]
-    return ranks.interleave(torch.cat(mine) if mine else torch.zeros((0, 0), device=device)).to(device)

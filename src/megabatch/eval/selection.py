@@ -60,9 +60,9 @@ def run_selection(model, tokenize, eval_cfg, transform, device, ranks=None) -> d
     image_batches = ((torch.stack([transform(Image.open(p).convert("RGB")) for item in chunk for p in item["images"]]),
                       None) for chunk in chunks)
     text_batches = ((tokenize([c for item in chunk for c in item["captions"]]), None) for chunk in chunks)
-    images = F.normalize(_features(ranks, model.encode_image, progress(image_batches, ranks,
-                                                                       f"eval {eval_cfg.name}", len(chunks)), device))
-    texts = F.normalize(_features(ranks, model.encode_text, text_batches, device))
+    images = F.normalize(ranks.features(model.encode_image, progress(image_batches, ranks, f"eval {eval_cfg.name}",
+                                                                     len(chunks)), device))
+    texts = F.normalize(ranks.features(model.encode_text, text_batches, device))
     outcomes_mine = []
     first_image = first_text = 0
     for item in mine:
@@ -88,8 +88,3 @@ def run_selection(model, tokenize, eval_cfg, transform, device, ranks=None) -> d
         result.update(accuracies(outcomes[subset], f"/{subset}"))
     return {**result, "samples": len(instances)}
 
-
-def _features(ranks, encode, batches, device) -> torch.Tensor:
-    """This rank's features (float32), its batches' in order."""
-    mine = [features.float() for features, _ in ranks.encode(encode, batches, device)]
-    return torch.cat(mine) if mine else torch.zeros((0, 1), device=device)

@@ -45,13 +45,13 @@ def build_classifier(
 
 @torch.no_grad()
 def evaluate_zeroshot(
-    model, batches: Iterable[tuple[torch.Tensor, torch.Tensor | tuple]], classifier: torch.Tensor,
+    model, batches: Iterable[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]], classifier: torch.Tensor,
     device: torch.device, ranks: Ranks | None = None,
 ) -> dict[str, float]:
     """Top-1 / top-5 accuracy and the mean per-class recall (top-1 recall of each class present, averaged:
     CLIP_benchmark's ``mean_per_class_recall``, scikit-learn's balanced accuracy), in %, of
     ``image_features @ classifier`` over ``batches`` (this rank's, with several: the counts are summed;
-    ``(images, labels)`` or ``(images, (labels, indices))`` as ``eval_batches`` gives them).
+    ``(images, (labels, indices))`` as ``eval_batches`` gives them).
     Labels given as ``[n, classes]`` vectors (a multi-label set) give the mean average precision over the
     classes (``mAP``, %, CLIP_benchmark's ``mean_average_precision``) instead."""
     ranks = ranks or Ranks()
@@ -60,13 +60,12 @@ def evaluate_zeroshot(
     counts = {"correct1": 0, "correct5": 0, "total": 0, "seen": torch.zeros(n_classes, dtype=torch.long),
               "right": torch.zeros(n_classes, dtype=torch.long)}
     scores, targets, places = [], [], []
-    for features, labelled in ranks.encode(model.encode_image, batches, device):
-        labels, indices = labelled if isinstance(labelled, (tuple, list)) else (labelled, None)
+    for features, (labels, indices) in ranks.encode(model.encode_image, batches, device):
         logits = features.float() @ classifier
         if labels.dim() == 2:  # multi-label: every class's score kept for its ranking
             scores.append(logits.cpu())
             targets.append(labels)
-            places.append(indices if indices is not None else torch.arange(len(labels)) + sum(map(len, places)))
+            places.append(indices)
             continue
         top = logits.topk(k, dim=-1).indices.cpu()
         hits = top == labels[:, None]
