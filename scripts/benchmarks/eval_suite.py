@@ -108,14 +108,21 @@ digits_probe: {{name: digits_probe, task: linear_probe, root: {sets / 'digits'},
     return workdir / "configs"
 
 
-def checkpoint(workdir: Path, arch: str, steps: int, timeout_s: float) -> Path:
+def checkpoint(workdir: Path, arch: str, steps: int, lr: float, timeout_s: float) -> tuple[Path, dict]:
+    """A checkpoint trained on the embedded digits, and its first and last logged losses (whether it learnt)."""
     run_dir = workdir / "run"
     command = [sys.executable, "train.py", "model=openclip", f"model.arch={arch}", "batch=256",
-               f"trainer.max_steps={steps}", "trainer.log_every=10", "eval=none", f"run_dir={run_dir}",
-               "overwrite=true"]
+               f"trainer.max_steps={steps}", f"optim.lr={lr}", f"sched.warmup_steps={max(1, steps // 10)}",
+               "trainer.log_every=10", "eval=none", f"run_dir={run_dir}", "overwrite=true"]
     print("$", " ".join(command[1:]), flush=True)
+    started = time.perf_counter()
     subprocess.run(command, cwd=ROOT, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
-    return run_dir / "checkpoints" / "last.pt"
+    losses = [row["loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if "loss" in row]
+    training = {"command": " ".join(command[1:]), "seconds": round(time.perf_counter() - started, 1),
+                "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+    print(json.dumps(training), flush=True)
+    return run_dir / "checkpoints" / "last.pt", training
 
 
 def evaluate(gpus: int, ckpt: Path, configs: Path, features: Path, out: Path, timeout_s: float,
@@ -164,7 +171,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", default="2", help="the torchrun runs' GPU counts, comma-separated (beside one GPU)")
     parser.add_argument("--arch", default="ViT-B-16")
-    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--train-steps", type=int, default=400)
+    parser.add_argument("--lr", type=float, default=5e-4, help="the checkpoint's peak lr (warmup: a tenth)")
     parser.add_argument("--ckpt", help="a checkpoint to evaluate instead of training one")
     parser.add_argument("--classification", type=int, default=5000, help="zero-shot test images")
     parser.add_argument("--probe-train", type=int, default=10000, help="the probe's training images")
@@ -184,11 +192,14 @@ def main() -> int:
     configs = workdir / "configs" if reuse else build_sets(workdir, sizes)
     built = time.perf_counter()
     kept = workdir / "run" / "checkpoints" / "last.pt"
-    ckpt = Path(args.ckpt) if args.ckpt else kept if reuse and kept.is_file() else \
-        checkpoint(workdir, args.arch, args.train_steps, 600)
+    training = None
+    if args.ckpt or (reuse and kept.is_file()):
+        ckpt = Path(args.ckpt) if args.ckpt else kept
+    else:
+        ckpt, training = checkpoint(workdir, args.arch, args.train_steps, args.lr, 600)
     print(f"sets built in {built - started:.0f} s, checkpoint in {time.perf_counter() - built:.0f} s", flush=True)
-    meta = {"arch": args.arch, "train_steps": args.train_steps, "sizes": {k: getattr(args, k) for k in (
-        "classification", "probe_train", "multilabel", "retrieval", "selection")}}
+    meta = {"arch": args.arch, "train_steps": args.train_steps, "training": training, "sizes": {
+        k: getattr(args, k) for k in ("classification", "probe_train", "multilabel", "retrieval", "selection")}}
     counts = [1, *(int(g) for g in str(args.gpus).split(",") if int(g) > 1)]
     plan = [("suite, features encoded", gpus, f"f{gpus}") for gpus in counts]
     plan += [("probe, features kept", gpus, f"f{gpus}") for gpus in (1, counts[-1])]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -70,3 +71,36 @@ def test_retrieval_eval_from_shards(tmp_path):
     model = build_model(cfg.model)
     result = run_zeroshot(model, model.tokenizer(), cfg.eval.retrieval, cfg.data, torch.device("cpu"))
     assert result["samples"] == 5 and result["text_to_image_R@5"] == 100.0
+
+
+def test_retrieval_from_shards_by_loader_workers_leaves_out_bad_samples(tmp_path):
+    """Shards read by 2 loader workers, with a corrupt image and a sample without a caption: the numbers of a jsonl
+    of the good pairs alone, and of the same shards read in the main process."""
+    from megabatch.data.shard_writer import Sample, write_shards
+    from megabatch.eval.zeroshot import run_zeroshot
+
+    from ..helpers import compose
+
+    rng, samples, rows = np.random.default_rng(0), [], []
+    for i in range(9):
+        pixels = rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)
+        captions = [] if i == 4 else [f"picture {i}", f"image {i} of {rng.integers(9)}"]
+        image = b"not a png" if i == 2 else encode_png(pixels)
+        samples.append(Sample(image, "png", captions[0] if captions else "", {"captions": captions}))
+        if captions and i != 2:
+            (tmp_path / f"{i}.png").write_bytes(image)
+            rows.append({"image": f"{i}.png", "captions": captions})
+    write_shards(samples, tmp_path, "pairs", per_shard=4)
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    torch.manual_seed(0)
+    shards = f"eval.retrieval.urls='{tmp_path}/pairs-{{000000..000002}}.tar'"
+    model = build_model(compose("eval=retrieval", shards).model)
+    results = []
+    for source in (f"eval.retrieval.jsonl={tmp_path / 'pairs.jsonl'}", shards):
+        for workers in (0, 2):
+            cfg = compose("eval=retrieval", source, f"eval.retrieval.num_workers={workers}",
+                          "eval.retrieval.batch_size=3")
+            results.append(run_zeroshot(model, model.tokenizer(), cfg.eval.retrieval, cfg.data, torch.device("cpu")))
+    assert results[0]["samples"] == 7
+    for result in results[1:]:
+        assert result == pytest.approx(results[0], abs=1e-9)

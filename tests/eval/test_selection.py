@@ -36,12 +36,14 @@ def instances(tmp_path) -> list[dict]:
     return rows
 
 
-def test_accuracies_equal_clip_benchmarks_evaluator_per_subset(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_accuracies_equal_clip_benchmarks_evaluator_per_subset(tmp_path, workers):
+    """Images opened in the main process, and by 2 loader workers."""
     from PIL import Image
 
     rows = instances(tmp_path)
     cfg = validate(compose("eval=sugarcrepe", f"eval.sugarcrepe.jsonl={tmp_path / 'set.jsonl'}",
-                           "eval.sugarcrepe.batch_size=5"))
+                           "eval.sugarcrepe.batch_size=5", f"eval.sugarcrepe.num_workers={workers}"))
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
     ours = run_zeroshot(model, model.tokenizer(), cfg.eval.sugarcrepe, cfg.data, torch.device("cpu"))

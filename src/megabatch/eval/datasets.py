@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import Dataset, IterableDataset
 
 from ..config import ConfigError
 from ..config.schema import embedded_digits, eval_root
@@ -203,22 +203,45 @@ def _indexed(dataset, ranks, batch_size: int, workers: int) -> Iterator:
 
 
 def labelled_images(urls: list[str], transform, batch_size: int, ranks=None, multilabel: bool = False,
-                    workers: int = 0) -> Iterator:
+                    workers: int = 0, labelled: bool = True) -> Iterator:
     """Evaluation batches ``(images [n, 3, s, s], (labels [n], indices [n]))`` from shards whose ``json`` (or
     ``cls``) holds the class index (``multilabel``: whose ``npy`` holds a 0/1 vector over the classes, as
     CLIP_benchmark's multi-label sets); ``indices``: each sample's place in the shards. With several ``ranks``,
     this rank's every world-th sample; ``workers`` loader processes decode every workers-th of those each (the
     others' samples are read past, not decoded), so batches come in the workers' turn: ``Ranks.in_order`` puts
-    rows back in the set's order. Corrupt images are skipped and counted, as are samples without a label."""
+    rows back in the set's order. Corrupt images are skipped and counted, as are samples without a label
+    (``labelled=False``: every label 0, for a retrieval set's images)."""
     from torch.utils.data import DataLoader
 
     from .ranks import Ranks
 
     ranks = ranks or Ranks()
-    dataset, workers = _LabelledShards(urls, transform, ranks.rank, ranks.world, multilabel), _capped(workers)
+    dataset = _LabelledShards(urls, transform, ranks.rank, ranks.world, multilabel, labelled)
+    workers = _capped(workers)
     for images, labels, indices in DataLoader(dataset, batch_size=batch_size, num_workers=workers,
                                               collate_fn=_collate, multiprocessing_context=_forked(workers)):
         yield images, (labels, indices)
+
+
+def mapped_images(items: Sequence, load: Callable, batch_size: int, workers: int = 0) -> Iterator:
+    """Batches of ``load(item)`` (image tensors) over ``items``, in their order, made by ``workers`` forked loader
+    processes (image files of a retrieval or selection set: opened and transformed beside the GPU's work)."""
+    from torch.utils.data import DataLoader
+
+    workers = _capped(workers)
+    yield from DataLoader(_Mapped(items, load), batch_size=batch_size, num_workers=workers,
+                          multiprocessing_context=_forked(workers))
+
+
+class _Mapped(Dataset):
+    def __init__(self, items: Sequence, load: Callable):
+        self.items, self.load = items, load
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        return self.load(self.items[index])
 
 
 def _capped(workers: int) -> int:
@@ -246,8 +269,9 @@ def _collate(rows: list) -> tuple:
 class _LabelledShards(IterableDataset):
     """``(image, label, index)`` of one rank's samples of ``urls``, split again over the loader's workers."""
 
-    def __init__(self, urls, transform, rank: int, world: int, multilabel: bool):
+    def __init__(self, urls, transform, rank: int, world: int, multilabel: bool, labelled: bool = True):
         self.urls, self.transform, self.rank, self.world, self.multilabel = urls, transform, rank, world, multilabel
+        self.labelled = labelled
 
     def __iter__(self):
         import io
@@ -269,7 +293,9 @@ class _LabelledShards(IterableDataset):
             if index % stride != mine:
                 continue
             try:
-                if multilabel:
+                if not self.labelled:
+                    label = 0
+                elif multilabel:
                     label = torch.from_numpy(np.load(io.BytesIO(raw["npy"])).astype(np.float32).reshape(-1))
                 elif "cls" in raw:
                     label = int(raw["cls"])

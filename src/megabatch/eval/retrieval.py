@@ -7,6 +7,7 @@ never builds the full matrix on the host.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import torch
 from PIL import Image
 
 from ..config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def load_pairs(jsonl: str | None, key: str = "eval.retrieval") -> tuple[list[Path], list[str], torch.Tensor]:
@@ -109,19 +112,78 @@ def recall_at_k(
     return result
 
 
+def shard_captions(urls: list[str], lines: bool) -> tuple[list[str], list[int]]:
+    """Every caption of a retrieval set's shards and the index of its sample, read without decoding an image:
+    a sample's ``json`` ``captions`` list when present, else its ``txt`` (``lines``: each line a caption)."""
+    import webdataset as wds
+
+    captions, owner = [], []
+    for index, raw in enumerate(wds.tarfile_to_samples(handler=wds.warn_and_continue)(iter({"url": u}
+                                                                                         for u in urls))):
+        try:
+            texts = json.loads(raw["json"]).get("captions") if "json" in raw else None
+        except ValueError:
+            texts = None
+        if not texts and raw.get("txt"):
+            text = raw["txt"].decode("utf-8", errors="replace")
+            texts = [line.strip() for line in text.splitlines() if line.strip()] if lines else [text]
+        captions.extend(texts or [])
+        owner.extend([index] * len(texts or []))
+    return captions, owner
+
+
+def _shard_source(eval_cfg) -> tuple[list[str], bool] | None:
+    """A retrieval set's shards (and whether each ``txt`` line is a caption), or ``None`` for a jsonl."""
+    from ..data.urls import expand_urls
+
+    if eval_cfg.format == "clip_benchmark":
+        from . import clip_benchmark
+
+        clip_benchmark.check_task(eval_cfg)
+        return clip_benchmark.shard_urls(eval_cfg), True
+    return (expand_urls(eval_cfg.urls, f"eval.{eval_cfg.name}.urls"), False) if eval_cfg.urls else None
+
+
 @torch.no_grad()
 def run_retrieval(model, tokenize: Callable, eval_cfg, transform, device, ranks=None) -> dict[str, float]:
     """Encode the pairs of ``eval.jsonl`` (or of the shards ``eval.urls``) in batches and compute
-    Recall@K both ways; with several ranks each encodes every world-th image and caption."""
+    Recall@K both ways; with several ranks each encodes every world-th image and caption. Images are opened
+    and transformed by ``eval.<name>.num_workers`` loader workers."""
+    from .datasets import labelled_images, mapped_images
     from .ranks import Ranks, batched, progress
 
     ranks = ranks or Ranks()
-    images, captions, owner, load = pairs_of(eval_cfg, transform)
-    batch = eval_cfg.batch_size
-    image_batches = ((torch.stack([load(p) for p in chunk]), None) for chunk in batched(ranks.take(images), batch))
+    batch, workers, name = eval_cfg.batch_size, eval_cfg.num_workers, eval_cfg.name
+    shards = _shard_source(eval_cfg)
+    if shards is None:
+        paths, captions, owner = load_pairs(eval_cfg.jsonl, f"eval.{name}")
+        load = lambda path: transform(Image.open(path).convert("RGB"))  # noqa: E731
+        image_batches = ((images, None) for images in mapped_images(ranks.take(paths), load, batch, workers))
+        image_features = ranks.interleave(ranks.features(model.encode_image, progress(
+            image_batches, ranks, f"eval {name} images", -(-len(paths) // batch // ranks.world)), device))
+    else:  # the captions first (no image decoded), then each rank's images by its loader workers
+        captions, samples = shard_captions(*shards)
+        mine, places = [], []
+        for features, (_, indices) in ranks.encode(model.encode_image, progress(labelled_images(
+                shards[0], transform, batch, ranks, workers=workers, labelled=False), ranks, f"eval {name} images"),
+                device):
+            mine.append(features.float())
+            places.append(indices)
+        place = torch.cat(places) if places else torch.zeros(0, dtype=torch.long)
+        image_features = ranks.in_order(torch.cat(mine) if mine else torch.zeros((0, 0), device=device), place)
+        present = torch.cat([p for p in ranks.gather(place)]).sort().values.tolist()
+        captioned = set(samples)
+        keep = [row for row, sample in enumerate(present) if sample in captioned]  # images with a caption
+        row_of = {present[row]: new for new, row in enumerate(keep)}
+        image_features = image_features[torch.tensor(keep, dtype=torch.long, device=image_features.device)]
+        kept = [i for i, sample in enumerate(samples) if sample in row_of]  # captions of a decoded image
+        if len(kept) < len(captions) or len(keep) < len(present):
+            log.warning("eval.%s: %d captions without a readable image and %d images without a caption left out",
+                        name, len(captions) - len(kept), len(present) - len(keep))
+        captions, owner = [captions[i] for i in kept], torch.tensor([row_of[samples[i]] for i in kept])
+    if len(image_features) == 0 or not captions:
+        raise ConfigError(f"eval.{name}: no image with a caption in the set")
     text_batches = ((tokenize(chunk), None) for chunk in batched(ranks.take(captions), batch))
-    image_features = ranks.interleave(ranks.features(model.encode_image, progress(
-        image_batches, ranks, f"eval {eval_cfg.name} images", -(-len(images) // batch // ranks.world)), device))
     text_features = ranks.interleave(ranks.features(model.encode_text, text_batches, device))
     result = recall_at_k(image_features, text_features, owner, chunk=eval_cfg.chunk)
-    return {**result, "samples": len(images)}
+    return {**result, "samples": len(image_features)}

@@ -51,17 +51,20 @@ def load_instances(eval_cfg) -> list[dict]:
 def run_selection(model, tokenize, eval_cfg, transform, device, ranks=None) -> dict[str, float]:
     """Encode each instance's images and captions (``eval_cfg.batch_size`` instances at a time) and score them;
     with several ranks each takes every world-th instance."""
+    from .datasets import mapped_images
     from .ranks import Ranks, batched, progress
 
     ranks = ranks or Ranks()
     instances = load_instances(eval_cfg)
     mine = ranks.take(instances)
     chunks = list(batched(mine, eval_cfg.batch_size))
-    image_batches = ((torch.stack([transform(Image.open(p).convert("RGB")) for item in chunk for p in item["images"]]),
-                      None) for chunk in chunks)
+    paths = [path for item in mine for path in item["images"]]
+    load = lambda path: transform(Image.open(path).convert("RGB"))  # noqa: E731
+    image_batches = ((images, None) for images in mapped_images(paths, load, eval_cfg.batch_size,
+                                                                eval_cfg.num_workers))
     text_batches = ((tokenize([c for item in chunk for c in item["captions"]]), None) for chunk in chunks)
     images = F.normalize(ranks.features(model.encode_image, progress(image_batches, ranks, f"eval {eval_cfg.name}",
-                                                                     len(chunks)), device))
+                                                                     -(-len(paths) // eval_cfg.batch_size)), device))
     texts = F.normalize(ranks.features(model.encode_text, text_batches, device))
     outcomes_mine = []
     first_image = first_text = 0
