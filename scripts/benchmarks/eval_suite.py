@@ -198,9 +198,9 @@ def main() -> int:
     else:
         ckpt, training = checkpoint(workdir, args.arch, args.train_steps, args.lr, 600)
     print(f"sets built in {built - started:.0f} s, checkpoint in {time.perf_counter() - built:.0f} s", flush=True)
-    meta = {"arch": args.arch, "train_steps": args.train_steps, "training": training, "sizes": {
-        k: getattr(args, k) for k in ("classification", "probe_train", "multilabel", "retrieval", "selection")}}
     counts = [1, *(int(g) for g in str(args.gpus).split(",") if int(g) > 1)]
+    meta = {"arch": args.arch, "gpus": counts[-1], "train_steps": args.train_steps, "training": training, "sizes": {
+        k: getattr(args, k) for k in ("classification", "probe_train", "multilabel", "retrieval", "selection")}}
     plan = [("suite, features encoded", gpus, f"f{gpus}") for gpus in counts]
     plan += [("probe, features kept", gpus, f"f{gpus}") for gpus in (1, counts[-1])]
     runs = []

@@ -337,26 +337,26 @@ QUESTIONS = [
     {
         "title": "Evaluation: one GPU and several",
         "text": "`scripts/benchmarks/eval_suite.py`: `scripts/evaluate.py` on one GPU and `torchrun "
-                "--nproc_per_node=N scripts/evaluate.py` on the same ViT-B/16 checkpoint (trained a few steps on the "
-                "digits: near chance, its features near-tied) and the same sets, real scans on a 64 px canvas in "
+                "--nproc_per_node=N scripts/evaluate.py` on the same ViT-B/16 checkpoint (trained a few hundred steps "
+                "on the digits; it had not left chance, so its features are near-tied) and the same sets, "
+                "real scans on a 64 px canvas in "
                 "CLIP_benchmark's layouts: zero-shot (10,000 images), multi-label (3,000, mAP), retrieval (3,000 "
                 "images, five captions each), selection (2,000) and a linear probe (20,000 training images, the "
                 "zero-shot images as its test split). Then the probe again, reading the features the first runs "
                 "kept beside the checkpoint. Each cell: the set's seconds (model load left out) and its main number.",
         "entries": [
             {"file": "eval_suite_vit_b16_2xh200.json", "kind": "eval_suite",
-             "label": "2 x H200 (32 cores), commit 815a23f: the suite 175.5 s on one GPU, 132.4 s on two; the "
-                      "zero-shot set 1.87x faster; the probe 107 s cold (its features ~75 s), 34 s from kept "
-                      "features. The numbers agree but for one retrieval hit in 3,000 (a near-tie of this near-chance "
-                      "model) and 4e-6 of mAP"},
+             "label": "2 x H200 (32 cores), commit e5269a5 (every set's images opened by loader workers, the "
+                      "probe's search shared out over the ranks): the suite in 103.9 s on one GPU (175.5 s at "
+                      "815a23f, images decoded in the main process) and 87.0 s on two; the probe 65.8 s cold on one "
+                      "GPU, 31.0 s from kept features (20.9 s on two). The checkpoint (300 steps at lr 5e-4) stayed "
+                      "at loss ln 256: its features are near-tied, so one retrieval hit in 3,000 and 6e-4 of mAP "
+                      "differ between one GPU and two (float noise breaking ties); every other number is equal"},
             {"file": "eval_suite_vit_b16_4xh200.json", "kind": "eval_suite",
-             "label": "4 x H200 (64 cores), commit b706a17 (shards decoded by loader workers, the probe's search "
-                      "shared out over the ranks): two GPUs ran the suite in 73.3 s (zero-shot 7.4 s against 16.5 s "
-                      "before; the probe 34 s cold against 77 s). One GPU passed its 150 s limit: its retrieval and "
-                      "selection sets, decoded in the main process, ran 3-8x slower on this host than on the 2-GPU "
-                      "host (not explained yet). Four GPUs finished every set but a rank aborted at exit (its "
-                      "heartbeat thread left running: fixed in 3e796e2, not re-measured). The probe from kept "
-                      "features: 24.0 s on one GPU, 18.6 s on four"},
+             "label": "4 x H200 (64 cores), commit b706a17, before retrieval and selection had loader workers: one "
+                      "GPU passed its 150 s limit (those sets decoded in the main process, 3-8x slower on this host); "
+                      "four GPUs finished every set but a rank aborted at exit (its heartbeat thread left running: "
+                      "fixed in 3e796e2, covered by a torchrun test; not re-measured on 4 GPUs, none lent since)"},
         ],
     },
     {
