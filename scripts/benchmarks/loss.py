@@ -4,8 +4,8 @@
     torchrun --nproc_per_node=2 scripts/benchmarks/loss.py --batches 256k,1M --out loss2.json
 
 Backends: ours (vanilla, local, disco, infcl = Triton kernels on CUDA, infcl_torch = plain-torch
-tiles; infcl_distill = infcl plus the distillation term, against random ViT-L/14-wide teacher
-features; the sigmoid loss: siglip = Triton kernels, siglip_torch = plain-torch tiles) and, when
+tiles; infcl_distill = infcl plus the distillation term (the fused kernels on CUDA), against random
+ViT-L/14-wide teacher features, infcl_distill_blocks = the same with the term in torch's row blocks of logits; the sigmoid loss: siglip = Triton kernels, siglip_torch = plain-torch tiles) and, when
 importable, the reference systems side by side in the same process: ``ref_openclip`` (OpenCLIP 3.3
 ``ClipLoss(local_loss=True, gather_with_grad=True)``), ``ref_infcl`` (``inf_cl.cal_inf_loss`` both
 directions), ``ref_openclip_distill`` (OpenCLIP 3.3 ``DistillClipLoss``, its two terms summed) and
@@ -70,6 +70,11 @@ def make_backend(name: str, tile: int, world: int, rank: int, fp32_precision: st
         from megabatch.losses.distill import DistilledLoss
 
         return with_teacher(DistilledLoss(InfClLoss(tile=tile, fp32_precision=fp32_precision), 1.0, 100.0))
+    if name == "infcl_distill_blocks":  # the same, the distillation term in torch's row blocks of logits
+        from megabatch.losses.distill import DistilledLoss
+
+        return with_teacher(DistilledLoss(InfClLoss(tile=tile, fp32_precision=fp32_precision), 1.0, 100.0,
+                                          impl="torch"))
     if name == "ref_openclip_distill":  # OpenCLIP 3.3 DistillClipLoss (--distill-model): both b x b logits
         from open_clip.loss import DistillClipLoss
 

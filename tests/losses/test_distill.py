@@ -1,7 +1,7 @@
 """Distillation (``DistilledLoss``: a contrastive loss plus the teacher term): the term equals OpenCLIP's own
-``DistillClipLoss``; every softmax backend with it, on 1-3 gloo ranks, torch and interpreted Triton (for the
-contrastive part), in row blocks smaller than the batch, gives the value and the contract gradients (features,
-scale) of the global loss against a float64 single-process dense reference."""
+``DistillClipLoss``; every softmax backend with it, on 1-3 gloo ranks, torch and interpreted Triton (the fused
+distillation kernels with ``infcl_triton``), in row blocks smaller than the batch, gives the value and the
+contract gradients (features, scale) of the global loss against a float64 single-process dense reference."""
 
 from __future__ import annotations
 

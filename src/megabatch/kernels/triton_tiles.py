@@ -228,6 +228,93 @@ def _sigmoid_kernel(
         tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _distill_stats_kernel(
+    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, out_ptr,  # pointers; t_scale a number
+    m, n, c, ct, cols_per_split, stride_out_field,
+    stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
+):
+    """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split, for the student's logits
+    ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @ t_cols^T`` together. Writes per row,
+    over the split, at ``out[field, s, row]``: the student's base-2 (max, sum), the teacher's base-2 (max, sum)
+    and ``sum_j exp2(T2_j - teacher max) * S_j`` (the teacher-weighted student logits, natural units)."""
+    pid = tl.program_id(0)
+    splits = tl.num_programs(0) // tl.cdiv(m, BLOCK_M)
+    pid_m, pid_s = pid // splits, pid % splits
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < m
+    scale = tl.load(scale_ptr).to(tl.float32)
+    scale2 = scale * 1.4426950408889634
+    t_scale2 = t_scale * 1.4426950408889634
+    m_s = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_s = tl.zeros((BLOCK_M,), tl.float32)
+    m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_t = tl.zeros((BLOCK_M,), tl.float32)
+    w_t = tl.zeros((BLOCK_M,), tl.float32)
+    split_start = pid_s * cols_per_split
+    split_stop = tl.minimum(split_start + cols_per_split, n)
+    for j0 in range(split_start, split_stop, BLOCK_N):
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < split_stop
+        acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
+                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        ROUND_TF32)
+        t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, offs_m, offs_n, row_ok, col_ok, ct,
+                          stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                          T_UPCAST, T_ROUND_TF32)
+        s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
+        t = tl.where(col_ok[None, :], t_acc * t_scale2, float("-inf"))
+        m_new = tl.maximum(m_s, tl.max(s, 1))
+        l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_s = m_new
+        m_new = tl.maximum(m_t, tl.max(t, 1))
+        keep = tl.exp2(m_t - m_new)
+        p = tl.exp2(t - m_new[:, None])  # 0 on padding columns
+        l_t = l_t * keep + tl.sum(p, 1)
+        w_t = w_t * keep + tl.sum(p * tl.where(col_ok[None, :], acc * scale, 0.0), 1)
+        m_t = m_new
+    at = pid_s.to(tl.int64) * m + offs_m  # [field, splits, m]
+    tl.store(out_ptr + at, m_s, mask=row_ok)
+    tl.store(out_ptr + stride_out_field + at, l_s, mask=row_ok)
+    tl.store(out_ptr + 2 * stride_out_field + at, m_t, mask=row_ok)
+    tl.store(out_ptr + 3 * stride_out_field + at, l_t, mask=row_ok)
+    tl.store(out_ptr + 4 * stride_out_field + at, w_t, mask=row_ok)
+
+
+@triton.jit
+def _distill_grad_kernel(
+    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, lse_ptr, t_lse_ptr, g_ptr, dscale_ptr,
+    c, ct, row_start, row_stop, col_start, col_stop, g_scale,
+    stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
+    stride_gm, stride_gn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One tile of ``G = softmax_row(S) - softmax_row(T)`` (the distillation term's gradient in the logits, one
+    direction) into the buffer, times ``g_scale``, and the tile's ``sum(G * rows @ cols^T)`` into
+    ``dscale_ptr[program]``. ``lse_ptr``/``t_lse_ptr``: the rows' student and teacher log-sum-exps."""
+    pid, offs_m, offs_n, row_ok, col_ok = _block_tile(row_start, row_stop, col_start, col_stop,
+                                                      BLOCK_M, BLOCK_N, GROUP_M)
+    acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
+                    stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                    ROUND_TF32)
+    t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, offs_m, offs_n, row_ok, col_ok, ct,
+                      stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                      T_UPCAST, T_ROUND_TF32)
+    scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
+    lse2 = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    t_lse2 = tl.load(t_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    g = tl.exp2(acc * scale2 - lse2[:, None]) - tl.exp2(t_acc * (t_scale * 1.4426950408889634) - t_lse2[:, None])
+    ok = row_ok[:, None] & col_ok[None, :]
+    g = tl.where(ok, g, 0.0)
+    tl.store(dscale_ptr + pid, tl.sum(tl.sum(g * acc, 1), 0))
+    g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
+    tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------
 # Tile configs: committed per GPU, else tuned once and cached, else a safe default
 # ----------------------------------------------------------------------------------------------
@@ -347,6 +434,11 @@ def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: 
     for config in candidate_configs(dtype):
         if kernel == "stats":
             fn = functools.partial(_stats_launch, rows, cols, scale, precision, config)
+        elif kernel == "distill_stats":  # a teacher as wide as the student
+            fn = functools.partial(_distill_stats_launch, rows, cols, cols, rows, scale, 100.0, precision, config)
+        elif kernel == "distill_grad":
+            fn = functools.partial(_distill_grad_launch, rows, cols, cols, rows, scale, 100.0, row_lse, col_lse,
+                                   precision, config)
         elif kernel == "sigmoid":
             fn = functools.partial(_sigmoid_launch, rows, cols, scale, torch.tensor(-10.0, device=device), True,
                                    precision, config, grads=False, write_g=True)
@@ -557,6 +649,64 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
     return torch.stack([partial_sums[0], scale_sum / scale, partial_sums[2]])
 
 
+def _split_columns(m: int, n: int, config: dict, device) -> tuple[int, int]:
+    """``(splits, columns per split)`` of a row-only pass: >= 4 waves of programs, >= 8 column tiles a split."""
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    tiles = triton.cdiv(n, bn)
+    splits = max(1, min(tiles, max(triton.cdiv(4 * _sms(device), triton.cdiv(m, bm)), min(8, tiles // 8))))
+    per_split = triton.cdiv(tiles, splits) * bn
+    return triton.cdiv(n, per_split), per_split
+
+
+def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, precision, config):
+    m, c = rows.shape
+    n, ct = cols.shape[0], t_rows.shape[1]
+    splits, per_split = _split_columns(m, n, config, rows.device)
+    out = torch.empty((5, splits, m), dtype=torch.float32, device=rows.device)
+    _distill_stats_kernel[(triton.cdiv(m, config["BLOCK_M"]) * splits,)](
+        rows, cols, t_rows, t_cols, scale, float(t_scale), out,
+        m, n, c, ct, per_split, out.stride(0),
+        rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+        t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+        UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
+        T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision),
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    # merge the splits (base 2): the student's and the teacher's log-sum-exp, the teacher-weighted logits
+    s_max, t_max = out[0].amax(0), out[2].amax(0)
+    s_sum = (out[1] * torch.exp2(out[0] - s_max)).sum(0)
+    t_keep = torch.exp2(out[2] - t_max)
+    t_sum, weighted = (out[3] * t_keep).sum(0), (out[4] * t_keep).sum(0)
+    return (s_max + torch.log2(s_sum)) / LOG2E, (t_max + torch.log2(t_sum)) / LOG2E, weighted / t_sum
+
+
+def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, t_lse, precision, config,
+                         weight=None, d_rows=None, d_cols=None, dots=None):
+    """The distillation term's backward over ``_g_blocks``: the kernel writes ``G = P_student - P_teacher``
+    (rows' softmaxes), cuBLAS multiplies it into ``d_rows`` and ``d_cols``. ``dots``: as in ``_grad_launch``.
+    Returns ``sum(G * dots)`` (fp32, unweighted)."""
+    c, ct = rows.shape[1], t_rows.shape[1]
+    dot_rows, dot_cols = dots or (rows, cols)
+    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0  # |G| <= 1
+    alpha = None if weight is None else float(scale.double() * weight.double()) / g_scale  # host sync, once
+
+    def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
+        _distill_grad_kernel[(programs,)](
+            dot_rows, dot_cols, t_rows, t_cols, scale, float(t_scale), lse, t_lse, g_block, partials,
+            c, ct, row_start, row_stop, col_start, col_stop, g_scale,
+            dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
+            t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
+            g_block.stride(0), g_block.stride(1),
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+            UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
+            T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=8,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+
+    return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols)[0]
+
+
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
     """``out += alpha * a @ b`` with ``out`` fp32 and ``a``, ``b`` in the input dtype."""
     if a.dtype == torch.float32:
@@ -700,6 +850,45 @@ def sigmoid_block(
     sums = _sigmoid_launch(rows, cols, scale.reshape(()).float(), bias.reshape(()).float(), diagonal,
                            fp32_precision, config, d_rows, d_cols, grads, dots=operands)
     return sums[0], sums[1], sums[2]
+
+
+def distill_rows(
+    rows: torch.Tensor, cols: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, scale: torch.Tensor,
+    t_scale: float, fp32_precision: str = "tf32", dots_dtype: torch.dtype | None = None, config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of the student's logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @
+    t_cols^T`` (``t_rows [m, ct]``, ``t_cols [n, ct]``, any width ``ct``): ``(logsumexp(S), logsumexp(T),
+    sum_j softmax(T)_j S_j)`` in fp32, one pass over the tiles, so the row's distillation cross-entropy is the
+    first less the third. ``dots_dtype``: as in ``block_stats``, for the student's and the teacher's operands."""
+    _check(rows, cols, fp32_precision)
+    _check(t_rows, t_cols, fp32_precision)
+    rows, cols = _dot_operands(rows, cols, dots_dtype)
+    t_rows, t_cols = _dot_operands(t_rows, t_cols, dots_dtype)
+    config = config or get_config("distill_stats", rows, fp32_precision)
+    return _distill_stats_launch(rows, cols, t_rows, t_cols, scale.reshape(()).float(), t_scale, fp32_precision,
+                                 config)
+
+
+def distill_grads(
+    rows: torch.Tensor, cols: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, scale: torch.Tensor,
+    t_scale: float, lse: torch.Tensor, t_lse: torch.Tensor, weight: torch.Tensor, d_rows: torch.Tensor,
+    d_cols: torch.Tensor, fp32_precision: str = "tf32", dots_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Gradients of ``weight * sum_i CE_i`` (``CE_i = lse_i - sum_j softmax(T)_ij S_ij``, ``distill_rows``'
+    inputs and row log-sum-exps): adds ``weight * scale * G @ cols`` into ``d_rows [m, c]`` and ``weight * scale
+    * G^T @ rows`` into ``d_cols [n, c]`` (fp32, contiguous), ``G = softmax(S) - softmax(T)`` by rows; returns
+    the scale's gradient ``weight * sum(G * rows @ cols^T)`` (fp32)."""
+    _check(rows, cols, fp32_precision)
+    _check(t_rows, t_cols, fp32_precision)
+    operands = _dot_operands(rows, cols, dots_dtype)
+    t_rows, t_cols = _dot_operands(t_rows, t_cols, dots_dtype)
+    config = config or get_config("distill_grad", operands[0], fp32_precision)
+    weight = weight.reshape(()).float()
+    dots = _distill_grad_launch(rows, cols, t_rows, t_cols, scale.reshape(()).float(), t_scale,
+                                lse.float().contiguous(), t_lse.float().contiguous(), fp32_precision, config,
+                                weight, d_rows, d_cols, operands)
+    return dots * weight
 
 
 def symmetric_loss(

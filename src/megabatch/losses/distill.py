@@ -104,24 +104,35 @@ def _direction(rows, columns, teacher_rows, teacher_columns, scale, teacher_scal
 
 class _Distill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots):
+    def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots,
+                fused):
         world, rows = group_size(group), image_features.shape[0]
         all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
         all_teacher_images = gather_no_grad(teacher_image, group)
         all_teacher_texts = gather_no_grad(teacher_text, group)
-        local = (_direction(image_features, all_texts, teacher_image, all_teacher_texts, scale, teacher_scale, dots)
-                 + _direction(text_features, all_images, teacher_text, all_teacher_images, scale, teacher_scale, dots))
+        directions = ((image_features, all_texts, teacher_image, all_teacher_texts),
+                      (text_features, all_images, teacher_text, all_teacher_images))
+        saved = []
+        if fused:  # the Triton kernels: per row the log-sum-exps and the cross term in one pass
+            from ..kernels import triton_tiles
+
+            local = torch.zeros((), dtype=torch.float32, device=image_features.device)
+            for direction in directions:
+                lse, teacher_lse, cross = triton_tiles.distill_rows(*direction, scale, teacher_scale, fused, dots)
+                local, saved = local + (lse - cross).sum(), saved + [lse, teacher_lse]
+        else:
+            local = sum(_direction(*direction, scale, teacher_scale, dots) for direction in directions)
         local = local / (2 * rows)
         total = local.clone()
         if world > 1:
             dist.all_reduce(total, group=group)
-        ctx.save_for_backward(image_features, text_features, scale, teacher_image, teacher_text)
-        ctx.teacher_scale, ctx.group, ctx.world, ctx.dots = teacher_scale, group, world, dots
+        ctx.save_for_backward(image_features, text_features, scale, teacher_image, teacher_text, *saved)
+        ctx.teacher_scale, ctx.group, ctx.world, ctx.dots, ctx.fused = teacher_scale, group, world, dots, fused
         return total / world
 
     @staticmethod
     def backward(ctx, grad_output):
-        image_features, text_features, scale, teacher_image, teacher_text = ctx.saved_tensors
+        image_features, text_features, scale, teacher_image, teacher_text, *saved = ctx.saved_tensors
         group, world, rows, dots = ctx.group, ctx.world, image_features.shape[0], ctx.dots
         rank = group_rank(group)
         all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
@@ -134,30 +145,47 @@ class _Distill(torch.autograd.Function):
         # every rank's column gradients w.r.t. the gathered features: texts [b] (image rows), images [b]
         d_columns = torch.zeros((2 * all_texts.shape[0], all_texts.shape[1]), dtype=acc, device=d_image.device)
         b = all_texts.shape[0]
-        d_scale = _direction(image_features, all_texts, teacher_image, all_teacher_texts, scale, ctx.teacher_scale,
-                             dots, weight, d_image, d_columns[:b])
-        d_scale = d_scale + _direction(text_features, all_images, teacher_text, all_teacher_images, scale,
-                                       ctx.teacher_scale, dots, weight, d_text, d_columns[b:])
+        directions = ((image_features, all_texts, teacher_image, all_teacher_texts, d_image, d_columns[:b]),
+                      (text_features, all_images, teacher_text, all_teacher_images, d_text, d_columns[b:]))
+        d_scale = torch.zeros((), dtype=acc, device=image_features.device)
+        for number, (features, columns, teacher_rows, teacher_columns, d_rows, d_cols) in enumerate(directions):
+            if ctx.fused:
+                from ..kernels import triton_tiles
+
+                d_scale = d_scale + triton_tiles.distill_grads(
+                    features, columns, teacher_rows, teacher_columns, scale, ctx.teacher_scale, saved[2 * number],
+                    saved[2 * number + 1], weight, d_rows, d_cols, ctx.fused, dots)
+            else:
+                d_scale = d_scale + _direction(features, columns, teacher_rows, teacher_columns, scale,
+                                               ctx.teacher_scale, dots, weight, d_rows, d_cols)
         if world > 1:
             dist.all_reduce(d_columns, group=group)
         d_image += d_columns[b + rank * rows:b + (rank + 1) * rows]
         d_text += d_columns[rank * rows:(rank + 1) * rows]
         return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
-                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None)
+                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None, None)
 
 
 def distill_term(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group=None,
-                 values_in: torch.dtype | None = None) -> torch.Tensor:
+                 values_in: torch.dtype | None = None, impl: str = "torch",
+                 fp32_precision: str = "tf32") -> torch.Tensor:
     """The distillation term ``D`` of the global batch (this rank's ``[b_local, c]`` student features,
     ``[b_local, c_teacher]`` teacher features, L2-normalised; an ensemble's ``[b_local, members, c_teacher]``),
     the same value on every rank; its backward follows ``base.ContrastiveLoss``'s contract.
     ``teacher_scale``: a number, or one per member (no gradient).
     ``values_in``: the features hold values of this dtype (GradCache's bf16 buffers): the forward's
-    GEMMs run in it."""
+    GEMMs run in it. ``impl``: ``torch`` (row blocks of logits, any dtype, ensembles), ``triton`` (the fused
+    kernels: a pass over the tiles per direction, no logits held; for one teacher and bf16/fp16/fp32 features,
+    the torch blocks otherwise) or ``auto`` (Triton on CUDA where it applies); ``fp32_precision``: the kernels'
+    fp32 dots."""
     dots = values_in if values_in in (torch.bfloat16, torch.float16) else None
     teacher_scale = tuple(float(s) for s in teacher_scale) if isinstance(teacher_scale, (tuple, list)) \
         else float(teacher_scale)
-    return _Distill.apply(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots)
+    applies = (teacher_image.dim() == 2 and not isinstance(teacher_scale, tuple)
+               and image_features.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    fused = fp32_precision if applies and (impl == "triton" or (impl == "auto" and image_features.is_cuda)) else None
+    return _Distill.apply(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots,
+                          fused)
 
 
 class DistilledLoss(nn.Module):
@@ -165,10 +193,14 @@ class DistilledLoss(nn.Module):
     contrastive loss is, with ``teacher=(image, text)``, the teacher's features of the same samples.
     ``teacher_scale``: the teacher's logit multiplier (``1 / distill.temperature``). ``teacher``: the
     frozen model phase 1 runs (``train/teacher.py``), held here for the step. ``terms``: the last
-    call's two terms, detached (the log's ``loss/contrastive`` and ``loss/distill``)."""
+    call's two terms, detached (the log's ``loss/contrastive`` and ``loss/distill``). ``impl``: the term's
+    (``distill_term``), by default the contrastive loss's ``impl`` (``loss.impl``)."""
 
-    def __init__(self, contrastive: nn.Module, weight: float, teacher_scale: float, teacher=None):
+    def __init__(self, contrastive: nn.Module, weight: float, teacher_scale: float, teacher=None,
+                 impl: str | None = None):
         super().__init__()
+        # the term's kernels: the contrastive loss's choice (loss.impl) unless told
+        self.impl = impl or getattr(contrastive, "impl", "auto")
         if getattr(contrastive, "uses_bias", False):
             raise ValueError(f"{type(contrastive).__name__} is a sigmoid loss: distillation (distill.teacher) "
                              "takes a softmax loss (loss=infcl, local, disco or vanilla)")
@@ -194,6 +226,7 @@ class DistilledLoss(nn.Module):
             self.terms = {"contrastive": contrastive.detach()}
             return contrastive
         distill = distill_term(image_features, text_features, scale, teacher_image.to(image_features.dtype),
-                               teacher_text.to(image_features.dtype), self.teacher_scale, self.group, values_in)
+                               teacher_text.to(image_features.dtype), self.teacher_scale, self.group, values_in,
+                               self.impl, getattr(self.contrastive, "fp32_precision", "tf32"))
         self.terms = {"contrastive": contrastive.detach(), "distill": distill.detach()}
         return contrastive + self.weight * distill
