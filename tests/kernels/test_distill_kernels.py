@@ -1,6 +1,7 @@
-"""The distillation term's fused kernels (``triton_tiles.distill_rows``/``distill_grads``) against a float64
-dense reference: per row the student's and the teacher's log-sum-exp and the teacher-weighted student logits,
-and the gradients of the rows' cross-entropies in both feature sets and the scale, on ragged shapes, a teacher
+"""The distillation term's fused kernels (``triton_tiles.distill_stats``/``distill_grads``) against a float64
+dense reference: per row and per column the student's and the teacher's log-sum-exp and the teacher-weighted
+student logits, and the gradients of the rows' and columns' cross-entropies in both feature sets and the scale
+(columns merged over stripes), on ragged shapes, a teacher
 wider than the student, large logits, and every input dtype (CPU: through TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
@@ -29,34 +30,36 @@ def inputs(m: int, n: int, c: int, ct: int, seed: int):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("m, n, c, ct, scale, t_scale", [(37, 37, 24, 40, 14.0, 23.0), (50, 29, 40, 24, 100.0, 100.0),
                                                          (17, 70, 130, 33, 30.0, 5.0)])
-def test_distill_rows_and_grads_match_the_float64_reference(case, m, n, c, ct, scale, t_scale):
+def test_distill_stats_and_grads_match_the_float64_reference(case, m, n, c, ct, scale, t_scale, monkeypatch):
     dtype, precision, tolerance = CASES[case]
     rows, cols, t_rows, t_cols = (x.to(dtype) for x in inputs(m, n, c, ct, seed=m + n + c))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # the reference: dense logits in float64 from the same rounded inputs
+    if device == "cpu":  # stripes of a few columns: the column fields merged stripe by stripe, as at 1M on a GPU
+        monkeypatch.setattr(triton_tiles, "PARTIAL_BYTES", 20 * 16 * triton_tiles.triton.cdiv(m, 16) * 2)
+    # the reference: dense logits in float64 from the same rounded inputs, both directions
     r, k = rows.double().requires_grad_(), cols.double().requires_grad_()
     s_ref = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
     student = s_ref * r @ k.T
     teacher = t_scale * t_rows.double() @ t_cols.double().T
-    target = teacher.softmax(1)
-    cross_entropy = student.logsumexp(1) - (target * student).sum(1)
+    by_rows = (student.logsumexp(1), teacher.logsumexp(1), (teacher.softmax(1) * student).sum(1))
+    by_cols = (student.logsumexp(0), teacher.logsumexp(0), (teacher.softmax(0) * student).sum(0))
     weight = 0.37
-    (weight * cross_entropy.sum()).backward()
+    (weight * ((by_rows[0] - by_rows[2]).sum() + (by_cols[0] - by_cols[2]).sum())).backward()
 
     on = [x.to(device) for x in (rows, cols, t_rows, t_cols)]
     scale_t = torch.tensor(scale, device=device)
-    lse, t_lse, cross = triton_tiles.distill_rows(*on, scale_t, t_scale, fp32_precision=precision)
-    for name, got, expected in (("student lse", lse, student.logsumexp(1)), ("teacher lse", t_lse,
-                                                                             teacher.logsumexp(1)),
-                                ("cross", cross, (target * student).sum(1))):
-        error = (got.cpu().double() - expected.detach()).norm() / expected.detach().norm()
-        assert error <= tolerance, name
+    row_stats, col_stats = triton_tiles.distill_stats(*on, scale_t, t_scale, fp32_precision=precision)
+    for direction, got, expected in (("rows", row_stats, by_rows), ("columns", col_stats, by_cols)):
+        for name, value, reference in zip(("student lse", "teacher lse", "cross"), got, expected, strict=True):
+            reference = reference.detach()
+            assert (value.cpu().double() - reference).norm() / reference.norm() <= tolerance, f"{direction} {name}"
     d_rows, d_cols = torch.zeros(m, c, device=device), torch.zeros(n, c, device=device)
-    d_scale = triton_tiles.distill_grads(*on, scale_t, t_scale, lse, t_lse, torch.tensor(weight, device=device),
-                                         d_rows, d_cols, fp32_precision=precision)
+    d_scale = triton_tiles.distill_grads(*on, scale_t, t_scale, row_stats[:2], col_stats[:2],
+                                         torch.tensor(weight, device=device), d_rows, d_cols,
+                                         fp32_precision=precision)
     assert (d_rows.cpu().double() - r.grad).norm() / r.grad.norm() <= tolerance
     assert (d_cols.cpu().double() - k.grad).norm() / k.grad.norm() <= tolerance
-    # the scale's gradient: weight * sum(G * dots), G = softmax(S) - softmax(T) by rows
+    # the scale's gradient: weight * sum(G * dots)
     assert abs(float(d_scale) / float(s_ref.grad) - 1) <= tolerance
 
 
@@ -66,14 +69,14 @@ def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch)
     from megabatch.losses.distill import DistilledLoss
 
     calls = []
-    for name in ("distill_rows", "distill_grads"):
+    for name in ("distill_stats", "distill_grads"):
         original = getattr(triton_tiles, name)
         monkeypatch.setattr(triton_tiles, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     rows, cols, t_rows, t_cols = (x.float() for x in inputs(9, 9, 16, 24, seed=1))
     loss = DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, 20.0)
     images = rows.clone().requires_grad_()
     loss(images, cols, torch.tensor(10.0), teacher=(t_rows, t_cols)).backward()
-    assert calls == ["distill_rows", "distill_rows", "distill_grads", "distill_grads"]  # both directions
+    assert calls == ["distill_stats", "distill_grads"]  # both directions in one call each
     calls.clear()
     ensemble = (torch.stack([t_rows, t_rows], 1), torch.stack([t_cols, t_cols], 1))
     DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, (20.0, 10.0))(

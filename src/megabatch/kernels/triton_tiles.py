@@ -230,16 +230,17 @@ def _sigmoid_kernel(
 
 @triton.jit
 def _distill_stats_kernel(
-    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, out_ptr,  # pointers; t_scale a number
-    m, n, c, ct, cols_per_split, stride_out_field,
+    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, row_out_ptr, col_out_ptr,  # t_scale a number
+    m, c, ct, col_start, col_stop, cols_per_split, stride_row_field, stride_col_field, stride_col_part,
     stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
 ):
-    """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split, for the student's logits
-    ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @ t_cols^T`` together. Writes per row,
-    over the split, at ``out[field, s, row]``: the student's base-2 (max, sum), the teacher's base-2 (max, sum)
-    and ``sum_j exp2(T2_j - teacher max) * S_j`` (the teacher-weighted student logits, natural units)."""
+    """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe, for the student's
+    logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @ t_cols^T`` together (as
+    ``_stats_kernel``, both directions). Five fields, each base-2 (max, sum) of S, (max, sum) of T and the
+    teacher-weighted student logits ``sum exp2(T2 - max) * S`` (natural units): the rows' over the split at
+    ``row_out[field, s, row]``, each column's over the row block at ``col_out[field, i, col - col_start]``."""
     pid = tl.program_id(0)
     splits = tl.num_programs(0) // tl.cdiv(m, BLOCK_M)
     pid_m, pid_s = pid // splits, pid % splits
@@ -253,8 +254,8 @@ def _distill_stats_kernel(
     m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_t = tl.zeros((BLOCK_M,), tl.float32)
     w_t = tl.zeros((BLOCK_M,), tl.float32)
-    split_start = pid_s * cols_per_split
-    split_stop = tl.minimum(split_start + cols_per_split, n)
+    split_start = col_start + pid_s * cols_per_split
+    split_stop = tl.minimum(split_start + cols_per_split, col_stop)
     for j0 in range(split_start, split_stop, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
@@ -264,8 +265,11 @@ def _distill_stats_kernel(
         t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, offs_m, offs_n, row_ok, col_ok, ct,
                           stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
                           T_UPCAST, T_ROUND_TF32)
+        logits = acc * scale  # natural units: what the teacher's probabilities weigh
+        ok = row_ok[:, None] & col_ok[None, :]
         s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
         t = tl.where(col_ok[None, :], t_acc * t_scale2, float("-inf"))
+        # rows: online, as _stats_kernel (every tile has a valid column)
         m_new = tl.maximum(m_s, tl.max(s, 1))
         l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
         m_s = m_new
@@ -273,29 +277,43 @@ def _distill_stats_kernel(
         keep = tl.exp2(m_t - m_new)
         p = tl.exp2(t - m_new[:, None])  # 0 on padding columns
         l_t = l_t * keep + tl.sum(p, 1)
-        w_t = w_t * keep + tl.sum(p * tl.where(col_ok[None, :], acc * scale, 0.0), 1)
+        w_t = w_t * keep + tl.sum(p * tl.where(ok, logits, 0.0), 1)
         m_t = m_new
+        # columns: this row block's share, shifted by its own maxima
+        s_col = tl.where(row_ok[:, None], s, float("-inf"))
+        t_col = tl.where(row_ok[:, None], t, float("-inf"))
+        cs_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
+        ct_max = tl.where(col_ok, tl.max(t_col, 0), 0.0)
+        p_col = tl.exp2(t_col - ct_max[None, :])
+        part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
+        tl.store(col_out_ptr + part, cs_max, mask=col_ok)
+        tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s_col - cs_max[None, :]), 0), mask=col_ok)
+        tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
+        tl.store(col_out_ptr + 3 * stride_col_field + part, tl.sum(p_col, 0), mask=col_ok)
+        tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * tl.where(ok, logits, 0.0), 0),
+                 mask=col_ok)
     at = pid_s.to(tl.int64) * m + offs_m  # [field, splits, m]
-    tl.store(out_ptr + at, m_s, mask=row_ok)
-    tl.store(out_ptr + stride_out_field + at, l_s, mask=row_ok)
-    tl.store(out_ptr + 2 * stride_out_field + at, m_t, mask=row_ok)
-    tl.store(out_ptr + 3 * stride_out_field + at, l_t, mask=row_ok)
-    tl.store(out_ptr + 4 * stride_out_field + at, w_t, mask=row_ok)
+    tl.store(row_out_ptr + at, m_s, mask=row_ok)
+    tl.store(row_out_ptr + stride_row_field + at, l_s, mask=row_ok)
+    tl.store(row_out_ptr + 2 * stride_row_field + at, m_t, mask=row_ok)
+    tl.store(row_out_ptr + 3 * stride_row_field + at, l_t, mask=row_ok)
+    tl.store(row_out_ptr + 4 * stride_row_field + at, w_t, mask=row_ok)
 
 
 @triton.jit
 def _distill_grad_kernel(
-    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, lse_ptr, t_lse_ptr, g_ptr, dscale_ptr,
-    c, ct, row_start, row_stop, col_start, col_stop, g_scale,
+    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, lse_ptr, g_ptr, dscale_ptr,
+    m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale,
     stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
     stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """One tile of ``G = softmax_row(S) - softmax_row(T)`` (the distillation term's gradient in the logits, one
-    direction) into the buffer, times ``g_scale``, and the tile's ``sum(G * rows @ cols^T)`` into
-    ``dscale_ptr[program]``. ``lse_ptr``/``t_lse_ptr``: the rows' student and teacher log-sum-exps."""
+    """One tile of ``G = P_row(S) + P_col(S) - P_row(T) - P_col(T)`` (the distillation term's gradient in the
+    logits, both directions) into the buffer, times ``g_scale``, and the tile's ``sum(G * rows @ cols^T)`` into
+    ``dscale_ptr[program]``. ``lse_ptr``: ``[m + n + m + n]``, the student's row and column log-sum-exps, then
+    the teacher's."""
     pid, offs_m, offs_n, row_ok, col_ok = _block_tile(row_start, row_stop, col_start, col_stop,
                                                       BLOCK_M, BLOCK_N, GROUP_M)
     acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
@@ -304,10 +322,14 @@ def _distill_grad_kernel(
     t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, offs_m, offs_n, row_ok, col_ok, ct,
                       stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
                       T_UPCAST, T_ROUND_TF32)
-    scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
-    lse2 = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-    t_lse2 = tl.load(t_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-    g = tl.exp2(acc * scale2 - lse2[:, None]) - tl.exp2(t_acc * (t_scale * 1.4426950408889634) - t_lse2[:, None])
+    s = acc * (tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634)
+    t = t_acc * (t_scale * 1.4426950408889634)
+    row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
+    t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
+    g = (tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :])
+         - tl.exp2(t - t_row_lse[:, None]) - tl.exp2(t - t_col_lse[None, :]))
     ok = row_ok[:, None] & col_ok[None, :]
     g = tl.where(ok, g, 0.0)
     tl.store(dscale_ptr + pid, tl.sum(tl.sum(g * acc, 1), 0))
@@ -437,8 +459,8 @@ def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: 
         elif kernel == "distill_stats":  # a teacher as wide as the student
             fn = functools.partial(_distill_stats_launch, rows, cols, cols, rows, scale, 100.0, precision, config)
         elif kernel == "distill_grad":
-            fn = functools.partial(_distill_grad_launch, rows, cols, cols, rows, scale, 100.0, row_lse, col_lse,
-                                   precision, config)
+            lse = torch.cat([row_lse, col_lse, row_lse, col_lse])
+            fn = functools.partial(_distill_grad_launch, rows, cols, cols, rows, scale, 100.0, lse, precision, config)
         elif kernel == "sigmoid":
             fn = functools.partial(_sigmoid_launch, rows, cols, scale, torch.tensor(-10.0, device=device), True,
                                    precision, config, grads=False, write_g=True)
@@ -649,52 +671,76 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
     return torch.stack([partial_sums[0], scale_sum / scale, partial_sums[2]])
 
 
-def _split_columns(m: int, n: int, config: dict, device) -> tuple[int, int]:
-    """``(splits, columns per split)`` of a row-only pass: >= 4 waves of programs, >= 8 column tiles a split."""
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    tiles = triton.cdiv(n, bn)
-    splits = max(1, min(tiles, max(triton.cdiv(4 * _sms(device), triton.cdiv(m, bm)), min(8, tiles // 8))))
-    per_split = triton.cdiv(tiles, splits) * bn
-    return triton.cdiv(n, per_split), per_split
-
-
 def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, precision, config):
+    """Both directions' statistics in one pass over the tiles (stripes and splits as ``_stats_launch``):
+    ``[3, m]`` for the rows and ``[3, n]`` for the columns, each the student's log-sum-exp, the teacher's, and
+    the teacher-weighted student logits (``sum softmax(T) * S`` along the row or the column), fp32."""
     m, c = rows.shape
     n, ct = cols.shape[0], t_rows.shape[1]
-    splits, per_split = _split_columns(m, n, config, rows.device)
-    out = torch.empty((5, splits, m), dtype=torch.float32, device=rows.device)
-    _distill_stats_kernel[(triton.cdiv(m, config["BLOCK_M"]) * splits,)](
-        rows, cols, t_rows, t_cols, scale, float(t_scale), out,
-        m, n, c, ct, per_split, out.stride(0),
-        rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
-        t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
-        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-        UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
-        T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision),
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
-    # merge the splits (base 2): the student's and the teacher's log-sum-exp, the teacher-weighted logits
-    s_max, t_max = out[0].amax(0), out[2].amax(0)
-    s_sum = (out[1] * torch.exp2(out[0] - s_max)).sum(0)
-    t_keep = torch.exp2(out[2] - t_max)
-    t_sum, weighted = (out[3] * t_keep).sum(0), (out[4] * t_keep).sum(0)
-    return (s_max + torch.log2(s_sum)) / LOG2E, (t_max + torch.log2(t_sum)) / LOG2E, weighted / t_sum
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    row_blocks = triton.cdiv(m, bm)
+    stripe = max(bn, (PARTIAL_BYTES // (20 * row_blocks)) // bn * bn)  # five fp32 column fields
+    stripe = min(stripe, triton.cdiv(n, bn) * bn)
+    tiles = triton.cdiv(stripe, bn)
+    splits = max(1, min(tiles, max(triton.cdiv(4 * _sms(rows.device), row_blocks), min(8, tiles // 8))))
+    cols_per_split = triton.cdiv(tiles, splits) * bn
+    splits = triton.cdiv(stripe, cols_per_split)
+    row_out = torch.empty((5, splits, m), dtype=torch.float32, device=rows.device)
+    col_out = torch.empty((5, row_blocks, stripe), dtype=torch.float32, device=rows.device)
+    run = None  # the rows' running fields
+    col_stats = torch.empty((3, n), dtype=torch.float32, device=rows.device)
+    for col_start in range(0, n, stripe):
+        col_stop = min(col_start + stripe, n)
+        width = col_stop - col_start
+        active = triton.cdiv(width, cols_per_split)
+        _distill_stats_kernel[(row_blocks * active,)](
+            rows, cols, t_rows, t_cols, scale, float(t_scale), row_out, col_out,
+            m, c, ct, col_start, col_stop, cols_per_split, row_out.stride(0), col_out.stride(0), col_out.stride(1),
+            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+            t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+            UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
+            T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision),
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+        run = _merge_fields(row_out[:, :active], run)
+        col_stats[:, col_start:col_stop] = _finish_fields(_merge_fields(col_out[:, :, :width]))
+    return _finish_fields(run), col_stats
 
 
-def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, t_lse, precision, config,
+def _merge_fields(parts: torch.Tensor, run: torch.Tensor | None = None) -> torch.Tensor:
+    """``[5, parts, k]`` partial fields (base-2 student max and sum, teacher max and sum, teacher-weighted
+    logits) merged over the parts, and into ``run`` (``[5, k]``) when given."""
+    if run is not None:
+        parts = torch.cat([parts, run[:, None]], 1)
+    s_max, t_max = parts[0].amax(0), parts[2].amax(0)
+    t_keep = torch.exp2(parts[2] - t_max)
+    return torch.stack([s_max, (parts[1] * torch.exp2(parts[0] - s_max)).sum(0), t_max, (parts[3] * t_keep).sum(0),
+                        (parts[4] * t_keep).sum(0)])
+
+
+def _finish_fields(fields: torch.Tensor) -> torch.Tensor:
+    """``[5, k]`` merged fields -> ``[3, k]``: the student's log-sum-exp, the teacher's (natural units), and the
+    teacher-weighted student logits."""
+    return torch.stack([(fields[0] + torch.log2(fields[1])) / LOG2E, (fields[2] + torch.log2(fields[3])) / LOG2E,
+                        fields[4] / fields[3]])
+
+
+def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, precision, config,
                          weight=None, d_rows=None, d_cols=None, dots=None):
-    """The distillation term's backward over ``_g_blocks``: the kernel writes ``G = P_student - P_teacher``
-    (rows' softmaxes), cuBLAS multiplies it into ``d_rows`` and ``d_cols``. ``dots``: as in ``_grad_launch``.
-    Returns ``sum(G * dots)`` (fp32, unweighted)."""
-    c, ct = rows.shape[1], t_rows.shape[1]
+    """The distillation term's backward over ``_g_blocks``: the kernel writes ``G = P_row(S) + P_col(S) -
+    P_row(T) - P_col(T)``, cuBLAS multiplies it into ``d_rows`` and ``d_cols``. ``lse``: ``[m + n + m + n]``
+    (``_distill_grad_kernel``). ``dots``: as in ``_grad_launch``. Returns ``sum(G * dots)`` (fp32,
+    unweighted)."""
+    (m, c), n, ct = rows.shape, cols.shape[0], t_rows.shape[1]
     dot_rows, dot_cols = dots or (rows, cols)
-    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0  # |G| <= 1
+    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0  # |G| <= 2
     alpha = None if weight is None else float(scale.double() * weight.double()) / g_scale  # host sync, once
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         _distill_grad_kernel[(programs,)](
-            dot_rows, dot_cols, t_rows, t_cols, scale, float(t_scale), lse, t_lse, g_block, partials,
-            c, ct, row_start, row_stop, col_start, col_stop, g_scale,
+            dot_rows, dot_cols, t_rows, t_cols, scale, float(t_scale), lse, g_block, partials,
+            m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale,
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
@@ -705,7 +751,6 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
         )
 
     return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols)[0]
-
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
     """``out += alpha * a @ b`` with ``out`` fp32 and ``a``, ``b`` in the input dtype."""
@@ -852,14 +897,15 @@ def sigmoid_block(
     return sums[0], sums[1], sums[2]
 
 
-def distill_rows(
+def distill_stats(
     rows: torch.Tensor, cols: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, scale: torch.Tensor,
     t_scale: float, fp32_precision: str = "tf32", dots_dtype: torch.dtype | None = None, config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of the student's logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @
-    t_cols^T`` (``t_rows [m, ct]``, ``t_cols [n, ct]``, any width ``ct``): ``(logsumexp(S), logsumexp(T),
-    sum_j softmax(T)_j S_j)`` in fp32, one pass over the tiles, so the row's distillation cross-entropy is the
-    first less the third. ``dots_dtype``: as in ``block_stats``, for the student's and the teacher's operands."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both directions of the student's logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale *
+    t_rows @ t_cols^T`` (``t_rows [m, ct]``, ``t_cols [n, ct]``, any width ``ct``) in one pass over the tiles:
+    ``(rows [3, m], cols [3, n])``, each ``(logsumexp(S), logsumexp(T), sum softmax(T) * S)`` along the row or
+    the column, fp32; a row's (column's) distillation cross-entropy is its first less its third.
+    ``dots_dtype``: as in ``block_stats``, for the student's and the teacher's operands."""
     _check(rows, cols, fp32_precision)
     _check(t_rows, t_cols, fp32_precision)
     rows, cols = _dot_operands(rows, cols, dots_dtype)
@@ -871,25 +917,24 @@ def distill_rows(
 
 def distill_grads(
     rows: torch.Tensor, cols: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, scale: torch.Tensor,
-    t_scale: float, lse: torch.Tensor, t_lse: torch.Tensor, weight: torch.Tensor, d_rows: torch.Tensor,
+    t_scale: float, row_lse: torch.Tensor, col_lse: torch.Tensor, weight: torch.Tensor, d_rows: torch.Tensor,
     d_cols: torch.Tensor, fp32_precision: str = "tf32", dots_dtype: torch.dtype | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Gradients of ``weight * sum_i CE_i`` (``CE_i = lse_i - sum_j softmax(T)_ij S_ij``, ``distill_rows``'
-    inputs and row log-sum-exps): adds ``weight * scale * G @ cols`` into ``d_rows [m, c]`` and ``weight * scale
-    * G^T @ rows`` into ``d_cols [n, c]`` (fp32, contiguous), ``G = softmax(S) - softmax(T)`` by rows; returns
-    the scale's gradient ``weight * sum(G * rows @ cols^T)`` (fp32)."""
+    """Gradients of ``weight`` x the rows' and the columns' cross-entropies (``distill_stats``' inputs;
+    ``row_lse [2, m]`` and ``col_lse [2, n]``: the student's and the teacher's log-sum-exps over the whole
+    matrix): adds ``weight * scale * G @ cols`` into ``d_rows [m, c]`` and ``weight * scale * G^T @ rows`` into
+    ``d_cols [n, c]`` (fp32, contiguous), ``G = P_row(S) + P_col(S) - P_row(T) - P_col(T)``; returns the scale's
+    gradient ``weight * sum(G * rows @ cols^T)`` (fp32)."""
     _check(rows, cols, fp32_precision)
     _check(t_rows, t_cols, fp32_precision)
     operands = _dot_operands(rows, cols, dots_dtype)
     t_rows, t_cols = _dot_operands(t_rows, t_cols, dots_dtype)
     config = config or get_config("distill_grad", operands[0], fp32_precision)
-    weight = weight.reshape(()).float()
-    dots = _distill_grad_launch(rows, cols, t_rows, t_cols, scale.reshape(()).float(), t_scale,
-                                lse.float().contiguous(), t_lse.float().contiguous(), fp32_precision, config,
-                                weight, d_rows, d_cols, operands)
-    return dots * weight
-
+    lse = torch.cat([row_lse[0], col_lse[0], row_lse[1], col_lse[1]]).float().contiguous()
+    dots = _distill_grad_launch(rows, cols, t_rows, t_cols, scale.reshape(()).float(), t_scale, lse, fp32_precision,
+                                config, weight.reshape(()).float(), d_rows, d_cols, operands)
+    return dots * weight.reshape(()).float()
 
 def symmetric_loss(
     image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor,

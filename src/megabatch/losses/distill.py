@@ -102,26 +102,39 @@ def _direction(rows, columns, teacher_rows, teacher_columns, scale, teacher_scal
     return total
 
 
+def _merge_columns(column: torch.Tensor, group) -> torch.Tensor:
+    """``[3, b]`` column statistics over this rank's rows (``triton_tiles.distill_stats``) -> over every rank's:
+    the log-sum-exps combined, the teacher-weighted logits re-weighted by each rank's share of the teacher's
+    column sum."""
+    parts = gather_no_grad(column.contiguous(), group).view(group_size(group), *column.shape)
+    student, teacher = parts[:, 0].logsumexp(0), parts[:, 1].logsumexp(0)
+    return torch.stack([student, teacher, (torch.exp(parts[:, 1] - teacher) * parts[:, 2]).sum(0)])
+
+
 class _Distill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots,
                 fused):
         world, rows = group_size(group), image_features.shape[0]
-        all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
-        all_teacher_images = gather_no_grad(teacher_image, group)
-        all_teacher_texts = gather_no_grad(teacher_text, group)
-        directions = ((image_features, all_texts, teacher_image, all_teacher_texts),
-                      (text_features, all_images, teacher_text, all_teacher_images))
+        all_texts, all_teacher_texts = gather_no_grad(text_features, group), gather_no_grad(teacher_text, group)
+        if not fused:  # the image columns: the text rows' direction, a block of its own
+            all_images, all_teacher_images = gather_no_grad(image_features, group), gather_no_grad(teacher_image, group)
         saved = []
-        if fused:  # the Triton kernels: per row the log-sum-exps and the cross term in one pass
+        if fused:  # the Triton kernels: this rank's rows against every column, both directions in one pass
             from ..kernels import triton_tiles
 
-            local = torch.zeros((), dtype=torch.float32, device=image_features.device)
-            for direction in directions:
-                lse, teacher_lse, cross = triton_tiles.distill_rows(*direction, scale, teacher_scale, fused, dots)
-                local, saved = local + (lse - cross).sum(), saved + [lse, teacher_lse]
+            row, column = triton_tiles.distill_stats(image_features, all_texts, teacher_image, all_teacher_texts,
+                                                     scale, teacher_scale, fused, dots)
+            if world > 1:  # each column's statistics over every rank's rows
+                column = _merge_columns(column, group)
+            own = slice(group_rank(group) * rows, (group_rank(group) + 1) * rows)
+            local = (row[0] - row[2]).sum() + (column[0, own] - column[2, own]).sum()
+            saved = [row[:2], column[:2]]
         else:
-            local = sum(_direction(*direction, scale, teacher_scale, dots) for direction in directions)
+            local = (_direction(image_features, all_texts, teacher_image, all_teacher_texts, scale, teacher_scale,
+                                dots)
+                     + _direction(text_features, all_images, teacher_text, all_teacher_images, scale, teacher_scale,
+                                  dots))
         local = local / (2 * rows)
         total = local.clone()
         if world > 1:
@@ -135,32 +148,32 @@ class _Distill(torch.autograd.Function):
         image_features, text_features, scale, teacher_image, teacher_text, *saved = ctx.saved_tensors
         group, world, rows, dots = ctx.group, ctx.world, image_features.shape[0], ctx.dots
         rank = group_rank(group)
-        all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
-        all_teacher_images = gather_no_grad(teacher_image, group)
-        all_teacher_texts = gather_no_grad(teacher_text, group)
+        all_texts, all_teacher_texts = gather_no_grad(text_features, group), gather_no_grad(teacher_text, group)
+        if not ctx.fused:
+            all_images, all_teacher_images = gather_no_grad(image_features, group), gather_no_grad(teacher_image, group)
         acc = torch.promote_types(image_features.dtype, torch.float32)
         weight = grad_output.to(acc) / (2 * rows)  # W-scaled per-rank gradient (base.py contract)
         d_image = torch.zeros(image_features.shape, dtype=acc, device=image_features.device)
         d_text = torch.zeros_like(d_image)
         # every rank's column gradients w.r.t. the gathered features: texts [b] (image rows), images [b]
-        d_columns = torch.zeros((2 * all_texts.shape[0], all_texts.shape[1]), dtype=acc, device=d_image.device)
+        d_columns = torch.zeros(((1 if ctx.fused else 2) * all_texts.shape[0], all_texts.shape[1]), dtype=acc,
+                                device=d_image.device)
         b = all_texts.shape[0]
-        directions = ((image_features, all_texts, teacher_image, all_teacher_texts, d_image, d_columns[:b]),
-                      (text_features, all_images, teacher_text, all_teacher_images, d_text, d_columns[b:]))
-        d_scale = torch.zeros((), dtype=acc, device=image_features.device)
-        for number, (features, columns, teacher_rows, teacher_columns, d_rows, d_cols) in enumerate(directions):
-            if ctx.fused:
-                from ..kernels import triton_tiles
+        if ctx.fused:  # one block, both directions: the image rows' gradient, and every text's share of it
+            from ..kernels import triton_tiles
 
-                d_scale = d_scale + triton_tiles.distill_grads(
-                    features, columns, teacher_rows, teacher_columns, scale, ctx.teacher_scale, saved[2 * number],
-                    saved[2 * number + 1], weight, d_rows, d_cols, ctx.fused, dots)
-            else:
-                d_scale = d_scale + _direction(features, columns, teacher_rows, teacher_columns, scale,
-                                               ctx.teacher_scale, dots, weight, d_rows, d_cols)
+            d_scale = triton_tiles.distill_grads(image_features, all_texts, teacher_image, all_teacher_texts, scale,
+                                                 ctx.teacher_scale, saved[0], saved[1], weight, d_image,
+                                                 d_columns[:b], ctx.fused, dots)
+        else:
+            d_scale = _direction(image_features, all_texts, teacher_image, all_teacher_texts, scale,
+                                 ctx.teacher_scale, dots, weight, d_image, d_columns[:b])
+            d_scale = d_scale + _direction(text_features, all_images, teacher_text, all_teacher_images, scale,
+                                           ctx.teacher_scale, dots, weight, d_text, d_columns[b:])
         if world > 1:
             dist.all_reduce(d_columns, group=group)
-        d_image += d_columns[b + rank * rows:b + (rank + 1) * rows]
+        if not ctx.fused:
+            d_image += d_columns[b + rank * rows:b + (rank + 1) * rows]
         d_text += d_columns[rank * rows:(rank + 1) * rows]
         return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
                 d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None, None)
@@ -175,7 +188,7 @@ def distill_term(image_features, text_features, scale, teacher_image, teacher_te
     ``teacher_scale``: a number, or one per member (no gradient).
     ``values_in``: the features hold values of this dtype (GradCache's bf16 buffers): the forward's
     GEMMs run in it. ``impl``: ``torch`` (row blocks of logits, any dtype, ensembles), ``triton`` (the fused
-    kernels: a pass over the tiles per direction, no logits held; for one teacher and bf16/fp16/fp32 features,
+    kernels: one pass over the tiles for both directions, no logits held; for one teacher and bf16/fp16/fp32 features,
     the torch blocks otherwise) or ``auto`` (Triton on CUDA where it applies); ``fp32_precision``: the kernels'
     fp32 dots."""
     dots = values_in if values_in in (torch.bfloat16, torch.float16) else None
