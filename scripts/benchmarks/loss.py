@@ -5,7 +5,8 @@
 
 Backends: ours (vanilla, local, disco, infcl = Triton kernels on CUDA, infcl_torch = plain-torch
 tiles; infcl_distill = infcl plus the distillation term (the fused kernels on CUDA), against random
-ViT-L/14-wide teacher features, infcl_distill_blocks = the same with the term in torch's row blocks of logits; the sigmoid loss: siglip = Triton kernels, siglip_torch = plain-torch tiles) and, when
+ViT-L/14-wide teacher features, infcl_distill_blocks = the same with the term in torch's row blocks of logits;
+the sigmoid loss: siglip = Triton kernels, siglip_torch = plain-torch tiles) and, when
 importable, the reference systems side by side in the same process: ``ref_openclip`` (OpenCLIP 3.3
 ``ClipLoss(local_loss=True, gather_with_grad=True)``), ``ref_infcl`` (``inf_cl.cal_inf_loss`` both
 directions), ``ref_openclip_distill`` (OpenCLIP 3.3 ``DistillClipLoss``, its two terms summed) and
