@@ -64,21 +64,22 @@ def test_distill_stats_and_grads_match_the_float64_reference(case, m, n, c, ct, 
 
 
 def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch):
-    """``loss.impl=triton`` (interpreted here) with one teacher takes the kernels; an ensemble the torch blocks."""
+    """``loss.impl=triton`` (interpreted here) with one teacher takes the kernels, and on one process they give the
+    contrastive loss too (its own kernels do not run); an ensemble takes the torch blocks."""
     from megabatch.losses import InfClLoss
     from megabatch.losses.distill import DistilledLoss
 
     calls = []
-    for name in ("distill_stats", "distill_grads"):
+    for name in ("distill_stats", "distill_grads", "block_stats", "block_grads"):
         original = getattr(triton_tiles, name)
         monkeypatch.setattr(triton_tiles, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     rows, cols, t_rows, t_cols = (x.float() for x in inputs(9, 9, 16, 24, seed=1))
     loss = DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, 20.0)
     images = rows.clone().requires_grad_()
     loss(images, cols, torch.tensor(10.0), teacher=(t_rows, t_cols)).backward()
-    assert calls == ["distill_stats", "distill_grads"]  # both directions in one call each
+    assert calls == ["distill_stats", "distill_grads"]  # both terms, both directions, in one call each
     calls.clear()
     ensemble = (torch.stack([t_rows, t_rows], 1), torch.stack([t_cols, t_cols], 1))
     DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, (20.0, 10.0))(
         images, cols, torch.tensor(10.0), teacher=ensemble).backward()
-    assert calls == []
+    assert calls == ["block_stats", "block_grads"]  # the contrastive loss's own kernels, the term in torch

@@ -179,6 +179,55 @@ class _Distill(torch.autograd.Function):
                 d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None, None)
 
 
+class _DistilledOneProcess(torch.autograd.Function):
+    """One process, the fused kernels: the contrastive loss and the distillation term from one pass over the
+    student's and the teacher's tiles (the student's log-sum-exps are both terms'), and both gradients from one
+    more (``G`` of the two, weighted by their incoming gradients, into one pair of GEMMs). Returns
+    ``(contrastive, distill)``."""
+
+    @staticmethod
+    def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, dots, precision):
+        from ..kernels import triton_tiles
+
+        rows = image_features.shape[0]
+        row, column = triton_tiles.distill_stats(image_features, text_features, teacher_image, teacher_text, scale,
+                                                 teacher_scale, precision, dots)
+        positives = torch.zeros((), dtype=torch.float32, device=image_features.device)
+        for start in range(0, rows, 65536):  # sum_i S_ii in fp32, a chunk of rows at a time
+            chunk = slice(start, start + 65536)
+            positives += (image_features[chunk].float() * text_features[chunk].float()).sum()
+        contrastive = (row[0].sum() + column[0].sum() - 2 * positives * scale.float()) / (2 * rows)
+        distill = ((row[0] - row[2]).sum() + (column[0] - column[2]).sum()) / (2 * rows)
+        ctx.save_for_backward(image_features, text_features, scale, teacher_image, teacher_text, row[:2], column[:2])
+        ctx.teacher_scale, ctx.dots, ctx.precision = teacher_scale, dots, precision
+        return contrastive, distill
+
+    @staticmethod
+    def backward(ctx, grad_contrastive, grad_distill):
+        from ..kernels import triton_tiles
+
+        image_features, text_features, scale, teacher_image, teacher_text, row, column = ctx.saved_tensors
+        rows = image_features.shape[0]
+        zero = torch.zeros((), dtype=torch.float32, device=image_features.device)
+        weights = [zero if g is None else g.float() / (2 * rows) for g in (grad_contrastive, grad_distill)]
+        d_image = torch.zeros(image_features.shape, dtype=torch.float32, device=image_features.device)
+        d_text = torch.zeros_like(d_image)
+        d_scale = triton_tiles.distill_grads(image_features, text_features, teacher_image, teacher_text, scale,
+                                             ctx.teacher_scale, row, column, weights[1], d_image, d_text,
+                                             ctx.precision, ctx.dots, contrastive_weight=weights[0])
+        return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
+                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None)
+
+
+def _fused(impl: str, fp32_precision: str, image_features: torch.Tensor, teacher_image: torch.Tensor,
+           teacher_scale) -> str | None:
+    """The kernels' ``fp32_precision`` where the fused kernels take the term (``distill_term``'s ``impl``), else
+    ``None`` (the torch blocks)."""
+    applies = (teacher_image.dim() == 2 and not isinstance(teacher_scale, tuple)
+               and image_features.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    return fp32_precision if applies and (impl == "triton" or (impl == "auto" and image_features.is_cuda)) else None
+
+
 def distill_term(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group=None,
                  values_in: torch.dtype | None = None, impl: str = "torch",
                  fp32_precision: str = "tf32") -> torch.Tensor:
@@ -194,9 +243,7 @@ def distill_term(image_features, text_features, scale, teacher_image, teacher_te
     dots = values_in if values_in in (torch.bfloat16, torch.float16) else None
     teacher_scale = tuple(float(s) for s in teacher_scale) if isinstance(teacher_scale, (tuple, list)) \
         else float(teacher_scale)
-    applies = (teacher_image.dim() == 2 and not isinstance(teacher_scale, tuple)
-               and image_features.dtype in (torch.bfloat16, torch.float16, torch.float32))
-    fused = fp32_precision if applies and (impl == "triton" or (impl == "auto" and image_features.is_cuda)) else None
+    fused = _fused(impl, fp32_precision, image_features, teacher_image, teacher_scale)
     return _Distill.apply(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots,
                           fused)
 
@@ -234,10 +281,24 @@ class DistilledLoss(nn.Module):
     def forward(self, image_features, text_features, scale, *, teacher, values_in=None, negatives=None):
         teacher_image, teacher_text = teacher
         options = {} if negatives is None else {"negatives": negatives}
-        contrastive = self.contrastive(image_features, text_features, scale, values_in=values_in, **options)
         if self.weight == 0:
+            contrastive = self.contrastive(image_features, text_features, scale, values_in=values_in, **options)
             self.terms = {"contrastive": contrastive.detach()}
             return contrastive
+        precision = getattr(self.contrastive, "fp32_precision", "tf32")
+        teacher_scale = tuple(float(s) for s in self.teacher_scale) if isinstance(self.teacher_scale, (tuple, list)) \
+            else float(self.teacher_scale)
+        if (negatives is None and group_size(self.group) == 1 and image_features.shape == text_features.shape
+                and image_features.dim() == 2
+                and _fused(self.impl, precision, image_features, teacher_image, teacher_scale)):
+            # one process: both terms from the same kernels' passes (every softmax loss is the same loss here)
+            dots = values_in if values_in in (torch.bfloat16, torch.float16) else None
+            contrastive, distill = _DistilledOneProcess.apply(
+                image_features, text_features, scale, teacher_image.to(image_features.dtype),
+                teacher_text.to(image_features.dtype), teacher_scale, dots, precision)
+            self.terms = {"contrastive": contrastive.detach(), "distill": distill.detach()}
+            return contrastive + self.weight * distill
+        contrastive = self.contrastive(image_features, text_features, scale, values_in=values_in, **options)
         distill = distill_term(image_features, text_features, scale, teacher_image.to(image_features.dtype),
                                teacher_text.to(image_features.dtype), self.teacher_scale, self.group, values_in,
                                self.impl, getattr(self.contrastive, "fp32_precision", "tf32"))
