@@ -281,7 +281,7 @@ QUESTIONS = [
                 "of width 768 (ViT-L/14's), forward + backward on one H200; 'useful TFLOP/s' counts the "
                 "contrastive loss's FLOPs only. OpenCLIP's runs out of memory from 64k; ours held 5.6-6.8 GB "
                 "beyond the features up to 256k in row blocks (1M predicted at ~3 minutes: not run); the fused "
-                "kernels run 1M in 51 s with 8.4 GB. "
+                "kernels run 1M in 34 s with 6.2 GB. "
                 "The step: ViT-B/32 at 32k on one H200 through the multi-GPU harness (`--gpus 1`), distilled from "
                 "a ViT-L/14 teacher (random weights) against the plain run, 4 steps, the first left out.",
         "entries": [
@@ -291,10 +291,12 @@ QUESTIONS = [
                       "warm H200: at 256k 3.97 against 11.13 s (the term 2.93 against 10.09 s beside infcl's "
                       "1.04 s), 3.2 against 6.8 GB; 1M in 63.6 s"},
             {"file": "distill_fused_loss_h200.json", "kind": "loss",
-             "label": "The fused kernels with both directions in one pass over the tiles (dd9987e), another H200: "
-                      "the term adds 0.031 s to infcl's 0.017 s at 32k, 2.05 s to 1.07 s at 256k and 34 s to 17.2 s "
-                      "at 1M (8.4 GB beyond the features at 1M). It reads the student's and the teacher's tiles "
-                      "(widths 512 and 768) in both of its passes: ~1.75x infcl's work, as measured"},
+             "label": "The fused kernels today (9cfde76), another H200: both directions in one pass over the "
+                      "student's and the teacher's tiles, and on one process both terms from the same passes (the "
+                      "student's log-sum-exps are the contrastive loss's; one G of both into one pair of GEMMs). "
+                      "The distilled loss against infcl alone: 0.032 against 0.017 s at 32k, 2.06 against 1.07 s at "
+                      "256k, 34.1 against 17.3 s at 1M (6.2 GB beyond the features at 1M): the term adds about what "
+                      "the contrastive loss costs, its teacher's tiles (width 768) read in both passes"},
             {"file": "distill_vit_b32_32k_h200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/32 at 32k distilled from ViT-L/14 (`distill.teacher=ViT-L-14`, bf16, eager) against "
                       "the plain step, one H200: 1,439 against 8,285 samples/s. The teacher's forward pass is the "
