@@ -4,7 +4,8 @@ The Inf-CL paper's memory model (its Eq. 10) is linear in the sub-batch: an enco
 during one forward-backward is a constant (weights, gradients, workspaces) plus a cost per sample
 (activations). ``probe_peak_memory`` measures that peak at two sizes; ``plan_sub_batch`` fits the
 line through them, adds what the step holds for the whole per-rank batch (GradCache's feature
-buffers and their gradients, the inputs it keeps on the device, Adam's two moments) and picks the
+buffers and their gradients, the inputs it keeps on the device, Adam's two moments, a teacher's features) and
+picks the
 largest divisor of the per-rank batch whose predicted peak fits ``memory_fraction`` of the GPU.
 The loss's own working memory is not in the fit (the Inf-CL and local losses' is small next to the
 encoders'; a vanilla loss at a large batch needs a lower ``memory_fraction``).
@@ -116,6 +117,16 @@ def batch_bytes(rank_batch: int, embed_dim: int, feature_bytes: int, kept_input_
     fp32 gradients, the inputs kept on the device for the replay, and Adam's two fp32 moments."""
     features = rank_batch * embed_dim * 2 * (feature_bytes + 4 + 4)
     return features + rank_batch * kept_input_bytes_per_row + 2 * 4 * trainable_params
+
+
+def teacher_bytes(rank_batch: int, world: int, teacher_row: int, feature_bytes: int) -> float:
+    """What ``distill.teacher`` adds to the per-rank batch's memory (its weights are resident when the probes
+    run, so the fit counts them): the teacher's image and text features of every sample (``teacher_row``
+    values each: its width, times its members for a stored ensemble) in GradCache's buffers
+    (``feature_bytes``) and as the loss's fp32 copies, and on several ranks every rank's teacher text features
+    gathered in fp32 for the columns."""
+    held = rank_batch * teacher_row * 2 * (feature_bytes + 4)
+    return held + (world * rank_batch * teacher_row * 4 if world > 1 else 0)
 
 
 def probe_peak_memory(model, rows: int, precision, device: torch.device, caption: bool = False) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -40,6 +41,7 @@ from .memory_plan import (
     graphs_in,
     plan_sub_batch_and_reduction,
     probe_peak_memory,
+    teacher_bytes,
 )
 from .optim import build_optimizer, describe_param_groups, layer_decay_of
 from .plan import BatchPlan
@@ -94,7 +96,7 @@ class RunParts:
         with phase("plan"):
             loss = prepare_model(cfg, model, env, precision, data)
             # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
-            auto = choose_sub_batch(cfg, model, env, data, precision, ahead)
+            auto = choose_sub_batch(cfg, model, env, data, precision, ahead, getattr(loss, "teacher", None))
             plan = plan_batches(cfg, env.world_size, data, auto.sub_batch if auto else None)
             offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
         with phase("step"):
@@ -448,12 +450,13 @@ def plan_batches(cfg: DictConfig, world_size: int, data: TrainData, sub_batch: i
 
 
 def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: TrainData,
-                     precision: Precision, decode_ahead: float = 0.0) -> SubBatchChoice | None:
+                     precision: Precision, decode_ahead: float = 0.0, teacher=None) -> SubBatchChoice | None:
     """``trainer.sub_batch=auto``: the largest divisor of the per-rank batch whose forward-backward
     fits ``trainer.memory_fraction`` of the GPU (``memory_plan.py``), the smallest over the ranks
     (they must agree), and the kept graphs the rest of the memory holds (``graphs_that_fit``, the
     smallest over the ranks); ``None`` when the config gives a number or null. ``decode_ahead``: the GPU bytes
-    kept for images decoded ahead of the step (``data.decode_ahead_gb``), left free."""
+    kept for images decoded ahead of the step (``data.decode_ahead_gb``), left free. ``teacher``:
+    ``distill.teacher``'s (its features of the batch are held too)."""
     if cfg.trainer.sub_batch != "auto":
         return None
     rank_batch = BatchPlan.from_config(cfg, env.world_size, data.num_samples, sub_batch=1).rank_batch
@@ -473,6 +476,8 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
     held = batch_bytes(rank_batch, int(model.model_cfg["embed_dim"]), precision.feature_dtype.itemsize, kept_per_row,
                        rank_trainable_params(model))
     held += decode_ahead  # images decoded ahead of the step (data.decode_ahead_gb)
+    if teacher is not None:  # distill.teacher: its features of the batch (its weights are in the probes)
+        held += teacher_bytes(rank_batch, env.world_size, math.prod(teacher.shape), precision.feature_dtype.itemsize)
     capacity = torch.cuda.get_device_properties(env.device).total_memory
     fit, fraction = MemoryFit.through(probes), cfg.trainer.memory_fraction
     reduce = cfg.trainer.fsdp_reduce if cfg.trainer.parallel == "fsdp" and env.distributed else None
