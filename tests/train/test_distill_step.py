@@ -101,6 +101,8 @@ def test_bad_settings_are_config_errors_naming_the_key(teacher, tmp_path):
         validate(compose("distill.weight=-1"))
     with pytest.raises(ConfigError, match=r"distill\.temperature=0"):
         validate(compose("distill.temperature=0"))
+    with pytest.raises(ConfigError, match=r"distill\.compile='maybe'.*as model\.compile"):
+        validate(compose("distill.compile=maybe"))
     with pytest.raises(ConfigError, match=r"distill\.pretrained=.* without distill\.teacher"):
         validate(compose("distill.pretrained=/x.pt"))
     with pytest.raises(ConfigError, match=r"distill\.teacher=stored reads .* set data\.train\.teacher_key"):

@@ -160,6 +160,7 @@ class DistillConfig:
     pretrained: str | None = None
     weight: float = 1.0
     temperature: float | None = None
+    compile: bool | None = None
 
 
 @dataclass
@@ -565,6 +566,10 @@ def check_distill(distill: DictConfig | None, loss: DictConfig, train: DictConfi
                                     or temperature <= 0):
         raise ConfigError(f"distill.temperature={temperature!r}: give the teacher's softmax temperature > 0 (its "
                           "logits are divided by it), e.g. 0.01, or null (the teacher's own: 1 / its logit scale)")
+    compiled = distill.get("compile")
+    if compiled is not None and not isinstance(compiled, bool):
+        raise ConfigError(f"distill.compile={compiled!r}: true (torch.compile the teacher's encoders), false, or null "
+                          "(as model.compile)")
     if distill.get("teacher") is None:
         if distill.get("pretrained") is not None:
             raise ConfigError(f"distill.pretrained={distill.pretrained!r} without distill.teacher: name the teacher's "

@@ -185,20 +185,22 @@ def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv, data: Train
     from ..losses.distill import DistilledLoss
     from .teacher import build_teacher
 
-    teacher = build_teacher(distill, model, env.device, None if data is None else data.teacher)
+    compiled = distill.get("compile")
+    compiled = bool(cfg.model.get("compile")) if compiled is None else compiled
+    teacher = build_teacher(distill, model, env.device, None if data is None else data.teacher, compiled)
     if env.rank == 0 and teacher.model is None:
         spec = teacher.spec
         log.info("distill: stored teacher embeddings (%s: %s, width %d, logit scale(s) %s), weight %s: the loss is "
-                 "the contrastive term plus the distillation term (OpenCLIP's DistillClipLoss%s), in row blocks",
+                 "the contrastive term plus the distillation term (OpenCLIP's DistillClipLoss%s)",
                  spec.key, ", ".join(spec.teachers) or f"{spec.members} member(s)", spec.width, teacher.scale,
                  distill.weight, "; the ensemble's target the mean of its members' probabilities"
                  if spec.members > 1 else "")
     elif env.rank == 0:
         params = sum(p.numel() for p in teacher.model.parameters())
-        log.info("distill: teacher %s (%.0fM parameters, frozen, %s; width %d, logit scale %.2f), weight %s: the loss "
-                 "is the contrastive term plus the distillation term (OpenCLIP's DistillClipLoss), in row blocks",
-                 teacher.model.name, params / 1e6, next(teacher.model.parameters()).dtype, teacher.width,
-                 teacher.scale, distill.weight)
+        log.info("distill: teacher %s (%.0fM parameters, frozen, %s%s; width %d, logit scale %.2f), weight %s: the "
+                 "loss is the contrastive term plus the distillation term (OpenCLIP's DistillClipLoss)",
+                 teacher.model.name, params / 1e6, next(teacher.model.parameters()).dtype,
+                 ", compiled" if teacher.compiled else "", teacher.width, teacher.scale, distill.weight)
     return DistilledLoss(loss, distill.weight, teacher.scale, teacher)
 
 

@@ -31,11 +31,16 @@ class Teacher:
     context). ``scale``: the multiplier of the teacher's logits (its own ``logit_scale.exp()``, or
     ``1 / distill.temperature``)."""
 
-    def __init__(self, model: ClipModel, scale: float, device: torch.device):
+    def __init__(self, model: ClipModel, scale: float, device: torch.device, compile: bool = False):
         self.model = model.to(device).eval().requires_grad_(False)
         if device.type == "cuda":
             self.model.to(torch.bfloat16)
         self.scale, self.device = float(scale), device
+        # distill.compile (CUDA): the encoders compiled at their first sub-batch (no graph: inference only)
+        compiled = compile and device.type == "cuda"
+        self.encode_image = torch.compile(self.model.encode_image) if compiled else self.model.encode_image
+        self.encode_text = torch.compile(self.model.encode_text) if compiled else self.model.encode_text
+        self.compiled = compiled
         size = model.image_size
         self.size = (size, size) if isinstance(size, int) else tuple(size)
         self.context = model.context_length
@@ -65,7 +70,7 @@ class Teacher:
             texts = F.pad(texts, (0, self.context - texts.shape[1]))
         dtype = next(self.model.parameters()).dtype
         with autocast():
-            return self.model.encode_image(images.to(dtype)), self.model.encode_text(texts)
+            return self.encode_image(images.to(dtype)), self.encode_text(texts)
 
 
 class StoredTeacher:
@@ -145,9 +150,11 @@ def check_tokenizers(teacher: ClipModel, student: ClipModel) -> None:
                           "tokenizer")
 
 
-def build_teacher(distill: DictConfig, student: ClipModel, device: torch.device, spec=None) -> Teacher | StoredTeacher:
+def build_teacher(distill: DictConfig, student: ClipModel, device: torch.device, spec=None,
+                  compile: bool = False) -> Teacher | StoredTeacher:
     """The frozen teacher of ``distill`` for ``student`` on ``device``, checked against it; with
-    ``distill.teacher=stored`` the stored embeddings ``spec`` describes (the training data's)."""
+    ``distill.teacher=stored`` the stored embeddings ``spec`` describes (the training data's). ``compile``: its
+    encoders through ``torch.compile`` (``distill.compile``, else ``model.compile``)."""
     if distill.teacher == "stored":
         if spec is None:
             raise ConfigError("distill.teacher=stored reads each sample's teacher embeddings from the shards: set "
@@ -157,7 +164,7 @@ def build_teacher(distill: DictConfig, student: ClipModel, device: torch.device,
     model = load_teacher_model(distill)
     check_tokenizers(model, student)
     scale = model.logit_scale.exp().item() if distill.temperature is None else 1.0 / float(distill.temperature)
-    return Teacher(model, scale, device)
+    return Teacher(model, scale, device, compile)
 
 
 def _teacher_images(images: list[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:
