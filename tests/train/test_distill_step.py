@@ -18,7 +18,7 @@ from megabatch.config import ConfigError
 from megabatch.config.cli import quote_patterns
 from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
-from megabatch.distributed.fsdp import full
+from megabatch.distributed.fsdp import full, is_sharded
 from megabatch.models import build_model
 from megabatch.train.parts import RunParts
 
@@ -50,6 +50,8 @@ def gradients(teacher: str | None, *overrides: str, loss: str = "infcl") -> dict
         result["teacher_grads"] = sum(p.grad is not None for p in held.model.parameters())
         result["teacher_in_optimizer"] = sum(id(p) in optimized for p in held.model.parameters())
         result["teacher_trainable"] = sum(p.requires_grad for p in held.model.parameters())
+        # its weights sharded (FSDP's DTensors, each rank a part) or whole
+        result["teacher_sharded"] = is_sharded(held.model)
     parts.close()
     return result
 
@@ -70,14 +72,24 @@ def test_sub_batches_and_offload_give_the_one_pass_gradients_and_the_teacher_sta
 
 
 def two_ranks(rank: int, world: int, teacher: str) -> dict:
-    return gradients(teacher, "trainer.sub_batch=4", loss="disco")
+    results = {}
+    for parallel in ("ddp", "fsdp"):
+        result = gradients(teacher, "trainer.sub_batch=4", f"trainer.parallel={parallel}", loss="disco")
+        results[parallel] = {k: result[k] for k in ("loss", "grads", "teacher_grads", "teacher_in_optimizer")}
+        results[parallel]["teacher_sharded"] = result["teacher_sharded"]
+    return results
 
 
 def test_two_ranks_equal_one_process(teacher, tmp_path):
+    """DDP and FSDP (the teacher sharded too: each rank holds half of its weights) on 2 ranks: one process's
+    loss and gradients; the teacher frozen either way."""
     single = gradients(teacher, loss="disco")
     for result in run_ranks(2, two_ranks, teacher, tmp_path=tmp_path):
-        assert rel_error(result["loss"], single["loss"]) <= 1e-6
-        assert rel_error(flat(result["grads"]), flat(single["grads"])) <= 1e-5
+        for parallel, ranked in result.items():
+            assert rel_error(ranked["loss"], single["loss"]) <= 1e-6, parallel
+            assert rel_error(flat(ranked["grads"]), flat(single["grads"])) <= 1e-5, parallel
+            assert ranked["teacher_grads"] == ranked["teacher_in_optimizer"] == 0, parallel
+            assert ranked["teacher_sharded"] == (parallel == "fsdp"), parallel
 
 
 def test_a_run_logs_both_terms(teacher, tmp_path):

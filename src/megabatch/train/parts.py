@@ -187,7 +187,8 @@ def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv, data: Train
 
     compiled = distill.get("compile")
     compiled = bool(cfg.model.get("compile")) if compiled is None else compiled
-    teacher = build_teacher(distill, model, env.device, None if data is None else data.teacher, compiled)
+    teacher = build_teacher(distill, model, env.device, None if data is None else data.teacher, compiled,
+                            shard=cfg.trainer.parallel == "fsdp" and env.distributed)
     if env.rank == 0 and teacher.model is None:
         spec = teacher.spec
         log.info("distill: stored teacher embeddings (%s: %s, width %d, logit scale(s) %s), weight %s: the loss is "
@@ -200,7 +201,8 @@ def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv, data: Train
         log.info("distill: teacher %s (%.0fM parameters, frozen, %s%s; width %d, logit scale %.2f), weight %s: the "
                  "loss is the contrastive term plus the distillation term (OpenCLIP's DistillClipLoss)",
                  teacher.model.name, params / 1e6, next(teacher.model.parameters()).dtype,
-                 ", compiled" if teacher.compiled else "", teacher.width, teacher.scale, distill.weight)
+                 ", compiled" if teacher.compiled else ", sharded over the ranks" if teacher.sharded else "",
+                 teacher.width, teacher.scale, distill.weight)
     return DistilledLoss(loss, distill.weight, teacher.scale, teacher)
 
 

@@ -31,13 +31,22 @@ class Teacher:
     context). ``scale``: the multiplier of the teacher's logits (its own ``logit_scale.exp()``, or
     ``1 / distill.temperature``)."""
 
-    def __init__(self, model: ClipModel, scale: float, device: torch.device, compile: bool = False):
+    def __init__(self, model: ClipModel, scale: float, device: torch.device, compile: bool = False,
+                 shard: bool = False):
         self.model = model.to(device).eval().requires_grad_(False)
         if device.type == "cuda":
             self.model.to(torch.bfloat16)
         self.scale, self.device = float(scale), device
-        # distill.compile (CUDA): the encoders compiled at their first sub-batch (no graph: inference only)
-        compiled = compile and device.type == "cuda"
+        # trainer.parallel=fsdp on several ranks: the teacher sharded as the student (each rank holds 1/W of its
+        # weights; every rank encodes as many sub-batches, so its blocks' gathers run in lockstep)
+        self.sharded = shard
+        if shard:
+            from ..distributed.fsdp import shard_model
+
+            shard_model(self.model, device, bf16=False)
+        # distill.compile (CUDA): the encoders compiled at their first sub-batch (no graph: inference only); a
+        # sharded teacher runs eagerly (its FSDP hooks wrap the methods the compiler would have traced past)
+        compiled = compile and device.type == "cuda" and not shard
         self.encode_image = torch.compile(self.model.encode_image) if compiled else self.model.encode_image
         self.encode_text = torch.compile(self.model.encode_text) if compiled else self.model.encode_text
         self.compiled = compiled
@@ -151,10 +160,11 @@ def check_tokenizers(teacher: ClipModel, student: ClipModel) -> None:
 
 
 def build_teacher(distill: DictConfig, student: ClipModel, device: torch.device, spec=None,
-                  compile: bool = False) -> Teacher | StoredTeacher:
+                  compile: bool = False, shard: bool = False) -> Teacher | StoredTeacher:
     """The frozen teacher of ``distill`` for ``student`` on ``device``, checked against it; with
     ``distill.teacher=stored`` the stored embeddings ``spec`` describes (the training data's). ``compile``: its
-    encoders through ``torch.compile`` (``distill.compile``, else ``model.compile``)."""
+    encoders through ``torch.compile`` (``distill.compile``, else ``model.compile``); ``shard``: its weights
+    sharded over the ranks (``trainer.parallel=fsdp``)."""
     if distill.teacher == "stored":
         if spec is None:
             raise ConfigError("distill.teacher=stored reads each sample's teacher embeddings from the shards: set "
@@ -164,7 +174,7 @@ def build_teacher(distill: DictConfig, student: ClipModel, device: torch.device,
     model = load_teacher_model(distill)
     check_tokenizers(model, student)
     scale = model.logit_scale.exp().item() if distill.temperature is None else 1.0 / float(distill.temperature)
-    return Teacher(model, scale, device, compile)
+    return Teacher(model, scale, device, compile, shard)
 
 
 def _teacher_images(images: list[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:
