@@ -35,12 +35,12 @@ def global_inputs(world: int, dtype: torch.dtype):
     return [x.to(dtype) for x in (images, texts, teacher_images, teacher_texts)]
 
 
-def reference(world: int, dtype: torch.dtype):
+def reference(world: int, dtype: torch.dtype, contrastive: bool = True):
     images, texts, teacher_images, teacher_texts = (x.double() for x in global_inputs(world, dtype))
     images.requires_grad_(), texts.requires_grad_()
     scale = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
     term = distill_loss_reference(images, texts, scale, teacher_images, teacher_texts, TEACHER_SCALE)
-    loss = clip_loss_reference(images, texts, scale) + WEIGHT * term
+    loss = clip_loss_reference(images, texts, scale) + WEIGHT * term if contrastive else term
     loss.backward()
     return loss.detach(), images.grad, texts.grad, scale.grad
 
@@ -68,6 +68,13 @@ def _results(rank: int, world: int, dtype: torch.dtype) -> dict:
         loss.backward()
         assert set(loss_fn.terms) == {"contrastive", "distill"}
         out[name] = (loss.detach(), *(x.grad for x in inputs), scale.grad)
+    if "infcl_triton" in backends(dtype):  # the term alone in the fused kernels (beside hard negatives, say)
+        inputs = [images.clone().requires_grad_(), texts.clone().requires_grad_()]
+        scale = torch.tensor(SCALE, dtype=dtype, requires_grad=True)
+        term = distill_module.distill_term(*inputs, scale, teacher_images, teacher_texts, TEACHER_SCALE,
+                                           impl="triton", fp32_precision="ieee")
+        term.backward()
+        out["term_triton"] = (term.detach(), *(x.grad for x in inputs), scale.grad)
     return out
 
 
@@ -76,7 +83,11 @@ def check(world: int, dtype: torch.dtype, per_rank: list[dict]) -> None:
     tolerance = TOLERANCE[dtype]
     names = [name for name in backends(dtype) if name not in SIGMOID]
     assert {"vanilla", "local", "disco", "infcl"} <= set(names)
+    if "term_triton" in per_rank[0]:
+        names.append("term_triton")
     for name in names:
+        if name == "term_triton":
+            loss_ref, d_images, d_texts, d_scale = reference(world, dtype, contrastive=False)
         for rank, result in enumerate(per_rank):
             loss, g_images, g_texts, _ = result[name]
             rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)

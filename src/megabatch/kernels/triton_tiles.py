@@ -303,7 +303,7 @@ def _distill_stats_kernel(
 @triton.jit
 def _distill_grad_kernel(
     rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, lse_ptr, g_ptr, dscale_ptr,
-    m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale, t_weight, diagonal_weight,
+    m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale, t_weight, diagonal_weight, diagonal_offset,
     stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
     stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -311,9 +311,10 @@ def _distill_grad_kernel(
     GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr,
 ):
     """One tile of ``G = P_row(S) + P_col(S) - t_weight (P_row(T) + P_col(T))`` (the distillation term's
-    gradient in the logits, both directions; ``DIAGONAL``: less ``2 diagonal_weight`` on the diagonal, the
-    contrastive loss's positives, which with ``t_weight`` and ``diagonal_weight`` the two terms' weights over
-    their sum gives both losses' gradient at once) into the buffer, times ``g_scale``, and the tile's
+    gradient in the logits, both directions; ``DIAGONAL``: less ``2 diagonal_weight`` where the column is the row
+    plus ``diagonal_offset``, the contrastive loss's positives, which with ``t_weight`` and ``diagonal_weight``
+    the two terms' weights over their sum gives both losses' gradient at once) into the buffer, times
+    ``g_scale``, and the tile's
     ``sum(G * rows @ cols^T)`` into ``dscale_ptr[program]``. ``lse_ptr``: ``[m + n + m + n]``, the student's row
     and column log-sum-exps, then the teacher's."""
     pid, offs_m, offs_n, row_ok, col_ok = _block_tile(row_start, row_stop, col_start, col_stop,
@@ -333,7 +334,7 @@ def _distill_grad_kernel(
     g = (tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :])
          - t_weight * (tl.exp2(t - t_row_lse[:, None]) + tl.exp2(t - t_col_lse[None, :])))
     if DIAGONAL:
-        g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0 * diagonal_weight, g)
+        g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight, g)
     ok = row_ok[:, None] & col_ok[None, :]
     g = tl.where(ok, g, 0.0)
     tl.store(dscale_ptr + pid, tl.sum(tl.sum(g * acc, 1), 0))
@@ -732,7 +733,7 @@ def _finish_fields(fields: torch.Tensor) -> torch.Tensor:
 
 def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, precision, config,
                          weight=None, d_rows=None, d_cols=None, dots=None, t_weight: float = 1.0,
-                         diagonal_weight: float | None = None):
+                         diagonal_weight: float | None = None, diagonal_offset: int = 0):
     """The distillation term's backward over ``_g_blocks``: the kernel writes ``G = P_row(S) + P_col(S) -
     t_weight (P_row(T) + P_col(T))`` (less ``2 diagonal_weight`` on the diagonal when given), cuBLAS multiplies
     it by ``weight`` into ``d_rows`` and ``d_cols``. ``lse``: ``[m + n + m + n]`` (``_distill_grad_kernel``).
@@ -746,7 +747,7 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
         _distill_grad_kernel[(programs,)](
             dot_rows, dot_cols, t_rows, t_cols, scale, float(t_scale), lse, g_block, partials,
             m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale, float(t_weight),
-            float(diagonal_weight or 0.0),
+            float(diagonal_weight or 0.0), int(diagonal_offset),
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
@@ -925,15 +926,16 @@ def distill_grads(
     rows: torch.Tensor, cols: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, scale: torch.Tensor,
     t_scale: float, row_lse: torch.Tensor, col_lse: torch.Tensor, weight: torch.Tensor, d_rows: torch.Tensor,
     d_cols: torch.Tensor, fp32_precision: str = "tf32", dots_dtype: torch.dtype | None = None,
-    config: dict | None = None, contrastive_weight: torch.Tensor | None = None,
+    config: dict | None = None, contrastive_weight: torch.Tensor | None = None, diagonal_offset: int = 0,
 ) -> torch.Tensor:
     """Gradients of ``weight`` x the rows' and the columns' cross-entropies (``distill_stats``' inputs;
     ``row_lse [2, m]`` and ``col_lse [2, n]``: the student's and the teacher's log-sum-exps over the whole
     matrix): adds ``weight * scale * G @ cols`` into ``d_rows [m, c]`` and ``weight * scale * G^T @ rows`` into
     ``d_cols [n, c]`` (fp32, contiguous), ``G = P_row(S) + P_col(S) - P_row(T) - P_col(T)``; returns the scale's
-    gradient ``weight * sum(G * rows @ cols^T)`` (fp32). With ``contrastive_weight`` (``m == n``, positives on the
-    diagonal) the same pass adds the gradient of ``contrastive_weight`` x the contrastive loss's ``sum row_lse +
-    sum col_lse - 2 sum S_ii`` (``block_grads``'), whose log-sum-exps are the student's here."""
+    gradient ``weight * sum(G * rows @ cols^T)`` (fp32). With ``contrastive_weight`` the same pass adds the
+    gradient of ``contrastive_weight`` x the contrastive loss's ``sum row_lse + sum col_lse - 2 sum S_i,i+offset``
+    (``block_grads``'; row ``i``'s positive in column ``i + diagonal_offset``: a rank's rows against every rank's
+    columns), whose log-sum-exps are the student's here."""
     _check(rows, cols, fp32_precision)
     _check(t_rows, t_cols, fp32_precision)
     operands = _dot_operands(rows, cols, dots_dtype)
@@ -949,7 +951,7 @@ def distill_grads(
         t_weight, diagonal_weight = float(weight) / both, float(contrastive_weight) / both
         weight = torch.tensor(both, dtype=torch.float32, device=rows.device)
     dots = _distill_grad_launch(rows, cols, t_rows, t_cols, scale.reshape(()).float(), t_scale, lse, fp32_precision,
-                                config, weight, d_rows, d_cols, operands, t_weight, diagonal_weight)
+                                config, weight, d_rows, d_cols, operands, t_weight, diagonal_weight, diagonal_offset)
     return dots * weight
 
 def symmetric_loss(

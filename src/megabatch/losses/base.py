@@ -66,10 +66,7 @@ class ContrastiveLoss(nn.Module):
         if self.uses_bias != (bias is not None):
             raise ValueError(f"{type(self).__name__} {'needs' if self.uses_bias else 'takes no'} logit bias; the "
                              "model has one when model.init_logit_bias is set (loss=siglip sets it)")
-        rows = image_features.shape[0]
-        if rows not in self._checked_rows:  # once per shape (an all-gather and a host sync), not per call
-            check_equal_batch(image_features, self.group)
-            self._checked_rows.add(rows)
+        self.check_rows(image_features)
         options = self.compute_options(values_in)
         if negatives is not None:
             if not self.takes_negatives:
@@ -78,13 +75,18 @@ class ContrastiveLoss(nn.Module):
             if negatives.dim() != 2 or negatives.shape[1] != image_features.shape[1]:
                 raise ValueError(f"negatives must be [n_local, {image_features.shape[1]}]; "
                                  f"got {tuple(negatives.shape)}")
-            if negatives.shape[0] not in self._checked_rows:
-                check_equal_batch(negatives, self.group)
-                self._checked_rows.add(negatives.shape[0])
+            self.check_rows(negatives)
             options["negatives"] = negatives
         if self.uses_bias:
             return self.compute(image_features, text_features, scale, bias, **options)
         return self.compute(image_features, text_features, scale, **options)
+
+    def check_rows(self, features: torch.Tensor) -> None:
+        """That every rank holds as many rows of ``features``: once per row count (an all-gather and a host
+        sync), not per call."""
+        if features.shape[0] not in self._checked_rows:
+            check_equal_batch(features, self.group)
+            self._checked_rows.add(features.shape[0])
 
     def compute_options(self, values_in: torch.dtype | None) -> dict:
         """``compute``'s keyword arguments: none for the losses on a whole logits matrix (torch GEMMs)."""

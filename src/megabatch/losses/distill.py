@@ -179,44 +179,60 @@ class _Distill(torch.autograd.Function):
                 d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None, None)
 
 
-class _DistilledOneProcess(torch.autograd.Function):
-    """One process, the fused kernels: the contrastive loss and the distillation term from one pass over the
-    student's and the teacher's tiles (the student's log-sum-exps are both terms'), and both gradients from one
-    more (``G`` of the two, weighted by their incoming gradients, into one pair of GEMMs). Returns
-    ``(contrastive, distill)``."""
+class _DistilledFused(torch.autograd.Function):
+    """The fused kernels, both terms at once: the contrastive loss and the distillation term from one pass over
+    this rank's rows of the student's and the teacher's tiles against every rank's columns (the student's
+    log-sum-exps are both terms'; on several ranks the column statistics merged over the ranks, as the term's
+    alone), and both gradients from one more (``G`` of the two, weighted by their incoming gradients, into one
+    pair of GEMMs; the column gradients summed by one all-reduce). Returns ``(contrastive, distill)``, each the
+    same on every rank; the backward follows ``base.ContrastiveLoss``'s contract."""
 
     @staticmethod
-    def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, dots, precision):
+    def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, dots, precision,
+                group):
         from ..kernels import triton_tiles
 
-        rows = image_features.shape[0]
-        row, column = triton_tiles.distill_stats(image_features, text_features, teacher_image, teacher_text, scale,
+        world, rows = group_size(group), image_features.shape[0]
+        own = slice(group_rank(group) * rows, (group_rank(group) + 1) * rows)  # this rank's columns
+        all_texts, all_teacher_texts = gather_no_grad(text_features, group), gather_no_grad(teacher_text, group)
+        row, column = triton_tiles.distill_stats(image_features, all_texts, teacher_image, all_teacher_texts, scale,
                                                  teacher_scale, precision, dots)
+        if world > 1:  # each column's statistics over every rank's rows
+            column = _merge_columns(column, group)
         positives = torch.zeros((), dtype=torch.float32, device=image_features.device)
         for start in range(0, rows, 65536):  # sum_i S_ii in fp32, a chunk of rows at a time
             chunk = slice(start, start + 65536)
             positives += (image_features[chunk].float() * text_features[chunk].float()).sum()
-        contrastive = (row[0].sum() + column[0].sum() - 2 * positives * scale.float()) / (2 * rows)
-        distill = ((row[0] - row[2]).sum() + (column[0] - column[2]).sum()) / (2 * rows)
+        terms = torch.stack([row[0].sum() + column[0, own].sum() - 2 * positives * scale.float(),
+                             (row[0] - row[2]).sum() + (column[0, own] - column[2, own]).sum()]) / (2 * rows)
+        if world > 1:
+            dist.all_reduce(terms, group=group)
         ctx.save_for_backward(image_features, text_features, scale, teacher_image, teacher_text, row[:2], column[:2])
-        ctx.teacher_scale, ctx.dots, ctx.precision = teacher_scale, dots, precision
-        return contrastive, distill
+        ctx.teacher_scale, ctx.dots, ctx.precision, ctx.group = teacher_scale, dots, precision, group
+        return terms[0] / world, terms[1] / world
 
     @staticmethod
     def backward(ctx, grad_contrastive, grad_distill):
         from ..kernels import triton_tiles
 
         image_features, text_features, scale, teacher_image, teacher_text, row, column = ctx.saved_tensors
-        rows = image_features.shape[0]
+        group, rows = ctx.group, image_features.shape[0]
+        rank, world = group_rank(group), group_size(group)
+        all_texts, all_teacher_texts = gather_no_grad(text_features, group), gather_no_grad(teacher_text, group)
         zero = torch.zeros((), dtype=torch.float32, device=image_features.device)
+        # W-scaled per-rank gradients (base.py contract)
         weights = [zero if g is None else g.float() / (2 * rows) for g in (grad_contrastive, grad_distill)]
         d_image = torch.zeros(image_features.shape, dtype=torch.float32, device=image_features.device)
-        d_text = torch.zeros_like(d_image)
-        d_scale = triton_tiles.distill_grads(image_features, text_features, teacher_image, teacher_text, scale,
-                                             ctx.teacher_scale, row, column, weights[1], d_image, d_text,
-                                             ctx.precision, ctx.dots, contrastive_weight=weights[0])
+        d_columns = torch.zeros(all_texts.shape, dtype=torch.float32, device=image_features.device)
+        d_scale = triton_tiles.distill_grads(image_features, all_texts, teacher_image, all_teacher_texts, scale,
+                                             ctx.teacher_scale, row, column, weights[1], d_image, d_columns,
+                                             ctx.precision, ctx.dots, contrastive_weight=weights[0],
+                                             diagonal_offset=rank * rows)
+        if world > 1:
+            dist.all_reduce(d_columns, group=group)
+        d_text = d_columns[rank * rows:(rank + 1) * rows]
         return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
-                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None)
+                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None, None)
 
 
 def _fused(impl: str, fp32_precision: str, image_features: torch.Tensor, teacher_image: torch.Tensor,
@@ -288,14 +304,15 @@ class DistilledLoss(nn.Module):
         precision = getattr(self.contrastive, "fp32_precision", "tf32")
         teacher_scale = tuple(float(s) for s in self.teacher_scale) if isinstance(self.teacher_scale, (tuple, list)) \
             else float(self.teacher_scale)
-        if (negatives is None and group_size(self.group) == 1 and image_features.shape == text_features.shape
-                and image_features.dim() == 2
+        if (negatives is None and image_features.shape == text_features.shape and image_features.dim() == 2
                 and _fused(self.impl, precision, image_features, teacher_image, teacher_scale)):
-            # one process: both terms from the same kernels' passes (every softmax loss is the same loss here)
+            # both terms from the same kernels' passes (every softmax loss is the same global loss; the term
+            # gathers every rank's texts anyway, so a ring would save nothing here)
+            self.contrastive.check_rows(image_features)
             dots = values_in if values_in in (torch.bfloat16, torch.float16) else None
-            contrastive, distill = _DistilledOneProcess.apply(
+            contrastive, distill = _DistilledFused.apply(
                 image_features, text_features, scale, teacher_image.to(image_features.dtype),
-                teacher_text.to(image_features.dtype), teacher_scale, dots, precision)
+                teacher_text.to(image_features.dtype), teacher_scale, dots, precision, self.group)
             self.terms = {"contrastive": contrastive.detach(), "distill": distill.detach()}
             return contrastive + self.weight * distill
         contrastive = self.contrastive(image_features, text_features, scale, values_in=values_in, **options)
