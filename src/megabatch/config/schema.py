@@ -580,7 +580,9 @@ def check_distill(distill: DictConfig | None, loss: DictConfig, train: DictConfi
                           "need no teacher weights; drop distill.pretrained")
     if str(loss.get("_target_", "")).endswith("SigLipLoss"):
         raise ConfigError("distill.teacher with loss=siglip: distillation runs with a softmax loss (loss=infcl, local, "
-                          "disco or vanilla); the sigmoid loss has no distillation term yet")
+                          "disco or vanilla). A sigmoid term (cross-entropy against the teacher's sigmoid "
+                          "probabilities) needs a sigmoid teacher's logit bias, which neither a CLIP teacher nor the "
+                          "stored embeddings carry: without it every pair's target is ~1")
 
 
 def check_schedule(sched: DictConfig) -> None:
