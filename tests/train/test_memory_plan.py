@@ -118,12 +118,15 @@ def test_fsdp_reduces_once_per_step_where_the_whole_gradient_fits():
 
 def test_a_teachers_features_are_held_for_the_batch():
     """``distill.teacher``: its image and text features in GradCache's buffers and as the loss's fp32 copies,
-    and on several ranks every rank's teacher text features gathered; a plan with them picks a smaller
+    and on several ranks every rank's teacher and student text features gathered; a plan with them picks a smaller
     sub-batch where they take the room."""
     from megabatch.train.memory_plan import teacher_bytes
 
     assert teacher_bytes(1024, 1, 768, 2) == 1024 * 768 * 2 * (2 + 4)
     assert teacher_bytes(1024, 4, 768, 2) == 1024 * 768 * 2 * (2 + 4) + 4 * 1024 * 768 * 4
+    # with the student's width: every rank's text features gathered, and their gradient, in fp32
+    assert teacher_bytes(1024, 4, 768, 2, 512) == teacher_bytes(1024, 4, 768, 2) + 4 * 1024 * 512 * 8
+    assert teacher_bytes(1024, 1, 768, 2, 512) == teacher_bytes(1024, 1, 768, 2)  # one process: nothing gathered
     assert teacher_bytes(1024, 1, 3 * 768, 2) == 3 * teacher_bytes(1024, 1, 768, 2)  # a stored ensemble of three
     fit = MemoryFit(fixed=1 * GB, per_row=0.1 * GB)
     alone = plan_sub_batch(1 << 20, fit, 141 * GB, 0.9, batch_bytes=20 * GB)

@@ -119,14 +119,15 @@ def batch_bytes(rank_batch: int, embed_dim: int, feature_bytes: int, kept_input_
     return features + rank_batch * kept_input_bytes_per_row + 2 * 4 * trainable_params
 
 
-def teacher_bytes(rank_batch: int, world: int, teacher_row: int, feature_bytes: int) -> float:
+def teacher_bytes(rank_batch: int, world: int, teacher_row: int, feature_bytes: int, embed_dim: int = 0) -> float:
     """What ``distill.teacher`` adds to the per-rank batch's memory (its weights are resident when the probes
     run, so the fit counts them): the teacher's image and text features of every sample (``teacher_row``
     values each: its width, times its members for a stored ensemble) in GradCache's buffers
     (``feature_bytes``) and as the loss's fp32 copies, and on several ranks every rank's teacher text features
-    gathered in fp32 for the columns."""
+    gathered in fp32 for the columns, with every rank's student text features (``embed_dim`` wide) and their
+    fp32 gradient (the distilled loss gathers the texts where a ring would pass them round)."""
     held = rank_batch * teacher_row * 2 * (feature_bytes + 4)
-    return held + (world * rank_batch * teacher_row * 4 if world > 1 else 0)
+    return held + (world * rank_batch * (teacher_row * 4 + embed_dim * 8) if world > 1 else 0)
 
 
 def probe_peak_memory(model, rows: int, precision, device: torch.device, caption: bool = False) -> tuple[int, int]:

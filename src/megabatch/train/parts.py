@@ -481,7 +481,8 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
                        rank_trainable_params(model))
     held += decode_ahead  # images decoded ahead of the step (data.decode_ahead_gb)
     if teacher is not None:  # distill.teacher: its features of the batch (its weights are in the probes)
-        held += teacher_bytes(rank_batch, env.world_size, math.prod(teacher.shape), precision.feature_dtype.itemsize)
+        held += teacher_bytes(rank_batch, env.world_size, math.prod(teacher.shape), precision.feature_dtype.itemsize,
+                              int(model.model_cfg["embed_dim"]))
     capacity = torch.cuda.get_device_properties(env.device).total_memory
     fit, fraction = MemoryFit.through(probes), cfg.trainer.memory_fraction
     reduce = cfg.trainer.fsdp_reduce if cfg.trainer.parallel == "fsdp" and env.distributed else None
