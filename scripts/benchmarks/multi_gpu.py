@@ -10,6 +10,8 @@ best settings at that batch; every step's samples/s, MFU, phases and peak memory
         --variant 'decode-ahead-8gb: data.decode_ahead_gb=8' --variant 'fsdp: trainer.parallel=fsdp' --out variants.json
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --stored-teacher ViT-L-14 --variant plain: \\
         --variant 'stored: distill.teacher=stored data.train.teacher_key=teacher.npy' --out stored_teacher.json
+    python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 8k --steps 5 --openclip-only --openclip-distill ViT-L-14 \\
+        --openclip-batch 2k,4k,8k --out openclip_distill.json  # its peak memory distilling, per batch
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --negatives 16 --variant 'plain:' \\
         --variant 'negatives-4: data.train.negatives_key=json:negatives data.train.negatives=4' --out negatives.json
 
@@ -185,10 +187,24 @@ def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str],
     return row
 
 
+def openclip_teacher(arch: str, workdir: Path) -> list[str]:
+    """OpenCLIP's ``--distill-model arch --distill-pretrained <file>`` for a teacher with random weights (timing
+    and memory only; its trainer needs a weights file), the file written once under ``workdir``."""
+    import open_clip
+    import torch
+
+    path = workdir / f"openclip-teacher-{arch}.pt"
+    if not path.exists():
+        workdir.mkdir(parents=True, exist_ok=True)
+        torch.save(open_clip.create_model(arch, pretrained=None).state_dict(), path)
+    return ["--distill-model", arch, "--distill-pretrained", str(path)]
+
+
 def run_openclip(gpus: int, batch: int, sub_batch: int, arch: str, steps: int, workers: int, warmup: int,
                  basis: dict, timeout_s: float, extra: list[str], compile_: bool = True) -> dict:
     per_gpu = batch // gpus
-    micro = min(sub_batch, per_gpu)
+    # OpenCLIP's distillation takes no gradient accumulation: the whole per-GPU batch at once
+    micro = per_gpu if "--distill-model" in extra else min(sub_batch, per_gpu)
     argv = ["--model", arch, "--dataset-type", "synthetic", "--train-num-samples", str(batch * steps),
             "--batch-size", str(micro), "--accum-freq", str(per_gpu // micro), "--precision", "amp_bf16",
             "--local-loss", "--gather-with-grad", *(["--torchcompile"] if compile_ else []),
@@ -272,6 +288,10 @@ def main() -> None:
                              "--batch, each beside ours); e.g. where it runs out of memory at ours")
     parser.add_argument("--openclip-sub-batch", type=int, default=1024, help="its --batch-size per GPU")
     parser.add_argument("--openclip-set", nargs="*", default=[], help="more OpenCLIP arguments")
+    parser.add_argument("--openclip-distill", default=None,
+                        help="OpenCLIP distilled from this architecture (random weights: --distill-model and a "
+                             "written --distill-pretrained file), the whole per-GPU batch at once (its distillation "
+                             "takes no --accum-freq)")
     parser.add_argument("--openclip-eager", action="store_true",
                         help="OpenCLIP without --torchcompile (where its compilation takes longer than the run)")
     parser.add_argument("--timeout-s", type=float, default=540, help="per run")
@@ -308,7 +328,9 @@ def main() -> None:
                 row = run_openclip(gpus, parse_count(their_batch, "--batch"), args.openclip_sub_batch, args.arch,
                                    args.steps, args.workers, args.warmup_steps, basis,
                                    args.openclip_timeout_s or args.timeout_s,
-                                   args.openclip_set, compile_=not args.openclip_eager)
+                                   [*args.openclip_set, *(openclip_teacher(args.openclip_distill, workdir)
+                                                          if args.openclip_distill else [])],
+                                   compile_=not args.openclip_eager)
                 results.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
                 write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
