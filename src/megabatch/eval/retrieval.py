@@ -72,13 +72,9 @@ def pairs_of(eval_cfg, transform) -> tuple[list, list[str], torch.Tensor, Callab
     or ``eval.<name>.jsonl`` (paths, opened when encoded)."""
     key = f"eval.{eval_cfg.name}"
     decoded = lambda item: item  # noqa: E731 - read from shards: already a tensor
-    if eval_cfg.format == "clip_benchmark":
-        from . import clip_benchmark
-
-        clip_benchmark.check_task(eval_cfg)
-        return *load_pairs_from_shards(clip_benchmark.shard_urls(eval_cfg), transform, key, lines=True), decoded
-    if eval_cfg.urls:
-        return *load_pairs_from_shards(eval_cfg.urls, transform, key), decoded
+    shards = _shard_source(eval_cfg)
+    if shards is not None:
+        return *load_pairs_from_shards(shards[0], transform, key, lines=shards[1]), decoded
     return *load_pairs(eval_cfg.jsonl, key), lambda path: transform(Image.open(path).convert("RGB"))
 
 

@@ -500,20 +500,26 @@ def _upcast(rows: torch.Tensor) -> bool:
     return interpreting() and rows.dtype == torch.bfloat16
 
 
+def _stripes(m: int, n: int, config: dict, device, fields: int) -> tuple[int, int, int, int]:
+    """A stats pass's layout: ``(row_blocks, stripe, cols_per_split, splits)``. The stripe width keeps the column
+    partials ``[row_blocks, stripe]`` x ``fields`` fp32 within PARTIAL_BYTES; each stripe's columns are split
+    over programs: >= 4 waves of programs on the GPU, and >= 8 splits (of >= 8 column tiles each) so the
+    programs running at once share row blocks."""
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    row_blocks = triton.cdiv(m, bm)
+    stripe = max(bn, (PARTIAL_BYTES // (4 * fields * row_blocks)) // bn * bn)
+    stripe = min(stripe, triton.cdiv(n, bn) * bn)
+    tiles = triton.cdiv(stripe, bn)
+    splits = max(1, min(tiles, max(triton.cdiv(4 * _sms(device), row_blocks), min(8, tiles // 8))))
+    cols_per_split = triton.cdiv(tiles, splits) * bn
+    return row_blocks, stripe, cols_per_split, triton.cdiv(stripe, cols_per_split)
+
+
 def _stats_launch(rows, cols, scale, precision, config):
     m, c = rows.shape
     n = cols.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    row_blocks = triton.cdiv(m, bm)
-    # stripe width: the column partials [row_blocks, stripe] x 2 fp32 stay within PARTIAL_BYTES
-    stripe = max(bn, (PARTIAL_BYTES // (8 * row_blocks)) // bn * bn)
-    stripe = min(stripe, triton.cdiv(n, bn) * bn)
-    # split each stripe's columns over programs: >= 4 waves of programs on the GPU, and >= 8
-    # splits (of >= 8 column tiles each) so the programs running at once share row blocks
-    tiles = triton.cdiv(stripe, bn)
-    splits = max(1, min(tiles, max(triton.cdiv(4 * _sms(rows.device), row_blocks), min(8, tiles // 8))))
-    cols_per_split = triton.cdiv(tiles, splits) * bn
-    splits = triton.cdiv(stripe, cols_per_split)
+    row_blocks, stripe, cols_per_split, splits = _stripes(m, n, config, rows.device, fields=2)
     row_max = torch.empty((splits, m), dtype=torch.float32, device=rows.device)
     row_sum = torch.empty_like(row_max)
     col_max = torch.empty((row_blocks, stripe), dtype=torch.float32, device=rows.device)
@@ -683,13 +689,7 @@ def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, pre
     m, c = rows.shape
     n, ct = cols.shape[0], t_rows.shape[1]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    row_blocks = triton.cdiv(m, bm)
-    stripe = max(bn, (PARTIAL_BYTES // (20 * row_blocks)) // bn * bn)  # five fp32 column fields
-    stripe = min(stripe, triton.cdiv(n, bn) * bn)
-    tiles = triton.cdiv(stripe, bn)
-    splits = max(1, min(tiles, max(triton.cdiv(4 * _sms(rows.device), row_blocks), min(8, tiles // 8))))
-    cols_per_split = triton.cdiv(tiles, splits) * bn
-    splits = triton.cdiv(stripe, cols_per_split)
+    row_blocks, stripe, cols_per_split, splits = _stripes(m, n, config, rows.device, fields=5)
     row_out = torch.empty((5, splits, m), dtype=torch.float32, device=rows.device)
     col_out = torch.empty((5, row_blocks, stripe), dtype=torch.float32, device=rows.device)
     run = None  # the rows' running fields

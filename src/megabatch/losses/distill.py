@@ -16,6 +16,10 @@ Across W ranks each rank gathers the student's and the teacher's features (no au
 its own rows in both directions (its images against every text, its texts against every image); the
 gradients of the gathered columns are summed by one all-reduce and each rank keeps its slice, as in
 DisCo-CLIP (``disco.py``). The gradient contract is ``base.ContrastiveLoss``'s.
+
+That is the torch path (``_Distill``). On CUDA (``loss.impl=auto|triton``, one teacher) the fused kernels
+(``kernels/triton_tiles.py``: ``distill_stats``, ``distill_grads``) take each rank's image rows against every
+text in one pass, both directions, and give the contrastive loss from the same passes (``_DistilledFused``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.gather import gather_no_grad, group_rank, group_size
+from .infcl import _row_dots
 from .reference import upcast
 
 # logits of one block: rows x columns elements at most (x 4 bytes, about five such tensors alive at once: 5 GB;
@@ -112,71 +117,50 @@ def _merge_columns(column: torch.Tensor, group) -> torch.Tensor:
 
 
 class _Distill(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots,
-                fused):
-        world, rows = group_size(group), image_features.shape[0]
-        all_texts, all_teacher_texts = gather_no_grad(text_features, group), gather_no_grad(teacher_text, group)
-        if not fused:  # the image columns: the text rows' direction, a block of its own
-            all_images, all_teacher_images = gather_no_grad(image_features, group), gather_no_grad(teacher_image, group)
-        saved = []
-        if fused:  # the Triton kernels: this rank's rows against every column, both directions in one pass
-            from ..kernels import triton_tiles
+    """The term alone in torch's row blocks (``_direction``): this rank's image rows against every text, and its
+    text rows against every image."""
 
-            row, column = triton_tiles.distill_stats(image_features, all_texts, teacher_image, all_teacher_texts,
-                                                     scale, teacher_scale, fused, dots)
-            if world > 1:  # each column's statistics over every rank's rows
-                column = _merge_columns(column, group)
-            own = slice(group_rank(group) * rows, (group_rank(group) + 1) * rows)
-            local = (row[0] - row[2]).sum() + (column[0, own] - column[2, own]).sum()
-            saved = [row[:2], column[:2]]
-        else:
-            local = (_direction(image_features, all_texts, teacher_image, all_teacher_texts, scale, teacher_scale,
-                                dots)
-                     + _direction(text_features, all_images, teacher_text, all_teacher_images, scale, teacher_scale,
-                                  dots))
+    @staticmethod
+    def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots):
+        world, rows = group_size(group), image_features.shape[0]
+        all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
+        all_teacher_images = gather_no_grad(teacher_image, group)
+        all_teacher_texts = gather_no_grad(teacher_text, group)
+        local = (_direction(image_features, all_texts, teacher_image, all_teacher_texts, scale, teacher_scale, dots)
+                 + _direction(text_features, all_images, teacher_text, all_teacher_images, scale, teacher_scale, dots))
         local = local / (2 * rows)
         total = local.clone()
         if world > 1:
             dist.all_reduce(total, group=group)
-        ctx.save_for_backward(image_features, text_features, scale, teacher_image, teacher_text, *saved)
-        ctx.teacher_scale, ctx.group, ctx.world, ctx.dots, ctx.fused = teacher_scale, group, world, dots, fused
+        ctx.save_for_backward(image_features, text_features, scale, teacher_image, teacher_text)
+        ctx.teacher_scale, ctx.group, ctx.world, ctx.dots = teacher_scale, group, world, dots
         return total / world
 
     @staticmethod
     def backward(ctx, grad_output):
-        image_features, text_features, scale, teacher_image, teacher_text, *saved = ctx.saved_tensors
+        image_features, text_features, scale, teacher_image, teacher_text = ctx.saved_tensors
         group, world, rows, dots = ctx.group, ctx.world, image_features.shape[0], ctx.dots
         rank = group_rank(group)
-        all_texts, all_teacher_texts = gather_no_grad(text_features, group), gather_no_grad(teacher_text, group)
-        if not ctx.fused:
-            all_images, all_teacher_images = gather_no_grad(image_features, group), gather_no_grad(teacher_image, group)
+        all_images, all_texts = gather_no_grad(image_features, group), gather_no_grad(text_features, group)
+        all_teacher_images = gather_no_grad(teacher_image, group)
+        all_teacher_texts = gather_no_grad(teacher_text, group)
         acc = torch.promote_types(image_features.dtype, torch.float32)
         weight = grad_output.to(acc) / (2 * rows)  # W-scaled per-rank gradient (base.py contract)
         d_image = torch.zeros(image_features.shape, dtype=acc, device=image_features.device)
         d_text = torch.zeros_like(d_image)
         # every rank's column gradients w.r.t. the gathered features: texts [b] (image rows), images [b]
-        d_columns = torch.zeros(((1 if ctx.fused else 2) * all_texts.shape[0], all_texts.shape[1]), dtype=acc,
-                                device=d_image.device)
+        d_columns = torch.zeros((2 * all_texts.shape[0], all_texts.shape[1]), dtype=acc, device=d_image.device)
         b = all_texts.shape[0]
-        if ctx.fused:  # one block, both directions: the image rows' gradient, and every text's share of it
-            from ..kernels import triton_tiles
-
-            d_scale = triton_tiles.distill_grads(image_features, all_texts, teacher_image, all_teacher_texts, scale,
-                                                 ctx.teacher_scale, saved[0], saved[1], weight, d_image,
-                                                 d_columns[:b], ctx.fused, dots)
-        else:
-            d_scale = _direction(image_features, all_texts, teacher_image, all_teacher_texts, scale,
-                                 ctx.teacher_scale, dots, weight, d_image, d_columns[:b])
-            d_scale = d_scale + _direction(text_features, all_images, teacher_text, all_teacher_images, scale,
-                                           ctx.teacher_scale, dots, weight, d_text, d_columns[b:])
+        d_scale = _direction(image_features, all_texts, teacher_image, all_teacher_texts, scale, ctx.teacher_scale,
+                             dots, weight, d_image, d_columns[:b])
+        d_scale = d_scale + _direction(text_features, all_images, teacher_text, all_teacher_images, scale,
+                                       ctx.teacher_scale, dots, weight, d_text, d_columns[b:])
         if world > 1:
             dist.all_reduce(d_columns, group=group)
-        if not ctx.fused:
-            d_image += d_columns[b + rank * rows:b + (rank + 1) * rows]
+        d_image += d_columns[b + rank * rows:b + (rank + 1) * rows]
         d_text += d_columns[rank * rows:(rank + 1) * rows]
         return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
-                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None, None)
+                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None)
 
 
 class _DistilledFused(torch.autograd.Function):
@@ -199,10 +183,7 @@ class _DistilledFused(torch.autograd.Function):
                                                  teacher_scale, precision, dots)
         if world > 1:  # each column's statistics over every rank's rows
             column = _merge_columns(column, group)
-        positives = torch.zeros((), dtype=torch.float32, device=image_features.device)
-        for start in range(0, rows, 65536):  # sum_i S_ii in fp32, a chunk of rows at a time
-            chunk = slice(start, start + 65536)
-            positives += (image_features[chunk].float() * text_features[chunk].float()).sum()
+        positives = _row_dots(image_features, text_features, torch.float32).sum()  # sum_i S_ii / scale, fp32
         terms = torch.stack([row[0].sum() + column[0, own].sum() - 2 * positives * scale.float(),
                              (row[0] - row[2]).sum() + (column[0, own] - column[2, own]).sum()]) / (2 * rows)
         if world > 1:
@@ -260,8 +241,10 @@ def distill_term(image_features, text_features, scale, teacher_image, teacher_te
     teacher_scale = tuple(float(s) for s in teacher_scale) if isinstance(teacher_scale, (tuple, list)) \
         else float(teacher_scale)
     fused = _fused(impl, fp32_precision, image_features, teacher_image, teacher_scale)
-    return _Distill.apply(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots,
-                          fused)
+    if fused:  # the kernels' passes (the contrastive value beside it unused; its gradient weight 0)
+        return _DistilledFused.apply(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale,
+                                     dots, fused, group)[1]
+    return _Distill.apply(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots)
 
 
 class DistilledLoss(nn.Module):
