@@ -10,8 +10,6 @@ best settings at that batch; every step's samples/s, MFU, phases and peak memory
         --variant 'decode-ahead-8gb: data.decode_ahead_gb=8' --variant 'fsdp: trainer.parallel=fsdp' --out variants.json
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --stored-teacher ViT-L-14 --variant plain: \\
         --variant 'stored: distill.teacher=stored data.train.teacher_key=teacher.npy' --out stored_teacher.json
-    python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 8k --steps 5 --openclip-only --openclip-distill ViT-L-14 \\
-        --openclip-batch 2k,4k,8k --out openclip_distill.json  # its peak memory distilling, per batch
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --negatives 16 --variant 'plain:' \\
         --variant 'negatives-4: data.train.negatives_key=json:negatives data.train.negatives=4' --out negatives.json
 
