@@ -43,6 +43,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -133,6 +134,29 @@ def teacher_shards(shards: list[Path], out: Path, arch: str) -> list[Path]:
     return [out / s.name for s in shards]
 
 
+def run_group(command: list[str], timeout_s: float, env: dict | None = None) -> tuple[int | str, str]:
+    """``command``'s exit status (``"timeout"`` past ``timeout_s``) and its output. It runs in a process group
+    of its own, which is stopped whole at the timeout: killing torchrun alone left its workers holding the
+    GPUs, and the next run then ran out of memory beside them."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                               env=env, start_new_session=True)
+    try:
+        out, _ = process.communicate(timeout=timeout_s)
+        return process.returncode, out
+    except subprocess.TimeoutExpired:
+        for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 20)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                out, _ = process.communicate(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                out = ""
+        return "timeout", out or ""
+
+
 def steady(values: list[float], warmup: int) -> dict:
     rest = values[warmup:] or values
     if not rest:
@@ -155,11 +179,7 @@ def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str],
     print("$", " ".join(command), flush=True)
     start = time.perf_counter()
     with GpuMemory() as memory:
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
-            code, out = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as error:
-            code, out = "timeout", (error.stdout or b"").decode() + (error.stderr or b"").decode()
+        code, out = run_group(command, timeout_s)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
     records = [r for r in records if "samples_per_s" in r]
@@ -212,12 +232,7 @@ def run_openclip(gpus: int, batch: int, sub_batch: int, arch: str, steps: int, w
     print("$", f"{WORKER_ARGV}='{json.dumps(argv)}'", " ".join(command), flush=True)
     start = time.perf_counter()
     with GpuMemory() as memory:
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s,
-                                  env={**os.environ, WORKER_ARGV: json.dumps(argv)})
-            code, out = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as error:
-            code, out = "timeout", (error.stdout or b"").decode() + (error.stderr or b"").decode()
+        code, out = run_group(command, timeout_s, env={**os.environ, WORKER_ARGV: json.dumps(argv)})
     per_step = [float(v) for v in re.findall(r"Batch \(t\): [\d.]+, ([\d.e+]+)/s,", out)]
     row = {"system": "openclip", "gpus": gpus, "batch": batch, "openclip_argv": argv,
            "command": f"{WORKER_ARGV}='{json.dumps(argv)}' " + " ".join(command), "returncode": code,
