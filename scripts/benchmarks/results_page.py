@@ -231,6 +231,16 @@ QUESTIONS = [
                       "weights again for every pass of the step"},
             {"file": "multi_gpu_vit_b32_1m_4xh200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/32, batch 1M, `trainer.offload=true` (4 steps, the first left out)"},
+            {"file": "multi_gpu_vit_b32_1m_readahead_4xh100.json", "kind": "multi_gpu", "every_step": True,
+             "label": "The same with the next step's samples read during this step's loss and replay "
+                      "(`trainer.prefetch_gb=8`), 4 x H100 (64 cores), 3 steps (the run's limit stopped the fourth), "
+                      "the first left out: 52.5 and 41.9 s a step; the data phase 0.4-0.8 s a step against 7.6-10.0 s "
+                      "without read-ahead (4 x H200, above). No baseline from this machine: the run without "
+                      "read-ahead was stopped by the command's limit before its first step ended. The 25 s target is "
+                      "missed: the replay alone takes 26.4-28.7 s (262k samples a GPU encoded again with a graph, "
+                      "sub-batch 1024, no graph kept: room for none at this batch). The encode phase took 22.0 and "
+                      "19.6 s in the first two steps and 9.8 s in the third (9.4-11.9 s on the H200s): two steady "
+                      "steps do not say why"},
             {"file": "multi_gpu_vit_b32_32k_2xh200.json", "kind": "multi_gpu",
              "label": "ViT-B/32, batch 32k, 2 GPUs against 1 (2 x H200 of one host, 32 cores, 2026-11-27, commit "
                       "05fa62f; 12 steps, the first two left out): 16.1k against 8.14k samples/s, 1.97x; the "
@@ -317,6 +327,22 @@ QUESTIONS = [
                       "against the plain step reading the same shards, another H200, 6 steps, the first two left "
                       "out: 7,605 against 7,983 samples/s (-4.7%); the loss phase 0.16 against 0.02 s, encode and "
                       "replay as without (the first step's loss phase, 26.6 s, tunes the loss kernels for both runs)"},
+            {"file": "distill_stored_vit_b32_1m_h200.json", "kind": "multi_gpu", "every_step": True,
+             "label": "ViT-B/32 at 1M on one H200 distilled from stored ViT-L/14 embeddings (`distill.teacher=stored`, "
+                      "`trainer.offload=true`, `trainer.sub_batch=auto`: 2048): the step runs, 197.7 s (5,305 "
+                      "samples/s), rank 0 allocated at most 99.3 GB (102.3 GB in use, nvidia-smi); the loss phase, "
+                      "both terms over 1M x 1M in the fused kernels, 36.8 s (34.1 s in the loss benchmark above). "
+                      "The second step was stopped by the run's 330 s limit. The plain step was not measured on this "
+                      "machine (its run ran out of memory beside the stopped run's worker, a harness fault fixed in "
+                      "dd59c8a); the plain 1M offload step on one H100 took 184 s ([the 1M step](#the-1m-step))"},
+            {"file": "distill_peak_memory_vs_openclip_h100.json", "kind": "multi_gpu",
+             "label": "Peak memory against OpenCLIP's `--distill-model`, one H100 80GB (a cold host): ViT-B/32 "
+                      "distilled online from ViT-L/14 (random weights). OpenCLIP 3.3 (`--torchcompile`, `amp_bf16`, "
+                      "the per-GPU batch at once: its distillation takes no `--accum-freq`) ran out of memory at "
+                      "2k, 3k and 4k: its largest batch on this GPU is below 2k (smaller ones not tried). Ours at 4k: "
+                      "36.6 GB allocated by rank 0 (47.0 GB in use); its one step's 71.4 s loss phase is the "
+                      "distillation kernels' tuning for the H100, not a step time (the run's 150 s limit stopped it "
+                      "after that step)"},
         ],
     },
     {
@@ -479,7 +505,8 @@ def e2e_table(data: dict, entry: dict) -> list[str]:
 def multi_gpu_table(data: dict, entry: dict) -> list[str]:
     rows = ["| trainer | GPUs | samples/s (median) | slowest - fastest | slowest / median | s / step | "
             "x 1 GPU | vs OpenCLIP | MFU | peak GB |", "|---|---|---|---|---|---|---|---|---|---|"]
-    results = [row for row in data["results"] if row.get("samples_per_s")]
+    runs = data["results"]
+    results = [row for row in runs if row.get("samples_per_s")]
     for row in results:
         speed = row["samples_per_s"]
         one = next((r for r in results if r["system"] == row["system"] and r["gpus"] == 1), None)
@@ -507,7 +534,38 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
         last = ours["steps"][-1]["phases_s"]
         rows += ["", "Where the last step's time went (rank 0): " + ", ".join(f"{k} {v:.1f} s" for k, v in last.items())
                  + "."]
+    if entry.get("every_step"):  # each step's seconds and phases, the first (compiling, tuning) included
+        rows += ["", "| trainer | step | s | " + " | ".join(PHASES) + " | rank 0 allocated GB |",
+                 "|---|---|---|" + "---|" * len(PHASES) + "---|"]
+        for row in results:
+            for step in row["steps"]:
+                rows.append(f"| megabatch ({row.get('variant') or 'default'}, {row['gpus']} GPU) | {step['step']} | "
+                            f"{sample_batch(row) / step['samples_per_s']:.1f} | "
+                            + " | ".join(f"{step['phases_s'].get(p, 0):.1f}" for p in PHASES)
+                            + f" | {step['peak_gpu_gb']:.1f} |")
+    stopped = [row for row in runs if not row.get("samples_per_s")]
+    if stopped:  # runs without a logged step: out of memory, a time limit, an error
+        rows += ["", "| trainer | GPUs | batch | outcome | peak GB in use (nvidia-smi) |", "|---|---|---|---|---|"]
+        for row in stopped:
+            trainer = "megabatch" + (f" ({row['variant']})" if row.get("variant") else "") \
+                if row["system"] == "megabatch" else "OpenCLIP 3.3"
+            peak = max(row["gpu_memory_peak_gb"]) if row.get("gpu_memory_peak_gb") else None
+            rows.append(f"| {trainer} | {row['gpus']} | {sample_batch(row):,} | {outcome(row)} | "
+                        f"{f'{peak:.1f}' if peak else '-'} |")
     return rows
+
+
+PHASES = ("data", "encode", "loss", "replay", "optimizer")
+
+
+def outcome(row: dict) -> str:
+    """Why a run logged no step."""
+    text = row.get("log_tail", "") + " ".join(row.get("error_lines", []))
+    if "OutOfMemoryError" in text or "out of memory" in text:
+        return "out of memory"
+    if row.get("returncode") == "timeout":
+        return f"no step within its {row['wall_s']:.0f} s"
+    return f"exit status {row.get('returncode')}"
 
 
 def decoding_wait(step: dict) -> float:
