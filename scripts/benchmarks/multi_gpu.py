@@ -348,6 +348,16 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
                 write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
                               epoch_samples=args.epoch_samples)
+    keep_tuning(args.out)
+
+
+def keep_tuning(out: str) -> None:
+    """This host's Triton tuning beside ``out`` (``<out>.triton_tuned.json``): a GPU machine's cache is lost with it,
+    and its tables are what ``kernels/tuned.json`` ships, so the next cold host does not tune again."""
+    from megabatch.kernels.triton_tiles import tuning_cache_file
+
+    if tuning_cache_file().exists():
+        shutil.copy(tuning_cache_file(), Path(out).with_suffix(".triton_tuned.json"))
 
 
 if __name__ == "__main__":

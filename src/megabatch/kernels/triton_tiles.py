@@ -380,7 +380,8 @@ def config_key(kernel: str, dtype: torch.dtype, c: int, precision: str) -> str:
     return f"{kernel}/{name}/{precision if dtype == torch.float32 else 'native'}/c{width}"
 
 
-def _cache_file() -> Path:
+def tuning_cache_file() -> Path:
+    """This host's tuned tile configs (``$MEGABATCH_CACHE/triton_tuned.json``), read after ``tuned.json``."""
     root = os.environ.get("MEGABATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megabatch")
     return Path(root) / "triton_tuned.json"
 
@@ -388,7 +389,7 @@ def _cache_file() -> Path:
 @functools.cache
 def _load_tables(gpu: str) -> dict:
     tables = {}
-    for path in (TUNED_FILE, _cache_file()):
+    for path in (TUNED_FILE, tuning_cache_file()):
         if path.exists():
             tables.update(json.loads(path.read_text()).get(gpu, {}))
     return tables
@@ -419,7 +420,7 @@ def tuned_once(gpu: str, key: str, tune_now, path: Path | None = None) -> dict:
     took ~30 s before the first step, 4 GPUs each timing candidates beside the others)."""
     import fcntl
 
-    path = path or _cache_file()
+    path = path or tuning_cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
