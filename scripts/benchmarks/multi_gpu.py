@@ -10,6 +10,8 @@ best settings at that batch; every step's samples/s, MFU, phases and peak memory
         --variant 'decode-ahead-8gb: data.decode_ahead_gb=8' --variant 'fsdp: trainer.parallel=fsdp' --out variants.json
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --stored-teacher ViT-L-14 --variant plain: \\
         --variant 'stored: distill.teacher=stored data.train.teacher_key=teacher.npy' --out stored_teacher.json
+    python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 4k --steps 3 --openclip --openclip-distill ViT-L-14 \\
+        --openclip-batch 512,1k,1536,2k --openclip-largest --variant 'distill: distill.teacher=ViT-L-14' --out peak.json
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --negatives 16 --variant 'plain:' \\
         --variant 'negatives-4: data.train.negatives_key=json:negatives data.train.negatives=4' --out negatives.json
 
@@ -305,6 +307,9 @@ def main() -> None:
                         help="OpenCLIP distilled from this architecture (random weights: --distill-model and a "
                              "written --distill-pretrained file), the whole per-GPU batch at once (its distillation "
                              "takes no --accum-freq)")
+    parser.add_argument("--openclip-largest", action="store_true",
+                        help="try --openclip-batch from the largest down and stop at the first that logs a step: "
+                             "the largest batch OpenCLIP reaches on this machine, in as few runs as it takes")
     parser.add_argument("--openclip-eager", action="store_true",
                         help="OpenCLIP without --torchcompile (where its compilation takes longer than the run)")
     parser.add_argument("--timeout-s", type=float, default=540, help="per run")
@@ -336,14 +341,21 @@ def main() -> None:
                               epoch_samples=args.epoch_samples)
         last = batch == args.batch.split(",")[-1]
         theirs = [batch] if not args.openclip_batch else args.openclip_batch.split(",") if last else []
+        if args.openclip_largest:
+            theirs = sorted(theirs, key=lambda b: parse_count(b, "--openclip-batch"), reverse=True)
+        reached: set[int] = set()  # GPU counts at which a larger batch already logged a step (--openclip-largest)
         for their_batch in theirs if args.openclip or args.openclip_only else []:
             for gpus in (int(g) for g in (args.openclip_gpus or args.gpus).split(",")):
+                if gpus in reached:
+                    continue
                 row = run_openclip(gpus, parse_count(their_batch, "--batch"), args.openclip_sub_batch, args.arch,
                                    args.steps, args.workers, args.warmup_steps, basis,
                                    args.openclip_timeout_s or args.timeout_s,
                                    [*args.openclip_set, *(openclip_teacher(args.openclip_distill, workdir)
                                                           if args.openclip_distill else [])],
                                    compile_=not args.openclip_eager)
+                if args.openclip_largest and row["steps"]:
+                    reached.add(gpus)
                 results.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
                 write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
