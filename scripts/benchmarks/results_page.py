@@ -335,7 +335,7 @@ QUESTIONS = [
                       "The second step was stopped by the run's 330 s limit. The plain step was not measured on this "
                       "machine (its run ran out of memory beside the stopped run's worker, a harness fault fixed in "
                       "dd59c8a); the plain 1M offload step on one H100 took 184 s ([the 1M step](#the-1m-step))"},
-            {"file": "distill_peak_memory_vs_openclip_h100.json", "kind": "multi_gpu",
+            {"file": "distill_peak_memory_vs_openclip_h100.json", "kind": "multi_gpu", "memory": True,
              "label": "Peak memory against OpenCLIP's `--distill-model`, one H100 80GB (a cold host): ViT-B/32 "
                       "distilled online from ViT-L/14 (random weights). OpenCLIP 3.3 (`--torchcompile`, `amp_bf16`, "
                       "the per-GPU batch at once: its distillation takes no `--accum-freq`) ran out of memory at "
@@ -503,6 +503,8 @@ def e2e_table(data: dict, entry: dict) -> list[str]:
 
 
 def multi_gpu_table(data: dict, entry: dict) -> list[str]:
+    if entry.get("memory"):
+        return memory_table(data["results"])
     rows = ["| trainer | GPUs | samples/s (median) | slowest - fastest | slowest / median | s / step | "
             "x 1 GPU | vs OpenCLIP | MFU | peak GB |", "|---|---|---|---|---|---|---|---|---|---|"]
     runs = data["results"]
@@ -514,8 +516,7 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
         scaling = f"{speed['median'] / one['samples_per_s']['median']:.2f}x" if one and row["gpus"] > 1 else "-"
         versus = f"**{speed['median'] / theirs['samples_per_s']['median']:.2f}x**" \
             if theirs and row["system"] == "megabatch" else "-"
-        trainer = ("megabatch" + (f" ({row['variant']})" if row.get("variant") else "")
-                   if row["system"] == "megabatch" else "OpenCLIP 3.3")
+        trainer = trainer_name(row)
         peak = max(row["gpu_memory_peak_gb"]) if row.get("gpu_memory_peak_gb") else None
         mfu = row.get("mfu", {}).get("median")
         rows.append(f"| {trainer} | {row['gpus']} | {speed['median']:,.0f} | {speed['min']:,.0f} - {speed['max']:,.0f} "
@@ -547,8 +548,7 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
     if stopped:  # runs without a logged step: out of memory, a time limit, an error
         rows += ["", "| trainer | GPUs | batch | outcome | peak GB in use (nvidia-smi) |", "|---|---|---|---|---|"]
         for row in stopped:
-            trainer = "megabatch" + (f" ({row['variant']})" if row.get("variant") else "") \
-                if row["system"] == "megabatch" else "OpenCLIP 3.3"
+            trainer = trainer_name(row)
             peak = max(row["gpu_memory_peak_gb"]) if row.get("gpu_memory_peak_gb") else None
             rows.append(f"| {trainer} | {row['gpus']} | {sample_batch(row):,} | {outcome(row)} | "
                         f"{f'{peak:.1f}' if peak else '-'} |")
@@ -556,6 +556,25 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
 
 
 PHASES = ("data", "encode", "loss", "replay", "optimizer")
+
+
+def trainer_name(row: dict) -> str:
+    return ("megabatch" + (f" ({row['variant']})" if row.get("variant") else "")
+            if row["system"] == "megabatch" else "OpenCLIP 3.3")
+
+
+def memory_table(runs: list[dict]) -> list[str]:
+    """Each run's batch, outcome and peak memory, for runs that measure memory and not speed."""
+    rows = ["| trainer | GPUs | batch | outcome | rank 0 allocated GB | peak GB in use (nvidia-smi) |",
+            "|---|---|---|---|---|---|"]
+    for row in runs:
+        trainer = trainer_name(row)
+        allocated = max((s["peak_gpu_gb"] for s in row["steps"] if s.get("peak_gpu_gb")), default=None)
+        peak = max(row["gpu_memory_peak_gb"]) if row.get("gpu_memory_peak_gb") else None
+        done = f"{len(row['steps'])} step{'s' if len(row['steps']) > 1 else ''}" if row["steps"] else outcome(row)
+        rows.append(f"| {trainer} | {row['gpus']} | {sample_batch(row):,} | {done} | "
+                    f"{f'{allocated:.1f}' if allocated else '-'} | {f'{peak:.1f}' if peak else '-'} |")
+    return rows
 
 
 def outcome(row: dict) -> str:
