@@ -10,8 +10,9 @@ best settings at that batch; every step's samples/s, MFU, phases and peak memory
         --variant 'decode-ahead-8gb: data.decode_ahead_gb=8' --variant 'fsdp: trainer.parallel=fsdp' --out variants.json
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --stored-teacher ViT-L-14 --variant plain: \\
         --variant 'stored: distill.teacher=stored data.train.teacher_key=teacher.npy' --out stored_teacher.json
-    python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 4k --steps 3 --openclip --openclip-distill ViT-L-14 \\
-        --openclip-batch 512,1k,1536,2k --openclip-largest --variant 'distill: distill.teacher=ViT-L-14' --out peak.json
+    python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 4k --steps 3 --warmup-steps 1 --timeout-s 150 \\
+        --variant 'distill-vit-l14: distill.teacher=ViT-L-14 distill.compile=false' --openclip --openclip-distill \\
+        ViT-L-14 --openclip-batch 2k,3k,4k --openclip-timeout-s 110 --out distill_peak_memory_vs_openclip.json
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --negatives 16 --variant 'plain:' \\
         --variant 'negatives-4: data.train.negatives_key=json:negatives data.train.negatives=4' --out negatives.json
 
