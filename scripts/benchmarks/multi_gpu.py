@@ -42,6 +42,7 @@ lists keep them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -147,17 +148,16 @@ def run_group(command: list[str], timeout_s: float, env: dict | None = None) -> 
         out, _ = process.communicate(timeout=timeout_s)
         return process.returncode, out
     except subprocess.TimeoutExpired:
-        for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 20)):
-            try:
+        out = ""
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # the group's processes 20 s to stop, then killed
+            with contextlib.suppress(ProcessLookupError):  # the group had already exited
                 os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                break
             try:
-                out, _ = process.communicate(timeout=wait_s)
+                out, _ = process.communicate(timeout=20)
                 break
             except subprocess.TimeoutExpired:
-                out = ""
-        return "timeout", out or ""
+                continue
+        return "timeout", out
 
 
 def steady(values: list[float], warmup: int) -> dict:
