@@ -344,6 +344,11 @@ QUESTIONS = [
                       "36.6 GB allocated by rank 0 (47.0 GB in use); its one step's 71.4 s loss phase is the "
                       "distillation kernels' tuning for the H100, not a step time (the run's 150 s limit stopped it "
                       "after that step)"},
+            {"file": "distill_online_vit_b32_4k_h100.json", "kind": "multi_gpu", "every_step": True,
+             "label": "Ours at 4k on another cold H100, the same settings, 4 steps: 1,352 samples/s after the first, "
+                      "37.3 GB allocated (47.0 GB in use), sub-batch 1024; the teacher's eager forward is most of the "
+                      "2.6 s encode phase of a 3.0 s step. The first step's 56.7 s loss phase tuned the distillation "
+                      "kernels; their tables for the H100 now ship in `kernels/tuned.json`"},
             {"file": "distill_openclip_largest_h200.json", "kind": "multi_gpu", "memory": True,
              "label": "OpenCLIP's largest `--distill-model` batch on one H200 (141 GB), its batches tried from the "
                       "largest down (`--openclip-largest`): 4k ran out of memory, 3072 ran"},
