@@ -103,7 +103,8 @@ class StoredTeacher:
         if sub.teacher is None:
             raise RuntimeError("distill.teacher=stored but the sub-batch carries no teacher embeddings "
                                "(data.train.teacher_key)")
-        stored = sub.teacher.to(self.device, non_blocking=True)  # [n, members, 2, width]
+        # [n, members, 2, width], float16 as most shards store them: half the bytes through the loader and the copy
+        stored = sub.teacher.to(self.device, non_blocking=True).float()
         if self.spec.members == 1:
             stored = stored[:, 0]
             return stored[:, 0], stored[:, 1]
