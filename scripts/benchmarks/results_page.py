@@ -336,6 +336,13 @@ QUESTIONS = [
                       "768) read beside the student's in both passes; the encode phase 29.1 against 24.4 s and the "
                       "data phase 34.7 against 31.1 s (3 GB of fp16 embeddings read and carried with the samples); "
                       "the replay is unchanged (91.0 s). Rank 0 allocated at most 94.3 against 81.5 GB"},
+            {"file": "loader_stored_teacher_2core.json", "kind": "loader",
+             "label": "The loader's workers with stored embeddings (`data.decode=gpu`: the workers' part, on the "
+                      "2-core machine): where the 1M stored step's data phase grew (3.6 s, its look-ahead waiting 21.2 "
+                      "against 13.4 s for the workers). Each sample's `.npy` was parsed by `np.load` (~26 us) and "
+                      "made float32; since 12bc61f its header, once met, keys a read of the bytes after it and the "
+                      "embeddings stay float16 to the device: 0.81-0.83 of the plain shards' samples/s against "
+                      "0.66-0.72. Not measured on a GPU host yet"},
             {"file": "distill_peak_memory_vs_openclip_h100.json", "kind": "multi_gpu", "memory": True,
              "label": "Peak memory against OpenCLIP's `--distill-model`, one H100 80GB (a cold host): ViT-B/32 "
                       "distilled online from ViT-L/14 (random weights). OpenCLIP 3.3 (`--torchcompile`, `amp_bf16`, "
@@ -621,10 +628,27 @@ def sample_batch(row: dict) -> int:
 
 
 def loader_table(data: dict, entry: dict) -> list[str]:
+    if any("stored_teacher_width" in row for row in data["results"]):
+        return teacher_loader_table(data["results"])
     rows = ["| split | index cache | workers | sub-batch | samples/s |", "|---|---|---|---|---|"]
     for row in data["results"]:
         rows.append(f"| `{row['split']}` | {row.get('index_cache') or '-'} | {row['workers']} | {row['sub_batch']} | "
                     f"{row['first_pass_samples_s']:,.0f} |")
+    return rows
+
+
+def teacher_loader_table(results: list[dict]) -> list[str]:
+    """The loader's workers on plain shards and on shards carrying teacher embeddings, per way of reading them."""
+    rows = ["| embeddings read by | shards | workers | samples/s | per worker | stored / plain |",
+            "|---|---|---|---|---|---|"]
+    for row in results:
+        plain = next((r for r in results if r.get("teacher_read") == row.get("teacher_read")
+                      and r["workers"] == row["workers"] and not r.get("stored_teacher_width")), None)
+        ratio = f"{row['first_pass_samples_s'] / plain['first_pass_samples_s']:.2f}" \
+            if plain and row.get("stored_teacher_width") else "-"
+        shards = f"embeddings, width {row['stored_teacher_width']}" if row.get("stored_teacher_width") else "plain"
+        rows.append(f"| {row.get('teacher_read', '-')} | {shards} | {row['workers']} | "
+                    f"{row['first_pass_samples_s']:,.0f} | {row['first_pass_per_worker']:,.0f} | {ratio} |")
     return rows
 
 
