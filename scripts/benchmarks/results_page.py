@@ -334,8 +334,9 @@ QUESTIONS = [
                       "5,471 samples/s), 1.16x the plain step. The loss phase is most of the difference, 36.7 "
                       "against 18.5 s: both terms over 1M x 1M in the fused kernels, the teacher's tiles (width "
                       "768) read beside the student's in both passes; the encode phase 29.1 against 24.4 s and the "
-                      "data phase 34.7 against 31.1 s (3 GB of fp16 embeddings read and carried with the samples); "
-                      "the replay is unchanged (91.0 s). Rank 0 allocated at most 94.3 against 81.5 GB"},
+                      "data phase 34.7 against 31.1 s (3 GB of fp16 embeddings read, made float32 in the workers "
+                      "before 12bc61f); the replay is unchanged (91.0 s). Rank 0 allocated at most 94.3 against "
+                      "81.5 GB"},
             {"file": "loader_stored_teacher_2core.json", "kind": "loader",
              "label": "The loader's workers with stored embeddings (`data.decode=gpu`: the workers' part, on the "
                       "2-core machine): where the 1M stored step's data phase grew (3.6 s, its look-ahead waiting 21.2 "
