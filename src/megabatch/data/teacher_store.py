@@ -32,9 +32,9 @@ class TeacherSpec:
     width: int
     scales: tuple[float, ...]
     teachers: tuple[str, ...] = ()
-    # the .npy headers met so far (bytes -> dtype, shape), each worker its own: a sample whose header is one
-    # of them is read as the bytes after it, as np.load reads them, without parsing it again (np.load takes
-    # ~26 us a sample; a loader worker reads a 1M step's samples in a few thousand sub-batches)
+    # the .npy headers met so far (bytes -> dtype, shape, the member's length), each worker its own: a sample
+    # whose header is one of them is read as the bytes after it, as np.load reads them, without parsing it again
+    # (np.load takes ~26 us a sample; a loader worker reads a 1M step's samples in a few thousand sub-batches)
     headers: dict = field(default_factory=dict, compare=False, repr=False)
 
     def read(self, sample: dict) -> np.ndarray | None | str:
@@ -55,15 +55,15 @@ class TeacherSpec:
 
     def _parse(self, data) -> np.ndarray | None:
         data = data if isinstance(data, bytes) else bytes(data)
-        for header, (dtype, shape) in self.headers.items():
-            if data.startswith(header) and len(data) == len(header) + dtype.itemsize * int(np.prod(shape)):
+        for header, (dtype, shape, length) in self.headers.items():
+            if len(data) == length and data.startswith(header):
                 return np.frombuffer(data, dtype=dtype, offset=len(header)).reshape(shape)
         try:
             array = np.load(io.BytesIO(data), allow_pickle=False)
         except Exception:  # noqa: BLE001 - any unreadable member is a bad sample
             return None
         if array.dtype.kind == "f" and array.flags.c_contiguous and len(self.headers) < 8:
-            self.headers[bytes(data[:len(data) - array.nbytes])] = (array.dtype, array.shape)
+            self.headers[bytes(data[:len(data) - array.nbytes])] = (array.dtype, array.shape, len(data))
         return array
 
     @classmethod
