@@ -151,7 +151,12 @@ def test_the_read_ahead_budget_and_its_errors(tmp_path):
     from megabatch.train.inputs import read_ahead_budget
 
     assert read_ahead_budget("auto", offload=False) == 8e9
-    assert read_ahead_budget("auto", offload=True) == 0  # offload keeps host memory small
+    # offload with CPU decoding: its re-decode workers use the cores, reading ahead only adds host memory;
+    # with the images decoded on the GPU the next step's reading leaves the critical path
+    assert read_ahead_budget("auto", offload=True) == 0
+    assert read_ahead_budget("auto", offload=True, gpu_decode=True) == 8e9
+    assert read_ahead_budget("auto", offload=False, gpu_decode=True) == 8e9
+    assert read_ahead_budget(0, offload=True, gpu_decode=True) == 0
     assert read_ahead_budget(2, offload=True) == 2e9 and read_ahead_budget(0.5, offload=False) == 5e8
     for bad in ("-1", "lots", "true"):
         cfg = compose(*BASE, f"trainer.prefetch_gb={bad}")

@@ -17,13 +17,15 @@ from .plan import BatchPlan
 log = logging.getLogger("megabatch")
 
 
-def read_ahead_budget(prefetch_gb, offload: bool) -> float:
+def read_ahead_budget(prefetch_gb, offload: bool, gpu_decode: bool = False) -> float:
     """Bytes the loader may be read ahead into (``trainer.prefetch_gb``, checked at start-up).
-    ``auto``: 8 GB, or none with data offload, whose point is a small host footprint: there the
-    replay's re-decode workers already use the cores, so reading ahead adds host memory and no
-    speed (docs/performance.md)."""
+    ``auto``: 8 GB; with data offload only where the images decode on the GPU (``data.decode=gpu``).
+    There the next step's reading moves off the critical path (the 1M ViT-B/32 step on 4 H200s: 37.4 s
+    against 44.3 s, ``docs/bench/multi_gpu_vit_b32_1m_readahead_pair_4xh200.json``); with the replay
+    re-decoding on the CPU its workers already use the cores, and reading ahead added host memory and
+    no speed (docs/performance.md)."""
     if prefetch_gb == "auto":
-        return 0.0 if offload else 8e9
+        return 8e9 if not offload or gpu_decode else 0.0
     return float(prefetch_gb) * 1e9
 
 
@@ -68,7 +70,8 @@ class RunInputs:
         if self.reads_ahead:
             return (f"the loader is read ahead through the loss and the replay into up to "
                     f"{self.read_ahead_bytes / 1e9:.1f} GB of host memory per rank (trainer.prefetch_gb)")
-        why = ("trainer.prefetch_gb is 0" + (" (auto: none with trainer.offload)" if self.keep_raw else "")
+        why = ("trainer.prefetch_gb is 0" + (" (auto: none with trainer.offload and CPU decoding)"
+                                             if self.keep_raw and self.gpu_decoder is None else "")
                if self.read_ahead_bytes <= 0 else "no loader workers" if int(self.data.cfg.num_workers) <= 0
                else "one-pass steps: no replay to read behind")
         return f"the loader is not read ahead ({why})"

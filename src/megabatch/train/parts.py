@@ -105,7 +105,8 @@ class RunParts:
                                    steps_per_epoch=plan.steps_per_epoch)
             inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
                                pin_memory=env.device.type == "cuda",
-                               read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload),
+                               read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload,
+                                                                  gpu_decoder is not None),
                                gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead)
             if env.rank == 0:
                 log.info("data: %s", inputs.describe_read_ahead())
