@@ -285,6 +285,18 @@ def test_siglip_on_two_ranks_with_offload_equals_one_process(tmp_path):
         assert torch.equal(value, ranks[1]["params"][name]), name
 
 
+def test_the_start_up_line_says_why_offload_with_cpu_decoding_does_not_read_ahead():
+    for prefetch, reason in (("auto", "trainer.prefetch_gb=auto: none with trainer.offload and CPU decoding"),
+                             ("0", "trainer.prefetch_gb is 0")):
+        parts = build("trainer.sub_batch=8", "trainer.offload=true", "data.num_workers=2",
+                      f"trainer.prefetch_gb={prefetch}")
+        try:
+            assert not parts.inputs.reads_ahead
+            assert parts.inputs.describe_read_ahead() == f"the loader is not read ahead ({reason})"
+        finally:
+            parts.close()
+
+
 def offloaded_steps(rank: int, world: int) -> dict:
     """Two offloaded GradCache steps on this rank, the loader read ahead through each step's loss and
     replay into 8 GB or not at all (the next step's samples read while this one replays)."""

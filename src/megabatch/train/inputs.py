@@ -48,13 +48,15 @@ class RunInputs:
     sub-batches from the loader during the loss and the replay (``data/read_ahead.py``);
     ``gpu_decoder`` (``data.decode=gpu``): the workers leave JPEGs encoded and a thread decodes them
     on the GPU ahead of the step, within ``decode_ahead_bytes`` of GPU memory (``data/gpu_decode.py``):
-    the images come out on the device."""
+    the images come out on the device. ``read_ahead_auto``: the read-ahead budget is
+    ``trainer.prefetch_gb=auto``'s (for the log's reason where it is none)."""
 
     def __init__(self, data: TrainData, plan: BatchPlan, rank: int, *, keep_raw: bool = False,
                  pin_memory: bool = False, read_ahead_bytes: float = 0.0, gpu_decoder: GpuDecoder | None = None,
-                 decode_ahead_bytes: float = 0.0):
+                 decode_ahead_bytes: float = 0.0, read_ahead_auto: bool = False):
         self.data, self.plan, self.rank = data, plan, rank
         self.keep_raw, self.pin_memory, self.read_ahead_bytes = keep_raw, pin_memory, read_ahead_bytes
+        self.read_ahead_auto = read_ahead_auto  # the budget is trainer.prefetch_gb=auto's
         self.gpu_decoder, self.decode_ahead_bytes = gpu_decoder, decode_ahead_bytes
         self.worker_stats: dict = {}  # (epoch, worker) -> that loader worker's cumulative counts
         self.loaders_started: list[tuple[int, int]] = []  # (epoch, first step) of each loader, in order
@@ -70,8 +72,8 @@ class RunInputs:
         if self.reads_ahead:
             return (f"the loader is read ahead through the loss and the replay into up to "
                     f"{self.read_ahead_bytes / 1e9:.1f} GB of host memory per rank (trainer.prefetch_gb)")
-        why = ("trainer.prefetch_gb is 0" + (" (auto: none with trainer.offload and CPU decoding)"
-                                             if self.keep_raw and self.gpu_decoder is None else "")
+        why = (("trainer.prefetch_gb=auto: none with trainer.offload and CPU decoding" if self.read_ahead_auto
+                else "trainer.prefetch_gb is 0")
                if self.read_ahead_bytes <= 0 else "no loader workers" if int(self.data.cfg.num_workers) <= 0
                else "one-pass steps: no replay to read behind")
         return f"the loader is not read ahead ({why})"

@@ -107,7 +107,8 @@ class RunParts:
                                pin_memory=env.device.type == "cuda",
                                read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload,
                                                                   gpu_decoder is not None),
-                               gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead)
+                               gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead,
+                               read_ahead_auto=cfg.trainer.prefetch_gb == "auto")
             if env.rank == 0:
                 log.info("data: %s", inputs.describe_read_ahead())
         seed_rank(cfg, env)
