@@ -36,7 +36,9 @@ torchrun's parser refuses OpenCLIP's ``--logs`` (a prefix of its ``--logs-specs`
 also the small script torchrun starts, which passes OpenCLIP its arguments (``--openclip-worker``).
 
 Steady figures leave out the first ``--warmup-steps`` steps (compilation, tuning); the step-by-step
-lists keep them.
+lists keep them. Each run is written to ``--out`` as it ends. Sent SIGTERM (an outer ``timeout``), the
+harness stops the run in progress, writes the steps it logged (``returncode``: ``"stopped"``) and exits
+without starting another.
 """
 
 from __future__ import annotations
@@ -138,26 +140,49 @@ def teacher_shards(shards: list[Path], out: Path, arch: str) -> list[Path]:
     return [out / s.name for s in shards]
 
 
+class Stop(Exception):
+    """The harness itself was sent SIGTERM (an outer ``timeout``, a device's command limit)."""
+
+
+# set once SIGTERM has stopped a run: the harness writes what that run logged, then starts no other
+STOPPED = threading.Event()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM raises ``Stop`` in the main thread (once; a second one ends the process as usual), so that the
+    run in progress is stopped and its logged steps are written instead of lost with the harness."""
+    def raise_stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Stop
+
+    signal.signal(signal.SIGTERM, raise_stop)
+
+
 def run_group(command: list[str], timeout_s: float, env: dict | None = None) -> tuple[int | str, str]:
-    """``command``'s exit status (``"timeout"`` past ``timeout_s``) and its output. It runs in a process group
-    of its own, which is stopped whole at the timeout: killing torchrun alone left its workers holding the
-    GPUs, and the next run then ran out of memory beside them."""
+    """``command``'s exit status (``"timeout"`` past ``timeout_s``, ``"stopped"`` where the harness was sent
+    SIGTERM meanwhile: ``STOPPED`` is then set) and its output. It runs in a process group of its own, which
+    is stopped whole at the timeout: killing torchrun alone left its workers holding the GPUs, and the next run
+    then ran out of memory beside them."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                env=env, start_new_session=True)
     try:
         out, _ = process.communicate(timeout=timeout_s)
         return process.returncode, out
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, Stop) as why:
+        stopped = isinstance(why, Stop)
+        if stopped:
+            STOPPED.set()
         out = ""
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # the group's processes 20 s to stop, then killed
+        # the group's processes 20 s to stop (5 s where the harness itself is being stopped), then killed
+        for sig, grace in ((signal.SIGTERM, 5 if stopped else 20), (signal.SIGKILL, 20)):
             with contextlib.suppress(ProcessLookupError):  # the group had already exited
                 os.killpg(process.pid, sig)
             try:
-                out, _ = process.communicate(timeout=20)
+                out, _ = process.communicate(timeout=grace)
                 break
             except subprocess.TimeoutExpired:
                 continue
-        return "timeout", out
+        return "stopped" if stopped else "timeout", out
 
 
 def steady(values: list[float], warmup: int) -> dict:
@@ -271,8 +296,6 @@ def main() -> None:
     if "--openclip-worker" in sys.argv:
         openclip_worker()
         return
-    from megabatch.bench import write_results
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts, in turn")
     parser.add_argument("--batch", default="32k", help="global batches, comma-separated, in turn")
@@ -319,6 +342,20 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/multi-gpu-bench")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    stop_on_sigterm()
+    try:
+        measure(args)
+    except Stop:  # the runs written so far, and the stopped run's logged steps, are in --out
+        print(f"stopped by SIGTERM: the runs so far are in {args.out}", file=sys.stderr, flush=True)
+        keep_tuning(args.out)
+        sys.exit(128 + signal.SIGTERM)
+    keep_tuning(args.out)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Every run asked for, each written to ``args.out`` as it ends; ``Stop`` once a run was stopped by
+    SIGTERM (``run_group``), after it was written."""
+    from megabatch.bench import write_results
     from megabatch.config import parse_count
 
     workdir = Path(args.workdir)
@@ -340,6 +377,8 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
                 write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
                               epoch_samples=args.epoch_samples)
+                if STOPPED.is_set():
+                    raise Stop
         last = batch == args.batch.split(",")[-1]
         theirs = [batch] if not args.openclip_batch else args.openclip_batch.split(",") if last else []
         if args.openclip_largest:
@@ -361,7 +400,8 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
                 write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
                               epoch_samples=args.epoch_samples)
-    keep_tuning(args.out)
+                if STOPPED.is_set():
+                    raise Stop
 
 
 def keep_tuning(out: str) -> None:

@@ -1,0 +1,91 @@
+"""scripts/benchmarks/multi_gpu.py stopped from outside (an outer ``timeout``, a device's command limit): the
+run in progress is stopped whole and what it logged is written, where it was lost with the harness before.
+Each case runs in a process of its own, so that no signal reaches pytest."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from .helpers import ROOT
+
+HARNESS = ROOT / "scripts" / "benchmarks" / "multi_gpu.py"
+
+# a run that never ends by itself: a child and a grandchild (as torchrun and its workers), their pids written
+SLEEPER = ("import os, subprocess, sys, time; "
+           "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+           "open(sys.argv[1], 'w').write(f'{os.getpid()} {child.pid}'); time.sleep(120)")
+
+PRELUDE = """
+import importlib.util, json, os, signal, sys, threading
+spec = importlib.util.spec_from_file_location("multi_gpu", {harness!r})
+harness = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(harness)
+def sleeper():
+    return [sys.executable, "-c", {sleeper!r}, {pids!r}]
+def term_once_written():  # SIGTERM to this process once the run has started its grandchild
+    import time
+    while not os.path.exists({pids!r}) or len(open({pids!r}).read().split()) < 2:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=term_once_written, daemon=True).start()
+"""
+
+
+def run_case(tmp_path, body: str) -> tuple[subprocess.CompletedProcess, list[int]]:
+    pids = tmp_path / "pids"
+    script = PRELUDE.format(harness=str(HARNESS), sleeper=SLEEPER, pids=str(pids)) + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    return done, [int(p) for p in pids.read_text().split()]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie (exited, not yet reaped by its parent) counts as gone
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] == "Z"
+
+
+def test_sigterm_stops_the_run_in_progress_and_its_whole_process_group(tmp_path):
+    done, pids = run_case(tmp_path, """
+        harness.stop_on_sigterm()
+        code, out = harness.run_group(sleeper(), timeout_s=100)
+        print(json.dumps({"code": code, "stopped": harness.STOPPED.is_set()}))
+    """)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"code": "stopped", "stopped": True}
+    assert all(gone(pid) for pid in pids)  # torchrun's workers too: they would hold the GPUs
+
+
+def test_a_stopped_harness_writes_the_stopped_runs_steps_and_starts_no_other(tmp_path):
+    out = tmp_path / "runs.json"
+    done, pids = run_case(tmp_path, f"""
+        started = []
+        def run_ours(gpus, batch, urls, steps, overrides, workdir, warmup, timeout_s):
+            started.append(gpus)
+            code, _ = harness.run_group(sleeper(), timeout_s)
+            # the steps the stopped run had logged (metrics.jsonl), as run_ours reads them
+            return {{"system": "megabatch", "gpus": gpus, "batch": batch, "returncode": code,
+                     "steps": [{{"step": 1, "samples_per_s": 10.0}}], "samples_per_s": {{"median": 10.0}}}}
+        harness.run_ours = run_ours
+        harness.dataset = lambda *args, **kwargs: "shards"
+        sys.argv = ["multi_gpu.py", "--gpus", "1,2", "--batch", "1k", "--workdir", {str(tmp_path)!r},
+                    "--out", {str(out)!r}]
+        try:
+            harness.main()
+        finally:
+            print(json.dumps(started))
+    """)
+    assert done.returncode == 128 + 15, done.stderr  # as a process stopped by SIGTERM
+    assert "stopped by SIGTERM" in done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [1]  # the 2-GPU run never started
+    rows = json.loads(out.read_text())["results"]
+    assert [(row["gpus"], row["returncode"], len(row["steps"])) for row in rows] == [(1, "stopped", 1)]
+    assert all(gone(pid) for pid in pids)
