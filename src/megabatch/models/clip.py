@@ -160,11 +160,15 @@ class ClipModel(nn.Module):
         return drawn
 
     def _encode(self, tower: str, inputs: torch.Tensor) -> torch.Tensor:
-        """A tower's features, compiled after ``compile_towers`` (a frozen tower without autograd)."""
-        if self._compiled is None:
-            return self.encode_image(inputs) if tower == "image" else self.encode_text(inputs)
+        """A tower's features, compiled after ``compile_towers`` (a frozen tower without autograd). Eager, the
+        features' own functions, not ``encode_*``: under FSDP those are the root's forward methods, and a call
+        of one inside ``forward`` left the root's weights resharded at its end (the hooks' state IDLE by
+        then): gathered again for every pass of a step (11 gathers of the root in a tiny model's GradCache
+        step, against 1)."""
+        encode = self._compiled[tower] if self._compiled is not None else \
+            self._image_features if tower == "image" else self._text_features
         with torch.no_grad() if self.frozen(tower) else contextlib.nullcontext():
-            return self._compiled[tower](inputs)
+            return encode(inputs)
 
     def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None, before_text=None, caption: bool = False):
         """Either input may be ``None`` (its features are then ``None``): GradCache's replay
