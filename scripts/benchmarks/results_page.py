@@ -240,7 +240,9 @@ QUESTIONS = [
                       "ViT-B/16 run above): FSDP 354 against DDP's 415 samples/s, 0.85x, so the 10% target is "
                       "missed. Steps 3-12, FSDP against DDP (s, min-max): phase 1 0.32-0.47 against 0.29-0.36, "
                       "replay 0.87-1.10 against 0.84-1.01, optimizer 0.05-0.10 against 0.02-0.03 (the whole "
-                      "gradient reduce-scattered, then AdamW on the shards)"},
+                      "gradient reduce-scattered, then AdamW on the shards). Measured before 2fef97a, which "
+                      "stops the root group's weights (the fp32 token embedding, 253 MB) being gathered again "
+                      "for every pass of the step"},
             {"file": "multi_gpu_vit_bigg_512_fsdp_ddp_regather_4xh200.json", "kind": "multi_gpu",
              "label": "The same earlier that morning (another 4 x H200 machine), FSDP gathering each group's "
                       "weights again for every pass of the step"},
