@@ -366,6 +366,16 @@ def measure(args: argparse.Namespace) -> None:
     variants = [(name.strip(), rest.split()) for name, _, rest in (v.partition(":") for v in args.variant)] \
         or [(None, [])]
     results, basis = [], {}
+
+    def keep(row: dict) -> None:
+        """``row`` printed and written with the runs before it; then ``Stop`` if SIGTERM stopped it."""
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
+        write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
+                      epoch_samples=args.epoch_samples)
+        if STOPPED.is_set():
+            raise Stop
+
     for batch in args.batch.split(","):
         for gpus in (int(g) for g in args.gpus.split(",")) if not args.openclip_only else ():
             for name, extra in variants:
@@ -373,12 +383,7 @@ def measure(args: argparse.Namespace) -> None:
                                args.timeout_s)
                 row["variant"] = name
                 basis = basis if not row.get("gflop_per_sample") else row
-                results.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
-                write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
-                              epoch_samples=args.epoch_samples)
-                if STOPPED.is_set():
-                    raise Stop
+                keep(row)
         last = batch == args.batch.split(",")[-1]
         theirs = [batch] if not args.openclip_batch else args.openclip_batch.split(",") if last else []
         if args.openclip_largest:
@@ -396,12 +401,7 @@ def measure(args: argparse.Namespace) -> None:
                                    compile_=not args.openclip_eager)
                 if args.openclip_largest and row["steps"]:
                     reached.add(gpus)
-                results.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
-                write_results(args.out, results, gpus=host_gpus(), images=args.images, size=args.size,
-                              epoch_samples=args.epoch_samples)
-                if STOPPED.is_set():
-                    raise Stop
+                keep(row)
 
 
 def keep_tuning(out: str) -> None:
