@@ -89,3 +89,19 @@ def test_a_stopped_harness_writes_the_stopped_runs_steps_and_starts_no_other(tmp
     rows = json.loads(out.read_text())["results"]
     assert [(row["gpus"], row["returncode"], len(row["steps"])) for row in rows] == [(1, "stopped", 1)]
     assert all(gone(pid) for pid in pids)
+
+
+def test_a_failed_runs_error_lines_name_its_error_where_its_tail_does_not():
+    """A run that ran out of memory and then printed 4,000 characters of torch.compile's statistics (OpenCLIP at
+    128k on 2 x H200): the error lines keep the out-of-memory, the statistics are left out."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multi_gpu", HARNESS)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    oom = "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 GiB."
+    stats = "\n".join(f"[rank0]:I1128 torch/_subclasses/fake_tensor.py:3437]   cache_hits: {i}" for i in range(200))
+    out = "step 0\n" + oom + "\n" + stats + "\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    assert oom not in out[-4000:]
+    lines = harness.error_lines(out)
+    assert lines[0] == oom and lines[-1].startswith("torch.distributed.elastic") and len(lines) == 2

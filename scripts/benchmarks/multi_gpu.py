@@ -230,7 +230,15 @@ def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str],
                        if any(key in line for key in PLAN_LINES)]
     if code != 0:
         row["log_tail"] = out[-4000:]
+        row["error_lines"] = error_lines(out)
     return row
+
+
+def error_lines(out: str) -> list[str]:
+    """The lines of a failed run's output that name its error (an out-of-memory, a traceback's last line): the
+    log's tail is often a compiler's statistics or torchrun's own traceback."""
+    return [line[:400] for line in out.splitlines()
+            if re.search(r"Error|error:|Aborted|terminate called|what\(\)", line)][-20:]
 
 
 def openclip_teacher(arch: str, workdir: Path) -> list[str]:
@@ -274,8 +282,7 @@ def run_openclip(gpus: int, batch: int, sub_batch: int, arch: str, steps: int, w
     row["mfu"] = steady([s["mfu"] for s in row["steps"] if "mfu" in s], warmup)
     if code != 0 or not per_step:
         row["log_tail"] = out[-4000:]
-        row["error_lines"] = [line[:400] for line in out.splitlines()
-                              if re.search(r"Error|error:|Aborted|terminate called|what\(\)", line)][-20:]
+        row["error_lines"] = error_lines(out)
     return row
 
 
