@@ -222,9 +222,18 @@ QUESTIONS = [
                       "The data phase (4.9-5.9 s a step) is the wait for the GPU decoding"},
             {"file": "multi_gpu_vit_b16_256k_4xh200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/16, batch 256k, 4 GPUs (an eleventh 4 x H200 machine, 2026-11-28; 4 steps, the first "
-                      "left out): 10.5k samples/s, 3.88x one GPU's 2.71k at 32k (another machine; one GPU at 256k, "
-                      "about 100 s a step, was not run); the data phase (2.1-2.7 s a step) is the wait for the GPU "
-                      "decoding"},
+                      "left out): 10.5k samples/s, 4.10x one GPU's 2.56k at 256k (the 2 x H200 machine below); the "
+                      "data phase (2.1-2.7 s a step) is the wait for the GPU decoding"},
+            {"file": "multi_gpu_vit_b16_256k_2gpu_2xh200.json", "kind": "multi_gpu", "phases": True,
+             "label": "ViT-B/16, batch 256k, 2 GPUs (a 2 x H200 machine, 32 cores, 2026-11-28; 4 steps, the first "
+                      "left out): 5.21k samples/s, 2.03x the same machine's one GPU (next row); the data phase "
+                      "(5.1-6.3 s a step) is the wait for the GPU decoding"},
+            {"file": "multi_gpu_vit_b16_256k_1gpu_2xh200.json", "kind": "multi_gpu", "phases": True,
+             "label": "ViT-B/16, batch 256k, 1 GPU (that machine, minutes later; 3 steps, the first left out): "
+                      "2.56k samples/s. Its encode phase (23.8-25.2 s) is 3.3x the 2-GPU run's (6.9-8.2 s) for "
+                      "twice the samples a GPU: at 10.4-11.0k samples/s the pass without a graph is paced by the one "
+                      "rank's 12 loader workers and decoding, not by the tower (the 2-GPU ranks encode 16-19k a "
+                      "second each)"},
             {"file": "multi_gpu_vit_b32_256k_2gpu_4xh200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/32, batch 256k, 2 GPUs (two of an eighth 4 x H200 machine, 2026-11-27; 4 steps, the first "
                       "left out): 16.0k samples/s, 2.04x the 1-GPU median at 32k on the 2 x H200 machine (7.9-8.1k on "
@@ -242,7 +251,14 @@ QUESTIONS = [
                       "replay 0.87-1.10 against 0.84-1.01, optimizer 0.05-0.10 against 0.02-0.03 (the whole "
                       "gradient reduce-scattered, then AdamW on the shards). Measured before 2fef97a, which "
                       "stops the root group's weights (the fp32 token embedding, 253 MB) being gathered again "
-                      "for every pass of the step"},
+                      "for every pass of the step; on 2 GPUs after it (below): 0.91x"},
+            {"file": "multi_gpu_vit_bigg_256_fsdp_ddp_2xh200.json", "kind": "multi_gpu",
+             "label": "ViT-bigG-14 after 2fef97a (the root group gathered once a step), batch 256 on 2 GPUs: 128 a "
+                      "GPU as 512 on 4 (the 2 x H200 machine above, 2026-11-28; 12 steps, the first two left out): "
+                      "FSDP 187 against DDP's 205 samples/s, 0.91x, within the 10% target, in 89 GB against 109. "
+                      "Steps 3-12, FSDP against DDP (s, min-max): phase 1 0.31-0.61 against 0.29-0.42, replay "
+                      "0.84-1.02 against 0.83-0.94, optimizer 0.05-0.10 against 0.02-0.03. FSDP's slowest step "
+                      "(1.31x its median) is step 3; its steps 4-12 ran at 168-200 samples/s"},
             {"file": "multi_gpu_vit_bigg_512_fsdp_ddp_regather_4xh200.json", "kind": "multi_gpu",
              "label": "The same earlier that morning (another 4 x H200 machine), FSDP gathering each group's "
                       "weights again for every pass of the step"},
@@ -273,6 +289,13 @@ QUESTIONS = [
              "label": "ViT-B/16, batch 32k, 2 GPUs against 1 (the same machine; 6 steps, the first two left out): "
                       "5.45k against 2.70k samples/s, 2.02x; the slowest step 1.01x the median on 2 GPUs, 1.02x "
                       "on 1"},
+            {"file": "multi_gpu_openclip_largest_2xh200.json", "kind": "multi_gpu", "memory": True,
+             "label": "The largest batch OpenCLIP 3.3 reaches on 2 H200s (ViT-B/32, 1024 x `--accum-freq`, its "
+                      "batches tried from the largest down: `--openclip-largest`; the 2 x H200 machine of 2026-11-28): "
+                      "128k ran out of memory at its first step (a 32 GiB allocation, the 64k x 128k fp32 logits of "
+                      "its local loss, with 122.9 GB in use); 64k ran, 4.91k samples/s. Its logits grow as the batch "
+                      "squared over the GPUs, so 4 GPUs would reach an estimated 1.4x further (not run). Ours on 2 "
+                      "GPUs: 16.0k samples/s at 256k, 14.6-16.1k at 32k (rows above); on 4, 1M at 28.0k"},
             {"file": "loss_h200_1gpu_c768.json", "kind": "loss"},
             {"file": "loss_h200_2gpu_c768.json", "kind": "loss"},
             {"file": "siglip_loss_2xh200.json", "kind": "loss", "backends": ["siglip", "ref_siglip", "infcl"]},
@@ -842,7 +865,8 @@ def plot_end_to_end(out: Path) -> None:
 FORKSERVER_RUN = "multi_gpu_vit_b32_32k_forkserver_thread_4xh200.json"
 BATCH_256K = {"ViT-B/32": ("multi_gpu_vit_b32_256k_1gpu_4xh200.json", "multi_gpu_vit_b32_256k_2gpu_4xh200.json",
                            "multi_gpu_vit_b32_256k_4xh200.json"),
-              "ViT-B/16": ("multi_gpu_vit_b16_256k_4xh200.json",)}
+              "ViT-B/16": ("multi_gpu_vit_b16_256k_1gpu_2xh200.json", "multi_gpu_vit_b16_256k_2gpu_2xh200.json",
+                           "multi_gpu_vit_b16_256k_4xh200.json")}
 
 
 def warmup_steps(data: dict) -> int:
@@ -888,7 +912,7 @@ def plot_multi_gpu(out: Path) -> None:
             speeds = [s["samples_per_s"] / 1e3 for s in row["steps"][warmup:]]
             ax.scatter([gpus] * len(speeds), speeds, color="#8a4fc4", alpha=0.35, s=14)
         ax.plot([g for g, _, _ in points], [r["samples_per_s"]["median"] / 1e3 for _, _, r in points], "D-",
-                color="#8a4fc4", label="megabatch at 256k (a machine per point)")
+                color="#8a4fc4", label="megabatch at 256k (points from several machines)")
         ours = [r for r in data["results"] if r["system"] == "megabatch" and r["gpus"] == 1]
         if ours:
             base = ours[0]["samples_per_s"]["median"] / 1e3
