@@ -230,10 +230,10 @@ QUESTIONS = [
                       "(5.1-6.3 s a step) is the wait for the GPU decoding"},
             {"file": "multi_gpu_vit_b16_256k_1gpu_2xh200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/16, batch 256k, 1 GPU (that machine, minutes later; 3 steps, the first left out): "
-                      "2.56k samples/s. Its encode phase (23.8-25.2 s) is 3.3x the 2-GPU run's (6.9-8.2 s) for "
-                      "twice the samples a GPU: at 10.4-11.0k samples/s the pass without a graph is paced by the one "
-                      "rank's 12 loader workers and decoding, not by the tower (the 2-GPU ranks encode 16-19k a "
-                      "second each)"},
+                      "2.56k samples/s. Per sample a GPU the phases are the 2-GPU run's: data and encode together "
+                      "28.2-28.4 s against 12.9-13.3 s for half the samples (how the host's clock splits them "
+                      "between the two differs: 3.2-4.4 s and 23.8-25.2 s here, 5.1-6.3 s and 6.9-8.2 s there), "
+                      "replay 72.8-73.0 s against 36.4-36.5 s"},
             {"file": "multi_gpu_vit_b32_256k_2gpu_4xh200.json", "kind": "multi_gpu", "phases": True,
              "label": "ViT-B/32, batch 256k, 2 GPUs (two of an eighth 4 x H200 machine, 2026-11-27; 4 steps, the first "
                       "left out): 16.0k samples/s, 2.04x the 1-GPU median at 32k on the 2 x H200 machine (7.9-8.1k on "
