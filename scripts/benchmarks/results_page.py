@@ -281,6 +281,19 @@ QUESTIONS = [
                       "GPU. The reading's waits went from 3.6-7.5 s a step to 2-3 ms; what is left of the data "
                       "phase (5.4-5.8 s in the steady steps) is the wait for the first pass's GPU decoding. The 25 s "
                       "target is missed: 37.4 s, of which the replay is 23.1 s"},
+            {"file": "multi_gpu_vit_b32_256k_offload_decode_ahead_h200.json", "kind": "multi_gpu",
+             "every_step": True,
+             "label": "Is the 1M step's data phase on its critical path? One GPU doing a 1M rank's share (256k, "
+                      "offload, read-ahead as default) with 40 GB decoded ahead instead of 3.8 (one H200, "
+                      "2026-11-28; 2 steps, the first left out; no baseline beside it: compare the phases). "
+                      "The data phase fell to 0.13 s (no wait for decoding at all) but the encode phase rose to "
+                      "9.8 s: the two together, 10.0 s, are what they were at 1M on 4 GPUs with 3.8 GB (10.0-10.2 s) "
+                      "and on one GPU at 256k without offload (10.5-11.1 s). The wait was the host waiting for "
+                      "the GPU's first pass through the waits for decoding, not time the GPU lost: the 1M step is "
+                      "compute-bound. Each GPU's share is 16.6 PFLOP: the first pass 3.9, the replay 11.6, the loss "
+                      "1.1 (four 256k x 1M x 512 GEMMs: the logits, their recomputation and two gradients). At "
+                      "37.4 s that is 45% of the bf16 peak; 25 s asks 67%, where the fastest phase, the replay, "
+                      "runs at 51% and the first pass at 39%"},
             {"file": "multi_gpu_vit_b32_32k_2xh200.json", "kind": "multi_gpu",
              "label": "ViT-B/32, batch 32k, 2 GPUs against 1 (2 x H200 of one host, 32 cores, 2026-11-27, commit "
                       "05fa62f; 12 steps, the first two left out): 16.1k against 8.14k samples/s, 1.97x; the "
