@@ -304,7 +304,8 @@ QUESTIONS = [
                       "on 1"},
             {"file": "multi_gpu_openclip_largest_2xh200.json", "kind": "multi_gpu", "memory": True,
              "label": "The largest batch OpenCLIP 3.3 reaches on 2 H200s (ViT-B/32, 1024 x `--accum-freq`, its "
-                      "batches tried from the largest down: `--openclip-largest`; the 2 x H200 machine of 2026-11-28): "
+                      "batches tried from the largest down: `--openclip-largest`; a second 2 x H200 machine, "
+                      "2026-11-28): "
                       "128k ran out of memory at its first step (a 32 GiB allocation, the 64k x 128k fp32 logits of "
                       "its local loss, with 122.9 GB in use); 64k ran, 4.91k samples/s. Its logits grow as the batch "
                       "squared over the GPUs, so 4 GPUs would reach an estimated 1.4x further (not run). Ours on 2 "
