@@ -324,8 +324,8 @@ class TrainStep:
         options = {} if sub.negatives is None else {"negatives": text_features[rows:].float()}
         if self.teacher is not None:  # distill.teacher: its features of the same samples, without a graph
             options["teacher"] = self.teacher.features(sub, images, self.precision.autocast)
-        loss = self.loss_fn(image_features.float(), text_features[:rows].float(), scale.float(),
-                            *(() if bias is None else (bias.float(),)), **options)
+        loss = self._contrastive(image_features.float(), text_features[:rows].float(), scale.float(),
+                                 *(() if bias is None else (bias.float(),)), **options)
         self.precision.scale(loss).backward()
         return loss.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
 

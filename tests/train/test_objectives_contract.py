@@ -1,0 +1,109 @@
+"""The contract every training objective keeps: one pass, GradCache with 4 sub-batches, GradCache with
+offload and 2 gloo ranks give the same loss and gradients, for each valid combination of the objectives the
+tiny models build (the contrastive loss at each weight, + the caption loss, + a teacher, + hard negatives,
+and the allowed pairs). ``loss.contrastive_weight`` multiplies the contrastive term on every path: with the
+contrastive loss alone, weight 0.5 gives exactly half of weight 1's loss and gradients (the one-pass step
+ignored it until the objectives issue: relative difference 1.0)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megabatch.config.schema import validate
+from megabatch.data.shard_writer import Sample, encode_png, write_shards
+from megabatch.distributed import init_distributed
+from megabatch.distributed.fsdp import full
+from megabatch.models import build_model
+from megabatch.train.parts import RunParts
+
+from ..helpers import compose, rel_error, run_ranks
+from .test_gradcache import BASE, BATCH, flat
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+NEGATIVES = ["data.train.negatives_key=json:negatives", "data.train.negatives=2"]
+# each objective's overrides on top of the contrastive loss; the teacher's path is filled in by the fixture
+OBJECTIVES = {
+    "contrastive": [],
+    "caption": ["model=tiny_coca", "loss.caption_weight=1.5"],
+    "teacher": ["distill.teacher={teacher}"],
+    "negatives": NEGATIVES,
+    "caption+teacher": ["model=tiny_coca", "loss.caption_weight=1.5", "distill.teacher={teacher}"],
+    "teacher+negatives": ["distill.teacher={teacher}", *NEGATIVES],
+}
+WEIGHTS = ["1.0", "0.5"]
+PATHS = {"gradcache": [f"trainer.sub_batch={BATCH // 4}"],
+         "offload": [f"trainer.sub_batch={BATCH // 4}", "trainer.offload=true"]}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    """64 captioned images with 2 hard negatives each, as shards; a tiny teacher checkpoint (seed 1)."""
+    folder, rng, samples = tmp_path_factory.mktemp("objectives"), np.random.default_rng(0), []
+    for i in range(64):
+        negatives = [f"a photo of {WORDS[(i + 1) % 10]}", f"the digit {WORDS[(i + 3) % 10]}"]
+        samples.append(Sample(encode_png(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)), "png",
+                              f"a photo of {WORDS[i % 10]}", {"negatives": negatives}))
+    write_shards(samples, folder, "o", per_shard=16)
+    torch.manual_seed(1)
+    teacher = folder / "teacher.pt"
+    model = build_model(compose("model.text.width=48").model)
+    torch.save({"model": model.state_dict(), "step": 0, "open_clip": model.description()}, teacher)
+    return {"urls": str(folder / "o-{000000..000003}.tar"), "teacher": str(teacher)}
+
+
+def overrides(data: dict, objective: str, weight: str) -> list[str]:
+    return [item.format(teacher=data["teacher"]) for item in OBJECTIVES[objective]] + \
+        [f"loss.contrastive_weight={weight}"]
+
+
+def gradients(data: dict, *extra: str) -> dict:
+    """One step's loss, terms and gradients (before the optimizer) through the trainer's own step."""
+    cfg = compose(*BASE, "model.image.patch_dropout=0", "loss=infcl", "loss.tile=8", "data=webdataset",
+                  "data.num_workers=0", "data.train.split=position", *extra)
+    cfg.data.train.urls, cfg.data.cache_dir = data["urls"], compose().data.cache_dir
+    parts = RunParts.build(validate(cfg), init_distributed("cpu"))
+    loss, _ = parts.step.gradients(parts.inputs(0))
+    grads = {n: full(p.grad).detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
+    terms = {**getattr(parts.step.loss_fn, "terms", {}), **parts.step.terms}
+    parts.close()
+    return {"loss": loss.detach(), "grads": grads, "terms": {k: v.detach() for k, v in terms.items()}}
+
+
+def assert_same(result: dict, expected: dict, where: str) -> None:
+    assert result["grads"].keys() == expected["grads"].keys(), where
+    assert rel_error(result["loss"], expected["loss"]) <= 1e-6, where
+    assert rel_error(flat(result["grads"]), flat(expected["grads"])) <= 1e-5, where
+    assert rel_error(result["grads"]["clip.logit_scale"], expected["grads"]["clip.logit_scale"]) <= 1e-5, where
+
+
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_every_path_gives_the_one_pass_loss_and_gradients(data, objective):
+    for weight in WEIGHTS:
+        one_pass = gradients(data, *overrides(data, objective, weight))
+        for path, extra in PATHS.items():
+            assert_same(gradients(data, *overrides(data, objective, weight), *extra), one_pass,
+                        f"{objective}, contrastive_weight={weight}, {path}")
+
+
+def test_the_contrastive_weight_scales_the_contrastive_term_on_every_path(data):
+    """Alone, weight 0.5 is half of weight 1 (loss and every gradient): on the one-pass step as in GradCache."""
+    for path, extra in {"one pass": [], **PATHS}.items():
+        whole = gradients(data, *overrides(data, "contrastive", "1.0"), *extra)
+        half = gradients(data, *overrides(data, "contrastive", "0.5"), *extra)
+        assert rel_error(half["loss"], whole["loss"] / 2) <= 1e-6, path
+        assert rel_error(flat(half["grads"]), flat(whole["grads"]) / 2) <= 1e-6, path
+
+
+def two_ranks(rank: int, world: int, data: dict) -> dict:
+    return {(objective, weight): gradients(data, *overrides(data, objective, weight), "trainer.sub_batch=4")
+            for objective in OBJECTIVES for weight in WEIGHTS}
+
+
+def test_two_ranks_equal_one_process(data, tmp_path):
+    single = {(objective, weight): gradients(data, *overrides(data, objective, weight))
+              for objective in OBJECTIVES for weight in WEIGHTS}
+    for rank, results in enumerate(run_ranks(2, two_ranks, data, tmp_path=tmp_path)):
+        for key, result in results.items():
+            assert_same(result, single[key], f"rank {rank}: {key}")
