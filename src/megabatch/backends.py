@@ -46,6 +46,9 @@ def configure_process() -> None:
                         "decoding may wait behind the step's kernels; call megabatch.backends.configure_process() "
                         "first, or set it in the environment", CUDA_QUEUES)
     use_kept_bytecode()
+    from .processes import kill_workers_at_exit
+
+    kill_workers_at_exit()  # a failed run's workers, which ignore SIGTERM, never hold its exit
 
 
 def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:

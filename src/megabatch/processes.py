@@ -5,12 +5,17 @@ process stops the run cleanly (``train/preemption.py``)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
+import multiprocessing
 import os
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+log = logging.getLogger("megabatch")
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
 
@@ -60,3 +65,46 @@ def process_age_s() -> float:
         return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - started)  # both since boot
     except (OSError, ValueError, IndexError):
         return time.time() - _IMPORTED
+
+
+def end_children(timeout_s: float = 5.0) -> list[str]:
+    """End this process's worker processes (loader workers, the offload's re-decode pool) within about
+    ``timeout_s``: those already asked to stop are joined until the deadline, the rest are killed
+    (SIGKILL: they ignore the stop signals, so the SIGTERM that ``multiprocessing`` sends at exit would
+    leave its ``join`` waiting forever, a failed run that never exits). Returns the names of the killed."""
+    children = multiprocessing.active_children()
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+    killed = []
+    for child in children:
+        if child.is_alive():
+            killed.append(child.name)
+            child.kill()
+            child.join(1.0)
+    if killed:
+        log.warning("%d worker process(es) still running %.0f s after the run ended: killed (%s)", len(killed),
+                    timeout_s, ", ".join(killed[:4]) + (" ..." if len(killed) > 4 else ""))
+    return killed
+
+
+def _kill_daemon_children() -> None:
+    """At exit, before ``multiprocessing``'s own exit handler: daemon children still running are killed
+    (that handler terminates them with SIGTERM, which our workers ignore, then joins them: a hang)."""
+    for child in multiprocessing.active_children():
+        if child.daemon and child.is_alive():
+            child.kill()
+            child.join(1.0)
+
+
+_EXIT_HANDLER = []
+
+
+def kill_workers_at_exit() -> None:
+    """Register ``_kill_daemon_children`` to run at exit (once; registered after ``multiprocessing``'s own
+    handler, so it runs first)."""
+    if not _EXIT_HANDLER:
+        import multiprocessing.util  # noqa: F401  its exit handler registered first: ours runs before it
+
+        atexit.register(_kill_daemon_children)
+        _EXIT_HANDLER.append(True)

@@ -147,3 +147,103 @@ def test_an_unusable_sample_is_stood_in_for_by_a_later_one_never_repeated(tmp_pa
         captions = [c for rank in ranks for sub in rank[2 * step:2 * step + 2] for c in sub.texts]
         assert len(captions) == 16 and len(set(captions)) == 16, captions
         assert "broken" not in captions
+
+
+def test_a_broken_shard_is_counted_once_with_the_indexed_split_and_several_workers(tmp_path):
+    """Each of the 2 workers meets the junk shard (its samples are dealt to both): once per epoch and rank."""
+    urls = shards_with_junk(tmp_path / "shards", good_shards=2)
+    record = run_on(tmp_path, urls, "data.train.split=indexed")
+    assert record["data/broken_shard"] == 1
+
+
+def unreadable_shards(folder) -> str:
+    """Three shards cut to 5,000 bytes, listed in sizes.json at their whole counts (what a failed copy leaves)."""
+    write_shards([good(i) for i in range(120)], folder, "t", per_shard=40)
+    for path in folder.glob("t-*.tar"):
+        os.truncate(path, 5000)
+    return str(folder / "t-{000000..000002}.tar")
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_run_whose_shards_are_all_unreadable_exits_within_seconds(tmp_path, start):
+    """The error reaches the user and the process ends, its loader workers (which ignore SIGTERM) with it:
+    before, it waited forever in multiprocessing's exit handler. status.json names the worker's own error, and
+    the workers' warnings are summarised (the first few of each kind, not one a sample)."""
+    import subprocess
+    import sys
+    import time
+
+    from ..helpers import ROOT
+
+    urls = unreadable_shards(tmp_path / "shards")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "data=webdataset", f"data.train.urls={urls}", "data.num_workers=2",
+         f"data.worker_start={start}", "batch=16", "trainer.max_steps=5", "eval=none", f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "no usable sample" in result.stderr and "unreadable shards" in result.stderr
+    assert took < 60, f"{took:.0f} s"  # the run itself fails in seconds; no wait on its workers
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed"
+    assert status["error"].startswith("RuntimeError: no usable sample") and "t-000000.tar" in status["error"]
+    assert "DataLoader worker process" in status["error"]  # where it happened, after what
+    for kind in ("broken_shard", "missing_caption"):  # each worker: at most 3 a kind, then one line saying so
+        assert result.stderr.count(f"further {kind} warnings") <= 2
+    assert result.stderr.count("its missing samples are skipped") <= 2 * 3
+
+
+def test_the_reaper_kills_workers_that_ignore_sigterm():
+    """``end_children``: a worker that ignores SIGTERM and never ends is killed after the bounded wait."""
+    import multiprocessing
+
+    from megabatch.processes import end_children
+
+    process = multiprocessing.get_context("fork").Process(target=_ignore_and_sleep, daemon=True, name="stubborn")
+    process.start()
+    import time
+
+    time.sleep(0.5)  # its handler set
+    process.terminate()  # ignored
+    process.join(0.5)
+    assert process.is_alive()
+    assert end_children(timeout_s=0.5) == ["stubborn"]
+    assert not process.is_alive()
+
+
+def _ignore_and_sleep() -> None:
+    import time
+
+    from megabatch.processes import ignore_stop_signals
+
+    ignore_stop_signals()
+    time.sleep(600)
+
+
+def test_the_status_names_a_loader_workers_own_error():
+    from megabatch.report.runs import failure
+
+    wrapped = RuntimeError("Caught RuntimeError in DataLoader worker process 1.\nOriginal Traceback (most recent "
+                           "call last):\n  File \"x.py\", line 3, in f\n    raise\nRuntimeError: no usable sample: "
+                           "unreadable shards ['/d/a.tar']\n")
+    assert failure(wrapped) == ("RuntimeError: no usable sample: unreadable shards ['/d/a.tar'] "
+                                "(DataLoader worker process 1)")
+    assert failure(ValueError("plain")) == "ValueError: plain"
+
+
+def test_the_default_worker_count_fits_the_machine(monkeypatch):
+    from megabatch.config import loader_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert loader_workers(8) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
+    assert loader_workers(8) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    assert loader_workers(8) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert compose("data=webdataset").data.num_workers == 1  # 2 cores shared by 8 ranks: at least one
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert compose("data=webdataset").data.num_workers == 2 and compose("eval=imagenet").eval.imagenet.num_workers == 2

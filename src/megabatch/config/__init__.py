@@ -14,6 +14,21 @@ class ConfigError(ValueError):
     """A config value is unusable; the message names the key and the fix."""
 
 
+def no_such_option(key: str, options) -> str:
+    """The message for an unknown ``key`` (dotted) among ``options`` (the names valid at its place): the
+    closest names first, then every option where none is close."""
+    import difflib
+
+    prefix, _, name = key.rpartition(".")
+    options = sorted(str(option) for option in options)
+    close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
+    where = f"{prefix}." if prefix else ""
+    if close:
+        others = f" (or {', '.join(where + c for c in close[1:])})" if len(close) > 1 else ""
+        return f"{key}: no such option; did you mean {where}{close[0]}?{others}"
+    return f"{key}: no such option; the options are {', '.join(options)}"
+
+
 def parse_count(value: Any, key: str = "batch") -> int:
     """Parse a sample count: ``65536``, ``256k`` (= 262,144) or ``1M`` (= 1,048,576).
 
@@ -101,6 +116,20 @@ def package_dir(module: str, *parts: str) -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], *parts)
 
 
+def loader_workers(most: int = 8) -> int:
+    """``${mb.workers:8}``: loader workers per rank, at most ``most`` and no more than this machine's cores
+    shared among the ranks on it (``LOCAL_WORLD_SIZE``, torchrun's): 2 on a 2-core machine, where 8 workers
+    only compete with the step (torch warns), 8 a rank on a GPU node's 16 cores or more."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(int(most), cores // ranks))
+
+
 def register_resolvers() -> None:
     """OmegaConf resolvers and the typed schemas (``schema.py``) used by configs/ (idempotent)."""
     from omegaconf import OmegaConf
@@ -109,6 +138,8 @@ def register_resolvers() -> None:
 
     if not OmegaConf.has_resolver("mb.package_dir"):
         OmegaConf.register_new_resolver("mb.package_dir", package_dir)
+    if not OmegaConf.has_resolver("mb.workers"):
+        OmegaConf.register_new_resolver("mb.workers", loader_workers)
     register()
 
 

@@ -258,5 +258,5 @@ class IndexedBatches(PositionSplitBatches):
         if raw is None and url not in self.stats.broken_urls:
             self.stats.broken_urls.add(url)
             self.stats.broken_shard += 1
-            log.warning("shard %s: %s; its missing samples are skipped", url, reason)
+            self.stats.warn("broken_shard", "shard %s: %s; its missing samples are skipped", url, reason)
         return raw

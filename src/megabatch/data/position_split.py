@@ -146,8 +146,8 @@ class PositionSplitBatches(IterableDataset):
             # unusable samples were skipped: repeat good ones (counted) to keep sub-batches equal
             missing = self.sub_batch - len(samples)
             self.stats.padded += missing
-            log.warning("sub-batch short of %d usable samples: repeating some (%s)", missing,
-                        self.stats)
+            self.stats.warn("padded", "sub-batch short of %d usable samples: repeating some (%s)", missing,
+                            self.stats)
             samples = samples or list(getattr(self, "_last_samples", []))
             if not samples:
                 unreadable = sorted(self.stats.broken_urls)
@@ -168,7 +168,7 @@ class PositionSplitBatches(IterableDataset):
             captions = [held.caption for held in captions]
         texts = self.tokenize(captions)
         raw = encoded if self.keep_raw else None
-        return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.as_dict()}, negatives=negatives,
+        return SubBatch(images, texts, raw, {"worker": self.worker, **self.stats.report()}, negatives=negatives,
                         teacher=teacher)
 
 

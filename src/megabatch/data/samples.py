@@ -30,6 +30,7 @@ warnings.filterwarnings("ignore", message="The image decoding and encoding capab
 
 IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
 TXT = CaptionKeys("txt")  # the caption of img2dataset's shards
+WARN_FIRST = 3  # warnings of one kind a loader worker logs in an epoch; the rest are counted only
 
 
 @dataclass
@@ -57,6 +58,17 @@ class Stats:
     give_up_after: int = field(default=0, repr=False)
     broken_urls: set = field(default_factory=set, repr=False)
     broken_in_a_row: int = field(default=0, repr=False)
+    warned: dict = field(default_factory=dict, repr=False)  # kind -> warnings of that kind met so far
+
+    def warn(self, kind: str, message: str, *args) -> None:
+        """Log a bad-input warning of ``kind``: the first ``WARN_FIRST`` of each kind in this loader worker's
+        epoch, then one line saying the rest are counted only (the epoch's totals are logged at its end)."""
+        seen = self.warned[kind] = self.warned.get(kind, 0) + 1
+        if seen <= WARN_FIRST:
+            log.warning(message, *args)
+        if seen == WARN_FIRST:
+            log.warning("further %s warnings of this loader worker are not logged this epoch: each is counted "
+                        "(data/%s in the metrics; the epoch's totals are logged at its end)", kind, kind)
 
     def handler(self, error: Exception) -> bool:
         """webdataset exception handler: count and log a truncated or unreadable tar (once per
@@ -67,7 +79,8 @@ class Stats:
             self.broken_urls.add(url)
             if self.count_shards:
                 self.broken_shard += 1
-                log.warning("skipping the rest of shard %s: %s", url, error.args[0] if error.args else error)
+                self.warn("broken_shard", "skipping the rest of shard %s: %s", url,
+                          error.args[0] if error.args else error)
         if self.give_up_after and self.broken_in_a_row >= self.give_up_after:
             raise RuntimeError(f"no readable shard: {self.broken_in_a_row} in a row failed, e.g. "
                                f"{', '.join(sorted(self.broken_urls)[:5])}")
@@ -81,6 +94,11 @@ class Stats:
                 "missing_negatives": self.missing_negatives, "missing_teacher": self.missing_teacher,
                 "bad_teacher": self.bad_teacher, "broken_shard": self.broken_shard,
                 "stand_in": self.stand_in, "padded": self.padded}
+
+    def report(self) -> dict:
+        """What a sub-batch carries to the training process: the counts, and the broken shards' names (the
+        same shard met by several workers counts once per epoch and rank there)."""
+        return {**self.as_dict(), "broken_urls": tuple(sorted(self.broken_urls))}
 
 
 class EncodedImages:
@@ -190,14 +208,15 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, capti
     caption = captions.pick(sample, position)
     if caption is None:
         stats.missing_caption += 1
-        log.warning("skipping %s: no caption (%s)", sample.get("__key__"), captions.describe())
+        stats.warn("missing_caption", "skipping %s: no caption (%s)", sample.get("__key__"), captions.describe())
         return None
     negatives = teacher = None
     if captions.negatives_key is not None:  # data.train.negatives_key: the caption's hard negatives
         negatives = captions.negatives_of(sample)
         if negatives is None:
             stats.missing_negatives += 1
-            log.warning("skipping %s: no hard negatives (%s)", sample.get("__key__"), captions.negatives_key)
+            stats.warn("missing_negatives", "skipping %s: no hard negatives (%s)", sample.get("__key__"),
+                       captions.negatives_key)
             return None
     if captions.teacher is not None:  # distill.teacher=stored: the sample's teacher embeddings
         teacher = captions.teacher.read(sample)
@@ -206,7 +225,8 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, capti
                 stats.missing_teacher += 1
             else:
                 stats.bad_teacher += 1
-            log.warning("skipping %s: %s teacher embeddings (%s, [%d, 2, %d] expected)", sample.get("__key__"),
+            stats.warn("bad_teacher", "skipping %s: %s teacher embeddings (%s, [%d, 2, %d] expected)",
+                       sample.get("__key__"),
                         "no" if teacher is None else "unreadable or misshapen", captions.teacher.key,
                         captions.teacher.members, captions.teacher.width)
             return None
@@ -217,7 +237,7 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, capti
         image = decode(image_bytes)
     except Exception as error:  # noqa: BLE001 - any decoder failure means a corrupt sample
         stats.corrupt_image += 1
-        log.warning("skipping %s: undecodable image (%s)", sample.get("__key__"), error)
+        stats.warn("corrupt_image", "skipping %s: undecodable image (%s)", sample.get("__key__"), error)
         return None
     return image_bytes, image, caption
 

@@ -63,8 +63,15 @@ class RunStatus:
 
 
 def failure(error: BaseException) -> str:
-    """How ``status.json`` (and so a sweep's summary) names an error."""
-    return f"{type(error).__name__}: {error}"
+    """How ``status.json`` (and so a sweep's summary) names an error. An error a loader worker raised comes
+    wrapped by torch ("Caught RuntimeError in DataLoader worker process 0. Original Traceback ..."): its
+    own last line, the worker's error, is named (with the worker)."""
+    message = str(error)
+    if message.startswith("Caught ") and "Original Traceback" in message:
+        lines = [line for line in message.splitlines() if line.strip()]
+        where = lines[0].removeprefix("Caught ").rstrip(".")
+        return f"{lines[-1].strip()} ({where.split(' in ', 1)[-1]})"
+    return f"{type(error).__name__}: {message}"
 
 
 def write_status(run_dir: Path, record: dict) -> None:

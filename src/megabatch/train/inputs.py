@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 
 from ..data import TrainData
@@ -60,6 +61,7 @@ class RunInputs:
         self.gpu_decoder, self.decode_ahead_bytes = gpu_decoder, decode_ahead_bytes
         self.worker_stats: dict = {}  # (epoch, worker) -> that loader worker's cumulative counts
         self.loaders_started: list[tuple[int, int]] = []  # (epoch, first step) of each loader, in order
+        self._loaders: list[weakref.ref] = []  # the loaders started, for close (an error's traceback holds them)
 
     @property
     def reads_ahead(self) -> bool:
@@ -94,7 +96,18 @@ class RunInputs:
                                        keep_raw=self.keep_raw, pin_memory=self.pin_memory,
                                        gpu_decode=self.gpu_decoder is not None))
         self.loaders_started.append((epoch, start))
+        self._loaders.append(weakref.ref(loader))
         return loader
+
+    def close(self) -> None:
+        """Stop every loader's workers now (a run that failed or stopped: the traceback of an error keeps
+        the loaders alive, and their workers, which ignore the stop signals, with them)."""
+        loaders, self._loaders = self._loaders, []
+        for ref in loaders:
+            loader = ref()
+            shutdown = getattr(loader, "_shutdown_workers", None)  # torch's multi-process loader iterator
+            if shutdown is not None:
+                shutdown()
 
     def _sub_batches(self, start_step: int) -> Iterator[SubBatch]:
         """The sub-batches from ``start_step`` on, after a ``None`` once the first epoch is reading.
@@ -176,6 +189,7 @@ class RunInputs:
             finally:
                 if ahead is not None:
                     ahead.close()
+            self.log_epoch_bad_input(epoch)
             epoch, start, loader = epoch + 1, 0, None  # the drained loader's workers end
             if epoch * plan.steps_per_epoch >= plan.total_steps:
                 return
@@ -216,14 +230,30 @@ class RunInputs:
                      "before (data.train.split=%s); only the towers' random draws (dropout, patch dropout), "
                      "per rank, start from new seeds", self.plan.world_size, ranks, split)
 
-    def bad_input_counts(self) -> dict[str, int]:
-        """This rank's bad-input counts so far (summed over loader workers and epochs; with
-        ``data.decode=gpu`` also the images only the GPU found corrupt)."""
+    def bad_input_counts(self, epoch: int | None = None) -> dict[str, int]:
+        """This rank's bad-input counts so far (summed over loader workers and epochs, or of ``epoch`` alone;
+        a broken shard once per epoch however many workers met it; with ``data.decode=gpu`` also the images
+        only the GPU found corrupt)."""
         totals: dict[str, int] = {}
-        if self.gpu_decoder is not None and self.gpu_decoder.corrupt_image:
+        if self.gpu_decoder is not None and self.gpu_decoder.corrupt_image and epoch is None:
             totals["corrupt_image"] = self.gpu_decoder.corrupt_image
-        for stats in list(self.worker_stats.values()):  # written by the chain's thread
+        broken: dict[int, set] = {}
+        for (stats_epoch, _), stats in list(self.worker_stats.items()):  # written by the chain's thread
+            if epoch is not None and stats_epoch != epoch:
+                continue
             for kind, count in stats.items():
-                if kind != "worker":
+                if kind == "broken_urls":
+                    broken.setdefault(stats_epoch, set()).update(count)
+                elif kind != "worker":
                     totals[kind] = totals.get(kind, 0) + count
+        if broken:  # each worker that met a broken shard counted it: the distinct shards of each epoch
+            totals["broken_shard"] = sum(len(urls) for urls in broken.values())
         return totals
+
+    def log_epoch_bad_input(self, epoch: int) -> None:
+        """One line at an epoch's end with its bad-input counts on this rank (where there were any): the
+        loader workers log only the first few of each kind."""
+        bad = {kind: count for kind, count in self.bad_input_counts(epoch).items() if count}
+        if bad:
+            log.warning("epoch %d: bad input on rank %d: %s (docs/data.md)", epoch, self.rank,
+                        ", ".join(f"{kind} {count}" for kind, count in bad.items()))

@@ -31,7 +31,7 @@ from ..distributed.health import FAILED, RankLost, describe, is_communication_er
 from ..distributed.once import on_rank_zero
 from ..eval import headline, result_name, run_zeroshot, summary, weights_to_evaluate
 from ..eval.results import results_table, write_results
-from ..processes import ignore_stop_signals
+from ..processes import end_children, ignore_stop_signals
 from ..report import RunStatus
 from ..report.runs import failure
 from .checkpointer import Checkpointer, RngStates, TrainState
@@ -75,6 +75,8 @@ def run(cfg: DictConfig) -> float:
             env.peers.end(ended)
         if trainer is not None:
             trainer.close()
+        if ended.startswith(FAILED):
+            end_children()  # workers not yet ended (a loader's, the offload's): killed after a bounded wait
         if ended == "stopped":  # the checkpoint is down: a late signal (torchrun's) must not change the exit status
             ignore_stop_signals()
         if dist.is_initialized():

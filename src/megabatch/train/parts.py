@@ -129,7 +129,9 @@ class RunParts:
         return self.compilation.run() if self.compilation is not None else 0.0
 
     def close(self) -> None:
-        """Stop the offload's re-decode workers, delete its spill file, stop the GPU decoding threads."""
+        """Stop the loaders' workers, the offload's re-decode workers (its spill file deleted) and the GPU
+        decoding threads."""
+        self.inputs.close()
         if self.offload is not None:
             self.offload.close()
         if self.inputs.gpu_decoder is not None:
