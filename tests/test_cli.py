@@ -64,3 +64,27 @@ def test_hydra_full_error_still_shows_the_traceback(tmp_path):
                             capture_output=True, text=True, timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     assert result.returncode != 0
     assert "Traceback" in result.stderr and "ConfigError: trainer.log_every=0" in result.stderr
+
+
+@pytest.mark.parametrize("typo, message", [
+    ("trainer.max_step=5", "trainer.max_step: no such option; did you mean trainer.max_steps?"),
+    ("+trainer.max_step=5", "trainer.max_step: no such option; did you mean trainer.max_steps?"),
+    ("optim.lr_scalng=sqrt", "optim.lr_scalng: no such option; did you mean optim.lr_scaling?"),
+    ("model.image.widht=64", "model.image.widht: no such option; did you mean model.image.width?"),
+    ("+model.image.widht=64", "model.image.widht: no such option; did you mean model.image.width?"),
+])
+def test_an_unknown_key_gets_the_closest_names_not_hydras_advice(tmp_path, typo, message):
+    """With or without ``+``, at any depth: megabatch's one line (status 2), never Hydra's ``+key`` advice."""
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), typo, "eval=none"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().startswith(f"config error: {message}"), result.stderr[-2000:]
+    assert "To append to your config" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_unknown_key_without_close_names_lists_the_options():
+    from megabatch.config import no_such_option
+
+    assert no_such_option("trainer.zzz", ["max_steps", "sub_batch"]) == \
+        "trainer.zzz: no such option; the options are max_steps, sub_batch"

@@ -78,7 +78,9 @@ def test_captioning_errors_name_the_key_and_the_fix(tmp_path, monkeypatch):
         caption_scores([["a cat"]], ["a cat"])
     with pytest.raises(ConfigError, match=r"eval.captioning.jsonl.*or eval.captioning.urls"):
         validate(compose("eval=captioning"))
-    cfg = validate(compose("model=tiny_coca", "eval=captioning", "eval.captioning.jsonl=/nowhere/pairs.jsonl"))
+    with pytest.raises(ConfigError, match=r"eval.captioning.jsonl='/nowhere/pairs.jsonl': no readable file"):
+        validate(compose("model=tiny_coca", "eval=captioning", "eval.captioning.jsonl=/nowhere/pairs.jsonl"))
+    cfg = compose("model=tiny_coca", "eval=captioning", "eval.captioning.jsonl=/nowhere/pairs.jsonl")
     model = build_model(cfg.model)
     monkeypatch.delitem(sys.modules, "pycocoevalcap.bleu.bleu")
     with pytest.raises(ConfigError, match=r"eval.captioning.jsonl='/nowhere/pairs.jsonl' does not exist"):

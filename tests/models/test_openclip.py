@@ -133,8 +133,22 @@ def test_weights_of_another_architecture_fail_naming_both(tmp_path):
     other, _ = open_clip_model(width=96)
     path = tmp_path / "wide.pt"
     torch.save(other.state_dict(), path)
-    with pytest.raises(ConfigError, match=r"wide\.pt.*does not fit model\.arch=ViT-B-32.*size mismatch"):
+    with pytest.raises(ConfigError, match=r"wide\.pt.*does not fit model\.arch=ViT-B-32: visual\.\S+: file \[96\], "
+                                          r"model \[64\]"):  # the first mismatched tensor, both shapes
         build_model(compose(*SMALL, f"model.pretrained={path}").model)
+    # a text tower of another width: open_clip's resizing of its position embedding asserted (issue 81)
+    torch.manual_seed(0)
+    torch.save(build_model(compose().model).state_dict(), tmp_path / "tiny.pt")
+    with pytest.raises(ConfigError, match=r"tiny\.pt.*does not fit model\.arch=ViT-B-32: positional_embedding: "
+                                          r"file \[16, 64\], model \[\d+, \d+\]"):
+        build_model(compose(*SMALL, f"model.pretrained={tmp_path / 'tiny.pt'}").model)
+    from omegaconf import OmegaConf
+
+    from megabatch.train.teacher import load_teacher_model
+
+    with pytest.raises(ConfigError, match=r"distill\.pretrained=.*tiny\.pt.* does not fit distill\.teacher=ViT-B-32: "
+                                          r"positional_embedding: file \[16, 64\]"):  # the teacher's keys
+        load_teacher_model(OmegaConf.create({"teacher": "ViT-B-32", "pretrained": str(tmp_path / "tiny.pt")}))
     torch.save({"visual.proj": torch.zeros(96, 64)}, tmp_path / "partial.pt")  # the tiny shape: most keys missing
     with pytest.raises(ConfigError, match=r"partial\.pt.*does not fit model=tiny: missing"):
         build_model(compose(f"model.pretrained={tmp_path / 'partial.pt'}").model)

@@ -161,3 +161,15 @@ def test_sharded_checkpoints_resume_bitwise_and_a_torn_one_is_skipped(tmp_path, 
     for key in moments:
         for name, value in straight_optim["state"][key].items():
             assert torch.equal(value, resumed_optim["state"][key][name]), (key, name)
+
+
+def test_resuming_a_checkpoint_of_another_model_names_the_file_and_both_shapes(tmp_path):
+    """Before any training step: the file, resume, and the first mismatched tensors (issue 81)."""
+    from megabatch.config import ConfigError
+
+    train(tmp_path / "a", "trainer.max_steps=1")
+    ckpt = tmp_path / "a" / "checkpoints" / "last.pt"
+    with pytest.raises(ConfigError, match=rf"resume='{ckpt}' does not fit this run's model: "
+                                          r"clip\.positional_embedding: file \[16, 64\], model \[16, 48\]"):
+        train(tmp_path / "b", f"resume={ckpt}", "model.text.width=48")
+    assert not (tmp_path / "b" / "checkpoints").exists() or not any((tmp_path / "b" / "checkpoints").iterdir())

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 
-from . import ConfigError
+from . import ConfigError, no_such_option
 
 PATTERN_KEYS = frozenset({"urls"})  # last component of the keys whose values are shard patterns
 _OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][\w.\-@/]*)=(.*)$", re.DOTALL)
@@ -126,8 +126,56 @@ def job_exit(status: SystemExit, message: str) -> BaseException:
     return status
 
 
+def unknown_override(error: BaseException) -> str | None:
+    """megabatch's message for Hydra's refusal of an override whose key does not exist ("Could not override
+    'trainer.max_step'. To append to your config use +trainer.max_step=5"): the key, the closest valid names
+    at its place (``no_such_option``); ``None`` for any other error."""
+    from omegaconf import DictConfig
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = error.__cause__
+    if type(error).__name__ != "ConfigCompositionException" or \
+            not isinstance(cause, (ConfigKeyError, ConfigAttributeError)) or not getattr(cause, "full_key", None):
+        return None
+    parent = cause.parent_node
+    options = list(parent.keys()) if isinstance(parent, DictConfig) else []
+    return no_such_option(str(cause.full_key), [o for o in options if not str(o).startswith("_")])
+
+
+def megabatch_override_errors() -> None:
+    """Hydra reports a composition error itself (``run_and_report``) and would advise ``+key=value`` for a
+    typo'd key: wrap it so that an unknown key ends as every other config error does (one line naming
+    the key and the closest valid names, status 2). Idempotent; any other error is Hydra's as before."""
+    from hydra._internal import utils
+
+    original = utils.run_and_report
+    if getattr(original, "megabatch", False):
+        return
+
+    def run_and_report(func):
+        def translated():
+            try:
+                return func()
+            except Exception as error:
+                message = unknown_override(error)
+                if message is None:
+                    raise
+                raise config_error_exit(ConfigError(message)) from None
+
+        return original(translated)
+
+    run_and_report.megabatch = True
+    utils.run_and_report = run_and_report
+
+
 def entry_args(args: list[str]) -> list[str]:
-    """``quote_patterns`` for an entry point's ``sys.argv[1:]``, its errors as ``config_error_exit``."""
+    """``quote_patterns`` for an entry point's ``sys.argv[1:]``, its errors as ``config_error_exit``; an
+    unknown key's error as megabatch's (``megabatch_override_errors``). Worker processes left when the entry point
+    exits are killed (``processes.kill_workers_at_exit``): they ignore SIGTERM, which would hold a failed run open."""
+    from ..processes import kill_workers_at_exit
+
+    kill_workers_at_exit()
+    megabatch_override_errors()
     try:
         return quote_patterns(args)
     except ConfigError as error:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from . import ConfigError, parse_count, parse_duration, parse_optional_count, parse_samples_total
+from . import ConfigError, no_such_option, parse_count, parse_duration, parse_optional_count, parse_samples_total
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 FEATURE_DTYPES = ("auto", "fp32", "bf16")
@@ -234,6 +234,10 @@ def check_negatives(train: DictConfig, loss: DictConfig) -> None:
         raise ConfigError(f"data.train.negatives_key={train.negatives_key} with "
                           f"{loss._target_.rsplit('.', 1)[-1]}: hard negatives are extra columns of a softmax over "
                           "the captions; use loss=infcl, local, disco or vanilla, or data.train.negatives_key=null")
+    if train.negatives_key is not None and loss_weights(loss)[0] > 0:
+        raise ConfigError(f"loss.caption_weight={loss_weights(loss)[0]} with hard negatives (data.train.negatives_key="
+                          f"{train.negatives_key}): the caption loss reads each sample's own caption; set "
+                          "loss.caption_weight=0 or data.train.negatives_key=null")
 
 
 # The keys of the digits demo's optimizer and schedule, and the option files of train.yaml's defaults
@@ -269,7 +273,7 @@ def check_known_keys(node: DictConfig, schema: type, key: str) -> None:
     known = {spec.name: spec for spec in fields(schema)}
     for name in node:
         if name not in known:
-            raise ConfigError(f"{key}.{name}: no such option; the options are {', '.join(sorted(known))}")
+            raise ConfigError(no_such_option(f"{key}.{name}", known))
         nested = known[name].default_factory  # a nested section (data.train, data.train.augment)
         if isinstance(nested, type) and is_dataclass(nested):
             check_known_keys(node[name], nested, f"{key}.{name}")
@@ -416,6 +420,7 @@ def check_eval(eval_sets: DictConfig) -> None:
     for name in eval_sets:
         check_known_keys(eval_sets[name], EvalConfig, f"eval.{name}")
         check_eval_set(eval_sets[name])
+        check_eval_data(eval_sets[name])
 
 
 def check_eval_set(eval_cfg: DictConfig) -> None:
@@ -451,6 +456,56 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
         eval_root(eval_cfg)
     if eval_cfg.format == "wds" and not eval_cfg.urls and not embedded_digits(eval_cfg):
         raise ConfigError(f"{key}.urls is not set for eval={eval_cfg.name} (shards with cls + image)")
+
+
+def check_eval_data(eval_cfg: DictConfig) -> None:
+    """Each path an evaluation set reads exists, in its format: an ImageFolder's root holds class folders
+    (a linear probe's: its split folders), ObjectNet's root is a folder, a JSONL is a readable file, a local
+    shard pattern matches files. Checked at start-up, training or ``scripts/evaluate.py``, so that a typo in
+    a root shows before the training, not after it (a CLIP_benchmark folder: ``check_eval_set``)."""
+    key = f"eval.{eval_cfg.name}"
+    leave_out = f"or leave the set out ('~{key}', or eval=none)"
+    if eval_cfg.jsonl:
+        path = os.path.expanduser(str(eval_cfg.jsonl))
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise ConfigError(f"{key}.jsonl={eval_cfg.jsonl!r}: no readable file there (a JSONL of images and their "
+                              f"captions): fix the path, {leave_out}")
+    if eval_cfg.task in ("retrieval", "captioning", "image_caption_selection") and eval_cfg.jsonl:
+        return
+    if eval_cfg.format in ("folder", "objectnet"):
+        root = os.path.expanduser(str(eval_root(eval_cfg)))
+        if not os.path.isdir(root) or not os.access(root, os.R_OK | os.X_OK):
+            what = "the ObjectNet release folder" if eval_cfg.format == "objectnet" else \
+                "an ImageFolder: root/<class>/*.JPEG"
+            raise ConfigError(f"{key}.root={eval_cfg.root!r}: not a readable folder ({what}): fix the path, "
+                              f"{leave_out}")
+        if eval_cfg.format == "folder":
+            folders = [root] if eval_cfg.task != "linear_probe" else \
+                [os.path.join(root, str(split)) for split in (eval_cfg.train_split, eval_cfg.val_split, eval_cfg.split)
+                 if split is not None]  # a probe's splits under root
+            for folder in folders:
+                if not os.path.isdir(folder) or not any(entry.is_dir() for entry in os.scandir(folder)):
+                    raise ConfigError(f"{key}.root={eval_cfg.root!r}: {folder} is not a readable ImageFolder (no "
+                                      f"class folders: {folder}/<class>/*.JPEG): fix the path, {leave_out}")
+    for field_name in ("urls", "train_urls", "val_urls"):
+        urls = eval_cfg.get(field_name)
+        if urls:
+            check_local_shards(str(urls), f"{key}.{field_name}", leave_out)
+
+
+def check_local_shards(urls: str, key: str, fix: str) -> None:
+    """Each local pattern of ``urls`` (``::``-joined, brace-expanded) matches a file; streams (``pipe:``,
+    ``scheme://``) are read when the set is."""
+    import glob
+
+    import braceexpand
+
+    for pattern in urls.split("::"):
+        for url in braceexpand.braceexpand(pattern):
+            if "://" in url or url.startswith("pipe:"):
+                continue
+            if not glob.glob(os.path.expanduser(url)):
+                raise ConfigError(f"{key}={urls!r}: {url!r} matches no file: fix the pattern, {fix}")
 
 
 def embedded_digits(eval_cfg: DictConfig) -> bool:

@@ -20,7 +20,7 @@ import torch
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg, CustomTextCLIP, set_model_preprocess_cfg
 from torch import nn
 
-from ..config import ConfigError
+from ..config import ConfigError, no_such_option
 from ..config.schema import RETIRED_MODEL_KEYS, ModelSettings, model_settings
 from ..images import normalize_images
 from .preprocess import build_tokenizer, resolve_preprocess
@@ -397,7 +397,7 @@ def _dataclass_kwargs(cls, values: dict[str, Any], key: str) -> dict[str, Any]:
     known = set(cls.__dataclass_fields__)
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"{key}: unknown option(s) {unknown}; open_clip's {cls.__name__} has {sorted(known)}")
+        raise ConfigError(f"{no_such_option(f'{key}.{unknown[0]}', known)} (open_clip's {cls.__name__})")
     return values
 
 

@@ -138,6 +138,27 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module.").removeprefix("clip."): v for k, v in state.items()}
 
 
+# position embeddings whose length open_clip resizes to the model's image size and context length (their width
+# must match)
+RESIZED = ("positional_embedding", "visual.positional_embedding")
+
+
+def mismatched_shapes(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
+                      resized: tuple[str, ...] = RESIZED) -> list[str]:
+    """``"name: file [a, b], model [c, d]"`` for each tensor of ``state`` whose shape differs from the model's
+    (``own``), in the model's order; a position embedding of ``resized`` only where its width differs (its
+    length is resized)."""
+    misfits = []
+    for name, tensor in own.items():
+        theirs = state.get(name)
+        if theirs is None or not hasattr(theirs, "shape") or theirs.shape == tensor.shape:
+            continue
+        if name in resized and theirs.dim() == tensor.dim() and theirs.shape[-1] == tensor.shape[-1]:
+            continue
+        misfits.append(f"{name}: file {list(theirs.shape)}, model {list(tensor.shape)}")
+    return misfits
+
+
 def load_weights(module: nn.Module, path: Path, key: str, architecture: str, prefix: str = "",
                  hint: str = "") -> None:
     """Load ``path`` into ``module`` (a whole open_clip model, or with ``prefix`` one tower of it).
@@ -165,6 +186,10 @@ def load_weights(module: nn.Module, path: Path, key: str, architecture: str, pre
         state["logit_bias"] = own["logit_bias"].clone()
         log.info("%s has no logit_bias: the model's initial %.2f is kept", path.name, float(own["logit_bias"]))
     state.pop("text.transformer.embeddings.position_ids", None)  # dropped by transformers >= 4.31
+    misfits = mismatched_shapes(state, own)
+    if misfits:  # before open_clip's resizing, which asserts on a width it cannot resize
+        raise ConfigError(f"{key}={str(path)!r} does not fit {architecture}: {'; '.join(misfits[:3])}"
+                          f"{f' (and {len(misfits) - 3} more)' if len(misfits) > 3 else ''}{hint}")
     if not prefix:
         resize_pos_embed(state, module)
         resize_text_pos_embed(state, module)

@@ -42,7 +42,9 @@ from ..checkpoint import (
     write_run_checkpoint,
     write_sharded_checkpoint,
 )
+from ..config import ConfigError
 from ..distributed.fsdp import is_sharded, local
+from ..models.pretrained import mismatched_shapes
 
 log = logging.getLogger("megabatch")
 
@@ -154,6 +156,8 @@ class Checkpointer:
         weights and the optimizer's state as the file's format gives them (a DCP folder reshards to
         this run's ranks; a whole ``.pt`` into a sharded model keeps each rank's shard), then each
         part from its own entry."""
+        if not path.is_dir():
+            check_fits(state["model"], self.model, path)
         if path.is_dir():  # a sharded checkpoint (any number of ranks wrote it): each rank reads its part
             tensors = {name: {TENSORS: part.tensors()} for name, part in self.parts.items()
                        if name in state and hasattr(part, "tensors")}  # read in place (DCP), then loaded below
@@ -182,3 +186,17 @@ class Checkpointer:
             finite = flag[0] > 0
         return bool(finite)
 
+
+def check_fits(weights: dict[str, Any], model, path: Path) -> None:
+    """A ``ConfigError`` naming ``path``, ``resume`` and the first mismatched tensors with both shapes where the
+    checkpoint's ``weights`` do not fit ``model`` (another architecture or width), before anything is loaded."""
+    own = model.state_dict()
+    misfits = mismatched_shapes(weights, own, resized=())
+    missing = [name for name in own if name not in weights]
+    unexpected = [name for name in weights if name not in own]
+    if misfits or missing or unexpected:
+        found = misfits[:3] + [f"missing {missing[:3]}"] * bool(missing) + [f"unexpected {unexpected[:3]}"] * bool(
+            unexpected)
+        raise ConfigError(f"resume={str(path)!r} does not fit this run's model: {'; '.join(found)}"
+                          f"{f' (and {len(misfits) - 3} more shapes)' if len(misfits) > 3 else ''}; resume with the "
+                          "model settings it was trained with, or start another run (name=... or resume=null)")

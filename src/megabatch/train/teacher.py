@@ -142,7 +142,14 @@ def load_teacher_model(distill: DictConfig) -> ClipModel:
     if distill.pretrained is None:
         log.warning("distill.teacher=%s has random weights (distill.pretrained is null): fine for timing, not for "
                     "learning", teacher)
-    return build_openclip(arch=teacher, pretrained=distill.pretrained)
+    try:
+        return build_openclip(arch=teacher, pretrained=distill.pretrained)
+    except ConfigError as error:  # the builder names the student's keys: these are the teacher's
+        message = str(error)
+        if message.startswith("model.pretrained="):
+            message = "distill.pretrained=" + message.removeprefix("model.pretrained=").replace(
+                f"model.arch={teacher}", f"distill.teacher={teacher}", 1)
+        raise ConfigError(message) from error
 
 
 def check_tokenizers(teacher: ClipModel, student: ClipModel) -> None:
