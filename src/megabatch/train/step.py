@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
-from ..config import ConfigError
 from ..data.offload import Offload
 from ..data.samples import SubBatch
 from ..distributed.fsdp import full, gathered_through, is_sharded, no_gradient_sync, reduce_replicated
@@ -307,27 +306,39 @@ class TrainStep:
 
     def _forward_backward(self, timed: tuple[SubBatch, float]) -> tuple[torch.Tensor, dict[str, float]]:
         """One sub-batch: encode, the global loss, backward (fp16: scaled). The loss runs on fp32
-        features, so the b x b softmax never runs in half precision."""
+        features, so the b x b softmax never runs in half precision. With ``loss.caption_weight`` (a CoCa)
+        the caption loss (its cross-entropy sum over the global batch's caption tokens) joins the same backward."""
         sub, data_s = timed
         self.keep.keep_bytes(sub)
         images = to_device(sub.images, self.device)
-        rows = len(sub.texts)
-        if self.caption_weight > 0:
-            return self._forward_backward_captioned(sub, images, data_s)
-        # hard negatives (data.train.negatives_key) ride with the captions through one forward of the text tower
+        rows, captioning = len(sub.texts), self.caption_weight > 0
+        # hard negatives (data.train.negatives_key) ride with the captions through one forward of the text tower;
+        # the caption decoder reads each caption whole (not cut: text_trim)
         captions = sub.texts if sub.negatives is None else torch.cat([sub.texts, sub.negatives])
-        trim = self.keep.text_trim  # cut on the host, where the token ids are: no sync
+        trim = None if captioning else self.keep.text_trim  # cut on the host, where the token ids are: no sync
         texts = to_device(captions if trim is None else trim.cut(captions), self.device)
+        if captioning:
+            tokens = self._caption_tokens(int((sub.texts[:, 1:] != self.model.clip.pad_id).sum()))
         start = time.perf_counter()
         with self.precision.autocast():
-            image_features, text_features, scale, bias = self.wrapped(images, texts)
+            outputs = self.wrapped(images, texts, **({"caption": True} if captioning else {}))
+        image_features, text_features, scale, bias = outputs[:4]
         options = {} if sub.negatives is None else {"negatives": text_features[rows:].float()}
         if self.teacher is not None:  # distill.teacher: its features of the same samples, without a graph
             options["teacher"] = self.teacher.features(sub, images, self.precision.autocast)
-        loss = self._contrastive(image_features.float(), text_features[:rows].float(), scale.float(),
-                                 *(() if bias is None else (bias.float(),)), **options)
-        self.precision.scale(loss).backward()
-        return loss.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
+        contrastive = self._contrastive(image_features.float(), text_features[:rows].float(), scale.float(),
+                                        *(() if bias is None else (bias.float(),)), **options)
+        if not captioning:
+            self.precision.scale(contrastive).backward()
+            return contrastive.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
+        caption = outputs[4]
+        world = dist.get_world_size() if self.distributed else 1  # DDP averages: the term is W-scaled as the loss's
+        self.precision.scale(contrastive + caption * (self.caption_weight * world / tokens)).backward()
+        caption_value = self._caption_value([caption.detach()], tokens)
+        self.terms = {"contrastive": contrastive.detach() / self.contrastive_weight
+                      if self.contrastive_weight else contrastive.detach(), "caption": caption_value}
+        loss = contrastive.detach() + self.caption_weight * caption_value
+        return loss, {"data": data_s, "forward_backward": time.perf_counter() - start}
 
     def _caption_tokens(self, local: int) -> torch.Tensor:
         """The global batch's caption tokens (every rank's ``local`` count summed: one small all-reduce)."""
@@ -348,30 +359,6 @@ class TrainStep:
         loss = self.loss_fn(*args, **kwargs)
         return loss if self.contrastive_weight == 1 else loss * self.contrastive_weight
 
-    def _forward_backward_captioned(self, sub: SubBatch, images: torch.Tensor, data_s: float):
-        """A one-pass step of a CoCa with ``loss.caption_weight``: the contrastive loss and the caption loss
-        (its cross-entropy sum over the global batch's caption tokens), one backward."""
-        if sub.negatives is not None:
-            raise ConfigError("loss.caption_weight with hard negatives (data.train.negatives_key): the caption loss "
-                              "reads each sample's own caption; set one of them off")
-        texts = to_device(sub.texts, self.device)
-        tokens = self._caption_tokens(int((sub.texts[:, 1:] != self.model.clip.pad_id).sum()))
-        start = time.perf_counter()
-        with self.precision.autocast():
-            image_features, text_features, scale, bias, caption = self.wrapped(images, texts, caption=True)
-        options = {}
-        if self.teacher is not None:
-            options["teacher"] = self.teacher.features(sub, images, self.precision.autocast)
-        contrastive = self._contrastive(image_features.float(), text_features.float(), scale.float(),
-                                        *(() if bias is None else (bias.float(),)), **options)
-        world = dist.get_world_size() if self.distributed else 1  # DDP averages: the term is W-scaled as the loss's
-        self.precision.scale(contrastive + caption * (self.caption_weight * world / tokens)).backward()
-        caption_value = self._caption_value([caption.detach()], tokens)
-        self.terms = {"contrastive": contrastive.detach() / self.contrastive_weight
-                      if self.contrastive_weight else contrastive.detach(), "caption": caption_value}
-        loss = contrastive.detach() + self.caption_weight * caption_value
-        return loss, {"data": data_s, "forward_backward": time.perf_counter() - start}
-
     def _gradcache(self, stream: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The three GradCache phases (``gradcache.py``) over ``self.sub_batches`` sub-batches."""
         progress = tqdm(total=2 * self.sub_batches, desc="encode", leave=False, dynamic_ncols=True,
@@ -388,9 +375,6 @@ class TrainStep:
         grads = loss_and_feature_grads(self._contrastive, encoded, full(self.model.logit_scale),
                                        None if bias is None else full(bias), self.precision)
         if self.caption_weight > 0:  # CoCa: the replay adds each sub-batch's caption loss to its surrogate
-            if encoded.negative_features is not None:
-                raise ConfigError("loss.caption_weight with hard negatives (data.train.negatives_key): the caption "
-                                  "loss reads each sample's own caption; set one of them off")
             tokens = self._caption_tokens(encoded.caption_tokens)
             world = dist.get_world_size() if self.distributed else 1
             grads.caption = self.precision.scale(self.caption_weight * world / tokens)
