@@ -43,7 +43,7 @@ def make_bad_shards(folder) -> str:
     return str(folder / "{a,b,c}-000000.tar")
 
 
-def test_a_run_over_bad_shards_finishes_and_reports(tmp_path):
+def test_a_run_over_bad_shards_finishes_and_reports(tmp_path, caplog):
     urls = make_bad_shards(tmp_path / "shards")
     cfg = compose("data=webdataset", f"data.train.urls='{urls}'", "data.num_workers=0",
                   "batch=16", "trainer.max_steps=7", "trainer.log_every=7", "eval=none",
@@ -59,6 +59,9 @@ def test_a_run_over_bad_shards_finishes_and_reports(tmp_path):
     # next readable samples at those places of later batches, none repeated
     assert record["data/stand_in"] > 0 and "data/padded" not in record
     assert 0 <= record["data_wait"] <= 1
+    # the epoch's counts in one line at its end (the workers log only the first few of each kind)
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch 0: bad input on rank 0")]
+    assert len(summary) == 1 and "corrupt_image 3" in summary[0], summary
 
 
 def shards_with_junk(folder, junk: int = 1, good_shards: int = 1) -> list[str]:
@@ -164,8 +167,12 @@ def unreadable_shards(folder) -> str:
     return str(folder / "t-{000000..000002}.tar")
 
 
-@pytest.mark.parametrize("start", ["fork", "forkserver"])
-def test_a_run_whose_shards_are_all_unreadable_exits_within_seconds(tmp_path, start):
+@pytest.mark.parametrize("start, extra", [
+    ("fork", []), ("forkserver", []),
+    ("fork", ["trainer.sub_batch=8"]),                           # GradCache: the loader read ahead by a thread
+    ("fork", ["trainer.sub_batch=8", "trainer.offload=true"]),  # the offload's re-decoders
+], ids=["fork", "forkserver", "read-ahead", "offload"])
+def test_a_run_whose_shards_are_all_unreadable_exits_within_seconds(tmp_path, start, extra):
     """The error reaches the user and the process ends, its loader workers (which ignore SIGTERM) with it:
     before, it waited forever in multiprocessing's exit handler. status.json names the worker's own error, and
     the workers' warnings are summarised (the first few of each kind, not one a sample)."""
@@ -179,7 +186,8 @@ def test_a_run_whose_shards_are_all_unreadable_exits_within_seconds(tmp_path, st
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "data=webdataset", f"data.train.urls={urls}", "data.num_workers=2",
-         f"data.worker_start={start}", "batch=16", "trainer.max_steps=5", "eval=none", f"run_dir={tmp_path / 'run'}"],
+         f"data.worker_start={start}", "batch=16", "trainer.max_steps=5", "eval=none", f"run_dir={tmp_path / 'run'}",
+         *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - started
     assert result.returncode == 1, result.stderr[-3000:]

@@ -185,11 +185,12 @@ class RunInputs:
                     if sub.stats:
                         self.worker_stats[(epoch, sub.stats["worker"])] = sub.stats
                     taken += 1
+                    if taken == expected:  # the epoch's last sub-batch: its counts are complete
+                        self.log_epoch_bad_input(epoch)
                     yield sub
             finally:
                 if ahead is not None:
                     ahead.close()
-            self.log_epoch_bad_input(epoch)
             epoch, start, loader = epoch + 1, 0, None  # the drained loader's workers end
             if epoch * plan.steps_per_epoch >= plan.total_steps:
                 return
