@@ -99,3 +99,44 @@ def test_a_folder_without_a_file_it_needs_names_the_key_and_the_file(tmp_path):
         run_zeroshot(model, model.tokenizer(), cfg.eval.imagenet, cfg.data, torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"eval\.imagenet\.root is not set.*CLIP_benchmark"):
         validate(compose("eval=imagenet", "eval.imagenet.format=clip_benchmark"))
+
+
+def test_evaluation_inputs_that_would_give_a_wrong_number_are_errors(tmp_path):
+    """Issue 86: a 10-class folder evaluated with ImageNet's 1,000 names reported 0.00% top-1 without a word. A
+    class list of another length than the folder's classnames.txt, a label outside the names in use, a template
+    without a place for the name and an empty split are config errors naming the key and the fix, before any
+    image is encoded."""
+    from megabatch.eval import zeroshot
+
+    write_set(tmp_path, [{"png": image(i), "cls": i % 10} for i in range(20)],
+              classnames="\n".join(f"class {i}" for i in range(10)) + "\n",
+              zeroshot_classification_templates="a photo of a {c}.\n")
+    model = build_model(compose().model)
+    encoded = []
+    original = model.encode_image
+    model.encode_image = lambda images: encoded.append(len(images)) or original(images)
+
+    def evaluate(*overrides: str):
+        cfg = compose("eval=imagenet", "eval.imagenet.format=clip_benchmark", f"eval.imagenet.root={tmp_path}",
+                      *overrides)
+        return run_zeroshot(model, model.tokenizer(), cfg.eval.imagenet, cfg.data, torch.device("cpu"))
+
+    with pytest.raises(ConfigError, match=r"eval\.imagenet\.classnames='imagenet' gives 1000 class names but the "
+                                          r"folder's classnames.txt has 10.*eval\.imagenet\.classnames=null"):
+        evaluate("eval.imagenet.templates=null")
+    with pytest.raises(ConfigError, match=r"eval\.imagenet: a sample's label [5-9] is outside the 5 class names"):
+        (tmp_path / "classnames.txt").unlink()  # no class list in the folder: the labels are checked as they come
+        evaluate("eval.imagenet.templates=null", "eval.imagenet.classnames=[a,b,c,d,e]")
+    with pytest.raises(ConfigError, match=r"eval\.imagenet\.templates: 'a photo' has no \{\}"):
+        evaluate("eval.imagenet.templates=[a photo]", "eval.imagenet.classnames=[a,b,c,d,e,f,g,h,i,j]")
+    assert encoded == []  # nothing encoded before any of these errors
+    result = evaluate("eval.imagenet.templates=null", "eval.imagenet.classnames=[a,b,c,d,e,f,g,h,i,j]")
+    assert result["samples"] == 20 and encoded  # the same set with its own 10 names runs
+    write_set(tmp_path / "empty", [], split="test")
+    (tmp_path / "empty" / "classnames.txt").write_text("x\ny\n")
+    (tmp_path / "empty" / "zeroshot_classification_templates.txt").write_text("a {c}\n")
+    with pytest.raises(ConfigError, match=r"eval\.imagenet: its split holds no labelled image"):
+        cfg = compose("eval=imagenet", "eval.imagenet.format=clip_benchmark",
+                      f"eval.imagenet.root={tmp_path / 'empty'}", "eval.imagenet.classnames=null",
+                      "eval.imagenet.templates=null")
+        zeroshot.run_zeroshot(model, model.tokenizer(), cfg.eval.imagenet, cfg.data, torch.device("cpu"))

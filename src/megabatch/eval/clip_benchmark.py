@@ -70,6 +70,10 @@ def templates(eval_cfg) -> list[str]:
             _read(eval_cfg, "zeroshot_classification_templates.txt", "one prompt a line, {c} for the class name")]
 
 
+def has_file(eval_cfg, name: str) -> bool:
+    return os.path.isfile(os.path.join(_root(eval_cfg), name))
+
+
 def has_split(eval_cfg, split: str) -> bool:
     return os.path.isfile(os.path.join(_root(eval_cfg), split, "nshards.txt"))
 

@@ -348,8 +348,47 @@ def _objectnet_batches(eval_cfg, transform, batch_size: int, ranks) -> Iterator:
 
 
 def resolve_eval_set(eval_cfg) -> tuple[list[str], list[str]]:
-    """``(class names, templates)`` of ``eval_cfg``, checked."""
+    """``(class names, templates)`` of ``eval_cfg``, checked before any image is encoded: both given, each
+    template with a place for the class name, and a CLIP_benchmark folder's own class list as long as the
+    names in use (its labels index its ``classnames.txt``)."""
+    key = f"eval.{eval_cfg.name}"
     names, prompts = classnames(eval_cfg), templates(eval_cfg)
     if not names or not prompts:
         raise ConfigError(f"eval={eval_cfg.name} needs class names and templates")
+    unplaced = [prompt for prompt in prompts if "{}" not in prompt]
+    if unplaced:
+        raise ConfigError(f"{key}.templates: {unplaced[0]!r} has no {{}} (or {{c}}) where the class name goes; every "
+                          "template needs one, e.g. 'a photo of a {}.'")
+    if eval_cfg.format == "clip_benchmark" and eval_cfg.classnames:
+        from . import clip_benchmark
+
+        own = clip_benchmark.classnames(eval_cfg) if clip_benchmark.has_file(eval_cfg, "classnames.txt") else None
+        if own is not None and len(own) != len(names):
+            raise ConfigError(f"{key}.classnames={_shown(eval_cfg.classnames)} gives {len(names)} class names but the "
+                              f"folder's classnames.txt has {len(own)}, and its labels index that list: set "
+                              f"{key}.classnames=null (and {key}.templates=null) to use the folder's")
     return names, prompts
+
+
+def _shown(value) -> str:
+    return repr(value) if isinstance(value, str) else f"[{len(value)} names]"
+
+
+def labels_within(batches: Iterator, num_classes: int, eval_cfg) -> Iterator:
+    """``batches`` as they come, each batch's labels checked against the ``num_classes`` class names in use
+    before it is encoded: a label outside them (shards labelled for another class list) would count as a
+    miss, a silent wrong accuracy; a multi-label vector must have one entry a class."""
+    key = f"eval.{eval_cfg.name}"
+    for images, (labels, indices) in batches:
+        if labels.dim() == 2:
+            if labels.shape[1] != num_classes:
+                raise ConfigError(f"{key}: the samples' label vectors have {labels.shape[1]} entries but "
+                                  f"{num_classes} class names are in use: give the set's own class names "
+                                  f"({key}.classnames)")
+        elif len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):  # CPU tensors: no sync
+            bad = int(labels.max()) if int(labels.max()) >= num_classes else int(labels.min())
+            raise ConfigError(f"{key}: a sample's label {bad} is outside the {num_classes} class names in use "
+                              f"({key}.classnames={_shown(eval_cfg.classnames or eval_cfg.name)}): the labels "
+                              f"index another class list; use the set's own (for a CLIP_benchmark folder "
+                              f"{key}.classnames=null), or shards labelled 0..{num_classes - 1}")
+        yield images, (labels, indices)

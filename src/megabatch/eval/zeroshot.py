@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..config import ConfigError
 from ..report.results import headline  # noqa: F401 (eval.headline, as before)
 from .ranks import Ranks, batched, progress
 
@@ -41,6 +42,10 @@ def build_classifier(
                                                       device)]
     # a rank with no class (fewer classes than ranks) adds nothing: the width comes from rank 0's rows
     return ranks.interleave(torch.cat(weights) if weights else torch.zeros((0, 0), device=device)).T
+
+
+class NoImages(ValueError):
+    """An evaluation set whose split gave no labelled image."""
 
 
 @torch.no_grad()
@@ -79,12 +84,12 @@ def evaluate_zeroshot(
         logits = ranks.in_order(torch.cat(scores) if scores else torch.zeros((0, n_classes)), where)
         truth = ranks.in_order(torch.cat(targets) if targets else torch.zeros((0, n_classes)), where)
         if len(logits) == 0:
-            raise ValueError("zero-shot evaluation saw no images")
+            raise NoImages("zero-shot evaluation saw no images")
         return {"mAP": 100.0 * average_precision(logits, truth).mean().item(), "samples": len(logits)}
     counts = ranks.sum(counts)
     total = counts["total"]
     if total == 0:
-        raise ValueError("zero-shot evaluation saw no images")
+        raise NoImages("zero-shot evaluation saw no images")
     seen, right = counts["seen"], counts["right"]
     present = seen > 0
     recall = (right[present].double() / seen[present]).mean().item()
@@ -110,7 +115,7 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device, cache: str | None 
     transform). Under torchrun every rank calls this together: each encodes its share of the set
     (``eval/ranks.py``), and every rank returns the whole set's numbers."""
     from ..data.transforms import eval_transform
-    from .datasets import eval_batches, resolve_eval_set
+    from .datasets import eval_batches, labels_within, resolve_eval_set
 
     transform = eval_transform(model.preprocess)
     ranks = Ranks.of(model)
@@ -135,9 +140,15 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device, cache: str | None 
             return run_linear_probe(model, eval_cfg, data_cfg, transform, device, ranks, cache)
         classnames, templates = resolve_eval_set(eval_cfg)
         classifier = build_classifier(model, tokenize, classnames, templates, device, ranks=ranks)
-        batches = eval_batches(eval_cfg, data_cfg, transform, len(classnames), ranks)
-        return evaluate_zeroshot(model, progress(batches, ranks, f"eval {eval_cfg.name}"), classifier, device,
-                                 ranks)
+        batches = labels_within(eval_batches(eval_cfg, data_cfg, transform, len(classnames), ranks), len(classnames),
+                                eval_cfg)
+        try:
+            return evaluate_zeroshot(model, progress(batches, ranks, f"eval {eval_cfg.name}"), classifier, device,
+                                     ranks)
+        except NoImages:
+            where = eval_cfg.root or eval_cfg.urls or "its data"
+            raise ConfigError(f"eval.{eval_cfg.name}: its split holds no labelled image ({where}): check "
+                              f"eval.{eval_cfg.name}.root / .urls / .split, or leave the set out") from None
     finally:
         model.train(was_training)
 
