@@ -7,7 +7,14 @@ open_clip and what builds on it (CLIP_benchmark):
 
 Options (key=value): ckpt (required), out (required), overwrite=false (replace an export in out),
 check=true (load the export back with open_clip and compare its embeddings with megabatch's),
-weights=raw (the weights as trained) or ema (their moving average, from a run with ``ema.decay``).
+weights=raw (the weights as trained) or ema (their moving average, from a run with ``ema.decay``),
+license= and datasets= (the model card's metadata: an SPDX id such as mit; Hub dataset names, comma-separated),
+push=<org/name> (upload the folder to the Hugging Face Hub as a model repository; needs a token, from
+``huggingface-cli login`` or HF_TOKEN, checked before anything is written).
+
+Every export holds a model card, ``README.md`` (``models/card.py``): the Hub's metadata, the architecture, the
+training data, batch, steps, samples seen and objectives, the checkpoint's results table where there is one, and
+how to load it.
 """
 
 import json
@@ -15,7 +22,8 @@ import logging
 import sys
 from pathlib import Path
 
-OPTIONS = {"ckpt": None, "out": None, "overwrite": "false", "check": "true", "weights": "raw"}
+OPTIONS = {"ckpt": None, "out": None, "overwrite": "false", "check": "true", "weights": "raw", "license": "",
+           "datasets": "", "push": ""}
 
 
 def parse(argv: list[str]) -> dict[str, str]:
@@ -32,9 +40,36 @@ def parse(argv: list[str]) -> dict[str, str]:
         if values["weights"] not in ("raw", "ema"):
             raise ConfigError(f"weights={values['weights']!r}: use raw (the weights as trained) or ema (their moving "
                               "average, from a run with ema.decay)")
+        if values["push"] and (values["push"].count("/") != 1 or not all(values["push"].split("/"))):
+            raise ConfigError(f"push={values['push']!r}: give the Hub repository as <org or user>/<name>, "
+                              "e.g. push=my-lab/vit-b32-megabatch")
     except ConfigError as error:  # one line, status 2, as the other entry points
         raise config_error_exit(error) from None
     return values
+
+
+def hub_token() -> str:
+    """The Hugging Face token ``push=`` uploads with; a ``ConfigError`` (before anything is written) without one."""
+    from huggingface_hub import get_token
+
+    from megabatch.config import ConfigError
+
+    token = get_token()
+    if not token:
+        raise ConfigError("push=... needs a Hugging Face token: run `huggingface-cli login` (or set HF_TOKEN), then "
+                          "export again; nothing was uploaded")
+    return token
+
+
+def push(out: Path, repo_id: str, token: str) -> str:
+    """Upload the export folder ``out`` to the Hub model repository ``repo_id`` (created if missing)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, repo_type="model", exist_ok=True)
+    api.upload_folder(folder_path=str(out), repo_id=repo_id, repo_type="model",
+                      commit_message="megabatch export (scripts/export.py)")
+    return f"https://huggingface.co/{repo_id}"
 
 
 def main(argv: list[str]) -> None:
@@ -45,14 +80,19 @@ def main(argv: list[str]) -> None:
     from megabatch.config import ConfigError
     from megabatch.config.cli import config_error_exit
     from megabatch.eval.checkpoint import model_from_checkpoint
+    from megabatch.models.card import write_model_card
     from megabatch.models.export import check_export, export_open_clip
 
     try:
+        token = hub_token() if args["push"] else None  # before anything is written, here or on the Hub
         state = load_checkpoint(args["ckpt"])
         model = model_from_checkpoint(state, args["weights"])
         out = export_open_clip(model, Path(args["out"]), overwrite=args["overwrite"].lower() == "true",
                                extra={"ckpt": str(Path(args["ckpt"]).resolve()), "step": int(state["step"]),
                                       "name": model.name, "arch": model.arch, "weights": args["weights"]})
+        datasets = tuple(name.strip() for name in args["datasets"].split(",") if name.strip())
+        write_model_card(out, model, state, Path(args["ckpt"]), repo_id=args["push"] or None,
+                         license=args["license"] or None, datasets=datasets)
     except ConfigError as error:
         raise config_error_exit(error) from None
     print(f"exported {args['ckpt']} (step {state['step']}, {args['weights']} weights) -> {out}: "
@@ -63,7 +103,10 @@ def main(argv: list[str]) -> None:
         print(f"open_clip loads it back: embeddings within {error:.1e} (relative) of megabatch's", flush=True)
         if error > 1e-4:
             sys.exit(f"the export does not reproduce the model (relative difference {error:.1e}); please report")
-    print(json.dumps({"out": str(out), "step": int(state["step"])}))
+    if args["push"]:
+        print(f"uploaded {out} -> {push(out, args['push'], token)}", flush=True)
+    pushed = {"pushed": args["push"]} if args["push"] else {}
+    print(json.dumps({"out": str(out), "step": int(state["step"]), **pushed}))
 
 
 if __name__ == "__main__":
