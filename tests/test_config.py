@@ -181,6 +181,10 @@ def test_logger_options_instantiate(option, tmp_path, monkeypatch):
     from megabatch.train.metrics import MetricsLogger
 
     monkeypatch.setenv("WANDB_SILENT", "true")
+    if option == "trackio":  # an optional dependency: a stand-in (tests/train/test_metrics.py)
+        from .train.test_metrics import fake_trackio
+
+        fake_trackio(monkeypatch)
     cfg = compose(f"logger={option}", "name=test")
     logger = MetricsLogger(tmp_path, cfg.logger, {"batch": 1})
     logger.log({"loss": 1.0}, step=1)

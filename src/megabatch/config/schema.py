@@ -174,6 +174,14 @@ class WandbConfig:
 
 
 @dataclass
+class TrackioConfig:
+    project: str = MISSING
+    name: str | None = MISSING        # null: the run's name (in a sweep, <sweep>/<job>)
+    group: str | None = MISSING       # null: the sweep's name in a multirun, none otherwise
+    space_id: str | None = MISSING    # a Hugging Face Space to log to; null: the local database
+
+
+@dataclass
 class TensorboardConfig:
     dir: str | None = MISSING         # null: <run_dir>/tensorboard
     flush_secs: float = MISSING
@@ -182,7 +190,7 @@ class TensorboardConfig:
 SCHEMAS = {"trainer": TrainerConfig, "data": DataConfig, "optim": OptimConfig}  # eval: per set (check_eval)
 # logger: several options combine in one section ('logger=[tensorboard,wandb]'), so its keys are checked at
 # validation rather than by a schema in each option (which would reset the sections set before it)
-LOGGER_SECTIONS = {"wandb": WandbConfig, "tensorboard": TensorboardConfig}
+LOGGER_SECTIONS = {"wandb": WandbConfig, "tensorboard": TensorboardConfig, "trackio": TrackioConfig}
 
 
 def register() -> None:
@@ -289,13 +297,26 @@ def at_least(value, key: str, low, example: str) -> None:
         raise ConfigError(f"{key}={value!r} must be at least {low}; e.g. {key}={example}")
 
 
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec
+        return module in __import__("sys").modules
+
+
 def check_logger(logger: DictConfig) -> None:
     for name in logger:
         if name not in LOGGER_SECTIONS:
-            raise ConfigError(f"logger.{name}: no such logger; choose with logger=jsonl|tensorboard|wandb or "
+            raise ConfigError(f"logger.{name}: no such logger; choose with logger=jsonl|tensorboard|wandb|trackio or "
                               "several: 'logger=[jsonl,tensorboard,wandb]'")
         if logger[name] is not None:
             check_known_keys(logger[name], LOGGER_SECTIONS[name], f"logger.{name}")
+    if logger.get("trackio") is not None and not installed("trackio"):
+        raise ConfigError("logger=trackio needs the trackio package (an optional dependency): pip install trackio, "
+                          "or log with logger=wandb or tensorboard")
     if logger.wandb is not None:
         choice(logger.wandb.mode, "logger.wandb.mode", ("offline", "online", "disabled"))
     if logger.tensorboard is not None and not logger.tensorboard.flush_secs > 0:

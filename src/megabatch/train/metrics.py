@@ -1,8 +1,8 @@
 """The training log. ``StepLog`` owns the log line: it takes each step's outcome and every
 ``trainer.log_every`` steps writes one record of the interval (loss, throughput, phases, MFU,
 memory, bad input) to the log, the progress bar and its sinks. ``MetricsLogger`` is those sinks:
-``metrics.jsonl`` in the run directory (always), TensorBoard (``logger=tensorboard``) and wandb
-(``logger=wandb``), several at once (``'logger=[jsonl,tensorboard,wandb]'``)."""
+``metrics.jsonl`` in the run directory (always), TensorBoard (``logger=tensorboard``), wandb
+(``logger=wandb``) and Trackio (``logger=trackio``), several at once (``'logger=[jsonl,tensorboard,wandb]'``)."""
 
 from __future__ import annotations
 
@@ -66,19 +66,21 @@ class MetricsLogger:
                  resumed_step: int = 0, sweep: tuple[str, str] | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.wandb = self.tensorboard = None
+        self.wandb = self.tensorboard = self.trackio = None
         if not enabled:
             return
         self.drop_after(resumed_step)
         wandb_cfg = logger_cfg.wandb if logger_cfg is not None else None
         tensorboard_cfg = logger_cfg.tensorboard if logger_cfg is not None else None
+        trackio_cfg = logger_cfg.get("trackio") if logger_cfg is not None else None
+        run_name = f"{sweep[0]}/{sweep[1]}" if sweep else Path(run_dir).name  # a sweep's jobs: <sweep>/<job>
         if wandb_cfg is not None:
             import wandb  # only imported when asked for: GPU images may lack it
 
             self.wandb = wandb.init(
                 project=wandb_cfg.project,
                 entity=wandb_cfg.entity,
-                name=wandb_cfg.name or (f"{sweep[0]}/{sweep[1]}" if sweep else Path(run_dir).name),
+                name=wandb_cfg.name or run_name,
                 group=wandb_cfg.group or (sweep[0] if sweep else None),
                 mode=wandb_cfg.mode,
                 dir=str(run_dir),
@@ -86,6 +88,13 @@ class MetricsLogger:
                 resume="allow",
                 id=wandb_cfg.id or wandb_run_id(run_dir),
             )
+        if trackio_cfg is not None:
+            import trackio  # an optional dependency: validate names the fix without it
+
+            # one trackio run per run directory, by its name: a resume continues it
+            self.trackio = trackio.init(project=trackio_cfg.project, name=trackio_cfg.name or run_name,
+                                        group=trackio_cfg.group or (sweep[0] if sweep else None),
+                                        space_id=trackio_cfg.space_id, config=config, resume="allow")
         if tensorboard_cfg is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
@@ -118,6 +127,8 @@ class MetricsLogger:
             handle.write(json.dumps(line, allow_nan=False) + "\n")  # strict JSON: no bare NaN
         if self.wandb is not None:
             self.wandb.log(record, step=step)
+        if self.trackio is not None:
+            self.trackio.log(record, step=step)
         if self.tensorboard is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
@@ -127,6 +138,9 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        if self.trackio is not None:
+            self.trackio.finish()
+            self.trackio = None
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
