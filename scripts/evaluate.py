@@ -54,5 +54,8 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    from megabatch.processes import kill_workers_at_exit
+
+    kill_workers_at_exit()  # a failed evaluation's loader workers (they ignore SIGTERM) never hold its exit
     sys.argv[1:] = entry_args(sys.argv[1:])
     main()

@@ -364,8 +364,12 @@ def test_every_bad_value_is_refused_at_start_up_naming_the_key(override, key):
         validate(cfg)
 
 
-def test_every_option_of_every_group_validates():
+def test_every_option_of_every_group_validates(monkeypatch):
     from megabatch.config.schema import validate
+
+    from .train.test_metrics import fake_trackio
+
+    fake_trackio(monkeypatch)  # logger=trackio: an optional dependency
 
     for group in ("model", "loss", "trainer", "optim", "sched", "logger"):  # experiment: the recipe tests
         for option in options(group):

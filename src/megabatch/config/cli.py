@@ -170,11 +170,7 @@ def megabatch_override_errors() -> None:
 
 def entry_args(args: list[str]) -> list[str]:
     """``quote_patterns`` for an entry point's ``sys.argv[1:]``, its errors as ``config_error_exit``; an
-    unknown key's error as megabatch's (``megabatch_override_errors``). Worker processes left when the entry point
-    exits are killed (``processes.kill_workers_at_exit``): they ignore SIGTERM, which would hold a failed run open."""
-    from ..processes import kill_workers_at_exit
-
-    kill_workers_at_exit()
+    unknown key's error as megabatch's (``megabatch_override_errors``)."""
     megabatch_override_errors()
     try:
         return quote_patterns(args)
