@@ -5,6 +5,7 @@ checked by tests/test_readme.py."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from pathlib import Path
@@ -138,6 +139,13 @@ def defined_names() -> set[str]:
     names = {path.name for path in src.rglob("*.py")} | {path.name for path in (ROOT / "scripts").rglob("*.py")}
     for path in [*src.rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
         names |= set(re.findall(r"^\s*(?:def|class)\s+([A-Za-z_][A-Za-z0-9_]*)", path.read_text(), flags=re.M))
+    for path in src.rglob("*.py"):  # class attributes (an objective's replays_both_towers)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    targets = item.targets if isinstance(item, ast.Assign) else \
+                        [item.target] if isinstance(item, ast.AnnAssign) else []
+                    names |= {target.id for target in targets if isinstance(target, ast.Name)}
     return names
 
 

@@ -1,4 +1,4 @@
-"""The contract every training objective keeps: one pass, GradCache with 4 sub-batches, GradCache with
+"""The contract every training objective (``train/objectives``) keeps: one pass, GradCache with 4 sub-batches, GradCache with
 offload and 2 gloo ranks give the same loss and gradients, for each valid combination of the objectives the
 tiny models build (the contrastive loss at each weight, + the caption loss, + a teacher, + hard negatives,
 and the allowed pairs). ``loss.contrastive_weight`` multiplies the contrastive term on every path: with the

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +83,6 @@ class ReplayInputs:
     offload: Offload | None = None
     text_trim: TextTrim | None = None
     kept_graphs: int = 0
-    caption_pad: int | None = None  # loss.caption_weight (CoCa): the captions' pad id; their tokens are counted
 
     def with_graph(self, index: int, count: int) -> bool:
         """Whether sub-batch (or caption chunk) ``index`` of ``count`` keeps its phase-1 graph."""
@@ -139,16 +138,6 @@ class EncodedBatch:
     graphs: dict = field(default_factory=dict)                 # index -> [image, text] features with their graphs
     scalars: tuple = (None, None)                               # the last kept graph's scale and bias
     data_s: float = 0.0                                          # time spent waiting on the loader
-    # hard negatives (data.train.negatives_key): their features [b_rank x K, e], encoded in chunks of
-    # sub_batch rows after the captions, each chunk's tokens (on the device) and RNG state
-    negative_features: torch.Tensor | None = None
-    negatives: list[torch.Tensor] = field(default_factory=list)
-    negative_rng: list[RngState] = field(default_factory=list)
-    negative_order: torch.Tensor | None = None                 # on the device: the chunks' rows, one after another
-    # distill.teacher: the teacher's features of this rank's samples [b_rank, e_teacher] (image order)
-    teacher_image: torch.Tensor | None = None
-    teacher_text: torch.Tensor | None = None
-    caption_tokens: int = 0  # loss.caption_weight: this rank's caption tokens the decoder predicts (pad left out)
 
     @property
     def num_sub(self) -> int:
@@ -158,10 +147,6 @@ class EncodedBatch:
     def num_replayed(self) -> int:
         """Sub-batches encoded again in phase 3: all but those whose graphs phase 1 kept (the last ones)."""
         return self.num_sub - len(self.graphs)
-
-    def negative_rows(self, index: int) -> torch.Tensor:
-        """The rows of hard-negative chunk ``index`` in ``negative_features`` (indices on the device)."""
-        return self.negative_order[index * self.sub_batch:(index + 1) * self.sub_batch]
 
     def text_rows(self, index: int) -> slice | torch.Tensor:
         """The rows of text chunk ``index`` in the feature buffers (those of sub-batch ``index``
@@ -180,25 +165,19 @@ class FeatureGrads:
     text: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None = None
-    negatives: torch.Tensor | None = None  # [b_rank x K, e], with hard negatives
-    # loss.caption_weight (CoCa): each replayed sub-batch's caption cross-entropy sum enters the surrogate times
-    # this (the weight over the global batch's caption tokens, W-scaled and loss-scaled as the feature
-    # gradients); the sums are kept (detached) for the log
-    caption: torch.Tensor | None = None
-    caption_sums: list = field(default_factory=list)
 
 
 @torch.no_grad()
 def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precision: Precision,
-                         keep: ReplayInputs, progress=None, teacher=None) -> EncodedBatch:
+                         keep: ReplayInputs, progress=None, objectives: Sequence = ()) -> EncodedBatch:
     """Phase 1: encode ``count`` sub-batches from ``stream`` into preallocated feature buffers
     (``precision.feature_dtype``), recording each one's RNG state and keeping what ``keep`` says.
     With ``keep.text_trim`` the captions wait on the host until all images are encoded, then are
     encoded grouped by length (``encode_captions``); the last ``keep.kept_graphs`` sub-batches (and
-    caption chunks) keep their graphs. ``teacher`` (``train/teacher.py``, distillation): a frozen model
-    encoded on each sub-batch's images and whole captions too, its features kept for the loss (never
-    replayed)."""
-    device, encoded, captions, negatives = precision.device, None, [], []
+    caption chunks) keep their graphs. Each of ``objectives`` (``train/objectives``) sees every sub-batch once
+    encoded (``encoded``: a teacher's features, caption tokens, hard negatives' ids) and the whole rank's
+    batch (``encoded_all``: the hard negatives through the text tower)."""
+    device, encoded, captions = precision.device, None, []
     for index in range(count):
         with_graph = keep.with_graph(index, count)
         waited = time.perf_counter()
@@ -214,19 +193,12 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
             encoded = EncodedBatch(image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
                                    image_features.new_empty((rows, image_features.shape[1]), dtype=dtype),
                                    sub_batch=len(sub.texts), replays=keep)
-            if teacher is not None:
-                encoded.teacher_image = image_features.new_empty((rows, *teacher.shape), dtype=dtype)
-                encoded.teacher_text = image_features.new_empty((rows, *teacher.shape), dtype=dtype)
         encoded.data_s += data_s
-        if keep.caption_pad is not None:  # the tokens the caption decoder predicts (each caption's second on)
-            encoded.caption_tokens += int((sub.texts[:, 1:] != keep.caption_pad).sum())
         rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
-        if teacher is not None:
-            encoded.teacher_image[rows], encoded.teacher_text[rows] = teacher.features(sub, images, precision.autocast)
+        for objective in objectives:
+            objective.encoded(sub, images, rows, len(encoded.image_features), precision)
         encoded.image_features[rows] = image_features.detach()
         encoded.rng.append(rng)
-        if sub.negatives is not None:
-            negatives.append(sub.negatives)
         if texts is None:
             captions.append(sub.texts)
         else:
@@ -242,8 +214,8 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
             progress.update(1)
     if captions:
         encode_captions(model, encoded, torch.cat(captions), precision)
-    if negatives:
-        encode_negatives(model, encoded, torch.cat(negatives), precision)
+    for objective in objectives:
+        objective.encoded_all(model, encoded, precision)
     if not any(f is not None and f.requires_grad for graph in encoded.graphs.values() for f in graph):
         encoded.graphs.clear()  # nothing trainable in them (both towers frozen): replayed like the others
     return encoded
@@ -274,66 +246,29 @@ def encode_captions(model, encoded: EncodedBatch, texts: torch.Tensor, precision
             encoded.texts.append(chunk)
 
 
-def encode_negatives(model, encoded: EncodedBatch, negatives: torch.Tensor, precision: Precision) -> None:
-    """Phase 1's text tower on this rank's hard negatives ``[b_rank x K, ctx]`` (sample i's K rows
-    together), in chunks of ``sub_batch`` rows; where captions are cut (``text_trim``) sorted by length
-    first (on the host: no sync), each chunk cut to its longest, as ``encode_captions`` does. No graph is
-    kept: every chunk is encoded again in phase 3 (``replay_negatives``)."""
-    keep, device, trim = encoded.replays, precision.device, encoded.replays.text_trim
-    lengths = None if trim is None else trim.lengths(negatives)
-    order = torch.arange(negatives.shape[0]) if lengths is None else torch.argsort(lengths, stable=True)
-    encoded.negative_order = to_device(order, device)
-    features = None
-    for index, rows in enumerate(order.split(encoded.sub_batch)):
-        chunk = negatives.index_select(0, rows)
-        if trim is not None:
-            chunk = chunk[:, :trim.bucket(int(lengths[rows].max()))].contiguous()
-        chunk = to_device(chunk, device)
-        encoded.negative_rng.append(RngState.capture(device))
-        with precision.autocast():
-            _, chunk_features, *_ = model(None, chunk)
-        if features is None:
-            features = chunk_features.new_empty((negatives.shape[0], chunk_features.shape[1]),
-                                                dtype=encoded.text_features.dtype)
-        features.index_copy_(0, encoded.negative_rows(index), chunk_features.detach().to(features.dtype))
-        if keep.texts:
-            encoded.negatives.append(chunk)
-    encoded.negative_features = features
-
-
-def replay_negatives(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precision, sync: GradSync) -> None:
-    """Phase 3 for the hard negatives: each chunk encoded again with its RNG state, its cached feature
-    gradients back-propagated under ``sync.hold`` (the sub-batches after them synchronise)."""
-    if encoded.negative_features is None or not encoded.replays.texts:
-        return
-    for index, chunk in enumerate(encoded.negatives):
-        encoded.negative_rng[index].restore()
-        with contextlib.nullcontext() if sync.hold is None else sync.hold():
-            with precision.autocast():
-                _, features, *_ = model(None, chunk)
-            (features.float() * grads.negatives[encoded.negative_rows(index)]).sum().backward()
-    encoded.negatives.clear()
-
-
 def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Tensor,
-                           logit_bias: torch.Tensor | None, precision: Precision) -> FeatureGrads:
-    """Phase 2: the loss once on all of this rank's features; gradients of the (fp16: scaled)
-    loss w.r.t. the features, kept in fp32, and w.r.t. the scale multiplier and the bias."""
+                           logit_bias: torch.Tensor | None, precision: Precision,
+                           objectives: Sequence = ()) -> FeatureGrads:
+    """Phase 2: the loss once on all of this rank's features (and the inputs ``objectives`` give it: a
+    teacher's features, hard negatives' features); gradients of the (fp16: scaled) loss w.r.t. the features,
+    kept in fp32, and w.r.t. the scale multiplier and the bias; an objective's input that requires grad gets
+    its gradient back (``take_grads``)."""
     image_features = encoded.image_features.float().requires_grad_()
     text_features = encoded.text_features.float().requires_grad_()
     inputs = [image_features, text_features, logit_scale.detach().exp().float().requires_grad_()]
     if logit_bias is not None:
         inputs.append(logit_bias.detach().float().requires_grad_())
-    negatives = None if encoded.negative_features is None else encoded.negative_features.float().requires_grad_()
-    options = {} if negatives is None else {"negatives": negatives}
-    if encoded.teacher_image is not None:  # distill.teacher: the teacher's features, no gradient
-        options["teacher"] = (encoded.teacher_image.float(), encoded.teacher_text.float())
+    options = {}
+    for objective in objectives:
+        options.update(objective.loss_inputs(encoded))
+    extra = {key: value for key, value in options.items() if isinstance(value, torch.Tensor) and value.requires_grad}
     # bf16 buffers: the kernels' dots in bf16, exact
     loss = loss_fn(*inputs, values_in=encoded.image_features.dtype, **options)
-    found = torch.autograd.grad(precision.scale(loss), inputs + ([] if negatives is None else [negatives]))
-    if negatives is None:
-        return FeatureGrads(loss.detach(), *found)
-    return FeatureGrads(loss.detach(), *found[:-1], *(() if logit_bias is not None else (None,)), negatives=found[-1])
+    found = torch.autograd.grad(precision.scale(loss), inputs + list(extra.values()))
+    taken = dict(zip(extra, found[len(inputs):], strict=True))
+    for objective in objectives:
+        objective.take_grads(taken)
+    return FeatureGrads(loss.detach(), *found[:len(inputs)])
 
 
 @dataclass(frozen=True)
@@ -354,20 +289,26 @@ class GradSync:
 
 
 def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precision,
-           images_again: Iterator[torch.Tensor] | None = None, progress=None, sync: GradSync | None = None) -> float:
+           images_again: Iterator[torch.Tensor] | None = None, progress=None, sync: GradSync | None = None,
+           objectives: Sequence = ()) -> float:
     """Phase 3: back-propagate the cached feature gradients, first through the graphs phase 1 kept
     (if any), then through each other sub-batch re-encoded with its RNG state (and its caption
     chunk's). ``images_again`` yields the re-decoded images when data is offloaded. Only the
     towers whose inputs phase 1 kept are encoded again. ``sync`` says which backward passes reduce
     the gradients across ranks (default ``GradSync.of(model)``): with DDP only the last replayed
     sub-batch's (the kept graphs, built by the unwrapped model in phase 1, are back-propagated first,
-    outside DDP's bookkeeping; their gradients join the synchronisation with the others'). Returns
-    the time spent waiting for re-decoded images."""
+    outside DDP's bookkeeping; their gradients join the synchronisation with the others'). Each of
+    ``objectives`` replays its own first (``replay_first``: hard negatives' chunks), asks the model for its
+    outputs (``model_options``) and adds its term to each re-encoded sub-batch's surrogate (``replay_term``: a
+    CoCa's caption loss). Returns the time spent waiting for re-decoded images."""
     device, replayed = precision.device, encoded.num_replayed
     sync = GradSync.of(model) if sync is None else sync
     after_encoding = RngState.capture(device)
     waited_s = 0.0
-    replay_negatives(model, encoded, grads, precision, sync)  # before the sub-batch whose backward synchronises
+    options = {}
+    for objective in objectives:  # before the sub-batch whose backward synchronises
+        objective.replay_first(model, encoded, precision, sync)
+        options.update(objective.model_options)
     for index in sorted(encoded.graphs):
         # the temperature's (and the bias's) gradient goes with the last kept graph when no
         # sub-batch is replayed (all kept: one process), else with the last replayed one
@@ -396,17 +337,16 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
         # DDP all-reduces once per step: only the last sub-batch's backward synchronises
         with contextlib.nullcontext() if last or sync.hold is None else sync.hold():
             with precision.autocast():
-                outputs = model(images, texts, before_text=before_text,
-                                **({} if grads.caption is None else {"caption": True}))
+                outputs = model(images, texts, before_text=before_text, **options)
             image_features, text_features, scale, bias = outputs[:4]
             # the temperature's (and the bias's) gradient joins DDP's synchronisation in the last
             # sub-batch, with the rest
             surrogate = _surrogate(image_features, text_features, grads, index, encoded,
                                    scale if last else None, bias if last else None)
-            if grads.caption is not None:  # CoCa: this sub-batch's caption loss, a term of the one global loss
-                grads.caption_sums.append(outputs[4].detach())
-                term = outputs[4] * grads.caption
-                surrogate = term if surrogate is None else surrogate + term
+            for objective in objectives:  # its term of the one global loss (a CoCa's caption loss)
+                term = objective.replay_term(outputs)
+                if term is not None:
+                    surrogate = term if surrogate is None else surrogate + term
             if surrogate is not None:
                 surrogate.backward()
         if images_again is None and encoded.images:

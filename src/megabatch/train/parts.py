@@ -43,6 +43,7 @@ from .memory_plan import (
     probe_peak_memory,
     teacher_bytes,
 )
+from .objectives import build as build_objectives
 from .optim import build_optimizer, describe_param_groups, layer_decay_of
 from .plan import BatchPlan
 from .precision import Precision
@@ -278,8 +279,18 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
                      keep_graph=kept_graphs(cfg.trainer.keep_graph, auto.graphs_that_fit if auto else None, plan, env),
                      fsdp_reduce=fsdp_reduce, show_progress=env.rank == 0,
                      max_bad_steps=cfg.trainer.max_bad_steps, ema=weight_average(cfg.ema, model, env),
-                     caption_weight=loss_weights(cfg.loss)[0], contrastive_weight=loss_weights(cfg.loss)[1])
+                     objectives=objectives_of(cfg, model, loss, env), contrastive_weight=loss_weights(cfg.loss)[1])
     return BuiltStep(step, optimizer, peak_lr, compilation)
+
+
+def objectives_of(cfg: DictConfig, model: ClipModel, loss, env: DistEnv) -> list:
+    """The training terms and loss inputs beside the contrastive loss (``train/objectives``): ``distill.teacher``'s
+    features (the teacher the distilled loss was built with, ``distilled``), ``data.train.negatives_key``'s hard
+    negatives, ``loss.caption_weight``'s caption loss (a CoCa's decoder)."""
+    caption = loss_weights(cfg.loss)[0]
+    return build_objectives(caption_weight=caption, pad_id=model.clip.pad_id if caption > 0 else None,
+                            teacher=getattr(loss, "teacher", None),
+                            negatives=cfg.data.train.get("negatives_key") is not None, device=env.device)
 
 
 def weight_average(ema: DictConfig, model: ClipModel, env: DistEnv) -> WeightAverage | None:

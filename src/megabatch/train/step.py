@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +38,7 @@ from ..data.samples import SubBatch
 from ..distributed.fsdp import full, gathered_through, is_sharded, no_gradient_sync, reduce_replicated
 from .ema import WeightAverage
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay, to_device
+from .objectives import Objective
 from .precision import Precision
 
 log = logging.getLogger("megabatch")
@@ -141,14 +142,17 @@ class TrainStep:
     gradients accumulate until the last sub-batch: fewer collectives, a whole model's gradients held).
     ``optimizer`` may be ``None`` where only the gradients are wanted (tests). ``max_bad_steps``:
     skipped updates in a row after which ``step`` raises ``NonFiniteError``. ``ema``: the moving average
-    of the weights (``WeightAverage``, ``ema.decay``), updated after each optimizer step.
+    of the weights (``WeightAverage``, ``ema.decay``), updated after each optimizer step. ``objectives``: the
+    training terms and loss inputs beside the contrastive loss (``train/objectives``: a teacher's features, hard
+    negatives, a CoCa's caption loss), whose hooks the step calls in turn; ``contrastive_weight``: the
+    contrastive loss's weight (``loss.contrastive_weight``), applied in one place (``_contrastive``).
     """
 
     def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
                  precision: str | Precision = "fp32", sub_batches: int = 1, feature_dtype: str = "auto",
                  grad_clip: float | None = None, offload: Offload | None = None,
                  keep_graph: bool | int = True, fsdp_reduce: str = "sub_batch", show_progress: bool = False,
-                 max_bad_steps: int = 10, ema: WeightAverage | None = None, caption_weight: float = 0.0,
+                 max_bad_steps: int = 10, ema: WeightAverage | None = None, objectives: Sequence[Objective] = (),
                  contrastive_weight: float = 1.0):
         self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
         self.precision = precision if isinstance(precision, Precision) else \
@@ -168,22 +172,23 @@ class TrainStep:
         else:
             self.sync = GradSync.of(self.wrapped)
         # a frozen tower is encoded once and never replayed; images come back through the offload
-        # owner, or stay on the device
-        # loss.caption_weight (a CoCa): the replay runs the caption decoder on both towers' outputs, so both
-        # are encoded again (a frozen one without autograd), and no sub-batch keeps its phase-1 graph
-        self.caption_weight, self.contrastive_weight = float(caption_weight), float(contrastive_weight)
-        captioning = self.caption_weight > 0
-        replay_images = not model.frozen("image") or captioning
-        self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text") or captioning,
+        # owner, or stay on the device. An objective that reads both towers' outputs (a CoCa's decoder) has
+        # both encoded again (a frozen one without autograd), and no sub-batch keep its phase-1 graph
+        self.objectives, self.contrastive_weight = list(objectives), float(contrastive_weight)
+        both = any(objective.replays_both_towers for objective in self.objectives)
+        replay_images = not model.frozen("image") or both
+        self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text") or both,
                                  offload=offload if replay_images else None, text_trim=model.text_trim,
-                                 kept_graphs=0 if captioning else self.kept_graphs(keep_graph),
-                                 caption_pad=model.clip.pad_id if captioning else None)
+                                 kept_graphs=self.kept_graphs(keep_graph)
+                                 if all(objective.keeps_graphs for objective in self.objectives) else 0)
+        self.model_options: dict = {}  # what the objectives ask of the model's forward (its outputs after four)
+        for objective in self.objectives:
+            self.model_options.update(objective.model_options)
         self.terms: dict[str, torch.Tensor] = {}  # the last step's loss terms (unweighted), 0-d on the device
         self.loss: torch.Tensor | None = None  # the last gradients() call's
         self.health = UpdateHealth(max_bad_steps)
         self.unsettled: StepOutcome | None = None  # the last step, its update not yet read (settle)
         self.ema = ema
-        self.teacher = getattr(loss_fn, "teacher", None)  # distill.teacher: encoded in phase 1 beside the student
 
     def kept_graphs(self, keep_graph: bool | int) -> int:
         """How many sub-batches keep their phase-1 graphs: ``keep_graph`` (``True``: 1), at most
@@ -193,6 +198,11 @@ class TrainStep:
         if self.sub_batches == 1:
             return 0
         return min(int(keep_graph), self.sub_batches - 1 if self.distributed else self.sub_batches)
+
+    @property
+    def teacher(self):
+        """``distill.teacher``'s model or stored embeddings (its objective's), or ``None``."""
+        return next((objective.teacher for objective in self.objectives if hasattr(objective, "teacher")), None)
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
@@ -238,6 +248,8 @@ class TrainStep:
         and return the loss and the seconds of each phase (``data``, then ``forward_backward``, or
         ``encode``, ``loss`` and ``replay``)."""
         self.keep.new_step()  # the last step's kept bytes (offload) are no longer needed
+        for objective in self.objectives:
+            objective.new_step()
         if self.sub_batches == 1:
             loss, times = self._forward_backward(next_timed(stream))
         else:
@@ -306,58 +318,55 @@ class TrainStep:
 
     def _forward_backward(self, timed: tuple[SubBatch, float]) -> tuple[torch.Tensor, dict[str, float]]:
         """One sub-batch: encode, the global loss, backward (fp16: scaled). The loss runs on fp32
-        features, so the b x b softmax never runs in half precision. With ``loss.caption_weight`` (a CoCa)
-        the caption loss (its cross-entropy sum over the global batch's caption tokens) joins the same backward."""
+        features, so the b x b softmax never runs in half precision. Each objective adds its rows to the text
+        tower's input (hard negatives), its inputs to the loss (their features, a teacher's) and its term to
+        the one backward (a CoCa's caption loss)."""
         sub, data_s = timed
         self.keep.keep_bytes(sub)
         images = to_device(sub.images, self.device)
-        rows, captioning = len(sub.texts), self.caption_weight > 0
-        # hard negatives (data.train.negatives_key) ride with the captions through one forward of the text tower;
-        # the caption decoder reads each caption whole (not cut: text_trim)
-        captions = sub.texts if sub.negatives is None else torch.cat([sub.texts, sub.negatives])
-        trim = None if captioning else self.keep.text_trim  # cut on the host, where the token ids are: no sync
-        texts = to_device(captions if trim is None else trim.cut(captions), self.device)
-        if captioning:
-            tokens = self._caption_tokens(int((sub.texts[:, 1:] != self.model.clip.pad_id).sum()))
+        rows = len(sub.texts)
+        extra = [texts for objective in self.objectives if (texts := objective.extra_texts(sub)) is not None]
+        captions = torch.cat([sub.texts, *extra]) if extra else sub.texts  # one forward of the text tower
+        # cut on the host, where the token ids are (no sync); not where an objective reads the captions whole
+        cut = self.keep.text_trim if all(objective.cuts_captions for objective in self.objectives) else None
+        texts = to_device(captions if cut is None else cut.cut(captions), self.device)
+        for objective in self.objectives:
+            objective.one_pass_start(sub)
         start = time.perf_counter()
         with self.precision.autocast():
-            outputs = self.wrapped(images, texts, **({"caption": True} if captioning else {}))
+            outputs = self.wrapped(images, texts, **self.model_options)
         image_features, text_features, scale, bias = outputs[:4]
-        options = {} if sub.negatives is None else {"negatives": text_features[rows:].float()}
-        if self.teacher is not None:  # distill.teacher: its features of the same samples, without a graph
-            options["teacher"] = self.teacher.features(sub, images, self.precision.autocast)
+        options = {}
+        for objective in self.objectives:  # (one objective at most adds rows: they follow the captions)
+            extra_features = text_features[rows:] if objective.extra_texts(sub) is not None else None
+            options.update(objective.loss_inputs_one_pass(sub, images, extra_features, self.precision.autocast))
         contrastive = self._contrastive(image_features.float(), text_features[:rows].float(), scale.float(),
                                         *(() if bias is None else (bias.float(),)), **options)
-        if not captioning:
-            self.precision.scale(contrastive).backward()
-            return contrastive.detach(), {"data": data_s, "forward_backward": time.perf_counter() - start}
-        caption = outputs[4]
-        world = dist.get_world_size() if self.distributed else 1  # DDP averages: the term is W-scaled as the loss's
-        self.precision.scale(contrastive + caption * (self.caption_weight * world / tokens)).backward()
-        caption_value = self._caption_value([caption.detach()], tokens)
-        self.terms = {"contrastive": contrastive.detach() / self.contrastive_weight
-                      if self.contrastive_weight else contrastive.detach(), "caption": caption_value}
-        loss = contrastive.detach() + self.caption_weight * caption_value
-        return loss, {"data": data_s, "forward_backward": time.perf_counter() - start}
-
-    def _caption_tokens(self, local: int) -> torch.Tensor:
-        """The global batch's caption tokens (every rank's ``local`` count summed: one small all-reduce)."""
-        tokens = torch.tensor(float(local), device=self.device)
-        if self.distributed:
-            dist.all_reduce(tokens)
-        return tokens.clamp_(min=1.0)
-
-    def _caption_value(self, sums: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-        """The caption loss of the global batch: every rank's cross-entropy sums over its tokens."""
-        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
-        if self.distributed:
-            dist.all_reduce(total)
-        return total / tokens
+        total = contrastive
+        for objective in self.objectives:
+            term = objective.one_pass_term(outputs)
+            if term is not None:
+                total = total + term
+        self.precision.scale(total).backward()
+        return self._logged(contrastive.detach()), {"data": data_s, "forward_backward": time.perf_counter() - start}
 
     def _contrastive(self, *args, **kwargs) -> torch.Tensor:
         """The contrastive loss (with its distillation term, if any) times ``loss.contrastive_weight``."""
         loss = self.loss_fn(*args, **kwargs)
         return loss if self.contrastive_weight == 1 else loss * self.contrastive_weight
+
+    def _logged(self, contrastive: torch.Tensor) -> torch.Tensor:
+        """The step's loss for the log: the (weighted) contrastive loss plus each objective's weighted term;
+        with terms, ``self.terms`` gets the contrastive loss unweighted and each objective's own."""
+        values = [value for objective in self.objectives if (value := objective.value()) is not None]
+        if not values:
+            return contrastive
+        self.terms = {"contrastive": contrastive / self.contrastive_weight if self.contrastive_weight else contrastive}
+        for objective in self.objectives:
+            self.terms.update(objective.terms())
+        for value in values:
+            contrastive = contrastive + value
+        return contrastive
 
     def _gradcache(self, stream: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The three GradCache phases (``gradcache.py``) over ``self.sub_batches`` sub-batches."""
@@ -365,7 +374,7 @@ class TrainStep:
                         disable=not self.show_progress or self.sub_batches < 8, position=1, unit="sub-batch")
         times, start = {}, time.perf_counter()
         encoded = encode_without_graph(self.model, stream, self.sub_batches, self.precision, self.keep,
-                                       progress, teacher=self.teacher)
+                                       progress, self.objectives)
         times["data"] = encoded.data_s
         times["encode"] = self._lap(start) - encoded.data_s
         start = time.perf_counter()
@@ -373,28 +382,21 @@ class TrainStep:
         again = self.keep.images_again(encoded, epoch)
         bias = self.model.logit_bias
         grads = loss_and_feature_grads(self._contrastive, encoded, full(self.model.logit_scale),
-                                       None if bias is None else full(bias), self.precision)
-        if self.caption_weight > 0:  # CoCa: the replay adds each sub-batch's caption loss to its surrogate
-            tokens = self._caption_tokens(encoded.caption_tokens)
-            world = dist.get_world_size() if self.distributed else 1
-            grads.caption = self.precision.scale(self.caption_weight * world / tokens)
+                                       None if bias is None else full(bias), self.precision, self.objectives)
+        for objective in self.objectives:  # a CoCa: the caption loss's factor over the global batch's tokens
+            objective.before_replay(self.precision)
         times["loss"] = self._lap(start)
         progress.set_description("replay")
         start = time.perf_counter()
         try:
-            waited = replay(self.wrapped, encoded, grads, self.precision, again, progress, self.sync)
+            waited = replay(self.wrapped, encoded, grads, self.precision, again, progress, self.sync, self.objectives)
         finally:
             if again is not None:
                 again.close()  # its decoding stream closed: the next step's look-ahead takes every thread
         times["data"] += waited
         times["replay"] = self._lap(start) - waited
         progress.close()
-        if grads.caption is not None:
-            caption_value = self._caption_value(grads.caption_sums, tokens)
-            contrastive = grads.loss / self.contrastive_weight if self.contrastive_weight else grads.loss
-            self.terms = {"contrastive": contrastive, "caption": caption_value}
-            return grads.loss + self.caption_weight * caption_value, times
-        return grads.loss, times
+        return self._logged(grads.loss), times
 
     def _lap(self, start: float) -> float:
         if self.device.type == "cuda":

@@ -1,0 +1,75 @@
+"""``loss.caption_weight``: a CoCa's caption loss, the decoder's cross-entropy summed over the global batch's
+caption tokens (each caption's second token on, pad left out) and divided by their count, times the weight. The
+decoder reads both towers' outputs, so with GradCache every sub-batch is encoded again, both towers, and adds its
+own cross-entropy sum to its surrogate."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .base import Objective
+
+
+class Caption(Objective):
+    """The caption term of weight ``weight``; ``pad_id``: the captions' pad token; ``device``: where the
+    counts are summed (over every rank of the default process group where one is running)."""
+
+    name = "caption"
+    replays_both_towers = True
+    keeps_graphs = False
+    cuts_captions = False
+    model_options = {"caption": True}  # the model's fifth output: the decoder's cross-entropy sum
+
+    def __init__(self, weight: float, pad_id: int, device: torch.device):
+        self.weight, self.pad_id, self.device = float(weight), pad_id, device
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.new_step()
+
+    def _tokens(self, texts: torch.Tensor) -> int:
+        """The tokens of ``texts`` the decoder predicts (counted on the host, where the token ids are: no sync)."""
+        return int((texts[:, 1:] != self.pad_id).sum())
+
+    def _global_tokens(self, local: int) -> torch.Tensor:
+        """The global batch's caption tokens (every rank's ``local`` count summed: one small all-reduce)."""
+        tokens = torch.tensor(float(local), device=self.device)
+        if self.distributed:
+            dist.all_reduce(tokens)
+        return tokens.clamp_(min=1.0)
+
+    def new_step(self) -> None:
+        self.local, self.sums, self.tokens, self.factor, self._value = 0, [], None, None, None
+
+    def one_pass_start(self, sub) -> None:
+        self.new_step()
+        self.tokens = self._global_tokens(self._tokens(sub.texts))
+
+    def one_pass_term(self, outputs: tuple) -> torch.Tensor:
+        caption = outputs[4]
+        self.sums.append(caption.detach())
+        # DDP averages the gradients: the term is W-scaled as the contrastive loss is
+        return caption * (self.weight * self.world / self.tokens)
+
+    def encoded(self, sub, images, rows, total_rows, precision) -> None:
+        self.local += self._tokens(sub.texts)
+
+    def before_replay(self, precision) -> None:
+        self.tokens = self._global_tokens(self.local)
+        self.factor = precision.scale(self.weight * self.world / self.tokens)
+
+    def replay_term(self, outputs: tuple) -> torch.Tensor:
+        self.sums.append(outputs[4].detach())
+        return outputs[4] * self.factor
+
+    def value(self) -> torch.Tensor:
+        """``weight x`` the caption loss of the global batch (every rank's sums: one all-reduce, once a step)."""
+        if self._value is None:
+            total = torch.stack(self.sums).sum() if self.sums else torch.zeros((), device=self.device)
+            if self.distributed:
+                dist.all_reduce(total)
+            self._value = total / self.tokens
+        return self.weight * self._value
+
+    def terms(self) -> dict[str, torch.Tensor]:
+        return {} if self._value is None else {"caption": self._value}
