@@ -393,6 +393,17 @@ def _run_blocks_outside_the_graph(stack: nn.Module, dynamic_length: bool = False
     stack.forward = run_blocks
 
 
+def init_caption_decoder(clip):
+    """A CoCa's caption decoder's output projection, which open_clip leaves uninitialised (``torch.empty``:
+    its ``MultimodalTransformer.init_parameters`` is never called), drawn as open_clip draws the text tower's
+    (normal, std width^-0.5); pretrained weights replace it. Returns ``clip``."""
+    decoder = getattr(clip, "text_decoder", None)
+    if decoder is not None:
+        with torch.no_grad():
+            nn.init.normal_(decoder.text_projection, std=decoder.width ** -0.5)
+    return clip
+
+
 def _dataclass_kwargs(cls, values: dict[str, Any], key: str) -> dict[str, Any]:
     known = set(cls.__dataclass_fields__)
     unknown = sorted(set(values) - known)
@@ -446,8 +457,6 @@ def build_clip(
                               init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias)
     elif multimodal:
         from open_clip.coca_model import CoCa, MultimodalCfg
-
-        from .openclip import init_caption_decoder
 
         for key in ("pooling", "proj"):
             text.pop(key, None)

@@ -11,12 +11,10 @@ from copy import deepcopy
 from typing import Any
 
 import open_clip
-import torch
 from open_clip.model import CLIP, CustomTextCLIP, set_model_preprocess_cfg
-from torch import nn
 
 from ..config import ConfigError
-from .clip import ClipModel, lock_towers
+from .clip import ClipModel, init_caption_decoder, lock_towers
 from .preprocess import describe_preprocess, resolve_preprocess
 from .pretrained import Pretrained, load_weights, resolve_pretrained
 
@@ -134,17 +132,6 @@ def _create(model_cfg: dict[str, Any], label: str, **kwargs) -> CLIP | CustomTex
     except OSError as error:  # transformers: an HF text tower's config is not on disk
         raise ConfigError(f"{label}: {str(error).splitlines()[0][:200]}; a Hugging Face text tower's config is "
                           "read from local files only: set model.text.hf_model_name=<a local model folder>") from None
-
-
-def init_caption_decoder(clip):
-    """A CoCa's caption decoder's output projection, which open_clip leaves uninitialised (``torch.empty``:
-    its ``MultimodalTransformer.init_parameters`` is never called), drawn as open_clip draws the text tower's
-    (normal, std width^-0.5); pretrained weights replace it. Returns ``clip``."""
-    decoder = getattr(clip, "text_decoder", None)
-    if decoder is not None:
-        with torch.no_grad():
-            nn.init.normal_(decoder.text_projection, std=decoder.width ** -0.5)
-    return clip
 
 
 def _freeze_caption_decoder(clip) -> None:
