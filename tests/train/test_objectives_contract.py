@@ -1,8 +1,8 @@
-"""The contract every training objective (``train/objectives``) keeps: one pass, GradCache with 4 sub-batches, GradCache with
-offload and 2 gloo ranks give the same loss and gradients, for each valid combination of the objectives the
-tiny models build (the contrastive loss at each weight, + the caption loss, + a teacher, + hard negatives,
-and the allowed pairs). ``loss.contrastive_weight`` multiplies the contrastive term on every path: with the
-contrastive loss alone, weight 0.5 gives exactly half of weight 1's loss and gradients (the one-pass step
+"""The contract every training objective (``train/objectives``) keeps: one pass, GradCache with 4 sub-batches,
+GradCache with offload and 2 gloo ranks give the same loss and gradients, for each valid combination of the
+objectives the tiny models build (the contrastive loss at each weight, + the caption loss, + a teacher, + hard
+negatives, and the allowed pairs). ``loss.contrastive_weight`` multiplies the contrastive term on every path: with
+the contrastive loss alone, weight 0.5 gives exactly half of weight 1's loss and gradients (the one-pass step
 ignored it until the objectives issue: relative difference 1.0)."""
 
 from __future__ import annotations
