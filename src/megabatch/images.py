@@ -21,6 +21,21 @@ def normalize_images(images: torch.Tensor, mean: Sequence[float] = CLIP_MEAN,
     (the same arithmetic as ``ToTensor`` + ``Normalize``); float input is returned unchanged."""
     if images.dtype != torch.uint8:
         return images
-    mean = torch.tensor(mean, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(std, device=images.device).view(1, 3, 1, 1)
+    if torch.compiler.is_compiling():  # constants of the compiled graph
+        mean = torch.tensor(mean, device=images.device).view(1, 3, 1, 1)
+        std = torch.tensor(std, device=images.device).view(1, 3, 1, 1)
+    else:  # made once per device: a copy from the host at every call waited for the GPU (a host sync a forward)
+        mean, std = channel_constants(tuple(mean), images.device), channel_constants(tuple(std), images.device)
     return (images.float().div(255) - mean) / std
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def channel_constants(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as a ``[1, 3, 1, 1]`` float tensor on ``device``, made on first use and kept."""
+    key = (values, device)
+    held = _CONSTANTS.get(key)
+    if held is None:
+        held = _CONSTANTS[key] = torch.tensor(values, device=device).view(1, 3, 1, 1)
+    return held

@@ -153,7 +153,7 @@ class Interval:
 
     started: float = field(default_factory=time.perf_counter)
     steps: int = 0
-    phase_totals: dict[str, float] = field(default_factory=dict)
+    times: list = field(default_factory=list)  # each step's PhaseTimes, read when the line is written (no sync before)
     last: StepOutcome | None = None
     decode_waits: dict[str, float] = field(default_factory=lambda: dict(gpu_decode.wait_seconds))
 
@@ -164,8 +164,17 @@ class Interval:
 
     def add(self, outcome: StepOutcome) -> None:
         self.steps, self.last = self.steps + 1, outcome
-        for phase, seconds in outcome.times.items():
-            self.phase_totals[phase] = self.phase_totals.get(phase, 0.0) + seconds
+        self.times.append(outcome.times)
+
+    @property
+    def phase_totals(self) -> dict[str, float]:
+        """Each phase's seconds summed over the interval's steps (reading a step's CUDA events: a host sync, once
+        its work is done)."""
+        totals: dict[str, float] = {}
+        for times in self.times:
+            for phase, seconds in times.items():
+                totals[phase] = totals.get(phase, 0.0) + seconds
+        return totals
 
 
 @dataclass(frozen=True)
@@ -222,9 +231,9 @@ class StepLog:
         if not interval.steps:
             return
         self.interval = Interval()
-        plan, steps, phase_totals, lr = facts.plan, interval.steps, interval.phase_totals, interval.last.lr
         elapsed = time.perf_counter() - interval.started
         loss_value = interval.last.loss.item()  # host sync, once per log interval
+        plan, steps, phase_totals, lr = facts.plan, interval.steps, interval.phase_totals, interval.last.lr
         record = {
             "loss": loss_value, "lr": lr,
             "logit_scale": facts.logit_scale().exp().item(),

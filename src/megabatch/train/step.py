@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,7 @@ from ..distributed.fsdp import full, gathered_through, is_sharded, no_gradient_s
 from .ema import WeightAverage
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay, to_device
 from .objectives import Objective
+from .phases import PhaseTimes
 from .precision import Precision
 
 log = logging.getLogger("megabatch")
@@ -67,6 +68,13 @@ class Applied:
     def stepped(self) -> bool:
         return bool(self.finite)  # host sync
 
+    def read(self) -> tuple[float, bool]:
+        """``(grad_norm, stepped)`` in one copy to the host (one host sync)."""
+        if self.finite.device != self.norm.device:  # decided on the host already
+            return float(self.norm), bool(self.finite)
+        norm, finite = torch.stack([self.norm.float().reshape(()), self.finite.float().reshape(())]).tolist()
+        return norm, bool(finite)
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -78,7 +86,7 @@ class StepOutcome:
     loss: torch.Tensor  # 0-d, on the device
     lr: float
     applied: Applied
-    times: dict[str, float]
+    times: Mapping[str, float]  # PhaseTimes: read once the step's work is done (a host sync on CUDA)
     seconds: float
     terms: dict = field(default_factory=dict)  # the loss's terms, 0-d on the device (distill: contrastive, distill)
 
@@ -99,9 +107,9 @@ class UpdateHealth:
         return self.bad_in_a_row >= self.max_bad_steps
 
     def record(self, outcome: StepOutcome) -> None:
-        """Count ``outcome``'s update (reads its flag and norm: a host sync)."""
-        self.grad_norm = outcome.applied.grad_norm
-        if outcome.applied.stepped:
+        """Count ``outcome``'s update (reads its flag and norm: one host sync)."""
+        self.grad_norm, stepped = outcome.applied.read()
+        if stepped:
             self.bad_in_a_row = 0
             return
         self.bad_in_a_row += 1
@@ -228,8 +236,8 @@ class TrainStep:
         if self.ema is not None:  # queued after the update on the device: no host sync
             ema_started = time.perf_counter()
             self.ema.step()
-            times["ema"] = time.perf_counter() - ema_started
-        times["optimizer"] = applied.seconds
+            times.add("ema", time.perf_counter() - ema_started)
+        times.add("optimizer", applied.seconds)
         self.unsettled = StepOutcome(number, loss, lr, applied, times, time.perf_counter() - started,
                                      {**getattr(self.loss_fn, "terms", {}), **self.terms})
         return self.unsettled
@@ -242,7 +250,7 @@ class TrainStep:
             self.health.record(outcome)
         return self.health
 
-    def gradients(self, stream: Iterator[SubBatch], epoch: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+    def gradients(self, stream: Iterator[SubBatch], epoch: int = 0) -> tuple[torch.Tensor, PhaseTimes]:
         """Take ``self.sub_batches`` sub-batches from ``stream`` (this rank's share of one
         global batch, of ``epoch``), accumulate the step's gradients (DDP-averaged) into ``.grad``
         and return the loss and the seconds of each phase (``data``, then ``forward_backward``, or
@@ -295,7 +303,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if finite:
             self.model.clamp_logit_scale()
-        return Applied(self._lap(start), norm.detach(), torch.tensor(finite))
+        return Applied(time.perf_counter() - start, norm.detach(), torch.tensor(finite))  # after its host sync
 
     @property
     def skips_on_device(self) -> bool:
@@ -316,7 +324,7 @@ class TrainStep:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bad.reshape(())
 
-    def _forward_backward(self, timed: tuple[SubBatch, float]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _forward_backward(self, timed: tuple[SubBatch, float]) -> tuple[torch.Tensor, PhaseTimes]:
         """One sub-batch: encode, the global loss, backward (fp16: scaled). The loss runs on fp32
         features, so the b x b softmax never runs in half precision. Each objective adds its rows to the text
         tower's input (hard negatives), its inputs to the loss (their features, a teacher's) and its term to
@@ -332,7 +340,9 @@ class TrainStep:
         texts = to_device(captions if cut is None else cut.cut(captions), self.device)
         for objective in self.objectives:
             objective.one_pass_start(sub)
-        start = time.perf_counter()
+        times = PhaseTimes(self.device)
+        times.add("data", data_s)
+        times.start()
         with self.precision.autocast():
             outputs = self.wrapped(images, texts, **self.model_options)
         image_features, text_features, scale, bias = outputs[:4]
@@ -348,7 +358,8 @@ class TrainStep:
             if term is not None:
                 total = total + term
         self.precision.scale(total).backward()
-        return self._logged(contrastive.detach()), {"data": data_s, "forward_backward": time.perf_counter() - start}
+        times.stop("forward_backward")
+        return self._logged(contrastive.detach()), times
 
     def _contrastive(self, *args, **kwargs) -> torch.Tensor:
         """The contrastive loss (with its distillation term, if any) times ``loss.contrastive_weight``."""
@@ -368,16 +379,17 @@ class TrainStep:
             contrastive = contrastive + value
         return contrastive
 
-    def _gradcache(self, stream: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def _gradcache(self, stream: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, PhaseTimes]:
         """The three GradCache phases (``gradcache.py``) over ``self.sub_batches`` sub-batches."""
         progress = tqdm(total=2 * self.sub_batches, desc="encode", leave=False, dynamic_ncols=True,
                         disable=not self.show_progress or self.sub_batches < 8, position=1, unit="sub-batch")
-        times, start = {}, time.perf_counter()
+        times = PhaseTimes(self.device)  # events at the phases' boundaries: no host sync (read by the log)
+        times.start()
         encoded = encode_without_graph(self.model, stream, self.sub_batches, self.precision, self.keep,
                                        progress, self.objectives)
-        times["data"] = encoded.data_s
-        times["encode"] = self._lap(start) - encoded.data_s
-        start = time.perf_counter()
+        times.add("data", encoded.data_s)
+        times.stop("encode", minus=encoded.data_s)
+        times.start()
         # decoding on the GPU, the offload's re-decoding starts now: the replay's first images are ready after the loss
         again = self.keep.images_again(encoded, epoch)
         bias = self.model.logit_bias
@@ -385,23 +397,19 @@ class TrainStep:
                                        None if bias is None else full(bias), self.precision, self.objectives)
         for objective in self.objectives:  # a CoCa: the caption loss's factor over the global batch's tokens
             objective.before_replay(self.precision)
-        times["loss"] = self._lap(start)
+        times.stop("loss")
         progress.set_description("replay")
-        start = time.perf_counter()
+        times.start()
         try:
             waited = replay(self.wrapped, encoded, grads, self.precision, again, progress, self.sync, self.objectives)
         finally:
             if again is not None:
                 again.close()  # its decoding stream closed: the next step's look-ahead takes every thread
-        times["data"] += waited
-        times["replay"] = self._lap(start) - waited
+        times.add("data", waited)
+        times.stop("replay", minus=waited)
         progress.close()
         return self._logged(grads.loss), times
 
-    def _lap(self, start: float) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # host-device sync: honest phase times only
-        return time.perf_counter() - start
 
 
 def next_timed(items: Iterator):
