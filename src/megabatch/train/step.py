@@ -181,7 +181,7 @@ class TrainStep:
             self.sync = GradSync.of(self.wrapped)
         # a frozen tower is encoded once and never replayed; images come back through the offload
         # owner, or stay on the device. An objective that reads both towers' outputs (a CoCa's decoder) has
-        # both encoded again (a frozen one without autograd), and no sub-batch keep its phase-1 graph
+        # both encoded again (a frozen one without autograd), and no sub-batch keeps its phase-1 graph
         self.objectives, self.contrastive_weight = list(objectives), float(contrastive_weight)
         both = any(objective.replays_both_towers for objective in self.objectives)
         replay_images = not model.frozen("image") or both
