@@ -196,14 +196,14 @@ class Trainer:
                 log.info("backends: %s", setting)
         # model.compile: the towers compile in fit(), while the loader's workers start reading
         self.parts = parts = RunParts.build(cfg, env, warm_up=False, times=self.startup)
-        self.model, self.plan, self.stepper = parts.model, parts.plan, parts.step
+        self.model, self.plan, self.step = parts.model, parts.plan, parts.step
         self.state = TrainState()  # steps done, samples seen
         # each part saves and loads its own state; a new part is one more entry
         self.checkpointer = Checkpointer(
             self.ckpt_dir, self.model, parts.optimizer,
-            {"train_state": self.state, "scaler": self.stepper.scaler, "schedule": parts.schedule,
+            {"train_state": self.state, "scaler": self.step.scaler, "schedule": parts.schedule,
              "data_position": parts.inputs, "rng": RngStates(env.rank, env.world_size),
-             **({"ema": self.stepper.ema} if self.stepper.ema is not None else {})},
+             **({"ema": self.step.ema} if self.step.ema is not None else {})},
             header=self._checkpoint_header, sharded=cfg.trainer.parallel == "fsdp", keep=cfg.trainer.keep_ckpts,
             main=self.main, distributed=env.distributed)
         self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
@@ -264,11 +264,11 @@ class Trainer:
         due = [s for s in self.cfg.eval.values() if (s.at_end if final else s.every and step % s.every == 0)]
         if not due:
             return {}
-        results, ema = {}, self.stepper.ema
+        results, ema = {}, self.step.ema
         for eval_cfg in due:
             for weights in weights_to_evaluate(eval_cfg.weights, ema is not None):
                 started = time.perf_counter()
-                with self.stepper.precision.autocast() if sharded else contextlib.nullcontext(), \
+                with self.step.precision.autocast() if sharded else contextlib.nullcontext(), \
                         ema.swapped() if weights == "ema" else contextlib.nullcontext():
                     result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
                 if not self.main:
@@ -286,7 +286,7 @@ class Trainer:
             log.info("run dir %s; %d steps of batch %d (%d ranks x %d sub-batches x %d) = %s samples, %d steps "
                      "per epoch, %s", self.run_dir, plan.total_steps, plan.global_batch, env.world_size,
                      plan.sub_batches, plan.sub_batch, f"{plan.total_steps * plan.global_batch:,}",
-                     plan.steps_per_epoch, self.stepper.precision)
+                     plan.steps_per_epoch, self.step.precision)
         # trainer.stop_at_step ends this invocation early (a time-limited job); resume=latest
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, cfg.trainer.stop_at_step or plan.total_steps)
@@ -303,7 +303,7 @@ class Trainer:
             try:
                 loss = self._loop(sub_batches, stop)
             except (Preempted, NonFiniteError):  # the steps since the last log line are logged too
-                self.metrics.write(self.state.step, self.state.samples_seen, self.stepper.settle())
+                self.metrics.write(self.state.step, self.state.samples_seen, self.step.settle())
                 raise
         finally:
             self.metrics.close()
@@ -313,21 +313,23 @@ class Trainer:
     def _loop(self, sub_batches, stop: int) -> torch.Tensor:
         """Steps until ``stop``; returns the last loss. The step, then the hooks: log, checkpoint,
         evaluation, stop. Each reads the trainer's state alone and may run in any order."""
+        # one counter: self.state.step, the steps done (the schedule's and the epoch's position before a step, the
+        # step's number after it)
         loss, first_step, started = torch.zeros(()), self.state.step + 1, time.perf_counter()
         while self.state.step < stop:
-            step = self.state.step
-            lr = self.parts.peak_lr * self.parts.schedule(step)
-            outcome = self.stepper.step(sub_batches, lr, epoch=step // self.plan.steps_per_epoch, number=step + 1)
+            lr = self.parts.peak_lr * self.parts.schedule(self.state.step)
+            outcome = self.step.step(sub_batches, lr, epoch=self.state.step // self.plan.steps_per_epoch,
+                                     number=self.state.step + 1)
             self.state.advance(self.plan.global_batch)
             loss = outcome.loss
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
             stop_reason = self.stops.reason(outcome.seconds)
             last = self.state.step == stop
             if stop_reason or last or self.metrics.due(self.state.step) or self._due(self.cfg.trainer.ckpt_every):
-                self.stepper.settle()  # host sync: the hooks act on this step, its update read
-            if outcome.number == first_step:
+                self.step.settle()  # host sync: the hooks act on this step, its update read
+            if self.state.step == first_step:
                 self.first_step_done(outcome, started)
-            self.metrics.on_step(outcome, self.state.step, self.state.samples_seen, self.stepper.health,
+            self.metrics.on_step(outcome, self.state.step, self.state.samples_seen, self.step.health,
                                  force=bool(stop_reason) or last)
             self.checkpoint_if_due()
             self.evaluate_if_due()
@@ -339,7 +341,7 @@ class Trainer:
         """This invocation's first step (``outcome``; the loop started at ``loop_started``) has finished, its update
         read (a host sync): how long after the process started and where that time went, in the log,
         ``status.json`` and the next ``metrics.jsonl`` record (``time_to_first_step_s``, ``startup/*_s``)."""
-        self.stepper.settle()
+        self.step.settle()
         step_s = time.perf_counter() - loop_started
         seconds, waited = self.startup.elapsed(), outcome.times.get("data", 0.0)
         self.startup.add("first batch wait", waited)  # what the loader had not read by then
@@ -372,7 +374,7 @@ class Trainer:
         """End the run after this step: ``NonFiniteError`` after ``trainer.max_bad_steps`` skipped updates in a
         row (as read so far); on a signal or ``trainer.time_limit`` (``reason``), this step's checkpoint (the
         numbered one where one is due), every rank waiting for it, then ``Preempted`` (exit 3)."""
-        self.stepper.health.check()
+        self.step.health.check()
         if not reason:
             return
         if self.checkpointer.saved_step != self.state.step:
