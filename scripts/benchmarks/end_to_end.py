@@ -311,6 +311,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
                 start, waits_before = time.perf_counter(), dict(gpu_decode.wait_seconds)
                 _, phases = step.gradients(sub_batches, epoch=index // plan.steps_per_epoch)
                 step.apply()
+                phases = dict(phases)  # the phases' CUDA events read: waits for the replay's end (as its sync did)
                 if device.type == "cuda" and index == min(warmup_steps, steps - 1) - 1:
                     torch.cuda.synchronize()  # the warm-up steps' own time (start-up)
                     steady_start = time.perf_counter()
