@@ -226,9 +226,8 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, capti
             else:
                 stats.bad_teacher += 1
             stats.warn("bad_teacher", "skipping %s: %s teacher embeddings (%s, [%d, 2, %d] expected)",
-                       sample.get("__key__"),
-                        "no" if teacher is None else "unreadable or misshapen", captions.teacher.key,
-                        captions.teacher.members, captions.teacher.width)
+                       sample.get("__key__"), "no" if teacher is None else "unreadable or misshapen",
+                       captions.teacher.key, captions.teacher.members, captions.teacher.width)
             return None
     if negatives is not None or teacher is not None:
         caption = Texts(caption, negatives, teacher)

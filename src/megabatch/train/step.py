@@ -333,8 +333,9 @@ class TrainStep:
         self.keep.keep_bytes(sub)
         images = to_device(sub.images, self.device)
         rows = len(sub.texts)
-        extra = [texts for objective in self.objectives if (texts := objective.extra_texts(sub)) is not None]
-        captions = torch.cat([sub.texts, *extra]) if extra else sub.texts  # one forward of the text tower
+        extra = [objective.extra_texts(sub) for objective in self.objectives]  # rows after the captions, or None
+        added = [texts for texts in extra if texts is not None]
+        captions = torch.cat([sub.texts, *added]) if added else sub.texts  # one forward of the text tower
         # cut on the host, where the token ids are (no sync); not where an objective reads the captions whole
         cut = self.keep.text_trim if all(objective.cuts_captions for objective in self.objectives) else None
         texts = to_device(captions if cut is None else cut.cut(captions), self.device)
@@ -346,9 +347,11 @@ class TrainStep:
         with self.precision.autocast():
             outputs = self.wrapped(images, texts, **self.model_options)
         image_features, text_features, scale, bias = outputs[:4]
-        options = {}
-        for objective in self.objectives:  # (one objective at most adds rows: they follow the captions)
-            extra_features = text_features[rows:] if objective.extra_texts(sub) is not None else None
+        options, start_row = {}, rows
+        for objective, texts in zip(self.objectives, extra, strict=True):  # each its own rows' features
+            extra_features = None
+            if texts is not None:
+                extra_features, start_row = text_features[start_row:start_row + len(texts)], start_row + len(texts)
             options.update(objective.loss_inputs_one_pass(sub, images, extra_features, self.precision.autocast))
         contrastive = self._contrastive(image_features.float(), text_features[:rows].float(), scale.float(),
                                         *(() if bias is None else (bias.float(),)), **options)
