@@ -6,7 +6,7 @@ A sweep: `python train.py -m loss=vanilla optim.lr=1e-4,5e-4`. See README.md and
 
 import sys
 
-from megabatch.backends import configure_process
+from megabatch.runtime.process import configure_process
 
 configure_process()  # before torch is imported: CUDA's queues for the decoding streams, the kept bytecode
 

@@ -74,11 +74,11 @@ def main(argv: list[str]) -> None:
     from PIL import Image
     from tqdm import tqdm
 
-    from megabatch.checkpoint import load_checkpoint
+    from megabatch.checkpoint.files import load_checkpoint
+    from megabatch.checkpoint.model import model_from_checkpoint
     from megabatch.config import ConfigError
     from megabatch.config.cli import config_error_exit
     from megabatch.data.transforms import eval_transform
-    from megabatch.eval.checkpoint import model_from_checkpoint
     from megabatch.models.generate import caption_texts
 
     try:

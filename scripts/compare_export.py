@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     from megabatch.config.cli import config_error_exit
     from megabatch.config.compose import compose
     from megabatch.eval import agreement
-    from megabatch.eval.checkpoint import evaluate_checkpoint
+    from megabatch.eval.evaluate import evaluate_checkpoint
 
     cache = os.path.expanduser(os.environ.get("MEGABATCH_CACHE", "~/.cache/megabatch"))
     export = Path(args["export"]).resolve()

@@ -28,7 +28,7 @@ def main(cfg: DictConfig) -> float:
     from megabatch.config import ConfigError
     from megabatch.config.cli import config_error_exit
     from megabatch.eval import headline, summary
-    from megabatch.eval.checkpoint import evaluate_checkpoint
+    from megabatch.eval.evaluate import evaluate_checkpoint
     from megabatch.eval.results import results_table, write_results
     from megabatch.report.results import read_results
 
@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    from megabatch.processes import kill_workers_at_exit
+    from megabatch.runtime.signals import kill_workers_at_exit
 
     kill_workers_at_exit()  # a failed evaluation's loader workers (they ignore SIGTERM) never hold its exit
     sys.argv[1:] = entry_args(sys.argv[1:])

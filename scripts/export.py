@@ -76,10 +76,10 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     logging.getLogger("megabatch").setLevel(logging.INFO)  # open_clip logs its loading at INFO: quiet
     args = parse(argv)
-    from megabatch.checkpoint import load_checkpoint
+    from megabatch.checkpoint.files import load_checkpoint
+    from megabatch.checkpoint.model import model_from_checkpoint
     from megabatch.config import ConfigError
     from megabatch.config.cli import config_error_exit
-    from megabatch.eval.checkpoint import model_from_checkpoint
     from megabatch.models.card import write_model_card
     from megabatch.models.export import check_export, export_open_clip
 

@@ -99,7 +99,7 @@ def teacher(parser: argparse.ArgumentParser, args) -> None:
 
     from megabatch.config import ConfigError
     from megabatch.data.urls import expand_urls
-    from megabatch.train.teacher import Teacher, load_teacher_model, write_teacher_shards
+    from megabatch.train.step.teacher import Teacher, load_teacher_model, write_teacher_shards
 
     if not args.pattern or not args.out or not args.teacher:
         parser.error("teacher needs the shards, --out and --teacher: make_shards.py teacher '/data/{00000..00099}.tar' "

@@ -4,9 +4,14 @@ on machines without a GPU. Helpers that are functions, not fixtures, are in ``he
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# the benchmarks' shared helpers (scripts/benchmarks/bench.py), which a benchmark imports as ``bench`` from its own
+# folder: for the tests that load a benchmark script by its path
+sys.path.append(str(Path(__file__).resolve().parents[1] / "scripts" / "benchmarks"))
 
 # inductor's C++ kernels for the CPU (the compile tests' stand-in for the GPU's Triton code) in plain
 # scalar C++: they compile about a fifth faster than the vectorised ones and give the same results to

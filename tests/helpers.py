@@ -48,7 +48,7 @@ def free_port() -> int:
 
 # run_ranks forks its ranks from a server process that has imported these once (per pytest worker), not
 # from a fresh interpreter each that imports torch and megabatch again (about 4 s of CPU a rank)
-_PRELOAD = ["torch", "torch.distributed", "megabatch.config", "megabatch.models", "megabatch.train.loop"]
+_PRELOAD = ["torch", "torch.distributed", "megabatch.config", "megabatch.models", "megabatch.train.trainer.loop"]
 
 
 def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, environ: dict[str, str]) -> None:
@@ -117,7 +117,7 @@ def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Te
     from hydra.utils import instantiate
 
     from megabatch.data.samples import SubBatch
-    from megabatch.train.step import TrainStep
+    from megabatch.train.step.step import TrainStep
 
     cfg = compose(*overrides)
     torch.manual_seed(0)
@@ -131,9 +131,9 @@ def gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Te
 
 def build_parts(cfg, device: str = "cpu"):
     """A run's parts as the trainer builds them: the process-wide settings first, then ``RunParts``."""
-    from megabatch.backends import configure_backends
     from megabatch.distributed import init_distributed
-    from megabatch.train.parts import RunParts
+    from megabatch.runtime.process import configure_backends
+    from megabatch.train.build.parts import RunParts
 
     env = init_distributed(device)
     configure_backends(cfg, env.device)

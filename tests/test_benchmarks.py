@@ -41,12 +41,13 @@ def test_the_runner_runs_a_benchmark_by_name_and_refuses_an_unknown_one():
 
 
 def test_the_benchmarks_time_the_step_the_trainer_builds():
-    """``megabatch.bench.trainer_step`` (what gradcache.py and fsdp.py time) is the trainer's own step: the
+    """``bench.trainer_step`` (what gradcache.py and fsdp.py time) is the trainer's own step: the
     same weights, sub-batches, caption trimming and gradients as ``RunParts.build``'s on a fixed
     batch."""
     from itertools import repeat
 
-    from megabatch import bench
+    import bench  # scripts/benchmarks/bench.py (tests/conftest.py puts its folder on the path)
+
     from megabatch.config.schema import validate
     from megabatch.data.synthetic import synthetic_sub_batch
 

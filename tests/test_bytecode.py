@@ -1,5 +1,5 @@
 """Bytecode kept in the cache directory where the packages have none and Python may not write it
-(``megabatch/bytecode.py``), in fresh interpreters: a package installed without bytecode stands in
+(``megabatch/runtime/bytecode.py``), in fresh interpreters: a package installed without bytecode stands in
 for torch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 FIRST = """
 import importlib.machinery  # as the second process does
 import sys
-from megabatch import bytecode
+from megabatch.runtime import bytecode
 assert bytecode.use_kept_bytecode(probe="plainpkg") == bytecode.bytecode_folder(), sys.pycache_prefix
 import plainpkg.deep
 assert plainpkg.deep.VALUE == 42
@@ -23,7 +23,7 @@ assert bytecode._compiler.wait(timeout=60) == 0
 
 SECOND = """
 import importlib.machinery
-from megabatch import bytecode
+from megabatch.runtime import bytecode
 assert bytecode.use_kept_bytecode(probe="plainpkg") == bytecode.bytecode_folder()
 
 def from_source(*args, **kwargs):
@@ -35,7 +35,7 @@ print(plainpkg.deep.__cached__)
 assert bytecode.write_missing_bytecode() == 0  # nothing is missing now
 """
 
-STATE = "from megabatch import bytecode; print(bytecode.use_kept_bytecode(probe='plainpkg'), bytecode.in_use())"
+STATE = "from megabatch.runtime import bytecode; print(bytecode.use_kept_bytecode(probe='plainpkg'), bytecode.in_use())"
 
 
 def python(code: str, env: dict) -> str:

@@ -1,4 +1,4 @@
-"""checkpoint.py's file handling: a numbered checkpoint and last.pt from one serialisation, and the
+"""checkpoint/files.py's file handling: a numbered checkpoint and last.pt from one serialisation, and the
 RNG states it captures restored whole."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from megabatch.checkpoint import capture_rng, load_checkpoint, restore_rng, write_run_checkpoint
+from megabatch.checkpoint.files import capture_rng, load_checkpoint, restore_rng, write_run_checkpoint
 
 
 def test_a_numbered_checkpoint_and_last_pt_are_one_file_until_the_next_save(tmp_path, monkeypatch):
@@ -56,7 +56,7 @@ def test_a_new_part_is_one_entry_saved_and_resumed_by_the_checkpointer(tmp_path,
     leaves that part fresh (logged), and a weight that is not finite writes nothing."""
     import logging
 
-    from megabatch.train.checkpointer import Checkpointer, TrainState
+    from megabatch.checkpoint.checkpointer import Checkpointer, TrainState
 
     caplog.set_level(logging.INFO)
 

@@ -37,7 +37,7 @@ def test_parse_count_rejects_junk_naming_the_key(junk):
 
 
 def test_batch_junk_from_the_command_line(tmp_path):
-    from megabatch.train.plan import BatchPlan
+    from megabatch.train.step.plan import BatchPlan
 
     cfg = compose("batch=lots")
     with pytest.raises(ConfigError, match="batch='lots'"):
@@ -45,7 +45,7 @@ def test_batch_junk_from_the_command_line(tmp_path):
 
 
 def test_batch_arithmetic_errors_name_the_keys():
-    from megabatch.train.plan import BatchPlan
+    from megabatch.train.step.plan import BatchPlan
 
     with pytest.raises(ConfigError, match="ranks"):
         BatchPlan.from_config(compose("batch=100"), world_size=3, num_samples=10_000)
@@ -114,7 +114,7 @@ def test_data_options_instantiate(option, data_cache):
 
 @pytest.mark.parametrize("option", options("optim"))
 def test_optim_options_instantiate(option):
-    from megabatch.train.optim import build_optimizer
+    from megabatch.train.build.optim import build_optimizer
 
     cfg = compose(f"optim={option}", "optim.lr_scaling=sqrt", "optim.base_batch=64")
     model = build_model(cfg.model)
@@ -136,7 +136,7 @@ def test_sched_options_instantiate(option):
 
 @pytest.mark.parametrize("option", options("trainer"))
 def test_trainer_options_plan(option):
-    from megabatch.train.plan import BatchPlan
+    from megabatch.train.step.plan import BatchPlan
 
     plan = BatchPlan.from_config(compose(f"trainer={option}"), 1, 1437)
     assert plan.total_steps > 0
@@ -178,7 +178,7 @@ def test_eval_options_resolve(option, data_cache):
 
 @pytest.mark.parametrize("option", options("logger"))
 def test_logger_options_instantiate(option, tmp_path, monkeypatch):
-    from megabatch.train.metrics import MetricsLogger
+    from megabatch.train.trainer.metrics import MetricsLogger
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     if option == "trackio":  # an optional dependency: a stand-in (tests/train/test_metrics.py)
@@ -259,7 +259,7 @@ def test_a_recipe_without_its_data_names_the_key(option):
 def test_recipes_set_the_published_numbers():
     """The values the recipes' sources give, as the run will use them."""
     from megabatch.config import parse_count
-    from megabatch.train.optim import scaled_lr
+    from megabatch.train.build.optim import scaled_lr
 
     b32 = compose("experiment=openclip_b32_laion400m")
     assert (parse_count(b32.batch), b32.optim.weight_decay, b32.trainer.epochs) == (32768, 0.2, 32)
@@ -295,7 +295,7 @@ def test_real_data_without_a_recipe_warns_that_the_settings_are_the_digits_demos
 
 
 def test_warmup_in_epochs():
-    from megabatch.train.sched import CosineSchedule
+    from megabatch.train.build.sched import CosineSchedule
 
     schedule = CosineSchedule(total_steps=80, global_batch=64, warmup_steps=None, warmup_epochs=0.5, steps_per_epoch=10)
     assert schedule.warmup == 5 and schedule(4) == 1.0 and schedule(3) == 0.8
@@ -305,7 +305,7 @@ def test_warmup_in_epochs():
 
 def test_adafactor_state_loads_weights_only(tmp_path):
     """optim=adafactor's state (and its param groups' eps pair) round-trips through a checkpoint."""
-    from megabatch.train.optim import build_optimizer
+    from megabatch.train.build.optim import build_optimizer
 
     cfg = compose("optim=adafactor")
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
@@ -416,28 +416,43 @@ def test_a_config_error_is_one_line_and_exit_status_2(tmp_path):
 
 
 def test_imports_point_down_the_package_floors():
-    """A package imports only from packages below it (docs/ARCHITECTURE.md); no cycle."""
+    """A package imports only from packages below it (docs/ARCHITECTURE.md), and so do ``train``'s own packages
+    (``step`` below ``build`` below ``trainer``); no cycle."""
     import ast
 
     src = CONFIGS.parent / "src" / "megabatch"
-    floor = {"config": 0, "checkpoint": 1, "images": 1, "distributed": 1, "processes": 1, "kernels": 1, "losses": 2,
-             "report": 2,
-             "models": 2, "data": 2, "eval": 3, "backends": 3, "train": 4, "bench": 5}
+    floor = {"config": 0, "runtime": 1, "distributed": 1, "kernels": 1, "losses": 2, "models": 2, "data": 2,
+             "checkpoint": 3, "report": 4, "eval": 5, "train": 6,
+             "train.step": 6.1, "train.build": 6.2, "train.trainer": 6.3}
+
+    def place(parts: list[str]) -> str | None:
+        """The floor's name of a module ``megabatch.<parts>``: ``train.<package>`` inside train, else its package."""
+        if parts and parts[0] == "train" and len(parts) > 1 and f"train.{parts[1]}" in floor:
+            return f"train.{parts[1]}"
+        return parts[0].removesuffix(".py") if parts and parts[0].removesuffix(".py") in floor else None
+
     wrong = []
     for path in src.rglob("*.py"):
-        module = path.relative_to(src).parts[0].removesuffix(".py")
-        if module == "__init__":
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        module = place(parts)
+        if module is None:
             continue
+        package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                if node.level == 0 and node.module.startswith("megabatch."):
-                    target = node.module.split(".")[1]
-                elif node.level >= 2 or (node.level == 1 and path.parent == src):
-                    target = node.module.split(".")[0]
-                else:
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 0:
+                if not (node.module or "").startswith("megabatch."):
                     continue
-                if target in floor and target != module and floor[target] >= floor[module]:
-                    wrong.append(f"{path.relative_to(src)} imports {target}")
+                target_parts = node.module.split(".")[1:]
+            else:
+                base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+                target_parts = base + (node.module.split(".") if node.module else [])
+            target = place(target_parts)
+            if target is None or target == module or module.startswith(target + ".") or target.startswith(module + "."):
+                continue
+            if floor[target] >= floor[module]:
+                wrong.append(f"{path.relative_to(src)} imports {'.'.join(target_parts)}")
     assert not wrong, wrong
 
 

@@ -39,7 +39,7 @@ def run_case(tmp_path, body: str) -> tuple[subprocess.CompletedProcess, list[int
     pids = tmp_path / "pids"
     script = PRELUDE.format(harness=str(HARNESS), sleeper=SLEEPER, pids=str(pids)) + textwrap.dedent(body)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HARNESS.parent)])})
     return done, [int(p) for p in pids.read_text().split()]
 
 

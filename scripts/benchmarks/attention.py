@@ -24,8 +24,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench import gpu_time, write_results
 
-from megabatch.bench import gpu_time, write_results
 from megabatch.kernels import attention
 from megabatch.kernels.attention import packed_attention, packed_attention_backward, packed_attention_op
 

@@ -29,11 +29,11 @@ import threading
 import time
 
 import torch
+from bench import write_results
 
-from megabatch.backends import configure_process
-from megabatch.bench import write_results
 from megabatch.data.samples import EncodedImages
 from megabatch.data.synthetic import photos
+from megabatch.runtime.process import configure_process
 
 
 def load(stop: threading.Event, device: torch.device) -> None:

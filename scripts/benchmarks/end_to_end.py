@@ -21,10 +21,10 @@ photos) as img2dataset shards under ``--workdir``, lists them repeatedly to reac
 runs ``--steps`` training steps with ``trainer.offload`` true and false: the run's own pieces
 (``TrainData``, ``RunInputs``, ``Offload``, ``TrainStep``) without a run directory, with the config
 overrides of ``--set`` (``data.decode=gpu``, ``model.compile=true``, ``trainer.sub_batch=auto``, ...).
-MFU: the run's own figures (``train/utilization.py``). ``--openclip``: then OpenCLIP's
+MFU: the run's own figures (``train/step/utilization.py``). ``--openclip``: then OpenCLIP's
 ``train_one_epoch`` with ``--accum-freq batch / sub-batch`` (``--openclip-sub-batch`` where ours are
 several or ``auto``) and its best flags (``--torchcompile``,
-``--precision amp_bf16``; ``megabatch.bench.openclip_training``) on the same loader's sub-batches. Host memory: the
+``--precision amp_bf16``; ``bench.openclip_training``) on the same loader's sub-batches. Host memory: the
 peak, sampled every 0.5 s, of the proportional set size (PSS: shared pages split between the
 processes sharing them) summed over this process and all its descendants (loader and re-decode
 workers), and the peak drop of the machine's available memory below its level at the start.
@@ -41,12 +41,12 @@ import time
 from pathlib import Path
 
 import torch
+from bench import write_results
 
-from megabatch.backends import configure_process
-from megabatch.bench import write_results
 from megabatch.config import parse_count
 from megabatch.config.compose import compose
 from megabatch.data.synthetic import photo_shards
+from megabatch.runtime.process import configure_process
 
 
 class HostMemory:
@@ -189,10 +189,11 @@ def cpu_by_phase(cpu: CpuUse, start: float, phases: dict) -> dict:
 
 def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: int, device: str, steps: int,
                 offload_dir: str | None = None, overrides: tuple[str, ...] = (), model: str = "vit_b32"):
-    from megabatch.backends import configure_backends
     from megabatch.config.schema import validate
+    from megabatch.data.loading import configure_loading
     from megabatch.distributed import init_distributed
-    from megabatch.train.parts import RunParts
+    from megabatch.runtime.process import configure_backends
+    from megabatch.train.build.parts import RunParts
 
     precision = "bf16" if device == "cuda" else "fp32"
     cfg = compose(f"model={model}", "loss=infcl", "data=webdataset", f"batch={batch}", "eval=none",
@@ -202,6 +203,7 @@ def build_parts(urls: list[str], batch: int, sub_batch, offload: bool, workers: 
     cfg.trainer.offload_dir = offload_dir if offload else None
     env = init_distributed(device)
     configure_backends(validate(cfg), env.device)  # as the Trainer does, before building
+    configure_loading(cfg.data, env.device)
     return RunParts.build(cfg, env)
 
 
@@ -240,9 +242,8 @@ def profile_steps(step, sub_batches, epoch: int, count: int = 3) -> dict:
     """``count`` more steps under ``torch.profiler`` (as the timed ones run: one sync at the end):
     the GPU's kernel time by class, its busy fraction (below 1: the GPU waited on the host), the
     host's time to queue each step, and the host operations that took the most of it."""
+    from bench import kernel_summary, sync
     from torch.profiler import ProfilerActivity, profile
-
-    from megabatch.bench import kernel_summary, sync
 
     sync(step.device)
     queued = []
@@ -290,7 +291,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
     workers' start-up. ``host_sample_s``: how often the peak host memory is sampled (each sample
     walks the page tables of every process of the tree, this one's included)."""
     from megabatch.data import gpu_decode
-    from megabatch.train.utilization import utilization
+    from megabatch.train.step.utilization import utilization
 
     start = time.perf_counter()  # with model.compile=true, RunParts.build compiles the towers (ClipModel.warm_up)
     parts = build_parts(urls, batch, sub_batch, offload, workers, device, steps, offload_dir, overrides, model)
@@ -369,7 +370,7 @@ def kept_graph_sweep(urls: list[str], counts: list[int], sub_batch: int, workers
     import dataclasses
     import statistics
 
-    from megabatch.train.utilization import utilization
+    from megabatch.train.step.utilization import utilization
 
     cuda = device == "cuda"
     parts = build_parts(urls, max(counts) * sub_batch, sub_batch, False, workers, device,
@@ -423,8 +424,9 @@ def openclip_on_our_loader(urls: list[str], batch: int, sub_batch: int, workers:
     """OpenCLIP 3.3's training loop with its best flags, fed by our loader (the same shards, workers
     and ``--set`` data options; images normalised on the GPU as our model does), training ``arch``
     (default: the open_clip architecture of our ``model``)."""
-    from megabatch.bench import openclip_training
-    from megabatch.images import normalize_images
+    from bench import openclip_training
+
+    from megabatch.models.images import normalize_images
 
     parts = build_parts(urls, batch, sub_batch, False, workers, "cuda", steps + 1, None, overrides, model)
     arch = arch or parts.model.arch or OPENCLIP_ARCHS[model]

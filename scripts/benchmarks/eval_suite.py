@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from megabatch.bench import ROOT, write_results
+from bench import ROOT, write_results
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 

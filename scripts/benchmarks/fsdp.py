@@ -22,8 +22,8 @@ from itertools import repeat
 
 import torch
 import torch.distributed as dist
+from bench import trainer_step, write_results
 
-from megabatch.bench import trainer_step, write_results
 from megabatch.config.compose import compose
 from megabatch.data.synthetic import synthetic_sub_batch
 

@@ -12,7 +12,7 @@ thread as the trainer does (``trainer.prefetch_gb``; ``--prefetch-gb`` lists the
 0 without it; the trainer itself reads ahead only in steps with a replay), so its workers keep
 decoding the next step's inputs while the loss and the replay run. The same model (open_clip
 ViT-B/32), precision (bf16 autocast), global batch and sub-batch. Ours: one ``TrainStep`` (encode
-without graph, loss once, replay; then ``apply``), built without a run (``megabatch.bench.trainer_step``).
+without graph, loss once, replay; then ``apply``), built without a run (``bench.trainer_step``).
 OpenCLIP 3.3: its own
 ``open_clip_train.train.train_one_epoch`` with ``--accum-freq`` (it re-forwards each sub-batch and
 recomputes the whole loss once per sub-batch).
@@ -28,8 +28,8 @@ import time
 from itertools import repeat
 
 import torch
+from bench import openclip_training, peak_gb, reset_peak, sync, trainer_step, write_results
 
-from megabatch.bench import openclip_training, peak_gb, reset_peak, sync, trainer_step, write_results
 from megabatch.config import parse_count
 from megabatch.config.compose import compose
 from megabatch.data.samples import SubBatch
@@ -107,7 +107,7 @@ def ours(model: str, loss: str, batch: int, sub_batch: int, steps: int, device,
 
 def openclip(batch: int, sub_batch: int, steps: int, device, data: str = "gpu", workers: int = 12,
              warmup: int = 1) -> dict:
-    """OpenCLIP 3.3's own training loop (``megabatch.bench.openclip_training``) on the same inputs."""
+    """OpenCLIP 3.3's own training loop (``bench.openclip_training``) on the same inputs."""
     fixed = synthetic_sub_batch(sub_batch, 224, 77, device)
     stream = loader_batches(sub_batch, workers, device) if data == "loader" else repeat((fixed.images, fixed.texts))
     result = openclip_training(stream, batch, sub_batch, steps, device, warmup=warmup)

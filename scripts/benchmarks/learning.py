@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megabatch.bench import ROOT, write_results
+from bench import ROOT, write_results
 
 
 def named_digits(caption: str) -> set[int]:

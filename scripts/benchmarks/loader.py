@@ -32,11 +32,12 @@ import tarfile
 import time
 from pathlib import Path
 
-from megabatch.backends import configure_process
-from megabatch.bench import write_results
+from bench import write_results
+
 from megabatch.config.compose import compose
 from megabatch.data.synthetic import photo_shards
 from megabatch.models import build_model
+from megabatch.runtime.process import configure_process
 
 
 def with_teacher(shards: list[str], width: int, folder: Path) -> list[str]:

@@ -34,8 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench import write_results
 
-from megabatch.bench import write_results
 from megabatch.config import parse_count
 from megabatch.losses import DiscoLoss, InfClLoss, LocalLoss, SigLipLoss, VanillaLoss
 from megabatch.losses.base import ContrastiveLoss

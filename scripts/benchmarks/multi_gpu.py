@@ -131,7 +131,7 @@ def teacher_shards(shards: list[Path], out: Path, arch: str) -> list[Path]:
     import torch
     from omegaconf import OmegaConf
 
-    from megabatch.train.teacher import Teacher, load_teacher_model, write_teacher_shards
+    from megabatch.train.step.teacher import Teacher, load_teacher_model, write_teacher_shards
 
     if not (out / "teacher.json").exists() or len(list(out.glob("photo-*.tar"))) < len(shards):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -362,7 +362,8 @@ def main() -> None:
 def measure(args: argparse.Namespace) -> None:
     """Every run asked for, each written to ``args.out`` as it ends; ``Stop`` once a run was stopped by
     SIGTERM (``run_group``), after it was written."""
-    from megabatch.bench import write_results
+    from bench import write_results
+
     from megabatch.config import parse_count
 
     workdir = Path(args.workdir)

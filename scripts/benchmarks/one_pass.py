@@ -4,7 +4,7 @@ asks: if the second costs under 2%, the separate one-pass path could go.
 
     python scripts/benchmarks/one_pass.py --arch ViT-B-16 --batch 256 --set model.compile=true --out one_pass.json
 
-Both on the trainer's own step (``megabatch.bench.trainer_step``), the same synthetic sub-batch kept on the GPU (no
+Both on the trainer's own step (``bench.trainer_step``), the same synthetic sub-batch kept on the GPU (no
 data cost), then ``apply``; the two alternate, ``--rounds`` times after ``--warmup`` each, and each step is timed
 alone (the GPU waited for before and after). Reports each side's median seconds a step and their ratio.
 """
@@ -18,11 +18,11 @@ from dataclasses import replace
 from itertools import repeat
 
 import torch
+from bench import peak_gb, reset_peak, sync, trainer_step, write_results
 
-from megabatch.backends import configure_process
-from megabatch.bench import peak_gb, reset_peak, sync, trainer_step, write_results
 from megabatch.config.compose import compose
 from megabatch.data.synthetic import synthetic_sub_batch
+from megabatch.runtime.process import configure_process
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
     python scripts/benchmarks/run.py end_to_end --model vit_b16 --batch 4k --sub-batch 512 --modes false \\
         --openclip --set data.decode=gpu model.compile=true --out vit_b16_4k.json
 
-Each writes one JSON (``megabatch.bench.write_results``: command, git commit, GPU, versions,
+Each writes one JSON (``bench.write_results``: command, git commit, GPU, versions,
 results); ``scripts/benchmarks/README.md`` says what each measures and which ``docs/bench`` files
 it wrote.
 """
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"run"}  # this runner (the helpers the benchmarks share: megabatch.bench)
+NOT_BENCHMARKS = {"run", "bench"}  # this runner, and the helpers the benchmarks share (bench.py)
 
 
 def benchmarks() -> dict[str, str]:

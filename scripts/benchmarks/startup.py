@@ -16,7 +16,7 @@ again (as a job on another node that shares ``$MEGABATCH_CACHE``).
 ``samples_per_s`` the median of its logged intervals after the first. ``--sweep-batches``: a 3-job
 multirun's start-up instead, also from an earlier source tree (``--before``, e.g. ``git archive``'s).
 OpenCLIP 3.3 (``--openclip``): its own ``train_one_epoch`` with
-``--torchcompile --precision amp_bf16`` (``megabatch.bench.openclip_training``) in a fresh process with an
+``--torchcompile --precision amp_bf16`` (``bench.openclip_training``) in a fresh process with an
 empty inductor cache, the time from the process's start to the end of its first step; or
 (``--openclip-main``) ``python -m open_clip_train.main`` itself, as its users launch it.
 """
@@ -35,16 +35,16 @@ import threading
 import time
 from pathlib import Path
 
-from megabatch.bench import write_results
+from bench import write_results
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14"}
 
 OPENCLIP = """
 import sys, torch
-from megabatch.bench import openclip_training
+from bench import openclip_training
 from megabatch.data.synthetic import synthetic_sub_batch
-from megabatch.processes import process_age_s
+from megabatch.runtime.signals import process_age_s
 from itertools import repeat
 batch, arch = int(sys.argv[1]), sys.argv[2]
 sub = synthetic_sub_batch(batch, 336 if arch.endswith("336") else 224, 77, torch.device("cuda"))
@@ -56,7 +56,7 @@ print("FIRST_STEP_S", process_age_s() - result["step_s"], "STEP_S", result["step
 
 def fresh_cache_env(environ, home: Path, installed_bytecode: str | None = None) -> dict:
     """``environ`` with Triton's home (its default caches) in an empty ``home`` and no
-    ``TRITON_CACHE_DIR`` or bytecode folder (``megabatch/bytecode.py``) from this process: a run then
+    ``TRITON_CACHE_DIR`` or bytecode folder (``megabatch/runtime/bytecode.py``) from this process: a run then
     keeps its Triton kernels and bytecode where megabatch puts them (``$MEGABATCH_CACHE/triton``,
     ``/pycache``) and finds none from another run of this benchmark elsewhere."""
     shutil.rmtree(home, ignore_errors=True)
@@ -69,7 +69,7 @@ def fresh_cache_env(environ, home: Path, installed_bytecode: str | None = None) 
 
 def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:
     """Wait until no file has been added under ``folder`` for ``quiet_s`` (at most ``limit_s``): a
-    run's background bytecode compiler (``megabatch/bytecode.py``) finishing, as it would have before a
+    run's background bytecode compiler (``megabatch/runtime/bytecode.py``) finishing, as it would have before a
     later job started. Returns the files there."""
     count, quiet, waited = -1, 0.0, 0.0
     while quiet < quiet_s and waited < limit_s:
@@ -216,7 +216,7 @@ def main() -> None:
     parser.add_argument("--scopes", default="block,tower", help="model.compile_scope values")
     parser.add_argument("--caches", default="cold,warm")
     parser.add_argument("--openclip", action="store_true",
-                        help="OpenCLIP's train_one_epoch in a fresh process (megabatch.bench.openclip_training)")
+                        help="OpenCLIP's train_one_epoch in a fresh process (bench.openclip_training)")
     parser.add_argument("--openclip-main", action="store_true",
                         help="OpenCLIP as its users launch it: python -m open_clip_train.main (needs pandas)")
     parser.add_argument("--openclip-workers", type=int, default=12, help="--workers of open_clip_train.main")

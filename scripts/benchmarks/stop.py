@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from megabatch.bench import write_results
+from bench import write_results
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,10 +28,10 @@ import statistics
 import time
 
 import torch
+from bench import kernel_summary, write_results
 
-from megabatch.bench import kernel_summary, write_results
 from megabatch.config.compose import compose
-from megabatch.train.utilization import count_model_flops, gpu_peak
+from megabatch.train.step.utilization import count_model_flops, gpu_peak
 
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
@@ -60,8 +60,8 @@ def sdpa_context(variant: str):
 
 
 def build(model_name: str, overrides: list[str], variant: str, rows: int, device: torch.device):
-    from megabatch.backends import configure_backends
     from megabatch.models import build_model
+    from megabatch.runtime.process import configure_backends
 
     torch.manual_seed(0)
     direct = f"model.direct_attention={str('direct' in variant).lower()}"

@@ -1,6 +1,6 @@
 """megabatch: CLIP training with contrastive batches of a million samples and more.
 
-Importing it changes nothing process-wide: the settings a run makes are ``megabatch.backends``'
+Importing it changes nothing process-wide: the settings a run makes are ``megabatch.runtime.process``'
 (``configure_process`` before torch starts, ``configure_backends`` for a run's config).
 """
 

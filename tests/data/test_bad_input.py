@@ -206,7 +206,7 @@ def test_the_reaper_kills_workers_that_ignore_sigterm():
     """``end_children``: a worker that ignores SIGTERM and never ends is killed after the bounded wait."""
     import multiprocessing
 
-    from megabatch.processes import end_children
+    from megabatch.runtime.signals import end_children
 
     process = multiprocessing.get_context("fork").Process(target=_ignore_and_sleep, daemon=True, name="stubborn")
     process.start()
@@ -223,7 +223,7 @@ def test_the_reaper_kills_workers_that_ignore_sigterm():
 def _ignore_and_sleep() -> None:
     import time
 
-    from megabatch.processes import ignore_stop_signals
+    from megabatch.runtime.signals import ignore_stop_signals
 
     ignore_stop_signals()
     time.sleep(600)

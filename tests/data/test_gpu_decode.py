@@ -515,7 +515,7 @@ def test_the_process_asks_cuda_for_32_hardware_queues_unless_set():
     import sys
 
     code = ("import os, sys, megabatch; before = os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'); "
-            "from megabatch.backends import configure_process; configure_process(); "
+            "from megabatch.runtime.process import configure_process; configure_process(); "
             "print(before, os.environ['CUDA_DEVICE_MAX_CONNECTIONS'], 'torch' in sys.modules)")
     env = {key: value for key, value in os.environ.items() if key != "CUDA_DEVICE_MAX_CONNECTIONS"}
     def run(environment):

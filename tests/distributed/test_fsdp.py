@@ -48,7 +48,7 @@ def test_fsdp_gives_the_gradients_and_update_of_ddp(overrides, tmp_path):
 def what_sub_batch_auto_sees(rank: int, world: int) -> dict:
     """``RunParts.build`` with FSDP and ``trainer.sub_batch=auto``: the model its memory probe runs,
     and the parameters it counts AdamW moments for on this rank."""
-    import megabatch.train.parts as parts
+    import megabatch.train.build.parts as parts
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
     from megabatch.distributed.fsdp import is_sharded

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megabatch.checkpoint import load_checkpoint
+from megabatch.checkpoint.files import load_checkpoint
 
 from ..helpers import ROOT, free_port, rel_error
 

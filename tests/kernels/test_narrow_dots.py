@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from megabatch.kernels import triton_tiles
 from megabatch.losses import InfClLoss, LocalLoss, SigLipLoss, clip_loss_reference
-from megabatch.train.gradcache import EncodedBatch, ReplayInputs, loss_and_feature_grads
-from megabatch.train.precision import Precision
+from megabatch.train.step.gradcache import EncodedBatch, ReplayInputs, loss_and_feature_grads
+from megabatch.train.step.precision import Precision
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

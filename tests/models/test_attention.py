@@ -132,7 +132,7 @@ def test_cross_attention_blocks_are_left_alone():
 def test_the_run_applies_it_by_default_and_can_turn_it_off():
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
-    from megabatch.train.parts import RunParts
+    from megabatch.train.build.parts import RunParts
 
     from ..helpers import compose
 

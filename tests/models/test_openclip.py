@@ -144,7 +144,7 @@ def test_weights_of_another_architecture_fail_naming_both(tmp_path):
         build_model(compose(*SMALL, f"model.pretrained={tmp_path / 'tiny.pt'}").model)
     from omegaconf import OmegaConf
 
-    from megabatch.train.teacher import load_teacher_model
+    from megabatch.train.step.teacher import load_teacher_model
 
     with pytest.raises(ConfigError, match=r"distill\.pretrained=.*tiny\.pt.* does not fit distill\.teacher=ViT-B-32: "
                                           r"positional_embedding: file \[16, 64\]"):  # the teacher's keys
@@ -159,7 +159,7 @@ def test_weights_of_another_architecture_fail_naming_both(tmp_path):
 def test_a_non_openai_mean_and_std_reach_training_and_evaluation(tmp_path, data_cache):
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
-    from megabatch.train.parts import RunParts
+    from megabatch.train.build.parts import RunParts
 
     overrides = ["trainer.sub_batch=16", "batch=32", "trainer.max_steps=1", "model.preprocess.mean=[0.5,0.5,0.5]",
                  "model.preprocess.std=[0.25,0.25,0.25]", "model.preprocess.interpolation=bilinear"]
@@ -178,8 +178,8 @@ def test_a_non_openai_mean_and_std_reach_training_and_evaluation(tmp_path, data_
 
 @pytest.mark.slow  # 35-38 s on 2 cores (a training run, an export, open_clip's load): make test-all
 def test_train_export_and_open_clip_give_the_same_embeddings_and_top1(tmp_path, data_cache):
-    from megabatch.checkpoint import load_checkpoint
-    from megabatch.eval.checkpoint import model_from_checkpoint
+    from megabatch.checkpoint.files import load_checkpoint
+    from megabatch.checkpoint.model import model_from_checkpoint
 
     from ..helpers import ROOT, run_script
 
@@ -204,7 +204,7 @@ def test_train_export_and_open_clip_give_the_same_embeddings_and_top1(tmp_path, 
     # the same top-1 on the digits: megabatch's evaluation of the checkpoint, open_clip's and
     # CLIP_benchmark's of the export
     from megabatch.eval import agreement
-    from megabatch.eval.checkpoint import evaluate_checkpoint
+    from megabatch.eval.evaluate import evaluate_checkpoint
 
     ours_top1 = evaluate_checkpoint(compose(f"ckpt={ckpt}", config_name="evaluate"))["digits"]["top1"]
     assert agreement.open_clip_top1(out, data_cache) == pytest.approx(ours_top1, abs=1e-9)
@@ -241,8 +241,8 @@ def test_an_open_clip_folder_fine_tunes_with_its_image_tower_locked(tmp_path):
     """``model=openclip model.arch=null model.pretrained=<folder> model.lock_image=true``: the
     trainer runs end to end; the locked tower keeps its weights but for its last unlocked block,
     the text tower and the scale move, and evaluation of the checkpoint uses the folder's preprocessing."""
-    from megabatch.checkpoint import load_checkpoint
-    from megabatch.eval.checkpoint import model_from_checkpoint
+    from megabatch.checkpoint.files import load_checkpoint
+    from megabatch.checkpoint.model import model_from_checkpoint
 
     from ..helpers import ROOT, run_script
 

@@ -53,7 +53,7 @@ def test_a_size_that_is_not_a_whole_number_of_patches_drops_the_rest_as_the_conv
 def test_the_run_applies_it_by_default_and_can_turn_it_off():
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
-    from megabatch.train.parts import RunParts
+    from megabatch.train.build.parts import RunParts
 
     from ..helpers import compose
 

@@ -16,8 +16,8 @@ from megabatch.config import ConfigError, parse_samples_total
 from megabatch.config.schema import validate
 from megabatch.report import read_run, write_summary
 from megabatch.report.runs import RunStatus
-from megabatch.train.metrics import MetricsLogger
-from megabatch.train.plan import BatchPlan
+from megabatch.train.step.plan import BatchPlan
+from megabatch.train.trainer.metrics import MetricsLogger
 
 from ..helpers import ROOT, compose
 

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-import megabatch.checkpoint as checkpoint
+import megabatch.checkpoint.files as checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 _save = checkpoint.save_checkpoint

@@ -16,7 +16,7 @@ from megabatch.config import ConfigError
 from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
 from megabatch.distributed.fsdp import full
-from megabatch.train.parts import RunParts
+from megabatch.train.build.parts import RunParts
 
 from ..helpers import compose, rel_error, run_ranks
 from .test_gradcache import BASE, BATCH, flat

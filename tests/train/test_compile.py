@@ -13,7 +13,7 @@ import torch
 from megabatch.config import ConfigError
 from megabatch.config.schema import validate
 from megabatch.models import build_model
-from megabatch.train.precision import Precision
+from megabatch.train.step.precision import Precision
 
 from ..helpers import build_parts, compose, rel_error, run_ranks
 
@@ -241,7 +241,7 @@ def test_the_process_wide_settings_are_made_once_in_one_place(monkeypatch):
     """configure_backends makes them (and says so); building the model and compiling its towers do not."""
     import torch._inductor.config as inductor_config
 
-    from megabatch.backends import configure_backends
+    from megabatch.runtime.process import configure_backends
 
     monkeypatch.setattr(inductor_config, "fallback_random", False)
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # nothing compiled here
@@ -256,7 +256,7 @@ def test_the_process_wide_settings_are_made_once_in_one_place(monkeypatch):
 def test_triton_kernels_are_kept_in_the_cache_directory_on_a_gpu(tmp_path, monkeypatch):
     """On CUDA, Triton's kernel cache defaults to ``<data.cache_dir>/triton`` (shared like the compile
     cache); a ``TRITON_CACHE_DIR`` the user set wins. Nothing here needs a GPU (decoding on the CPU)."""
-    from megabatch.backends import configure_backends
+    from megabatch.runtime.process import configure_backends
 
     cfg = compose(f"data.cache_dir={tmp_path}", "data.decode=cpu")
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -281,7 +281,7 @@ def test_inductors_compile_workers_start_with_the_run_on_a_gpu(tmp_path, monkeyp
     without ``model.compile``. The pool itself is stubbed: nothing here needs a GPU."""
     from torch._inductor import async_compile
 
-    from megabatch.backends import configure_backends
+    from megabatch.runtime.process import configure_backends
 
     started = []
     monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))
@@ -351,8 +351,8 @@ def test_a_multiruns_later_job_counts_its_start_up_from_the_job_before(monkeypat
     """``time_to_first_step_s`` of a multirun's second job is its own start-up, not the process's age."""
     import time
 
-    from megabatch.processes import process_age_s
-    from megabatch.train import startup
+    from megabatch.runtime.signals import process_age_s
+    from megabatch.train.build import startup
 
     monkeypatch.setattr(startup, "_previous_run_ended", None)
     first = startup.StartupTimes()

@@ -1,4 +1,4 @@
-"""model.compile's cache across runs (train/compile_cache.py): a second process, with inductor's own
+"""model.compile's cache across runs (train/build/compile_cache.py): a second process, with inductor's own
 cache empty as on another node, loads the first one's compiled towers from the cache directory,
 compiles no graph anew and gives the same gradients; a damaged cache file is ignored with a warning."""
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from megabatch.train.compile_cache import CompileCache
+from megabatch.train.build.compile_cache import CompileCache
 
 from ..helpers import ROOT, rel_error
 
@@ -23,8 +23,8 @@ from megabatch.config.compose import compose
 from megabatch.config.schema import validate
 from megabatch.data.samples import SubBatch
 from megabatch.distributed import init_distributed
-from megabatch.backends import configure_backends
-from megabatch.train.parts import step_without_data
+from megabatch.runtime.process import configure_backends
+from megabatch.train.build.parts import step_without_data
 
 torch.set_num_threads(1)
 logging.basicConfig(level=logging.INFO)
@@ -68,14 +68,14 @@ def test_a_damaged_or_unwritable_cache_is_a_warning_never_an_error(tmp_path, cap
     damaged.parent.mkdir()
     for content in (b"", b"not a cache", os.urandom(4096)):
         damaged.write_bytes(content)
-        with caplog.at_level(logging.WARNING, logger="megabatch.train.compile_cache"):
+        with caplog.at_level(logging.WARNING, logger="megabatch.train.build.compile_cache"):
             caplog.clear()
             assert CompileCache(damaged).load() is False
         assert "could not be loaded" in caplog.text and "ignored" in caplog.text
     blocked = tmp_path / "a file" / "tiny-0.bin"
     blocked.parent.write_text("")  # the cache's folder is a file: nothing can be written there
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled", None))  # something to keep
-    with caplog.at_level(logging.WARNING, logger="megabatch.train.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="megabatch.train.build.compile_cache"):
         caplog.clear()
         CompileCache(blocked).save()
     assert "could not be written" in caplog.text

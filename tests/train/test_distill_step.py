@@ -20,7 +20,7 @@ from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
 from megabatch.distributed.fsdp import full, is_sharded
 from megabatch.models import build_model
-from megabatch.train.parts import RunParts
+from megabatch.train.build.parts import RunParts
 
 from ..helpers import ROOT, compose, rel_error, run_ranks
 from .test_gradcache import BASE, BATCH, flat

@@ -11,7 +11,7 @@ import torch
 from megabatch.config import ConfigError
 from megabatch.config.schema import validate
 from megabatch.train import run
-from megabatch.train.ema import WeightAverage
+from megabatch.train.step.ema import WeightAverage
 
 from ..helpers import ROOT, compose, rel_error, run_ranks, run_script
 
@@ -94,8 +94,8 @@ def test_the_runs_average_is_hand_rolled_across_a_resume_evaluated_and_exported(
 
     from safetensors.torch import load_file
 
-    from megabatch.checkpoint import load_checkpoint
-    from megabatch.eval.checkpoint import model_from_checkpoint
+    from megabatch.checkpoint.files import load_checkpoint
+    from megabatch.checkpoint.model import model_from_checkpoint
     from megabatch.models.export import export_open_clip
 
     out = export_open_clip(model_from_checkpoint(load_checkpoint(ckpt), "ema"), tmp_path / "export")  # export.py's
@@ -105,7 +105,7 @@ def test_the_runs_average_is_hand_rolled_across_a_resume_evaluated_and_exported(
 
 
 def test_bad_ema_settings_name_the_key():
-    from megabatch.checkpoint import model_weights
+    from megabatch.checkpoint.files import model_weights
 
     for override, key in (("ema.decay=1.5", "ema.decay"), ("ema.every=0", "ema.every"),
                           ("ema.warmup_power=-1", "ema.warmup_power"), ("+ema.beta=0.9", "ema.beta"),
@@ -120,9 +120,9 @@ def test_bad_ema_settings_name_the_key():
 def sharded_average(rank: int, world: int, ckpt_dir: str) -> dict:
     """Three ``TrainStep.step`` updates with ``ema.decay``, replicated (DDP) and sharded (FSDP): each
     step's weights, the average; the sharded one saved in a DCP checkpoint, changed, and loaded back."""
-    from megabatch.checkpoint import load_checkpoint
+    from megabatch.checkpoint.checkpointer import Checkpointer, TrainState
+    from megabatch.checkpoint.files import load_checkpoint
     from megabatch.distributed.fsdp import full
-    from megabatch.train.checkpointer import Checkpointer, TrainState
 
     from ..train.test_gradcache import build
 

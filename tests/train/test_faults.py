@@ -123,8 +123,8 @@ def test_a_killed_rank_is_named_and_torchrun_restarts_the_run_to_the_same_weight
 def resume_choice(rank: int, world: int, run_dir: str, rank1_sees: str) -> str:
     """``agreed_resume`` where rank 1's filesystem shows ``last.pt`` late: not in its listing
     (``stale-listing``: a checkpoint renamed a moment ago), or not at all (``missing``)."""
-    import megabatch.checkpoint as checkpoint
-    import megabatch.train.loop as loop
+    import megabatch.checkpoint.files as checkpoint
+    import megabatch.train.trainer.loop as loop
     from megabatch.config import ConfigError
 
     if rank == 1:
@@ -145,7 +145,7 @@ def resume_choice(rank: int, world: int, run_dir: str, rank1_sees: str) -> str:
 
 
 def test_every_rank_resumes_from_rank_zeros_choice(tmp_path):
-    from megabatch.checkpoint import save_checkpoint
+    from megabatch.checkpoint.files import save_checkpoint
 
     for step, name in ((2, "step_00000002.pt"), (4, "last.pt")):
         save_checkpoint(tmp_path / "checkpoints" / name, {"model": {}, "step": step})
@@ -163,8 +163,8 @@ def count_syncs(rank: int, world: int, run_dir: str) -> list[dict[str, int]]:
 
     from megabatch.config.schema import validate
     from megabatch.distributed import init_distributed
-    from megabatch.train.loop import Trainer
-    from megabatch.train.step import TrainStep
+    from megabatch.train.step.step import TrainStep
+    from megabatch.train.trainer.loop import Trainer
 
     counts = {"item": 0, "all_gather": 0}
     per_step: list[dict[str, int]] = []
@@ -227,7 +227,7 @@ def test_the_split_is_indexed_for_local_shards_and_shard_for_streams(tmp_path, c
 def test_wandb_keeps_one_run_per_run_directory(tmp_path, monkeypatch):
     import wandb
 
-    from megabatch.train.metrics import MetricsLogger
+    from megabatch.train.trainer.metrics import MetricsLogger
 
     ids = []
     monkeypatch.setattr(wandb, "init", lambda **kwargs: ids.append(kwargs["id"]) or None)

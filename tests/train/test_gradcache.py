@@ -16,8 +16,8 @@ from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
 from megabatch.distributed.fsdp import full
 from megabatch.models import build_model
-from megabatch.train.gradcache import RngState
-from megabatch.train.parts import RunParts
+from megabatch.train.build.parts import RunParts
+from megabatch.train.step.gradcache import RngState
 
 from ..helpers import compose, interpreted_only, record_calls, rel_error, run_ranks
 
@@ -120,7 +120,7 @@ def test_offload_gives_the_same_gradients(tmp_path):
 
 def test_reading_ahead_changes_no_gradient(tmp_path, monkeypatch):
     """Two steps with 2 loader workers, read ahead by a thread or not: the same gradients each step."""
-    import megabatch.train.inputs as inputs
+    import megabatch.train.build.inputs as inputs
 
     readers = []
 
@@ -148,7 +148,7 @@ def test_reading_ahead_changes_no_gradient(tmp_path, monkeypatch):
 
 
 def test_the_read_ahead_budget_and_its_errors(tmp_path):
-    from megabatch.train.inputs import read_ahead_budget
+    from megabatch.train.build.inputs import read_ahead_budget
 
     assert read_ahead_budget("auto", offload=False) == 8e9
     # offload with CPU decoding: its re-decode workers use the cores, reading ahead only adds host memory;
@@ -333,7 +333,7 @@ def worker_pids(redecoder, count: int) -> set[int]:
 
 def wait_gone(pids: set[int], seconds: float) -> set[int]:
     """The ``pids`` still alive (or not yet reaped) after up to ``seconds``."""
-    from megabatch.processes import process_alive
+    from megabatch.runtime.signals import process_alive
 
     deadline = time.monotonic() + seconds
     while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
@@ -397,7 +397,7 @@ def test_re_decode_workers_are_forked_with_the_stop_signals_blocked_then_ignore_
 
     from megabatch.data.offload import Redecoder
     from megabatch.data.transforms import train_transform
-    from megabatch.processes import STOP_SIGNALS
+    from megabatch.runtime.signals import STOP_SIGNALS
 
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     redecoder = Redecoder(train_transform(16), seed=0, workers=1)
@@ -414,7 +414,7 @@ def test_re_decode_workers_are_forked_with_the_stop_signals_blocked_then_ignore_
 def _signal_state():
     import signal
 
-    from megabatch.processes import STOP_SIGNALS
+    from megabatch.runtime.signals import STOP_SIGNALS
 
     return [signal.getsignal(signum) for signum in STOP_SIGNALS], set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
 

@@ -14,8 +14,8 @@ import torch
 
 from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
-from megabatch.train.parts import RunParts
-from megabatch.train.phases import PhaseTimes
+from megabatch.train.build.parts import RunParts
+from megabatch.train.step.phases import PhaseTimes
 
 from ..helpers import compose
 from .test_gradcache import BASE, BATCH

@@ -1,4 +1,4 @@
-"""A run's sub-batches across epoch boundaries (``train/inputs.py``): the next epoch's loader starts
+"""A run's sub-batches across epoch boundaries (``train/build/inputs.py``): the next epoch's loader starts
 before the current one drains, and the samples, their order and their augmentation are what a
 loader per epoch, each started at its boundary, gives (indexed, position and shard splits); a
 resume mid-epoch continues the same sequence."""
@@ -21,9 +21,9 @@ from megabatch.data import TrainData
 from megabatch.data.gpu_decode import DecodePool
 from megabatch.data.shard_writer import Sample, encode_png, write_shards
 from megabatch.data.worker_start import PickledOnce
-from megabatch.processes import process_alive
-from megabatch.train.inputs import EPOCH_LEAD_STEPS, RunInputs
-from megabatch.train.plan import BatchPlan
+from megabatch.runtime.signals import process_alive
+from megabatch.train.build.inputs import EPOCH_LEAD_STEPS, RunInputs
+from megabatch.train.step.plan import BatchPlan
 
 from ..helpers import compose, preprocess
 

@@ -1,4 +1,4 @@
-"""optim.layer_decay (train/optim.py): each tower's blocks get the peak lr times decay^(depth from that
+"""optim.layer_decay (train/build/optim.py): each tower's blocks get the peak lr times decay^(depth from that
 tower's top), the embeddings at the bottom, the final norm and projection at the top, the logit scale
 at the peak; the step sets each group's lr from the schedule times its scale; bad values name the key,
 as do a bad optim=timm name and Muon under FSDP. (Resumes with each: test_resume.py.)"""
@@ -12,8 +12,8 @@ from hydra.utils import instantiate
 from megabatch.config import ConfigError
 from megabatch.data.samples import SubBatch
 from megabatch.models import build_model
-from megabatch.train.optim import build_optimizer, describe_param_groups
-from megabatch.train.step import TrainStep
+from megabatch.train.build.optim import build_optimizer, describe_param_groups
+from megabatch.train.step.step import TrainStep
 
 from ..helpers import compose, fixed_batch
 
@@ -118,7 +118,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     decay kept in both halves, AdamW's own lr (optim.optimizer.adamw_lr), a step through TrainStep that
     moves every parameter, and Muon refused under FSDP."""
     from megabatch.config.schema import validate
-    from megabatch.train.optim import MuonWithAdamW
+    from megabatch.train.build.optim import MuonWithAdamW
 
     scale, decay, optimizer = scales(["optim=muon", "optim.layer_decay.image=0.5", "optim.lr=0.01",
                                       "optim.optimizer.adamw_lr=0.002"])

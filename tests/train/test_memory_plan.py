@@ -7,7 +7,7 @@ import pytest
 
 from megabatch.config import ConfigError
 from megabatch.config.schema import validate
-from megabatch.train.memory_plan import MemoryFit, batch_bytes, divisors, plan_sub_batch
+from megabatch.train.build.memory_plan import MemoryFit, batch_bytes, divisors, plan_sub_batch
 
 from ..helpers import compose
 
@@ -91,7 +91,7 @@ def test_the_keys_are_checked():
 def test_fsdp_reduces_once_per_step_where_the_whole_gradient_fits():
     """``trainer.fsdp_reduce=auto``: once per step (the whole gradient held) unless that halves the
     sub-batch or nothing fits beside the gradient; ``step`` counts the gradient or fails clearly."""
-    from megabatch.train.memory_plan import plan_sub_batch_and_reduction as plan
+    from megabatch.train.build.memory_plan import plan_sub_batch_and_reduction as plan
 
     fit = MemoryFit(fixed=1 * GB, per_row=0.1 * GB)
     # 70 GB beside the batch: 512 rows per sub-batch alone; with a 10 GB gradient 512 still fits (52.2 GB)
@@ -120,7 +120,7 @@ def test_a_teachers_features_are_held_for_the_batch():
     """``distill.teacher``: its image and text features in GradCache's buffers and as the loss's fp32 copies,
     and on several ranks every rank's teacher and student text features gathered; a plan with them picks a smaller
     sub-batch where they take the room."""
-    from megabatch.train.memory_plan import teacher_bytes
+    from megabatch.train.build.memory_plan import teacher_bytes
 
     assert teacher_bytes(1024, 1, 768, 2) == 1024 * 768 * 2 * (2 + 4)
     assert teacher_bytes(1024, 4, 768, 2) == 1024 * 768 * 2 * (2 + 4) + 4 * 1024 * 768 * 4

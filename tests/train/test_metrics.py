@@ -8,7 +8,7 @@ import collections
 import pytest
 
 from megabatch.data import gpu_decode
-from megabatch.train.metrics import Interval
+from megabatch.train.trainer.metrics import Interval
 
 
 def test_an_interval_reports_the_decoding_waits_of_its_own_steps(monkeypatch):
@@ -45,7 +45,7 @@ def fake_trackio(monkeypatch) -> list:
 
 def test_trackio_gets_wandbs_fields_and_run_name(tmp_path, monkeypatch):
     from megabatch.config.schema import validate
-    from megabatch.train.metrics import MetricsLogger
+    from megabatch.train.trainer.metrics import MetricsLogger
 
     from ..helpers import compose
 

@@ -14,7 +14,7 @@ from megabatch.config.schema import validate
 from megabatch.data.shard_writer import Sample, encode_png, write_shards
 from megabatch.distributed import init_distributed
 from megabatch.distributed.fsdp import full
-from megabatch.train.parts import RunParts
+from megabatch.train.build.parts import RunParts
 
 from ..helpers import compose, rel_error, run_ranks
 from .test_gradcache import BASE, flat

@@ -16,7 +16,7 @@ from megabatch.data.shard_writer import Sample, encode_png, write_shards
 from megabatch.distributed import init_distributed
 from megabatch.distributed.fsdp import full
 from megabatch.models import build_model
-from megabatch.train.parts import RunParts
+from megabatch.train.build.parts import RunParts
 
 from ..helpers import compose, rel_error, run_ranks
 from .test_gradcache import BASE, BATCH, flat

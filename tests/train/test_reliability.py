@@ -100,7 +100,7 @@ def test_a_diverging_run_stops_with_finite_checkpoints_and_strict_metrics(tmp_pa
 def test_a_crafted_checkpoint_runs_nothing(tmp_path, target):
     """Its stored config names a callable outside megabatch: loading it is refused before any call."""
     from megabatch.config import ConfigError
-    from megabatch.eval.checkpoint import evaluate_checkpoint
+    from megabatch.eval.evaluate import evaluate_checkpoint
 
     marker = tmp_path / "pwned"
     config = f"model:\n  _target_: {target}\n  _args_: ['touch {marker}']\n"
@@ -161,7 +161,7 @@ def test_numbered_checkpoints_alone_guard_the_run_directory(tmp_path):
 def test_a_full_disk_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch):
     import errno
 
-    import megabatch.checkpoint as checkpoint
+    import megabatch.checkpoint.files as checkpoint
 
     def no_space(payload, handle):
         handle.write(b"partial")
@@ -175,7 +175,7 @@ def test_a_full_disk_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch
 
 def test_a_second_run_on_a_locked_directory_fails_at_once(tmp_path):
     from megabatch.config import ConfigError
-    from megabatch.train.run_lock import RunLock
+    from megabatch.train.trainer.lock import RunLock
 
     live = RunLock(tmp_path)  # a run of this (live) process holds the directory
     live.acquire()

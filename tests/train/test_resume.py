@@ -133,7 +133,7 @@ def test_sharded_checkpoints_resume_bitwise_and_a_torn_one_is_skipped(tmp_path, 
     """trainer.parallel=fsdp on one process: the checkpoints are DCP folders all the same."""
     import logging
 
-    from megabatch.checkpoint import _read_sharded, load_checkpoint
+    from megabatch.checkpoint.files import _read_sharded, load_checkpoint
 
     caplog.set_level(logging.INFO)
 

@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megabatch.models import build_model
-from megabatch.train.utilization import (
+from megabatch.train.step.utilization import (
     ModelFlops,
     Peak,
     attention_flop_formulas,

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import ConfigError
-from ..processes import ignore_stop_signals, process_alive, stop_signals_blocked
+from ..runtime.signals import ignore_stop_signals, process_alive, stop_signals_blocked
 from .gpu_decode import DecodePool, GpuDecoder, decode_ahead, to_device
 from .samples import EncodedImages, JpegBatch, SampleDecoder
 
@@ -110,7 +110,7 @@ _worker_decoder: dict = {}
 
 
 def _init_redecode_worker(transform, seed: int) -> None:
-    ignore_stop_signals()  # the main process stops the run (train/preemption.py); the pool ends by its own message
+    ignore_stop_signals()  # the main process stops the run (train/trainer/stops.py); the pool ends by its own message
     torch.set_num_threads(1)
     _worker_decoder.update(transform=transform, seed=seed)
 

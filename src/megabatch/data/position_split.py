@@ -17,7 +17,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ..processes import ignore_stop_signals
+from ..runtime.signals import ignore_stop_signals
 from .captions import CaptionKeys
 from .samples import EncodedImages, SampleDecoder, Stats, SubBatch, Texts, decode_pair
 from .tars import tar_samples
@@ -190,6 +190,6 @@ def make_loader(dataset: PositionSplitBatches, num_workers: int, pin_memory: boo
         persistent_workers=False,
         multiprocessing_context=worker_context(worker_start) if num_workers > 0 else None,
         prefetch_factor=4 if num_workers > 0 else None,
-        worker_init_fn=ignore_stop_signals,  # the main process stops the run (train/preemption.py)
+        worker_init_fn=ignore_stop_signals,  # the main process stops the run (train/trainer/stops.py)
         generator=torch.Generator().manual_seed(0),
     )

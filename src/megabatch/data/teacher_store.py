@@ -39,7 +39,7 @@ class TeacherSpec:
 
     def read(self, sample: dict) -> np.ndarray | None | str:
         """``sample``'s embeddings ``[members, 2, width]`` in their stored dtype (float16 or float32: the
-        device makes them float32, ``train/teacher.py``); ``None`` where it has none; ``"bad"`` where they do
+        device makes them float32, ``train/step/teacher.py``); ``None`` where it has none; ``"bad"`` where they do
         not parse or have another shape (a wrong width, another ensemble)."""
         data = sample.get(self.key)
         if data is None:

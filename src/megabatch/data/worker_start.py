@@ -1,6 +1,6 @@
 """How the training loader's worker processes start (``data.worker_start``).
 
-A loader per epoch starts its workers when the previous epoch is about to end (``train/inputs.py``).
+A loader per epoch starts its workers when the previous epoch is about to end (``train/build/inputs.py``).
 Forked from the training process, each worker copies that process's page tables: on a GPU rank,
 with CUDA, the model and the pinned buffers mapped, forking 12 workers took 0.41-0.48 s of the main
 thread once an epoch (ViT-B/32 at 32k on an H200 and on 4 H200s; docs/bench), the slowest step of
@@ -40,7 +40,7 @@ def start_worker_server() -> None:
     ends when this process does."""
     from multiprocessing import forkserver
 
-    from ..processes import stop_signals_blocked
+    from ..runtime.signals import stop_signals_blocked
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(SERVER_PRELOAD)
     with stop_signals_blocked():  # the server starts with them blocked, until its preload ignores them

@@ -49,7 +49,7 @@ class ContrastiveLoss(nn.Module):
         super().__init__()
         self.group = group
         # loss.caption_weight / loss.contrastive_weight: the step's weights of the caption loss (a CoCa's) and
-        # of this loss, kept in the loss's config; the trainer applies them (train/step.py), not this module
+        # of this loss, kept in the loss's config; the trainer applies them (train/step/step.py), not this module
         self.caption_weight, self.contrastive_weight = float(caption_weight), float(contrastive_weight)
         self._checked_rows: set[int] = set()  # the per-rank row counts already checked equal on every rank
 

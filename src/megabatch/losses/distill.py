@@ -251,7 +251,7 @@ class DistilledLoss(nn.Module):
     """A contrastive loss plus ``weight`` x the distillation term (``distill.weight``): called as the
     contrastive loss is, with ``teacher=(image, text)``, the teacher's features of the same samples.
     ``teacher_scale``: the teacher's logit multiplier (``1 / distill.temperature``). ``teacher``: the
-    frozen model phase 1 runs (``train/teacher.py``), held here for the step. ``terms``: the last
+    frozen model phase 1 runs (``train/step/teacher.py``), held here for the step. ``terms``: the last
     call's two terms, detached (the log's ``loss/contrastive`` and ``loss/distill``). ``impl``: the term's
     (``distill_term``), by default the contrastive loss's ``impl`` (``loss.impl``)."""
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import ConfigError, no_such_option
 from ..config.schema import RETIRED_MODEL_KEYS, ModelSettings, model_settings
-from ..images import normalize_images
+from .images import normalize_images
 from .preprocess import build_tokenizer, resolve_preprocess
 from .pretrained import load_weights, resolve_pretrained
 from .text_length import TextTrim, encode_text_prefix, text_trim, why_untrimmed
@@ -252,8 +252,8 @@ class ClipModel(nn.Module):
         goes through in chunks of ``rows``: neither recompiles. Gradient mode is part of what a
         compiled graph assumes, so GradCache's graph-free encoding, the replay and a frozen tower's
         no-grad pass each compile once. Random ops (dropout, patch dropout) draw from torch's
-        generator as in eager mode (inductor's ``fallback_random``, which ``megabatch.backends.configure_backends``
-        sets), so the replay redraws them.
+        generator as in eager mode (inductor's ``fallback_random``, which
+        ``megabatch.runtime.process.configure_backends`` sets), so the replay redraws them.
         Captions cut to their length (``trim_text``) reach the text tower with their length marked
         dynamic from the first call: one graph per gradient mode for the lengths its guards admit
         (every length on the CPU; on an H100, 40 to 77 tokens for a graph compiled at 77), not one per
@@ -265,7 +265,7 @@ class ClipModel(nn.Module):
         those graphs (``torch.compiler.cudagraph_mark_step_begin``): its outputs may overwrite the
         previous call's, which the one-pass step has consumed by then (its backward run). The
         trainer allows it for the one-pass step of towers without random ops only
-        (``train/parts.py: check_cuda_graphs``)."""
+        (``train/build/parts.py: check_cuda_graphs``)."""
         trim = self.text_trim
         dynamic = trim is not None and trim.bucket(1) < trim.context_length  # captions cut to varying lengths
         if scope == "block":
@@ -469,7 +469,7 @@ def build_clip(
                     CLIPVisionCfg(**vision_cfg), quick_gelu=quick_gelu, init_logit_scale=init_logit_scale,
                     init_logit_bias=init_logit_bias)
         init_caption_decoder(clip)  # open_clip leaves its projection uninitialised
-        clip.text_decoder.requires_grad_(False)  # trained only with loss.caption_weight > 0 (train/parts.py)
+        clip.text_decoder.requires_grad_(False)  # trained only with loss.caption_weight > 0 (train/build/parts.py)
     else:
         for key in ("pooling", "proj"):
             text.pop(key, None)

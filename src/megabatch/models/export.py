@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
-from ..images import normalize_images
 from .clip import ClipModel
+from .images import normalize_images
 from .pretrained import CONFIG_NAME
 
 log = logging.getLogger(__name__)

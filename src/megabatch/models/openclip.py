@@ -136,7 +136,7 @@ def _create(model_cfg: dict[str, Any], label: str, **kwargs) -> CLIP | CustomTex
 
 def _freeze_caption_decoder(clip) -> None:
     """CoCa: its captioning decoder takes no part in a contrastive loss; frozen, so that DDP and the
-    optimizer see only what the loss trains (``loss.caption_weight > 0`` unfreezes it: train/parts.py)."""
+    optimizer see only what the loss trains (``loss.caption_weight > 0`` unfreezes it: train/build/parts.py)."""
     decoder = getattr(clip, "text_decoder", None)
     if decoder is not None:
         decoder.requires_grad_(False)

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ..checkpoint import run_checkpoints
+from ..checkpoint.files import run_checkpoints
 from ..config import ConfigError, parse_count
 
 STATUS_FILE = "status.json"

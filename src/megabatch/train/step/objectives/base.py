@@ -1,6 +1,6 @@
 """The seam every training term beside the contrastive loss plugs into.
 
-The step (``train/step.py``) and GradCache (``train/gradcache.py``) call these hooks on each objective in turn and
+The step (``train/step/step.py``) and GradCache (``train/step/gradcache.py``) call these hooks on each objective in turn and
 name none of them. An objective keeps its own per-step state (what phase 1 encoded of it, its gradients, its
 logged value) and says what the replay must encode again. Its config checks live in ``config/schema.py``'s
 ``validate`` (before anything is built); the objectives a run trains with are built by ``objectives.build``.

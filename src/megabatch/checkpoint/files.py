@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 
 log = logging.getLogger(__name__)
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 SHARDED = ".dcp"      # a sharded checkpoint's folder suffix
 META = "meta.pt"      # a sharded checkpoint's step, RNG states, config and model description
-EMA = "ema"           # the moving average's entry (train/ema.py): counters, and its "weights" (name -> tensor)
+EMA = "ema"           # the moving average's entry (train/step/ema.py): counters, and its "weights" (name -> tensor)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed.fsdp import local
+from ...distributed.fsdp import local
 
 log = logging.getLogger("megabatch")
 

@@ -3,9 +3,9 @@ step built without a run, OpenCLIP's own training loop, a profile's kernel summa
 writer with one metadata schema.
 
 Every benchmark writes ``{"meta": {...}, "results": [...]}`` through ``write_results``; ``meta``
-records the command, the git commit, the GPU(s), the library versions and the time. The benchmarks
-import it as any module of the package (``from megabatch.bench import write_results``), with no
-path edits; it is the top floor (it builds the trainer's step).
+records the command, the git commit, the GPU(s), the library versions and the time. A benchmark, run as
+``python scripts/benchmarks/<name>.py``, has this folder on its path and imports it as ``from bench import
+write_results``; it sits above the package and builds the trainer's step through its public functions.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout (src/megabatch/bench.py): git's commit, the configs
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (scripts/benchmarks/bench.py): git's commit, the configs
 
 
 def sync(device: torch.device) -> None:
@@ -59,14 +59,16 @@ def trainer_step(cfg, device: str | torch.device = "auto"):
     trains with on this process's rank, built by the trainer's own builder (``train.parts.step_without_data``:
     trimming, FP8, FSDP, compilation and the loss's checks included) after the trainer's process-wide
     settings. No run directory, data or logging."""
-    from megabatch.backends import configure_backends
     from megabatch.config.schema import validate
+    from megabatch.data.loading import configure_loading
     from megabatch.distributed import init_distributed
-    from megabatch.train.parts import step_without_data
+    from megabatch.runtime.process import configure_backends
+    from megabatch.train.build.parts import step_without_data
 
     cfg = validate(cfg)
     env = init_distributed(str(device) if isinstance(device, torch.device) else device)
     configure_backends(cfg, env.device)
+    configure_loading(cfg.data, env.device)
     return step_without_data(cfg, env)
 
 

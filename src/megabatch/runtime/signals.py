@@ -1,7 +1,7 @@
 """This host's processes: the signals that ask a run to stop (what SLURM, Kubernetes and Ctrl-C send)
 and whether a process id is alive. A job's signal reaches every one of its processes; worker
 processes (DataLoader workers, the offload re-decode pool) ignore the stop signals, and the main
-process stops the run cleanly (``train/preemption.py``)."""
+process stops the run cleanly (``train/trainer/stops.py``)."""
 
 from __future__ import annotations
 

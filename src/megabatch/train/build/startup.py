@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from ..processes import process_age_s
+from ...runtime.signals import process_age_s
 
 LAUNCH = "launch"  # the interpreter, the imports and the config before the trainer starts (or, for a later
 # job of a multirun, the time since the one before it ended)

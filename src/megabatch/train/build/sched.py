@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
-from ..config import ConfigError, parse_optional_count
+from ...config import ConfigError, parse_optional_count
 
 log = logging.getLogger("megabatch")
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from ..config import ConfigError
-from ..images import normalize_images
-from ..models import ClipModel
+from ...config import ConfigError
+from ...models import ClipModel
+from ...models.images import normalize_images
 
 log = logging.getLogger("megabatch")
 
@@ -41,7 +41,7 @@ class Teacher:
         # weights; every rank encodes as many sub-batches, so its blocks' gathers run in lockstep)
         self.sharded = shard
         if shard:
-            from ..distributed.fsdp import shard_model
+            from ...distributed.fsdp import shard_model
 
             shard_model(self.model, device, bf16=False)
         # distill.compile (CUDA): the encoders compiled at their first sub-batch (no graph: inference only); a
@@ -115,7 +115,7 @@ def load_teacher_model(distill: DictConfig) -> ClipModel:
     """``distill.teacher``'s model: an open_clip architecture (weights from ``distill.pretrained``, or
     random without), a megabatch checkpoint (a ``.pt`` file or ``.dcp`` folder) or an export folder
     (``scripts/export.py``)."""
-    from ..models import build_openclip
+    from ...models import build_openclip
 
     teacher = str(distill.teacher)
     path = Path(teacher).expanduser()
@@ -126,8 +126,8 @@ def load_teacher_model(distill: DictConfig) -> ClipModel:
                               "distill.pretrained")
         if path.is_dir() and (path / "open_clip_config.json").is_file():  # an export
             return build_openclip(pretrained=str(path))
-        from ..checkpoint import load_checkpoint
-        from ..eval.checkpoint import model_from_checkpoint
+        from ...checkpoint.files import load_checkpoint
+        from ...checkpoint.model import model_from_checkpoint
 
         try:
             return model_from_checkpoint(load_checkpoint(path), where="distill.teacher")
@@ -211,8 +211,8 @@ def write_teacher_shards(urls: list[str], out: Path, teachers: list[tuple[str, T
     without embeddings (a run skips and counts it). Returns the shards this rank wrote."""
     import tarfile
 
-    from ..data.samples import IMAGE_KEYS, decode_rgb
-    from ..data.teacher_store import SPEC_NAME, TeacherSpec, encode_embeddings
+    from ...data.samples import IMAGE_KEYS, decode_rgb
+    from ...data.teacher_store import SPEC_NAME, TeacherSpec, encode_embeddings
 
     widths = {teacher.width for _, teacher in teachers}
     if len(widths) != 1:

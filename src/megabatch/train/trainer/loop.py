@@ -20,27 +20,28 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from ..backends import configure_backends
-from ..bytecode import write_missing_bytecode
-from ..checkpoint import load_checkpoint, load_resume, run_checkpoints
-from ..config import ConfigError, parse_duration
-from ..config.schema import recipe_warning, validate
-from ..distributed import DistEnv, init_distributed
-from ..distributed.fsdp import is_sharded
-from ..distributed.health import FAILED, RankLost, describe, is_communication_error
-from ..distributed.once import on_rank_zero
-from ..eval import headline, result_name, run_zeroshot, summary, weights_to_evaluate
-from ..eval.results import results_table, write_results
-from ..processes import end_children, ignore_stop_signals
-from ..report import RunStatus
-from ..report.runs import failure
-from .checkpointer import Checkpointer, RngStates, TrainState
+from ...checkpoint.checkpointer import Checkpointer, RngStates, TrainState
+from ...checkpoint.files import load_checkpoint, load_resume, run_checkpoints
+from ...config import ConfigError, parse_duration
+from ...config.schema import recipe_warning, validate
+from ...data.loading import configure_loading
+from ...distributed import DistEnv, init_distributed
+from ...distributed.fsdp import is_sharded
+from ...distributed.health import FAILED, RankLost, describe, is_communication_error
+from ...distributed.once import on_rank_zero
+from ...eval import headline, result_name, run_zeroshot, summary, weights_to_evaluate
+from ...eval.results import results_table, write_results
+from ...report import RunStatus
+from ...report.runs import failure
+from ...runtime.bytecode import write_missing_bytecode
+from ...runtime.process import configure_backends
+from ...runtime.signals import end_children, ignore_stop_signals
+from ..build.parts import RunParts
+from ..build.startup import StartupTimes, run_ended
+from ..step.step import NonFiniteError, StepOutcome
+from .lock import RunLock
 from .metrics import MetricsLogger, RunFacts, StepLog
-from .parts import RunParts
-from .preemption import Preempted, StopRequests
-from .run_lock import RunLock
-from .startup import StartupTimes, run_ended
-from .step import NonFiniteError, StepOutcome
+from .stops import Preempted, StopRequests
 
 __all__ = ["NonFiniteError", "Trainer", "run"]
 
@@ -190,7 +191,8 @@ class Trainer:
     def _build(self) -> None:
         cfg, env = self.cfg, self.env
         with self.startup.phase("backends"):
-            settings = configure_backends(cfg, env.device)  # process-wide, once, before anything is built
+            # process-wide, once, before anything is built
+            settings = configure_backends(cfg, env.device) + configure_loading(cfg.data, env.device)
         for setting in settings:
             if self.main:
                 log.info("backends: %s", setting)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError, parse_count, parse_optional_count, parse_samples_total
+from ...config import ConfigError, parse_count, parse_optional_count, parse_samples_total
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..config import ConfigError
-from ..processes import process_alive
+from ...config import ConfigError
+from ...runtime.signals import process_alive
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..data import gpu_decode
-from .plan import BatchPlan
-from .startup import StartupTimes
-from .step import StepOutcome, UpdateHealth
-from .utilization import ModelFlops, Peak, utilization
+from ...data import gpu_decode
+from ..build.startup import StartupTimes
+from ..step.plan import BatchPlan
+from ..step.step import StepOutcome, UpdateHealth
+from ..step.utilization import ModelFlops, Peak, utilization
 
 log = logging.getLogger(__name__)
 train_log = logging.getLogger("megabatch")  # the trainer's own log lines

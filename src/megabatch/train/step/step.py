@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
-from ..data.offload import Offload
-from ..data.samples import SubBatch
-from ..distributed.fsdp import full, gathered_through, is_sharded, no_gradient_sync, reduce_replicated
+from ...data.offload import Offload
+from ...data.samples import SubBatch
+from ...distributed.fsdp import full, gathered_through, is_sharded, no_gradient_sync, reduce_replicated
 from .ema import WeightAverage
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay, to_device
 from .objectives import Objective

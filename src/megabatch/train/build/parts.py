@@ -20,19 +20,24 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from ..config import ConfigError, parse_count, parse_optional_count
-from ..config.schema import loss_weights, model_settings
-from ..data import TrainData
-from ..data.gpu_decode import GpuDecoder, resolve_decode
-from ..data.offload import Offload
-from ..data.worker_start import resolve_worker_start
-from ..distributed import DistEnv
-from ..distributed.fsdp import local, shard_model
-from ..models import ClipModel, build_model
-from ..models.fp8 import convert_to_fp8
-from ..models.preprocess import describe_preprocess
+from ...config import ConfigError, parse_count, parse_optional_count
+from ...config.schema import loss_weights, model_settings
+from ...data import TrainData
+from ...data.gpu_decode import GpuDecoder, resolve_decode
+from ...data.offload import Offload
+from ...data.worker_start import resolve_worker_start
+from ...distributed import DistEnv
+from ...distributed.fsdp import local, shard_model
+from ...models import ClipModel, build_model
+from ...models.fp8 import convert_to_fp8
+from ...models.preprocess import describe_preprocess
+from ..step.ema import WeightAverage
+from ..step.objectives import build as build_objectives
+from ..step.plan import BatchPlan
+from ..step.precision import Precision
+from ..step.step import TrainStep
+from ..step.utilization import ModelFlops, Peak, count_model_flops, gpu_peak
 from .compile_cache import CompileCache, cache_file
-from .ema import WeightAverage
 from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import (
     MemoryFit,
@@ -43,13 +48,8 @@ from .memory_plan import (
     probe_peak_memory,
     teacher_bytes,
 )
-from .objectives import build as build_objectives
 from .optim import build_optimizer, describe_param_groups, layer_decay_of
-from .plan import BatchPlan
-from .precision import Precision
 from .startup import StartupTimes
-from .step import TrainStep
-from .utilization import ModelFlops, Peak, count_model_flops, gpu_peak
 
 log = logging.getLogger("megabatch")
 
@@ -73,7 +73,7 @@ class RunParts:
     @classmethod
     def build(cls, cfg: DictConfig, env: DistEnv, *, warm_up: bool = True,
               times: StartupTimes | None = None) -> RunParts:
-        """Build every part for ``env``'s rank, after ``configure_backends`` (megabatch/backends.py) has made
+        """Build every part for ``env``'s rank, after ``configure_backends`` (megabatch/runtime/process.py) has made
         the process-wide settings: the model, then the data it reads, the batch plan the data and the
         GPU's memory allow, then the step (``build_step``, as the benchmarks build it). ``warm_up=False``:
         the towers are compiled later, by ``warm_up()`` (the trainer's, once the loader's workers are
@@ -187,8 +187,8 @@ def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv, data: Train
     distill = cfg.get("distill")
     if distill is None or distill.teacher is None:
         return loss
-    from ..losses.distill import DistilledLoss
-    from .teacher import build_teacher
+    from ...losses.distill import DistilledLoss
+    from ..step.teacher import build_teacher
 
     compiled = distill.get("compile")
     compiled = bool(cfg.model.get("compile")) if compiled is None else compiled
@@ -356,14 +356,14 @@ def log_fsdp_reduction(reduce: str, cfg: DictConfig, model: ClipModel, env: Dist
 def check_exact_replay(model: ClipModel, plan: BatchPlan) -> None:
     """GradCache's replay of compiled towers that draw random numbers (dropout, patch dropout) redraws
     phase 1's draws only where inductor draws from torch's generator as eager code does
-    (``fallback_random``, which ``megabatch.backends.configure_backends`` sets for ``model.compile``)."""
+    (``fallback_random``, which ``megabatch.runtime.process.configure_backends`` sets for ``model.compile``)."""
     import torch._inductor.config as inductor_config
 
     drawn = model.random_modules()
     if plan.sub_batches > 1 and drawn and not inductor_config.fallback_random:
         raise RuntimeError(f"model.compile with GradCache and random draws in the towers ({', '.join(drawn)}): the "
                            "replay is exact only with inductor's fallback_random; call "
-                           "megabatch.backends.configure_backends(cfg, device) before building the step")
+                           "megabatch.runtime.process.configure_backends(cfg, device) before building the step")
 
 
 def step_without_data(cfg: DictConfig, env: DistEnv, offload: Offload | None = None) -> TrainStep:

@@ -43,10 +43,11 @@ def configure_process() -> None:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             log.warning("CUDA_DEVICE_MAX_CONNECTIONS=%s set after CUDA started, so it does not apply: the GPU "
-                        "decoding may wait behind the step's kernels; call megabatch.backends.configure_process() "
-                        "first, or set it in the environment", CUDA_QUEUES)
+                        "decoding may wait behind the step's kernels; call "
+                        "megabatch.runtime.process.configure_process() first, or set it in the environment",
+                        CUDA_QUEUES)
     use_kept_bytecode()
-    from .processes import kill_workers_at_exit
+    from .signals import kill_workers_at_exit
 
     kill_workers_at_exit()  # a failed run's workers, which ignore SIGTERM, never hold its exit
 
@@ -69,17 +70,13 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
       first compilation and compiles in the main process, one kernel after another, until the pool's
       processes have imported torch (seconds, longer on a machine without bytecode); started here, they
       do that while the model, the data and the loader are built.
-    - JPEG decoding on the GPU: this thread's work leaves the legacy default stream for a stream of
-      its own, because nvJPEG's calls synchronise with the legacy stream and decoding ahead would
-      otherwise wait for the step's queued kernels.
-    - Loader workers started from a fork server (``data.worker_start``, ``auto`` on CUDA): the server
-      started now, importing the data modules while the model is built (``data/worker_start.py``).
+
+    The data's own process-wide settings (the step's CUDA stream beside the GPU decoding, the loader workers' fork
+    server) are ``megabatch.data.loading.configure_loading``'s, called beside this one.
     """
     import torch
 
-    from .config.schema import model_settings
-    from .data.gpu_decode import resolve_decode
-    from .data.worker_start import resolve_worker_start, start_worker_server
+    from ..config.schema import model_settings
 
     configure_process()
     done = []
@@ -103,14 +100,6 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
                     "per compiled function (model.compile)")
         if device.type == "cuda":
             done.append(start_compile_workers())
-    if device.type == "cuda" and resolve_decode(cfg.data.decode, device) == "gpu":
-        if torch.cuda.current_stream(device) == torch.cuda.default_stream(device):
-            torch.cuda.set_stream(torch.cuda.Stream(device))
-        done.append("the step's work on a CUDA stream of its own, beside the JPEG decoding (data.decode=gpu)")
-    if resolve_worker_start(cfg.data, device.type) == "forkserver":
-        start_worker_server()
-        done.append("loader workers forked from a server process started now (data.worker_start=forkserver): an "
-                    "epoch's loader costs this process no fork of itself")
     return done
 
 

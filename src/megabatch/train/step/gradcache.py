@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data.offload import Offload
-from ..data.samples import SubBatch
-from ..models.text_length import TextTrim
+from ...data.offload import Offload
+from ...data.samples import SubBatch
+from ...models.text_length import TextTrim
 from .precision import Precision
 
 

@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from ..config import ConfigError, parse_count
+from ...config import ConfigError, parse_count
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ import threading
 import weakref
 from collections.abc import Iterator
 
-from ..data import TrainData
-from ..data.gpu_decode import GpuDecoder, decode_ahead
-from ..data.read_ahead import ReadAhead
-from ..data.samples import SubBatch
-from .plan import BatchPlan
+from ...data import TrainData
+from ...data.gpu_decode import GpuDecoder, decode_ahead
+from ...data.read_ahead import ReadAhead
+from ...data.samples import SubBatch
+from ..step.plan import BatchPlan
 
 log = logging.getLogger("megabatch")
 

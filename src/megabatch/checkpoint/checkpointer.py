@@ -1,7 +1,7 @@
 """One checkpointer for every part of a run: each part saves and loads its own state.
 
 ``Checkpointer`` holds the model and the optimizer (whose state goes whole into a ``.pt``, or as
-every rank's shards into a DCP folder: ``checkpoint.py``) and a dict of named ``Stateful`` parts
+every rank's shards into a DCP folder: ``files.py``) and a dict of named ``Stateful`` parts
 (the scaler, the schedule, the data position, the RNG states, the trainer's counters), each
 saved under its name by its own ``state_dict`` and given back to its own ``load_state_dict``.
 A new part (EMA weights, a teacher's settings) is one more entry in that dict.
@@ -12,7 +12,7 @@ A new part (EMA weights, a teacher's settings) is one more entry in that dict.
     checkpointer.save(step=100, numbered=True)   # step_00000100.pt and last.pt
     checkpointer.load(path, state)               # every part from the file load_resume found
 
-A part with tensors sharded like the model's parameters (the moving average of ``train/ema.py``) has a
+A part with tensors sharded like the model's parameters (the moving average of ``train/step/ema.py``) has a
 ``tensors()`` method (name -> tensor, the same objects its state's ``weights`` entry holds): a sharded
 checkpoint writes them with the model's shards (every rank its own) and its other entries in
 ``meta.pt``, and reads them back in place.
@@ -34,7 +34,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import (
+from ..config import ConfigError
+from ..distributed.fsdp import is_sharded, local
+from ..models.pretrained import mismatched_shapes
+from .files import (
     capture_rng,
     load_sharded_state,
     load_whole_state,
@@ -42,9 +45,6 @@ from ..checkpoint import (
     write_run_checkpoint,
     write_sharded_checkpoint,
 )
-from ..config import ConfigError
-from ..distributed.fsdp import is_sharded, local
-from ..models.pretrained import mismatched_shapes
 
 log = logging.getLogger("megabatch")
 

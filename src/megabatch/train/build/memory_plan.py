@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError
+from ...config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -10,28 +10,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ..checkpoint import EMA, build_stored, load_checkpoint, model_weights
+from ..checkpoint.files import EMA, load_checkpoint, model_weights
+from ..checkpoint.model import model_from_checkpoint
 from ..config.schema import check_eval
 from ..distributed.env import init_distributed
-from ..models import ClipModel, from_description
-from ..models.clip import builder_node
 from .zeroshot import result_name, run_zeroshot, weights_to_evaluate
 
 log = logging.getLogger(__name__)
-
-
-def model_from_checkpoint(state: dict, weights: str = "raw", where: str = "weights") -> ClipModel:
-    """The checkpoint's model with its weights (``weights``: ``raw`` as trained, or ``ema``, their
-    moving average; ``where`` names the key that chose, for the error without one): built from its
-    open_clip description (architecture, preprocessing, tokenizer; no pretrained file needed), or for
-    checkpoints older than the description from the stored config (only megabatch's own targets: a
-    crafted file runs nothing)."""
-    if "open_clip" in state:
-        model = from_description(state["open_clip"])
-    else:
-        model = build_stored(builder_node(OmegaConf.create(state["config"]).model), "model")
-    model.load_state_dict(model_weights(state, weights, where))
-    return model
 
 
 def evaluate_checkpoint(cfg) -> dict[str, dict]:

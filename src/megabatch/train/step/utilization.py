@@ -149,7 +149,7 @@ def model_flop_formulas() -> dict:
     ``model.*`` setting counts the model's FLOPs alike: cuBLASLt's GEMM with its GELU epilogue
     (``model.gelu=tanh``: ``aten._addmm_activation``, counted as ``addmm``) and the project's attention
     kernels (``model.attention=triton|auto``), as the matmuls they replace."""
-    from ..kernels import attention  # noqa: F401  (registers the custom op)
+    from ...kernels import attention  # noqa: F401  (registers the custom op)
 
     return {**attention_flop_formulas(), torch.ops.aten._addmm_activation: _addmm_formula,
             torch.ops.megabatch.packed_attention: _packed_attention_formula}

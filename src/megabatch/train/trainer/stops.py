@@ -10,7 +10,7 @@ follows the one it arrived in, on every rank alike. The signal often reaches a p
 job's signal reaches every process, and torchrun and ``srun`` forward the one they got): the second
 one is taken as the same request and does not abort the checkpoint; a third exits at once, without
 it. Loader and re-decode worker processes ignore these signals (``ignore_stop_signals``): only the
-main process decides (``processes.py``).
+main process decides (``runtime/signals.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..processes import STOP_SIGNALS
+from ...runtime.signals import STOP_SIGNALS
 
 log = logging.getLogger("megabatch")
 
