@@ -136,7 +136,7 @@ def cited_names(text: str) -> set[str]:
 
 def defined_names() -> set[str]:
     src = ROOT / "src" / "megabatch"
-    names = {path.name for path in src.rglob("*.py")} | {path.name for path in (ROOT / "scripts").rglob("*.py")}
+    names = {path.name for path in [*src.rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), *ROOT.glob("*.py")]}
     for path in [*src.rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
         names |= set(re.findall(r"^\s*(?:def|class)\s+([A-Za-z_][A-Za-z0-9_]*)", path.read_text(), flags=re.M))
     for path in src.rglob("*.py"):  # class attributes (an objective's replays_both_towers)
