@@ -37,24 +37,26 @@ def test_parse_count_rejects_junk_naming_the_key(junk):
 
 
 def test_batch_junk_from_the_command_line(tmp_path):
+    from megabatch.config.run import RunSettings
     from megabatch.train.step.plan import BatchPlan
 
     cfg = compose("batch=lots")
     with pytest.raises(ConfigError, match="batch='lots'"):
-        BatchPlan.from_config(cfg, world_size=1, num_samples=10_000)
+        BatchPlan.of(RunSettings.of(cfg), world_size=1, num_samples=10_000)
 
 
 def test_batch_arithmetic_errors_name_the_keys():
+    from megabatch.config.run import RunSettings
     from megabatch.train.step.plan import BatchPlan
 
     with pytest.raises(ConfigError, match="ranks"):
-        BatchPlan.from_config(compose("batch=100"), world_size=3, num_samples=10_000)
+        BatchPlan.of(RunSettings.of(compose("batch=100")), world_size=3, num_samples=10_000)
     with pytest.raises(ConfigError, match="trainer.sub_batch"):
-        BatchPlan.from_config(compose("batch=96", "trainer.sub_batch=7"), 1, 10_000)
-    plan = BatchPlan.from_config(compose("batch=1M", "trainer.max_steps=3"), 8, 2**24)
+        BatchPlan.of(RunSettings.of(compose("batch=96", "trainer.sub_batch=7")), 1, 10_000)
+    plan = BatchPlan.of(RunSettings.of(compose("batch=1M", "trainer.max_steps=3")), 8, 2**24)
     assert (plan.global_batch, plan.rank_batch, plan.steps_per_epoch) == (2**20, 2**17, 16)
     with pytest.raises(ConfigError, match="training set"):
-        BatchPlan.from_config(compose("batch=1M"), 1, 1000)
+        BatchPlan.of(RunSettings.of(compose("batch=1M")), 1, 1000)
 
 
 @pytest.mark.parametrize("option", options("model"))
@@ -136,9 +138,10 @@ def test_sched_options_instantiate(option):
 
 @pytest.mark.parametrize("option", options("trainer"))
 def test_trainer_options_plan(option):
+    from megabatch.config.run import RunSettings
     from megabatch.train.step.plan import BatchPlan
 
-    plan = BatchPlan.from_config(compose(f"trainer={option}"), 1, 1437)
+    plan = BatchPlan.of(RunSettings.of(compose(f"trainer={option}")), 1, 1437)
     assert plan.total_steps > 0
 
 

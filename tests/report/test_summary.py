@@ -13,6 +13,7 @@ import time
 import pytest
 
 from megabatch.config import ConfigError, parse_samples_total
+from megabatch.config.run import RunSettings
 from megabatch.config.schema import validate
 from megabatch.report import read_run, write_summary
 from megabatch.report.runs import RunStatus
@@ -106,7 +107,7 @@ def test_report_refuses_a_folder_without_runs(tmp_path):
                                                      ("1M", "1B", 954)])
 def test_max_samples_sets_the_steps_from_the_batch(batch, max_samples, steps):
     cfg = validate(compose(f"batch={batch}", "trainer.max_steps=null", f"trainer.max_samples={max_samples}"))
-    plan = BatchPlan.from_config(cfg, world_size=1, num_samples=10**9)
+    plan = BatchPlan.of(RunSettings.of(cfg), world_size=1, num_samples=10**9)
     assert plan.total_steps == steps
     assert (steps - 1) * plan.global_batch < parse_samples_total(max_samples) <= steps * plan.global_batch
 

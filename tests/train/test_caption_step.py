@@ -32,7 +32,7 @@ def gradients(*overrides: str, batch_of: bool = False) -> dict:
         stream = iter(subs)
     loss, _ = parts.step.gradients(stream)
     grads = {n: full(p.grad).detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
-    result = {"loss": loss, "grads": grads, "terms": dict(parts.step.terms)}
+    result = {"loss": loss, "grads": grads, "terms": dict(parts.step.contrastive.terms)}
     if batch_of:
         result["model"], result["subs"] = parts.model, subs
     parts.close()

@@ -1,11 +1,13 @@
-"""The contract every training objective (``train/objectives``) keeps: one pass, GradCache with 4 sub-batches,
-GradCache with offload and 2 gloo ranks give the same loss and gradients, for each valid combination of the
-objectives the tiny models build (the contrastive loss at each weight, + the caption loss, + a teacher, + hard
-negatives, and the allowed pairs). ``loss.contrastive_weight`` multiplies the contrastive term on every path: with
-the contrastive loss alone, weight 0.5 gives exactly half of weight 1's loss and gradients (the one-pass step
-ignored it until the objectives issue: relative difference 1.0)."""
+"""The contract every training objective (``train/step/objectives``) keeps: one pass, GradCache with 4
+sub-batches, GradCache with offload and 2 gloo ranks give the same loss and gradients, for each valid combination of
+the objectives the tiny models build (the contrastive loss at each weight, + the caption loss, + a teacher, online or
+its embeddings stored in the shards, + hard negatives, and the allowed pairs). ``loss.contrastive_weight``
+multiplies the contrastive term on every path: with the contrastive loss alone, weight 0.5 gives exactly half of
+weight 1's loss and gradients (the one-pass step ignored it until the objectives issue: relative difference 1.0)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from megabatch.distributed.fsdp import full
 from megabatch.models import build_model
 from megabatch.train.build.parts import RunParts
 
-from ..helpers import compose, rel_error, run_ranks
+from ..helpers import ROOT, compose, rel_error, run_ranks
 from .test_gradcache import BASE, BATCH, flat
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -28,6 +30,7 @@ OBJECTIVES = {
     "contrastive": [],
     "caption": ["model=tiny_coca", "loss.caption_weight=1.5"],
     "teacher": ["distill.teacher={teacher}"],
+    "stored teacher": ["distill.teacher=stored", "data.train.teacher_key=teacher.npy"],  # read from data["stored"]
     "negatives": NEGATIVES,
     "caption+teacher": ["model=tiny_coca", "loss.caption_weight=1.5", "distill.teacher={teacher}"],
     "teacher+negatives": ["distill.teacher={teacher}", *NEGATIVES],
@@ -39,7 +42,8 @@ PATHS = {"gradcache": [f"trainer.sub_batch={BATCH // 4}"],
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict:
-    """64 captioned images with 2 hard negatives each, as shards; a tiny teacher checkpoint (seed 1)."""
+    """64 captioned images with 2 hard negatives each, as shards; a tiny teacher checkpoint (seed 1), and the
+    shards again with its embeddings stored (float32), as ``scripts/make_shards.py teacher`` writes them."""
     folder, rng, samples = tmp_path_factory.mktemp("objectives"), np.random.default_rng(0), []
     for i in range(64):
         negatives = [f"a photo of {WORDS[(i + 1) % 10]}", f"the digit {WORDS[(i + 3) % 10]}"]
@@ -50,23 +54,33 @@ def data(tmp_path_factory) -> dict:
     teacher = folder / "teacher.pt"
     model = build_model(compose("model.text.width=48").model)
     torch.save({"model": model.state_dict(), "step": 0, "open_clip": model.description()}, teacher)
-    return {"urls": str(folder / "o-{000000..000003}.tar"), "teacher": str(teacher)}
+    urls = str(folder / "o-{000000..000003}.tar")
+    spec = importlib.util.spec_from_file_location("make_shards", ROOT / "scripts" / "make_shards.py")
+    make_shards = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_shards)
+    make_shards.main(["teacher", urls, "--out", str(folder / "stored"), "--teacher", str(teacher), "--dtype",
+                      "float32", "--batch", "64"])
+    return {"urls": urls, "teacher": str(teacher), "stored": str(folder / "stored" / "o-{000000..000003}.tar")}
 
 
 def overrides(data: dict, objective: str, weight: str) -> list[str]:
+    urls = data["stored"] if "stored" in objective else data["urls"]
     return [item.format(teacher=data["teacher"]) for item in OBJECTIVES[objective]] + \
-        [f"loss.contrastive_weight={weight}"]
+        [f"loss.contrastive_weight={weight}", f"+urls={urls}"]
 
 
 def gradients(data: dict, *extra: str) -> dict:
-    """One step's loss, terms and gradients (before the optimizer) through the trainer's own step."""
+    """One step's loss, terms and gradients (before the optimizer) through the trainer's own step, on the shards
+    ``+urls=`` names (the plain ones without it)."""
+    urls = next((item.removeprefix("+urls=") for item in extra if item.startswith("+urls=")), data["urls"])
     cfg = compose(*BASE, "model.image.patch_dropout=0", "loss=infcl", "loss.tile=8", "data=webdataset",
-                  "data.num_workers=0", "data.train.split=position", *extra)
-    cfg.data.train.urls, cfg.data.cache_dir = data["urls"], compose().data.cache_dir
+                  "data.num_workers=0", "data.train.split=position",
+                  *(item for item in extra if not item.startswith("+urls=")))
+    cfg.data.train.urls, cfg.data.cache_dir = urls, compose().data.cache_dir
     parts = RunParts.build(validate(cfg), init_distributed("cpu"))
     loss, _ = parts.step.gradients(parts.inputs(0))
     grads = {n: full(p.grad).detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
-    terms = {**getattr(parts.step.loss_fn, "terms", {}), **parts.step.terms}
+    terms = {**getattr(parts.step.loss_fn, "terms", {}), **parts.step.contrastive.terms}
     parts.close()
     return {"loss": loss.detach(), "grads": grads, "terms": {k: v.detach() for k, v in terms.items()}}
 
@@ -82,6 +96,8 @@ def assert_same(result: dict, expected: dict, where: str) -> None:
 def test_every_path_gives_the_one_pass_loss_and_gradients(data, objective):
     for weight in WEIGHTS:
         one_pass = gradients(data, *overrides(data, objective, weight))
+        if "teacher" in objective:  # the distillation term is there, not silently dropped
+            assert float(one_pass["terms"]["distill"]) > 0, one_pass["terms"]
         for path, extra in PATHS.items():
             assert_same(gradients(data, *overrides(data, objective, weight), *extra), one_pass,
                         f"{objective}, contrastive_weight={weight}, {path}")

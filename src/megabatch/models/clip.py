@@ -25,6 +25,7 @@ from ..config.schema import RETIRED_MODEL_KEYS, ModelSettings, model_settings
 from .images import normalize_images
 from .preprocess import build_tokenizer, resolve_preprocess
 from .pretrained import load_weights, resolve_pretrained
+from .spec import OPENAI_LOGIT_SCALE, ModelSpec
 from .text_length import TextTrim, encode_text_prefix, text_trim, why_untrimmed
 
 log = logging.getLogger(__name__)
@@ -412,21 +413,7 @@ def _dataclass_kwargs(cls, values: dict[str, Any], key: str) -> dict[str, Any]:
     return values
 
 
-def build_clip(
-    name: str,
-    embed_dim: int,
-    image: dict[str, Any],
-    text: dict[str, Any],
-    quick_gelu: bool = False,
-    init_logit_scale: float = math.log(1 / 0.07),
-    init_logit_bias: float | None = None,
-    pretrained: str | None = None,
-    preprocess: dict[str, Any] | None = None,
-    grad_checkpointing: bool = False,
-    lock_image: bool = False,
-    lock_text: bool = False,
-    multimodal: dict[str, Any] | None = None,
-) -> ClipModel:
+def build_clip(**values: Any) -> ClipModel:
     """Build a CLIP from tower configs.
 
     ``image``/``text`` hold open_clip's ``CLIPVisionCfg``/``CLIPTextCfg`` fields, plus our own:
@@ -440,8 +427,20 @@ def build_clip(
     ``lock_image`` / ``lock_text`` freeze a whole tower, projection included (LiT).
     ``multimodal``: open_clip's ``MultimodalCfg`` fields: a CoCa, whose caption decoder reads the image
     tower's tokens (``loss.caption_weight`` trains it; the towers then output their tokens).
+    The keywords are ``ModelSpec``'s (``models/spec.py``, the type ``build_openclip`` takes too); ``name``,
+    ``embed_dim``, ``image`` and ``text`` are required.
     """
-    image, text = dict(image), dict(text)
+    spec = ModelSpec.of(values, "build_clip", refused={
+        "arch": "an open_clip architecture is built by model=openclip (build_openclip)"})
+    for key in ("name", "embed_dim"):
+        if getattr(spec, key) is None:
+            raise ConfigError(f"model.{key} is not set: build_clip needs it (configs/model/tiny.yaml gives one)")
+    name, embed_dim, pretrained, preprocess = spec.name, int(spec.embed_dim), spec.pretrained, spec.preprocess
+    quick_gelu = bool(spec.quick_gelu)
+    init_logit_scale = OPENAI_LOGIT_SCALE if spec.init_logit_scale is None else spec.init_logit_scale
+    init_logit_bias, multimodal = spec.init_logit_bias, spec.multimodal
+    grad_checkpointing, lock_image, lock_text = spec.grad_checkpointing, spec.lock_image, spec.lock_text
+    image, text = dict(spec.image), dict(spec.text)
     image_ckpt = image.pop("ckpt", None)
     image_unlocked = int(image.pop("unlocked_layers", 0) or 0)
     text_unlocked = int(text.pop("unlocked_layers", 0) or 0)

@@ -17,27 +17,14 @@ from ..config import ConfigError
 from .clip import ClipModel, init_caption_decoder, lock_towers
 from .preprocess import describe_preprocess, resolve_preprocess
 from .pretrained import Pretrained, load_weights, resolve_pretrained
+from .spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 PREPROCESS_FIELDS = ("mean", "std", "interpolation", "resize_mode")
 
 
-def build_openclip(
-    arch: str | None = None,
-    pretrained: str | None = None,
-    name: str | None = None,
-    embed_dim: int | None = None,
-    image: dict[str, Any] | None = None,
-    text: dict[str, Any] | None = None,
-    quick_gelu: bool | None = None,
-    init_logit_scale: float | None = None,
-    init_logit_bias: float | None = None,
-    preprocess: dict[str, Any] | None = None,
-    grad_checkpointing: bool = False,
-    lock_image: bool = False,
-    lock_text: bool = False,
-) -> ClipModel:
+def build_openclip(**values: Any) -> ClipModel:
     """An open_clip architecture (``arch``, a name of ``open_clip.list_models()``; or null to take it
     from the ``open_clip_config.json`` of a ``pretrained`` folder), with weights from ``pretrained``
     (a local file or folder, ``pretrained.resolve_pretrained``) or random.
@@ -45,8 +32,16 @@ def build_openclip(
     ``image`` / ``text`` override fields of the architecture's ``vision_cfg`` / ``text_cfg`` (plus
     ``unlocked_layers``, with ``lock_*``); ``embed_dim``, ``quick_gelu``, ``init_logit_scale`` and
     ``init_logit_bias`` override the architecture's when not null. ``preprocess``: non-null values
-    win over the pretrained folder's and the architecture's pretrained tags' preprocessing.
+    win over the pretrained folder's and the architecture's pretrained tags' preprocessing. The keywords are
+    ``ModelSpec``'s (``models/spec.py``, the type ``build_clip`` takes too).
     """
+    spec = ModelSpec.of(values, "build_openclip", refused={
+        "multimodal": "an open_clip CoCa architecture brings its decoder (model.arch=coca_ViT-B-32); model=tiny_coca "
+                      "builds one from model.multimodal"})
+    arch, pretrained, name, embed_dim = spec.arch, spec.pretrained, spec.name, spec.embed_dim
+    image, text, quick_gelu = spec.image, spec.text, spec.quick_gelu
+    init_logit_scale, init_logit_bias, preprocess = spec.init_logit_scale, spec.init_logit_bias, spec.preprocess
+    grad_checkpointing, lock_image, lock_text = spec.grad_checkpointing, spec.lock_image, spec.lock_text
     source = resolve_pretrained(pretrained)
     if arch is None and (source is None or source.config is None):
         raise ConfigError("model.arch is not set: name an open_clip architecture (e.g. model.arch=ViT-B-32; "

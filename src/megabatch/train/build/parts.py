@@ -20,8 +20,9 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from ...config import ConfigError, parse_count, parse_optional_count
-from ...config.schema import loss_weights, model_settings
+from ...config import ConfigError
+from ...config.run import RunSettings
+from ...config.schema import ModelSettings, model_settings
 from ...data import TrainData
 from ...data.gpu_decode import GpuDecoder, resolve_decode
 from ...data.offload import Offload
@@ -33,7 +34,7 @@ from ...models.fp8 import convert_to_fp8
 from ...models.preprocess import describe_preprocess
 from ..step.ema import WeightAverage
 from ..step.objectives import build as build_objectives
-from ..step.plan import BatchPlan
+from ..step.plan import BatchPlan, rank_batch_of
 from ..step.precision import Precision
 from ..step.step import TrainStep
 from ..step.utilization import ModelFlops, Peak, count_model_flops, gpu_peak
@@ -69,6 +70,7 @@ class RunParts:
     flops: ModelFlops                  # model FLOPs per sample (utilization.py)
     peak: Peak | None                  # the GPU's dense bf16 peak
     compilation: Compilation | None = None  # model.compile: the towers' warm-up (warm_up), once
+    settings: RunSettings | None = None     # the config's counts and choices, parsed once (config/run.py)
 
     @classmethod
     def build(cls, cfg: DictConfig, env: DistEnv, *, warm_up: bool = True,
@@ -79,42 +81,44 @@ class RunParts:
         the towers are compiled later, by ``warm_up()`` (the trainer's, once the loader's workers are
         reading). ``times``: each part's seconds go there (the start-up's account)."""
         phase = (times if times is not None else StartupTimes()).phase  # timing is cheap; unasked, it is dropped
+        settings = RunSettings.of(cfg)  # every count and choice parsed once, handed down
         with phase("model"):
-            model = build_model_for(cfg, env)
+            model = build_model_for(cfg, settings, env)
             tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below
         if env.rank == 0:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
         with phase("data"):
-            data = TrainData(cfg.data, tokenize, model.preprocess, cfg.seed, show_progress=env.rank == 0,
+            data = TrainData(cfg.data, tokenize, model.preprocess, settings.seed, show_progress=env.rank == 0,
                              worker_start=resolve_worker_start(cfg.data, env.device.type))
-            precision = precision_of(cfg, env)
+            precision = precision_of(settings, env)
             gpu_decoder, ahead = build_gpu_decoder(cfg, env)
         with phase("flop count"):  # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
-            flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(cfg, env, data), env.device)), \
+            flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(settings, env), env.device)), \
                 gpu_peak(env.device)
         if env.rank == 0:
             log_utilization_basis(flops, peak, gpu_decoder is not None, ahead)
         with phase("plan"):
-            loss = prepare_model(cfg, model, env, precision, data)
+            loss = prepare_model(cfg, settings, model, env, precision, data)
             # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
-            auto = choose_sub_batch(cfg, model, env, data, precision, ahead, getattr(loss, "teacher", None))
-            plan = plan_batches(cfg, env.world_size, data, auto.sub_batch if auto else None)
-            offload = build_offload(cfg, model, data, env.rank, gpu_decoder)
+            auto = choose_sub_batch(settings, model, env, precision, ahead, getattr(loss, "teacher", None))
+            plan = plan_batches(settings, env.world_size, data, auto.sub_batch if auto else None)
+            offload = build_offload(cfg, settings, model, data, env.rank, gpu_decoder)
         with phase("step"):
-            built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False, auto=auto)
+            built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False, auto=auto,
+                               settings=settings)
             schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
                                    steps_per_epoch=plan.steps_per_epoch)
             inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
                                pin_memory=env.device.type == "cuda",
-                               read_ahead_bytes=read_ahead_budget(cfg.trainer.prefetch_gb, cfg.trainer.offload,
-                                                                  gpu_decoder is not None),
+                               read_ahead_bytes=read_ahead_budget(settings.trainer.prefetch_gb,
+                                                                  settings.trainer.offload, gpu_decoder is not None),
                                gpu_decoder=gpu_decoder, decode_ahead_bytes=ahead,
-                               read_ahead_auto=cfg.trainer.prefetch_gb == "auto")
+                               read_ahead_auto=settings.trainer.prefetch_gb == "auto")
             if env.rank == 0:
                 log.info("data: %s", inputs.describe_read_ahead())
-        seed_rank(cfg, env)
+        seed_rank(settings, env)
         parts = cls(model, tokenize, data, plan, built.optimizer, built.peak_lr, schedule, offload, inputs, built.step,
-                    flops, peak, built.compilation)
+                    flops, peak, built.compilation, settings)
         if warm_up:
             parts.warm_up()
         return parts
@@ -139,35 +143,36 @@ class RunParts:
             self.inputs.gpu_decoder.close()
 
 
-def build_model_for(cfg: DictConfig, env: DistEnv) -> ClipModel:
-    """``cfg.model`` on ``env``'s device in training mode, from weights seeded with ``cfg.seed``
+def build_model_for(cfg: DictConfig, settings: RunSettings, env: DistEnv) -> ClipModel:
+    """``cfg.model`` on ``env``'s device in training mode, from weights seeded with ``seed``
     (the same on every rank). Frozen towers stay in eval mode; a Hugging Face tower, which
     transformers loads in eval mode, trains with its dropout on."""
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(settings.seed)
     return build_model(cfg.model).to(env.device).train()
 
 
-def prepare_model(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision, data: TrainData | None = None):
+def prepare_model(cfg: DictConfig, settings: RunSettings, model: ClipModel, env: DistEnv, precision: Precision,
+                  data: TrainData | None = None):
     """The model as it trains, and its loss: the loss's logit bias checked against the model's,
     the Linear layers in FP8 (``model.fp8``), the weights sharded (``trainer.parallel=fsdp``);
     before the optimizer takes the parameters. Returns the loss."""
     loss = instantiate(cfg.loss)
     check_bias(model, loss)
-    train_decoder(cfg, model, env)
-    loss = distilled(cfg, loss, model, env, data)
-    if cfg.model.fp8:
+    train_decoder(settings, model, env)
+    loss = distilled(cfg, settings, loss, model, env, data)
+    if settings.model.fp8:
         converted = convert_to_fp8(model, env.device)
         if env.rank == 0:
-            log.info("model.fp8: %d Linear layers train in FP8 (torchao)%s", converted, "" if cfg.model.compile else
-                     "; without model.compile the casts cost more than FP8 saves: set model.compile=true")
-    shard(cfg, model, env, precision)
+            log.info("model.fp8: %d Linear layers train in FP8 (torchao)%s", converted, "" if settings.model.compile
+                     else "; without model.compile the casts cost more than FP8 saves: set model.compile=true")
+    shard(settings, model, env, precision)
     return loss
 
 
-def train_decoder(cfg: DictConfig, model: ClipModel, env: DistEnv) -> None:
+def train_decoder(settings: RunSettings, model: ClipModel, env: DistEnv) -> None:
     """``loss.caption_weight > 0``: the model's caption decoder (a CoCa's) trains beside the towers; a model
     without one is a config error naming the key."""
-    caption, contrastive = loss_weights(cfg.loss)
+    caption, contrastive = settings.caption_weight, settings.contrastive_weight
     if caption <= 0:
         return
     if not model.has_decoder:
@@ -180,7 +185,8 @@ def train_decoder(cfg: DictConfig, model: ClipModel, env: DistEnv) -> None:
                  caption, sum(p.numel() for p in model.clip.text_decoder.parameters()) / 1e6)
 
 
-def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv, data: TrainData | None = None):
+def distilled(cfg: DictConfig, settings: RunSettings, loss, model: ClipModel, env: DistEnv,
+              data: TrainData | None = None):
     """``loss``, or with ``distill.teacher`` the loss plus the distillation term (``DistilledLoss``),
     holding the frozen teacher it is computed against (or with ``stored`` the embeddings ``data``
     reads); the teacher's cost logged once."""
@@ -191,9 +197,9 @@ def distilled(cfg: DictConfig, loss, model: ClipModel, env: DistEnv, data: Train
     from ..step.teacher import build_teacher
 
     compiled = distill.get("compile")
-    compiled = bool(cfg.model.get("compile")) if compiled is None else compiled
+    compiled = settings.model.compile if compiled is None else compiled
     teacher = build_teacher(distill, model, env.device, None if data is None else data.teacher, compiled,
-                            shard=cfg.trainer.parallel == "fsdp" and env.distributed)
+                            shard=settings.trainer.parallel == "fsdp" and env.distributed)
     if env.rank == 0 and teacher.model is None:
         spec = teacher.spec
         log.info("distill: stored teacher embeddings (%s: %s, width %d, logit scale(s) %s), weight %s: the loss is "
@@ -226,8 +232,9 @@ class Compilation:
     def __init__(self, cfg: DictConfig, env: DistEnv, model: ClipModel, plan: BatchPlan, precision: Precision):
         self.cfg, self.env, self.model, self.plan, self.precision = cfg, env, model, plan, precision
         check_exact_replay(model, plan)
-        self.scope = compile_scope(cfg.model)
-        model.compile_towers(plan.sub_batch, cuda_graphs=cfg.model.cuda_graphs, scope=self.scope)
+        settings = model_settings(cfg.model)
+        self.scope = compile_scope(settings)
+        model.compile_towers(plan.sub_batch, cuda_graphs=settings.cuda_graphs, scope=self.scope)
         self.seconds, self.done = 0.0, False
 
     def run(self) -> float:
@@ -253,41 +260,45 @@ class Compilation:
 
 def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan, precision: Precision,
                offload: Offload | None = None, *, warm_up: bool = True,
-               auto: SubBatchChoice | None = None) -> BuiltStep:
+               auto: SubBatchChoice | None = None, settings: RunSettings | None = None) -> BuiltStep:
     """The step a run of ``cfg`` trains ``model`` (``prepare_model``'s) with at ``plan``: the
     optimizer, the text tower's trimming, the compiled towers (``model.compile``; compiled here, or
     later by the returned ``compilation.run()`` with ``warm_up=False``), and the ``TrainStep``, with
-    the kept graphs and FSDP reduction ``trainer.sub_batch=auto``'s plan (``auto``) chose."""
+    the kept graphs and FSDP reduction ``trainer.sub_batch=auto``'s plan (``auto``) chose. ``settings``: the
+    config's parsed settings (``RunSettings.of(cfg)``, the caller's where it has them)."""
+    settings = settings or RunSettings.of(cfg)
     optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
     layer_decay = layer_decay_of(cfg.optim)
     if (layer_decay is not None or getattr(optimizer, "splits_matrices", False)) and env.rank == 0:
         log.info("optimizer groups (optim.layer_decay %s): each group's learning rate is the schedule's times its "
                  "scale\n%s", layer_decay, "\n".join(describe_param_groups(optimizer)))
-    untrimmed = model.trim_text(cfg.model.trim_text)  # before compiling: the text tower's lengths vary
+    untrimmed = model.trim_text(settings.model.trim_text)  # before compiling: the text tower's lengths vary
     if untrimmed and env.rank == 0:
         log.info("captions are encoded at their full context: %s", untrimmed)
-    if cfg.model.cuda_graphs:
+    if settings.model.cuda_graphs:
         check_cuda_graphs(model, plan.sub_batches)
     # after the memory probe and the FLOP count, which run eagerly
-    compilation = Compilation(cfg, env, model, plan, precision) if cfg.model.compile else None
+    compilation = Compilation(cfg, env, model, plan, precision) if settings.model.compile else None
     if compilation is not None and warm_up:
         compilation.run()
-    fsdp_reduce = fsdp_reduction(cfg, model, env, auto, precision)
-    log_fsdp_reduction(fsdp_reduce, cfg, model, env, precision)
+    fsdp_reduce = fsdp_reduction(settings, model, env, auto, precision)
+    log_fsdp_reduction(fsdp_reduce, settings, model, env, precision)
     step = TrainStep(model, loss, optimizer, env.device, precision=precision, sub_batches=plan.sub_batches,
                      grad_clip=cfg.optim.grad_clip, offload=offload,
-                     keep_graph=kept_graphs(cfg.trainer.keep_graph, auto.graphs_that_fit if auto else None, plan, env),
+                     keep_graph=kept_graphs(settings.trainer.keep_graph, auto.graphs_that_fit if auto else None, plan,
+                                            env),
                      fsdp_reduce=fsdp_reduce, show_progress=env.rank == 0,
-                     max_bad_steps=cfg.trainer.max_bad_steps, ema=weight_average(cfg.ema, model, env),
-                     objectives=objectives_of(cfg, model, loss, env), contrastive_weight=loss_weights(cfg.loss)[1])
+                     max_bad_steps=settings.trainer.max_bad_steps, ema=weight_average(cfg.ema, model, env),
+                     objectives=objectives_of(cfg, settings, model, loss, env),
+                     contrastive_weight=settings.contrastive_weight)
     return BuiltStep(step, optimizer, peak_lr, compilation)
 
 
-def objectives_of(cfg: DictConfig, model: ClipModel, loss, env: DistEnv) -> list:
+def objectives_of(cfg: DictConfig, settings: RunSettings, model: ClipModel, loss, env: DistEnv) -> list:
     """The training terms and loss inputs beside the contrastive loss (``train/objectives``): ``distill.teacher``'s
     features (the teacher the distilled loss was built with, ``distilled``), ``data.train.negatives_key``'s hard
     negatives, ``loss.caption_weight``'s caption loss (a CoCa's decoder)."""
-    caption = loss_weights(cfg.loss)[0]
+    caption = settings.caption_weight
     return build_objectives(caption_weight=caption, pad_id=model.clip.pad_id if caption > 0 else None,
                             teacher=getattr(loss, "teacher", None),
                             negatives=cfg.data.train.get("negatives_key") is not None, device=env.device)
@@ -329,13 +340,13 @@ def fsdp_step_bytes(model: torch.nn.Module, bf16: bool) -> int:
     return sum(p.numel() for p in params if p.requires_grad) * 4 + sum(p.numel() for p in params) * (2 if bf16 else 4)
 
 
-def fsdp_reduction(cfg: DictConfig, model: ClipModel, env: DistEnv, auto: SubBatchChoice | None,
+def fsdp_reduction(settings: RunSettings, model: ClipModel, env: DistEnv, auto: SubBatchChoice | None,
                    precision: Precision) -> str:
     """``trainer.fsdp_reduce`` as this run does it: ``sub_batch`` or ``step``. ``auto``: what
     ``trainer.sub_batch=auto``'s plan chose (``choose_sub_batch``), else ``step`` where the whole
     gradient and the gathered weights take at most a quarter of the GPU's free memory (on the CPU:
     always), else ``sub_batch``."""
-    reduce = cfg.trainer.fsdp_reduce
+    reduce = settings.trainer.fsdp_reduce
     if auto is not None and auto.fsdp_reduce is not None:
         reduce = auto.fsdp_reduce
     elif reduce == "auto":
@@ -344,13 +355,15 @@ def fsdp_reduction(cfg: DictConfig, model: ClipModel, env: DistEnv, auto: SubBat
     return reduce
 
 
-def log_fsdp_reduction(reduce: str, cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision) -> None:
-    if cfg.trainer.parallel == "fsdp" and env.distributed and env.rank == 0:
+def log_fsdp_reduction(reduce: str, settings: RunSettings, model: ClipModel, env: DistEnv,
+                       precision: Precision) -> None:
+    trainer = settings.trainer
+    if trainer.parallel == "fsdp" and env.distributed and env.rank == 0:
         log.info("FSDP: gradients reduce-scattered %s (trainer.fsdp_reduce=%s%s)",
                  "after each sub-batch" if reduce == "sub_batch" else
                  "once per step, the weights kept gathered through the step (the whole gradient and the gathered "
                  f"weights held meanwhile: {fsdp_step_bytes(model, precision.name == 'bf16') / 1e9:.2f} GB)",
-                 cfg.trainer.fsdp_reduce, "" if cfg.trainer.fsdp_reduce != "auto" else f": {reduce}")
+                 trainer.fsdp_reduce, "" if trainer.fsdp_reduce != "auto" else f": {reduce}")
 
 
 def check_exact_replay(model: ClipModel, plan: BatchPlan) -> None:
@@ -370,32 +383,34 @@ def step_without_data(cfg: DictConfig, env: DistEnv, offload: Offload | None = N
     """The step a run of ``cfg`` trains with on ``env``'s rank, built as ``RunParts.build`` builds it
     but without data: the batch plan from ``batch`` and a numeric ``trainer.sub_batch``, one step an
     epoch. For the benchmarks and the tests, after ``configure_backends``."""
-    if cfg.trainer.sub_batch == "auto":
+    settings = RunSettings.of(cfg)
+    if settings.trainer.sub_batch == "auto":
         raise ConfigError("step_without_data() takes no trainer.sub_batch=auto (it has no data to plan with): "
                           "give a number")
-    plan = BatchPlan.from_config(cfg, env.world_size, parse_count(cfg.batch, "batch"))
-    model, precision = build_model_for(cfg, env), precision_of(cfg, env)
-    step = build_step(cfg, env, model, prepare_model(cfg, model, env, precision), plan, precision, offload).step
-    seed_rank(cfg, env)
+    plan = BatchPlan.of(settings, env.world_size, num_samples=settings.batch)  # one step an epoch
+    model, precision = build_model_for(cfg, settings, env), precision_of(settings, env)
+    step = build_step(cfg, env, model, prepare_model(cfg, settings, model, env, precision), plan, precision, offload,
+                      settings=settings).step
+    seed_rank(settings, env)
     return step
 
 
-def compile_scope(model_cfg: DictConfig) -> str:
+def compile_scope(settings: ModelSettings) -> str:
     """``model.compile_scope``, ``auto`` resolved: each transformer block (one graph per tower and
     gradient mode, reused by every layer: the shortest compilation), or the towers whole with
     ``model.cuda_graphs`` (a CUDA graph records a whole tower)."""
-    scope = model_settings(model_cfg).compile_scope
-    return ("tower" if model_cfg.cuda_graphs else "block") if scope == "auto" else scope
+    scope = settings.compile_scope
+    return ("tower" if settings.cuda_graphs else "block") if scope == "auto" else scope
 
 
-def precision_of(cfg: DictConfig, env: DistEnv) -> Precision:
+def precision_of(settings: RunSettings, env: DistEnv) -> Precision:
     """``trainer.precision`` and ``trainer.feature_dtype`` on ``env``'s device."""
-    return Precision.create(cfg.trainer.precision, env.device, cfg.trainer.feature_dtype)
+    return Precision.create(settings.trainer.precision, env.device, settings.trainer.feature_dtype)
 
 
-def seed_rank(cfg: DictConfig, env: DistEnv) -> None:
-    """Each rank's own random draws from here on (dropout, patch dropout): ``cfg.seed + 1000 x rank``."""
-    torch.manual_seed(cfg.seed + 1000 * env.rank)
+def seed_rank(settings: RunSettings, env: DistEnv) -> None:
+    """Each rank's own random draws from here on (dropout, patch dropout): ``seed + 1000 x rank``."""
+    torch.manual_seed(settings.seed + 1000 * env.rank)
 
 
 def build_gpu_decoder(cfg: DictConfig, env: DistEnv) -> tuple[GpuDecoder | None, float]:
@@ -427,10 +442,10 @@ def check_cuda_graphs(model: ClipModel, sub_batches: int) -> None:
                           "model.cuda_graphs=false")
 
 
-def shard(cfg: DictConfig, model: ClipModel, env: DistEnv, precision: Precision) -> None:
+def shard(settings: RunSettings, model: ClipModel, env: DistEnv, precision: Precision) -> None:
     """``trainer.parallel=fsdp``: shard the model across the ranks (``distributed/fsdp.py``); on one
     rank there is nothing to shard, and the model stays whole (its checkpoints are still sharded ones)."""
-    if cfg.trainer.parallel != "fsdp":
+    if settings.trainer.parallel != "fsdp":
         return
     if not env.distributed:
         log.info("trainer.parallel=fsdp on one rank: nothing to shard, the model stays whole")
@@ -454,42 +469,43 @@ def check_bias(model: ClipModel, loss) -> None:
                           "takes none: train it with loss=siglip")
 
 
-def plan_batches(cfg: DictConfig, world_size: int, data: TrainData, sub_batch: int | None = None) -> BatchPlan:
-    """The batch arithmetic, with the epoch length the data can give every rank (``sub_batch``:
+def plan_batches(settings: RunSettings, world_size: int, data: TrainData, sub_batch: int | None = None) -> BatchPlan:
+    """The batch plan, built once, with the epoch length the data can give every rank (``sub_batch``:
     ``trainer.sub_batch=auto``'s choice)."""
-    plan = BatchPlan.from_config(cfg, world_size, data.num_samples, sub_batch=sub_batch)
-    steps = data.steps_per_epoch(plan.global_batch, world_size, plan.sub_batch)
-    if steps == plan.steps_per_epoch:
-        return plan
-    if steps == 0:  # shard split: each worker of each rank fills only its own shards
-        raise ConfigError(f"batch={plan.global_batch} is larger than what the shards give each of "
-                          f"{world_size} ranks x {data.workers} workers in one epoch; lower batch or "
-                          "data.num_workers")
-    return BatchPlan.from_config(cfg, world_size, data.num_samples, steps_per_epoch=steps, sub_batch=sub_batch)
+    def steps_per_epoch(global_batch: int, sub: int) -> int:
+        steps = data.steps_per_epoch(global_batch, world_size, sub)
+        if steps == 0:  # shard split: each worker of each rank fills only its own shards
+            raise ConfigError(f"batch={global_batch} is larger than what the shards give each of "
+                              f"{world_size} ranks x {data.workers} workers in one epoch; lower batch or "
+                              "data.num_workers")
+        return steps
+
+    return BatchPlan.of(settings, world_size, data.num_samples, steps_per_epoch, sub_batch=sub_batch)
 
 
-def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: TrainData,
-                     precision: Precision, decode_ahead: float = 0.0, teacher=None) -> SubBatchChoice | None:
+def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, precision: Precision,
+                     decode_ahead: float = 0.0, teacher=None) -> SubBatchChoice | None:
     """``trainer.sub_batch=auto``: the largest divisor of the per-rank batch whose forward-backward
     fits ``trainer.memory_fraction`` of the GPU (``memory_plan.py``), the smallest over the ranks
     (they must agree), and the kept graphs the rest of the memory holds (``graphs_that_fit``, the
     smallest over the ranks); ``None`` when the config gives a number or null. ``decode_ahead``: the GPU bytes
     kept for images decoded ahead of the step (``data.decode_ahead_gb``), left free. ``teacher``:
     ``distill.teacher``'s (its features of the batch are held too)."""
-    if cfg.trainer.sub_batch != "auto":
+    trainer = settings.trainer
+    if trainer.sub_batch != "auto":
         return None
-    rank_batch = BatchPlan.from_config(cfg, env.world_size, data.num_samples, sub_batch=1).rank_batch
+    rank_batch = rank_batch_of(settings.batch, env.world_size)
     if env.device.type != "cuda":
         if env.rank == 0:
             log.info("trainer.sub_batch=auto on the CPU: no GPU memory to fit, the whole per-rank batch (%d)",
                      rank_batch)
         return SubBatchChoice(rank_batch, 0.0, 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
-    caption = loss_weights(cfg.loss)[0] > 0 and model.has_decoder  # the replay runs the caption decoder too
+    caption = settings.caption_weight > 0 and model.has_decoder  # the replay runs the caption decoder too
     probes = [(rows, *probe_peak_memory(model, rows, precision, env.device, caption))
               for rows in sorted({min(rank_batch, 32), min(rank_batch, 64)})]
     if len(probes) == 1:  # a per-rank batch of at most 32: the probe ran it whole
         return SubBatchChoice(rank_batch, float(probes[0][1]), 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
-    offload, replayed = cfg.trainer.offload, not model.frozen("image")
+    offload, replayed = trainer.offload, not model.frozen("image")
     images, texts = model.example_inputs(1, torch.device("meta"))  # one row's shapes
     kept_per_row = texts.numel() * 8 + (0 if offload or not replayed else images.numel())
     held = batch_bytes(rank_batch, int(model.model_cfg["embed_dim"]), precision.feature_dtype.itemsize, kept_per_row,
@@ -499,8 +515,8 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
         held += teacher_bytes(rank_batch, env.world_size, math.prod(teacher.shape), precision.feature_dtype.itemsize,
                               int(model.model_cfg["embed_dim"]))
     capacity = torch.cuda.get_device_properties(env.device).total_memory
-    fit, fraction = MemoryFit.through(probes), cfg.trainer.memory_fraction
-    reduce = cfg.trainer.fsdp_reduce if cfg.trainer.parallel == "fsdp" and env.distributed else None
+    fit, fraction = MemoryFit.through(probes), trainer.memory_fraction
+    reduce = trainer.fsdp_reduce if trainer.parallel == "fsdp" and env.distributed else None
     whole = fsdp_step_bytes(model, precision.name == "bf16") if reduce is not None else 0
     choice, reduce = plan_sub_batch_and_reduction(rank_batch, fit, capacity, fraction, held, whole, reduce)
     held += whole if reduce == "step" else 0
@@ -521,7 +537,7 @@ def choose_sub_batch(cfg: DictConfig, model: ClipModel, env: DistEnv, data: Trai
                  "room for %d kept graphs; trainer.memory_fraction=%s)", sub_batch,
                  " and ".join(f"{rows} ({peak / 1e9:.2f} GB)" for rows, peak, _ in probes), choice.fit.fixed / 1e9,
                  choice.fit.per_row / 1e6, choice.fit.graph_per_row / 1e6, held / 1e9, rank_batch,
-                 choice.predicted_bytes / 1e9, capacity / 1e9, choice.graphs_that_fit, cfg.trainer.memory_fraction)
+                 choice.predicted_bytes / 1e9, capacity / 1e9, choice.graphs_that_fit, trainer.memory_fraction)
     return choice
 
 
@@ -531,13 +547,11 @@ def rank_trainable_params(model: torch.nn.Module) -> int:
     return sum(local(p).numel() for p in model.parameters() if p.requires_grad)
 
 
-def flop_rows(cfg: DictConfig, env: DistEnv, data: TrainData) -> int:
+def flop_rows(settings: RunSettings, env: DistEnv) -> int:
     """Rows of the sample batch the FLOPs are counted on: a sub-batch, 256 at most (the count is
     per sample; ``trainer.sub_batch=auto`` is chosen later, so the per-rank batch stands in for it)."""
-    configured = cfg.trainer.sub_batch
-    if configured in (None, "auto"):
-        configured = BatchPlan.from_config(cfg, env.world_size, data.num_samples, sub_batch=1).rank_batch
-    return min(parse_optional_count(configured, "trainer.sub_batch"), 256)
+    configured = settings.trainer.sub_batch
+    return min(configured if isinstance(configured, int) else rank_batch_of(settings.batch, env.world_size), 256)
 
 
 def decode_ahead_bytes(cfg: DictConfig, capacity: float) -> float:
@@ -558,13 +572,14 @@ def log_utilization_basis(flops: ModelFlops, peak: Peak | None, gpu_decode: bool
              if gpu_decode else "")
 
 
-def build_offload(cfg: DictConfig, model: ClipModel, data: TrainData, rank: int,
+def build_offload(cfg: DictConfig, settings: RunSettings, model: ClipModel, data: TrainData, rank: int,
                   gpu_decoder: GpuDecoder | None = None) -> Offload | None:
     """The owner of the image bytes a GradCache step keeps for its replay (``trainer.offload``)."""
-    if not cfg.trainer.offload:
+    if not settings.trainer.offload:
         return None
     if model.frozen("image"):
         log.warning("trainer.offload has no effect with a locked image tower: its images are "
                     "encoded once and never replayed")
         return None
-    return Offload(data.transform, cfg.seed, cfg.data.num_workers, cfg.trainer.offload_dir, rank, gpu_decoder)
+    return Offload(data.transform, settings.seed, cfg.data.num_workers, settings.trainer.offload_dir, rank,
+                   gpu_decoder)

@@ -38,7 +38,7 @@ from ...data.samples import SubBatch
 from ...distributed.fsdp import full, gathered_through, is_sharded, no_gradient_sync, reduce_replicated
 from .ema import WeightAverage
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay, to_device
-from .objectives import Objective
+from .objectives import Contrastive, Objective
 from .phases import PhaseTimes
 from .precision import Precision
 
@@ -153,7 +153,7 @@ class TrainStep:
     of the weights (``WeightAverage``, ``ema.decay``), updated after each optimizer step. ``objectives``: the
     training terms and loss inputs beside the contrastive loss (``train/objectives``: a teacher's features, hard
     negatives, a CoCa's caption loss), whose hooks the step calls in turn; ``contrastive_weight``: the
-    contrastive loss's weight (``loss.contrastive_weight``), applied in one place (``_contrastive``).
+    contrastive loss's weight (``loss.contrastive_weight``), applied in one place (``objectives/contrastive.py``).
     """
 
     def __init__(self, model, loss_fn, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
@@ -182,7 +182,7 @@ class TrainStep:
         # a frozen tower is encoded once and never replayed; images come back through the offload
         # owner, or stay on the device. An objective that reads both towers' outputs (a CoCa's decoder) has
         # both encoded again (a frozen one without autograd), and no sub-batch keeps its phase-1 graph
-        self.objectives, self.contrastive_weight = list(objectives), float(contrastive_weight)
+        self.objectives, self.contrastive = list(objectives), Contrastive(loss_fn, contrastive_weight)
         both = any(objective.replays_both_towers for objective in self.objectives)
         replay_images = not model.frozen("image") or both
         self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text") or both,
@@ -192,7 +192,6 @@ class TrainStep:
         self.model_options: dict = {}  # what the objectives ask of the model's forward (its outputs after four)
         for objective in self.objectives:
             self.model_options.update(objective.model_options)
-        self.terms: dict[str, torch.Tensor] = {}  # the last step's loss terms (unweighted), 0-d on the device
         self.loss: torch.Tensor | None = None  # the last gradients() call's
         self.health = UpdateHealth(max_bad_steps)
         self.unsettled: StepOutcome | None = None  # the last step, its update not yet read (settle)
@@ -239,7 +238,7 @@ class TrainStep:
             times.add("ema", time.perf_counter() - ema_started)
         times.add("optimizer", applied.seconds)
         self.unsettled = StepOutcome(number, loss, lr, applied, times, time.perf_counter() - started,
-                                     {**getattr(self.loss_fn, "terms", {}), **self.terms})
+                                     {**getattr(self.loss_fn, "terms", {}), **self.contrastive.terms})
         return self.unsettled
 
     def settle(self) -> UpdateHealth:
@@ -353,8 +352,8 @@ class TrainStep:
             if texts is not None:
                 extra_features, start_row = text_features[start_row:start_row + len(texts)], start_row + len(texts)
             options.update(objective.loss_inputs_one_pass(sub, images, extra_features, self.precision.autocast))
-        contrastive = self._contrastive(image_features.float(), text_features[:rows].float(), scale.float(),
-                                        *(() if bias is None else (bias.float(),)), **options)
+        contrastive = self.contrastive(image_features.float(), text_features[:rows].float(), scale.float(),
+                                       *(() if bias is None else (bias.float(),)), **options)
         total = contrastive
         for objective in self.objectives:
             term = objective.one_pass_term(outputs)
@@ -362,25 +361,7 @@ class TrainStep:
                 total = total + term
         self.precision.scale(total).backward()
         times.stop("forward_backward")
-        return self._logged(contrastive.detach()), times
-
-    def _contrastive(self, *args, **kwargs) -> torch.Tensor:
-        """The contrastive loss (with its distillation term, if any) times ``loss.contrastive_weight``."""
-        loss = self.loss_fn(*args, **kwargs)
-        return loss if self.contrastive_weight == 1 else loss * self.contrastive_weight
-
-    def _logged(self, contrastive: torch.Tensor) -> torch.Tensor:
-        """The step's loss for the log: the (weighted) contrastive loss plus each objective's weighted term;
-        with terms, ``self.terms`` gets the contrastive loss unweighted and each objective's own."""
-        values = [value for objective in self.objectives if (value := objective.value()) is not None]
-        if not values:
-            return contrastive
-        self.terms = {"contrastive": contrastive / self.contrastive_weight if self.contrastive_weight else contrastive}
-        for objective in self.objectives:
-            self.terms.update(objective.terms())
-        for value in values:
-            contrastive = contrastive + value
-        return contrastive
+        return self.contrastive.logged(contrastive.detach(), self.objectives), times
 
     def _gradcache(self, stream: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, PhaseTimes]:
         """The three GradCache phases (``gradcache.py``) over ``self.sub_batches`` sub-batches."""
@@ -396,7 +377,7 @@ class TrainStep:
         # decoding on the GPU, the offload's re-decoding starts now: the replay's first images are ready after the loss
         again = self.keep.images_again(encoded, epoch)
         bias = self.model.logit_bias
-        grads = loss_and_feature_grads(self._contrastive, encoded, full(self.model.logit_scale),
+        grads = loss_and_feature_grads(self.contrastive, encoded, full(self.model.logit_scale),
                                        None if bias is None else full(bias), self.precision, self.objectives)
         for objective in self.objectives:  # a CoCa: the caption loss's factor over the global batch's tokens
             objective.before_replay(self.precision)
@@ -411,7 +392,7 @@ class TrainStep:
         times.add("data", waited)
         times.stop("replay", minus=waited)
         progress.close()
-        return self._logged(grads.loss), times
+        return self.contrastive.logged(grads.loss, self.objectives), times
 
 
 

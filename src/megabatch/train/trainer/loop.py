@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ...checkpoint.checkpointer import Checkpointer, RngStates, TrainState
 from ...checkpoint.files import load_checkpoint, load_resume, run_checkpoints
-from ...config import ConfigError, parse_duration
+from ...config import ConfigError
 from ...config.schema import recipe_warning, validate
 from ...data.loading import configure_loading
 from ...distributed import DistEnv, init_distributed
@@ -38,6 +38,7 @@ from ...runtime.process import configure_backends
 from ...runtime.signals import end_children, ignore_stop_signals
 from ..build.parts import RunParts
 from ..build.startup import StartupTimes, run_ended
+from ..step.objectives import States
 from ..step.step import NonFiniteError, StepOutcome
 from .lock import RunLock
 from .metrics import MetricsLogger, RunFacts, StepLog
@@ -192,21 +193,23 @@ class Trainer:
         cfg, env = self.cfg, self.env
         with self.startup.phase("backends"):
             # process-wide, once, before anything is built
-            settings = configure_backends(cfg, env.device) + configure_loading(cfg.data, env.device)
-        for setting in settings:
+            done = configure_backends(cfg, env.device) + configure_loading(cfg.data, env.device)
+        for setting in done:
             if self.main:
                 log.info("backends: %s", setting)
         # model.compile: the towers compile in fit(), while the loader's workers start reading
         self.parts = parts = RunParts.build(cfg, env, warm_up=False, times=self.startup)
-        self.model, self.plan, self.step = parts.model, parts.plan, parts.step
+        self.model, self.plan, self.step, self.settings = parts.model, parts.plan, parts.step, parts.settings
         self.state = TrainState()  # steps done, samples seen
         # each part saves and loads its own state; a new part is one more entry
         self.checkpointer = Checkpointer(
             self.ckpt_dir, self.model, parts.optimizer,
             {"train_state": self.state, "scaler": self.step.scaler, "schedule": parts.schedule,
              "data_position": parts.inputs, "rng": RngStates(env.rank, env.world_size),
-             **({"ema": self.step.ema} if self.step.ema is not None else {})},
-            header=self._checkpoint_header, sharded=cfg.trainer.parallel == "fsdp", keep=cfg.trainer.keep_ckpts,
+             **({"ema": self.step.ema} if self.step.ema is not None else {}),
+             **({"objectives": objective_states} if (objective_states := States(self.step.objectives)).any else {})},
+            header=self._checkpoint_header, sharded=self.settings.trainer.parallel == "fsdp",
+            keep=self.settings.trainer.keep_ckpts,
             main=self.main, distributed=env.distributed)
         self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
         with self.startup.phase("resume"):
@@ -217,8 +220,8 @@ class Trainer:
         facts = RunFacts(self.plan, env.world_size, env.device, parts.flops, parts.peak,
                          logit_scale=lambda: self.model.logit_scale, bad_input=parts.inputs.bad_input_counts,
                          startup=self.startup)
-        self.metrics = StepLog(sinks, facts, cfg.trainer.log_every, self.main)
-        self.stops = StopRequests(parse_duration(cfg.trainer.time_limit), env.distributed, env.control_group)
+        self.metrics = StepLog(sinks, facts, self.settings.trainer.log_every, self.main)
+        self.stops = StopRequests(self.settings.trainer.time_limit_s, env.distributed, env.control_group)
 
     def _checkpoint_header(self) -> dict:
         """What a checkpoint's readers need beside the parts: the batch (the report's samples), the config
@@ -283,7 +286,7 @@ class Trainer:
         return results
 
     def fit(self) -> float:
-        cfg, plan, env = self.cfg, self.plan, self.env
+        plan, env = self.plan, self.env
         if self.main:
             log.info("run dir %s; %d steps of batch %d (%d ranks x %d sub-batches x %d) = %s samples, %d steps "
                      "per epoch, %s", self.run_dir, plan.total_steps, plan.global_batch, env.world_size,
@@ -291,11 +294,11 @@ class Trainer:
                      plan.steps_per_epoch, self.step.precision)
         # trainer.stop_at_step ends this invocation early (a time-limited job); resume=latest
         # continues it as if it had never stopped.
-        stop = min(plan.total_steps, cfg.trainer.stop_at_step or plan.total_steps)
+        stop = min(plan.total_steps, self.settings.trainer.stop_at_step or plan.total_steps)
         with self.startup.phase("loader start"):
             sub_batches = self.parts.inputs(self.state.step)  # the loader's workers start reading now
         try:
-            if cfg.model.compile:
+            if self.settings.model.compile:
                 with self.startup.phase("compile"):
                     self.parts.warm_up()  # while the workers read the first sub-batches
             # SIGTERM, SIGINT, SIGUSR1: stop after the step, checkpoint, exit 3; the handlers stay until
@@ -327,7 +330,7 @@ class Trainer:
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
             stop_reason = self.stops.reason(outcome.seconds)
             last = self.state.step == stop
-            if stop_reason or last or self.metrics.due(self.state.step) or self._due(self.cfg.trainer.ckpt_every):
+            if stop_reason or last or self.metrics.due(self.state.step) or self._due(self.settings.trainer.ckpt_every):
                 self.step.settle()  # host sync: the hooks act on this step, its update read
             if self.state.step == first_step:
                 self.first_step_done(outcome, started)
@@ -350,7 +353,7 @@ class Trainer:
         self.startup.add("first step", step_s - waited)
         if self.main:
             log.info("first step finished %.1f s after the start (model.compile: %s); start-up: %s",
-                     seconds, f"{self.parts.compile_s:.1f} s of compiling" if self.cfg.model.compile else "off",
+                     seconds, f"{self.parts.compile_s:.1f} s of compiling" if self.settings.model.compile else "off",
                      self.startup.describe())
         self.metrics.first_step_s = seconds  # in the next log record
         self.status.note(time_to_first_step_s=round(seconds, 2), startup_s=self.startup.record())
@@ -364,7 +367,7 @@ class Trainer:
 
     def checkpoint_if_due(self) -> None:
         """A numbered checkpoint every ``trainer.ckpt_every`` steps (once a step)."""
-        if self._due(self.cfg.trainer.ckpt_every) and self.checkpointer.saved_step != self.state.step:
+        if self._due(self.settings.trainer.ckpt_every) and self.checkpointer.saved_step != self.state.step:
             self._checkpoint(numbered=True)
 
     def evaluate_if_due(self) -> None:
@@ -380,7 +383,7 @@ class Trainer:
         if not reason:
             return
         if self.checkpointer.saved_step != self.state.step:
-            self._checkpoint(numbered=self._due(self.cfg.trainer.ckpt_every))
+            self._checkpoint(numbered=self._due(self.settings.trainer.ckpt_every))
         self._wait_for_checkpoint()  # no rank exits (and lets torchrun end the writer) before it
         self.stops.drain()
         log.warning("stopped after step %d (%s); last.pt written: continue with resume=latest name=%s",

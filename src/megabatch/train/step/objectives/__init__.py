@@ -1,5 +1,6 @@
-"""The training terms beside the contrastive loss, one file each, behind one seam (``base.Objective``): the
-step and GradCache loop over them and name none. ``build`` makes a run's list from its config.
+"""The training terms, one file each: the contrastive loss every step has (``contrastive.py``: the loss backend
+times ``loss.contrastive_weight``) and, behind one seam (``base.Objective``), the terms and loss inputs beside it:
+the step and GradCache loop over them and name none. ``build`` makes a run's list from its config.
 
 A new objective: a subclass of ``Objective`` in a file here, an entry in ``build`` (and its config key, checked in
 ``config/schema.py``'s ``validate``), and a row in ``tests/train/test_objectives_contract.py``'s ``OBJECTIVES``,
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 from .base import Objective
 from .caption import Caption
+from .contrastive import Contrastive
 from .negatives import HardNegatives
 from .teacher import TeacherFeatures
 
-__all__ = ["Caption", "HardNegatives", "Objective", "TeacherFeatures", "build"]
+__all__ = ["Caption", "Contrastive", "HardNegatives", "Objective", "States", "TeacherFeatures", "build"]
 
 
 def build(caption_weight: float = 0.0, pad_id: int | None = None, teacher=None, negatives: bool = False,
@@ -27,3 +29,27 @@ def build(caption_weight: float = 0.0, pad_id: int | None = None, teacher=None, 
     if caption_weight > 0:
         objectives.append(Caption(caption_weight, pad_id, device))
     return objectives
+
+
+class States:
+    """The objectives' own states as one checkpointed part (the ``Checkpointer``'s ``objectives``): each objective
+    whose ``state_dict`` is not empty, under its ``name``. ``any``: whether there is one (the run registers the part
+    only then, so a run of stateless objectives writes its checkpoints as before)."""
+
+    def __init__(self, objectives: list[Objective]):
+        self.objectives = list(objectives)
+        names = [objective.name for objective in self.objectives]
+        if len(set(names)) != len(names):
+            raise ValueError(f"objectives with the same name keep their states under one key: {names}")
+
+    @property
+    def any(self) -> bool:
+        return any(objective.state_dict() for objective in self.objectives)
+
+    def state_dict(self) -> dict:
+        return {objective.name: state for objective in self.objectives if (state := objective.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        for objective in self.objectives:
+            if objective.name in state:
+                objective.load_state_dict(state[objective.name])

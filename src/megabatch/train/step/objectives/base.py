@@ -1,7 +1,7 @@
 """The seam every training term beside the contrastive loss plugs into.
 
-The step (``train/step/step.py``) and GradCache (``train/step/gradcache.py``) call these hooks on each objective in turn and
-name none of them. An objective keeps its own per-step state (what phase 1 encoded of it, its gradients, its
+The step (``train/step/step.py``) and GradCache (``train/step/gradcache.py``) call these hooks on each objective in
+turn and name none of them. An objective keeps its own per-step state (what phase 1 encoded of it, its gradients, its
 logged value) and says what the replay must encode again. Its config checks live in ``config/schema.py``'s
 ``validate`` (before anything is built); the objectives a run trains with are built by ``objectives.build``.
 
@@ -14,7 +14,8 @@ The hooks, in the order a step calls them:
   (the extra inputs; a tensor that requires grad gets its gradient back through ``take_grads``) and
   ``before_replay``; phase 3 ``replay_first`` (before the sub-batch whose backward synchronises the ranks) and
   ``replay_term`` per re-encoded sub-batch (added to its surrogate);
-- both: ``value`` (the term added to the logged loss, ``None`` for an input-only objective) and ``terms``.
+- both: ``value`` (the term added to the logged loss, ``None`` for an input-only objective) and ``terms``;
+- the checkpoint: ``state_dict`` and ``load_state_dict`` (``States``: the checkpointed part ``objectives``).
 """
 
 from __future__ import annotations
@@ -87,3 +88,12 @@ class Objective:
     def terms(self) -> dict[str, torch.Tensor]:
         """This step's named values for the log (unweighted, 0-d on the device)."""
         return {}
+
+    # the checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """What this objective carries from one step to the next (an EMA teacher's weights, a running center),
+        saved in every checkpoint under its ``name`` and given back on resume; ``{}``: nothing to carry."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what ``state_dict`` gave (a resumed run)."""
