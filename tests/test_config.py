@@ -507,3 +507,25 @@ def test_the_models_run_settings_are_typed_and_their_absent_values_live_in_one_p
     assert "compile" not in builder_node(stored)
     with pytest.raises(ConfigError, match=r"model\.compile=1: give true or false"):
         validate(compose("model.compile=1"))
+
+
+def test_the_run_settings_are_parsed_once_into_frozen_dataclasses():
+    """``RunSettings.of``: every count and duration a number (binary batch suffixes, decimal sample totals), choices
+    as given, the data, optimizer, EMA and distillation sections typed; assigning to one is refused."""
+    import dataclasses
+
+    from megabatch.config.run import RunSettings
+    from megabatch.config.schema import validate
+
+    settings = RunSettings.of(validate(compose(
+        "batch=4k", "trainer.sub_batch=1k", "trainer.max_steps=null", "trainer.max_samples=12.8M",
+        "trainer.time_limit=3h50m", "data.train.num_samples=256k", "optim.layer_decay=0.75", "ema.decay=0.999",
+        "loss.contrastive_weight=0.5")))
+    assert (settings.batch, settings.trainer.sub_batch, settings.trainer.max_samples) == (4096, 1024, 12_800_000)
+    assert settings.trainer.time_limit_s == 13_800.0 and settings.trainer.precision in ("auto", "bf16", "fp16", "fp32")
+    assert settings.data.train.num_samples == 262_144 and settings.data.train.augment.scale == (0.7, 1.0)  # the digits'
+    assert settings.optim.layer_decay == {"image": 0.75, "text": 0.75} and settings.ema.decay == 0.999
+    assert settings.distill.teacher is None and settings.contrastive_weight == 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.trainer.sub_batch = 512
+    assert RunSettings.of(validate(compose("trainer.sub_batch=auto"))).trainer.sub_batch == "auto"

@@ -13,7 +13,7 @@ are built from the composed config; the model's run settings are ``ModelSettings
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from omegaconf import DictConfig
@@ -82,11 +82,188 @@ class TrainerSettings:
         )
 
 
+def _strings(value) -> str | tuple[str, ...] | None:
+    """A key that takes one string or several: a string stays one, a list becomes a tuple."""
+    return value if value is None or isinstance(value, str) else tuple(str(item) for item in value)
+
+
+def _numbers(value) -> tuple[float, ...] | None:
+    return None if value is None else tuple(float(item) for item in value)
+
+
+@dataclass(frozen=True)
+class AugmentSettings:
+    """``data.train.augment``: RandomResizedCrop's ``scale`` and ``ratio`` ranges."""
+
+    scale: tuple[float, ...]
+    ratio: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class DataTrainSettings:
+    """``data.train.*``, parsed: ``urls`` (``None``: the embedded digits; a pattern, ``::``-joined patterns, or a
+    tuple of them), ``num_samples`` a number (``None``: counted from the shards), the caption and negatives keys,
+    the stored teacher's key, the augmentation."""
+
+    urls: str | tuple[str, ...] | None
+    mode: Literal["epoch", "resampled"]
+    split: Literal["auto", "position", "shard", "indexed"]
+    weights: tuple[float, ...] | None
+    num_samples: int | None
+    shuffle_buffer: int
+    streams: int
+    text_key: str | tuple[str, ...]
+    text_probs: tuple[float, ...] | None
+    negatives_key: str | None
+    negatives: int
+    teacher_key: str | None
+    augment: AugmentSettings
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """``data.*``, parsed: the cache folder, the loader's workers and how they start, where JPEGs are decoded
+    (``decode_ahead_gb`` and ``decode_threads``: a number or ``auto``), and ``train`` (``DataTrainSettings``)."""
+
+    cache_dir: str
+    num_workers: int
+    worker_start: Literal["auto", "fork", "forkserver"]
+    decode: Literal["auto", "cpu", "gpu"]
+    decode_ahead_gb: float | Literal["auto"]
+    decode_threads: int | Literal["auto"]
+    train: DataTrainSettings
+
+    @classmethod
+    def of(cls, data: DictConfig) -> DataSettings:
+        train = data.train
+        return cls(
+            cache_dir=str(data.cache_dir), num_workers=int(data.num_workers),
+            worker_start=data.get("worker_start", "auto"), decode=data.decode,
+            decode_ahead_gb=data.decode_ahead_gb if data.decode_ahead_gb == "auto" else float(data.decode_ahead_gb),
+            decode_threads=data.decode_threads if data.decode_threads == "auto" else int(data.decode_threads),
+            train=DataTrainSettings(
+                urls=_strings(train.urls), mode=train.mode, split=train.split, weights=_numbers(train.weights),
+                num_samples=parse_optional_count(train.num_samples, "data.train.num_samples"),
+                shuffle_buffer=int(train.shuffle_buffer), streams=int(train.streams), text_key=_strings(train.text_key),
+                text_probs=_numbers(train.text_probs), negatives_key=train.negatives_key,
+                negatives=int(train.negatives), teacher_key=train.get("teacher_key"),
+                augment=AugmentSettings(_numbers(train.augment.scale), _numbers(train.augment.ratio))))
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """``optim.*``, parsed: the peak ``lr`` scaled from ``base_batch`` (a number) by ``lr_scaling``, the weight
+    decay, the clip, ``layer_decay`` (``{tower: decay or None}``, or ``None`` where it is off) and ``optimizer``,
+    the ``_partial_`` optimizer class the run instantiates over its parameter groups (a config node: a target)."""
+
+    lr: float
+    lr_scaling: str | None
+    base_batch: int | None
+    weight_decay: float
+    grad_clip: float | None
+    layer_decay: dict[str, float | None] | None
+    name: str | None
+    optimizer: DictConfig
+
+    @classmethod
+    def of(cls, optim: DictConfig) -> OptimSettings:
+        decay = optim.get("layer_decay")
+        if isinstance(decay, (int, float)):  # one number: both towers'
+            decay = {"image": float(decay), "text": float(decay)}
+        elif decay is not None:
+            decay = dict(decay)
+        return cls(lr=float(optim.lr), lr_scaling=optim.lr_scaling,
+                   base_batch=parse_optional_count(optim.base_batch, "optim.base_batch"),
+                   weight_decay=float(optim.weight_decay),
+                   grad_clip=None if optim.grad_clip is None else float(optim.grad_clip),
+                   layer_decay=decay if decay and any(value is not None for value in decay.values()) else None,
+                   name=optim.get("name"), optimizer=optim.optimizer)
+
+
+@dataclass(frozen=True)
+class EmaSettings:
+    """``ema.*``: the moving average's ``decay`` (``None``: off), how many steps apart it moves, its warm-up."""
+
+    decay: float | None = None
+    every: int = 1
+    warmup_power: float | None = 0.6667
+
+    @classmethod
+    def of(cls, ema: DictConfig | None) -> EmaSettings:
+        return cls() if ema is None else cls(ema.decay, int(ema.every), ema.warmup_power)
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """``distill.*``: the teacher (``None``: no distillation; ``stored``: embeddings read from the shards; an open_clip
+    architecture, a checkpoint or an open_clip folder), its weights, the term's weight and temperature, whether the
+    teacher is compiled (``None``: as ``model.compile``)."""
+
+    teacher: str | None = None
+    pretrained: str | None = None
+    weight: float = 1.0
+    temperature: float | None = None
+    compile: bool | None = None
+
+    @classmethod
+    def of(cls, distill: DictConfig | None) -> DistillSettings:
+        if distill is None:
+            return cls()
+        return cls(None if distill.teacher is None else str(distill.teacher), distill.pretrained, float(distill.weight),
+                   distill.temperature, distill.get("compile"))
+
+
+@dataclass(frozen=True)
+class EvalSetSettings:
+    """One evaluation set, ``eval.<name>``, parsed (``schema.EvalConfig``'s keys, its defaults for the keys a set
+    leaves out): a list of class names or templates a tuple, a named set a string. Evaluation (``run_zeroshot``:
+    in a run and in ``scripts/evaluate.py``) reads every set through it."""
+
+    name: str
+    every: int | None
+    at_end: bool
+    task: Literal["zeroshot", "retrieval", "captioning", "image_caption_selection", "linear_probe"] = "zeroshot"
+    format: Literal["wds", "folder", "objectnet", "clip_benchmark"] = "wds"
+    split: str = "test"
+    root: str | None = None
+    urls: str | None = None
+    train_split: str = "train"
+    val_split: str | None = None
+    train_urls: str | None = None
+    val_urls: str | None = None
+    val_proportion: float = 0.2
+    fewshot: int | None = None
+    probe_lr: float = 0.1
+    probe_epochs: int = 10
+    probe_batch_size: int = 64
+    probe_seed: int = 0
+    jsonl: str | None = None
+    classnames: str | tuple[str, ...] | None = None
+    templates: str | tuple[str, ...] | None = None
+    subset_wnids_from: str | None = None
+    batch_size: int = 256
+    num_workers: int = 4
+    chunk: int = 1024
+    weights: Literal["raw", "ema", "both", "auto"] = "auto"
+
+    @classmethod
+    def of(cls, node) -> EvalSetSettings:
+        """``node`` (an ``eval.<name>`` config, or settings already) as settings."""
+        if isinstance(node, cls):
+            return node
+        values = {spec.name: node[spec.name] for spec in fields(cls) if spec.name in node}
+        for key in ("classnames", "templates"):
+            if key in values:
+                values[key] = _strings(values[key])
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """What a run's objects read of its config, parsed once: the global batch (a number of samples), the seed,
-    ``trainer.*`` (``TrainerSettings``), the model's run settings (``ModelSettings``), the loss's weights
-    (``loss.caption_weight``, ``loss.contrastive_weight``) and ``data.train.num_samples`` (``None``: counted)."""
+    ``trainer.*`` (``TrainerSettings``), ``data.*`` (``DataSettings``), ``optim.*``, ``ema.*``, ``distill.*``, the
+    model's run settings (``ModelSettings``) and the loss's weights (``loss.caption_weight``,
+    ``loss.contrastive_weight``)."""
 
     batch: int
     seed: int
@@ -94,11 +271,15 @@ class RunSettings:
     model: ModelSettings
     caption_weight: float
     contrastive_weight: float
-    num_samples: int | None
+    data: DataSettings
+    optim: OptimSettings
+    ema: EmaSettings
+    distill: DistillSettings
 
     @classmethod
     def of(cls, cfg: DictConfig) -> RunSettings:
         caption, contrastive = loss_weights(cfg.loss)
         return cls(batch=parse_count(cfg.batch, "batch"), seed=int(cfg.seed), trainer=TrainerSettings.of(cfg.trainer),
                    model=model_settings(cfg.model), caption_weight=caption, contrastive_weight=contrastive,
-                   num_samples=parse_optional_count(cfg.data.train.num_samples, "data.train.num_samples"))
+                   data=DataSettings.of(cfg.data), optim=OptimSettings.of(cfg.optim),
+                   ema=EmaSettings.of(cfg.get("ema")), distill=DistillSettings.of(cfg.get("distill")))

@@ -554,9 +554,11 @@ def check_probe(eval_cfg: DictConfig) -> None:
                           "splits' shards: cls + image)")
 
 
-def eval_root(eval_cfg: DictConfig) -> str:
-    """``eval.<name>.root`` of a folder-format evaluation set, which must be given."""
-    if OmegaConf.is_missing(eval_cfg, "root") or not eval_cfg.root:
+def eval_root(eval_cfg) -> str:
+    """``eval.<name>.root`` of a folder-format evaluation set (its config, or its ``EvalSetSettings``), which must be
+    given."""
+    missing = isinstance(eval_cfg, DictConfig) and OmegaConf.is_missing(eval_cfg, "root")
+    if missing or not eval_cfg.root:
         what = {"objectnet": "the ObjectNet release folder",
                 "clip_benchmark": "a CLIP_benchmark dataset folder: test/nshards.txt, test/0.tar, ..., classnames.txt"
                 }.get(eval_cfg.format, "an ImageFolder path")

@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..config import ConfigError, parse_optional_count
+from omegaconf import DictConfig
+
+from ..config import ConfigError
+from ..config.run import DataSettings
 from ..distributed.once import on_rank_zero
 from .captions import CaptionKeys
 from .digits import ensure_digits
@@ -54,14 +57,15 @@ class TrainData:
     ``::``-joined) with ``weights``.
     """
 
-    def __init__(self, cfg, tokenize, preprocess: dict, seed: int, show_progress: bool = True,
-                 worker_start: str = "fork"):
+    def __init__(self, data: DataSettings | DictConfig, tokenize, preprocess: dict, seed: int,
+                 show_progress: bool = True, worker_start: str = "fork"):
+        cfg = data if isinstance(data, DataSettings) else DataSettings.of(data)  # parsed once: a run's are
         urls = cfg.train.urls or ensure_digits(cfg.cache_dir)["train"]
         patterns = [urls] if isinstance(urls, str) and "::" not in urls else (
             urls.split("::") if isinstance(urls, str) else list(urls))
         self.sources = [expand_urls(pattern, "data.train.urls") for pattern in patterns]
         self.urls = [url for source in self.sources for url in source]
-        self.num_samples = parse_optional_count(cfg.train.num_samples, "data.train.num_samples")
+        self.num_samples = cfg.train.num_samples
         self.cfg, self.tokenize, self.seed = cfg, tokenize, seed
         self.show_progress, self._sizes = show_progress, None
         self.worker_start = worker_start  # fork | forkserver: how the loaders' workers start (worker_start.py)
@@ -69,16 +73,18 @@ class TrainData:
             self.tokenize = PickledOnce(tokenize)
         if self.num_samples is None:
             self.num_samples = sum(self.sizes)
-        self.transform = train_transform(preprocess["size"], preprocess["interpolation"], **cfg.train.augment)
+        augment = cfg.train.augment
+        self.transform = train_transform(preprocess["size"], preprocess["interpolation"], scale=list(augment.scale),
+                                         ratio=list(augment.ratio))
         text_key = cfg.train.text_key
-        self.teacher = self._teacher_spec(cfg.train.get("teacher_key"))
+        self.teacher = self._teacher_spec(cfg.train.teacher_key)
         self.captions = CaptionKeys(text_key if isinstance(text_key, str) else list(text_key),
                                     None if cfg.train.text_probs is None else list(cfg.train.text_probs),
                                     negatives_key=cfg.train.negatives_key, negatives=cfg.train.negatives,
                                     teacher=self.teacher)
         # split and mode are checked with the rest of the config (config/schema.py); the weights
         # against the sources the URLs expand to
-        self.mode, self.weights = cfg.train.mode, cfg.train.weights
+        self.mode, self.weights = cfg.train.mode, None if cfg.train.weights is None else list(cfg.train.weights)
         self.split = resolve_split(cfg.train.split, self.mode, self.urls)
         if cfg.train.split == "auto" and show_progress:
             log.info("data.train.split=auto: %s", SPLIT_REASONS[self.split])

@@ -27,7 +27,7 @@ SERVER_PRELOAD = ["__main__", "megabatch.data.worker_server", "megabatch.data.tr
 
 def resolve_worker_start(data_cfg, device_type: str) -> str:
     """``data.worker_start`` for a run on ``device_type`` ("cuda" or "cpu"): ``fork`` or ``forkserver``."""
-    start = str(data_cfg.get("worker_start", "auto"))
+    start = str(getattr(data_cfg, "worker_start", "auto"))  # a DataSettings, or a config stored before the key
     if start != "auto":
         return start
     return "forkserver" if device_type == "cuda" and int(data_cfg.num_workers) > 0 else "fork"

@@ -100,7 +100,7 @@ def classnames(eval_cfg) -> list[str]:
 
 def _named_set(eval_cfg, key: str, sets: dict) -> list[str]:
     """``eval.<key>``: an explicit list, or the name of one of ``sets`` (name -> loader)."""
-    value = eval_cfg[key] or eval_cfg.name
+    value = getattr(eval_cfg, key) or eval_cfg.name
     if not isinstance(value, str):
         return list(value)
     if value not in sets:
@@ -178,7 +178,7 @@ def eval_batches(eval_cfg, data_cfg, transform, num_classes: int, ranks=None, sp
                 f"has {num_classes} names; they must match one to one (sorted folder order)"
             )
         return _indexed(dataset, ranks, batch_size, eval_cfg.num_workers)
-    urls = eval_cfg.urls if split is None else eval_cfg.get(f"{split}_urls")
+    urls = eval_cfg.urls if split is None else getattr(eval_cfg, f"{split}_urls", None)
     if not urls and embedded_digits(eval_cfg):
         from ..data.digits import ensure_digits
 

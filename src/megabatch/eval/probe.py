@@ -194,7 +194,7 @@ def encode_split(model, eval_cfg, data_cfg, transform, device, ranks: Ranks, spl
 def cache_key(eval_cfg, split: str, stored: str | None) -> dict:
     """What a split's features are computed from, beside the checkpoint: kept with them and compared."""
     return {"set": eval_cfg.name, "format": eval_cfg.format, "root": eval_cfg.root,
-            "urls": eval_cfg.urls if split == "test" else eval_cfg.get(f"{split}_urls"), "split": stored,
+            "urls": eval_cfg.urls if split == "test" else getattr(eval_cfg, f"{split}_urls", None), "split": stored,
             "version": 1}
 
 

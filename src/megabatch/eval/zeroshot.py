@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from ..config.run import EvalSetSettings
 from ..report.results import headline  # noqa: F401 (eval.headline, as before)
 from .ranks import Ranks, batched, progress
 
@@ -117,6 +118,7 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device, cache: str | None 
     from ..data.transforms import eval_transform
     from .datasets import eval_batches, labels_within, resolve_eval_set
 
+    eval_cfg = EvalSetSettings.of(eval_cfg)  # parsed once: everything below reads the typed set
     transform = eval_transform(model.preprocess)
     ranks = Ranks.of(model)
     was_training = model.training

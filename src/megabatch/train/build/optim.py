@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
+from omegaconf import DictConfig
 from torch import nn
 
 from ...config import ConfigError, parse_count
+from ...config.run import OptimSettings
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +129,12 @@ def describe_param_groups(optimizer: torch.optim.Optimizer) -> list[str]:
     return rows
 
 
-def build_optimizer(cfg, model: nn.Module, global_batch: int) -> tuple[torch.optim.Optimizer, float]:
-    """The configured optimizer over ``model`` and its peak learning rate."""
-    lr = scaled_lr(float(cfg.lr), cfg.lr_scaling, global_batch, cfg.base_batch)
+def build_optimizer(optim: OptimSettings | DictConfig, model: nn.Module,
+                    global_batch: int) -> tuple[torch.optim.Optimizer, float]:
+    """The configured optimizer over ``model`` and its peak learning rate (``optim``: a run's ``OptimSettings``,
+    or the ``optim`` config, parsed here)."""
+    cfg = optim if isinstance(optim, OptimSettings) else OptimSettings.of(optim)
+    lr = scaled_lr(cfg.lr, cfg.lr_scaling, global_batch, cfg.base_batch)
     if cfg.lr_scaling not in (None, "none"):
         log.info("lr %.3g scaled (%s) from base batch %s to %d: %.3g", cfg.lr, cfg.lr_scaling,
                  cfg.base_batch, global_batch, lr)
@@ -140,20 +145,15 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> tuple[torch.opt
     cls = getattr(factory, "func", factory)
     if cfg.optimizer.get("adamw_lr") is not None:  # optim=muon: AdamW's own peak lr, scaled as optim.lr is
         kwargs["adamw_lr"] = scaled_lr(float(cfg.optimizer.adamw_lr), cfg.lr_scaling, global_batch, cfg.base_batch)
-    groups = param_groups(model, float(cfg.weight_decay), layer_decay_of(cfg),
+    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay,
                           split_matrices=getattr(cls, "splits_matrices", False))
     return factory(groups, lr=lr, **kwargs), lr
 
 
-def layer_decay_of(cfg) -> dict | None:
+def layer_decay_of(optim: OptimSettings | DictConfig) -> dict | None:
     """``optim.layer_decay`` as ``{tower: decay or None}``, or ``None`` where it is off (null, or null for
     both towers). One number is both towers' decay."""
-    decay = cfg.get("layer_decay")
-    if isinstance(decay, (int, float)):
-        decay = {"image": decay, "text": decay}
-    elif decay is not None:
-        decay = dict(decay)
-    return decay if decay and any(value is not None for value in decay.values()) else None
+    return (optim if isinstance(optim, OptimSettings) else OptimSettings.of(optim)).layer_decay
 
 
 def timm_optimizer(params, lr: float, name: str, **kwargs) -> torch.optim.Optimizer:

@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from ...config import ConfigError
-from ...config.run import RunSettings
+from ...config.run import DataSettings, EmaSettings, RunSettings
 from ...config.schema import ModelSettings, model_settings
 from ...data import TrainData
 from ...data.gpu_decode import GpuDecoder, resolve_decode
@@ -49,7 +49,7 @@ from .memory_plan import (
     probe_peak_memory,
     teacher_bytes,
 )
-from .optim import build_optimizer, describe_param_groups, layer_decay_of
+from .optim import build_optimizer, describe_param_groups
 from .startup import StartupTimes
 
 log = logging.getLogger("megabatch")
@@ -88,10 +88,10 @@ class RunParts:
         if env.rank == 0:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
         with phase("data"):
-            data = TrainData(cfg.data, tokenize, model.preprocess, settings.seed, show_progress=env.rank == 0,
-                             worker_start=resolve_worker_start(cfg.data, env.device.type))
+            data = TrainData(settings.data, tokenize, model.preprocess, settings.seed, show_progress=env.rank == 0,
+                             worker_start=resolve_worker_start(settings.data, env.device.type))
             precision = precision_of(settings, env)
-            gpu_decoder, ahead = build_gpu_decoder(cfg, env)
+            gpu_decoder, ahead = build_gpu_decoder(settings.data, env)
         with phase("flop count"):  # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
             flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(settings, env), env.device)), \
                 gpu_peak(env.device)
@@ -190,14 +190,13 @@ def distilled(cfg: DictConfig, settings: RunSettings, loss, model: ClipModel, en
     """``loss``, or with ``distill.teacher`` the loss plus the distillation term (``DistilledLoss``),
     holding the frozen teacher it is computed against (or with ``stored`` the embeddings ``data``
     reads); the teacher's cost logged once."""
-    distill = cfg.get("distill")
-    if distill is None or distill.teacher is None:
+    distill = settings.distill
+    if distill.teacher is None:
         return loss
     from ...losses.distill import DistilledLoss
     from ..step.teacher import build_teacher
 
-    compiled = distill.get("compile")
-    compiled = settings.model.compile if compiled is None else compiled
+    compiled = settings.model.compile if distill.compile is None else distill.compile
     teacher = build_teacher(distill, model, env.device, None if data is None else data.teacher, compiled,
                             shard=settings.trainer.parallel == "fsdp" and env.distributed)
     if env.rank == 0 and teacher.model is None:
@@ -267,8 +266,8 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     the kept graphs and FSDP reduction ``trainer.sub_batch=auto``'s plan (``auto``) chose. ``settings``: the
     config's parsed settings (``RunSettings.of(cfg)``, the caller's where it has them)."""
     settings = settings or RunSettings.of(cfg)
-    optimizer, peak_lr = build_optimizer(cfg.optim, model, plan.global_batch)
-    layer_decay = layer_decay_of(cfg.optim)
+    optimizer, peak_lr = build_optimizer(settings.optim, model, plan.global_batch)
+    layer_decay = settings.optim.layer_decay
     if (layer_decay is not None or getattr(optimizer, "splits_matrices", False)) and env.rank == 0:
         log.info("optimizer groups (optim.layer_decay %s): each group's learning rate is the schedule's times its "
                  "scale\n%s", layer_decay, "\n".join(describe_param_groups(optimizer)))
@@ -284,11 +283,11 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     fsdp_reduce = fsdp_reduction(settings, model, env, auto, precision)
     log_fsdp_reduction(fsdp_reduce, settings, model, env, precision)
     step = TrainStep(model, loss, optimizer, env.device, precision=precision, sub_batches=plan.sub_batches,
-                     grad_clip=cfg.optim.grad_clip, offload=offload,
+                     grad_clip=settings.optim.grad_clip, offload=offload,
                      keep_graph=kept_graphs(settings.trainer.keep_graph, auto.graphs_that_fit if auto else None, plan,
                                             env),
                      fsdp_reduce=fsdp_reduce, show_progress=env.rank == 0,
-                     max_bad_steps=settings.trainer.max_bad_steps, ema=weight_average(cfg.ema, model, env),
+                     max_bad_steps=settings.trainer.max_bad_steps, ema=weight_average(settings.ema, model, env),
                      objectives=objectives_of(cfg, settings, model, loss, env),
                      contrastive_weight=settings.contrastive_weight)
     return BuiltStep(step, optimizer, peak_lr, compilation)
@@ -301,10 +300,10 @@ def objectives_of(cfg: DictConfig, settings: RunSettings, model: ClipModel, loss
     caption = settings.caption_weight
     return build_objectives(caption_weight=caption, pad_id=model.clip.pad_id if caption > 0 else None,
                             teacher=getattr(loss, "teacher", None),
-                            negatives=cfg.data.train.get("negatives_key") is not None, device=env.device)
+                            negatives=settings.data.train.negatives_key is not None, device=env.device)
 
 
-def weight_average(ema: DictConfig, model: ClipModel, env: DistEnv) -> WeightAverage | None:
+def weight_average(ema: EmaSettings, model: ClipModel, env: DistEnv) -> WeightAverage | None:
     """``ema.decay``'s moving average of ``model``'s trainable weights (after sharding: each rank its
     shards), or ``None`` where it is off; its memory logged once."""
     if ema.decay is None:
@@ -413,14 +412,14 @@ def seed_rank(settings: RunSettings, env: DistEnv) -> None:
     torch.manual_seed(settings.seed + 1000 * env.rank)
 
 
-def build_gpu_decoder(cfg: DictConfig, env: DistEnv) -> tuple[GpuDecoder | None, float]:
+def build_gpu_decoder(data: DataSettings, env: DistEnv) -> tuple[GpuDecoder | None, float]:
     """The GPU JPEG decoder (``data.decode``: gpu, or auto on CUDA) and the GPU bytes it may fill
     ahead of the step (``decode_ahead_bytes``); ``(None, 0)`` when the CPU decodes."""
-    if resolve_decode(cfg.data.decode, env.device) != "gpu":
+    if resolve_decode(data.decode, env.device) != "gpu":
         return None, 0.0
-    threads = None if cfg.data.decode_threads == "auto" else int(cfg.data.decode_threads)
+    threads = None if data.decode_threads == "auto" else data.decode_threads
     return GpuDecoder(env.device, threads=threads), \
-        decode_ahead_bytes(cfg, torch.cuda.get_device_properties(env.device).total_memory)
+        decode_ahead_bytes(data, torch.cuda.get_device_properties(env.device).total_memory)
 
 
 def check_cuda_graphs(model: ClipModel, sub_batches: int) -> None:
@@ -554,13 +553,13 @@ def flop_rows(settings: RunSettings, env: DistEnv) -> int:
     return min(configured if isinstance(configured, int) else rank_batch_of(settings.batch, env.world_size), 256)
 
 
-def decode_ahead_bytes(cfg: DictConfig, capacity: float) -> float:
+def decode_ahead_bytes(data: DataSettings, capacity: float) -> float:
     """``data.decode_ahead_gb`` in bytes (``auto``: 2.5% of the GPU's ``capacity``: 2 GB on an 80 GB
     GPU, 26 finished sub-batches of 512 images at 224 px): decoding goes on through the loss and the
     replay, so the next phase 1 finds most of its sub-batches decoded, and the decoding threads keep
     up with the rest."""
-    budget = cfg.data.decode_ahead_gb
-    return 0.025 * capacity if budget == "auto" else float(budget) * 1e9
+    budget = data.decode_ahead_gb
+    return 0.025 * capacity if budget == "auto" else budget * 1e9
 
 
 def log_utilization_basis(flops: ModelFlops, peak: Peak | None, gpu_decode: bool, ahead: float) -> None:
@@ -581,5 +580,5 @@ def build_offload(cfg: DictConfig, settings: RunSettings, model: ClipModel, data
         log.warning("trainer.offload has no effect with a locked image tower: its images are "
                     "encoded once and never replayed")
         return None
-    return Offload(data.transform, settings.seed, cfg.data.num_workers, settings.trainer.offload_dir, rank,
+    return Offload(data.transform, settings.seed, settings.data.num_workers, settings.trainer.offload_dir, rank,
                    gpu_decoder)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from ...config import ConfigError
+from ...config.run import DistillSettings
 from ...models import ClipModel
 from ...models.images import normalize_images
 
@@ -111,7 +112,7 @@ class StoredTeacher:
         return stored[:, :, 0], stored[:, :, 1]
 
 
-def load_teacher_model(distill: DictConfig) -> ClipModel:
+def load_teacher_model(distill: DistillSettings | DictConfig) -> ClipModel:
     """``distill.teacher``'s model: an open_clip architecture (weights from ``distill.pretrained``, or
     random without), a megabatch checkpoint (a ``.pt`` file or ``.dcp`` folder) or an export folder
     (``scripts/export.py``)."""
@@ -167,7 +168,7 @@ def check_tokenizers(teacher: ClipModel, student: ClipModel) -> None:
                           "tokenizer")
 
 
-def build_teacher(distill: DictConfig, student: ClipModel, device: torch.device, spec=None,
+def build_teacher(distill: DistillSettings, student: ClipModel, device: torch.device, spec=None,
                   compile: bool = False, shard: bool = False) -> Teacher | StoredTeacher:
     """The frozen teacher of ``distill`` for ``student`` on ``device``, checked against it; with
     ``distill.teacher=stored`` the stored embeddings ``spec`` describes (the training data's). ``compile``: its

@@ -275,7 +275,8 @@ class Trainer:
                 started = time.perf_counter()
                 with self.step.precision.autocast() if sharded else contextlib.nullcontext(), \
                         ema.swapped() if weights == "ema" else contextlib.nullcontext():
-                    result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.cfg.data, self.env.device)
+                    result = run_zeroshot(self.model, self.parts.tokenize, eval_cfg, self.settings.data,
+                                          self.env.device)
                 if not self.main:
                     continue
                 name = result_name(eval_cfg.name, weights)
