@@ -294,7 +294,7 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
 
 
 def objectives_of(cfg: DictConfig, settings: RunSettings, model: ClipModel, loss, env: DistEnv) -> list:
-    """The training terms and loss inputs beside the contrastive loss (``train/objectives``): ``distill.teacher``'s
+    """The training terms and loss inputs beside the contrastive loss (``train/step/objectives``): ``distill.teacher``'s
     features (the teacher the distilled loss was built with, ``distilled``), ``data.train.negatives_key``'s hard
     negatives, ``loss.caption_weight``'s caption loss (a CoCa's decoder)."""
     caption = settings.caption_weight

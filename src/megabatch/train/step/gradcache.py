@@ -174,7 +174,7 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
     (``precision.feature_dtype``), recording each one's RNG state and keeping what ``keep`` says.
     With ``keep.text_trim`` the captions wait on the host until all images are encoded, then are
     encoded grouped by length (``encode_captions``); the last ``keep.kept_graphs`` sub-batches (and
-    caption chunks) keep their graphs. Each of ``objectives`` (``train/objectives``) sees every sub-batch once
+    caption chunks) keep their graphs. Each of ``objectives`` (``train/step/objectives``) sees every sub-batch once
     encoded (``encoded``: a teacher's features, caption tokens, hard negatives' ids) and the whole rank's
     batch (``encoded_all``: the hard negatives through the text tower)."""
     device, encoded, captions = precision.device, None, []

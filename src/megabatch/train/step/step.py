@@ -151,7 +151,7 @@ class TrainStep:
     ``optimizer`` may be ``None`` where only the gradients are wanted (tests). ``max_bad_steps``:
     skipped updates in a row after which ``step`` raises ``NonFiniteError``. ``ema``: the moving average
     of the weights (``WeightAverage``, ``ema.decay``), updated after each optimizer step. ``objectives``: the
-    training terms and loss inputs beside the contrastive loss (``train/objectives``: a teacher's features, hard
+    training terms and loss inputs beside the contrastive loss (``train/step/objectives``: a teacher's features, hard
     negatives, a CoCa's caption loss), whose hooks the step calls in turn; ``contrastive_weight``: the
     contrastive loss's weight (``loss.contrastive_weight``), applied in one place (``objectives/contrastive.py``).
     """

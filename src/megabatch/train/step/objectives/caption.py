@@ -1,7 +1,10 @@
 """``loss.caption_weight``: a CoCa's caption loss, the decoder's cross-entropy summed over the global batch's
 caption tokens (each caption's second token on, pad left out) and divided by their count, times the weight. The
 decoder reads both towers' outputs, so with GradCache every sub-batch is encoded again, both towers, and adds its
-own cross-entropy sum to its surrogate."""
+own cross-entropy sum to its surrogate.
+
+Config checks (``validate``, before anything is built): ``check_loss`` (a weight >= 0) and ``check_negatives`` (not
+with hard negatives); a model without a decoder is refused as the run builds it (``train_decoder``)."""
 
 from __future__ import annotations
 

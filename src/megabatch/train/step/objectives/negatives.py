@@ -1,7 +1,9 @@
 """``data.train.negatives_key``: hard negatives (NegCLIP), each sample's K captions that do not describe it,
 extra columns of the image->text softmax. Their features come from the text tower: in a one-pass step with the
 captions, in one forward; with GradCache in chunks of ``sub_batch`` rows after the captions (sorted by length and
-cut where captions are, ``text_trim``), each with its RNG state, replayed before the sub-batches."""
+cut where captions are, ``text_trim``), each with its RNG state, replayed before the sub-batches.
+
+Config checks (``validate``, before anything is built): ``check_negatives`` (a softmax loss, no caption loss)."""
 
 from __future__ import annotations
 

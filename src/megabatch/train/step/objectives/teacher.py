@@ -1,6 +1,10 @@
 """``distill.teacher``: the teacher's features of this rank's samples (a frozen model run without a graph, or
 the embeddings stored in the shards), the distilled loss's ``teacher`` input. Never replayed; its term is the
-loss's own (``losses/distill.py``: fused with the contrastive loss in the same kernels)."""
+loss's own (``losses/distill.py``: fused with the contrastive loss in the same kernels).
+
+Config checks (``validate``, before anything is built): ``check_distill`` (its numbers, a softmax loss,
+``data.train.teacher_key`` exactly with ``distill.teacher=stored``); the teacher is checked against the student
+(context length, tokenizer, width) as the run builds it (``train/step/teacher.py``)."""
 
 from __future__ import annotations
 
