@@ -150,12 +150,6 @@ def build_optimizer(optim: OptimSettings | DictConfig, model: nn.Module,
     return factory(groups, lr=lr, **kwargs), lr
 
 
-def layer_decay_of(optim: OptimSettings | DictConfig) -> dict | None:
-    """``optim.layer_decay`` as ``{tower: decay or None}``, or ``None`` where it is off (null, or null for
-    both towers). One number is both towers' decay."""
-    return (optim if isinstance(optim, OptimSettings) else OptimSettings.of(optim)).layer_decay
-
-
 def timm_optimizer(params, lr: float, name: str, **kwargs) -> torch.optim.Optimizer:
     """``optim=timm``: timm's optimizer ``name`` (``optim.name``) over megabatch's parameter groups."""
     from timm.optim import create_optimizer_v2, list_optimizers

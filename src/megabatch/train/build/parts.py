@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from ...config import ConfigError
 from ...config.run import DataSettings, EmaSettings, RunSettings
-from ...config.schema import ModelSettings, model_settings
+from ...config.schema import ModelSettings
 from ...data import TrainData
 from ...data.gpu_decode import GpuDecoder, resolve_decode
 from ...data.offload import Offload
@@ -69,8 +69,8 @@ class RunParts:
     step: TrainStep
     flops: ModelFlops                  # model FLOPs per sample (utilization.py)
     peak: Peak | None                  # the GPU's dense bf16 peak
+    settings: RunSettings              # the config's counts and choices, parsed once (config/run.py)
     compilation: Compilation | None = None  # model.compile: the towers' warm-up (warm_up), once
-    settings: RunSettings | None = None     # the config's counts and choices, parsed once (config/run.py)
 
     @classmethod
     def build(cls, cfg: DictConfig, env: DistEnv, *, warm_up: bool = True,
@@ -118,7 +118,7 @@ class RunParts:
                 log.info("data: %s", inputs.describe_read_ahead())
         seed_rank(settings, env)
         parts = cls(model, tokenize, data, plan, built.optimizer, built.peak_lr, schedule, offload, inputs, built.step,
-                    flops, peak, built.compilation, settings)
+                    flops, peak, settings, built.compilation)
         if warm_up:
             parts.warm_up()
         return parts
@@ -228,10 +228,10 @@ class Compilation:
     ``run``, which compiles every graph training calls (``ClipModel.warm_up``) between loading and
     saving the compile cache (``compile_cache.py``). ``seconds``: how long ``run`` took (0 before)."""
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, model: ClipModel, plan: BatchPlan, precision: Precision):
+    def __init__(self, cfg: DictConfig, env: DistEnv, model: ClipModel, plan: BatchPlan, precision: Precision,
+                 settings: ModelSettings):
         self.cfg, self.env, self.model, self.plan, self.precision = cfg, env, model, plan, precision
         check_exact_replay(model, plan)
-        settings = model_settings(cfg.model)
         self.scope = compile_scope(settings)
         model.compile_towers(plan.sub_batch, cuda_graphs=settings.cuda_graphs, scope=self.scope)
         self.seconds, self.done = 0.0, False
@@ -277,7 +277,7 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     if settings.model.cuda_graphs:
         check_cuda_graphs(model, plan.sub_batches)
     # after the memory probe and the FLOP count, which run eagerly
-    compilation = Compilation(cfg, env, model, plan, precision) if settings.model.compile else None
+    compilation = Compilation(cfg, env, model, plan, precision, settings.model) if settings.model.compile else None
     if compilation is not None and warm_up:
         compilation.run()
     fsdp_reduce = fsdp_reduction(settings, model, env, auto, precision)
