@@ -380,7 +380,7 @@ def kept_graph_sweep(urls: list[str], counts: list[int], sub_batch: int, workers
     keep = step.keep
     try:
         for count in counts:
-            step.sub_batches = count
+            step.sub_batches, step.one_pass = count, count == 1
             times: dict[bool, list[float]] = {True: [], False: []}
             peaks: dict[bool, float] = {True: 0.0, False: 0.0}
             for kept in [True] + [True, False] * rounds:

@@ -47,13 +47,13 @@ def main() -> None:
     direct_keep, cached_keep = step.keep, replace(step.keep, kept_graphs=1)  # GradCache's one sub-batch, kept
 
     def one_pass():
-        step.keep = direct_keep
+        step.keep, step.one_pass = direct_keep, True
         step.gradients(repeat(sub))
         step.apply()
 
     def gradcache_kept():
-        step.keep = cached_keep
-        step.loss, _ = step._gradcache(repeat(sub), 0)  # the path gradients() takes for several sub-batches
+        step.keep, step.one_pass = cached_keep, False  # the path gradients() takes for several sub-batches
+        step.gradients(repeat(sub))
         step.apply()
 
     sides = {"one_pass": one_pass, "gradcache_one_kept": gradcache_kept}

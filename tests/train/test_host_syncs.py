@@ -7,6 +7,7 @@ GPU at every forward (16 host syncs a step of 4 sub-batches, in eager mode); the
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -15,19 +16,21 @@ import torch
 from megabatch.config.schema import validate
 from megabatch.distributed import init_distributed
 from megabatch.train.build.parts import RunParts
-from megabatch.train.step.phases import PhaseTimes
+from megabatch.train.step.step import PhaseTimes
 
 from ..helpers import compose
 from .test_gradcache import BASE, BATCH
 
 
 def test_phase_times_read_on_the_cpu_as_host_seconds():
-    times = PhaseTimes(torch.device("cpu"))
-    times.add("data", 0.25)
-    times.start()
-    times.stop("encode", minus=0.25)
-    times.add("data", 0.5)
-    assert set(times) == {"data", "encode"} and times["data"] == 0.75 and times["encode"] == 0.0  # clamped at 0
+    times = PhaseTimes(cuda=False, host={"data": 0.25})
+    times.lap()
+    times.lap("encode", minus=0.25)
+    assert times["encode"] == 0.0  # clamped at 0
+    times.host["data"] += 0.5  # host seconds read as they are now, the spans' once
+    time.sleep(0.01)
+    times.lap("loss")
+    assert set(times) == {"data", "encode", "loss"} and times["data"] == 0.75 and times["loss"] >= 0.01
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -64,10 +64,6 @@ class TrainState:
     step: int = 0
     samples_seen: int = 0
 
-    def advance(self, global_batch: int) -> None:
-        self.step += 1
-        self.samples_seen += global_batch
-
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "samples_seen": self.samples_seen}
 

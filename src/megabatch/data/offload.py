@@ -4,16 +4,15 @@ first encoding (phase 1) and its replay (phase 3) instead of the input tensors.
 Phase 1 hands each sub-batch's encoded image bytes and stream positions to ``Offload.keep``; the
 replay asks ``Offload.replay_images`` for the images again and gets them decoded anew, with the same
 per-sample augmentation (seeded by seed, epoch and position: ``samples.SampleDecoder``), by a pool
-of worker processes that lives as long as the run. The bytes are held in host memory, or with
+of worker processes that lives as long as the run (``Redecoder``). The bytes are held in host memory, or with
 ``trainer.offload_dir`` appended to one local spill file per rank and read back by offset, so host
-memory stays flat however large the batch. ``Offload.new_step`` releases the last step's bytes;
-``close`` stops the workers and deletes the spill file. Spill files that killed runs left behind on
-this host are removed when the next run opens its own.
+memory stays flat however large the batch. The replay is the last to read a step's bytes: once it has them
+all (or stops), the next step's are written over them. ``close`` stops the workers and deletes the spill file.
+Spill files that killed runs left behind on this host are removed when the next run opens its own.
 
     offload = Offload(transform, seed, workers=16, spill_dir="/local/scratch", rank=0)
     kept = [offload.keep(sub.raw) for sub in sub_batches]     # phase 1 (EncodedImages)
     for images in offload.replay_images(kept, epoch): ...     # phase 3, same order
-    offload.new_step()                                         # next step
 """
 
 from __future__ import annotations
@@ -59,35 +58,37 @@ class Offload:
     def spill_path(self) -> str | None:
         return self.spill.path if self.spill is not None else None
 
-    def new_step(self) -> None:
-        """A step begins: the last step's replay is over, its kept bytes are no longer needed
-        (the spill file is rewritten from its start)."""
-        if self.spill is not None:
-            self.spill.reset()
-
     def keep(self, raw: EncodedImages, boxes: torch.Tensor | None = None):
-        """What phase 1 holds on to for one sub-batch: its encoded images and positions (in
-        ordinary memory: ``EncodedImages.private``), or with a spill file where they are there
-        (``Spilled``); decoding on the GPU, with the crop ``boxes`` of an all-JPEG sub-batch
-        (``SubBatch.boxes``; ``None``: drawn again)."""
-        kept = self.spill.keep(raw) if self.spill is not None else raw.private()
+        """What phase 1 holds on to for one sub-batch: its encoded images and positions, in ordinary memory (a
+        loader worker's tensor lives in shared memory and holds a file descriptor as long as it lives, and a
+        step keeps thousands), or with a spill file where they are there (``Spilled``); decoding on the GPU,
+        with the crop ``boxes`` of an all-JPEG sub-batch (``SubBatch.boxes``; ``None``: drawn again)."""
+        if self.spill is not None:
+            kept = self.spill.keep(raw)
+        elif raw.blob.is_shared():
+            kept = EncodedImages(raw.blob.clone(), raw.offsets.clone(), raw.positions.clone())
+        else:
+            kept = raw
         return (kept, boxes) if self.gpu is not None else kept
 
     def replay_images(self, kept: list, epoch: int) -> Iterator[torch.Tensor]:
-        """The uint8 images ``[n, 3, s, s]`` of each kept sub-batch again, in order, decoded with
-        the same per-sample augmentation as the first time."""
+        """The uint8 images ``[n, 3, s, s]`` of each kept sub-batch again, in order, decoded with the same
+        per-sample augmentation as the first time (by the worker pool, or on the GPU: its decoding starts
+        now). The replay is the last to read this step's bytes: the next step's ``keep`` writes the spill
+        file from its start again."""
+        spill_path = None
         if self.spill is not None:
-            self.spill.flush()  # into the page cache, where the re-decode workers read it
+            self.spill.reset()  # every byte into the page cache, where the re-decoding reads it; then rewound
+            spill_path = self.spill.path
         if self.gpu is not None:
-            return self._replay_on_gpu(kept, epoch)
-        return self.redecoder(kept, epoch, self.spill_path)
+            return self._replay_on_gpu(kept, epoch, spill_path)
+        return self.redecoder(kept, epoch, spill_path)
 
-    def _replay_on_gpu(self, kept: list, epoch: int) -> Iterator[torch.Tensor]:
+    def _replay_on_gpu(self, kept: list, epoch: int, spill_path: str | None) -> Iterator[torch.Tensor]:
         """``data.decode=gpu``: a thread reads each kept sub-batch's bytes back, draws the same crop
         boxes from the same seeds and has the GPU decode them (``gpu_decode.decode_ahead``); the
         images come out on the device."""
         decoder, gpu = SampleDecoder(self.transform, self.seed, epoch, gpu=True), self.gpu
-        spill_path = self.spill_path
 
         def again(kept: tuple):
             raw, boxes = kept
@@ -284,13 +285,20 @@ class Redecoder:
             for raw in raw_sub_batches:
                 yield _decode_sub_batch(decoder, raw, spill_path)
             return
-        self.start()
+        if self.pool is None:
+            self.start()
         pending, upcoming = deque(), iter(raw_sub_batches)
         try:
             for raw in itertools.islice(upcoming, 2 * self.workers):
                 pending.append(self.pool.submit(_redecode_sub_batch, epoch, raw, spill_path))
             while pending:
-                images = self._result(pending.popleft())
+                try:
+                    images = pending.popleft().result(timeout=self.timeout_s)
+                except (BrokenProcessPool, TimeoutError) as error:
+                    why = "died" if isinstance(error, BrokenProcessPool) else f"gave nothing for {self.timeout_s:.0f} s"
+                    raise RuntimeError(
+                        f"an offload re-decode worker gave no sub-batch: it {why} (killed by the out-of-memory "
+                        "killer? see dmesg); fewer data.num_workers or trainer.offload=false") from None
                 raw = next(upcoming, None)
                 if raw is not None:
                     pending.append(self.pool.submit(_redecode_sub_batch, epoch, raw, spill_path))
@@ -298,15 +306,6 @@ class Redecoder:
         finally:  # a replay cut short (an error in the step) leaves no work queued for the next one
             for future in pending:
                 future.cancel()
-
-    def _result(self, future) -> torch.Tensor:
-        try:
-            return future.result(timeout=self.timeout_s)
-        except (BrokenProcessPool, TimeoutError) as error:
-            why = "died" if isinstance(error, BrokenProcessPool) else f"gave nothing for {self.timeout_s:.0f} s"
-            raise RuntimeError(
-                f"an offload re-decode worker gave no sub-batch: it {why} (killed by the out-of-memory "
-                "killer? see dmesg); fewer data.num_workers or trainer.offload=false") from None
 
     def start(self) -> None:
         """Fork the worker pool (once; the first task forks every worker). Forking while this process

@@ -101,6 +101,7 @@ class Stats:
         return {**self.as_dict(), "broken_urls": tuple(sorted(self.broken_urls))}
 
 
+@dataclass(eq=False)
 class EncodedImages:
     """A sub-batch's encoded images (JPEG, PNG, ... files as read from the tar) as one uint8 tensor
     ``blob`` with row ``i`` at ``offsets[i]:offsets[i + 1]``, and each row's stream ``positions``.
@@ -112,8 +113,9 @@ class EncodedImages:
     most of the time. Iterating gives ``(bytes, position)``
     pairs; ``views`` gives each row as a tensor without copying (nvJPEG's input)."""
 
-    def __init__(self, blob: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor):
-        self.blob, self.offsets, self.positions = blob, offsets, positions
+    blob: torch.Tensor
+    offsets: torch.Tensor
+    positions: torch.Tensor
 
     @classmethod
     def from_bytes(cls, items: list[bytes], positions: list[int]) -> EncodedImages:
@@ -137,17 +139,13 @@ class EncodedImages:
     def nbytes(self) -> int:
         return self.blob.numel()
 
-    def private(self) -> EncodedImages:
-        """These bytes in ordinary memory: a tensor received from a loader worker lives in shared
-        memory and holds a file descriptor as long as it lives, and a step keeps thousands (offload)."""
+    def pin_memory(self) -> EncodedImages:
+        """The DataLoader's pin thread calls this: the bytes leave shared memory (a tensor received from a loader
+        worker lives there and holds a file descriptor as long as it lives, and a step keeps thousands: offload)
+        but are not page-locked: nvJPEG and the CPU decoders read ordinary memory, and the offload keeps them."""
         if not self.blob.is_shared():
             return self
         return EncodedImages(self.blob.clone(), self.offsets.clone(), self.positions.clone())
-
-    def pin_memory(self) -> EncodedImages:
-        """The DataLoader's pin thread calls this: the bytes leave shared memory (``private``) but are
-        not page-locked: nvJPEG and the CPU decoders read ordinary memory, and the offload keeps them."""
-        return self.private()
 
 
 class SubBatch(NamedTuple):

@@ -69,14 +69,11 @@ class RngState:
 class ReplayInputs:
     """What phase 1 keeps of each sub-batch for phase 3: the inputs of the towers that are replayed
     (a frozen tower's phase-1 features are final: nothing of it is kept or encoded again), the
-    images as tensors on the device, or with ``offload`` as encoded bytes handed to it.
-    ``text_trim``: captions are grouped by length and cut (``models.text_length``); ``None``: each
-    sub-batch's captions are encoded whole with its images. ``kept_graphs``: the last that many
-    sub-batches are encoded with their graphs in phase 1 and not encoded again (a forward each saved;
-    their activations held through the loss).
-
-    The one way in to the offload during a step: ``new_step``, ``keep_images`` (phase 1),
-    ``images_again`` (phase 3) and ``keep_bytes`` (a one-pass step)."""
+    images as tensors on the device, or with ``offload`` as encoded bytes handed to it (``Offload.keep``;
+    ``Offload.replay_images`` decodes them again for the replay). ``text_trim``: captions are grouped by
+    length and cut (``models.text_length``); ``None``: each sub-batch's captions are encoded whole with its
+    images. ``kept_graphs``: the last that many sub-batches are encoded with their graphs in phase 1 and not
+    encoded again (a forward each saved; their activations held through the loss)."""
 
     images: bool
     texts: bool
@@ -84,46 +81,16 @@ class ReplayInputs:
     text_trim: TextTrim | None = None
     kept_graphs: int = 0
 
-    def with_graph(self, index: int, count: int) -> bool:
-        """Whether sub-batch (or caption chunk) ``index`` of ``count`` keeps its phase-1 graph."""
-        return index >= count - self.kept_graphs
-
-    def new_step(self) -> None:
-        """A step begins: the last step's kept bytes are no longer needed."""
-        if self.offload is not None:
-            self.offload.new_step()
-
-    def keep_images(self, encoded: EncodedBatch, sub: SubBatch, images: torch.Tensor) -> None:
-        """Phase 1 keeps ``sub``'s images for the replay: ``images`` on the device, or (offload) its
-        encoded bytes, handed to the offload."""
-        if not self.images:
-            return
-        if self.offload is None:
-            encoded.images.append(images)
-            return
-        if sub.raw is None:
-            raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes (keep_raw)")
-        encoded.kept.append(self.offload.keep(sub.raw, sub.boxes))
-
-    def images_again(self, encoded: EncodedBatch, epoch: int) -> Iterator[torch.Tensor] | None:
-        """The offloaded sub-batches' images decoded again, in order (``None`` without offload); the
-        decoding starts now (on the GPU, or in the offload's workers)."""
-        return self.offload.replay_images(encoded.kept, epoch) if encoded.kept else None
-
-    def keep_bytes(self, sub: SubBatch) -> None:
-        """A one-pass step's sub-batch: the offload owns every step's bytes, so the spill file holds
-        exactly one step's (its test checks)."""
-        if self.offload is not None and sub.raw is not None:
-            self.offload.keep(sub.raw)
-
 
 @dataclass
 class EncodedBatch:
-    """Phase 1's result for one rank: features ``[b_rank, e]`` and what phase 3 needs.
+    """Phase 1's result for one rank: features ``[b_rank, e]`` and what phase 3 needs: for sub-batch ``i``,
+    its RNG state ``rng[i]``, its image rows ``i x sub_batch`` on, and its captions' rows ``text_rows[i]``.
 
     With ``text_trim``, the captions are encoded in chunks of ``sub_batch`` rows sorted by length
-    (``text_order [b_rank]``: the rows of the chunks, one after another), each cut to its longest
-    caption: chunk ``i`` is replayed with image sub-batch ``i``, with its own RNG state."""
+    (``text_order [b_rank]``: the rows of the chunks, one after another; ``text_rows[i]``: chunk ``i``'s, as
+    indices on the device), each cut to its longest caption: chunk ``i`` is replayed with image sub-batch
+    ``i``, with its own RNG state. Without it ``text_rows[i]`` is the slice of sub-batch ``i``'s rows."""
 
     image_features: torch.Tensor
     text_features: torch.Tensor
@@ -132,27 +99,13 @@ class EncodedBatch:
     rng: list[RngState] = field(default_factory=list)
     text_rng: list[RngState] = field(default_factory=list)     # per text chunk (captions grouped)
     text_order: torch.Tensor | None = None                     # on the device; None: the images' order
+    text_rows: list = field(default_factory=list)              # per sub-batch (or caption chunk): its text rows
     texts: list[torch.Tensor] = field(default_factory=list)    # token ids, on the device
     images: list[torch.Tensor] = field(default_factory=list)   # offload off: inputs on the device
     kept: list = field(default_factory=list)                    # offload on: what Offload.keep gave
     graphs: dict = field(default_factory=dict)                 # index -> [image, text] features with their graphs
     scalars: tuple = (None, None)                               # the last kept graph's scale and bias
     data_s: float = 0.0                                          # time spent waiting on the loader
-
-    @property
-    def num_sub(self) -> int:
-        return len(self.rng)
-
-    @property
-    def num_replayed(self) -> int:
-        """Sub-batches encoded again in phase 3: all but those whose graphs phase 1 kept (the last ones)."""
-        return self.num_sub - len(self.graphs)
-
-    def text_rows(self, index: int) -> slice | torch.Tensor:
-        """The rows of text chunk ``index`` in the feature buffers (those of sub-batch ``index``
-        when the captions are not regrouped)."""
-        rows = slice(index * self.sub_batch, (index + 1) * self.sub_batch)
-        return rows if self.text_order is None else self.text_order[rows]
 
 
 @dataclass
@@ -179,7 +132,7 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
     batch (``encoded_all``: the hard negatives through the text tower)."""
     device, encoded, captions = precision.device, None, []
     for index in range(count):
-        with_graph = keep.with_graph(index, count)
+        with_graph = index >= count - keep.kept_graphs
         waited = time.perf_counter()
         sub = next(stream)
         images = to_device(sub.images, device)
@@ -203,13 +156,18 @@ def encode_without_graph(model, stream: Iterator[SubBatch], count: int, precisio
             captions.append(sub.texts)
         else:
             encoded.text_features[rows] = text_features.detach()
+            encoded.text_rows.append(rows)
             if keep.texts:
                 encoded.texts.append(texts)
         if with_graph:
             encoded.graphs[index] = [image_features, text_features]
             encoded.scalars = (*scalars, None)[:2]  # the last kept sub-batch's scale and bias, with their graph
-        else:
-            keep.keep_images(encoded, sub, images)
+        elif keep.images and keep.offload is not None:  # the encoded bytes, decoded again for the replay
+            if sub.raw is None:
+                raise RuntimeError("trainer.offload needs the loader to keep the encoded bytes (keep_raw)")
+            encoded.kept.append(keep.offload.keep(sub.raw, sub.boxes))
+        elif keep.images:
+            encoded.images.append(images)
         if progress is not None:
             progress.update(1)
     if captions:
@@ -232,9 +190,10 @@ def encode_captions(model, encoded: EncodedBatch, texts: torch.Tensor, precision
     texts, encoded.text_order = to_device(texts, device), to_device(order, device)
     chunks = order.split(encoded.sub_batch)
     for index, rows in enumerate(chunks):
-        with_graph = keep.with_graph(index, len(chunks))
+        with_graph = index >= len(chunks) - keep.kept_graphs
         length = trim.bucket(int(lengths[rows].max()))  # a host tensor: no sync
-        on_device = encoded.text_rows(index)  # this chunk's rows, as indices on the device
+        on_device = encoded.text_order[index * encoded.sub_batch:(index + 1) * encoded.sub_batch]
+        encoded.text_rows.append(on_device)  # this chunk's rows, as indices on the device
         chunk = texts.index_select(0, on_device)[:, :length].contiguous()
         encoded.text_rng.append(RngState.capture(device))
         with torch.enable_grad() if with_graph else contextlib.nullcontext(), precision.autocast():
@@ -264,7 +223,7 @@ def loss_and_feature_grads(loss_fn, encoded: EncodedBatch, logit_scale: torch.Te
     extra = {key: value for key, value in options.items() if isinstance(value, torch.Tensor) and value.requires_grad}
     # bf16 buffers: the kernels' dots in bf16, exact
     loss = loss_fn(*inputs, values_in=encoded.image_features.dtype, **options)
-    found = torch.autograd.grad(precision.scale(loss), inputs + list(extra.values()))
+    found = torch.autograd.grad(precision.scaler.scale(loss), inputs + list(extra.values()))
     taken = dict(zip(extra, found[len(inputs):], strict=True))
     for objective in objectives:
         objective.take_grads(taken)
@@ -291,17 +250,20 @@ class GradSync:
 def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precision,
            images_again: Iterator[torch.Tensor] | None = None, progress=None, sync: GradSync | None = None,
            objectives: Sequence = ()) -> float:
-    """Phase 3: back-propagate the cached feature gradients, first through the graphs phase 1 kept
-    (if any), then through each other sub-batch re-encoded with its RNG state (and its caption
-    chunk's). ``images_again`` yields the re-decoded images when data is offloaded. Only the
-    towers whose inputs phase 1 kept are encoded again. ``sync`` says which backward passes reduce
-    the gradients across ranks (default ``GradSync.of(model)``): with DDP only the last replayed
-    sub-batch's (the kept graphs, built by the unwrapped model in phase 1, are back-propagated first,
-    outside DDP's bookkeeping; their gradients join the synchronisation with the others'). Each of
-    ``objectives`` replays its own first (``replay_first``: hard negatives' chunks), asks the model for its
-    outputs (``model_options``) and adds its term to each re-encoded sub-batch's surrogate (``replay_term``: a
-    CoCa's caption loss). Returns the time spent waiting for re-decoded images."""
-    device, replayed = precision.device, encoded.num_replayed
+    """Phase 3: back-propagate the cached feature gradients through each sub-batch's surrogate
+    ``sum(features x feature_grads)``: first through the graphs phase 1 kept (if any), then through each other
+    sub-batch re-encoded with its RNG state (and its caption chunk's). The last one's surrogate also carries
+    ``scale x d_scale`` and ``bias x d_bias``: the temperature's and the bias's gradients are the step's too.
+    ``images_again`` yields the re-decoded images when data is offloaded. Only the towers whose inputs phase 1
+    kept are encoded again. ``sync`` says which backward passes reduce the gradients across ranks (default
+    ``GradSync.of(model)``): with DDP only the last replayed sub-batch's (the kept graphs, built by the unwrapped
+    model in phase 1, are back-propagated first, outside DDP's bookkeeping; their gradients join the
+    synchronisation with the others'). Each of ``objectives`` replays its own first (``replay_first``: hard
+    negatives' chunks), asks the model for its outputs (``model_options``) and adds its term to each re-encoded
+    sub-batch's surrogate (``replay_term``: a CoCa's caption loss). Returns the time spent waiting for
+    re-decoded images."""
+    device, kept = precision.device, sorted(encoded.graphs)
+    count, replayed = len(encoded.rng), len(encoded.rng) - len(kept)
     sync = GradSync.of(model) if sync is None else sync
     after_encoding = RngState.capture(device)
     waited_s = 0.0
@@ -309,69 +271,56 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
     for objective in objectives:  # before the sub-batch whose backward synchronises
         objective.replay_first(model, encoded, precision, sync)
         options.update(objective.model_options)
-    for index in sorted(encoded.graphs):
-        # the temperature's (and the bias's) gradient goes with the last kept graph when no
-        # sub-batch is replayed (all kept: one process), else with the last replayed one
-        scalars = replayed == 0 and index == encoded.num_sub - 1
-        surrogate = _surrogate(*encoded.graphs.pop(index)[:2], grads, index, encoded,
-                               *(encoded.scalars if scalars else (None, None)))
-        if surrogate is not None:
-            with contextlib.nullcontext() if sync.kept is None else sync.kept():
-                surrogate.backward()
-        del surrogate  # its activations are freed
-        if progress is not None:
-            progress.update(1)
-    for index in range(replayed):
-        last = index == replayed - 1
-        if not encoded.replays.images:
-            images = None
-        elif images_again is not None:
-            start = time.perf_counter()
-            images = to_device(next(images_again), device)  # on the device already when decoded there
-            waited_s += time.perf_counter() - start
+    for index in kept + list(range(replayed)):
+        graph, outputs = encoded.graphs.pop(index, None), None
+        if graph is not None:
+            # its backward is outside DDP's bookkeeping (or held by FSDP); the temperature's (and the bias's)
+            # gradient goes with the last kept graph when no sub-batch is replayed (all kept: one process)
+            last, hold = replayed == 0 and index == count - 1, sync.kept
+            image_features, text_features = graph[:2]
+            scale, bias = encoded.scalars
         else:
-            images = encoded.images[index]
-        texts = encoded.texts[index] if encoded.replays.texts else None
-        encoded.rng[index].restore()
-        before_text = encoded.text_rng[index].restore if encoded.text_rng else None
-        # DDP all-reduces once per step: only the last sub-batch's backward synchronises
-        with contextlib.nullcontext() if last or sync.hold is None else sync.hold():
-            with precision.autocast():
-                outputs = model(images, texts, before_text=before_text, **options)
-            image_features, text_features, scale, bias = outputs[:4]
-            # the temperature's (and the bias's) gradient joins DDP's synchronisation in the last
-            # sub-batch, with the rest
-            surrogate = _surrogate(image_features, text_features, grads, index, encoded,
-                                   scale if last else None, bias if last else None)
-            for objective in objectives:  # its term of the one global loss (a CoCa's caption loss)
+            # DDP all-reduces once per step: only the last replayed sub-batch's backward synchronises, and the
+            # temperature's (and the bias's) gradient joins it there, with the rest
+            last = index == replayed - 1
+            hold = None if last else sync.hold
+            if not encoded.replays.images:
+                images = None
+            elif images_again is not None:
+                start = time.perf_counter()
+                images = to_device(next(images_again), device)  # on the device already when decoded there
+                waited_s += time.perf_counter() - start
+            else:
+                images = encoded.images[index]
+                encoded.images[index] = None  # freed as soon as it is replayed
+            texts = encoded.texts[index] if encoded.replays.texts else None
+            encoded.rng[index].restore()
+            before_text = encoded.text_rng[index].restore if encoded.text_rng else None
+        with contextlib.nullcontext() if hold is None else hold():
+            if graph is None:
+                with precision.autocast():
+                    outputs = model(images, texts, before_text=before_text, **options)
+                image_features, text_features, scale, bias = outputs[:4]
+            terms = []
+            if last:
+                terms.append(scale.float() * grads.scale)
+                if bias is not None:
+                    terms.append((bias.float() * grads.bias).sum())
+            if image_features is not None and image_features.requires_grad:
+                rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
+                terms.append((image_features.float() * grads.image[rows]).sum())
+            if text_features is not None and text_features.requires_grad:
+                terms.append((text_features.float() * grads.text[encoded.text_rows[index]]).sum())
+            terms = [term for term in terms if term.requires_grad]
+            surrogate = sum(terms[1:], terms[0]) if terms else None
+            for objective in objectives if outputs is not None else ():  # its term of the one global loss
                 term = objective.replay_term(outputs)
                 if term is not None:
                     surrogate = term if surrogate is None else surrogate + term
             if surrogate is not None:
                 surrogate.backward()
-        if images_again is None and encoded.images:
-            encoded.images[index] = None  # free the inputs as soon as they are replayed
+        del graph, outputs, surrogate, terms  # their activations are freed
         if progress is not None:
             progress.update(1)
     after_encoding.restore()  # randomness continues after phase 1's draws, not the replays'
     return waited_s
-
-
-def _surrogate(image_features: torch.Tensor | None, text_features: torch.Tensor | None, grads: FeatureGrads,
-               index: int, encoded: EncodedBatch, scale: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``sum(features * feature_grads)`` of sub-batch ``index`` (and caption chunk ``index``),
-    plus ``scale * d_scale`` and ``bias * d_bias`` when given: its gradient is the step's. ``None``
-    when nothing in it needs a gradient."""
-    terms = []
-    if scale is not None:
-        terms.append(scale.float() * grads.scale)
-    if bias is not None:
-        terms.append((bias.float() * grads.bias).sum())
-    if image_features is not None and image_features.requires_grad:
-        rows = slice(index * encoded.sub_batch, (index + 1) * encoded.sub_batch)
-        terms.append((image_features.float() * grads.image[rows]).sum())
-    if text_features is not None and text_features.requires_grad:
-        terms.append((text_features.float() * grads.text[encoded.text_rows(index)]).sum())
-    terms = [term for term in terms if term.requires_grad]
-    return sum(terms[1:], terms[0]) if terms else None

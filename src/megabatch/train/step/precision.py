@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +21,16 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class Precision:
-    """How one step computes: the encoders under autocast to ``name`` (fp32: no autocast), the
-    GradCache feature buffers in ``feature_dtype``, the loss scaled by ``scaler`` (enabled for fp16
-    only). The loss itself always runs on fp32 features."""
+    """How one step computes: the encoders under ``autocast()`` (``torch.autocast`` to ``name`` on ``device``; fp32:
+    a context that does nothing), the GradCache feature buffers in ``feature_dtype``, the loss to back-propagate
+    scaled by ``scaler.scale`` (enabled for fp16 only; otherwise it hands the loss back unchanged). The loss itself
+    always runs on fp32 features."""
 
     name: str
     device: torch.device
     feature_dtype: torch.dtype
     scaler: torch.amp.GradScaler
+    autocast: Callable[[], contextlib.AbstractContextManager]
 
     @classmethod
     def create(cls, name: str, device: torch.device, feature_dtype: str = "auto") -> Precision:
@@ -34,17 +38,9 @@ class Precision:
         if feature_dtype == "auto":  # towers computing in bf16 give features of bf16 precision already
             feature_dtype = "bf16" if name == "bf16" else "fp32"
         scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
-        return cls(name, device, DTYPES[feature_dtype], scaler)
-
-    def autocast(self):
-        """Autocast for ``name`` on ``device`` (a no-op context for fp32)."""
-        if self.name == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=DTYPES[self.name])
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to back-propagate: scaled for fp16, unchanged otherwise."""
-        return self.scaler.scale(loss)
+        autocast = contextlib.nullcontext if name == "fp32" else \
+            functools.partial(torch.autocast, device_type=device.type, dtype=DTYPES[name])
+        return cls(name, device, DTYPES[feature_dtype], scaler, autocast)
 
     def __str__(self) -> str:
         return self.name

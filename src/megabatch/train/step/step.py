@@ -39,7 +39,6 @@ from ...distributed.fsdp import full, gathered_through, is_sharded, no_gradient_
 from .ema import WeightAverage
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay, to_device
 from .objectives import Contrastive, Objective
-from .phases import PhaseTimes
 from .precision import Precision
 
 log = logging.getLogger("megabatch")
@@ -47,6 +46,61 @@ log = logging.getLogger("megabatch")
 
 class NonFiniteError(RuntimeError):
     """Too many steps in a row with a non-finite loss or gradient (``trainer.max_bad_steps``)."""
+
+    @classmethod
+    def of(cls, health: UpdateHealth) -> NonFiniteError:
+        return cls(f"{health.bad_in_a_row} steps in a row had a non-finite loss or gradient: stopping "
+                   f"(trainer.max_bad_steps={health.max_bad_steps}). The weights are those of the last finite step, "
+                   "and so is the newest checkpoint in the run's checkpoints/ folder. Lower optim.lr, set "
+                   "optim.grad_clip, or use trainer.precision=bf16 instead of fp16")
+
+
+@dataclass(eq=False)
+class PhaseTimes(Mapping):
+    """``{phase: seconds}`` of one step without stopping the host: on CUDA an event recorded on the current
+    stream at each phase boundary, read only once the times are asked for (the log reads them every
+    ``trainer.log_every`` steps, after its own host sync); on the CPU the host's clock. ``lap(name, minus)``
+    marks a boundary: it ends the phase ``name`` begun at the last boundary (``lap()``: the first), less the host
+    seconds ``minus`` of waits that fell inside it. ``host``: seconds the host measured itself (``data``: its
+    waits for the loader)."""
+
+    cuda: bool
+    host: dict[str, float] = field(default_factory=dict)
+    spans: list = field(default_factory=list)  # (name, start, end, host seconds to subtract)
+    opened: object = None
+    resolved: dict[str, float] | None = None  # the spans' seconds, once read
+
+    def lap(self, name: str | None = None, minus: float = 0.0) -> None:
+        if self.cuda:
+            point = torch.cuda.Event(enable_timing=True)
+            point.record()  # on the current stream: no host sync
+        else:
+            point = time.perf_counter()
+        if name is not None:
+            self.spans.append((name, self.opened, point, minus))
+            self.resolved = None
+        self.opened = point
+
+    def _resolve(self) -> dict[str, float]:
+        if self.resolved is None:
+            self.resolved = {}
+            for name, start, end, minus in self.spans:
+                if self.cuda:
+                    end.synchronize()  # host sync, when read: the step's work is done by then
+                    seconds = start.elapsed_time(end) / 1000.0
+                else:
+                    seconds = end - start
+                self.resolved[name] = max(0.0, seconds - minus)
+        return {**self.host, **self.resolved}
+
+    def __getitem__(self, name: str) -> float:
+        return self._resolve()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolve())
+
+    def __len__(self) -> int:
+        return len(self._resolve())
 
 
 @dataclass(frozen=True)
@@ -68,13 +122,6 @@ class Applied:
     def stepped(self) -> bool:
         return bool(self.finite)  # host sync
 
-    def read(self) -> tuple[float, bool]:
-        """``(grad_norm, stepped)`` in one copy to the host (one host sync)."""
-        if self.finite.device != self.norm.device:  # decided on the host already
-            return float(self.norm), bool(self.finite)
-        norm, finite = torch.stack([self.norm.float().reshape(()), self.finite.float().reshape(())]).tolist()
-        return norm, bool(finite)
-
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -95,38 +142,13 @@ class StepOutcome:
 class UpdateHealth:
     """The updates skipped for a non-finite loss or gradient norm, as ``TrainStep.settle`` reads
     them: in a row and in all, and the last read gradient norm. ``diverged``: ``max_bad_steps`` in
-    a row."""
+    a row (``NonFiniteError.of`` says so)."""
 
     max_bad_steps: int
     bad_in_a_row: int = 0
     skipped_steps: int = 0
     grad_norm: float = float("nan")
-
-    @property
-    def diverged(self) -> bool:
-        return self.bad_in_a_row >= self.max_bad_steps
-
-    def record(self, outcome: StepOutcome) -> None:
-        """Count ``outcome``'s update (reads its flag and norm: one host sync)."""
-        self.grad_norm, stepped = outcome.applied.read()
-        if stepped:
-            self.bad_in_a_row = 0
-            return
-        self.bad_in_a_row += 1
-        self.skipped_steps += 1
-        log.warning("step %d: non-finite loss (%.4g) or gradient norm (%.4g) on some rank: update skipped "
-                    "(%d in a row, %d in all; the run stops after trainer.max_bad_steps=%d in a row)",
-                    outcome.number, float(outcome.loss), self.grad_norm, self.bad_in_a_row, self.skipped_steps,
-                    self.max_bad_steps)
-
-    def check(self) -> None:
-        """Raise ``NonFiniteError`` once ``max_bad_steps`` updates in a row were skipped."""
-        if self.diverged:
-            raise NonFiniteError(
-                f"{self.bad_in_a_row} steps in a row had a non-finite loss or gradient: stopping "
-                f"(trainer.max_bad_steps={self.max_bad_steps}). The weights are those of the last finite step, "
-                "and so is the newest checkpoint in the run's checkpoints/ folder. Lower optim.lr, set "
-                "optim.grad_clip, or use trainer.precision=bf16 instead of fp16")
+    diverged: bool = False
 
 
 class TrainStep:
@@ -196,6 +218,11 @@ class TrainStep:
         self.health = UpdateHealth(max_bad_steps)
         self.unsettled: StepOutcome | None = None  # the last step, its update not yet read (settle)
         self.ema = ema
+        # whether apply decides on the device: a fused optimizer (it takes found_inf, as torch.amp.GradScaler
+        # passes it), no fp16 scaler (its own found_inf is the optimizer's there) and an unsharded model
+        self.one_pass = sub_batches == 1  # False: GradCache with its one sub-batch (scripts/benchmarks/one_pass.py)
+        self.skips_on_device = (getattr(optimizer, "_step_supports_amp_scaling", False)
+                                and not self.precision.scaler.is_enabled() and not self.sharded)
 
     def kept_graphs(self, keep_graph: bool | int) -> int:
         """How many sub-batches keep their phase-1 graphs: ``keep_graph`` (``True``: 1), at most
@@ -210,10 +237,6 @@ class TrainStep:
     def teacher(self):
         """``distill.teacher``'s model or stored embeddings (its objective's), or ``None``."""
         return next((objective.teacher for objective in self.objectives if hasattr(objective, "teacher")), None)
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler:
-        return self.precision.scaler
 
     def step(self, stream: Iterator[SubBatch], lr: float, *, epoch: int = 0, number: int = 1) -> StepOutcome:
         """One optimizer step on this rank's share of the global batch, ``sub_batches`` taken from
@@ -230,13 +253,14 @@ class TrainStep:
         with gathered_through(self.model) if self.gather_once else contextlib.nullcontext():
             loss, times = self.gradients(stream, epoch=epoch)
         self.settle()  # host sync: the last step's update, read once this step's work is queued
-        self.health.check()  # too many skipped in a row: stop before this step's update
+        if self.health.diverged:  # too many skipped in a row: stop before this step's update
+            raise NonFiniteError.of(self.health)
         applied = self.apply()
         if self.ema is not None:  # queued after the update on the device: no host sync
             ema_started = time.perf_counter()
             self.ema.step()
-            times.add("ema", time.perf_counter() - ema_started)
-        times.add("optimizer", applied.seconds)
+            times.host["ema"] = time.perf_counter() - ema_started
+        times.host["optimizer"] = applied.seconds
         self.unsettled = StepOutcome(number, loss, lr, applied, times, time.perf_counter() - started,
                                      {**getattr(self.loss_fn, "terms", {}), **self.contrastive.terms})
         return self.unsettled
@@ -244,23 +268,64 @@ class TrainStep:
     def settle(self) -> UpdateHealth:
         """Read the last step's update (a host sync; the one place its flag is read): its gradient
         norm, and whether it was skipped, counted in ``health``. Nothing to read: no wait."""
-        outcome, self.unsettled = self.unsettled, None
-        if outcome is not None:
-            self.health.record(outcome)
-        return self.health
+        outcome, self.unsettled, health = self.unsettled, None, self.health
+        if outcome is None:
+            return health
+        norm, finite = outcome.applied.norm, outcome.applied.finite
+        if finite.device == norm.device:  # both in one copy to the host (else decided on the host already)
+            norm, finite = torch.stack([norm.float().reshape(()), finite.float().reshape(())]).tolist()
+        health.grad_norm = float(norm)
+        if finite:
+            health.bad_in_a_row = 0
+            return health
+        health.bad_in_a_row += 1
+        health.skipped_steps += 1
+        health.diverged = health.bad_in_a_row >= health.max_bad_steps
+        log.warning("step %d: non-finite loss (%.4g) or gradient norm (%.4g) on some rank: update skipped "
+                    "(%d in a row, %d in all; the run stops after trainer.max_bad_steps=%d in a row)",
+                    outcome.number, float(outcome.loss), health.grad_norm, health.bad_in_a_row,
+                    health.skipped_steps, health.max_bad_steps)
+        return health
 
     def gradients(self, stream: Iterator[SubBatch], epoch: int = 0) -> tuple[torch.Tensor, PhaseTimes]:
-        """Take ``self.sub_batches`` sub-batches from ``stream`` (this rank's share of one
-        global batch, of ``epoch``), accumulate the step's gradients (DDP-averaged) into ``.grad``
-        and return the loss and the seconds of each phase (``data``, then ``forward_backward``, or
-        ``encode``, ``loss`` and ``replay``)."""
-        self.keep.new_step()  # the last step's kept bytes (offload) are no longer needed
+        """Take ``self.sub_batches`` sub-batches from ``stream`` (this rank's share of one global batch, of
+        ``epoch``), accumulate the step's gradients (DDP-averaged) into ``.grad`` and return the loss and the
+        seconds of each phase: one sub-batch is one forward and backward (``data``, ``forward_backward``; unless
+        ``one_pass`` is off), several are GradCache's three phases (``gradcache.py``: ``data``, ``encode``,
+        ``loss``, ``replay``)."""
         for objective in self.objectives:
             objective.new_step()
-        if self.sub_batches == 1:
+        if self.one_pass:
             loss, times = self._forward_backward(next_timed(stream))
         else:
-            loss, times = self._gradcache(stream, epoch)
+            progress = tqdm(total=2 * self.sub_batches, desc="encode", leave=False, dynamic_ncols=True,
+                            disable=not self.show_progress or self.sub_batches < 8, position=1, unit="sub-batch")
+            times = PhaseTimes(self.device.type == "cuda")  # events at the phases' boundaries: no host sync
+            times.lap()
+            encoded = encode_without_graph(self.model, stream, self.sub_batches, self.precision, self.keep,
+                                           progress, self.objectives)
+            times.host["data"] = encoded.data_s
+            times.lap("encode", minus=encoded.data_s)
+            # the offloaded images decoded again, starting now (on the GPU, or in the offload's workers): the
+            # replay's first images are ready after the loss
+            again = self.keep.offload.replay_images(encoded.kept, epoch) if encoded.kept else None
+            bias = self.model.logit_bias
+            grads = loss_and_feature_grads(self.contrastive, encoded, full(self.model.logit_scale),
+                                           None if bias is None else full(bias), self.precision, self.objectives)
+            for objective in self.objectives:  # a CoCa: the caption loss's factor over the global batch's tokens
+                objective.before_replay(self.precision)
+            times.lap("loss")
+            progress.set_description("replay")
+            try:
+                waited = replay(self.wrapped, encoded, grads, self.precision, again, progress, self.sync,
+                                self.objectives)
+            finally:
+                if again is not None:
+                    again.close()  # its decoding stream closed: the next step's look-ahead takes every thread
+            times.host["data"] += waited
+            times.lap("replay", minus=waited)
+            progress.close()
+            loss = self.contrastive.logged(grads.loss, self.objectives)
         if self.sharded and self.distributed:
             reduce_replicated(self.model)  # the scalars FSDP leaves whole
         self.loss = loss
@@ -272,8 +337,8 @@ class TrainStep:
         it always does). Clear the gradients; clamp the temperature. The skip is decided on the
         device where the optimizer can take the decision from there (``skips_on_device``), else on
         the host (one sync)."""
-        start = time.perf_counter()
-        self.scaler.unscale_(self.optimizer)
+        start, scaler = time.perf_counter(), self.precision.scaler
+        scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.sharded:  # the norm over every rank's shards
             norm = full(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
@@ -283,7 +348,14 @@ class TrainStep:
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         else:  # the norm alone, for the finiteness check and the logs; the gradients untouched
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))  # fused
-        bad = self._any_bad(self.loss, norm)
+        # 1.0 where the loss or the gradient norm is not finite on some rank (0-d fp32 on the norm's device, no host
+        # sync; the ranks agree, so they all skip the same steps and stay replicas)
+        bad = torch.logical_not(torch.isfinite(norm)).float().reshape(1)
+        if self.loss is not None:
+            bad = torch.maximum(bad, torch.logical_not(torch.isfinite(self.loss.to(norm.device))).float())
+        if self.distributed:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        bad = bad.reshape(())
         if self.skips_on_device:
             # the fused kernel leaves the weights and moments as they were, and its step count, where
             # found_inf is 1; clamping a temperature left as it was changes nothing
@@ -296,32 +368,13 @@ class TrainStep:
             self.model.clamp_logit_scale()
             return Applied(time.perf_counter() - start, norm.detach(), bad == 0)
         finite = bool(bad.item() == 0)  # host sync: the decision to step is made on the host
-        if finite or self.scaler.is_enabled():  # fp16: the scaler skips by itself and lowers its scale
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+        if finite or scaler.is_enabled():  # fp16: the scaler skips by itself and lowers its scale
+            scaler.step(self.optimizer)
+            scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if finite:
             self.model.clamp_logit_scale()
         return Applied(time.perf_counter() - start, norm.detach(), torch.tensor(finite))  # after its host sync
-
-    @property
-    def skips_on_device(self) -> bool:
-        """Whether ``apply`` decides on the device: a fused optimizer (it takes ``found_inf``, as
-        ``torch.amp.GradScaler`` passes it), no fp16 scaler (its own ``found_inf`` is the
-        optimizer's there) and an unsharded model."""
-        return (getattr(self.optimizer, "_step_supports_amp_scaling", False) and not self.scaler.is_enabled()
-                and not self.sharded)
-
-    def _any_bad(self, loss: torch.Tensor | None, norm: torch.Tensor) -> torch.Tensor:
-        """1.0 where the loss or the gradient norm is not finite on some rank, else 0.0 (0-d fp32 on
-        the norm's device, no host sync; the ranks agree, so they all skip the same steps and stay
-        replicas)."""
-        bad = torch.logical_not(torch.isfinite(norm)).float().reshape(1)
-        if loss is not None:
-            bad = torch.maximum(bad, torch.logical_not(torch.isfinite(loss.to(norm.device))).float())
-        if self.distributed:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bad.reshape(())
 
     def _forward_backward(self, timed: tuple[SubBatch, float]) -> tuple[torch.Tensor, PhaseTimes]:
         """One sub-batch: encode, the global loss, backward (fp16: scaled). The loss runs on fp32
@@ -329,7 +382,6 @@ class TrainStep:
         tower's input (hard negatives), its inputs to the loss (their features, a teacher's) and its term to
         the one backward (a CoCa's caption loss)."""
         sub, data_s = timed
-        self.keep.keep_bytes(sub)
         images = to_device(sub.images, self.device)
         rows = len(sub.texts)
         extra = [objective.extra_texts(sub) for objective in self.objectives]  # rows after the captions, or None
@@ -340,9 +392,8 @@ class TrainStep:
         texts = to_device(captions if cut is None else cut.cut(captions), self.device)
         for objective in self.objectives:
             objective.one_pass_start(sub)
-        times = PhaseTimes(self.device)
-        times.add("data", data_s)
-        times.start()
+        times = PhaseTimes(self.device.type == "cuda", {"data": data_s})
+        times.lap()
         with self.precision.autocast():
             outputs = self.wrapped(images, texts, **self.model_options)
         image_features, text_features, scale, bias = outputs[:4]
@@ -359,41 +410,9 @@ class TrainStep:
             term = objective.one_pass_term(outputs)
             if term is not None:
                 total = total + term
-        self.precision.scale(total).backward()
-        times.stop("forward_backward")
+        self.precision.scaler.scale(total).backward()
+        times.lap("forward_backward")
         return self.contrastive.logged(contrastive.detach(), self.objectives), times
-
-    def _gradcache(self, stream: Iterator[SubBatch], epoch: int) -> tuple[torch.Tensor, PhaseTimes]:
-        """The three GradCache phases (``gradcache.py``) over ``self.sub_batches`` sub-batches."""
-        progress = tqdm(total=2 * self.sub_batches, desc="encode", leave=False, dynamic_ncols=True,
-                        disable=not self.show_progress or self.sub_batches < 8, position=1, unit="sub-batch")
-        times = PhaseTimes(self.device)  # events at the phases' boundaries: no host sync (read by the log)
-        times.start()
-        encoded = encode_without_graph(self.model, stream, self.sub_batches, self.precision, self.keep,
-                                       progress, self.objectives)
-        times.add("data", encoded.data_s)
-        times.stop("encode", minus=encoded.data_s)
-        times.start()
-        # decoding on the GPU, the offload's re-decoding starts now: the replay's first images are ready after the loss
-        again = self.keep.images_again(encoded, epoch)
-        bias = self.model.logit_bias
-        grads = loss_and_feature_grads(self.contrastive, encoded, full(self.model.logit_scale),
-                                       None if bias is None else full(bias), self.precision, self.objectives)
-        for objective in self.objectives:  # a CoCa: the caption loss's factor over the global batch's tokens
-            objective.before_replay(self.precision)
-        times.stop("loss")
-        progress.set_description("replay")
-        times.start()
-        try:
-            waited = replay(self.wrapped, encoded, grads, self.precision, again, progress, self.sync, self.objectives)
-        finally:
-            if again is not None:
-                again.close()  # its decoding stream closed: the next step's look-ahead takes every thread
-        times.add("data", waited)
-        times.stop("replay", minus=waited)
-        progress.close()
-        return self.contrastive.logged(grads.loss, self.objectives), times
-
 
 
 def next_timed(items: Iterator):

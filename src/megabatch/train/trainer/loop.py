@@ -204,7 +204,7 @@ class Trainer:
         # each part saves and loads its own state; a new part is one more entry
         self.checkpointer = Checkpointer(
             self.ckpt_dir, self.model, parts.optimizer,
-            {"train_state": self.state, "scaler": self.step.scaler, "schedule": parts.schedule,
+            {"train_state": self.state, "scaler": self.step.precision.scaler, "schedule": parts.schedule,
              "data_position": parts.inputs, "rng": RngStates(env.rank, env.world_size),
              **({"ema": self.step.ema} if self.step.ema is not None else {}),
              **({"objectives": objective_states} if (objective_states := States(self.step.objectives)).any else {})},
@@ -259,16 +259,13 @@ class Trainer:
         self.checkpointer.load(path, state)
         log.info("resumed from %s at step %d", path, self.state.step)
 
-    def evaluate(self, final: bool) -> dict[str, dict[str, float]]:
-        """Evaluate the sets due now (``eval.<name>.at_end`` when ``final``, else those whose
-        ``every`` divides the step), each logged under ``eval/<name>/``. Every rank evaluates together, set
-        after set: each encodes its share of the set and the numbers are the whole set's (``eval/ranks.py``).
-        A sharded model (FSDP) runs under the run's autocast, as it trains: FSDP hands the blocks' outputs on
-        in bf16 to norms it keeps in fp32; rank 0 reports."""
+    def evaluate(self, due: list) -> dict[str, dict[str, float]]:
+        """Evaluate the sets ``due`` (``eval.<name>``: those whose ``every`` divides the step, or at the end those
+        with ``at_end``), each logged under ``eval/<name>/``. Every rank evaluates together, set after set: each
+        encodes its share of the set and the numbers are the whole set's (``eval/ranks.py``). A sharded model
+        (FSDP) runs under the run's autocast, as it trains: FSDP hands the blocks' outputs on in bf16 to norms it
+        keeps in fp32; rank 0 reports."""
         step, sharded = self.state.step, is_sharded(self.model)
-        due = [s for s in self.cfg.eval.values() if (s.at_end if final else s.every and step % s.every == 0)]
-        if not due:
-            return {}
         results, ema = {}, self.step.ema
         for eval_cfg in due:
             for weights in weights_to_evaluate(eval_cfg.weights, ema is not None):
@@ -326,13 +323,16 @@ class Trainer:
             lr = self.parts.peak_lr * self.parts.schedule(self.state.step)
             outcome = self.step.step(sub_batches, lr, epoch=self.state.step // self.plan.steps_per_epoch,
                                      number=self.state.step + 1)
-            self.state.advance(self.plan.global_batch)
+            self.state.step += 1
+            self.state.samples_seen += self.plan.global_batch
             loss = outcome.loss
             # a signal or trainer.time_limit: stop after this step, the same one on every rank
             stop_reason = self.stops.reason(outcome.seconds)
             last = self.state.step == stop
-            if stop_reason or last or self.metrics.due(self.state.step) or self._due(self.settings.trainer.ckpt_every):
-                self.step.settle()  # host sync: the hooks act on this step, its update read
+            log_every, ckpt_every = self.settings.trainer.log_every, self.settings.trainer.ckpt_every
+            if stop_reason or last or (log_every and self.state.step % log_every == 0) or \
+                    (ckpt_every and self.state.step % ckpt_every == 0):
+                self.step.settle()  # host sync: the hooks act on this step (its log line, its checkpoint)
             if self.state.step == first_step:
                 self.first_step_done(outcome, started)
             self.metrics.on_step(outcome, self.state.step, self.state.samples_seen, self.step.health,
@@ -362,29 +362,30 @@ class Trainer:
             log.info("bytecode: the %d modules imported without it compile into %s in the background, for the "
                      "next start (MEGABATCH_PYCACHE=0: off)", compiling, sys.pycache_prefix)
 
-    def _due(self, every: int | None) -> bool:
-        """Whether a task done every ``every`` steps (0 or ``None``: never) falls on this step."""
-        return bool(every) and self.state.step % every == 0
-
     def checkpoint_if_due(self) -> None:
         """A numbered checkpoint every ``trainer.ckpt_every`` steps (once a step)."""
-        if self._due(self.settings.trainer.ckpt_every) and self.checkpointer.saved_step != self.state.step:
+        every = self.settings.trainer.ckpt_every
+        if every and self.state.step % every == 0 and self.checkpointer.saved_step != self.state.step:
             self._checkpoint(numbered=True)
 
     def evaluate_if_due(self) -> None:
         """The sets whose ``eval.<name>.every`` divides the step (the final evaluation is ``_finish``'s)."""
-        if self.state.step < self.plan.total_steps:
-            self.evaluate(final=False)
+        step = self.state.step
+        due = [s for s in self.cfg.eval.values() if s.every and step % s.every == 0]
+        if due and step < self.plan.total_steps:
+            self.evaluate(due)
 
     def stop_if_asked(self, reason: str | None) -> None:
         """End the run after this step: ``NonFiniteError`` after ``trainer.max_bad_steps`` skipped updates in a
         row (as read so far); on a signal or ``trainer.time_limit`` (``reason``), this step's checkpoint (the
         numbered one where one is due), every rank waiting for it, then ``Preempted`` (exit 3)."""
-        self.step.health.check()
+        if self.step.health.diverged:
+            raise NonFiniteError.of(self.step.health)
         if not reason:
             return
         if self.checkpointer.saved_step != self.state.step:
-            self._checkpoint(numbered=self._due(self.settings.trainer.ckpt_every))
+            every = self.settings.trainer.ckpt_every
+            self._checkpoint(numbered=bool(every) and self.state.step % every == 0)
         self._wait_for_checkpoint()  # no rank exits (and lets torchrun end the writer) before it
         self.stops.drain()
         log.warning("stopped after step %d (%s); last.pt written: continue with resume=latest name=%s",
@@ -433,7 +434,7 @@ class Trainer:
             log.info("stopped at step %d of %d (trainer.stop_at_step); continue with "
                      "resume=latest name=%s", step, plan.total_steps, self.run_dir.name)
             return float(loss)
-        results = self.evaluate(final=True)
+        results = self.evaluate([s for s in self.cfg.eval.values() if s.at_end])
         for name, result in results.items():
             print(summary(name, result), flush=True)
         if results and self.main:  # the last checkpoint's table: every set's metrics, the main metrics' average

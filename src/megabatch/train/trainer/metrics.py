@@ -162,10 +162,6 @@ class Interval:
         return {key: (value - self.decode_waits.get(key, 0.0)) / max(1, self.steps)
                 for key, value in gpu_decode.wait_seconds.items() if value > self.decode_waits.get(key, 0.0)}
 
-    def add(self, outcome: StepOutcome) -> None:
-        self.steps, self.last = self.steps + 1, outcome
-        self.times.append(outcome.times)
-
     @property
     def phase_totals(self) -> dict[str, float]:
         """Each phase's seconds summed over the interval's steps (reading a step's CUDA events: a host sync, once
@@ -212,17 +208,16 @@ class StepLog:
                              dynamic_ncols=True, mininterval=1.0, leave=False)
         self.interval = Interval()
 
-    def due(self, step: int) -> bool:
-        return bool(self.log_every) and step % self.log_every == 0
-
     def on_step(self, outcome: StepOutcome, step: int, samples_seen: int, health: UpdateHealth,
                 force: bool = False) -> None:
         """Count ``outcome`` (the run's step ``step``); write the interval when due, ``force``d, or the
         run diverged (``health``, as last settled)."""
-        self.interval.add(outcome)
+        interval = self.interval
+        interval.steps, interval.last = interval.steps + 1, outcome
+        interval.times.append(outcome.times)
         if self.progress is not None:
             self.progress.update(1)
-        if force or health.diverged or self.due(step):
+        if force or health.diverged or (self.log_every and step % self.log_every == 0):
             self.write(step, samples_seen, health)
 
     def write(self, step: int, samples_seen: int, health: UpdateHealth) -> None:

@@ -81,8 +81,13 @@ class StopRequests:
     def reason(self, step_s: float) -> str | None:
         """Why to stop after the step just done (a request, or the next steps would overrun
         ``trainer.time_limit``), agreed across ranks; ``None`` to go on."""
+        # this rank's reason: acted on after this step alone, or with several ranks after the next (agreed then)
+        local = self.requested
+        if local is None and self.deadline is not None and \
+                time.monotonic() + ((2 if self.distributed else 1) + 0.5) * step_s > self.deadline:
+            local = "trainer.time_limit"
         if not self.distributed:
-            return self._local(step_s, steps_ahead=1)
+            return local
         # the flag sent after the previous step is read now (its all-reduce is long done: no wait
         # in practice), and this step's is sent; every rank reads the same value at the same step
         agreed = None
@@ -91,17 +96,9 @@ class StopRequests:
             work.wait()
             if flag.numpy()[0]:  # a CPU tensor: no device to wait for
                 agreed = sent or "another rank's stop request"
-        local = self._local(step_s, steps_ahead=2)  # acted on one step later
         flag = torch.tensor([0.0 if local is None else 1.0])
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag, local)
         return agreed
-
-    def _local(self, step_s: float, steps_ahead: int) -> str | None:
-        if self.requested is not None:
-            return self.requested
-        if self.deadline is not None and time.monotonic() + (steps_ahead + 0.5) * step_s > self.deadline:
-            return "trainer.time_limit"
-        return None
 
     def drain(self) -> None:
         """Wait for the flag's all-reduce still in flight (every rank sent it) at the loop's end."""

@@ -59,7 +59,7 @@ class Caption(Objective):
 
     def before_replay(self, precision) -> None:
         self.tokens = self._global_tokens(self.local)
-        self.factor = precision.scale(self.weight * self.world / self.tokens)
+        self.factor = precision.scaler.scale(self.weight * self.world / self.tokens)
 
     def replay_term(self, outputs: tuple) -> torch.Tensor:
         self.sums.append(outputs[4].detach())
