@@ -68,6 +68,27 @@ def test_header_scan_then_cache_then_rescan_when_a_shard_changes(shards, tmp_pat
     assert shard_sizes(urls, "k", tmp_path / "cache") == [7, 3, 4, 5]
 
 
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_many_shards_are_counted_in_a_process_a_core(shards, tmp_path, monkeypatch, start):
+    """From ``SCAN_PROCESSES_FROM`` shards on, the header scans run in processes (started as the loader's
+    workers are: forked, or from the fork server), with the same counts, in the shards' order, and cached."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from megabatch.data.worker_start import worker_context
+
+    folder, pattern = shards
+    urls = expand_urls(pattern, "k")
+    pools = []
+    monkeypatch.setattr(urls_module, "SCAN_PROCESSES_FROM", 4)
+    monkeypatch.setattr(urls_module, "ProcessPoolExecutor",
+                        lambda *args, **kwargs: pools.append(ProcessPoolExecutor(*args, **kwargs)) or pools[-1])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # two cores, whatever CI has
+    assert shard_sizes(urls, "k", tmp_path / "cache", mp_context=worker_context(start)) == TRUTH
+    assert len(pools) == 1 and pools[0]._max_workers == 2
+    monkeypatch.setattr(urls_module, "scan_tar", no_scan)
+    assert shard_sizes(urls, "k", tmp_path / "cache") == TRUTH  # cached
+
+
 def test_sizes_json_wins_and_a_shard_it_misses_is_counted(shards, tmp_path):
     folder, pattern = shards
     (folder / "sizes.json").write_text(json.dumps({"00000.tar": 7, "00001.tar": 3}))

@@ -19,7 +19,7 @@ from .tars import reads_locally
 from .teacher_store import TeacherSpec
 from .transforms import train_transform
 from .urls import expand_urls, is_remote, shard_sizes
-from .worker_start import PickledOnce
+from .worker_start import PickledOnce, worker_context
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +120,11 @@ class TrainData:
         if self._sizes is None:
             if self.num_samples is not None and any(is_remote(url) for url in self.urls):
                 self._sizes = [self.num_samples // len(self.urls)] * len(self.urls)
-            else:  # counted by rank 0 alone (a header scan of 41k shards once, not once per rank)
+            else:  # counted by rank 0 alone (a header scan of 41k shards once, not once per rank), in processes
+                # started as the loader's workers are (a GPU run's fork server: no fork of this process)
+                context = worker_context(self.worker_start)
                 self._sizes = on_rank_zero(lambda: shard_sizes(self.urls, "data.train.urls", self.cfg.cache_dir,
-                                                               self.show_progress))
+                                                               self.show_progress, mp_context=context))
         return self._sizes
 
     @property
