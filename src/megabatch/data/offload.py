@@ -73,8 +73,8 @@ class Offload:
 
     def replay_images(self, kept: list, epoch: int) -> Iterator[torch.Tensor]:
         """The uint8 images ``[n, 3, s, s]`` of each kept sub-batch again, in order, decoded with the same
-        per-sample augmentation as the first time (by the worker pool, or on the GPU: its decoding starts
-        now). The replay is the last to read this step's bytes: the next step's ``keep`` writes the spill
+        per-sample augmentation as the first time (on the GPU: its decoding starts now; by the worker pool: at the
+        first request). The replay is the last to read this step's bytes: the next step's ``keep`` writes the spill
         file from its start again."""
         spill_path = None
         if self.spill is not None:

@@ -306,8 +306,8 @@ class TrainStep:
                                            progress, self.objectives)
             times.host["data"] = encoded.data_s
             times.lap("encode", minus=encoded.data_s)
-            # the offloaded images decoded again, starting now (on the GPU, or in the offload's workers): the
-            # replay's first images are ready after the loss
+            # the offloaded images decoded again: on the GPU starting now (the replay's first are ready after the
+            # loss); the offload's worker pool starts at the replay's first request
             again = self.keep.offload.replay_images(encoded.kept, epoch) if encoded.kept else None
             bias = self.model.logit_bias
             grads = loss_and_feature_grads(self.contrastive, encoded, full(self.model.logit_scale),
