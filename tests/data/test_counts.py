@@ -134,6 +134,30 @@ def test_training_data_counts_img2dataset_shards(shards, tmp_path):
     assert TrainData(streams.data, lambda texts: None, preprocess(32), seed=0).num_samples == 400
 
 
+@pytest.mark.parametrize("processes", [False, True])
+def test_the_indexed_splits_count_builds_the_tar_indexes_its_workers_read(shards, tmp_path, monkeypatch, processes):
+    """Counting the shards for the indexed split is the header scan that builds each shard's tar index: cached
+    where the loader's workers look, so they read samples without scanning a shard again."""
+    from megabatch.config.compose import compose
+    from megabatch.data import TrainData, indexed_split
+    from megabatch.data.indexed_split import INDEX_DIR, TarIndex
+
+    folder, pattern = shards
+    if processes:
+        monkeypatch.setattr(urls_module, "SCAN_PROCESSES_FROM", 2)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cfg = compose("data=webdataset", f"data.train.urls='{pattern}'", f"data.cache_dir={tmp_path / 'cache'}",
+                  "data.train.split=indexed")
+    data = TrainData(cfg.data, lambda texts: None, preprocess(32), seed=0, show_progress=False)
+    assert data.sizes == TRUTH and len(list((tmp_path / "cache" / INDEX_DIR).glob("*.npy"))) == len(TRUTH)
+    monkeypatch.setattr(indexed_split, "scan_offsets", no_scan)
+    index = TarIndex(tmp_path / "cache")
+    for number, samples in enumerate(TRUTH):
+        url = str(folder / f"{number:05d}.tar")
+        assert index.read(url, samples - 1)["__key__"] == f"{samples - 1:09d}" and index.read(url, samples) is None
+    index.close()
+
+
 def counted_on_two_ranks(rank: int, world: int, pattern: str, cache: str, broken: bool):
     """Rank 1 must not scan: its counts come from rank 0 (or rank 0's error reaches it)."""
     from megabatch.config.compose import compose

@@ -121,14 +121,16 @@ class TarIndex:
             self._open.move_to_end(url)
             return self._open[url]
         path = Path(os.path.expanduser(url))
-        offsets = self._cached(path)
+        offsets = self.offsets(path)
         entry = (offsets, os.open(path, os.O_RDONLY))  # kept open for the next samples, closed on eviction
         self._open[url] = entry
         if len(self._open) > self.keep:
             os.close(self._open.popitem(last=False)[1][1])
         return entry
 
-    def _cached(self, path: Path) -> np.ndarray:
+    def offsets(self, path: Path) -> np.ndarray:
+        """Shard ``path``'s sample offsets (``scan_offsets``), from the cache where the file is unchanged, else
+        scanned and cached."""
         stat = path.stat()
         name = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest() + ".npy"
         if self.cache is not None and (self.cache / name).is_file():
@@ -144,6 +146,18 @@ class TarIndex:
                 np.save(handle, offsets)
             os.replace(tmp, self.cache / name)
         return offsets
+
+
+class IndexScan:
+    """The indexed split's way to count a shard's samples (``urls.shard_sizes``'s ``scan``): the one header scan
+    that builds the shard's ``TarIndex`` (cached under ``cache_dir``, where the loader's workers find it and
+    never scan the shard again), its count the index's. Picklable: the counting's processes run it."""
+
+    def __init__(self, cache_dir: str | os.PathLike):
+        self.cache_dir = cache_dir
+
+    def __call__(self, path: str) -> int:
+        return len(TarIndex(self.cache_dir).offsets(Path(path))) - 1
 
 
 def scan_offsets(path: Path) -> np.ndarray:

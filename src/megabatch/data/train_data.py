@@ -12,7 +12,7 @@ from ..config.run import DataSettings
 from ..distributed.once import on_rank_zero
 from .captions import CaptionKeys
 from .digits import ensure_digits
-from .indexed_split import EpochOrder, IndexedBatches
+from .indexed_split import EpochOrder, IndexedBatches, IndexScan
 from .position_split import PositionSplitBatches, make_loader
 from .shard_split import ShardBatches, slot_quota
 from .tars import reads_locally
@@ -71,6 +71,8 @@ class TrainData:
         self.worker_start = worker_start  # fork | forkserver: how the loaders' workers start (worker_start.py)
         if worker_start == "forkserver":  # each worker's dataset is pickled: the vocabulary once
             self.tokenize = PickledOnce(tokenize)
+        self.mode = cfg.train.mode  # split and mode are checked with the rest of the config (config/schema.py)
+        self.split = resolve_split(cfg.train.split, self.mode, self.urls)
         if self.num_samples is None:
             self.num_samples = sum(self.sizes)
         augment = cfg.train.augment
@@ -82,10 +84,8 @@ class TrainData:
                                     None if cfg.train.text_probs is None else list(cfg.train.text_probs),
                                     negatives_key=cfg.train.negatives_key, negatives=cfg.train.negatives,
                                     teacher=self.teacher)
-        # split and mode are checked with the rest of the config (config/schema.py); the weights
-        # against the sources the URLs expand to
-        self.mode, self.weights = cfg.train.mode, None if cfg.train.weights is None else list(cfg.train.weights)
-        self.split = resolve_split(cfg.train.split, self.mode, self.urls)
+        # the weights against the sources the URLs expand to
+        self.weights = None if cfg.train.weights is None else list(cfg.train.weights)
         if cfg.train.split == "auto" and show_progress:
             log.info("data.train.split=auto: %s", SPLIT_REASONS[self.split])
         if self.weights is not None:
@@ -121,10 +121,12 @@ class TrainData:
             if self.num_samples is not None and any(is_remote(url) for url in self.urls):
                 self._sizes = [self.num_samples // len(self.urls)] * len(self.urls)
             else:  # counted by rank 0 alone (a header scan of 41k shards once, not once per rank), in processes
-                # started as the loader's workers are (a GPU run's fork server: no fork of this process)
+                # started as the loader's workers are (a GPU run's fork server: no fork of this process); the
+                # indexed split's scans build the tar indexes its workers read (no second scan in the first epoch)
                 context = worker_context(self.worker_start)
+                scan = IndexScan(self.cfg.cache_dir) if self.split == "indexed" and self.cfg.cache_dir else None
                 self._sizes = on_rank_zero(lambda: shard_sizes(self.urls, "data.train.urls", self.cfg.cache_dir,
-                                                               self.show_progress, mp_context=context))
+                                                               self.show_progress, mp_context=context, scan=scan))
         return self._sizes
 
     @property

@@ -11,6 +11,7 @@ import os
 import re
 import tarfile
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,12 +54,14 @@ def expand_urls(urls: str | list[str], key: str) -> list[str]:
 
 
 def shard_sizes(urls: list[str], key: str, cache_dir: str | os.PathLike | None = None,
-                show_progress: bool = True, read_sizes_json: bool = True, mp_context=None) -> list[int]:
+                show_progress: bool = True, read_sizes_json: bool = True, mp_context=None,
+                scan: Callable[[str], int] | None = None) -> list[int]:
     """Each shard's sample count, taken from the first of: ``sizes.json`` beside it (what
     ``scripts/make_shards.py`` writes), img2dataset's ``<shard>_stats.json`` (``successes``), the
     counts cache under ``cache_dir`` (keyed by path, size and modification time), one scan of the
     tar's headers (no decoding; its result is cached; from ``SCAN_PROCESSES_FROM`` shards on, in a process
-    a core, started by ``mp_context``: the loader's fork server in a GPU run, ``None``: fork). Remote URLs
+    a core, started by ``mp_context``: the loader's fork server in a GPU run, ``None``: fork; ``scan``: what
+    scans one, ``scan_tar`` unless given: the indexed split builds its tar index in the same pass). Remote URLs
     have no counts: an error naming ``data.train.num_samples``. ``read_sizes_json=False`` ignores existing
     ``sizes.json`` files."""
     remote = [url for url in urls if is_remote(url)]
@@ -83,7 +86,7 @@ def shard_sizes(urls: list[str], key: str, cache_dir: str | os.PathLike | None =
         else:
             unknown.append(url)
     if unknown:
-        sizes.update(_scanned_sizes(unknown, cache_dir, show_progress, mp_context))
+        sizes.update(_scanned_sizes(unknown, cache_dir, show_progress, mp_context, scan or scan_tar))
     return [sizes[url] for url in urls]
 
 
@@ -126,7 +129,8 @@ def scan_tar(path: str | os.PathLike) -> int:
     return samples
 
 
-def _scanned_sizes(urls: list[str], cache_dir, show_progress: bool, mp_context=None) -> dict[str, int]:
+def _scanned_sizes(urls: list[str], cache_dir, show_progress: bool, mp_context=None,
+                   scan: Callable[[str], int] = scan_tar) -> dict[str, int]:
     """Counts of shards with no listed count: from the cache where the file is unchanged, else by
     scanning (in threads, or for many shards in a process a core; a progress bar after two seconds), then
     cached."""
@@ -154,7 +158,7 @@ def _scanned_sizes(urls: list[str], cache_dir, show_progress: bool, mp_context=N
     with pool:
         # in chunks, a few a process: results come back in order, a chunk at a time, with few messages
         chunk = max(1, len(todo) // (8 * max(1, processes)))
-        counts = pool.map(scan_tar, [real for _, real, _ in todo], chunksize=chunk)
+        counts = pool.map(scan, [real for _, real, _ in todo], chunksize=chunk)
         for (url, real, key), count in tqdm(zip(todo, counts, strict=True), total=len(todo), desc="counting samples",
                                             unit="shard", delay=2, disable=not show_progress):
             sizes[url] = count
