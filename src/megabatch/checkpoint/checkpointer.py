@@ -12,6 +12,12 @@ A new part (EMA weights, a teacher's settings) is one more entry in that dict.
     checkpointer.save(step=100, numbered=True)   # step_00000100.pt and last.pt
     checkpointer.load(path, state)               # every part from the file load_resume found
 
+``asynchronous`` (``trainer.ckpt_async``): a whole-file checkpoint is copied to the host at once (the weights, the
+optimizer's moments, every part's state: what the step will change next) and written by a thread while the steps
+go on; at most one write is in flight (the next save waits for it), ``wait`` waits for it (a stop, the run's end)
+and raises what failed in it. The file appears by a rename once whole, so a run killed mid-write leaves the
+previous checkpoint the newest. Sharded checkpoints are written at once.
+
 A part with tensors sharded like the model's parameters (the moving average of ``train/step/ema.py``) has a
 ``tensors()`` method (name -> tensor, the same objects its state's ``weights`` entry holds): a sharded
 checkpoint writes them with the model's shards (every rank its own) and its other entries in
@@ -26,7 +32,9 @@ own entries are read through ``legacy_parts``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -114,14 +122,19 @@ class Checkpointer:
     """Saves and resumes ``model``, ``optimizer`` and the ``parts`` (name -> ``Stateful``) in
     ``ckpt_dir``: ``.pt`` files written by rank 0, or (``sharded``) DCP folders every rank writes
     its shards into. ``header()``: what readers of the file need beyond the parts (the config, the
-    model's description). ``keep``: numbered checkpoints kept. ``saved_step``: the step last saved."""
+    model's description). ``keep``: numbered checkpoints kept. ``saved_step``: the step last saved (its state taken;
+    with ``asynchronous`` perhaps still being written). ``write_s``: the seconds the last finished write took."""
 
     def __init__(self, ckpt_dir: Path, model: torch.nn.Module, optimizer, parts: dict[str, Stateful], *,
                  header: Callable[[], dict[str, Any]], sharded: bool, keep: int | None, main: bool,
-                 distributed: bool):
+                 distributed: bool, asynchronous: bool = False):
         self.ckpt_dir, self.model, self.optimizer, self.parts = ckpt_dir, model, optimizer, parts
         self.header, self.sharded, self.keep, self.main, self.distributed = header, sharded, keep, main, distributed
         self.saved_step: int | None = None
+        self.asynchronous = asynchronous and not sharded
+        self.write_s = 0.0
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: Future | None = None
 
     def save(self, step: int, numbered: bool) -> bool:
         """Write the checkpoint of ``step`` (every rank calls it; ``numbered``: ``step_<N>`` beside
@@ -143,9 +156,37 @@ class Checkpointer:
         meta = {**self.header(), **payload, "step": step}
         if self.main:
             whole = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **meta}
-            write_run_checkpoint(self.ckpt_dir, whole, step, numbered, self.keep)
+            if self.asynchronous:
+                self.wait()  # at most one write in flight
+                if self._writer is None:
+                    self._writer = ThreadPoolExecutor(1, thread_name_prefix="megabatch-checkpoint")
+                # a copy on the host, taken now: the next steps change the weights, moments and counters in place
+                self._writing = self._writer.submit(self._write, on_host(whole), step, numbered)
+            else:
+                self._write(whole, step, numbered)
         self.saved_step = step
         return True
+
+    def _write(self, whole: dict[str, Any], step: int, numbered: bool) -> None:
+        started = time.perf_counter()
+        write_run_checkpoint(self.ckpt_dir, whole, step, numbered, self.keep)
+        self.write_s = time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Until the checkpoint being written (``asynchronous``) is on disk; what failed in its write is raised here.
+        Nothing in flight: no wait."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+
+    def close(self) -> None:
+        """Wait for the write in flight, then end the writing thread."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()
+                self._writer = None
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
         """Resume from ``path``, whose parts (and, for a ``.pt``, weights) ``state`` holds: the
@@ -181,6 +222,23 @@ class Checkpointer:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             finite = flag[0] > 0
         return bool(finite)
+
+
+def on_host(state: Any) -> Any:
+    """``state`` (dicts, lists and tuples of tensors and values) with every tensor copied to the host, detached: a
+    snapshot that what the step does next leaves unchanged."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):  # an OrderedDict stays one, with a state dict's _metadata (load_state_dict reads it)
+        copied = type(state)((key, on_host(value)) for key, value in state.items())
+        if hasattr(state, "_metadata"):
+            copied._metadata = state._metadata
+        return copied
+    if isinstance(state, tuple) and hasattr(state, "_fields"):  # a named tuple
+        return type(state)(*(on_host(value) for value in state))
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_host(value) for value in state)
+    return state
 
 
 def check_fits(weights: dict[str, Any], model, path: Path) -> None:

@@ -42,6 +42,7 @@ class TrainerSettings:
     feature_dtype: FeatureDtype
     ckpt_every: int | None
     keep_ckpts: int | None
+    ckpt_async: bool
     log_every: int
     stop_at_step: int | None
     time_limit_s: float | None
@@ -68,6 +69,7 @@ class TrainerSettings:
             feature_dtype=trainer.feature_dtype,
             ckpt_every=trainer.ckpt_every,
             keep_ckpts=trainer.keep_ckpts,
+            ckpt_async=bool(trainer.ckpt_async),
             log_every=int(trainer.log_every),
             stop_at_step=trainer.stop_at_step,
             time_limit_s=parse_duration(trainer.time_limit, "trainer.time_limit"),

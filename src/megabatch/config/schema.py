@@ -50,6 +50,7 @@ class TrainerConfig:
     precision: str = MISSING
     ckpt_every: int | None = MISSING
     keep_ckpts: int | None = MISSING
+    ckpt_async: bool = MISSING
     log_every: int = MISSING
     stop_at_step: int | None = MISSING
     time_limit: Any = MISSING         # a duration (3h50m) or null

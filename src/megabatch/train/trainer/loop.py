@@ -209,8 +209,8 @@ class Trainer:
              **({"ema": self.step.ema} if self.step.ema is not None else {}),
              **({"objectives": objective_states} if (objective_states := States(self.step.objectives)).any else {})},
             header=self._checkpoint_header, sharded=self.settings.trainer.parallel == "fsdp",
-            keep=self.settings.trainer.keep_ckpts,
-            main=self.main, distributed=env.distributed)
+            keep=self.settings.trainer.keep_ckpts, main=self.main, distributed=env.distributed,
+            asynchronous=self.settings.trainer.ckpt_async)
         self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
         with self.startup.phase("resume"):
             self._resume()
@@ -395,13 +395,16 @@ class Trainer:
     def _checkpoint(self, numbered: bool) -> None:
         started = time.perf_counter()
         self.checkpointer.save(self.state.step, numbered)
-        if self.main and not self.warned_shutdown:  # once a run
-            self.warned_shutdown = warn_if_torchrun_may_cut(time.perf_counter() - started)
+        if self.main and not self.warned_shutdown:  # once a run; written in the background: the last write's time
+            self.warned_shutdown = warn_if_torchrun_may_cut(max(time.perf_counter() - started,
+                                                                self.checkpointer.write_s))
 
     def _wait_for_checkpoint(self) -> None:
         """Every rank waits here until rank 0 has written the step's checkpoint: a rank that exited
         first would let torchrun end the others (rank 0 mid-write among them). The wait has no
-        timeout while rank 0 is alive (a 30 GB checkpoint may take longer than any collective's)."""
+        timeout while rank 0 is alive (a 30 GB checkpoint may take longer than any collective's). Rank 0 first waits
+        for its own write (``trainer.ckpt_async``)."""
+        self.checkpointer.wait()
         if not self.env.distributed:
             return
         key = f"checkpoint_written/{self.state.step}"
@@ -416,6 +419,11 @@ class Trainer:
         """Release what the run holds (offload workers and spill file, the wandb run, the run
         directory's lock), also after an error; put the signal handlers back."""
         self.stops.restore()
+        try:  # a checkpoint still being written is finished, also after an error
+            if getattr(self, "checkpointer", None) is not None:
+                self.checkpointer.close()
+        except Exception:  # noqa: BLE001 - the run's own error, if any, is the one to raise
+            log.exception("the checkpoint being written when the run ended could not be written")
         self.parts.close()
         if self.metrics is not None:
             self.metrics.sinks.close()
@@ -430,6 +438,7 @@ class Trainer:
             log.info("bad input on rank 0: %s", bad or "none")
         if self.checkpointer.saved_step != step:
             self._checkpoint(numbered=False)
+        self.checkpointer.wait()  # the last checkpoint on disk before the run reports it (and evaluates)
         if step < plan.total_steps:
             log.info("stopped at step %d of %d (trainer.stop_at_step); continue with "
                      "resume=latest name=%s", step, plan.total_steps, self.run_dir.name)
