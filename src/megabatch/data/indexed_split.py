@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import tarfile
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 
@@ -141,7 +142,8 @@ class TarIndex:
         offsets = scan_offsets(path)
         if self.cache is not None:
             self.cache.mkdir(parents=True, exist_ok=True)
-            tmp = self.cache / f".{name}.{os.getpid()}"
+            # a name no other writer has (ranks and nodes sharing the cache index the same shards at once)
+            tmp = self.cache / f".{name}.{uuid.uuid4().hex}.tmp"
             with open(tmp, "wb") as handle:
                 np.save(handle, offsets)
             os.replace(tmp, self.cache / name)

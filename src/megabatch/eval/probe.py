@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -219,7 +220,7 @@ def features_of(model, eval_cfg, data_cfg, transform, device, ranks: Ranks, cach
         splits[what] = encode_split(model, eval_cfg, data_cfg, transform, device, ranks, stored, what)
         if path is not None and ranks.main:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".partial")
+            partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")  # no other writer's name
             torch.save({"features": splits[what][0], "labels": splits[what][1], "key": json.dumps(key)}, partial)
             os.replace(partial, path)
     if "val" not in splits and eval_cfg.val_proportion > 0:  # a seeded share of train

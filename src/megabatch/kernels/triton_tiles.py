@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import uuid
 from pathlib import Path
 
 import torch
@@ -443,7 +444,8 @@ def save_config(gpu: str, key: str, config: dict, path: Path) -> None:
         data = {}
     data.setdefault(gpu, {})[key] = config
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    # a name no other writer has, whatever host or process it is (a cache on a filesystem several nodes share)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
 

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import platform
+import uuid
 from pathlib import Path
 
 import torch
@@ -99,9 +100,10 @@ class CompileCache:
             if artifacts is None:
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
+            # whole or absent: a reader never sees half a file; a name no other writer has (nodes sharing the cache)
+            partial = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex}.partial")
             partial.write_bytes(artifacts[0])
-            os.replace(partial, self.path)  # whole or absent: a reader never sees half a file
+            os.replace(partial, self.path)
             log.info("model.compile: compiled towers kept in %s (%.1f MB) for the next run", self.path,
                      len(artifacts[0]) / 1e6)
         except Exception as error:  # noqa: BLE001 - a cache must never stop a run
