@@ -255,3 +255,32 @@ def test_the_default_worker_count_fits_the_machine(monkeypatch):
     assert compose("data=webdataset").data.num_workers == 1  # 2 cores shared by 8 ranks: at least one
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert compose("data=webdataset").data.num_workers == 2 and compose("eval=imagenet").eval.imagenet.num_workers == 2
+
+
+def test_a_stream_whose_command_fails_mid_shard_is_skipped_and_counted(tmp_path):
+    """``pipe:`` streams (the shard split): one whose command stops half-way through its shard and exits non-zero
+    (a dropped connection) is skipped and counted under its URL; the loader goes on with the other streams and
+    fills every sub-batch, without waiting on it."""
+    import time
+
+    import torch
+
+    from megabatch.data import TrainData
+
+    from ..helpers import preprocess
+
+    write_shards([good(i) for i in range(40)], tmp_path, "s", per_shard=10)
+    tars = sorted(tmp_path.glob("s-*.tar"))
+    cut = f"pipe:head -c {tars[1].stat().st_size // 2} {tars[1]}; exit 3"
+    cfg = compose("data=webdataset", "data.train.split=shard", "data.num_workers=1", "data.train.shuffle_buffer=7",
+                  "data.train.num_samples=40")
+    cfg.data.train.urls = [f"pipe:cat {tars[0]}", cut, f"pipe:cat {tars[2]}", f"pipe:cat {tars[3]}"]
+    numbers = lambda captions: torch.tensor([int(caption.split()[-1]) for caption in captions])  # noqa: E731
+    data = TrainData(cfg.data, numbers, preprocess(16), seed=0, show_progress=False)
+    started = time.monotonic()
+    subs = list(data.loader(0, 0, rank_batch=5, rank=0, world_size=1, num_batches=6, sub_batch=5))
+    assert time.monotonic() - started < 60
+    assert [len(sub.texts) for sub in subs] == [5] * 6
+    seen = [number for sub in subs for number in sub.texts.tolist()]
+    assert len(set(seen)) == 30 and 19 not in seen and len(set(seen) & set(range(10, 20))) < 10  # cut short
+    assert subs[-1].stats["broken_shard"] == 1 and list(subs[-1].stats["broken_urls"]) == [cut]
