@@ -125,3 +125,55 @@ def test_fsdp_reduce_step_keeps_the_weights_gathered_through_a_step_and_updates_
         for fsdp in (step, per_sub_batch):
             for name, value in ddp["params"].items():
                 assert rel_error(fsdp["params"][name], value) <= 1e-6, name
+
+
+def ddp_and_hsdp(rank: int, world: int, overrides: list[str]) -> dict:
+    """The same step sharded within pairs of ranks and replicated across the pairs (HSDP), with the mesh its shards
+    live on, then replicated (DDP)."""
+    from torch.distributed.tensor import DTensor
+
+    from megabatch.train.build import parts
+
+    built, meshes = parts.RunParts.build, set()
+
+    def recording(*args, **kwargs):
+        made = built(*args, **kwargs)
+        meshes.update(tuple(p.device_mesh.shape) for p in made.model.parameters() if isinstance(p, DTensor))
+        return made
+
+    parts.RunParts.build = recording
+    try:
+        hsdp = step_gradients(rank, world, COMMON + overrides + ["trainer.parallel=fsdp", "trainer.fsdp_shard_size=2"],
+                              step=True)
+    finally:
+        parts.RunParts.build = built
+    return {"ddp": step_gradients(rank, world, COMMON + overrides, step=True), "hsdp": hsdp, "meshes": meshes}
+
+
+def test_hsdp_on_four_ranks_gives_the_gradients_and_update_of_ddp(tmp_path):
+    """``trainer.fsdp_shard_size=2`` on 4 gloo ranks: each pair holds the model in shards (a 2 x 2 mesh: 2 replicas of
+    2 shards), and the step's gradients and update are DDP's."""
+    ranks = run_ranks(4, ddp_and_hsdp, ["loss=local", "trainer.fsdp_reduce=step"], tmp_path=tmp_path)
+    for result in ranks:
+        ddp, hsdp = result["ddp"], result["hsdp"]
+        assert result["meshes"] == {(2, 2)}
+        assert hsdp["grads"].keys() == ddp["grads"].keys()
+        assert rel_error(hsdp["grads"]["clip.logit_scale"], ddp["grads"]["clip.logit_scale"]) <= 1e-5
+        assert rel_error(flat(hsdp["grads"]), flat(ddp["grads"])) <= 1e-5
+        assert rel_error(flat(hsdp["grads"]) * 2, flat(ddp["grads"])) > 0.5  # a missed average across replicas shows
+        for name, value in ddp["params"].items():
+            assert rel_error(hsdp["params"][name], value) <= 1e-6, name
+
+
+def test_a_shard_size_that_does_not_divide_the_ranks_names_the_key():
+    from megabatch.config import ConfigError
+    from megabatch.config.schema import validate
+    from megabatch.train.build.parts import shard_size
+
+    from ..helpers import compose
+
+    assert shard_size(2, 4) == 2 and shard_size(8, 4) == 4
+    with pytest.raises(ConfigError, match="trainer.fsdp_shard_size=3"):
+        shard_size(3, 4)
+    with pytest.raises(ConfigError, match="trainer.fsdp_shard_size"):
+        validate(compose("trainer.fsdp_shard_size=0"))

@@ -82,3 +82,25 @@ def test_two_torchrun_launches_of_one_rank_each_train_as_one_job(tmp_path):
     one = load_checkpoint(tmp_path / "runs" / "one-node" / "checkpoints" / "last.pt")
     for name, value in one["model"].items():
         assert torch.equal(two["model"][name], value), name
+
+
+def test_an_hsdp_run_resumes_on_another_mesh_as_the_uninterrupted_one(tmp_path):
+    """HSDP's sharded checkpoint (4 ranks: 2 replicas x 2 shards, ``trainer.fsdp_shard_size=2``) resumes on 2 ranks
+    sharded the whole way (FSDP), and the run ends with the weights of the uninterrupted one-rank run."""
+    short = ["trainer.max_steps=4", INDEXED]
+    straight = finished(launch(tmp_path, 1, "name=straight", *short))
+    assert "step 4/4" in straight
+    first = finished(launch(tmp_path, 4, "name=meshes", *short, "trainer.parallel=fsdp", "trainer.fsdp_shard_size=2",
+                            "trainer.sub_batch=6", "data.num_workers=1", "trainer.stop_at_step=2"))
+    assert "replicated across 2 such groups (HSDP" in first
+    second = finished(launch(tmp_path, 2, "name=meshes", *short, "resume=latest", "trainer.parallel=fsdp",
+                             "trainer.sub_batch=12", "data.num_workers=1"))
+    assert ".dcp at step 2" in second and "step 4/4" in second
+    reference = load_checkpoint(tmp_path / "runs" / "straight" / "checkpoints" / "last.pt")
+    moved = load_checkpoint(tmp_path / "runs" / "meshes" / "checkpoints" / "last.dcp")
+    names = list(reference["model"])
+    weights = torch.cat([reference["model"][name].flatten() for name in names])
+    assert moved["step"] == 4 and rel_error(torch.cat([moved["model"][name].flatten() for name in names]),
+                                            weights) <= 1e-5
+    halfway = load_checkpoint(tmp_path / "runs" / "meshes" / "checkpoints" / "step_00000002.dcp")
+    assert rel_error(torch.cat([halfway["model"][name].flatten() for name in names]), weights) > 1e-3  # not vacuous

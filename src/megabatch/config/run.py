@@ -51,6 +51,7 @@ class TrainerSettings:
     prefetch_gb: float | Literal["auto"]
     parallel: Parallel
     fsdp_reduce: FsdpReduce
+    fsdp_shard_size: int | Literal["auto"]
     keep_graph: bool | int | Literal["auto"]
     max_bad_steps: int
     tf32: bool
@@ -78,6 +79,7 @@ class TrainerSettings:
             prefetch_gb=trainer.prefetch_gb if trainer.prefetch_gb == "auto" else float(trainer.prefetch_gb),
             parallel=trainer.parallel,
             fsdp_reduce=trainer.fsdp_reduce,
+            fsdp_shard_size=trainer.fsdp_shard_size,
             keep_graph=trainer.keep_graph,
             max_bad_steps=int(trainer.max_bad_steps),
             tf32=bool(trainer.tf32),

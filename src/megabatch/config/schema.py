@@ -63,6 +63,7 @@ class TrainerConfig:
     feature_dtype: str = MISSING
     parallel: str = MISSING
     fsdp_reduce: str = MISSING
+    fsdp_shard_size: Any = MISSING   # auto or a count of ranks
     keep_graph: Any = MISSING         # auto, true, false or a count of sub-batches
     max_bad_steps: int = MISSING
     tf32: bool = MISSING
@@ -354,6 +355,11 @@ def check_trainer(trainer: DictConfig) -> None:
     choice(trainer.feature_dtype, "trainer.feature_dtype", FEATURE_DTYPES)
     choice(trainer.parallel, "trainer.parallel", ("ddp", "fsdp"))
     choice(trainer.fsdp_reduce, "trainer.fsdp_reduce", ("auto", "sub_batch", "step"))
+    shard_size = trainer.fsdp_shard_size
+    if shard_size != "auto" and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
+        raise ConfigError(f"trainer.fsdp_shard_size={shard_size!r}: give auto (the ranks of a node) or a count of "
+                          "ranks >= 1 that divides the job's (e.g. 8: sharded within each 8-GPU node, replicated "
+                          "across them)")
     at_least(trainer.ckpt_every, "trainer.ckpt_every", 0, "100 (0 or null: only at the end)")
     at_least(trainer.keep_ckpts, "trainer.keep_ckpts", 1, "3 (null keeps all)")
     at_least(trainer.log_every, "trainer.log_every", 1, "10")

@@ -1,5 +1,7 @@
 """FSDP2 (``trainer.parallel=fsdp``): every parameter, gradient and AdamW moment is split across
-the ranks, so a rank holds ``1 / world_size`` of the model's state instead of all of it.
+the ranks, so a rank holds ``1 / world_size`` of the model's state instead of all of it; or with
+``trainer.fsdp_shard_size`` (HSDP) across the ranks of one group (a node) and replicated across the
+groups, so the weights' gathers stay within a node.
 
 ``shard_model`` applies ``torch.distributed.fsdp.fully_shard`` to each transformer block of both
 towers, then to each tower (``clip.visual``, and ``clip.text`` where the text tower is a module of
@@ -53,14 +55,22 @@ def towers(model: nn.Module) -> list[nn.Module]:
             if isinstance(tower, nn.Module)]
 
 
-def shard_model(model: nn.Module, device: torch.device, bf16: bool) -> int:
+def shard_model(model: nn.Module, device: torch.device, bf16: bool, shard_size: int | None = None) -> int:
     """Shard ``model`` (a ``ClipModel``) in place across the default process group; returns the
-    number of groups. Call before the optimizer is built (its parameters are replaced by shards)."""
+    number of groups. Call before the optimizer is built (its parameters are replaced by shards).
+    ``shard_size`` (``trainer.fsdp_shard_size``) smaller than the world: HSDP, on a 2-D mesh of
+    ``world / shard_size`` replicas of ``shard_size`` ranks each (consecutive ranks: a node's), each
+    replica holding the whole model in shards; FSDP reduce-scatters the gradients within a replica and
+    all-reduces them across the replicas."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if shard_size is None or shard_size == world:
+        mesh = init_device_mesh(device.type, (world,))
+    else:
+        mesh = init_device_mesh(device.type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
     half = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     groups = transformer_blocks(model) + towers(model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -449,10 +450,23 @@ def shard(settings: RunSettings, model: ClipModel, env: DistEnv, precision: Prec
     if not env.distributed:
         log.info("trainer.parallel=fsdp on one rank: nothing to shard, the model stays whole")
         return
-    groups = shard_model(model, env.device, bf16=precision.name == "bf16")
+    size = shard_size(settings.trainer.fsdp_shard_size, env.world_size)
+    groups = shard_model(model, env.device, bf16=precision.name == "bf16", shard_size=size)
     if env.rank == 0:
-        log.info("FSDP: %d groups sharded across %d ranks (%s of each rank's weights, gradients and AdamW moments)",
-                 groups, env.world_size, f"1/{env.world_size}")
+        log.info("FSDP: %d groups sharded across %d ranks (%s of each rank's weights, gradients and AdamW moments)%s",
+                 groups, size, f"1/{size}", "" if size == env.world_size else
+                 f", replicated across {env.world_size // size} such groups (HSDP; trainer.fsdp_shard_size)")
+
+
+def shard_size(setting: int | str, world_size: int) -> int:
+    """``trainer.fsdp_shard_size``: the ranks one copy of the model is sharded across (``auto``: a node's, torchrun's
+    ``LOCAL_WORLD_SIZE``, the whole job where it is not set); a count that does not divide the job's is refused."""
+    size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if setting == "auto" else int(setting)
+    size = min(size, world_size)
+    if world_size % size:
+        raise ConfigError(f"trainer.fsdp_shard_size={setting} ({size} ranks) does not divide the job's {world_size} "
+                          "ranks: give a divisor of it (the GPUs of a node), or auto")
+    return size
 
 
 def check_bias(model: ClipModel, loss) -> None:
