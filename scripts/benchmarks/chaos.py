@@ -1,0 +1,296 @@
+"""Chaos: one training run under a seeded schedule of faults, checked against the same run without them.
+
+    python scripts/benchmarks/chaos.py --ranks 2 --steps 24 --faults 6 --seed 0 --out chaos.json
+    python scripts/benchmarks/chaos.py --ranks 4 --steps 200 --faults 50 --set model=openclip ... --out chaos_4gpu.json
+
+Both runs are ``torchrun --nproc_per_node=<ranks> --max-restarts=<faults> train.py ... resume=latest`` as a user
+launches them (the tiny model on the digits unless ``--set`` says otherwise; the run's checkpoints every
+``--ckpt-every`` steps, written a little slower, ``--write-delay-s``, so that a fault can land inside a write). The
+faults, drawn from ``--seed`` (kinds from ``--kinds``), each at a step of the run:
+
+- ``kill-worker``: SIGKILL to one training process; torchrun restarts the workers, which resume from the newest
+  checkpoint;
+- ``kill-loader-worker``: SIGKILL to one of a rank's data-loading processes (the rank fails; torchrun restarts);
+- ``requeue``: SIGTERM to the whole job (a scheduler's preemption): the run checkpoints and exits, and the same
+  command runs again;
+- ``lost-node``: SIGKILL to the launcher and its workers at once, then the same command again;
+- ``kill-in-write``: the same, while a checkpoint is being written;
+- ``corrupt-newest``: the same, then the newest checkpoint cut to half its size before the command runs again.
+
+Checked: the final weights and optimizer state bitwise equal to the run without faults; every step logged once;
+no process of the run left; each fault's steps redone at most ``--ckpt-every`` (two intervals where the newest
+checkpoint was cut), and its seconds from the fault to the next step. Exit status 1 where a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = ("kill-worker", "kill-loader-worker", "requeue", "lost-node", "kill-in-write", "corrupt-newest")
+RUN = ["trainer.log_every=1", "eval=none", "model.image.patch_dropout=0", "data.train.shuffle_buffer=64"]
+WRAPPER = """
+import os, runpy, sys, time
+from pathlib import Path
+import megabatch.checkpoint.files as files
+real = files.save_checkpoint
+def slowed(path, payload):  # a checkpoint write that takes a while, marked as it starts
+    Path(os.environ["CHAOS_WRITING"]).touch()
+    time.sleep(float(os.environ["CHAOS_WRITE_DELAY_S"]))
+    real(path, payload)
+files.save_checkpoint = slowed
+sys.argv[0] = os.environ["CHAOS_TRAIN"]
+runpy.run_path(os.environ["CHAOS_TRAIN"], run_name="__main__")
+"""
+
+
+class Job:
+    """One training run's launches in ``workdir`` (``runs/<name>``), the same command each time."""
+
+    def __init__(self, workdir: Path, name: str, args: argparse.Namespace):
+        self.workdir, self.name, self.args = workdir, name, args
+        self.run_dir = workdir / "runs" / name
+        self.writing = workdir / f"{name}.writing"
+        self.launches, self.process = 0, None
+
+    def launch(self) -> None:
+        args = self.args
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
+                   f"--max-restarts={max(1, args.faults)}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+                   str(self.workdir / "wrapper.py"), *RUN, f"name={self.name}", "resume=latest",
+                   f"trainer.max_steps={args.steps}", f"trainer.ckpt_every={args.ckpt_every}", *args.set]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CHAOS_TRAIN": str(ROOT / "train.py"),
+               "CHAOS_WRITING": str(self.writing), "CHAOS_WRITE_DELAY_S": str(args.write_delay_s)}
+        log = open(self.workdir / f"{self.name}.log", "a")  # noqa: SIM115 - the launch's output, closed with it
+        self.process = subprocess.Popen(command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        self.launches += 1
+
+    def steps(self) -> list[int]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"step"' in line]
+
+    def wait_for_step(self, step: int, timeout: float) -> float:
+        """Until step ``step`` is logged; the time it came."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.steps() and self.steps()[-1] >= step:
+                return time.monotonic()
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the run ended (status {self.process.returncode}) before step {step}")
+            time.sleep(0.05)
+        raise TimeoutError(f"no step {step} in {timeout:.0f} s")
+
+    def resumes(self) -> list[int]:
+        """The steps this run's launches (and torchrun's restarts) resumed at, in order, from its log (0: started
+        afresh, no checkpoint written yet)."""
+        log = self.workdir / f"{self.name}.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        return [0 if "starting fresh" in line else int(line.rsplit("at step ", 1)[1].split()[0]) for line in lines
+                if ("resumed from" in line and "at step " in line) or "yet, starting fresh" in line]
+
+    def wait_for_resume(self, before: int, timeout: float) -> int:
+        """Until a resume beyond the first ``before`` is logged; the step it resumed at."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(resumes := self.resumes()) > before:
+                return resumes[-1]
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the run ended (status {self.process.returncode}) without resuming")
+            time.sleep(0.05)
+        raise TimeoutError(f"no resume in {timeout:.0f} s")
+
+    def workers(self) -> list[int]:
+        """The training processes (torchrun's children)."""
+        return children(self.process.pid)
+
+    def end(self, sig: int) -> None:
+        """``sig`` to the launcher and every process under it at once (torchrun's workers are not in its process
+        group: a scheduler signals them all, and a lost node loses them all); wait for the launch to end."""
+        for pid in [self.process.pid, *descendants(self.process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        self.process.wait(120)
+
+    def finish(self, timeout: float) -> int:
+        return self.process.wait(timeout)
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for child in children(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def leftovers(name: str) -> list[int]:
+    """Processes still running this run (its name on their command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"name={name}".encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    numbered = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    return numbered[-1] if numbered else None
+
+
+def inject(job: Job, kind: str, rng: random.Random, timeout: float) -> str:
+    """Put fault ``kind`` into the running ``job``; what was done."""
+    if kind == "kill-worker":
+        pid = rng.choice(job.workers())
+        os.kill(pid, signal.SIGKILL)
+        return f"SIGKILL to training process {pid}"
+    if kind == "kill-loader-worker":
+        loaders = [child for worker in job.workers() for child in children(worker)]
+        if not loaders:
+            return "no loader process to kill"
+        pid = rng.choice(loaders)
+        os.kill(pid, signal.SIGKILL)
+        return f"SIGKILL to loader process {pid}"
+    if kind == "requeue":
+        job.end(signal.SIGTERM)
+        job.launch()
+        return "SIGTERM to the job, then the same command"
+    if kind == "kill-in-write":
+        started = job.writing.stat().st_mtime if job.writing.exists() else 0.0
+        deadline = time.monotonic() + timeout
+        while (not job.writing.exists() or job.writing.stat().st_mtime == started) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    job.end(signal.SIGKILL)
+    done = "SIGKILL to the launcher and its workers" + (" during a checkpoint write" if kind == "kill-in-write" else "")
+    if kind == "corrupt-newest" and (newest := newest_checkpoint(job.run_dir)) is not None:
+        os.truncate(newest, newest.stat().st_size // 2)
+        done += f", {newest.name} cut to half"
+    job.launch()
+    return done + ", then the same command"
+
+
+def compare(final: dict, reference: dict) -> list[str]:
+    """What differs between two checkpoints' weights and optimizer states (empty: bitwise the same)."""
+    import torch
+
+    differences = [name for name, value in reference["model"].items() if not torch.equal(value, final["model"][name])]
+    ours, theirs = final["optimizer"]["state"], reference["optimizer"]["state"]
+    for key, state in theirs.items():
+        for field, value in state.items():
+            other = ours[key][field]
+            if isinstance(value, torch.Tensor) and not torch.equal(value, other):
+                differences.append(f"optimizer {key}.{field}")
+    return differences
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--ckpt-every", type=int, default=2)
+    parser.add_argument("--faults", type=int, default=6)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--write-delay-s", type=float, default=0.5)
+    parser.add_argument("--timeout-s", type=float, default=300, help="the longest wait for one step")
+    parser.add_argument("--set", nargs="*", default=["batch=64"], help="the run's own overrides")
+    parser.add_argument("--workdir", default="/tmp/chaos")
+    parser.add_argument("--out", default="chaos.json")
+    args = parser.parse_args()
+    import shutil
+
+    import torch
+
+    workdir = Path(args.workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    (workdir / "wrapper.py").write_text(WRAPPER)
+    rng = random.Random(args.seed)
+    kinds = args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        parser.error(f"--kinds: {unknown[0]} is none of {', '.join(KINDS)}")
+    at = sorted(rng.sample(range(args.ckpt_every + 1, args.steps), min(args.faults, args.steps - args.ckpt_every - 1)))
+    schedule = [(step, rng.choice(kinds)) for step in at]
+
+    started = time.monotonic()
+    straight = Job(workdir, "straight", args)
+    straight.launch()
+    straight.finish(args.timeout_s * args.steps)
+    straight_s = time.monotonic() - started
+
+    chaos, faults = Job(workdir, "chaos", args), []
+    started = time.monotonic()
+    chaos.launch()
+    for step, kind in schedule:
+        if chaos.process.poll() is not None or chaos.steps()[-1:] == [args.steps]:
+            print(f"the run ended before step {step}'s {kind}", flush=True)
+            break
+        chaos.wait_for_step(step, args.timeout_s)
+        resumes, logged, at_fault = len(chaos.resumes()), chaos.steps()[-1], time.monotonic()
+        what = inject(chaos, kind, rng, args.timeout_s)
+        if what.startswith("no "):  # nothing to strike (no loader process at that moment)
+            faults.append({"step": logged, "kind": kind, "done": what})
+            continue
+        resumed = chaos.wait_for_resume(resumes, args.timeout_s)
+        # the next step after the resume (none where it resumed at the last: a stop there checkpointed the end)
+        back = chaos.wait_for_step(resumed + 1, args.timeout_s) if resumed < args.steps else time.monotonic()
+        # the steps done again: those after the checkpoint it resumed from; a checkpoint interval, and another where the
+        # newest checkpoint was still being written (asynchronous) or was cut, and one more may have ended as it struck
+        allowed = args.ckpt_every * (3 if kind == "corrupt-newest" else 2) + 1
+        faults.append({"step": logged, "kind": kind, "done": what, "resumed_at": resumed, "redone": logged - resumed,
+                       "redone_at_most": allowed, "seconds_to_next_step": round(back - at_fault, 2)})
+        print(f"step {logged}: {kind}: {what}; resumed at step {resumed}, its next step {back - at_fault:.1f} s "
+              "after the fault", flush=True)
+    status = chaos.finish(args.timeout_s * args.steps)
+    chaos_s = time.monotonic() - started
+
+    final = torch.load(chaos.run_dir / "checkpoints" / "last.pt", weights_only=True)
+    reference = torch.load(straight.run_dir / "checkpoints" / "last.pt", weights_only=True)
+    differences = compare(final, reference)
+    logged = chaos.steps()
+    left = leftovers("chaos") + leftovers("straight")
+    checks = {
+        "exit status 0": status == 0,
+        "final step": final["step"] == reference["step"] == args.steps,
+        "weights and optimizer state bitwise the same": not differences,
+        "every step logged once": logged == list(range(1, args.steps + 1)),
+        "no process left": not left,
+        "no lock left": not (chaos.run_dir / ".lock").exists(),
+        "each fault's steps redone within its checkpoint interval": all(f["redone"] <= f["redone_at_most"]
+                                                                         for f in faults if "redone" in f),
+    }
+    result = {"ranks": args.ranks, "steps": args.steps, "ckpt_every": args.ckpt_every, "seed": args.seed,
+              "faults": faults, "launches": chaos.launches, "straight_s": round(straight_s, 1),
+              "chaos_s": round(chaos_s, 1), "differences": differences[:10], "leftover_pids": left, "checks": checks}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    for name, held in checks.items():
+        print(f"{'ok  ' if held else 'FAIL'} {name}", flush=True)
+    print(f"{len(faults)} faults, {chaos.launches} launches: {chaos_s:.0f} s against {straight_s:.0f} s without",
+          flush=True)
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
