@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -228,8 +229,6 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/chaos")
     parser.add_argument("--out", default="chaos.json")
     args = parser.parse_args()
-    import shutil
-
     import torch
 
     workdir = Path(args.workdir)

@@ -179,6 +179,7 @@ class Trainer:
             log.warning(warning)
         self.parts: RunParts | None = None
         self.metrics: StepLog | None = None
+        self.checkpointer: Checkpointer | None = None
         try:
             self._build()
         except BaseException as error:  # a failed start leaves no workers, spill file or lock behind
@@ -420,7 +421,7 @@ class Trainer:
         directory's lock), also after an error; put the signal handlers back."""
         self.stops.restore()
         try:  # a checkpoint still being written is finished, also after an error
-            if getattr(self, "checkpointer", None) is not None:
+            if self.checkpointer is not None:
                 self.checkpointer.close()
         except Exception:  # noqa: BLE001 - the run's own error, if any, is the one to raise
             log.exception("the checkpoint being written when the run ended could not be written")
