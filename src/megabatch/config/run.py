@@ -122,6 +122,7 @@ class DataTrainSettings:
     negatives: int
     teacher_key: str | None
     augment: AugmentSettings
+    image_features_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ class DataSettings:
                 shuffle_buffer=int(train.shuffle_buffer), streams=int(train.streams), text_key=_strings(train.text_key),
                 text_probs=_numbers(train.text_probs), negatives_key=train.negatives_key,
                 negatives=int(train.negatives), teacher_key=train.get("teacher_key"),
-                augment=AugmentSettings(_numbers(train.augment.scale), _numbers(train.augment.ratio))))
+                augment=AugmentSettings(_numbers(train.augment.scale), _numbers(train.augment.ratio)),
+                image_features_key=train.get("image_features_key")))
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ class DataTrainConfig:
     negatives_key: str | None = MISSING    # hard negatives: a JSON list (json:negatives) or a file of lines
     negatives: int = MISSING               # hard negatives per sample
     teacher_key: str | None = None         # distill.teacher=stored: each sample's stored teacher embeddings
+    image_features_key: str | None = None  # model.image_features=stored: each sample's stored image features
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -223,6 +224,7 @@ def validate(cfg: DictConfig) -> DictConfig:
                           "optim=timm optim.name=lamb)")
     check_ema(cfg.get("ema"), cfg.eval, cfg.trainer)
     check_distill(cfg.get("distill"), cfg.loss, cfg.data.train)
+    check_image_features(cfg)
     check_schedule(cfg.sched)
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"), steps_per_epoch=1)
     check_loss(cfg.loss, cfg.trainer.device)
@@ -670,6 +672,41 @@ def check_distill(distill: DictConfig | None, loss: DictConfig, train: DictConfi
                           "stored embeddings carry: without it every pair's target is ~1")
 
 
+def check_image_features(cfg: DictConfig) -> None:
+    """``model.image_features=stored`` (LiT from stored features) with ``data.train.image_features_key``, and only
+    where no part of the run needs the images themselves: a locked image tower (its trained layers, a CoCa's
+    decoder and an online teacher read pixels), nothing to decode on the GPU."""
+    mode = cfg.model.get("image_features", "tower")
+    key = cfg.data.train.get("image_features_key")
+    if mode not in ("tower", "stored"):
+        raise ConfigError(f"model.image_features={mode!r}: give tower (the image tower encodes each image) or stored "
+                          "(its features read from the shards, data.train.image_features_key; a locked tower)")
+    if mode == "tower":
+        if key:
+            raise ConfigError(f"data.train.image_features_key={key} is read only with model.image_features=stored: set "
+                              "model.image_features=stored, or data.train.image_features_key=null")
+        return
+    if not key:
+        raise ConfigError("model.image_features=stored reads each sample's image features from the shards: set "
+                          "data.train.image_features_key (e.g. image.npy, as scripts/make_shards.py image-features "
+                          "writes it)")
+    if not cfg.model.get("lock_image", False) or int(cfg.model.image.get("unlocked_layers", 0) or 0) > 0:
+        raise ConfigError("model.image_features=stored stands for a locked image tower's features: set "
+                          "model.lock_image=true (and model.image.unlocked_layers=0), or model.image_features=tower")
+    if loss_weights(cfg.loss)[0] > 0:
+        raise ConfigError(f"loss.caption_weight={loss_weights(cfg.loss)[0]} with model.image_features=stored: the "
+                          "caption decoder reads the image tower's tokens, which stored features do not keep; set "
+                          "loss.caption_weight=0 or model.image_features=tower")
+    teacher = (cfg.get("distill") or {}).get("teacher")
+    if teacher is not None and teacher != "stored":
+        raise ConfigError(f"distill.teacher={teacher} with model.image_features=stored: an online teacher encodes the "
+                          "images, which a run on stored features never reads; store the teacher's embeddings too "
+                          "(scripts/make_shards.py teacher, distill.teacher=stored) or set model.image_features=tower")
+    if cfg.data.get("decode") == "gpu":
+        raise ConfigError("data.decode=gpu with model.image_features=stored: no image is decoded (each sample's "
+                          "stored features are read instead); set data.decode=auto")
+
+
 def check_schedule(sched: DictConfig) -> None:
     """The numbers a schedule option may take (options differ in which keys they have)."""
     for key in ("warmup_steps", "decay_steps"):
@@ -763,6 +800,7 @@ class ModelSettings:
     patch_gemm: bool = False
     gelu: str = "erf"             # erf | tanh
     fp8: bool = False
+    image_features: str = "tower"  # tower | stored (data.train.image_features_key)
 
 
 def model_settings(model: DictConfig) -> ModelSettings:

@@ -237,7 +237,8 @@ class IndexedBatches(PositionSplitBatches):
         if raw is None:
             return None
         self.stats.got_sample()
-        pair = decode_pair(raw, self.stats, self.decoder.decode, self.decoder.captions, position)
+        pair = decode_pair(raw, self.stats, self.decoder.decode, self.decoder.captions, position,
+                           self.decoder.image_keys)
         if pair is None:
             return None
         image_bytes, image, caption = pair

@@ -123,7 +123,8 @@ class PositionSplitBatches(IterableDataset):
                 mine = chunk if (chunk - first_chunk) % num_workers == worker else None
             if mine is None and not waiting:
                 continue
-            pair = decode_pair(raw, self.stats, self.decoder.decode, self.decoder.captions, position)
+            pair = decode_pair(raw, self.stats, self.decoder.decode, self.decoder.captions, position,
+                                   self.decoder.image_keys)
             if pair is None:
                 for chunk in waiting + ([mine] if mine is not None else []):
                     wanted.setdefault(position + global_batch, []).append(chunk)

@@ -21,6 +21,7 @@ except ImportError:  # a torchvision without image decoding (deprecated since 0.
     decode_image = None
 
 from .captions import CaptionKeys
+from .image_features import ImageFeatureSpec
 from .transforms import crop_box, resized_crop, seeded
 
 log = logging.getLogger(__name__)
@@ -198,11 +199,12 @@ def decode_rgb(image_bytes: bytes | None) -> torch.Tensor:
 
 
 def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, captions: CaptionKeys = TXT,
-                position: int = 0) -> tuple[bytes, object, str] | None:
+                position: int = 0, image_keys: tuple[str, ...] = IMAGE_KEYS) -> tuple[bytes, object, str] | None:
     """(image bytes, ``decode(bytes)``, caption) from a raw sample, or ``None`` (counted) when
     unusable. Evaluation decodes to PIL (its transforms are the reference evaluator's); training to
     uint8 tensors (``decode_rgb``). ``captions``: which caption (``data.train.text_key``; the draw among
-    several seeded by the sample's ``position``)."""
+    several seeded by the sample's ``position``). ``image_keys``: the members that hold the image, the first
+    present taken (``model.image_features=stored``: the stored features' member, ``decode`` its reader)."""
     caption = captions.pick(sample, position)
     if caption is None:
         stats.missing_caption += 1
@@ -229,7 +231,7 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, capti
             return None
     if negatives is not None or teacher is not None:
         caption = Texts(caption, negatives, teacher)
-    image_bytes = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+    image_bytes = next((sample[k] for k in image_keys if k in sample), None)
     try:
         image = decode(image_bytes)
     except Exception as error:  # noqa: BLE001 - any decoder failure means a corrupt sample
@@ -304,12 +306,20 @@ class SampleDecoder:
 
     ``gpu``: ``data.decode=gpu``: ``decode`` reads only JPEG headers (``probe_jpeg``) and a JPEG's
     sample becomes its crop box; ``collate`` then makes a ``JpegBatch`` whose pixels the GPU makes
-    (``data/gpu_decode.py``) with the same box, drawn here from the same seed."""
+    (``data/gpu_decode.py``) with the same box, drawn here from the same seed.
 
-    def __init__(self, transform: Callable, seed: int, epoch: int, gpu: bool = False,
+    ``transform`` an ``ImageFeatureSpec`` (``model.image_features=stored``): a sample's "image" is its
+    stored features (``[width]``, read from the spec's member), taken as they are: nothing is decoded or
+    augmented, and a sub-batch's images are ``[n, width]``."""
+
+    def __init__(self, transform, seed: int, epoch: int, gpu: bool = False,
                  captions: CaptionKeys | None = None):
         self.transform, self.seed, self.epoch = transform, seed, epoch
         self.decode = probe_jpeg if gpu else decode_rgb
+        self.image_keys = IMAGE_KEYS
+        self.stored = isinstance(transform, ImageFeatureSpec)
+        if self.stored:
+            self.decode, self.image_keys = transform.decode, (transform.key,)
         # data.train.text_key: which caption, drawn with (seed, epoch, position) as the augmentation is
         self.captions = (captions or TXT).for_epoch(seed, epoch)
 
@@ -324,7 +334,10 @@ class SampleDecoder:
 
     def __call__(self, image: torch.Tensor | bytes | JpegHeader, position: int):
         """The uint8 ``[3, s, s]`` crop of ``image`` (bytes are decoded first); a ``JpegHeader``
-        gives its box instead (the GPU cuts it), followed by the header (``JpegBatch.boxes``'s row)."""
+        gives its box instead (the GPU cuts it), followed by the header (``JpegBatch.boxes``'s row).
+        Stored features: ``image`` as it is."""
+        if self.stored:
+            return image
         if isinstance(image, JpegHeader):
             return (*self.box(image.height, image.width, position), image.height, image.width, int(image.hardware))
         if isinstance(image, bytes):

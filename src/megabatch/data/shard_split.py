@@ -99,7 +99,8 @@ class ShardBatches(PositionSplitBatches):
             if borrowed_urls and raw.get("__url__") in borrowed_urls:
                 self.stats.padded += 1  # borrowed from another slot's shards: this slot's ran short
             position = index * slots + slot  # unique within the epoch: seeds the augmentation
-            pair = decode_pair(raw, self.stats, self.decoder.decode, self.decoder.captions, position)
+            pair = decode_pair(raw, self.stats, self.decoder.decode, self.decoder.captions, position,
+                                   self.decoder.image_keys)
             if pair is None:
                 continue
             image_bytes, image, caption = pair

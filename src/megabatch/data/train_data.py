@@ -12,6 +12,7 @@ from ..config.run import DataSettings
 from ..distributed.once import on_rank_zero
 from .captions import CaptionKeys
 from .digits import ensure_digits
+from .image_features import ImageFeatureSpec
 from .indexed_split import EpochOrder, IndexedBatches, IndexScan
 from .position_split import PositionSplitBatches, make_loader
 from .shard_split import ShardBatches, slot_quota
@@ -76,10 +77,14 @@ class TrainData:
         if self.num_samples is None:
             self.num_samples = sum(self.sizes)
         augment = cfg.train.augment
-        self.transform = train_transform(preprocess["size"], preprocess["interpolation"], scale=list(augment.scale),
-                                         ratio=list(augment.ratio))
+        # model.image_features=stored: each sample's stored features stand for its image (read, not decoded)
+        self.image_features = self._stored_spec(cfg.train.image_features_key, ImageFeatureSpec,
+                                                "data.train.image_features_key", "image features")
+        self.transform = self.image_features or train_transform(
+            preprocess["size"], preprocess["interpolation"], scale=list(augment.scale), ratio=list(augment.ratio))
         text_key = cfg.train.text_key
-        self.teacher = self._teacher_spec(cfg.train.teacher_key)
+        self.teacher = self._stored_spec(cfg.train.teacher_key, TeacherSpec, "data.train.teacher_key",
+                                         "teacher embeddings")
         self.captions = CaptionKeys(text_key if isinstance(text_key, str) else list(text_key),
                                     None if cfg.train.text_probs is None else list(cfg.train.text_probs),
                                     negatives_key=cfg.train.negatives_key, negatives=cfg.train.negatives,
@@ -95,20 +100,22 @@ class TrainData:
             if self.mode != "resampled":
                 log.warning("data.train.weights has no effect in epoch mode (use mode=resampled)")
 
-    def _teacher_spec(self, key: str | None) -> TeacherSpec | None:
-        """``data.train.teacher_key``'s stored embeddings, described by the ``teacher.json`` beside every
-        source's shards (the same for all of them)."""
+    def _stored_spec(self, key: str | None, kind, setting: str, what: str):
+        """``data.train.teacher_key``'s stored embeddings (``kind`` ``TeacherSpec``) or
+        ``data.train.image_features_key``'s stored image features (``ImageFeatureSpec``), described by the JSON file
+        beside every source's shards (the same for all of them); ``None`` without ``key``."""
         if not key:
             return None
         specs = []
         for source in self.sources:
             if is_remote(source[0]):
-                raise ConfigError(f"data.train.teacher_key={key}: {source[0]} is a stream; stored teacher embeddings "
-                                  "are read with local or mounted shards, their teacher.json beside them")
-            specs.append(TeacherSpec.load(Path(source[0]).expanduser().parent, key))
+                raise ConfigError(f"{setting}={key}: {source[0]} is a stream; stored {what} are read with local or "
+                                  "mounted shards, the file that describes them beside them")
+            specs.append(kind.load(Path(source[0]).expanduser().parent, key))
         if any(spec != specs[0] for spec in specs):
-            raise ConfigError(f"data.train.teacher_key={key}: the sources' teacher.json files differ (other teachers "
-                              "or widths): give shards whose embeddings come from the same teacher(s)")
+            raise ConfigError(f"{setting}={key}: the sources' descriptions of their stored {what} differ (written by "
+                              "other models, or of other widths): give shards whose stored " + what + " come from "
+                              "the same model(s)")
         return specs[0]
 
     @property

@@ -40,6 +40,10 @@ class ClipModel(nn.Module):
     [b, e], scale [], bias)`` with ``scale = logit_scale.exp()`` and ``bias`` the learnable logit
     bias [] of a sigmoid-loss model (``init_logit_bias``), else ``None``. Both towers live in one
     module so that one DDP wrapper synchronises them together.
+
+    ``images`` may also be ``[b, e]``: the locked image tower's own features of the images, stored
+    (``model.image_features=stored``, ``data/image_features.py``), taken for its output (normalised again in
+    float32) without running it; a tower that trains refuses them.
     """
 
     def __init__(self, clip: CLIP | CustomTextCLIP, name: str, model_cfg: dict[str, Any],
@@ -54,6 +58,7 @@ class ClipModel(nn.Module):
         self._cuda_graphs = False                 # compile_towers(cuda_graphs=True): replayed as CUDA graphs
         self._compiled_caption: dict | None = None  # compile_towers() of a CoCa: caption_forward's three graphs
         self.text_trim: TextTrim | None = None    # trim_text(): how captions are cut to their length
+        self.stored_image_features = False        # model.image_features=stored: training feeds features, not images
 
     @property
     def preprocess(self) -> dict[str, Any]:
@@ -69,9 +74,11 @@ class ClipModel(nn.Module):
     def example_inputs(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` uint8 images of the model's size and token ids (all ones): inputs of the right
         shapes for a FLOP count, a memory probe or a compile warm-up."""
+        texts = torch.ones((rows, self.context_length), dtype=torch.long, device=device)
+        if self.stored_image_features:  # what training feeds the image tower: its stored features, float16
+            return torch.ones((rows, int(self.model_cfg["embed_dim"])), dtype=torch.float16, device=device), texts
         size = (self.image_size,) * 2 if isinstance(self.image_size, int) else tuple(self.image_size)
-        return (torch.zeros((rows, 3, *size), dtype=torch.uint8, device=device),
-                torch.ones((rows, self.context_length), dtype=torch.long, device=device))
+        return torch.zeros((rows, 3, *size), dtype=torch.uint8, device=device), texts
 
     @property
     def context_length(self) -> int:
@@ -127,7 +134,26 @@ class ClipModel(nn.Module):
         with torch.no_grad() if self.frozen("text") else contextlib.nullcontext():
             return self._text_features(texts)
 
+    def use_stored_image_features(self) -> None:
+        """``model.image_features=stored``: training feeds this model its locked image tower's stored features
+        (``example_inputs`` gives such inputs); evaluation still feeds images, which the tower encodes."""
+        if not self.frozen("image"):
+            raise ConfigError(f"model.image_features=stored: model {self.name}'s image tower has trainable weights, "
+                              "and stored features stand for a locked tower's output; set model.lock_image=true with "
+                              "model.image.unlocked_layers=0")
+        self.stored_image_features = True
+
+    def _stored_features(self, features: torch.Tensor) -> torch.Tensor:
+        """``[n, e]`` stored image features as the tower's output: float32, L2-normalised again (as stored in
+        float16 they are normalised to ~1e-3); no autograd: they belong to a locked tower."""
+        if not self.frozen("image"):
+            raise ValueError("image features given for images, but the image tower trains: stored features stand "
+                             "for a locked tower's output (model.image_features=stored)")
+        return nn.functional.normalize(features.float(), dim=-1)
+
     def _image_features(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dim() == 2:
+            return self._stored_features(images)
         images = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
         return nn.functional.normalize(self.clip.encode_image(images), dim=-1)
 
@@ -166,6 +192,8 @@ class ClipModel(nn.Module):
         of one inside ``forward`` left the root's weights resharded at its end (the hooks' state IDLE by
         then): gathered again for every pass of a step (11 gathers of the root in a tiny model's GradCache
         step, against 1)."""
+        if tower == "image" and inputs.dim() == 2:  # stored features: nothing to run, nothing to compile
+            return self._stored_features(inputs)
         encode = self._compiled[tower] if self._compiled is not None else \
             self._image_features if tower == "image" else self._text_features
         with torch.no_grad() if self.frozen(tower) else contextlib.nullcontext():
@@ -612,6 +640,8 @@ def build_model(node) -> ClipModel:
             raise error.__cause__ from None
         raise
     settings = model_settings(node)  # a stored config's absent keys: as before the key existed
+    if settings.image_features == "stored":
+        model.use_stored_image_features()
     if settings.direct_attention:
         use_direct_attention(model, settings.attention)
     if settings.patch_gemm:

@@ -91,8 +91,9 @@ class RunParts:
         with phase("data"):
             data = TrainData(settings.data, tokenize, model.preprocess, settings.seed, show_progress=env.rank == 0,
                              worker_start=resolve_worker_start(settings.data, env.device.type))
+            check_stored_image_features(model, data, env)
             precision = precision_of(settings, env)
-            gpu_decoder, ahead = build_gpu_decoder(settings.data, env)
+            gpu_decoder, ahead = build_gpu_decoder(settings.data, env) if data.image_features is None else (None, 0.0)
         with phase("flop count"):  # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
             flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(settings, env), env.device)), \
                 gpu_peak(env.device)
@@ -150,6 +151,21 @@ def build_model_for(cfg: DictConfig, settings: RunSettings, env: DistEnv) -> Cli
     transformers loads in eval mode, trains with its dropout on."""
     torch.manual_seed(settings.seed)
     return build_model(cfg.model).to(env.device).train()
+
+
+def check_stored_image_features(model: ClipModel, data: TrainData, env: DistEnv) -> None:
+    """``model.image_features=stored``: the features ``data`` reads must be this model's locked image tower's
+    (``ImageFeatureSpec.check``: its weights, width and preprocessing); said once where they are."""
+    spec = data.image_features
+    if spec is None:
+        return
+    folder = os.path.dirname(data.urls[0]) or "."
+    spec.check(model, folder)
+    if env.rank == 0:
+        log.info("model.image_features=stored: the locked image tower %s is not run in training; each sample's "
+                 "stored features (%s, width %d, the centre crop at %dx%d px: no augmentation) are read from the "
+                 "shards in %s instead. Evaluation encodes images with the tower", model.name, spec.key, spec.width,
+                 *spec.size, folder)
 
 
 def prepare_model(cfg: DictConfig, settings: RunSettings, model: ClipModel, env: DistEnv, precision: Precision,

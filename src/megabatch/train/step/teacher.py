@@ -4,16 +4,13 @@ GradCache's first pass (never replayed), its features handed to the loss (``loss
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from ...config import ConfigError
 from ...config.run import DistillSettings
@@ -186,34 +183,19 @@ def build_teacher(distill: DistillSettings, student: ClipModel, device: torch.de
     return Teacher(model, scale, device, compile, shard)
 
 
-def _teacher_images(images: list[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:
-    """uint8 ``[3, h, w]`` images as the teacher's ``[n, 3, *size]``: the shorter side resized to the size
-    (bicubic, antialiased), then the centre cropped (open_clip's evaluation preprocessing, on uint8);
-    an image of the size already is taken as it is."""
-    from torchvision.transforms.v2 import functional as TF
-
-    out = []
-    for image in images:
-        if tuple(image.shape[-2:]) != size:
-            image = TF.center_crop(TF.resize(image, min(size), interpolation=TF.InterpolationMode.BICUBIC,
-                                             antialias=True), list(size))
-        out.append(image)
-    return torch.stack(out)
-
-
 def write_teacher_shards(urls: list[str], out: Path, teachers: list[tuple[str, Teacher]], *, key: str = "teacher.npy",
                          caption_key: str = "txt", batch: int = 256, dtype=np.float16, rank: int = 0,
-                         world: int = 1, show_progress: bool = True) -> list[Path]:
+                         world: int = 1, show_progress: bool = True, workers: int = 8) -> list[Path]:
     """Copies of the shards ``urls`` in ``out`` with each sample's teacher embeddings added as member ``key``
     (``[members, 2, width]``: its image's and its caption's, per teacher), and ``teacher.json`` (rank 0)
     and ``sizes.json`` (copied from the shards' own, when there). Rank ``rank`` of ``world`` writes every
-    ``world``-th shard; a shard already in ``out`` is skipped (each is written to a temporary name and
-    renamed when whole: an interrupted run resumes). A sample without an image or a caption is copied
-    without embeddings (a run skips and counts it). Returns the shards this rank wrote."""
-    import tarfile
-
-    from ...data.samples import IMAGE_KEYS, decode_rgb
-    from ...data.teacher_store import SPEC_NAME, TeacherSpec, encode_embeddings
+    ``world``-th shard (``data/embedding_writer.py``: ``workers`` loader workers decode, the teachers encode
+    ``batch`` images at a time; a shard already in ``out`` is skipped, so an interrupted run resumes). A sample
+    without an image or a caption is copied without embeddings (a run skips and counts it). The images are cut
+    to the largest teacher's size (a smaller one resizes them on the device). Returns the shards this rank
+    wrote."""
+    from ...data.embedding_writer import write_embedded_shards
+    from ...data.teacher_store import SPEC_NAME, TeacherSpec
 
     widths = {teacher.width for _, teacher in teachers}
     if len(widths) != 1:
@@ -228,56 +210,59 @@ def write_teacher_shards(urls: list[str], out: Path, teachers: list[tuple[str, T
                           "these embeddings to another folder")
     if rank == 0:
         written_spec.write_text(spec.to_json(caption_key))
-        sizes = Path(urls[0]).parent / "sizes.json"
-        if sizes.is_file():
-            (out / "sizes.json").write_text(sizes.read_text())
-    tokenizers = [teacher.model.tokenizer() for _, teacher in teachers]  # built once, not per chunk
-    mine = [Path(url) for url in urls[rank::world]]
-    suffix = "." + key
-    written = []
-    progress = tqdm(total=len(mine), desc="teacher embeddings", unit="shard", disable=not show_progress)
-    for source in mine:
-        target = out / source.name
-        if target.exists():
-            progress.update(1)
-            continue
-        with tarfile.open(source) as tar:
-            members = [(m, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
-        samples: dict[str, dict[str, bytes]] = {}
-        for member, data in members:
-            name = member.name
-            sample_key, _, ext = name.partition(".")
-            samples.setdefault(sample_key, {})[ext] = data
-        usable = [k for k, sample in samples.items()
-                  if any(e in sample for e in IMAGE_KEYS) and caption_key in sample]
-        embeddings = {}
-        for start in range(0, len(usable), batch):
-            chunk = usable[start:start + batch]
-            images = [decode_rgb(next(samples[k][e] for e in IMAGE_KEYS if e in samples[k])) for k in chunk]
-            captions = [samples[k][caption_key].decode("utf-8").strip() for k in chunk]
-            per_teacher = []
-            for (_, teacher), tokenizer in zip(teachers, tokenizers, strict=True):
-                pixels = _teacher_images(images, teacher.size).to(teacher.device)
-                tokens = tokenizer(captions)
-                image_features, text_features = teacher(pixels, tokens, contextlib.nullcontext)
-                per_teacher.append(torch.stack([image_features.float(), text_features.float()], 1).cpu())
-            stacked = torch.stack(per_teacher, 1).numpy().astype(dtype)  # [n, members, 2, width]
-            embeddings.update(zip(chunk, stacked, strict=True))
-        partial = target.with_name(target.name + ".partial")
-        with tarfile.open(partial, "w") as tar:
-            def add(name: str, data: bytes) -> None:
-                info = tarfile.TarInfo(name)
-                info.size, info.mode, info.mtime = len(data), 0o644, 0
-                tar.addfile(info, io.BytesIO(data))
+        copy_sizes(urls, out)
 
-            for sample_key, sample in samples.items():
-                for ext, data in sample.items():
-                    if ext != key:
-                        add(f"{sample_key}.{ext}", data)
-                if sample_key in embeddings:
-                    add(sample_key + suffix, encode_embeddings(embeddings[sample_key]))
-        os.replace(partial, target)
-        written.append(target)
-        progress.update(1)
-    progress.close()
-    return written
+    def encode(images: torch.Tensor, tokens: list[torch.Tensor]) -> torch.Tensor:
+        per_teacher = []
+        for (_, teacher), ids in zip(teachers, tokens, strict=True):
+            image_features, text_features = teacher(images, ids, contextlib.nullcontext)
+            per_teacher.append(torch.stack([image_features.float(), text_features.float()], 1))
+        return torch.stack(per_teacher, 1)  # [n, members, 2, width]
+
+    size = max((teacher.size for _, teacher in teachers), key=lambda s: s[0] * s[1])
+    device = teachers[0][1].device
+    return write_embedded_shards([Path(url) for url in urls[rank::world]], out, key, encode, size=size, device=device,
+                                 batch=batch, workers=workers, caption_key=caption_key,
+                                 tokenizers=[teacher.model.tokenizer() for _, teacher in teachers], dtype=dtype,
+                                 show_progress=show_progress, desc="teacher embeddings")
+
+
+def write_image_feature_shards(urls: list[str], out: Path, model: ClipModel, device: torch.device, *,
+                               key: str = "image.npy", batch: int = 256, dtype=np.float16, rank: int = 0,
+                               world: int = 1, show_progress: bool = True, workers: int = 8,
+                               compile: bool = True) -> list[Path]:
+    """Copies of the shards ``urls`` in ``out`` with each sample's image features by ``model``'s image tower added
+    as member ``key`` (``[width]``, L2-normalised, of the image's centre crop at the tower's size), for
+    ``model.image_features=stored`` (``data/image_features.py``); ``image_features.json`` (rank 0: the tower's
+    fingerprint, taken before the weights are cast) and ``sizes.json`` (copied from the shards' own, when
+    there). Rank ``rank`` of ``world`` writes every ``world``-th shard; a shard already in ``out`` is skipped.
+    On CUDA the tower runs in bf16, compiled (``compile``). Returns the shards this rank wrote."""
+    from ...data.embedding_writer import write_embedded_shards
+    from ...data.image_features import SPEC_NAME, ImageFeatureSpec
+
+    spec = ImageFeatureSpec.of_model(model, key)
+    out.mkdir(parents=True, exist_ok=True)
+    written_spec = out / SPEC_NAME
+    if written_spec.exists() and ImageFeatureSpec.load(out, key) != spec:
+        raise ConfigError(f"{written_spec} describes another image tower's features ({written_spec.read_text().strip()}"
+                          "): write these to another folder")
+    if rank == 0:
+        written_spec.write_text(spec.to_json())
+        copy_sizes(urls, out)
+    tower = Teacher(model, 1.0, device, compile=compile)  # frozen, bf16 on CUDA, the image encoder compiled
+    dtype_in = next(tower.model.parameters()).dtype
+    mean, std = model.preprocess["mean"], model.preprocess["std"]
+
+    def encode(images: torch.Tensor, tokens: list[torch.Tensor]) -> torch.Tensor:
+        return tower.encode_image(normalize_images(images, mean, std).to(dtype_in)).float()
+
+    return write_embedded_shards([Path(url) for url in urls[rank::world]], out, key, encode, size=tower.size,
+                                 device=device, batch=batch, workers=workers, dtype=dtype,
+                                 show_progress=show_progress, desc="image features")
+
+
+def copy_sizes(urls: list[str], out: Path) -> None:
+    """The shards' ``sizes.json`` (their sample counts) copied beside their copies, when there."""
+    sizes = Path(urls[0]).parent / "sizes.json"
+    if sizes.is_file():
+        (out / "sizes.json").write_text(sizes.read_text())
