@@ -13,6 +13,10 @@ best settings at that batch; every step's samples/s, MFU, phases and peak memory
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 4k --steps 3 --warmup-steps 1 --timeout-s 150 \\
         --variant 'distill-vit-l14: distill.teacher=ViT-L-14 distill.compile=false' --openclip --openclip-distill \\
         ViT-L-14 --openclip-batch 2k,3k,4k --openclip-timeout-s 110 --out distill_peak_memory_vs_openclip.json
+    python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --arch ViT-B-16 --size 256 \
+        --stored-image-features --set data.decode=gpu model.compile=true trainer.sub_batch=auto model.lock_image=true \
+        --variant 'tower:' --variant 'stored: model.image_features=stored data.train.image_features_key=image.npy \
+        data.decode=auto' --out lit_stored_vs_tower.json
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --negatives 16 --variant 'plain:' \\
         --variant 'negatives-4: data.train.negatives_key=json:negatives data.train.negatives=4' --out negatives.json
 
@@ -96,11 +100,14 @@ class GpuMemory:
 
 
 def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives: int = 0,
-            stored_teacher: str | None = None) -> str:
+            stored_teacher: str | None = None, tower: tuple[str, Path] | None = None) -> str:
     """The shard pattern of an epoch of ``epoch_samples`` from ``images`` distinct JPEGs (with
     ``negatives`` more captions each in their JSON: ``data.train.negatives_key=json:negatives``; with
     ``stored_teacher``, an open_clip architecture with random weights, each sample's embeddings by it, as
-    ``scripts/make_shards.py teacher`` writes them: ``distill.teacher=stored data.train.teacher_key=teacher.npy``)."""
+    ``scripts/make_shards.py teacher`` writes them: ``distill.teacher=stored data.train.teacher_key=teacher.npy``;
+    with ``tower`` (an architecture and its weights file), each sample's image features by its image tower, as
+    ``scripts/make_shards.py image-features`` writes them: ``model.image_features=stored
+    data.train.image_features_key=image.npy``, the images kept for the tower's own runs)."""
     from megabatch.data.synthetic import photo_shards
 
     real_dir = workdir / ("distinct" if not negatives else f"distinct-negatives-{negatives}")
@@ -111,6 +118,8 @@ def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives
     sizes = json.loads((real_dir / "sizes.json").read_text())
     if stored_teacher:
         real = teacher_shards(real, real_dir.with_name(f"{real_dir.name}-teacher-{stored_teacher}"), stored_teacher)
+    if tower:
+        real = image_feature_shards(real, real_dir.with_name(f"{real_dir.name}-features-{tower[0]}"), *tower)
     count = -(-epoch_samples // per_shard)
     shutil.rmtree(listed, ignore_errors=True)
     listed.mkdir(parents=True)
@@ -123,6 +132,8 @@ def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives
     (listed / "sizes.json").write_text(json.dumps(listed_sizes))
     if stored_teacher:
         shutil.copy(real[0].parent / "teacher.json", listed / "teacher.json")
+    if tower:
+        shutil.copy(real[0].parent / "image_features.json", listed / "image_features.json")
     return str(listed / f"shard-{{000000..{count - 1:06d}}}.tar")
 
 
@@ -137,6 +148,33 @@ def teacher_shards(shards: list[Path], out: Path, arch: str) -> list[Path]:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = load_teacher_model(OmegaConf.create({"teacher": arch, "pretrained": None}))
         write_teacher_shards([str(s) for s in shards], out, [(arch, Teacher(model, 100.0, device))])
+    return [out / s.name for s in shards]
+
+
+def tower_weights(arch: str, workdir: Path) -> Path:
+    """A weights file of ``arch`` with random weights (seed 0), written once: the locked tower of
+    ``--stored-image-features``'s runs (``model.pretrained``) and of the features the shards store."""
+    import open_clip
+    import torch
+
+    path = workdir / f"tower-{arch}.pt"
+    if not path.exists():
+        torch.manual_seed(0)
+        torch.save(open_clip.create_model(arch).state_dict(), path)
+    return path
+
+
+def image_feature_shards(shards: list[Path], out: Path, arch: str, weights: Path) -> list[Path]:
+    """``shards`` copied into ``out`` with the image features of ``arch``'s tower with ``weights``, once."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from megabatch.train.step.teacher import load_teacher_model, write_image_feature_shards
+
+    if not (out / "image_features.json").exists() or len(list(out.glob("photo-*.tar"))) < len(shards):
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_teacher_model(OmegaConf.create({"teacher": arch, "pretrained": str(weights)}))
+        write_image_feature_shards([str(s) for s in shards], out, model, device)
     return [out / s.name for s in shards]
 
 
@@ -217,7 +255,8 @@ def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str],
     row = {"system": "megabatch", "gpus": gpus, "batch": batch, "overrides": overrides, "command": " ".join(command),
            "returncode": code, "wall_s": round(time.perf_counter() - start, 1),
            "gflop_per_sample": float(flops[1]) if flops else None, "gpu_peak_tflops": float(peak[1]) if peak else None,
-           "steps": [{"step": r.get("step"), "samples_per_s": r["samples_per_s"], "mfu": r.get("mfu"),
+           "steps": [{"step": r.get("step"), "loss": r.get("loss"), "samples_per_s": r["samples_per_s"],
+                      "mfu": r.get("mfu"),
                       "peak_gpu_gb": r.get("peak_gpu_gb"), "data_wait": r.get("data_wait"),
                       "phases_s": {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("time/")},
                       "decode_waits_s": {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("data_wait_s/")}}
@@ -319,6 +358,10 @@ def main() -> None:
     parser.add_argument("--stored-teacher", default=None,
                         help="an open_clip architecture whose embeddings (random weights) the shards carry, for "
                              "distill.teacher=stored data.train.teacher_key=teacher.npy")
+    parser.add_argument("--stored-image-features", action="store_true",
+                        help="the shards also carry the image features of --arch's tower (random weights, written "
+                             "once to a file every run loads: model.pretrained), for model.image_features=stored "
+                             "data.train.image_features_key=image.npy (with model.lock_image=true)")
     parser.add_argument("--negatives", type=int, default=0,
                         help="more captions a sample in the JSON (data.train.negatives_key=json:negatives)")
     parser.add_argument("--set", nargs="*", default=["data.decode=gpu", "model.compile=true", "trainer.sub_batch=auto"],
@@ -367,9 +410,12 @@ def measure(args: argparse.Namespace) -> None:
     from megabatch.config import parse_count
 
     workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tower = (args.arch, tower_weights(args.arch, workdir)) if args.stored_image_features else None
     urls = None if args.openclip_only else dataset(args.images, args.size, args.epoch_samples, workdir, args.negatives,
-                                                   args.stored_teacher)
-    model = [f"model={args.model}", *([f"model.arch={args.arch}"] if args.model == "openclip" else [])]
+                                                   args.stored_teacher, tower)
+    model = [f"model={args.model}", *([f"model.arch={args.arch}"] if args.model == "openclip" else []),
+             *([f"model.pretrained={tower[1]}"] if tower else [])]
     common = [*model, f"loss={args.loss}", f"data.num_workers={args.workers}", *args.set]
     variants = [(name.strip(), rest.split()) for name, _, rest in (v.partition(":") for v in args.variant)] \
         or [(None, [])]

@@ -212,19 +212,25 @@ def write_teacher_shards(urls: list[str], out: Path, teachers: list[tuple[str, T
         written_spec.write_text(spec.to_json(caption_key))
         copy_sizes(urls, out)
 
-    def encode(images: torch.Tensor, tokens: list[torch.Tensor]) -> torch.Tensor:
-        per_teacher = []
-        for (_, teacher), ids in zip(teachers, tokens, strict=True):
-            image_features, text_features = teacher(images, ids, contextlib.nullcontext)
-            per_teacher.append(torch.stack([image_features.float(), text_features.float()], 1))
-        return torch.stack(per_teacher, 1)  # [n, members, 2, width]
-
-    size = max((teacher.size for _, teacher in teachers), key=lambda s: s[0] * s[1])
-    device = teachers[0][1].device
-    return write_embedded_shards([Path(url) for url in urls[rank::world]], out, key, encode, size=size, device=device,
-                                 batch=batch, workers=workers, caption_key=caption_key,
+    encode, size = teacher_encoder([teacher for _, teacher in teachers])
+    return write_embedded_shards([Path(url) for url in urls[rank::world]], out, key, encode, size=size,
+                                 device=teachers[0][1].device, batch=batch, workers=workers, caption_key=caption_key,
                                  tokenizers=[teacher.model.tokenizer() for _, teacher in teachers], dtype=dtype,
                                  show_progress=show_progress, desc="teacher embeddings")
+
+
+def teacher_encoder(teachers: list[Teacher]):
+    """``(encode, size)``: ``encode(images, tokens)`` gives the teachers' embeddings ``[n, members, 2, width]`` of
+    uint8 images of ``size`` (the largest teacher's; a smaller one resizes them on the device) and each teacher's
+    token ids of their captions."""
+    def encode(images: torch.Tensor, tokens: list[torch.Tensor]) -> torch.Tensor:
+        per_teacher = []
+        for teacher, ids in zip(teachers, tokens, strict=True):
+            image_features, text_features = teacher(images, ids, contextlib.nullcontext)
+            per_teacher.append(torch.stack([image_features.float(), text_features.float()], 1))
+        return torch.stack(per_teacher, 1)
+
+    return encode, max((teacher.size for teacher in teachers), key=lambda s: s[0] * s[1])
 
 
 def write_image_feature_shards(urls: list[str], out: Path, model: ClipModel, device: torch.device, *,
@@ -249,16 +255,23 @@ def write_image_feature_shards(urls: list[str], out: Path, model: ClipModel, dev
     if rank == 0:
         written_spec.write_text(spec.to_json())
         copy_sizes(urls, out)
-    tower = Teacher(model, 1.0, device, compile=compile)  # frozen, bf16 on CUDA, the image encoder compiled
-    dtype_in = next(tower.model.parameters()).dtype
-    mean, std = model.preprocess["mean"], model.preprocess["std"]
-
-    def encode(images: torch.Tensor, tokens: list[torch.Tensor]) -> torch.Tensor:
-        return tower.encode_image(normalize_images(images, mean, std).to(dtype_in)).float()
-
-    return write_embedded_shards([Path(url) for url in urls[rank::world]], out, key, encode, size=tower.size,
+    encode, size = image_encoder(Teacher(model, 1.0, device, compile=compile))
+    return write_embedded_shards([Path(url) for url in urls[rank::world]], out, key, encode, size=size,
                                  device=device, batch=batch, workers=workers, dtype=dtype,
                                  show_progress=show_progress, desc="image features")
+
+
+def image_encoder(tower: Teacher):
+    """``(encode, size)``: ``encode(images, tokens)`` gives ``tower``'s (a frozen model: bf16 on CUDA, compiled
+    where asked) L2-normalised image features ``[n, width]`` of uint8 images of ``size`` (its own), normalised
+    with its mean and std; the tokens are not read."""
+    dtype = next(tower.model.parameters()).dtype
+    mean, std = tower.model.preprocess["mean"], tower.model.preprocess["std"]
+
+    def encode(images: torch.Tensor, tokens: list[torch.Tensor]) -> torch.Tensor:
+        return tower.encode_image(normalize_images(images, mean, std).to(dtype)).float()
+
+    return encode, tower.size
 
 
 def copy_sizes(urls: list[str], out: Path) -> None:

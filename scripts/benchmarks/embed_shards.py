@@ -1,0 +1,154 @@
+"""Writing embeddings into shards (``scripts/make_shards.py image-features`` and ``teacher``): images a second
+on JPEG shards, side by side in one run with the way they were written before (the decoding in the main process,
+an eager forward: ``--workers 0 --no-compile``) and with the model's own forward alone on images already on the
+GPU (the ceiling: what the GPU does without any data), each with its TFLOP/s and share of the GPU's bf16 peak.
+
+    python scripts/benchmarks/embed_shards.py --arch ViT-L-14 --shards 96 --out embed_shards_vit_l14_h200.json
+
+Writes ``--shards`` shards of ``--per-shard`` distinct photo-like JPEGs (``--size`` px, in processes, once);
+each measured write goes to a new folder (nothing skipped), after a warm-up write of one shard that compiles the
+forward (``--compile``: its seconds reported apart). Random weights: the timing is the weights'."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def make_shard(folder: str, index: int, per_shard: int, size: int) -> tuple[str, int]:
+    """Shard ``index`` of distinct photos (seeded by its index), as ``photo-<index>.tar``."""
+    from megabatch.data.shard_writer import write_shards
+    from megabatch.data.synthetic import photos
+
+    scratch = Path(folder) / f".part-{index}"
+    paths = write_shards(photos(per_shard, size, seed=index), scratch, "photo", per_shard)
+    target = Path(folder) / f"photo-{index:06d}.tar"
+    os.replace(paths[0], target)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return target.name, per_shard
+
+
+def shards(folder: Path, count: int, per_shard: int, size: int) -> list[str]:
+    """``count`` shards in ``folder`` with ``sizes.json``, written in processes (kept for the next run)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [f"photo-{index:06d}.tar" for index in range(count)]
+    missing = [index for index, name in enumerate(names) if not (folder / name).exists()]
+    if missing:
+        with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+            list(pool.map(make_shard, [str(folder)] * len(missing), missing, [per_shard] * len(missing),
+                          [size] * len(missing)))
+    (folder / "sizes.json").write_text(json.dumps({name: per_shard for name in names}))
+    return [str(folder / name) for name in names]
+
+
+def ceiling(encode, size: tuple[int, int], batch: int, device: torch.device, context: int, repeat: int) -> float:
+    """Images a second of ``encode`` alone on one batch already on the device (after one call)."""
+    images = torch.randint(0, 255, (batch, 3, *size), dtype=torch.uint8, device=device)
+    tokens = [torch.ones((batch, context), dtype=torch.long)] if context else []
+    encode(images, tokens)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        encode(images, tokens)
+    torch.cuda.synchronize(device)
+    return batch * repeat / (time.perf_counter() - start)
+
+
+def main() -> None:
+    from bench import write_results
+
+    from megabatch.data.embedding_writer import write_embedded_shards
+    from megabatch.train.step.teacher import Teacher, image_encoder, load_teacher_model, teacher_encoder
+    from megabatch.train.step.utilization import count_model_flops, gpu_peak
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="ViT-L-14", help="an open_clip architecture (random weights)")
+    parser.add_argument("--shards", type=int, default=96)
+    parser.add_argument("--per-shard", type=int, default=1000)
+    parser.add_argument("--size", type=int, default=256, help="the JPEGs' side in px")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=None, help="loader workers (default: the cores less one)")
+    parser.add_argument("--kinds", default="image-features,teacher,reference", help="what to measure, in turn")
+    parser.add_argument("--reference-shards", type=int, default=4, help="shards the reference writes")
+    parser.add_argument("--workdir", default="/tmp/embed-bench")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    workers = args.workers if args.workers is not None else max(1, min(16, (os.cpu_count() or 2) - 1))
+    workdir = Path(args.workdir)
+    made = time.perf_counter()
+    urls = shards(workdir / "source", args.shards, args.per_shard, args.size)
+    made = time.perf_counter() - made
+    model = load_teacher_model(_cfg(args.arch))
+    texts = torch.ones((2, model.context_length), dtype=torch.long)
+    images = torch.zeros((2, 3, *(model.image_size,) * 2), dtype=torch.uint8)
+    flops = count_model_flops(model.eval(), images, texts)
+    peak = gpu_peak(device)
+    results = []
+
+    def measure(kind: str, encode, size, compiled: bool, count: int, tokenizers=(), caption_key=None,
+                per_image_flops: float = 0.0, measured_workers: int = workers) -> None:
+        out = workdir / f"out-{kind}"
+        shutil.rmtree(out, ignore_errors=True)
+        warm = time.perf_counter()
+        write_embedded_shards(urls[:1], out / "warm-up", "x.npy", encode, size=size, device=device, batch=args.batch,
+                              workers=min(measured_workers, 1), caption_key=caption_key, tokenizers=tokenizers,
+                              show_progress=False)
+        warm = time.perf_counter() - warm
+        start = time.perf_counter()
+        written = write_embedded_shards(urls[:count], out / "measured", "x.npy", encode, size=size, device=device,
+                                        batch=args.batch, workers=measured_workers, caption_key=caption_key,
+                                        tokenizers=tokenizers, show_progress=False)
+        seconds = time.perf_counter() - start
+        rate = count * args.per_shard / seconds
+        row = {"kind": kind, "compiled": compiled, "workers": measured_workers, "batch": args.batch, "shards": count,
+               "samples": count * args.per_shard, "written": len(written), "seconds": round(seconds, 2),
+               "images_per_s": round(rate, 1), "warm_up_s": round(warm, 1),
+               "tflops": round(rate * per_image_flops / 1e12, 1),
+               "peak_share": round(rate * per_image_flops / 1e12 / peak.tflops, 3) if peak else None}
+        if device.type == "cuda":
+            alone = ceiling(encode, size, args.batch, device, model.context_length if tokenizers else 0, 20)
+            row["forward_alone_images_per_s"] = round(alone, 1)
+            row["forward_alone_peak_share"] = round(alone * per_image_flops / 1e12 / peak.tflops, 3) if peak else None
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        write_results(args.out, results, arch=args.arch, size=args.size, per_shard=args.per_shard,
+                      source_shards_written_s=round(made, 1), image_forward_gflop=flops.image_forward / 1e9,
+                      text_forward_gflop=flops.text_forward / 1e9, gpu_peak_tflops=peak.tflops if peak else None)
+
+    image_only = flops.image_forward
+    both = flops.image_forward + flops.text_forward
+    for kind in args.kinds.split(","):
+        if kind == "image-features":
+            measure(kind, *image_encoder(Teacher(load_teacher_model(_cfg(args.arch)), 1.0, device, compile=True)),
+                    True, args.shards, per_image_flops=image_only)
+        elif kind == "teacher":
+            teacher = Teacher(load_teacher_model(_cfg(args.arch)), 100.0, device, compile=True)
+            measure(kind, *teacher_encoder([teacher]), True, args.shards, [teacher.model.tokenizer()], "txt",
+                    per_image_flops=both)
+        elif kind == "reference":  # as they were written before: decoded in the main process, eager
+            teacher = Teacher(load_teacher_model(_cfg(args.arch)), 100.0, device, compile=False)
+            measure(kind, *teacher_encoder([teacher]), False, args.reference_shards, [teacher.model.tokenizer()],
+                    "txt", per_image_flops=both, measured_workers=0)
+        else:
+            parser.error(f"--kinds: {kind}? image-features, teacher or reference")
+
+
+def _cfg(arch: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"teacher": arch, "pretrained": None})
+
+
+if __name__ == "__main__":
+    main()
