@@ -164,11 +164,11 @@ def tower_model(args):
     if args.model:
         import shlex
 
+        import torch
+
         from megabatch.config.compose import compose
         from megabatch.config.schema import check_model
         from megabatch.models import build_model
-
-        import torch
 
         cfg = compose(*shlex.split(args.model))
         check_model(cfg.model)
@@ -191,7 +191,7 @@ def teacher(parser: argparse.ArgumentParser, args) -> None:
 
     from megabatch.config import ConfigError
     from megabatch.data.urls import expand_urls
-    from megabatch.train.step.teacher import Teacher, load_teacher_model, write_teacher_shards
+    from megabatch.train.step.teacher import Teacher, for_inference, load_teacher_model, write_teacher_shards
 
     if not args.pattern or not args.out or not args.teacher:
         parser.error("teacher needs the shards, --out and --teacher: make_shards.py teacher '/data/{00000..00099}.tar' "
@@ -206,7 +206,7 @@ def teacher(parser: argparse.ArgumentParser, args) -> None:
             if not os.path.exists(name):  # an architecture takes the next --pretrained
                 weights = pretrained.pop(0) if pretrained else None
                 weights = None if weights in (None, "none") else weights
-            model = load_teacher_model(OmegaConf.create({"teacher": name, "pretrained": weights}))
+            model = for_inference(load_teacher_model(OmegaConf.create({"teacher": name, "pretrained": weights})))
             teachers.append((name, Teacher(model, model.logit_scale.exp().item(), device, compile=args.compile)))
         written = write_teacher_shards(urls, Path(args.out).expanduser(), teachers, key=args.key or "teacher.npy",
                                        caption_key=args.caption_key if args.caption_key != "caption" else "txt",

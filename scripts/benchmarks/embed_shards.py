@@ -68,7 +68,13 @@ def main() -> None:
     from bench import write_results
 
     from megabatch.data.embedding_writer import write_embedded_shards
-    from megabatch.train.step.teacher import Teacher, image_encoder, load_teacher_model, teacher_encoder
+    from megabatch.train.step.teacher import (
+        Teacher,
+        for_inference,
+        image_encoder,
+        load_teacher_model,
+        teacher_encoder,
+    )
     from megabatch.train.step.utilization import count_model_flops, gpu_peak
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,7 +84,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=256, help="the JPEGs' side in px")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=None, help="loader workers (default: the cores less one)")
-    parser.add_argument("--kinds", default="image-features,teacher,reference", help="what to measure, in turn")
+    parser.add_argument("--kinds", default="image-features,teacher,reference", help="what to measure, in turn: "
+                        "image-features, teacher, open-clip-blocks (image-features without for_inference), "
+                        "max-autotune (image-features, inductor's GEMM autotuning), reference")
     parser.add_argument("--reference-shards", type=int, default=4, help="shards the reference writes")
     parser.add_argument("--workdir", default="/tmp/embed-bench")
     parser.add_argument("--out", required=True)
@@ -92,7 +100,7 @@ def main() -> None:
     model = load_teacher_model(_cfg(args.arch))
     texts = torch.ones((2, model.context_length), dtype=torch.long)
     images = torch.zeros((2, 3, *(model.image_size,) * 2), dtype=torch.uint8)
-    flops = count_model_flops(model.eval(), images, texts)
+    flops = count_model_flops(model.train(), images, texts)  # training mode: nn.MultiheadAttention's counted path
     peak = gpu_peak(device)
     results = []
 
@@ -130,18 +138,25 @@ def main() -> None:
     both = flops.image_forward + flops.text_forward
     for kind in args.kinds.split(","):
         if kind == "image-features":
-            measure(kind, *image_encoder(Teacher(load_teacher_model(_cfg(args.arch)), 1.0, device, compile=True)),
-                    True, args.shards, per_image_flops=image_only)
+            tower = Teacher(for_inference(load_teacher_model(_cfg(args.arch))), 1.0, device, compile=True)
+            measure(kind, *image_encoder(tower), True, args.shards, per_image_flops=image_only)
         elif kind == "teacher":
-            teacher = Teacher(load_teacher_model(_cfg(args.arch)), 100.0, device, compile=True)
+            teacher = Teacher(for_inference(load_teacher_model(_cfg(args.arch))), 100.0, device, compile=True)
             measure(kind, *teacher_encoder([teacher]), True, args.shards, [teacher.model.tokenizer()], "txt",
                     per_image_flops=both)
+        elif kind == "open-clip-blocks":  # image-features with open_clip's own attention blocks and patch convolution
+            tower = Teacher(load_teacher_model(_cfg(args.arch)), 1.0, device, compile=True)
+            measure(kind, *image_encoder(tower), True, args.shards, per_image_flops=image_only)
+        elif kind == "max-autotune":  # image-features compiled with inductor's GEMM autotuning (a longer compile)
+            tower = Teacher(for_inference(load_teacher_model(_cfg(args.arch))), 1.0, device, compile=False)
+            tower.encode_image = torch.compile(tower.model.encode_image, mode="max-autotune-no-cudagraphs")
+            measure(kind, *image_encoder(tower), True, args.shards, per_image_flops=image_only)
         elif kind == "reference":  # as they were written before: decoded in the main process, eager
             teacher = Teacher(load_teacher_model(_cfg(args.arch)), 100.0, device, compile=False)
             measure(kind, *teacher_encoder([teacher]), False, args.reference_shards, [teacher.model.tokenizer()],
                     "txt", per_image_flops=both, measured_workers=0)
         else:
-            parser.error(f"--kinds: {kind}? image-features, teacher or reference")
+            parser.error(f"--kinds: {kind}? image-features, teacher, open-clip-blocks, max-autotune or reference")
 
 
 def _cfg(arch: str):
