@@ -119,9 +119,13 @@ def main() -> None:
                                         tokenizers=tokenizers, show_progress=False)
         seconds = time.perf_counter() - start
         rate = count * args.per_shard / seconds
+        # steady: between the first copy written and the last (the processes' start-up and the last round left out)
+        done = sorted(path.stat().st_mtime for path in written)
+        steady = (len(done) - 1) * args.per_shard / (done[-1] - done[0]) if len(done) > 2 else None
         row = {"kind": kind, "compiled": compiled, "workers": measured_workers, "batch": args.batch, "shards": count,
                "samples": count * args.per_shard, "written": len(written), "seconds": round(seconds, 2),
-               "images_per_s": round(rate, 1), "warm_up_s": round(warm, 1),
+               "images_per_s": round(rate, 1), "steady_images_per_s": round(steady, 1) if steady else None,
+               "warm_up_s": round(warm, 1),
                "tflops": round(rate * per_image_flops / 1e12, 1),
                "peak_share": round(rate * per_image_flops / 1e12 / peak.tflops, 3) if peak else None}
         if device.type == "cuda":

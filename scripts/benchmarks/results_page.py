@@ -161,6 +161,12 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
                             f"{sample_batch(row) / step['samples_per_s']:.1f} | "
                             + " | ".join(f"{step['phases_s'].get(p, 0):.1f}" for p in PHASES)
                             + f" | {step['peak_gpu_gb']:.1f} |")
+    if entry.get("losses"):  # each step's loss (runs on the same samples: their agreement)
+        rows += ["", "| trainer | loss per step |", "|---|---|"]
+        for row in results:
+            rows.append(f"| megabatch ({row.get('variant') or 'default'}, {row['gpus']} GPU) | "
+                        + " ".join(f"{step['loss']:.6f}" for step in row["steps"] if step.get("loss") is not None)
+                        + " |")
     stopped = [row for row in runs if not row.get("samples_per_s")]
     if stopped:  # runs without a logged step: out of memory, a time limit, an error
         rows += ["", "| trainer | GPUs | batch | outcome | peak GB in use (nvidia-smi) |", "|---|---|---|---|---|"]
@@ -341,7 +347,25 @@ def eval_suite_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
-TABLES = {"eval_suite": eval_suite_table, "loss": loss_table, "e2e": e2e_table,
+def embed_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/embed_shards.py: images a second written into shards per kind (in all, and steady: between
+    the first copy written and the last), their TFLOP/s and share of the GPU's bf16 peak, against the model's forward
+    alone on images already on the GPU."""
+    meta = data["meta"]
+    rows = [f"{meta['arch']}: {meta['image_forward_gflop']:.1f} GFLOP an image's forward, "
+            f"{meta['text_forward_gflop']:.1f} a caption's; {meta['per_shard']} JPEGs a shard, {meta['size']} px.", "",
+            "| kind | compiled | loader workers | shards | images/s | steady images/s | TFLOP/s | of the peak | "
+            "the forward alone: images/s | of the peak | warm-up s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        share, steady = r.get("forward_alone_peak_share"), r.get("steady_images_per_s")
+        rows.append(f"| {r['kind']} | {'yes' if r['compiled'] else 'no'} | {r['workers']} | {r['shards']} | "
+                    f"{r['images_per_s']:,.0f} | {f'{steady:,.0f}' if steady else '-'} | {r['tflops']:.0f} | "
+                    f"{r['peak_share'] * 100:.1f}% | {r.get('forward_alone_images_per_s', 0):,.0f} | "
+                    f"{f'{share * 100:.1f}%' if share else '-'} | {r['warm_up_s']:.0f} |")
+    return rows
+
+
+TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "loss": loss_table, "e2e": e2e_table,
           "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
           "layernorm": layernorm_table, "multi_gpu": multi_gpu_table}

@@ -72,6 +72,13 @@ class Rows:
     finished: list[tuple[int, int]] = field(default_factory=list)
     unusable: int = 0
 
+    def pin_memory(self) -> Rows:
+        """The DataLoader's pin thread calls this: the images and token ids page-locked, so that their copy to the
+        GPU is queued behind the forward already running instead of waiting for it (a pageable copy waits for the
+        kernels queued before it: the next batch would not be launched until the last one ended)."""
+        return Rows(None if self.images is None else self.images.pin_memory(), self.keys,
+                    [ids.pin_memory() for ids in self.tokens], self.finished, self.unusable)
+
 
 class ShardRows(IterableDataset):
     """``Rows`` of the shards ``sources`` (worker ``w`` of ``n`` reads ``sources[w::n]``), ``batch`` at a time."""
