@@ -53,8 +53,10 @@ def shards(tmp_path_factory) -> dict:
     return {"plain": pattern, **{dtype: str(folder / dtype / Path(pattern).name) for dtype in ("float32", "float16")}}
 
 
-def gradients(*overrides: str) -> dict:
-    cfg = validate(compose(*BASE, "loss=infcl", "loss.tile=8", *LOCKED, *quote_patterns(list(overrides))))
+def gradients(*overrides: str, loss: str = "infcl") -> dict:
+    cfg = validate(compose(*BASE, f"loss={loss}", *(["loss.tile=8"] if loss == "infcl" else []),
+                           *(["model.init_logit_bias=-10"] if loss == "siglip" else []), *LOCKED,
+                           *quote_patterns(list(overrides))))
     parts = RunParts.build(cfg, init_distributed("cpu"))
     stream = parts.inputs(0)
     sub = next(stream)
@@ -80,6 +82,15 @@ def test_stored_features_give_the_locked_towers_loss_and_gradients(shards):
     half = gradients(*STORED, f"data.train.urls={shards['float16']}")
     assert half["images"].dtype == torch.float16
     assert 0 < rel_error(flat(half["grads"]), flat(tower["grads"])) <= 1e-2  # float16 features: rounded
+
+
+@pytest.mark.parametrize("loss", ["siglip", "disco", "local", "vanilla"])
+def test_every_loss_takes_the_stored_features(shards, loss):
+    tower = gradients(loss=loss)
+    for extra in ([], [f"trainer.sub_batch={BATCH // 4}"]):
+        stored = gradients(*STORED, f"data.train.urls={shards['float32']}", *extra, loss=loss)
+        assert rel_error(stored["loss"], tower["loss"]) <= 1e-6, extra
+        assert rel_error(flat(stored["grads"]), flat(tower["grads"])) <= 1e-5, extra
 
 
 def two_ranks(rank: int, world: int, urls: str) -> dict:
@@ -141,6 +152,23 @@ def test_another_towers_features_and_settings_that_need_images_are_config_errors
                            + difference):
             RunParts.build(validate(compose(*BASE, *LOCKED, *STORED, other, *quote_patterns(
                 [f"data.train.urls={shards['float32']}"]))), init_distributed("cpu"))
+
+
+def test_under_torchrun_each_rank_writes_its_share(shards, tmp_path):
+    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "scripts/make_shards.py",
+                          "image-features", shards["plain"], "--out", str(tmp_path), "--model", "model.lock_image=true",
+                          "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "rank 0: wrote 2 shard(s)" in ran.stdout and "rank 1: wrote 1 shard(s)" in ran.stdout
+    alone = Path(shards["float16"]).parent
+    assert (tmp_path / "image_features.json").read_text() == (alone / "image_features.json").read_text()
+    for shard in sorted(alone.glob("*.tar")):
+        with tarfile.open(shard) as one, tarfile.open(tmp_path / shard.name) as two:
+            names = [m.name for m in one.getmembers()]
+            assert names == [m.name for m in two.getmembers()]
+            for name in (n for n in names if n.endswith(".image.npy")):
+                np.testing.assert_allclose(np.load(io.BytesIO(two.extractfile(name).read())),
+                                           np.load(io.BytesIO(one.extractfile(name).read())), atol=1e-3)
 
 
 def test_the_writer_resumes_and_refuses_another_towers_folder(shards, capsys):
