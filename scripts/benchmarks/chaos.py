@@ -22,7 +22,8 @@ faults, drawn from ``--seed`` (kinds from ``--kinds``), each at a step of the ru
 
 Checked: the final weights and optimizer state bitwise equal to the run without faults (after ``other-ranks``: the
 weights within 1e-5 and every logged loss within 1e-6, relative, with the reason in the JSON); every step logged once;
-no process of the run left; each fault's steps redone at most ``--ckpt-every`` (two intervals where the newest
+no process of the run left, no shared memory (``/dev/shm``) it made and no GPU memory it held (``nvidia-smi``'s
+processes, where there is one); each fault's steps redone at most ``--ckpt-every`` (two intervals where the newest
 checkpoint was cut), and its seconds from the fault to the next step. Exit status 1 where a check fails.
 """
 
@@ -163,6 +164,30 @@ def leftovers(name: str) -> list[int]:
     return found
 
 
+SHARED_MEMORY = ("torch_", "sem.mp-", "psm_")  # torch's tensors between processes, multiprocessing's
+
+
+def shared_memory() -> set[str]:
+    """The names in ``/dev/shm`` that a training process makes (POSIX shared memory: torch's tensors between
+    processes, the loaders' queues' semaphores, ``multiprocessing.shared_memory``)."""
+    try:
+        return {entry.name for entry in Path("/dev/shm").iterdir() if entry.name.startswith(SHARED_MEMORY)}
+    except OSError:
+        return set()
+
+
+def gpu_processes() -> list[int] | None:
+    """The processes holding memory on this machine's GPUs (``nvidia-smi``), or ``None`` without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [int(line) for line in out.split() if line.strip().isdigit()]
+
+
 def newest_checkpoint(run_dir: Path) -> Path | None:
     numbered = sorted((run_dir / "checkpoints").glob("step_*.pt"))
     return numbered[-1] if numbered else None
@@ -243,6 +268,7 @@ def main() -> int:
     at = sorted(rng.sample(range(args.ckpt_every + 1, args.steps), min(args.faults, args.steps - args.ckpt_every - 1)))
     schedule = [(step, rng.choice(kinds)) for step in at]
 
+    shm_before, gpu_before = shared_memory(), gpu_processes()
     started = time.monotonic()
     straight = Job(workdir, "straight", args)
     straight.launch()
@@ -280,6 +306,13 @@ def main() -> int:
     differences = compare(final, reference)
     logged = chaos.steps()
     left = leftovers("chaos") + leftovers("straight")
+    # new and still there 2 s later (a segment is unlinked by its maker or its resource tracker as it ends; what
+    # another program makes and drops meanwhile is not the run's)
+    new = shared_memory() - shm_before
+    time.sleep(2.0)
+    shm_left = sorted(new & shared_memory())
+    gpu_now = gpu_processes()
+    gpu_left = sorted(set(gpu_now) - set(gpu_before or [])) if gpu_now is not None else None
     moved = any(fault["kind"] == "other-ranks" and "redone" in fault for fault in faults)
     if moved:  # another number of ranks sums in another order: the weights and losses to rounding
         names = list(reference["model"])
@@ -298,12 +331,15 @@ def main() -> int:
         "every step logged once": logged == list(range(1, args.steps + 1)),
         "no process left": not left,
         "no lock left": not (chaos.run_dir / ".lock").exists(),
+        "no shared memory left": not shm_left,
+        **({"no GPU memory left": not gpu_left} if gpu_left is not None else {}),
         "each fault's steps redone within its checkpoint interval": all(f["redone"] <= f["redone_at_most"]
                                                                          for f in faults if "redone" in f),
     }
     result = {"ranks": args.ranks, "steps": args.steps, "ckpt_every": args.ckpt_every, "seed": args.seed,
               "faults": faults, "launches": chaos.launches, "straight_s": round(straight_s, 1),
-              "chaos_s": round(chaos_s, 1), "differences": differences[:10], "leftover_pids": left, "checks": checks,
+              "chaos_s": round(chaos_s, 1), "differences": differences[:10], "leftover_pids": left,
+              "shared_memory_left": shm_left[:20], "gpu_processes_left": gpu_left, "checks": checks,
               **({"weight_error": weight_error, "loss_error": loss_error} if moved else {})}
     Path(args.out).write_text(json.dumps(result, indent=1))
     for name, held in checks.items():

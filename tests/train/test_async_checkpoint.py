@@ -162,3 +162,73 @@ def test_a_run_killed_mid_write_resumes_from_the_checkpoint_before(tmp_path):
     assert resumed["step"] == straight["step"] == 6
     for name, value in straight["model"].items():
         assert torch.equal(value, resumed["model"][name]), name
+
+
+def test_a_sharded_background_write_holds_the_state_of_its_step_and_is_published_by_wait(tmp_path):
+    """DCP's ``async_save`` (one process): the folder appears only once ``wait`` publishes it, and holds the weights
+    and moments of the step it was taken at, whatever the steps after it change."""
+    from megabatch.checkpoint.files import load_checkpoint
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    counter = Counter()
+    saver = Checkpointer(tmp_path, model, optimizer, {"counter": counter}, header=lambda: {"config": "c"},
+                         sharded=True, keep=None, main=True, distributed=False, asynchronous=True)
+    weight = model.weight.detach().clone()
+    moment = next(iter(optimizer.state.values()))["exp_avg"].clone()
+    counter.count = 7
+    assert saver.save(1, numbered=True)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+        next(iter(optimizer.state.values()))["exp_avg"].add_(1.0)
+    counter.count = 8
+    saver.wait()
+    assert (tmp_path / "step_00000001.dcp").is_dir() and (tmp_path / "last.dcp").is_dir()
+    assert not list(tmp_path.glob(".*.tmp"))
+    written = load_checkpoint(tmp_path / "step_00000001.dcp")
+    assert torch.equal(written["model"]["weight"], weight) and written["counter"] == {"count": 7}
+    shards = whole(tmp_path / "step_00000001.dcp", tmp_path / "whole.pt")
+    assert torch.equal(shards["optimizer"]["state"]["weight"]["exp_avg"], moment)
+    saver.save(2, numbered=False)  # a second write while none is in flight: published at close
+    saver.close()
+    assert load_checkpoint(tmp_path / "last.dcp")["counter"] == {"count": 8}
+
+
+def whole(folder, path) -> dict:
+    """A DCP folder's shards read into one state (the model's and the optimizer's, every tensor whole)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, path)
+    return torch.load(path, weights_only=False)
+
+
+def test_sharded_background_and_blocking_writes_give_the_same_checkpoints(tmp_path):
+    """FSDP on 2 gloo ranks: DCP's ``async_save`` (in a gloo group of its own) writes the folders a blocking
+    ``save`` writes, tensor for tensor."""
+    from megabatch.checkpoint.files import load_checkpoint
+
+    from ..distributed.test_world_size import INDEXED, finished, launch
+
+    short = ["trainer.max_steps=4", INDEXED, "trainer.parallel=fsdp", "data.num_workers=1"]
+    finished(launch(tmp_path, 2, "name=blocking", *short, "trainer.ckpt_async=false"))
+    finished(launch(tmp_path, 2, "name=background", *short))
+    for name in ("step_00000002.dcp", "last.dcp"):
+        folders = [tmp_path / "runs" / run / "checkpoints" / name for run in ("blocking", "background")]
+        one, other = (load_checkpoint(folder) for folder in folders)
+        assert one["step"] == other["step"] and one["train_state"] == other["train_state"]
+        one, other = (whole(folder, tmp_path / f"{index}.pt") for index, folder in enumerate(folders))
+        flat = [[(key, value) for key, value in sorted(pytree_leaves(run))] for run in (one, other)]
+        assert len(flat[0]) > 10 and [key for key, _ in flat[0]] == [key for key, _ in flat[1]]
+        for (key, a), (_, b) in zip(*flat, strict=True):
+            assert torch.equal(a, b), key
+
+
+def pytree_leaves(state, prefix: str = "") -> list:
+    """``(path, tensor)`` of every tensor in nested dicts."""
+    if isinstance(state, torch.Tensor):
+        return [(prefix, state)]
+    if isinstance(state, dict):
+        return [leaf for key, value in state.items() for leaf in pytree_leaves(value, f"{prefix}/{key}")]
+    return []

@@ -16,7 +16,9 @@ A new part (EMA weights, a teacher's settings) is one more entry in that dict.
 optimizer's moments, every part's state: what the step will change next) and written by a thread while the steps
 go on; at most one write is in flight (the next save waits for it), ``wait`` waits for it (a stop, the run's end)
 and raises what failed in it. The file appears by a rename once whole, so a run killed mid-write leaves the
-previous checkpoint the newest. Sharded checkpoints are written at once.
+previous checkpoint the newest. A sharded checkpoint the same way through DCP's ``async_save``: every rank's shards
+copied to the host, then written by a thread whose collectives run in a gloo group of their own (beside the
+training's); ``wait`` (every rank, at the same point: the next save, a stop, the end) publishes the folder.
 
 A part with tensors sharded like the model's parameters (the moving average of ``train/step/ema.py``) has a
 ``tensors()`` method (name -> tensor, the same objects its state's ``weights`` entry holds): a sharded
@@ -46,12 +48,12 @@ from ..config import ConfigError
 from ..distributed.fsdp import is_sharded, local
 from ..models.pretrained import mismatched_shapes
 from .files import (
+    ShardedWrite,
     capture_rng,
     load_sharded_state,
     load_whole_state,
     restore_rng,
     write_run_checkpoint,
-    write_sharded_checkpoint,
 )
 
 log = logging.getLogger("megabatch")
@@ -131,10 +133,12 @@ class Checkpointer:
         self.ckpt_dir, self.model, self.optimizer, self.parts = ckpt_dir, model, optimizer, parts
         self.header, self.sharded, self.keep, self.main, self.distributed = header, sharded, keep, main, distributed
         self.saved_step: int | None = None
-        self.asynchronous = asynchronous and not sharded
+        self.asynchronous = asynchronous
         self.write_s = 0.0
         self._writer: ThreadPoolExecutor | None = None
         self._writing: Future | None = None
+        self._sharded_write: ShardedWrite | None = None  # asynchronous and sharded: published by wait()
+        self._group = None  # the sharded writes' own process group (gloo), made at the first
 
     def save(self, step: int, numbered: bool) -> bool:
         """Write the checkpoint of ``step`` (every rank calls it; ``numbered``: ``step_<N>`` beside
@@ -149,8 +153,16 @@ class Checkpointer:
         if self.sharded:  # every rank writes its shards: of the model, the optimizer and the parts' weights
             tensors = {name: {TENSORS: state.pop(TENSORS)} for name, state in payload.items() if TENSORS in state}
             meta = {**self.header(), **payload, "step": step}
-            write_sharded_checkpoint(self.ckpt_dir, self.model, self.optimizer, meta if self.main else None,
-                                     step, numbered, self.keep, tensors)
+            if not self.asynchronous:
+                ShardedWrite.begin(self.ckpt_dir, self.model, self.optimizer, meta if self.main else None, step,
+                                   numbered, self.keep, tensors).finish()
+            else:
+                self.wait()  # at most one write in flight: the last one published first (every rank)
+                if self._group is None and self.distributed:  # collective: every rank is here
+                    self._group = dist.new_group(backend="gloo")
+                self._sharded_write = ShardedWrite.begin(
+                    self.ckpt_dir, self.model, self.optimizer, on_host(meta) if self.main else None, step, numbered,
+                    self.keep, tensors, asynchronous=True, group=self._group)
             self.saved_step = step
             return True
         meta = {**self.header(), **payload, "step": step}
@@ -178,6 +190,10 @@ class Checkpointer:
         writing, self._writing = self._writing, None
         if writing is not None:
             writing.result()
+        sharded, self._sharded_write = self._sharded_write, None
+        if sharded is not None:  # every rank: its shards on disk, then rank 0 publishes the folder
+            sharded.finish()
+            self.write_s = time.perf_counter() - sharded.started
 
     def close(self) -> None:
         """Wait for the write in flight, then end the writing thread."""

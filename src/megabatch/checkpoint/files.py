@@ -15,13 +15,13 @@ checkpoint resumes on any number of ranks, sharded or not, and evaluation and ex
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import random
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,10 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+
+# DCP warns on every call without a process group that it assumes one process: that is meant (a one-rank run's sharded
+# checkpoints; a filter for the process, since DCP's async_save warns from its writing thread)
+warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +234,7 @@ def _read_sharded(path: Path, key: str) -> dict[str, Any]:
         for part, below in zip(route[1:-1], route[2:], strict=True):
             node = _child(node, part, [] if isinstance(below, int) else {})
         _child(node, route[-1], leaf, replace=True)
-    with _one_process_quietly():
-        dcp.load({key: target}, storage_reader=reader, no_dist=True)
+    dcp.load({key: target}, storage_reader=reader, no_dist=True)
     return target
 
 
@@ -247,43 +250,87 @@ def _child(node: dict | list, part: str | int, empty: Any, replace: bool = False
     return node[part]
 
 
-def write_sharded_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optimizer, meta: dict[str, Any] | None,
-                             step: int, numbered: bool, keep: int | None,
-                             tensors: dict[str, Any] | None = None) -> None:
-    """Every rank: write its shards of ``model`` and ``optimizer`` (and of ``tensors``: entry -> state
-    of sharded tensors, the moving average's) as ``step_<N>.dcp`` (``numbered``) or ``last.dcp``; rank
-    0 (the one given ``meta``) adds ``meta.pt``, publishes the folder by renaming it once all are done,
-    links ``last.dcp`` to a numbered one, and prunes old ones."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+class ShardedWrite:
+    """A sharded checkpoint being written: every rank writes its shards of the model and the optimizer (and of the
+    parts' sharded tensors: entry -> state, the moving average's) as ``step_<N>.dcp`` (numbered) or ``last.dcp``;
+    rank 0 (the one given ``meta``) adds ``meta.pt``, publishes the folder by renaming it once all are done, links
+    ``last.dcp`` to a numbered one and prunes old ones. ``begin`` (every rank): its state taken and its shards
+    written into a temporary folder, or with ``asynchronous`` handed to DCP's ``async_save`` (its collectives in
+    ``group``, a process group of the writing thread's own, beside the training's), which copies them to the host
+    and returns while a thread writes them; ``finish`` (every rank, at the same point): the shards on disk, then
+    rank 0 adds ``meta.pt`` and publishes the folder. A run stopped between the two leaves the temporary folder
+    unpublished: the newest checkpoint is the one before."""
 
-    distributed = dist.is_available() and dist.is_initialized()
-    name = f"step_{step:08d}{SHARDED}" if numbered else f"last{SHARDED}"
-    tmp = ckpt_dir / f".{name}.tmp"
-    if meta is not None:  # rank 0 clears what an interrupted writer left
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if distributed:
-        dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    try:
-        with _one_process_quietly():
-            dcp.save({"model": model_state, "optimizer": optim_state, **(tensors or {})}, checkpoint_id=str(tmp),
-                     no_dist=not distributed)
-    except BaseException as error:
-        if _disk_full(error):
-            raise _no_space(ckpt_dir, name) from error
-        raise
-    if meta is not None:
-        save_checkpoint(tmp / META, meta)
-        _publish(tmp, ckpt_dir / name)
-        if numbered:
-            _publish(_linked_copy(ckpt_dir / name, ckpt_dir / f".last{SHARDED}.tmp"), ckpt_dir / f"last{SHARDED}")
-            _prune(ckpt_dir, keep)
-        log.info("checkpoint at step %d -> %s (sharded)", step, ckpt_dir / name)
-    if distributed:
-        dist.barrier()  # no rank goes on (and may be stopped) before the folder is in place
+    def __init__(self, ckpt_dir: Path, tmp: Path, name: str, meta: dict[str, Any] | None, step: int,
+                 numbered: bool, keep: int | None, writing=None, started: float = 0.0):
+        self.ckpt_dir, self.tmp, self.name, self.meta = ckpt_dir, tmp, name, meta
+        self.step, self.numbered, self.keep, self.writing = step, numbered, keep, writing
+        self.started = started  # time.perf_counter() when begun
+
+    @classmethod
+    def begin(cls, ckpt_dir: Path, model: torch.nn.Module, optimizer, meta: dict[str, Any] | None, step: int,
+              numbered: bool, keep: int | None, tensors: dict[str, Any] | None = None, asynchronous: bool = False,
+              group=None) -> ShardedWrite:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        started = time.perf_counter()
+        distributed = dist.is_available() and dist.is_initialized()
+        name = f"step_{step:08d}{SHARDED}" if numbered else f"last{SHARDED}"
+        tmp = ckpt_dir / f".{name}.tmp"
+        if meta is not None:  # rank 0 clears what an interrupted writer left
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if distributed:
+            dist.barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state, **(tensors or {})}
+        writing = None
+        try:
+            if not asynchronous:
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
+            else:  # staged on the host now (the steps after it change the weights in place), written by a thread
+                options = {"no_dist": True} if not distributed and _takes(dcp.async_save, "no_dist") else {}
+                writing = dcp.async_save(state, checkpoint_id=str(tmp),
+                                         process_group=group if distributed else None, **options)
+        except BaseException as error:
+            if _disk_full(error):
+                raise _no_space(ckpt_dir, name) from error
+            raise
+        return cls(ckpt_dir, tmp, name, meta, step, numbered, keep, writing, started)
+
+    def finish(self) -> None:
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        if self.writing is not None:
+            writing, self.writing = self.writing, None
+            try:
+                future = getattr(writing, "upload_completion", writing)  # an AsyncSaveResponse, or the future
+                future.result()
+            except BaseException as error:
+                if _disk_full(error):
+                    raise _no_space(self.ckpt_dir, self.name) from error
+                raise
+        if distributed:
+            dist.barrier()  # every rank's shards are on disk
+        if self.meta is not None:
+            save_checkpoint(self.tmp / META, self.meta)
+            _publish(self.tmp, self.ckpt_dir / self.name)
+            if self.numbered:
+                _publish(_linked_copy(self.ckpt_dir / self.name, self.ckpt_dir / f".last{SHARDED}.tmp"),
+                         self.ckpt_dir / f"last{SHARDED}")
+                _prune(self.ckpt_dir, self.keep)
+            log.info("checkpoint at step %d -> %s (sharded)", self.step, self.ckpt_dir / self.name)
+        if distributed:
+            dist.barrier()  # no rank goes on (and may be stopped) before the folder is in place
+
+
+def _takes(function, keyword: str) -> bool:
+    import inspect
+
+    return keyword in inspect.signature(function).parameters
 
 
 def load_sharded_state(path: Path, model: torch.nn.Module, optimizer, tensors: dict[str, Any] | None = None) -> None:
@@ -296,8 +343,7 @@ def load_sharded_state(path: Path, model: torch.nn.Module, optimizer, tensors: d
 
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state, **(tensors or {})}
-    with _one_process_quietly():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not (dist.is_available() and dist.is_initialized()))
+    dcp.load(state, checkpoint_id=str(path), no_dist=not (dist.is_available() and dist.is_initialized()))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -321,14 +367,6 @@ def load_whole_state(state: dict[str, Any], model: torch.nn.Module, optimizer) -
                                     for group in saved["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state,
                    options=StateDictOptions(full_state_dict=True))
-
-
-@contextlib.contextmanager
-def _one_process_quietly():
-    """DCP warns on every call without a process group that it assumes one process: that is meant."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
 
 
 def _publish(tmp: Path, final: Path) -> None:
