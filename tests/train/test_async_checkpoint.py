@@ -232,3 +232,23 @@ def pytree_leaves(state, prefix: str = "") -> list:
     if isinstance(state, dict):
         return [leaf for key, value in state.items() for leaf in pytree_leaves(value, f"{prefix}/{key}")]
     return []
+
+
+def test_the_host_copies_go_into_the_buffers_of_the_last_checkpoint(tmp_path):
+    """A background write's snapshot reuses the last one's host buffers (no new memory a checkpoint), and still holds
+    its own step's state: the last write is on disk before they are overwritten."""
+    saver, counter = checkpointer(tmp_path)
+    saver.save(1, numbered=True)
+    saver.wait()
+    buffers = {place: tensor.data_ptr() for place, tensor in saver._snapshot.buffers.items()}
+    assert len(buffers) >= 4  # the weight, the bias, and their moments
+    with torch.no_grad():
+        saver.model.weight.add_(1.0)
+    weight = saver.model.weight.detach().clone()
+    saver.save(2, numbered=True)
+    saver.close()
+    assert {place: tensor.data_ptr() for place, tensor in saver._snapshot.buffers.items()} == buffers
+    first = torch.load(tmp_path / "step_00000001.pt", weights_only=True)
+    second = torch.load(tmp_path / "step_00000002.pt", weights_only=True)
+    assert torch.equal(second["model"]["weight"], weight)
+    assert torch.equal(first["model"]["weight"] + 1.0, weight)
