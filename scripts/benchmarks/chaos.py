@@ -341,6 +341,10 @@ def main() -> int:
               "chaos_s": round(chaos_s, 1), "differences": differences[:10], "leftover_pids": left,
               "shared_memory_left": shm_left[:20], "gpu_processes_left": gpu_left, "checks": checks,
               **({"weight_error": weight_error, "loss_error": loss_error} if moved else {})}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import metadata
+
+    result["meta"] = metadata()  # the command, commit, machine and versions, as every benchmark's
     Path(args.out).write_text(json.dumps(result, indent=1))
     for name, held in checks.items():
         print(f"{'ok  ' if held else 'FAIL'} {name}", flush=True)

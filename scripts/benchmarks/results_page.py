@@ -365,7 +365,30 @@ def embed_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
-TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "loss": loss_table, "e2e": e2e_table,
+def chaos_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/chaos.py: the faults by kind, the steps each made the run do again, the seconds to the next
+    step, and every check."""
+    kinds: dict[str, list[dict]] = {}
+    for fault in data["faults"]:
+        kinds.setdefault(fault["kind"], []).append(fault)
+    rows = [f"{data['ranks']} ranks at the start, {data['steps']} steps, a checkpoint every {data['ckpt_every']}, "
+            f"seed {data['seed']}: {len(data['faults'])} faults, {data['launches']} launches, {data['chaos_s']:.0f} s "
+            f"against {data['straight_s']:.0f} s without faults.", "",
+            "| fault | times | steps redone (most) | allowed | seconds to the next step (median) |",
+            "|---|---|---|---|---|"]
+    for kind, faults in sorted(kinds.items()):
+        struck = [fault for fault in faults if "redone" in fault]
+        seconds = sorted(fault["seconds_to_next_step"] for fault in struck)
+        rows.append(f"| {kind} | {len(faults)} | {max((f['redone'] for f in struck), default=0)} | "
+                    f"{max((f['redone_at_most'] for f in struck), default=0)} | "
+                    f"{seconds[len(seconds) // 2]:.1f} |" if seconds else f"| {kind} | {len(faults)} | - | - | - |")
+    rows += ["", "| check | held |", "|---|---|"]
+    rows += [f"| {name} | {'yes' if held else '**no**'} |" for name, held in data["checks"].items()]
+    return rows
+
+
+TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "chaos": chaos_table, "loss": loss_table,
+          "e2e": e2e_table,
           "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
           "layernorm": layernorm_table, "multi_gpu": multi_gpu_table}
