@@ -15,7 +15,8 @@ faults, drawn from ``--seed`` (kinds from ``--kinds``), each at a step of the ru
   command runs again;
 - ``lost-node``: SIGKILL to the launcher and its workers at once, then the same command again;
 - ``kill-in-write``: the same, while a checkpoint is being written;
-- ``corrupt-newest``: the same, then the newest checkpoint cut to half its size before the command runs again;
+- ``corrupt-newest``: the same, then the newest checkpoint cut to half its size before the command runs again (a
+  sharded one, ``--set trainer.parallel=fsdp``: its largest shard file);
 - ``other-ranks``: SIGTERM, then the command again on half the ranks (or twice as many from one): the run goes on
   from its checkpoint with the same samples in every step (``data.train.split=indexed``), but its sums are taken in
   another order, so from then on the weights are the run without faults' to rounding, not bitwise.
@@ -151,13 +152,14 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def leftovers(name: str) -> list[int]:
-    """Processes still running this run (its name on their command line)."""
-    found = []
+def leftovers(workdir: Path) -> list[int]:
+    """Processes still running a run of this harness (its wrapper, in ``workdir``, on their command line: another
+    harness's runs elsewhere are not these)."""
+    wrapper, found = str(workdir / "wrapper.py").encode(), []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if f"name={name}".encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                if wrapper in (entry / "cmdline").read_bytes().split(b"\0"):
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -189,8 +191,37 @@ def gpu_processes() -> list[int] | None:
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
-    numbered = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    """The newest numbered checkpoint: a ``.pt`` file, or a ``.dcp`` folder (``trainer.parallel=fsdp``)."""
+    numbered = sorted([*(run_dir / "checkpoints").glob("step_*.pt"), *(run_dir / "checkpoints").glob("step_*.dcp")],
+                      key=lambda path: path.stem)
     return numbered[-1] if numbered else None
+
+
+def cut(checkpoint: Path) -> str:
+    """``checkpoint`` cut to half its size (a folder: its largest shard file); what was cut."""
+    target = max(checkpoint.glob("*.distcp"), key=lambda path: path.stat().st_size) if checkpoint.is_dir() else \
+        checkpoint
+    os.truncate(target, target.stat().st_size // 2)
+    return f"{checkpoint.name}/{target.name}" if checkpoint.is_dir() else checkpoint.name
+
+
+def final_state(run_dir: Path) -> dict:
+    """The run's last checkpoint as one state: ``model``, ``optimizer`` and ``step`` (a ``.dcp`` folder's shards read
+    whole; its step from its ``meta.pt``)."""
+    import torch
+
+    checkpoints = run_dir / "checkpoints"
+    if (checkpoints / "last.pt").exists():
+        return torch.load(checkpoints / "last.pt", weights_only=True)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from megabatch.checkpoint.files import load_checkpoint
+
+    whole = run_dir / "last-whole.pt"
+    dcp_to_torch_save(checkpoints / "last.dcp", whole)
+    state = torch.load(whole, weights_only=False)
+    state["step"] = load_checkpoint(checkpoints / "last.dcp", weights=False)["step"]
+    return state
 
 
 def inject(job: Job, kind: str, rng: random.Random, timeout: float) -> str:
@@ -220,8 +251,7 @@ def inject(job: Job, kind: str, rng: random.Random, timeout: float) -> str:
     job.end(signal.SIGKILL)
     done = "SIGKILL to the launcher and its workers" + (" during a checkpoint write" if kind == "kill-in-write" else "")
     if kind == "corrupt-newest" and (newest := newest_checkpoint(job.run_dir)) is not None:
-        os.truncate(newest, newest.stat().st_size // 2)
-        done += f", {newest.name} cut to half"
+        done += f", {cut(newest)} cut to half"
     job.launch()
     return done + ", then the same command"
 
@@ -301,11 +331,10 @@ def main() -> int:
     status = chaos.finish(args.timeout_s * args.steps)
     chaos_s = time.monotonic() - started
 
-    final = torch.load(chaos.run_dir / "checkpoints" / "last.pt", weights_only=True)
-    reference = torch.load(straight.run_dir / "checkpoints" / "last.pt", weights_only=True)
+    final, reference = final_state(chaos.run_dir), final_state(straight.run_dir)
     differences = compare(final, reference)
     logged = chaos.steps()
-    left = leftovers("chaos") + leftovers("straight")
+    left = leftovers(workdir)
     # new and still there 2 s later (a segment is unlinked by its maker or its resource tracker as it ends; what
     # another program makes and drops meanwhile is not the run's)
     new = shared_memory() - shm_before

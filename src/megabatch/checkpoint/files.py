@@ -184,6 +184,27 @@ def run_checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(last, key=lambda p: p.stat().st_mtime, reverse=True) + numbered
 
 
+def check_shards(path: Path) -> None:
+    """A ``ConfigError`` where a sharded checkpoint's shard files hold fewer bytes than its DCP metadata says its
+    items take (a file cut short, or gone): found before a resume reads it, so that ``resume=latest`` goes on to the
+    one before. Reads the metadata alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data or {}
+    except Exception as error:  # noqa: BLE001 - an unreadable .metadata: the checkpoint is damaged
+        raise ConfigError(f"checkpoint {path} cannot be loaded: its DCP metadata is unreadable ({error})") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        held = (path / name).stat().st_size if (path / name).is_file() else -1
+        if held < size:
+            raise ConfigError(f"checkpoint {path} is damaged: {name} " + ("is missing" if held < 0 else
+                              f"holds {held} of the {size} bytes its items take (cut short)"))
+
+
 def load_sharded_meta(path: Path, weights: bool = True) -> dict[str, Any]:
     """A sharded checkpoint's ``meta.pt``, and with ``weights`` its whole model state dict
     (``model``). One whose writing did not finish (no DCP ``.metadata`` or no ``meta.pt``: torn) is
@@ -192,6 +213,7 @@ def load_sharded_meta(path: Path, weights: bool = True) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"checkpoint {path} is incomplete (no {' or '.join(missing)}: its writing was "
                           "interrupted)")
+    check_shards(path)
     state = _load_file(path / META, required=("step",))
     if weights:
         state["model"] = _read_sharded(path, "model")
