@@ -252,3 +252,26 @@ def test_the_host_copies_go_into_the_buffers_of_the_last_checkpoint(tmp_path):
     second = torch.load(tmp_path / "step_00000002.pt", weights_only=True)
     assert torch.equal(second["model"]["weight"], weight)
     assert torch.equal(first["model"]["weight"] + 1.0, weight)
+
+
+def test_resume_latest_passes_over_a_sharded_checkpoint_cut_short(tmp_path, caplog):
+    """A shard file cut short (or gone) is found from the DCP metadata before anything is read: ``resume=latest``
+    takes the checkpoint before, with a warning naming the file."""
+    import logging
+    import os
+
+    from megabatch.checkpoint.files import load_resume
+
+    model = torch.nn.Linear(40, 30)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saver = Checkpointer(tmp_path / "checkpoints", model, optimizer, {}, header=lambda: {"config": "c"}, sharded=True,
+                         keep=None, main=True, distributed=False)
+    for step in (2, 4):
+        saver.save(step, numbered=True)
+    assert load_resume("latest", tmp_path)[1]["step"] == 4
+    shard = max((tmp_path / "checkpoints" / "step_00000004.dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)  # last.dcp is linked to it: cut too
+    with caplog.at_level(logging.WARNING):
+        path, state = load_resume("latest", tmp_path)
+    assert state["step"] == 2 and path.name == "step_00000002.dcp"
+    assert "cut short" in caplog.text and shard.name in caplog.text
