@@ -16,7 +16,7 @@ faults, drawn from ``--seed`` (kinds from ``--kinds``), each at a step of the ru
 - ``lost-node``: SIGKILL to the launcher and its workers at once, then the same command again;
 - ``kill-in-write``: the same, while a checkpoint is being written;
 - ``corrupt-newest``: the same, then the newest checkpoint cut to half its size before the command runs again (a
-  sharded one, ``--set trainer.parallel=fsdp``: its largest shard file);
+  sharded one, ``--set trainer.parallel=fsdp``: its largest shard file), where an older one is there to resume from;
 - ``other-ranks``: SIGTERM, then the command again on half the ranks (or twice as many from one): the run goes on
   from its checkpoint with the same samples in every step (``data.train.split=indexed``), but its sums are taken in
   another order, so from then on the weights are the run without faults' to rounding, not bitwise.
@@ -191,10 +191,13 @@ def gpu_processes() -> list[int] | None:
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest numbered checkpoint: a ``.pt`` file, or a ``.dcp`` folder (``trainer.parallel=fsdp``)."""
+    """The newest numbered checkpoint (a ``.pt`` file, or a ``.dcp`` folder: ``trainer.parallel=fsdp``) where an older
+    one is there to resume from; ``None`` where there is none or it is the only one (``last`` shares its bytes, so a
+    cut one would leave nothing to resume from: ``resume=latest`` then stops, naming the damaged files, rather than
+    start the run over)."""
     numbered = sorted([*(run_dir / "checkpoints").glob("step_*.pt"), *(run_dir / "checkpoints").glob("step_*.dcp")],
                       key=lambda path: path.stem)
-    return numbered[-1] if numbered else None
+    return numbered[-1] if len(numbered) > 1 else None
 
 
 def cut(checkpoint: Path) -> str:
@@ -250,8 +253,10 @@ def inject(job: Job, kind: str, rng: random.Random, timeout: float) -> str:
             time.sleep(0.02)
     job.end(signal.SIGKILL)
     done = "SIGKILL to the launcher and its workers" + (" during a checkpoint write" if kind == "kill-in-write" else "")
-    if kind == "corrupt-newest" and (newest := newest_checkpoint(job.run_dir)) is not None:
-        done += f", {cut(newest)} cut to half"
+    if kind == "corrupt-newest":
+        newest = newest_checkpoint(job.run_dir)
+        done += f", {cut(newest)} cut to half" if newest is not None else \
+            ", none cut (no older checkpoint to resume from)"
     job.launch()
     return done + ", then the same command"
 
