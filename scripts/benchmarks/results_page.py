@@ -366,8 +366,8 @@ def embed_table(data: dict, entry: dict) -> list[str]:
 
 
 def chaos_table(data: dict, entry: dict) -> list[str]:
-    """scripts/benchmarks/chaos.py: the faults by kind, the steps each made the run do again, the seconds to the next
-    step, and every check."""
+    """scripts/benchmarks/chaos.py: the faults by kind, the steps each made the run do again (0 where a SIGTERM let it
+    checkpoint its last step), the seconds to the next step, and every check."""
     kinds: dict[str, list[dict]] = {}
     for fault in data["faults"]:
         kinds.setdefault(fault["kind"], []).append(fault)
@@ -379,7 +379,7 @@ def chaos_table(data: dict, entry: dict) -> list[str]:
     for kind, faults in sorted(kinds.items()):
         struck = [fault for fault in faults if "redone" in fault]
         seconds = sorted(fault["seconds_to_next_step"] for fault in struck)
-        rows.append(f"| {kind} | {len(faults)} | {max((f['redone'] for f in struck), default=0)} | "
+        rows.append(f"| {kind} | {len(faults)} | {max(0, max((f['redone'] for f in struck), default=0))} | "
                     f"{max((f['redone_at_most'] for f in struck), default=0)} | "
                     f"{seconds[len(seconds) // 2]:.1f} |" if seconds else f"| {kind} | {len(faults)} | - | - | - |")
     rows += ["", "| check | held |", "|---|---|"]
