@@ -150,10 +150,25 @@ def ddp_and_hsdp(rank: int, world: int, overrides: list[str]) -> dict:
     return {"ddp": step_gradients(rank, world, COMMON + overrides, step=True), "hsdp": hsdp, "meshes": meshes}
 
 
-def test_hsdp_on_four_ranks_gives_the_gradients_and_update_of_ddp(tmp_path):
+@pytest.mark.parametrize("overrides", [
+    ["loss=local", "trainer.fsdp_reduce=step"],
+    # the ring over all 4 ranks (its process group the job's, not a shard group's), a reduce-scatter per sub-batch, the
+    # moving average of each rank's shards, and a teacher (sharded over the ranks, its term in the loss)
+    ["loss=infcl", "loss.tile=8", "trainer.fsdp_reduce=sub_batch", "ema.decay=0.5", "distill.teacher={teacher}"],
+], ids=["local-once-per-step", "ring-per-sub-batch-ema-teacher"])
+def test_hsdp_on_four_ranks_gives_the_gradients_and_update_of_ddp(tmp_path, overrides):
     """``trainer.fsdp_shard_size=2`` on 4 gloo ranks: each pair holds the model in shards (a 2 x 2 mesh: 2 replicas of
     2 shards), and the step's gradients and update are DDP's."""
-    ranks = run_ranks(4, ddp_and_hsdp, ["loss=local", "trainer.fsdp_reduce=step"], tmp_path=tmp_path)
+    if any("{teacher}" in item for item in overrides):  # another tiny CLIP's checkpoint (seed 1)
+        from megabatch.config.compose import compose
+        from megabatch.models import build_model
+
+        torch.manual_seed(1)
+        teacher = build_model(compose("model.text.width=48").model)
+        torch.save({"model": teacher.state_dict(), "step": 0, "open_clip": teacher.description()},
+                   tmp_path / "teacher.pt")
+        overrides = [item.format(teacher=tmp_path / "teacher.pt") for item in overrides]
+    ranks = run_ranks(4, ddp_and_hsdp, overrides, tmp_path=tmp_path)
     for result in ranks:
         ddp, hsdp = result["ddp"], result["hsdp"]
         assert result["meshes"] == {(2, 2)}
