@@ -113,8 +113,9 @@ def for_inference(model: ClipModel) -> ClipModel:
     """``model`` with its attention computed directly by SDPA on the packed projection's views and a ViT's patch
     embedding as one GEMM (``models/attention.py``, ``models/patches.py``: the same parameters and features,
     exact; what ``model.direct_attention`` and ``model.patch_gemm`` do in training), in place: ViT-L/14's
-    compiled bf16 forward on an H200 gives 2,804 images/s so, 2,585 with open_clip's own blocks
-    (``docs/bench/embed_shards_vit_l14_h200.json``). Returns it."""
+    compiled bf16 forward alone on an H200 gave 2,883 images/s so, 2,615 with open_clip's own blocks on another
+    (``docs/bench/embed_shards_vit_l14_h200.json``, ``embed_shards_vit_l14_openclip_blocks_h200.json``; 2,804 against
+    2,585 on one machine). Returns it."""
     from ...models.attention import use_direct_attention
     from ...models.patches import use_patch_gemm
 
