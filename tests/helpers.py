@@ -199,3 +199,39 @@ def assert_compiles_whole(fn, tensors, tolerance: float = 1e-5) -> None:
     assert rel_error(compiled.detach(), eager.detach()) <= tolerance
     for want, got in zip(eager_grads, compiled_grads, strict=True):
         assert rel_error(got, want) <= tolerance
+
+
+def sample_keys(tar_path) -> list[str]:
+    """The sample keys of a tar shard, sorted."""
+    import tarfile
+
+    with tarfile.open(tar_path) as tar:
+        return sorted({member.name.split(".")[0] for member in tar.getmembers()})
+
+
+def rewrite_members(tar_path, change: dict) -> None:
+    """``tar_path`` written again with each member ``change`` names dropped (``None``) or holding other bytes."""
+    import io
+    import tarfile
+
+    with tarfile.open(tar_path) as tar:
+        members = [(member, tar.extractfile(member).read()) for member in tar.getmembers()]
+    with tarfile.open(tar_path, "w") as tar:
+        for member, data in members:
+            if member.name in change:
+                data = change[member.name]
+                if data is None:
+                    continue
+                member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+
+
+def npy_bytes(array) -> bytes:
+    """``array`` as ``.npy`` bytes."""
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()

@@ -185,29 +185,19 @@ def test_stored_embeddings_give_the_online_teachers_gradients(teacher, stored, c
 
 
 def test_samples_without_or_with_bad_embeddings_are_skipped_and_counted(stored, tmp_path):
-    import io
     import shutil
-    import tarfile
 
     import numpy as np
+
+    from ..helpers import npy_bytes, rewrite_members, sample_keys
 
     source = Path(stored["float32"]).parent
     for path in source.iterdir():
         shutil.copy(path, tmp_path / path.name)
     first = sorted(tmp_path.glob("*.tar"))[0]
-    with tarfile.open(first) as tar:
-        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
-    keys = sorted({m.name.split(".")[0] for m, _ in members})
-    with tarfile.open(first, "w") as tar:
-        for member, data in members:
-            if member.name == f"{keys[0]}.teacher.npy":
-                continue  # no embeddings
-            if member.name == f"{keys[1]}.teacher.npy":  # another width
-                buffer = io.BytesIO()
-                np.save(buffer, np.zeros((1, 2, 7), np.float32))
-                data = buffer.getvalue()
-                member.size = len(data)
-            tar.addfile(member, io.BytesIO(data))
+    keys = sample_keys(first)
+    rewrite_members(first, {f"{keys[0]}.teacher.npy": None,  # no embeddings
+                            f"{keys[1]}.teacher.npy": npy_bytes(np.zeros((1, 2, 7), np.float32))})  # another width
     parts = RunParts.build(validate(compose(*BASE, "loss=infcl", *STORED, *quote_patterns(
                                [f"data.train.urls={tmp_path / Path(stored['float32']).name}"]))),
                            init_distributed("cpu"))

@@ -106,24 +106,16 @@ def test_two_ranks_equal_the_locked_tower_in_one_process(shards, tmp_path):
 
 
 def test_samples_without_usable_features_are_skipped_and_counted(shards, tmp_path):
+    from ..helpers import npy_bytes, rewrite_members, sample_keys
+
     source = Path(shards["float32"]).parent
     for path in source.iterdir():
         shutil.copy(path, tmp_path / path.name)
     first = sorted(tmp_path.glob("*.tar"))[0]
-    with tarfile.open(first) as tar:
-        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
-    keys = sorted({m.name.split(".")[0] for m, _ in members})
-    with tarfile.open(first, "w") as tar:
-        for member, data in members:
-            if member.name == f"{keys[0]}.image.npy":
-                continue  # no features
-            if member.name in (f"{keys[1]}.image.npy", f"{keys[2]}.image.npy"):  # another width; not finite
-                buffer = io.BytesIO()
-                np.save(buffer, np.zeros(7, np.float32) if member.name.startswith(keys[1]) else
-                        np.full(64, np.nan, np.float32))
-                data = buffer.getvalue()
-                member.size = len(data)
-            tar.addfile(member, io.BytesIO(data))
+    keys = sample_keys(first)
+    rewrite_members(first, {f"{keys[0]}.image.npy": None,  # no features
+                            f"{keys[1]}.image.npy": npy_bytes(np.zeros(7, np.float32)),  # another width
+                            f"{keys[2]}.image.npy": npy_bytes(np.full(64, np.nan, np.float32))})  # not finite
     urls = tmp_path / Path(shards["float32"]).name
     result = gradients(*STORED, "data.train.split=position", "data.train.shuffle_buffer=1", f"data.train.urls={urls}")
     assert result["stats"]["corrupt_image"] == 3 and torch.isfinite(result["loss"])

@@ -218,14 +218,8 @@ def write_teacher_shards(urls: list[str], out: Path, teachers: list[tuple[str, T
                           "share one width")
     spec = TeacherSpec(key, len(teachers), widths.pop(), tuple(teacher.scale for _, teacher in teachers),
                        tuple(name for name, _ in teachers))
-    out.mkdir(parents=True, exist_ok=True)
-    written_spec = out / SPEC_NAME
-    if written_spec.exists() and TeacherSpec.load(out, key) != spec:
-        raise ConfigError(f"{written_spec} describes other teachers ({written_spec.read_text().strip()}): write "
-                          "these embeddings to another folder")
-    if rank == 0:
-        written_spec.write_text(spec.to_json(caption_key))
-        copy_sizes(urls, out)
+    prepare_folder(out, urls, out / SPEC_NAME, spec, TeacherSpec.load(out, key) if (out / SPEC_NAME).exists() else None,
+                   spec.to_json(caption_key), "other teachers", rank)
 
     encode, size = teacher_encoder([teacher for _, teacher in teachers])
     return write_embedded_shards([Path(url) for url in urls[rank::world]], out, key, encode, size=size,
@@ -262,14 +256,9 @@ def write_image_feature_shards(urls: list[str], out: Path, model: ClipModel, dev
     from ...data.image_features import SPEC_NAME, ImageFeatureSpec
 
     spec = ImageFeatureSpec.of_model(model, key)
-    out.mkdir(parents=True, exist_ok=True)
-    written_spec = out / SPEC_NAME
-    if written_spec.exists() and ImageFeatureSpec.load(out, key) != spec:
-        raise ConfigError(f"{written_spec} describes another image tower's features ({written_spec.read_text().strip()}"
-                          "): write these to another folder")
-    if rank == 0:
-        written_spec.write_text(spec.to_json())
-        copy_sizes(urls, out)
+    prepare_folder(out, urls, out / SPEC_NAME, spec,
+                   ImageFeatureSpec.load(out, key) if (out / SPEC_NAME).exists() else None, spec.to_json(),
+                   "another image tower's features", rank)
     encode, size = image_encoder(Teacher(for_inference(model), 1.0, device, compile=compile))
     return write_embedded_shards([Path(url) for url in urls[rank::world]], out, key, encode, size=size,
                                  device=device, batch=batch, workers=workers, dtype=dtype,
@@ -289,8 +278,16 @@ def image_encoder(tower: Teacher):
     return encode, tower.size
 
 
-def copy_sizes(urls: list[str], out: Path) -> None:
-    """The shards' ``sizes.json`` (their sample counts) copied beside their copies, when there."""
-    sizes = Path(urls[0]).parent / "sizes.json"
-    if sizes.is_file():
-        (out / "sizes.json").write_text(sizes.read_text())
+def prepare_folder(out: Path, urls: list[str], spec_path: Path, spec, found, text: str, other: str, rank: int) -> None:
+    """``out`` made, and refused where ``spec_path`` there (``found``, read) describes other embeddings than ``spec``
+    (``other`` says what, for the message); rank 0 writes ``text`` there and copies the shards' ``sizes.json`` (their
+    sample counts) beside the copies, when there."""
+    out.mkdir(parents=True, exist_ok=True)
+    if found is not None and found != spec:
+        raise ConfigError(f"{spec_path} describes {other} ({spec_path.read_text().strip()}): write these embeddings "
+                          "to another folder")
+    if rank == 0:
+        spec_path.write_text(text)
+        sizes = Path(urls[0]).parent / "sizes.json"
+        if sizes.is_file():
+            (out / "sizes.json").write_text(sizes.read_text())
