@@ -128,3 +128,18 @@ def test_known_gpus_find_their_dense_bf16_peak(name, tflops):
 
 def test_an_unknown_gpu_is_not_in_the_table():
     assert table_peak("Some Future Accelerator") is None  # gpu_peak then measures a bf16 matmul
+
+
+def test_multihead_attentions_fused_path_counts_as_its_unfused_form():
+    """``nn.MultiheadAttention`` in eval mode without autograd may run as one fused operator
+    (``aten._native_multi_head_attention``: a frozen tower, a teacher): counted as the projections and attention its
+    training path runs, not as nothing."""
+    attention = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(3, 7, 16)
+    with FlopCounterMode(display=False, custom_mapping=model_flop_formulas()) as unfused:
+        attention(x, x, x, need_weights=False)
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=model_flop_formulas()) as fused:
+        torch._native_multi_head_attention(x, x, x, 16, 4, attention.in_proj_weight, attention.in_proj_bias,
+                                           attention.out_proj.weight, attention.out_proj.bias, need_weights=False)
+    assert unfused.get_total_flops() > 0
+    assert fused.get_total_flops() == unfused.get_total_flops()
