@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -161,6 +162,29 @@ def test_under_torchrun_each_rank_writes_its_share(shards, tmp_path):
             for name in (n for n in names if n.endswith(".image.npy")):
                 np.testing.assert_allclose(np.load(io.BytesIO(two.extractfile(name).read())),
                                            np.load(io.BytesIO(one.extractfile(name).read())), atol=1e-3)
+
+
+def test_a_damaged_shard_is_copied_as_it_is_and_a_stream_is_refused(shards, tmp_path, capsys):
+    """A shard that cannot be read to its end is copied byte for byte (the copies keep the sources' names and counts; a
+    run meets its damage as the source's); a source that is not a local file is a clear error before anything."""
+    plain = sorted(Path(shards["plain"]).parent.glob("train-*.tar"))
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for path in plain:
+        shutil.copy(path, sources / path.name)
+    damaged = sources / plain[-1].name
+    os.truncate(damaged, damaged.stat().st_size // 2)
+    pattern = str(sources / "train-{000000..000002}.tar")
+    script().main(["image-features", pattern, "--out", str(tmp_path / "out"), "--model", "model.lock_image=true",
+                   "--workers", "1"])
+    assert "wrote 3 shard(s)" in capsys.readouterr().out
+    assert (tmp_path / "out" / damaged.name).read_bytes() == damaged.read_bytes()
+    with tarfile.open(tmp_path / "out" / plain[0].name) as tar:
+        assert any(name.endswith(".image.npy") for name in tar.getnames())
+    with pytest.raises(SystemExit):
+        script().main(["image-features", "pipe:cat /data/x.tar", "--out", str(tmp_path / "out2"), "--model",
+                       "model.lock_image=true"])
+    assert "not local files (e.g. pipe:cat /data/x.tar)" in capsys.readouterr().err
 
 
 def test_the_writer_resumes_and_refuses_another_towers_folder(shards, capsys):

@@ -11,7 +11,8 @@ caption): stored image features (``scripts/make_shards.py image-features``) and 
   when whole: a shard already in the output folder is skipped, so an interrupted run resumes.
 
 A sample without an image (or a caption, where one is read), or whose image does not decode, is copied without the
-member: a run reading the copies skips and counts it.
+member: a run reading the copies skips and counts it. A shard that cannot be read to its end is copied byte for byte,
+without the member, so that the copies keep the sources' names and counts and a run meets its damage as the source's.
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ class ShardRows(IterableDataset):
             try:
                 samples = read_samples(self.sources[index])
             except (OSError, tarfile.TarError) as error:
-                log.warning("%s: unreadable (%s): its copy is not written", self.sources[index], error)
+                log.warning("%s: unreadable (%s): copied as it is, without %s (a run reading the copies skips and "
+                            "counts its damage as it would the source's)", self.sources[index], error,
+                            "the added member")
                 samples = None
             rows = 0
             for key, sample in (samples or {}).items():
@@ -152,6 +155,17 @@ def write_copy(source: str, target: str, member: str, keys: list[str], values: n
     return len(added)
 
 
+def copy_as_is(source: str, target: str) -> int:
+    """``source`` copied to ``target`` byte for byte, under a temporary name renamed when whole (a damaged shard: the
+    copies keep the sources' names and counts). Returns 0: no sample given the member."""
+    import shutil
+
+    partial = target + ".partial"
+    shutil.copyfile(source, partial)
+    os.replace(partial, target)
+    return 0
+
+
 def write_embedded_shards(sources: Sequence[Path], out: Path, member: str,
                           encode: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor], *,
                           size: tuple[int, int], device: torch.device, batch: int = 512, workers: int = 8,
@@ -161,6 +175,12 @@ def write_embedded_shards(sources: Sequence[Path], out: Path, member: str,
     tokens)`` of its image (uint8 ``[batch, 3, *size]`` on ``device``) and caption (``tokens``: the token ids of
     each of ``tokenizers``, on the host; with ``caption_key`` only), a ``[batch, ...]`` tensor on the device, stored
     as ``dtype``. A source whose copy is in ``out`` already is skipped. Returns the copies written."""
+    remote = [str(source) for source in sources if not Path(source).is_file()]
+    if remote:
+        from ..config import ConfigError
+
+        raise ConfigError(f"{len(remote)} of the shards are not local files (e.g. {remote[0]}): embeddings are written "
+                          "from local or mounted shards, copied beside them; fetch the shards first")
     out.mkdir(parents=True, exist_ok=True)
     todo = [Path(source) for source in sources if not (out / Path(source).name).exists()]
     skipped = len(sources) - len(todo)
@@ -184,8 +204,9 @@ def write_embedded_shards(sources: Sequence[Path], out: Path, member: str,
         if index not in totals or len(rows) < totals[index]:
             return
         got.pop(index, None)
-        if totals.pop(index) < 0:  # unreadable: no copy (the training run's loader counts the source's damage)
-            progress.update(1)
+        if totals.pop(index) < 0:  # unreadable: copied byte for byte (a run's loader counts the damage as the source's)
+            futures.append((index, pool.submit(copy_as_is, str(todo[index]), str(out / todo[index].name))))
+            collect(block=False)
             return
         keys = [key for key, _ in rows]
         values = np.stack([value for _, value in rows]) if rows else np.zeros((0,), dtype)
