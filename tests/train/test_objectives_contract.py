@@ -1,7 +1,8 @@
 """The contract every training objective (``train/step/objectives``) keeps: one pass, GradCache with 4
 sub-batches, GradCache with offload and 2 gloo ranks give the same loss and gradients, for each valid combination of
 the objectives the tiny models build (the contrastive loss at each weight, + the caption loss, + a teacher, online or
-its embeddings stored in the shards, + hard negatives, and the allowed pairs). ``loss.contrastive_weight``
+its embeddings stored in the shards, + hard negatives, a locked image tower's stored features alone and with those,
+and the allowed pairs). ``loss.contrastive_weight``
 multiplies the contrastive term on every path: with the contrastive loss alone, weight 0.5 gives exactly half of
 weight 1's loss and gradients (the one-pass step ignored it until the objectives issue: relative difference 1.0)."""
 
@@ -25,6 +26,7 @@ from .test_gradcache import BASE, BATCH, flat
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 NEGATIVES = ["data.train.negatives_key=json:negatives", "data.train.negatives=2"]
+IMAGE_FEATURES = ["model.lock_image=true", "model.image_features=stored", "data.train.image_features_key=image.npy"]
 # each objective's overrides on top of the contrastive loss; the teacher's path is filled in by the fixture
 OBJECTIVES = {
     "contrastive": [],
@@ -34,6 +36,10 @@ OBJECTIVES = {
     "negatives": NEGATIVES,
     "caption+teacher": ["model=tiny_coca", "loss.caption_weight=1.5", "distill.teacher={teacher}"],
     "teacher+negatives": ["distill.teacher={teacher}", *NEGATIVES],
+    # LiT from stored image features (read from data["features"]), alone and beside what they combine with
+    "image features": IMAGE_FEATURES,
+    "image features+negatives": [*IMAGE_FEATURES, *NEGATIVES],
+    "image features+stored teacher": [*IMAGE_FEATURES, "distill.teacher=stored", "data.train.teacher_key=teacher.npy"],
 }
 WEIGHTS = ["1.0", "0.5"]
 PATHS = {"gradcache": [f"trainer.sub_batch={BATCH // 4}"],
@@ -60,11 +66,17 @@ def data(tmp_path_factory) -> dict:
     spec.loader.exec_module(make_shards)
     make_shards.main(["teacher", urls, "--out", str(folder / "stored"), "--teacher", str(teacher), "--dtype",
                       "float32", "--batch", "64"])
-    return {"urls": urls, "teacher": str(teacher), "stored": str(folder / "stored" / "o-{000000..000003}.tar")}
+    stored = str(folder / "stored" / "o-{000000..000003}.tar")
+    # and the locked tiny image tower's features added to those (the run's own tower: seed 0)
+    make_shards.main(["image-features", stored, "--out", str(folder / "features"), "--model", "model.lock_image=true",
+                      "--dtype", "float32", "--batch", "64", "--workers", "1"])
+    return {"urls": urls, "teacher": str(teacher), "stored": stored,
+            "features": str(folder / "features" / "o-{000000..000003}.tar")}
 
 
 def overrides(data: dict, objective: str, weight: str) -> list[str]:
-    urls = data["stored"] if "stored" in objective else data["urls"]
+    urls = data["features"] if "image features" in objective else data["stored"] if "stored" in objective else \
+        data["urls"]
     return [item.format(teacher=data["teacher"]) for item in OBJECTIVES[objective]] + \
         [f"loss.contrastive_weight={weight}", f"+urls={urls}"]
 

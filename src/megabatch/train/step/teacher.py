@@ -280,14 +280,18 @@ def image_encoder(tower: Teacher):
 
 def prepare_folder(out: Path, urls: list[str], spec_path: Path, spec, found, text: str, other: str, rank: int) -> None:
     """``out`` made, and refused where ``spec_path`` there (``found``, read) describes other embeddings than ``spec``
-    (``other`` says what, for the message); rank 0 writes ``text`` there and copies the shards' ``sizes.json`` (their
-    sample counts) beside the copies, when there."""
+    (``other`` says what, for the message); rank 0 writes ``text`` there and copies beside the copies what describes
+    the shards' members, when there: ``sizes.json`` (their sample counts) and the other stored embeddings'
+    description (the copies keep those members: image features written onto shards with a teacher's embeddings)."""
+    from ...data import image_features, teacher_store
+
     out.mkdir(parents=True, exist_ok=True)
     if found is not None and found != spec:
         raise ConfigError(f"{spec_path} describes {other} ({spec_path.read_text().strip()}): write these embeddings "
                           "to another folder")
     if rank == 0:
         spec_path.write_text(text)
-        sizes = Path(urls[0]).parent / "sizes.json"
-        if sizes.is_file():
-            (out / "sizes.json").write_text(sizes.read_text())
+        for name in ("sizes.json", teacher_store.SPEC_NAME, image_features.SPEC_NAME):
+            source = Path(urls[0]).parent / name
+            if name != spec_path.name and source.is_file():
+                (out / name).write_text(source.read_text())
