@@ -225,13 +225,3 @@ def rewrite_members(tar_path, change: dict) -> None:
                 member.size = len(data)
             tar.addfile(member, io.BytesIO(data))
 
-
-def npy_bytes(array) -> bytes:
-    """``array`` as ``.npy`` bytes."""
-    import io
-
-    import numpy as np
-
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()

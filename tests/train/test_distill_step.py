@@ -189,15 +189,17 @@ def test_samples_without_or_with_bad_embeddings_are_skipped_and_counted(stored, 
 
     import numpy as np
 
-    from ..helpers import npy_bytes, rewrite_members, sample_keys
+    from megabatch.data.teacher_store import encode_embeddings
+
+    from ..helpers import rewrite_members, sample_keys
 
     source = Path(stored["float32"]).parent
     for path in source.iterdir():
         shutil.copy(path, tmp_path / path.name)
     first = sorted(tmp_path.glob("*.tar"))[0]
     keys = sample_keys(first)
-    rewrite_members(first, {f"{keys[0]}.teacher.npy": None,  # no embeddings
-                            f"{keys[1]}.teacher.npy": npy_bytes(np.zeros((1, 2, 7), np.float32))})  # another width
+    another_width = encode_embeddings(np.zeros((1, 2, 7), np.float32))
+    rewrite_members(first, {f"{keys[0]}.teacher.npy": None, f"{keys[1]}.teacher.npy": another_width})  # none; wrong
     parts = RunParts.build(validate(compose(*BASE, "loss=infcl", *STORED, *quote_patterns(
                                [f"data.train.urls={tmp_path / Path(stored['float32']).name}"]))),
                            init_distributed("cpu"))

@@ -107,7 +107,9 @@ def test_two_ranks_equal_the_locked_tower_in_one_process(shards, tmp_path):
 
 
 def test_samples_without_usable_features_are_skipped_and_counted(shards, tmp_path):
-    from ..helpers import npy_bytes, rewrite_members, sample_keys
+    from megabatch.data.teacher_store import encode_embeddings
+
+    from ..helpers import rewrite_members, sample_keys
 
     source = Path(shards["float32"]).parent
     for path in source.iterdir():
@@ -115,8 +117,8 @@ def test_samples_without_usable_features_are_skipped_and_counted(shards, tmp_pat
     first = sorted(tmp_path.glob("*.tar"))[0]
     keys = sample_keys(first)
     rewrite_members(first, {f"{keys[0]}.image.npy": None,  # no features
-                            f"{keys[1]}.image.npy": npy_bytes(np.zeros(7, np.float32)),  # another width
-                            f"{keys[2]}.image.npy": npy_bytes(np.full(64, np.nan, np.float32))})  # not finite
+                            f"{keys[1]}.image.npy": encode_embeddings(np.zeros(7, np.float32)),  # another width
+                            f"{keys[2]}.image.npy": encode_embeddings(np.full(64, np.nan, np.float32))})  # not finite
     urls = tmp_path / Path(shards["float32"]).name
     result = gradients(*STORED, "data.train.split=position", "data.train.shuffle_buffer=1", f"data.train.urls={urls}")
     assert result["stats"]["corrupt_image"] == 3 and torch.isfinite(result["loss"])

@@ -134,7 +134,7 @@ def write_copy(source: str, target: str, member: str, keys: list[str], values: n
     """``source`` copied to ``target`` with member ``<key>.<member>`` (``values[i]`` as ``.npy``) added after each
     ``keys[i]`` sample's own (an older one of that name replaced), written under a temporary name renamed when
     whole. Returns the samples given the member. Runs in a writer process."""
-    from .image_features import encode_features
+    from .teacher_store import encode_embeddings
 
     added = dict(zip(keys, values, strict=True))
     samples = read_samples(source)
@@ -150,7 +150,7 @@ def write_copy(source: str, target: str, member: str, keys: list[str], values: n
                 if ext != member:
                     add(f"{key}.{ext}", data)
             if key in added:
-                add(f"{key}.{member}", encode_features(added[key]))
+                add(f"{key}.{member}", encode_embeddings(added[key]))
     os.replace(partial, target)
     return len(added)
 
@@ -197,7 +197,7 @@ def write_embedded_shards(sources: Sequence[Path], out: Path, member: str,
     written: list[Path] = []
     futures: list[tuple[int, Future]] = []
     pool = ProcessPoolExecutor(max_workers=max(1, writers), mp_context=multiprocessing.get_context("forkserver"))
-    counts = {"rows": 0, "unusable": 0}
+    unusable = 0
 
     def finish(index: int) -> None:
         rows = got.get(index, [])
@@ -227,14 +227,13 @@ def write_embedded_shards(sources: Sequence[Path], out: Path, member: str,
         array = values.numpy().astype(dtype)
         for (index, key), value in zip(rows.keys, array, strict=False):
             got.setdefault(index, []).append((key, value))
-        counts["rows"] += len(rows.keys)
         for index in {index for index, _ in rows.keys}:
             finish(index)
 
     pending = None
     try:
         for rows in loader:
-            counts["unusable"] += rows.unusable
+            unusable += rows.unusable
             launched = None
             if rows.images is not None:
                 images, tokens = rows.images.to(device, non_blocking=True), rows.tokens
@@ -264,8 +263,8 @@ def write_embedded_shards(sources: Sequence[Path], out: Path, member: str,
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         progress.close()
-    if counts["unusable"]:
-        log.warning("%d sample(s) without a usable image%s: copied without %s", counts["unusable"],
+    if unusable:
+        log.warning("%d sample(s) without a usable image%s: copied without %s", unusable,
                     " or caption" if caption_key else "", member)
     return written
 

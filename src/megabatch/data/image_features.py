@@ -14,7 +14,6 @@ A sample's array is ``[width]``, float16 or float32. ``image_features.json``: ``
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from .teacher_store import read_npy
 
 SPEC_NAME = "image_features.json"
 
@@ -55,8 +55,7 @@ class ImageFeatureSpec:
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     quick_gelu: bool = False
-    # the .npy headers met so far (bytes -> dtype, length), each loader worker its own: a member with one of them is
-    # read as the bytes after it, without np.load's parsing
+    # the .npy headers met so far, each loader worker its own (teacher_store.read_npy)
     headers: dict = field(default_factory=dict, compare=False, repr=False)
 
     def decode(self, data: bytes | None) -> torch.Tensor:
@@ -65,19 +64,9 @@ class ImageFeatureSpec:
         finite (the loader skips and counts the sample, as it does a corrupt image)."""
         if data is None:
             raise ValueError(f"no stored image features ({self.key}) in the sample")
-        data = data if isinstance(data, bytes) else bytes(data)
-        array = None
-        for header, (dtype, length) in self.headers.items():
-            if len(data) == length and data.startswith(header):
-                array = np.frombuffer(data, dtype=dtype, offset=len(header))
-                break
+        array = read_npy(data, self.headers)
         if array is None:
-            try:
-                array = np.load(io.BytesIO(data), allow_pickle=False)
-            except Exception as error:  # noqa: BLE001 - any unreadable member is a bad sample
-                raise ValueError(f"unreadable stored image features ({self.key}): {error}") from None
-            if array.dtype.kind == "f" and array.shape == (self.width,) and len(self.headers) < 8:
-                self.headers[bytes(data[:len(data) - array.nbytes])] = (array.dtype, len(data))
+            raise ValueError(f"unreadable stored image features ({self.key})")
         if array.shape != (self.width,) or array.dtype.kind != "f" or not np.isfinite(array).all():
             raise ValueError(f"stored image features ({self.key}) of shape {tuple(array.shape)} and dtype {array.dtype}"
                              f" ([{self.width}] finite values expected)")
@@ -135,9 +124,3 @@ class ImageFeatureSpec:
                            "size": list(self.size), "mean": list(self.mean), "std": list(self.std),
                            "quick_gelu": self.quick_gelu}, indent=1)
 
-
-def encode_features(array: np.ndarray) -> bytes:
-    """A sample's ``[width]`` features as ``.npy`` bytes (its dtype kept)."""
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()

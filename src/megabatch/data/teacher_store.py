@@ -32,9 +32,7 @@ class TeacherSpec:
     width: int
     scales: tuple[float, ...]
     teachers: tuple[str, ...] = ()
-    # the .npy headers met so far (bytes -> dtype, shape, the member's length), each worker its own: a sample
-    # whose header is one of them is read as the bytes after it, as np.load reads them, without parsing it again
-    # (np.load takes ~26 us a sample; a loader worker reads a 1M step's samples in a few thousand sub-batches)
+    # the .npy headers met so far, each loader worker its own (read_npy)
     headers: dict = field(default_factory=dict, compare=False, repr=False)
 
     def read(self, sample: dict) -> np.ndarray | None | str:
@@ -44,26 +42,13 @@ class TeacherSpec:
         data = sample.get(self.key)
         if data is None:
             return None
-        array = self._parse(data)
+        array = read_npy(data, self.headers)
         if array is None:
             return "bad"
         if array.ndim == 2:
             array = array[None]
         if array.shape != (self.members, 2, self.width) or array.dtype.kind != "f" or not np.isfinite(array).all():
             return "bad"
-        return array
-
-    def _parse(self, data) -> np.ndarray | None:
-        data = data if isinstance(data, bytes) else bytes(data)
-        for header, (dtype, shape, length) in self.headers.items():
-            if len(data) == length and data.startswith(header):
-                return np.frombuffer(data, dtype=dtype, offset=len(header)).reshape(shape)
-        try:
-            array = np.load(io.BytesIO(data), allow_pickle=False)
-        except Exception:  # noqa: BLE001 - any unreadable member is a bad sample
-            return None
-        if array.dtype.kind == "f" and array.flags.c_contiguous and len(self.headers) < 8:
-            self.headers[bytes(data[:len(data) - array.nbytes])] = (array.dtype, array.shape, len(data))
         return array
 
     @classmethod
@@ -92,8 +77,27 @@ class TeacherSpec:
                            "teachers": list(self.teachers), "caption_key": caption_key}, indent=1)
 
 
+def read_npy(data, headers: dict) -> np.ndarray | None:
+    """A ``.npy`` member's array (``None`` where it does not parse). ``headers``: the headers met so far (bytes ->
+    dtype, shape, the member's length), each loader worker its own; a member with one of them is read as the bytes
+    after it, as ``np.load`` reads them, without parsing it again (``np.load`` takes ~26 us a sample; a loader worker
+    reads a 1M step's samples in a few thousand sub-batches). A float array's header joins them (8 at most)."""
+    data = data if isinstance(data, bytes) else bytes(data)
+    for header, (dtype, shape, length) in headers.items():
+        if len(data) == length and data.startswith(header):
+            return np.frombuffer(data, dtype=dtype, offset=len(header)).reshape(shape)
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception:  # noqa: BLE001 - any unreadable member is a bad sample
+        return None
+    if array.dtype.kind == "f" and array.flags.c_contiguous and len(headers) < 8:
+        headers[bytes(data[:len(data) - array.nbytes])] = (array.dtype, array.shape, len(data))
+    return array
+
+
 def encode_embeddings(array: np.ndarray) -> bytes:
-    """A sample's ``[members, 2, width]`` array as ``.npy`` bytes (its dtype kept)."""
+    """A sample's stored array (teacher embeddings ``[members, 2, width]``, image features ``[width]``) as ``.npy``
+    bytes (its dtype kept)."""
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return buffer.getvalue()
