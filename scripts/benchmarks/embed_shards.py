@@ -64,6 +64,23 @@ def ceiling(encode, size: tuple[int, int], batch: int, device: torch.device, con
     return batch * repeat / (time.perf_counter() - start)
 
 
+def loader_alone(urls: list[str], size: tuple[int, int], batch: int, workers: int, per_shard: int) -> dict:
+    """Images a second the writer's loader workers decode and cut, with nothing else running (no GPU, no copies):
+    the rate decoding on the host allows."""
+    from torch.utils.data import DataLoader
+
+    from megabatch.data.embedding_writer import ShardRows
+
+    loader = DataLoader(ShardRows([Path(url) for url in urls], size, batch, None), batch_size=None,
+                        num_workers=workers, prefetch_factor=4)
+    start, rows = time.perf_counter(), 0
+    for item in loader:
+        rows += len(item.keys)
+    seconds = time.perf_counter() - start
+    return {"kind": "loader", "workers": workers, "batch": batch, "shards": len(urls), "samples": rows,
+            "seconds": round(seconds, 2), "images_per_s": round(rows / seconds, 1)}
+
+
 def main() -> None:
     from bench import write_results
 
@@ -84,9 +101,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=256, help="the JPEGs' side in px")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=None, help="loader workers (default: the cores less one)")
-    parser.add_argument("--kinds", default="image-features,teacher,reference", help="what to measure, in turn: "
-                        "image-features, teacher, open-clip-blocks (image-features without for_inference), "
-                        "max-autotune (image-features, inductor's GEMM autotuning), reference")
+    parser.add_argument("--kinds", default="loader,image-features,exact-gelu,teacher,reference",
+                        help="what to measure, in turn: loader (the loader workers alone: decoding's ceiling), "
+                        "image-features (the tanh GELU in the GEMM's epilogue), exact-gelu (image-features with the "
+                        "exact GELU), teacher, "
+                        "open-clip-blocks (image-features without for_inference), max-autotune (image-features, "
+                        "inductor's GEMM autotuning), reference")
     parser.add_argument("--reference-shards", type=int, default=4, help="shards the reference writes")
     parser.add_argument("--workdir", default="/tmp/embed-bench")
     parser.add_argument("--out", required=True)
@@ -107,6 +127,12 @@ def main() -> None:
     def measure(kind: str, encode, size, compiled: bool, count: int, tokenizers=(), caption_key=None,
                 per_image_flops: float = 0.0, measured_workers: int = workers) -> None:
         out = workdir / f"out-{kind}"
+        calls: list[float] = []
+
+        def timed(images, tokens):  # each batch's launch: the loop waits for the one before, so launches pace it
+            calls.append(time.perf_counter())
+            return encode(images, tokens)
+
         shutil.rmtree(out, ignore_errors=True)
         warm = time.perf_counter()
         write_embedded_shards(urls[:1], out / "warm-up", "x.npy", encode, size=size, device=device, batch=args.batch,
@@ -114,14 +140,15 @@ def main() -> None:
                               show_progress=False)
         warm = time.perf_counter() - warm
         start = time.perf_counter()
-        written = write_embedded_shards(urls[:count], out / "measured", "x.npy", encode, size=size, device=device,
+        calls.clear()
+        written = write_embedded_shards(urls[:count], out / "measured", "x.npy", timed, size=size, device=device,
                                         batch=args.batch, workers=measured_workers, caption_key=caption_key,
                                         tokenizers=tokenizers, show_progress=False)
         seconds = time.perf_counter() - start
         rate = count * args.per_shard / seconds
-        # steady: between the first copy written and the last (the processes' start-up and the last round left out)
-        done = sorted(path.stat().st_mtime for path in written)
-        steady = (len(done) - 1) * args.per_shard / (done[-1] - done[0]) if len(done) > 2 else None
+        # steady: the batches between the first launch and the last (the processes' start-up, the first batch's
+        # decoding and the last copies' writing left out): the rate a run of many shards approaches
+        steady = (len(calls) - 1) * args.batch / (calls[-1] - calls[0]) if len(calls) > 2 else None
         row = {"kind": kind, "compiled": compiled, "workers": measured_workers, "batch": args.batch, "shards": count,
                "samples": count * args.per_shard, "written": len(written), "seconds": round(seconds, 2),
                "images_per_s": round(rate, 1), "steady_images_per_s": round(steady, 1) if steady else None,
@@ -141,11 +168,20 @@ def main() -> None:
     image_only = flops.image_forward
     both = flops.image_forward + flops.text_forward
     for kind in args.kinds.split(","):
-        if kind == "image-features":
-            tower = Teacher(for_inference(load_teacher_model(_cfg(args.arch))), 1.0, device, compile=True)
+        if kind == "loader":
+            results.append(loader_alone(urls, (model.image_size,) * 2, args.batch, workers, args.per_shard))
+            print(json.dumps(results[-1]), flush=True)
+            write_results(args.out, results, arch=args.arch, size=args.size, per_shard=args.per_shard,
+                          source_shards_written_s=round(made, 1), image_forward_gflop=flops.image_forward / 1e9,
+                          text_forward_gflop=flops.text_forward / 1e9, gpu_peak_tflops=peak.tflops if peak else None)
+        elif kind == "image-features":
+            tower = Teacher(for_inference(load_teacher_model(_cfg(args.arch)), "tanh"), 1.0, device, compile=True)
+            measure(kind, *image_encoder(tower), True, args.shards, per_image_flops=image_only)
+        elif kind == "exact-gelu":  # image-features with the blocks' exact GELU (for_inference's gelu="erf")
+            tower = Teacher(for_inference(load_teacher_model(_cfg(args.arch)), "erf"), 1.0, device, compile=True)
             measure(kind, *image_encoder(tower), True, args.shards, per_image_flops=image_only)
         elif kind == "teacher":
-            teacher = Teacher(for_inference(load_teacher_model(_cfg(args.arch))), 100.0, device, compile=True)
+            teacher = Teacher(for_inference(load_teacher_model(_cfg(args.arch)), "tanh"), 100.0, device, compile=True)
             measure(kind, *teacher_encoder([teacher]), True, args.shards, [teacher.model.tokenizer()], "txt",
                     per_image_flops=both)
         elif kind == "open-clip-blocks":  # image-features with open_clip's own attention blocks and patch convolution
@@ -160,7 +196,8 @@ def main() -> None:
             measure(kind, *teacher_encoder([teacher]), False, args.reference_shards, [teacher.model.tokenizer()],
                     "txt", per_image_flops=both, measured_workers=0)
         else:
-            parser.error(f"--kinds: {kind}? image-features, teacher, open-clip-blocks, max-autotune or reference")
+            parser.error(f"--kinds: {kind}? loader, image-features, exact-gelu, teacher, open-clip-blocks, "
+                         "max-autotune or reference")
 
 
 def _cfg(arch: str):

@@ -117,6 +117,9 @@ class ShardRows(IterableDataset):
                 if self.caption_key is not None:
                     captions.append(sample[self.caption_key].decode("utf-8", "replace").strip())
                 rows += 1
+                if len(images) == self.batch:  # a whole batch: on its way while the shard's rest decodes
+                    yield self._rows(images, keys, captions, finished, unusable)
+                    images, keys, captions, finished, unusable = [], [], [], [], 0
             finished.append((index, -1 if samples is None else rows))
             while len(images) >= self.batch:
                 yield self._rows(images[:self.batch], keys[:self.batch], captions[:self.batch], finished, unusable)
@@ -170,11 +173,13 @@ def write_embedded_shards(sources: Sequence[Path], out: Path, member: str,
                           encode: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor], *,
                           size: tuple[int, int], device: torch.device, batch: int = 512, workers: int = 8,
                           caption_key: str | None = None, tokenizers: Sequence[Callable] = (), dtype=np.float16,
-                          writers: int = 4, show_progress: bool = True, desc: str = "embeddings") -> list[Path]:
+                          writers: int | None = None, show_progress: bool = True,
+                          desc: str = "embeddings") -> list[Path]:
     """Copies of ``sources`` in ``out`` with member ``member`` added to each usable sample: ``encode(images,
     tokens)`` of its image (uint8 ``[batch, 3, *size]`` on ``device``) and caption (``tokens``: the token ids of
     each of ``tokenizers``, on the host; with ``caption_key`` only), a ``[batch, ...]`` tensor on the device, stored
-    as ``dtype``. A source whose copy is in ``out`` already is skipped. Returns the copies written."""
+    as ``dtype``, by ``writers`` processes (default: a quarter of the cores, 4 to 8). A source whose copy is in
+    ``out`` already is skipped. Returns the copies written."""
     remote = [str(source) for source in sources if not Path(source).is_file()]
     if remote:
         from ..config import ConfigError
@@ -196,6 +201,7 @@ def write_embedded_shards(sources: Sequence[Path], out: Path, member: str,
     got: dict[int, list[tuple[str, np.ndarray]]] = {}
     written: list[Path] = []
     futures: list[tuple[int, Future]] = []
+    writers = writers if writers is not None else max(4, min(8, (os.cpu_count() or 4) // 4))
     pool = ProcessPoolExecutor(max_workers=max(1, writers), mp_context=multiprocessing.get_context("forkserver"))
     unusable = 0
 

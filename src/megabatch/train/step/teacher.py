@@ -109,19 +109,39 @@ class StoredTeacher:
         return stored[:, :, 0], stored[:, :, 1]
 
 
-def for_inference(model: ClipModel) -> ClipModel:
-    """``model`` with its attention computed directly by SDPA on the packed projection's views and a ViT's patch
-    embedding as one GEMM (``models/attention.py``, ``models/patches.py``: the same parameters and features,
-    exact; what ``model.direct_attention`` and ``model.patch_gemm`` do in training), in place: ViT-L/14's
-    compiled bf16 forward alone on an H200 gave 2,883 images/s so, 2,615 with open_clip's own blocks on another
-    (``docs/bench/embed_shards_vit_l14_h200.json``, ``embed_shards_vit_l14_openclip_blocks_h200.json``; 2,804 against
-    2,585 on one machine). Returns it."""
+def for_inference(model: ClipModel, gelu: str = "erf") -> ClipModel:
+    """``model`` made faster to write embeddings with, in place (the same parameters): its attention computed
+    directly by SDPA on the packed projection's views and a ViT's patch embedding as one GEMM
+    (``models/attention.py``, ``models/patches.py``: the same features up to a reordered sum; what
+    ``model.direct_attention`` and ``model.patch_gemm`` do in training) and, with ``gelu="tanh"``, its blocks'
+    ``c_fc`` and GELU as one cuBLASLt GEMM whose epilogue computes the tanh form of the GELU (``models/mlp.py``;
+    ``gelu="erf"``, the default, keeps the exact GELU and its own pass over the activations; the writers' ``auto``
+    is ``tanh`` on a GPU, ``writing_gelu``).
+
+    ViT-L/14's compiled bf16 forward alone on an H200, batch 256: 2,904 images/s with the exact GELU (its pass: 12%
+    of the GPU time), 3,148 with the epilogue; 2,615 with open_clip's own blocks (docs/bench/embed_shards_*). The
+    tanh form moves the features by less than the bf16 forward itself does: the smallest cosine to the exact GELU's
+    features over 256 images was 0.99996, as inductor's autotuned GEMMs give with the exact GELU
+    (``tests/train/test_stored_image_features.py`` holds it against float32 on the CPU). Returns it."""
     from ...models.attention import use_direct_attention
+    from ...models.mlp import use_tanh_gelu
     from ...models.patches import use_patch_gemm
 
+    if gelu not in ("tanh", "erf"):
+        raise ValueError(f"gelu={gelu!r}: tanh or erf (auto: writing_gelu)")
     use_direct_attention(model, "sdpa")
     use_patch_gemm(model)
+    if gelu == "tanh":
+        use_tanh_gelu(model.clip)  # the blocks only: the model's own config (what it rebuilds) keeps its GELU
     return model
+
+
+def writing_gelu(gelu: str, device: torch.device) -> str:
+    """The writers' GELU (``make_shards.py --gelu``): ``auto`` is ``tanh`` where they run on a GPU (in bf16, fused:
+    faster, and within bf16's own rounding) and the exact ``erf`` on the CPU (float32: no fused GEMM to gain)."""
+    if gelu == "auto":
+        return "tanh" if device.type == "cuda" else "erf"
+    return gelu
 
 
 def load_teacher_model(distill: DistillSettings | DictConfig) -> ClipModel:
@@ -245,13 +265,14 @@ def teacher_encoder(teachers: list[Teacher]):
 def write_image_feature_shards(urls: list[str], out: Path, model: ClipModel, device: torch.device, *,
                                key: str = "image.npy", batch: int = 256, dtype=np.float16, rank: int = 0,
                                world: int = 1, show_progress: bool = True, workers: int = 8,
-                               compile: bool = True) -> list[Path]:
+                               compile: bool = True, gelu: str = "auto") -> list[Path]:
     """Copies of the shards ``urls`` in ``out`` with each sample's image features by ``model``'s image tower added
     as member ``key`` (``[width]``, L2-normalised, of the image's centre crop at the tower's size), for
     ``model.image_features=stored`` (``data/image_features.py``); ``image_features.json`` (rank 0: the tower's
     fingerprint, taken before the weights are cast) and ``sizes.json`` (copied from the shards' own, when
     there). Rank ``rank`` of ``world`` writes every ``world``-th shard; a shard already in ``out`` is skipped.
-    On CUDA the tower runs in bf16, compiled (``compile``). Returns the shards this rank wrote."""
+    On CUDA the tower runs in bf16, compiled (``compile``), its GELU ``gelu`` (``writing_gelu``). Returns the shards
+    this rank wrote."""
     from ...data.embedding_writer import write_embedded_shards
     from ...data.image_features import SPEC_NAME, ImageFeatureSpec
 
@@ -259,7 +280,8 @@ def write_image_feature_shards(urls: list[str], out: Path, model: ClipModel, dev
     prepare_folder(out, urls, out / SPEC_NAME, spec,
                    ImageFeatureSpec.load(out, key) if (out / SPEC_NAME).exists() else None, spec.to_json(),
                    "another image tower's features", rank)
-    encode, size = image_encoder(Teacher(for_inference(model), 1.0, device, compile=compile))
+    tower = Teacher(for_inference(model, writing_gelu(gelu, device)), 1.0, device, compile=compile)
+    encode, size = image_encoder(tower)
     return write_embedded_shards([Path(url) for url in urls[rank::world]], out, key, encode, size=size,
                                  device=device, batch=batch, workers=workers, dtype=dtype,
                                  show_progress=show_progress, desc="image features")
