@@ -1,7 +1,8 @@
 """Writing embeddings into shards (``scripts/make_shards.py image-features`` and ``teacher``): images a second
 on JPEG shards, side by side in one run with the way they were written before (the decoding in the main process,
 an eager forward: ``--workers 0 --no-compile``) and with the model's own forward alone on images already on the
-GPU (the ceiling: what the GPU does without any data), each with its TFLOP/s and share of the GPU's bf16 peak.
+GPU (the ceiling: what the GPU does without any data), each with its TFLOP/s and share of the GPU's bf16 peak, and
+on a GPU each image tower's features against the model's own in float32 (the smallest cosine over a batch).
 
     python scripts/benchmarks/embed_shards.py --arch ViT-L-14 --shards 96 --out embed_shards_vit_l14_h200.json
 
@@ -81,6 +82,28 @@ def loader_alone(urls: list[str], size: tuple[int, int], batch: int, workers: in
             "seconds": round(seconds, 2), "images_per_s": round(rows / seconds, 1)}
 
 
+def exact_features(arch: str, urls: list[str], size: tuple[int, int], batch: int, device: torch.device):
+    """``(images, features)``: the first shard's first ``batch`` images (uint8, on ``device``) and the features of the
+    model as it is built (open_clip's blocks, the exact GELU) in float32 without TF32, eager: what the writers' bf16
+    forwards are held against (``min_cosine_to_float32``)."""
+    from torch.utils.data import DataLoader
+
+    from megabatch.data.embedding_writer import ShardRows
+    from megabatch.models.images import normalize_images
+    rows = next(iter(DataLoader(ShardRows([Path(urls[0])], size, batch, None), batch_size=None, num_workers=0)))
+    images = rows.images.to(device)
+    model = seeded(arch).to(device).eval()
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            features = model.encode_image(normalize_images(images, model.preprocess["mean"], model.preprocess["std"]))
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    del model
+    return images, features.float()
+
+
 def main() -> None:
     from bench import write_results
 
@@ -89,7 +112,6 @@ def main() -> None:
         Teacher,
         for_inference,
         image_encoder,
-        load_teacher_model,
         teacher_encoder,
     )
     from megabatch.train.step.utilization import count_model_flops, gpu_peak
@@ -117,7 +139,7 @@ def main() -> None:
     made = time.perf_counter()
     urls = shards(workdir / "source", args.shards, args.per_shard, args.size)
     made = time.perf_counter() - made
-    model = load_teacher_model(_cfg(args.arch))
+    model = seeded(args.arch)
     texts = torch.ones((2, model.context_length), dtype=torch.long)
     images = torch.zeros((2, 3, *(model.image_size,) * 2), dtype=torch.uint8)
     flops = count_model_flops(model.train(), images, texts)  # training mode: nn.MultiheadAttention's counted path
@@ -159,12 +181,19 @@ def main() -> None:
             alone = ceiling(encode, size, args.batch, device, model.context_length if tokenizers else 0, 20)
             row["forward_alone_images_per_s"] = round(alone, 1)
             row["forward_alone_peak_share"] = round(alone * per_image_flops / 1e12 / peak.tflops, 3) if peak else None
+            if not tokenizers:  # an image tower: its features against the model's own in float32
+                with torch.no_grad():
+                    have = encode(reference[0], []).float()
+                row["min_cosine_to_float32"] = round(float(torch.nn.functional.cosine_similarity(
+                    have, reference[1]).min()), 6)
         print(json.dumps(row), flush=True)
         results.append(row)
         write_results(args.out, results, arch=args.arch, size=args.size, per_shard=args.per_shard,
                       source_shards_written_s=round(made, 1), image_forward_gflop=flops.image_forward / 1e9,
                       text_forward_gflop=flops.text_forward / 1e9, gpu_peak_tflops=peak.tflops if peak else None)
 
+    reference = exact_features(args.arch, urls, (model.image_size,) * 2, args.batch, device) \
+        if device.type == "cuda" else None
     image_only = flops.image_forward
     both = flops.image_forward + flops.text_forward
     for kind in args.kinds.split(","):
@@ -175,29 +204,37 @@ def main() -> None:
                           source_shards_written_s=round(made, 1), image_forward_gflop=flops.image_forward / 1e9,
                           text_forward_gflop=flops.text_forward / 1e9, gpu_peak_tflops=peak.tflops if peak else None)
         elif kind == "image-features":
-            tower = Teacher(for_inference(load_teacher_model(_cfg(args.arch)), "tanh"), 1.0, device, compile=True)
+            tower = Teacher(for_inference(seeded(args.arch), "tanh"), 1.0, device, compile=True)
             measure(kind, *image_encoder(tower), True, args.shards, per_image_flops=image_only)
         elif kind == "exact-gelu":  # image-features with the blocks' exact GELU (for_inference's gelu="erf")
-            tower = Teacher(for_inference(load_teacher_model(_cfg(args.arch)), "erf"), 1.0, device, compile=True)
+            tower = Teacher(for_inference(seeded(args.arch), "erf"), 1.0, device, compile=True)
             measure(kind, *image_encoder(tower), True, args.shards, per_image_flops=image_only)
         elif kind == "teacher":
-            teacher = Teacher(for_inference(load_teacher_model(_cfg(args.arch)), "tanh"), 100.0, device, compile=True)
+            teacher = Teacher(for_inference(seeded(args.arch), "tanh"), 100.0, device, compile=True)
             measure(kind, *teacher_encoder([teacher]), True, args.shards, [teacher.model.tokenizer()], "txt",
                     per_image_flops=both)
         elif kind == "open-clip-blocks":  # image-features with open_clip's own attention blocks and patch convolution
-            tower = Teacher(load_teacher_model(_cfg(args.arch)), 1.0, device, compile=True)
+            tower = Teacher(seeded(args.arch), 1.0, device, compile=True)
             measure(kind, *image_encoder(tower), True, args.shards, per_image_flops=image_only)
         elif kind == "max-autotune":  # image-features compiled with inductor's GEMM autotuning (a longer compile)
-            tower = Teacher(for_inference(load_teacher_model(_cfg(args.arch))), 1.0, device, compile=False)
+            tower = Teacher(for_inference(seeded(args.arch)), 1.0, device, compile=False)
             tower.encode_image = torch.compile(tower.model.encode_image, mode="max-autotune-no-cudagraphs")
             measure(kind, *image_encoder(tower), True, args.shards, per_image_flops=image_only)
         elif kind == "reference":  # as they were written before: decoded in the main process, eager
-            teacher = Teacher(load_teacher_model(_cfg(args.arch)), 100.0, device, compile=False)
+            teacher = Teacher(seeded(args.arch), 100.0, device, compile=False)
             measure(kind, *teacher_encoder([teacher]), False, args.reference_shards, [teacher.model.tokenizer()],
                     "txt", per_image_flops=both, measured_workers=0)
         else:
             parser.error(f"--kinds: {kind}? loader, image-features, exact-gelu, teacher, open-clip-blocks, "
                          "max-autotune or reference")
+
+
+def seeded(arch: str):
+    """``arch`` with random weights, the same ones at every call (the features of two builds compare)."""
+    from megabatch.train.step.teacher import load_teacher_model
+
+    torch.manual_seed(0)
+    return load_teacher_model(_cfg(arch))
 
 
 def _cfg(arch: str):
