@@ -26,7 +26,8 @@ data.train.teacher_key=teacher.npy`: a teacher is an open_clip architecture with
 local file), a megabatch checkpoint or an export folder. Both read and decode with --workers loader
 processes and run the model on the GPU in bf16 (compiled: --compile/--no-compile), --batch images at a time, on a
 GPU their blocks' GELU in the tanh form that cuBLASLt's GEMM epilogue computes (--gelu auto: tanh on a GPU, 8% faster
-for ViT-L/14, the features moved less than bf16 moves them; exact on the CPU) or exact (--gelu erf).
+for ViT-L/14, its features as near the float32 model's as the exact GELU's in bf16; exact on the CPU) or exact
+(--gelu erf).
 Under torchrun each rank writes its share of the shards on its GPU; shards already written are skipped, so an
 interrupted run resumes.
 """

@@ -348,20 +348,28 @@ def eval_suite_table(data: dict, entry: dict) -> list[str]:
 
 
 def embed_table(data: dict, entry: dict) -> list[str]:
-    """scripts/benchmarks/embed_shards.py: images a second written into shards per kind (in all, and steady: between
-    the first copy written and the last), their TFLOP/s and share of the GPU's bf16 peak, against the model's forward
-    alone on images already on the GPU."""
+    """scripts/benchmarks/embed_shards.py: images a second written into shards per kind (in all, and steady: the
+    batches from the first launch to the last), their TFLOP/s and share of the GPU's bf16 peak, against the model's
+    forward alone on images already on the GPU; the image towers' smallest cosine to the model's float32 features
+    where measured; the loader workers alone (decoding's ceiling)."""
     meta = data["meta"]
     rows = [f"{meta['arch']}: {meta['image_forward_gflop']:.1f} GFLOP an image's forward, "
             f"{meta['text_forward_gflop']:.1f} a caption's; {meta['per_shard']} JPEGs a shard, {meta['size']} px.", "",
             "| kind | compiled | loader workers | shards | images/s | steady images/s | TFLOP/s | of the peak | "
-            "the forward alone: images/s | of the peak | warm-up s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "the forward alone: images/s | of the peak | warm-up s | cosine to float32 (least) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["results"]:
+        if r["kind"] == "loader":
+            rows.append(f"| loader alone (decoding) | - | {r['workers']} | {r['shards']} | {r['images_per_s']:,.0f} | "
+                        "- | - | - | - | - | - | - |")
+            continue
         share, steady = r.get("forward_alone_peak_share"), r.get("steady_images_per_s")
+        cosine = r.get("min_cosine_to_float32")
         rows.append(f"| {r['kind']} | {'yes' if r['compiled'] else 'no'} | {r['workers']} | {r['shards']} | "
                     f"{r['images_per_s']:,.0f} | {f'{steady:,.0f}' if steady else '-'} | {r['tflops']:.0f} | "
                     f"{r['peak_share'] * 100:.1f}% | {r.get('forward_alone_images_per_s', 0):,.0f} | "
-                    f"{f'{share * 100:.1f}%' if share else '-'} | {r['warm_up_s']:.0f} |")
+                    f"{f'{share * 100:.1f}%' if share else '-'} | {r['warm_up_s']:.0f} | "
+                    f"{f'{cosine:.6f}' if cosine else '-'} |")
     return rows
 
 
