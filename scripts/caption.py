@@ -84,8 +84,9 @@ def main(argv: list[str]) -> None:
     try:
         model = model_from_checkpoint(load_checkpoint(args["ckpt"]), args["weights"], "weights")
         if not model.has_decoder:
-            raise ConfigError(f"ckpt={args['ckpt']}: model {model.name} has no caption decoder (train a CoCa: "
-                              "model=openclip model.arch=coca_ViT-B-32 loss.caption_weight=2.0)")
+            raise ConfigError(f"ckpt={args['ckpt']}: model {model.name} has no caption decoder (train one: "
+                              "model.decoder.layers=2 loss.caption_weight=1.0, or a CoCa: model=openclip "
+                              "model.arch=coca_ViT-B-32 loss.caption_weight=2.0)")
         device = torch.device("cuda" if args["device"] == "auto" and torch.cuda.is_available()
                               else "cpu" if args["device"] == "auto" else args["device"])
         model = model.to(device).eval()

@@ -24,7 +24,10 @@ def ddp_and_fsdp(rank: int, world: int, overrides: list[str]) -> dict:
     ["loss=local", "trainer.fsdp_reduce=sub_batch", "trainer.keep_graph=8"],
     # LiT (a locked image tower: no shard of it has a gradient), the sigmoid loss's bias, one reduction per step
     ["loss=siglip", "loss.tile=8", "model.init_logit_bias=-10", "model.lock_image=true", "trainer.fsdp_reduce=step"],
-], ids=["gradcache", "locked-siglip-once-per-step"])
+    # model.decoder's caption term (the decoder's blocks sharded too; the image tower's tokens through its own forward)
+    ["loss=local", "model.decoder.layers=1", "model.decoder.width=32", "model.decoder.heads=2",
+     "loss.caption_weight=1.0"],
+], ids=["gradcache", "locked-siglip-once-per-step", "decoder"])
 def test_fsdp_gives_the_gradients_and_update_of_ddp(overrides, tmp_path):
     ranks = run_ranks(2, ddp_and_fsdp, overrides, tmp_path=tmp_path)
     for result in ranks:

@@ -28,6 +28,7 @@ WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
 NEGATIVES = ["data.train.negatives_key=json:negatives", "data.train.negatives=2"]
 IMAGE_FEATURES = ["model.lock_image=true", "model.image_features=stored", "data.train.image_features_key=image.npy"]
 # each objective's overrides on top of the contrastive loss; the teacher's path is filled in by the fixture
+DECODER = ["model.decoder.layers=1", "model.decoder.width=32", "model.decoder.heads=2"]
 OBJECTIVES = {
     "contrastive": [],
     "caption": ["model=tiny_coca", "loss.caption_weight=1.5"],
@@ -35,6 +36,8 @@ OBJECTIVES = {
     "stored teacher": ["distill.teacher=stored", "data.train.teacher_key=teacher.npy"],  # read from data["stored"]
     "negatives": NEGATIVES,
     "caption+teacher": ["model=tiny_coca", "loss.caption_weight=1.5", "distill.teacher={teacher}"],
+    # model.decoder: a captioner over the image tower's tokens alone (LocCa), half the captions predicted in parallel
+    "decoder": [*DECODER, "loss.caption_weight=1.5"],
     "teacher+negatives": ["distill.teacher={teacher}", *NEGATIVES],
     # LiT from stored image features (read from data["features"]), alone and beside what they combine with
     "image features": IMAGE_FEATURES,

@@ -70,9 +70,9 @@ def run_captioning(model, eval_cfg, transform, device, ranks=None) -> dict[str, 
 
     key = f"eval.{eval_cfg.name}"
     if not getattr(model, "has_decoder", False):
-        raise ConfigError(f"{key}.task=captioning needs a model with a caption decoder (a CoCa: model=tiny_coca, "
-                          f"or model=openclip model.arch=coca_ViT-B-32); {getattr(model, 'name', 'this model')} "
-                          "has none")
+        raise ConfigError(f"{key}.task=captioning needs a model with a caption decoder (model.decoder.layers=2, or "
+                          f"a CoCa: model=tiny_coca, or model=openclip model.arch=coca_ViT-B-32); "
+                          f"{getattr(model, 'name', 'this model')} has none")
     scorers()  # before the captions are generated: a missing package is said at once
     ranks = ranks if ranks is not None and not ranks.lockstep else Ranks()
     images, captions, owner, load = pairs_of(eval_cfg, transform)

@@ -58,6 +58,7 @@ class ClipModel(nn.Module):
         self._cuda_graphs = False                 # compile_towers(cuda_graphs=True): replayed as CUDA graphs
         self._compiled_caption: dict | None = None  # compile_towers() of a CoCa: caption_forward's three graphs
         self.text_trim: TextTrim | None = None    # trim_text(): how captions are cut to their length
+        self.decoder: nn.Module | None = None     # attach_decoder(): model.decoder's captioner (models/decoder.py)
         self.stored_image_features = False        # model.image_features=stored: training feeds features, not images
 
     @property
@@ -84,6 +85,15 @@ class ClipModel(nn.Module):
     def context_length(self) -> int:
         return int(self.model_cfg["text_cfg"].get("context_length", 77))
 
+    @property
+    def vocab_size(self) -> int:
+        """The token ids the captions hold: the text tower's vocabulary (a Hugging Face tower's tokenizer's)."""
+        size = self.model_cfg["text_cfg"].get("vocab_size")
+        if size is None:
+            tokenizer = self.tokenizer()
+            size = len(getattr(tokenizer, "tokenizer", tokenizer))
+        return int(size)
+
     def tokenizer(self):
         """The text tower's tokenizer (built from local files only)."""
         return build_tokenizer(self.model_cfg, self.arch, self.tokenizer_folder)
@@ -91,8 +101,29 @@ class ClipModel(nn.Module):
     def description(self) -> dict[str, Any]:
         """What rebuilds this model without its config files (``from_description``): stored in
         checkpoints and written by ``scripts/export.py``."""
-        return {"name": self.name, "arch": self.arch, "model_cfg": _plain(self.model_cfg),
-                "preprocess_cfg": _plain(self.preprocess), "tokenizer_folder": self.tokenizer_folder}
+        description = {"name": self.name, "arch": self.arch, "model_cfg": _plain(self.model_cfg),
+                       "preprocess_cfg": _plain(self.preprocess), "tokenizer_folder": self.tokenizer_folder}
+        if self.decoder is not None:
+            description["decoder"] = self.decoder.cfg.to_dict()
+        return description
+
+    def attach_decoder(self, cfg) -> None:
+        """``model.decoder``: a caption decoder over the image tower's tokens (``models/decoder.py``; ``cfg``: a
+        ``DecoderCfg``), frozen until ``loss.caption_weight`` trains it. An open_clip ViT image tower only, and not
+        beside a CoCa's own decoder: a ``ConfigError`` naming the key otherwise."""
+        from open_clip.transformer import VisionTransformer
+
+        from .decoder import CaptionDecoder
+
+        visual = self.clip.visual
+        if self.has_decoder:
+            raise ConfigError(f"model.decoder with model {self.name}, a CoCa: it has a caption decoder already "
+                              "(loss.caption_weight trains it); set model.decoder.layers=0")
+        if not isinstance(visual, VisionTransformer):
+            raise ConfigError(f"model.decoder reads an open_clip ViT's tokens; model {self.name}'s image tower is a "
+                              f"{type(visual).__name__}: set model.decoder.layers=0")
+        self.decoder = CaptionDecoder(cfg, visual.transformer.width, self.vocab_size, self.context_length,
+                                      int(getattr(self.clip, "pad_id", 0) or 0)).requires_grad_(False)
 
     def tower_parameters(self, tower: str):
         """``(name, parameter)`` pairs of the ``image`` or ``text`` tower (projection included)."""
@@ -218,8 +249,24 @@ class ClipModel(nn.Module):
 
     @property
     def has_decoder(self) -> bool:
-        """A CoCa: a caption decoder over the image tower's tokens (``loss.caption_weight``)."""
-        return getattr(self.clip, "text_decoder", None) is not None
+        """A caption decoder over the image tower's tokens (``loss.caption_weight``): a CoCa's, or
+        ``model.decoder``'s."""
+        return self.decoder is not None or getattr(self.clip, "text_decoder", None) is not None
+
+    @property
+    def decoder_module(self) -> nn.Module | None:
+        """The caption decoder's module: ``model.decoder``'s, or a CoCa's ``text_decoder``."""
+        return self.decoder if self.decoder is not None else getattr(self.clip, "text_decoder", None)
+
+    def image_and_tokens(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An open_clip ViT's output and its last tokens (after ``ln_post``) of normalised ``images``: its forward
+        with ``output_tokens`` (its own forward: under FSDP its hooks gather its weights), for ``model.decoder``."""
+        visual = self.clip.visual
+        visual.output_tokens = True
+        try:
+            return visual(images)
+        finally:
+            visual.output_tokens = False
 
     def caption_forward(self, images: torch.Tensor | None, texts: torch.Tensor, before_text=None):
         """``forward``'s outputs and the caption decoder's cross-entropy summed over the captions' tokens
@@ -239,16 +286,20 @@ class ClipModel(nn.Module):
         return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias, caption
 
     def _caption_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        latent, tokens = self.clip._encode_image(normalize_images(images, self.preprocess["mean"],
-                                                                  self.preprocess["std"]))
+        images = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
+        latent, tokens = self.image_and_tokens(images) if self.decoder is not None else self.clip._encode_image(images)
         return nn.functional.normalize(latent, dim=-1), tokens
 
-    def _caption_text(self, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _caption_text(self, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.decoder is not None:  # model.decoder reads no output of the text tower
+            return self._text_features(texts), None
         latent, token_embeddings = self.clip._encode_text(texts)
         return nn.functional.normalize(latent, dim=-1), token_embeddings
 
-    def _caption_loss(self, image_tokens: torch.Tensor, token_embeddings: torch.Tensor,
+    def _caption_loss(self, image_tokens: torch.Tensor, token_embeddings: torch.Tensor | None,
                       texts: torch.Tensor) -> torch.Tensor:
+        if self.decoder is not None:
+            return self.decoder.loss(image_tokens, texts)
         logits = self.clip.text_decoder(image_tokens, token_embeddings[:, :-1])
         return nn.functional.cross_entropy(logits.float().flatten(0, 1), texts[:, 1:].flatten(),
                                            ignore_index=self.clip.pad_id, reduction="sum")
@@ -519,7 +570,17 @@ def build_clip(**values: Any) -> ClipModel:
     model = ClipModel(clip, name, model_cfg)
     lock_towers(model, lock_image, lock_text, image_unlocked, text_unlocked,
                 image_pretrained=bool(image_ckpt or source), text_pretrained=bool(hf_path or source))
+    attach_decoder(model, spec.decoder)
     return model
+
+
+def attach_decoder(model: ClipModel, values) -> None:
+    """``model.decoder`` (a mapping, or ``None``): its caption decoder attached where it has layers."""
+    from .decoder import DecoderCfg
+
+    cfg = DecoderCfg.of(values)
+    if cfg is not None:
+        model.attach_decoder(cfg)
 
 
 def lock_towers(model: ClipModel, lock_image: bool, lock_text: bool, image_unlocked: int, text_unlocked: int,

@@ -1,4 +1,5 @@
-"""Captions from a CoCa's decoder: beam search, or top-k / top-p sampling.
+"""Captions from a CoCa's decoder (or ``model.decoder``'s, ``models/decoder.py``): beam search, or top-k / top-p
+sampling.
 
 open_clip 3.3's ``CoCa.generate`` asserts on transformers' ``BeamSearchScorer``, which transformers 5 no
 longer has (our pinned version), for every generation type; this is the same decoding on open_clip's own
@@ -18,9 +19,16 @@ def caption_texts(model, images: torch.Tensor, method: str = "beam_search", max_
     its device): its tokenizer's start, end and pad tokens, at most ``max_len`` tokens (and what its context
     leaves after the start token and CoCa's class token)."""
     tokenizer = model.tokenizer()
-    rows = generate_captions(model.clip, images, method=method, max_len=min(max_len, model.context_length - 2),
+    decoder = getattr(model, "decoder", None)
+    if decoder is not None:  # model.decoder's captioner, seen as a CoCa (models/decoder.py)
+        from .decoder import DecoderCaptioner
+
+        target, pad = DecoderCaptioner(model), decoder.pad_id
+    else:
+        target, pad = model.clip, model.clip.pad_id
+    rows = generate_captions(target, images, method=method, max_len=min(max_len, model.context_length - 2),
                              sot=getattr(tokenizer, "sot_token_id", 49406),
-                             eot=getattr(tokenizer, "eot_token_id", 49407), pad=model.clip.pad_id)
+                             eot=getattr(tokenizer, "eot_token_id", 49407), pad=pad)
     if hasattr(tokenizer, "decode"):
         return [tokenizer.decode(row).strip() for row in rows]
     import open_clip

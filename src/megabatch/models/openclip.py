@@ -14,7 +14,7 @@ import open_clip
 from open_clip.model import CLIP, CustomTextCLIP, set_model_preprocess_cfg
 
 from ..config import ConfigError
-from .clip import ClipModel, init_caption_decoder, lock_towers
+from .clip import ClipModel, attach_decoder, init_caption_decoder, lock_towers
 from .preprocess import describe_preprocess, resolve_preprocess
 from .pretrained import Pretrained, load_weights, resolve_pretrained
 from .spec import ModelSpec
@@ -76,6 +76,7 @@ def build_openclip(**values: Any) -> ClipModel:
     _freeze_caption_decoder(clip)
     model = ClipModel(clip, name or arch or source.folder.name, model_cfg, arch,
                       str(source.folder) if source is not None and source.has_tokenizer else None)
+    attach_decoder(model, spec.decoder)
     log.info("model %s (%s): %.1fM parameters; preprocessing %s", model.name, label,
              sum(p.numel() for p in clip.parameters()) / 1e6, describe_preprocess(preprocess_cfg))
     lock_towers(model, lock_image, lock_text, image_unlocked, text_unlocked,
@@ -149,5 +150,7 @@ def from_description(description: dict[str, Any]) -> ClipModel:
     clip = _create(model_cfg, f"the stored model {description['name']}")
     set_model_preprocess_cfg(clip, dict(description["preprocess_cfg"]))
     _freeze_caption_decoder(clip)
-    return ClipModel(clip, description["name"], description["model_cfg"], description.get("arch"),
-                     description.get("tokenizer_folder"))
+    model = ClipModel(clip, description["name"], description["model_cfg"], description.get("arch"),
+                      description.get("tokenizer_folder"))
+    attach_decoder(model, description.get("decoder"))
+    return model

@@ -23,7 +23,8 @@ class ModelSpec:
     ``hf_path``, ``pooling``, ``proj``); ``quick_gelu``, ``init_logit_scale``, ``init_logit_bias`` (``None``: the
     builder's or the architecture's); ``pretrained``: local weights of the whole model; ``preprocess``:
     ``model.preprocess.*``; ``grad_checkpointing``; ``lock_image`` / ``lock_text`` (LiT); ``arch``: an open_clip
-    architecture (``build_openclip``'s); ``multimodal``: a CoCa's decoder (``build_clip``'s)."""
+    architecture (``build_openclip``'s); ``multimodal``: a CoCa's decoder (``build_clip``'s); ``decoder``: a caption
+    decoder over the image tower's tokens for any CLIP (``models/decoder.py``, both builders')."""
 
     name: str | None = None
     embed_dim: int | None = None
@@ -39,6 +40,7 @@ class ModelSpec:
     lock_text: bool = False
     arch: str | None = None
     multimodal: Mapping[str, Any] | None = None
+    decoder: Mapping[str, Any] | None = None
 
     @classmethod
     def of(cls, values: Mapping[str, Any], builder: str, refused: Mapping[str, str] = {}) -> ModelSpec:

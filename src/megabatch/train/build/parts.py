@@ -193,13 +193,16 @@ def train_decoder(settings: RunSettings, model: ClipModel, env: DistEnv) -> None
     if caption <= 0:
         return
     if not model.has_decoder:
-        raise ConfigError(f"loss.caption_weight={caption} but model {model.name} has no caption decoder: train a CoCa "
-                          "(model=openclip model.arch=coca_ViT-B-32, or model=tiny_coca), or loss.caption_weight=0")
-    model.clip.text_decoder.requires_grad_(True)
+        raise ConfigError(f"loss.caption_weight={caption} but model {model.name} has no caption decoder: give it one "
+                          "(model.decoder.layers=2), train a CoCa (model=openclip model.arch=coca_ViT-B-32, or "
+                          "model=tiny_coca), or loss.caption_weight=0")
+    decoder = model.decoder_module
+    decoder.requires_grad_(True)
     if env.rank == 0:
-        log.info("loss: %s x contrastive + %s x caption (the CoCa decoder's cross-entropy over the global batch's "
+        log.info("loss: %s x contrastive + %s x caption (the %s decoder's cross-entropy over the global batch's "
                  "caption tokens, in GradCache's replay); the decoder trains (%.1fM parameters)", contrastive,
-                 caption, sum(p.numel() for p in model.clip.text_decoder.parameters()) / 1e6)
+                 caption, "CoCa" if model.decoder is None else "model.decoder",
+                 sum(p.numel() for p in decoder.parameters()) / 1e6)
 
 
 def distilled(cfg: DictConfig, settings: RunSettings, loss, model: ClipModel, env: DistEnv,
@@ -315,9 +318,11 @@ def objectives_of(cfg: DictConfig, settings: RunSettings, model: ClipModel, loss
     features (the teacher the distilled loss was built with, ``distilled``), ``data.train.negatives_key``'s hard
     negatives, ``loss.caption_weight``'s caption loss (a CoCa's decoder)."""
     caption = settings.caption_weight
-    return build_objectives(caption_weight=caption, pad_id=model.clip.pad_id if caption > 0 else None,
-                            teacher=getattr(loss, "teacher", None),
-                            negatives=settings.data.train.negatives_key is not None, device=env.device)
+    decoder = model.decoder if caption > 0 else None
+    pad_id = (decoder.pad_id if decoder is not None else model.clip.pad_id) if caption > 0 else None
+    return build_objectives(caption_weight=caption, pad_id=pad_id, teacher=getattr(loss, "teacher", None),
+                            negatives=settings.data.train.negatives_key is not None, device=env.device,
+                            decoder=decoder)
 
 
 def weight_average(ema: EmaSettings, model: ClipModel, env: DistEnv) -> WeightAverage | None:

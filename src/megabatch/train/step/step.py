@@ -207,8 +207,12 @@ class TrainStep:
         self.objectives, self.contrastive = list(objectives), Contrastive(loss_fn, contrastive_weight)
         both = any(objective.replays_both_towers for objective in self.objectives)
         replay_images = not model.frozen("image") or both
+        # captions cut to their length and grouped by it, unless an objective reads them whole, row by row with the
+        # images (a caption decoder: model.decoder's reads the captions beside its sub-batch's image tokens)
+        cut = all(objective.cuts_captions for objective in self.objectives)
         self.keep = ReplayInputs(images=replay_images, texts=not model.frozen("text") or both,
-                                 offload=offload if replay_images else None, text_trim=model.text_trim,
+                                 offload=offload if replay_images else None,
+                                 text_trim=model.text_trim if cut else None,
                                  kept_graphs=self.kept_graphs(keep_graph)
                                  if all(objective.keeps_graphs for objective in self.objectives) else 0)
         self.model_options: dict = {}  # what the objectives ask of the model's forward (its outputs after four)

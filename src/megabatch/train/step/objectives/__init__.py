@@ -18,16 +18,17 @@ __all__ = ["Caption", "Contrastive", "HardNegatives", "Objective", "States", "Te
 
 
 def build(caption_weight: float = 0.0, pad_id: int | None = None, teacher=None, negatives: bool = False,
-          device=None) -> list[Objective]:
+          device=None, decoder=None) -> list[Objective]:
     """The objectives of a run, in the order their hooks run: the teacher's features (the distilled loss's
-    input), the hard negatives (the softmax's extra columns), the caption term."""
+    input), the hard negatives (the softmax's extra columns), the caption term (``decoder``: ``model.decoder``'s
+    captioner, whose parallel-prediction draw takes the step)."""
     objectives: list[Objective] = []
     if teacher is not None:
         objectives.append(TeacherFeatures(teacher))
     if negatives:
         objectives.append(HardNegatives())
     if caption_weight > 0:
-        objectives.append(Caption(caption_weight, pad_id, device))
+        objectives.append(Caption(caption_weight, pad_id, device, decoder))
     return objectives
 
 

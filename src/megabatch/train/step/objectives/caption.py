@@ -1,7 +1,8 @@
 """``loss.caption_weight``: a CoCa's caption loss, the decoder's cross-entropy summed over the global batch's
 caption tokens (each caption's second token on, pad left out) and divided by their count, times the weight. The
 decoder reads both towers' outputs, so with GradCache every sub-batch is encoded again, both towers, and adds its
-own cross-entropy sum to its surrogate.
+own cross-entropy sum to its surrogate. The decoder is a CoCa's, or ``model.decoder``'s (``models/decoder.py``, any
+CLIP: it reads the image tower's tokens alone), whose parallel-prediction draw takes the step counted here.
 
 Config checks (``validate``, before anything is built): ``check_loss`` (a weight >= 0) and ``check_negatives`` (not
 with hard negatives); a model without a decoder is refused as the run builds it (``train_decoder``)."""
@@ -24,11 +25,13 @@ class Caption(Objective):
     cuts_captions = False
     model_options = {"caption": True}  # the model's fifth output: the decoder's cross-entropy sum
 
-    def __init__(self, weight: float, pad_id: int, device: torch.device):
+    def __init__(self, weight: float, pad_id: int, device: torch.device, decoder=None):
         self.weight, self.pad_id, self.device = float(weight), pad_id, device
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.world = dist.get_world_size() if self.distributed else 1
-        self.new_step()
+        # model.decoder's captioner: its parallel-prediction draw takes the step (counted here, checkpointed)
+        self.decoder, self.steps = decoder, 0
+        self._reset()
 
     def _tokens(self, texts: torch.Tensor) -> int:
         """The tokens of ``texts`` the decoder predicts (counted on the host, where the token ids are: no sync)."""
@@ -41,11 +44,17 @@ class Caption(Objective):
             dist.all_reduce(tokens)
         return tokens.clamp_(min=1.0)
 
-    def new_step(self) -> None:
+    def _reset(self) -> None:
         self.local, self.sums, self.tokens, self.factor, self._value = 0, [], None, None, None
 
+    def new_step(self) -> None:
+        self._reset()
+        if self.decoder is not None:
+            self.decoder.step.fill_(self.steps)
+            self.steps += 1
+
     def one_pass_start(self, sub) -> None:
-        self.new_step()
+        self._reset()
         self.tokens = self._global_tokens(self._tokens(sub.texts))
 
     def one_pass_term(self, outputs: tuple) -> torch.Tensor:
@@ -76,3 +85,9 @@ class Caption(Objective):
 
     def terms(self) -> dict[str, torch.Tensor]:
         return {} if self._value is None else {"caption": self._value}
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps} if self.decoder is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state.get("steps", self.steps))

@@ -1,0 +1,139 @@
+"""``model.decoder``: a caption decoder over the image tower's tokens alone (LocCa's captioner, SigLIP 2's decoder
+objective), for any CLIP; ``loss.caption_weight`` trains it, as it trains a CoCa's.
+
+A small transformer decoder: each layer an open_clip self-attention block over the caption's tokens and a
+cross-attention block reading the image tower's tokens (its last layer's, after ``ln_post``; projected to the
+decoder's width). It has its own token embedding: it reads no output of the text tower. Trained with teacher forcing
+(token t + 1 from the image and the caption up to t) and, for a share ``parallel`` of the captions, with parallel
+prediction (LocCa): every input token is a learned mask token and the self-attention is not causal, so each token
+is predicted from the image alone. Which captions are predicted in parallel is a hash of the caption's tokens and
+the step (``step``, set by the caption objective): the same whatever the sub-batch or rank a caption is in, so one
+pass, GradCache and several ranks give the same loss.
+
+The decoder is a module of the ``ClipModel`` beside open_clip's model (not in its ``state_dict`` under ``clip.``):
+checkpoints keep it (``decoder.*``) and the model's description rebuilds it; ``scripts/export.py``'s open_clip
+folder holds the CLIP alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from open_clip.transformer import LayerNorm, ResidualAttentionBlock
+from torch import nn
+
+from ..config import ConfigError
+
+
+@dataclass(frozen=True)
+class DecoderCfg:
+    """``model.decoder.*``: ``layers`` (0: no decoder), ``width``, ``heads``, ``mlp_ratio``, and ``parallel``, the
+    share of captions predicted in parallel (LocCa and SigLIP 2: 0.5)."""
+
+    layers: int = 0
+    width: int = 512
+    heads: int = 8
+    mlp_ratio: float = 4.0
+    parallel: float = 0.5
+
+    @classmethod
+    def of(cls, values) -> DecoderCfg | None:
+        """The decoder of ``model.decoder`` (a mapping or ``None``), or ``None`` where it has no layers; a bad value
+        is a ``ConfigError`` naming the key."""
+        if not values:
+            return None
+        known = {name for name in cls.__dataclass_fields__}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"model.decoder.{unknown[0]}: no such key (model.decoder takes "
+                              f"{', '.join(sorted(known))})")
+        cfg = cls(**{key: value for key, value in dict(values).items()})
+        if cfg.layers < 0 or (cfg.layers and (cfg.width <= 0 or cfg.heads <= 0 or cfg.width % cfg.heads)):
+            raise ConfigError(f"model.decoder: layers={cfg.layers}, width={cfg.width}, heads={cfg.heads}: give "
+                              "layers >= 0 and a width divisible by heads (model.decoder.layers=0: no decoder)")
+        if not 0.0 <= cfg.parallel <= 1.0:
+            raise ConfigError(f"model.decoder.parallel={cfg.parallel}: give the share of captions predicted in "
+                              "parallel, between 0 and 1 (LocCa's and SigLIP 2's: 0.5)")
+        return cfg if cfg.layers > 0 else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CaptionDecoder(nn.Module):
+    """A caption decoder over image tokens ``[n, t, image_width]`` (see the module); ``vocab_size`` and
+    ``context_length`` are the text tower's, ``pad_id`` its padding token (not predicted)."""
+
+    def __init__(self, cfg: DecoderCfg, image_width: int, vocab_size: int, context_length: int, pad_id: int = 0):
+        super().__init__()
+        self.cfg, self.pad_id, self.context_length = cfg, pad_id, context_length
+        width = cfg.width
+        self.token_embedding = nn.Embedding(vocab_size, width)
+        self.positional_embedding = nn.Parameter(torch.randn(context_length, width) * 0.01)
+        self.mask_embedding = nn.Parameter(torch.randn(width) * 0.02)  # parallel prediction's input token
+        self.image_proj = nn.Linear(image_width, width)
+        self.self_blocks = nn.ModuleList(ResidualAttentionBlock(width, cfg.heads, cfg.mlp_ratio)
+                                         for _ in range(cfg.layers))
+        self.cross_blocks = nn.ModuleList(ResidualAttentionBlock(width, cfg.heads, cfg.mlp_ratio,
+                                                                 is_cross_attention=True)
+                                          for _ in range(cfg.layers))
+        self.ln_final = LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.head.weight, std=width ** -0.5)
+        nn.init.zeros_(self.head.bias)
+        # the step, for the parallel draw: a tensor, so that a compiled decoder reads it without recompiling
+        self.register_buffer("step", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def parallel_rows(self, texts: torch.Tensor) -> torch.Tensor:
+        """``[n]`` bool: the captions predicted in parallel this step (a hash of each caption's tokens and the step,
+        below the share ``parallel``)."""
+        if self.cfg.parallel <= 0:
+            return torch.zeros(texts.shape[0], dtype=torch.bool, device=texts.device)
+        weights = torch.arange(1, texts.shape[1] + 1, device=texts.device)
+        mixed = ((texts.long() * weights).sum(1) + self.step * 7919) % 65521
+        return (mixed * 40503) % 65536 < int(round(self.cfg.parallel * 65536))
+
+    def logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
+               parallel: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, L, vocab]``: the next token's logits after each of ``tokens [n, L]`` (teacher forcing), or for rows
+        ``parallel`` each position's token from the image alone (mask tokens in, no causal mask)."""
+        rows, length = tokens.shape
+        x = self.token_embedding(tokens)
+        if parallel is not None:
+            x = torch.where(parallel[:, None, None], self.mask_embedding.to(x.dtype), x)
+        x = x + self.positional_embedding[:length].to(x.dtype)
+        causal = torch.full((length, length), float("-inf"), device=x.device).triu(1)
+        mask = causal.expand(rows, length, length)
+        if parallel is not None:
+            mask = torch.where(parallel[:, None, None], torch.zeros_like(causal), causal)
+        heads = self.cfg.heads
+        mask = mask.repeat_interleave(heads, dim=0)  # [n x heads, L, L]: nn.MultiheadAttention's per-sample masks
+        memory = self.image_proj(image_tokens)
+        for attend, read in zip(self.self_blocks, self.cross_blocks, strict=True):
+            x = attend(x, attn_mask=mask)
+            x = read(x, k_x=memory, v_x=memory)
+        return self.head(self.ln_final(x))
+
+    def loss(self, image_tokens: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy summed over the captions' tokens after the first (padding left out): teacher forcing,
+        or parallel prediction for the rows ``parallel_rows`` draws."""
+        logits = self.logits(image_tokens, texts[:, :-1], self.parallel_rows(texts))
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), texts[:, 1:].flatten(),
+                                           ignore_index=self.pad_id, reduction="sum")
+
+
+class DecoderCaptioner:
+    """A ``ClipModel`` with a ``CaptionDecoder`` seen as ``models/generate.py`` sees an open_clip ``CoCa``:
+    ``_encode_image(images)`` -> ``(latent, image tokens)`` and a call giving ``{"logits": ...}`` of the tokens so
+    far (teacher forcing)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def _encode_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.image_and_tokens(images)
+
+    def __call__(self, images, tokens, image_latent=None, image_embs=None, output_labels=False) -> dict:
+        return {"logits": self.model.decoder.logits(image_embs, tokens)}

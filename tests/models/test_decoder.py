@@ -1,0 +1,107 @@
+"""``model.decoder``: a caption decoder over the image tower's tokens alone (LocCa's captioner, SigLIP 2's decoder
+objective). Teacher forcing is causal; parallel prediction reads the image alone; which captions are predicted in
+parallel depends on the caption and the step, not on the batch it is in; the model's description and checkpoints
+rebuild it; captions generate from it; bad values are config errors naming the key. (The loss and gradients on every
+path: tests/train/test_objectives_contract.py's "decoder" row.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megabatch.config import ConfigError
+from megabatch.models import build_model, from_description
+from megabatch.models.decoder import CaptionDecoder, DecoderCfg
+from megabatch.train.step.objectives import Caption
+
+from ..helpers import compose
+
+DECODER = ["model.decoder.layers=2", "model.decoder.width=32", "model.decoder.heads=2"]
+
+
+def decoder(parallel: float = 0.5) -> CaptionDecoder:
+    torch.manual_seed(0)
+    return CaptionDecoder(DecoderCfg(layers=2, width=32, heads=2, mlp_ratio=2.0, parallel=parallel), image_width=24,
+                          vocab_size=50, context_length=12)
+
+
+def test_teacher_forcing_is_causal_and_parallel_prediction_reads_the_image_alone():
+    model = decoder().eval()
+    image = torch.randn(3, 5, 24)
+    tokens = torch.randint(1, 50, (3, 11))
+    later = tokens.clone()
+    later[:, 6:] = torch.randint(1, 50, (3, 5))
+    with torch.no_grad():
+        forced, forced_later = model.logits(image, tokens), model.logits(image, later)
+        assert torch.equal(forced[:, :6], forced_later[:, :6])  # position t sees tokens up to t
+        assert not torch.allclose(forced[:, 6:], forced_later[:, 6:])
+        parallel = torch.ones(3, dtype=torch.bool)
+        other = torch.randint(1, 50, (3, 11))
+        alone = model.logits(image, tokens, parallel)
+        torch.testing.assert_close(alone, model.logits(image, other, parallel))  # no caption token is read
+        assert not torch.allclose(alone, forced)
+        assert not torch.allclose(alone, model.logits(torch.randn(3, 5, 24), tokens, parallel))
+
+
+def test_the_parallel_captions_are_a_share_drawn_per_caption_and_step():
+    model = decoder(parallel=0.5)
+    texts = torch.randint(1, 49408, (4000, 12))
+    drawn = model.parallel_rows(texts)
+    assert 0.45 < drawn.float().mean() < 0.55
+    assert torch.equal(model.parallel_rows(texts[1000:1500]), drawn[1000:1500])  # the batch around it does not matter
+    model.step.fill_(1)
+    again = model.parallel_rows(texts)
+    assert 0.45 < again.float().mean() < 0.55 and (again != drawn).float().mean() > 0.3  # a new draw each step
+    assert not decoder(parallel=0.0).parallel_rows(texts).any()
+    assert decoder(parallel=1.0).parallel_rows(texts).all()
+
+
+def test_the_caption_objective_counts_the_steps_and_checkpoints_the_count():
+    model = decoder()
+    objective = Caption(1.0, 0, torch.device("cpu"), model)
+    for _ in range(3):
+        objective.new_step()
+    assert int(model.step) == 2 and objective.state_dict() == {"steps": 3}
+    resumed = Caption(1.0, 0, torch.device("cpu"), model)
+    resumed.load_state_dict(objective.state_dict())
+    resumed.new_step()
+    assert int(model.step) == 3
+    assert Caption(1.0, 0, torch.device("cpu")).state_dict() == {}  # a CoCa's: nothing to carry
+
+
+def test_the_model_carries_it_and_its_description_rebuilds_it():
+    model = build_model(compose(*DECODER).model)
+    assert model.has_decoder and model.decoder_module is model.decoder
+    assert not any(p.requires_grad for p in model.decoder.parameters())  # until loss.caption_weight trains it
+    assert any(name.startswith("decoder.") for name in model.state_dict())
+    assert not any(name.startswith("decoder.") for name in model.clip.state_dict())  # export: the CLIP alone
+    rebuilt = from_description(model.description())
+    rebuilt.load_state_dict(model.state_dict())
+    images = torch.randint(0, 255, (2, 3, 32, 32), dtype=torch.uint8)
+    texts = torch.randint(1, 100, (2, model.context_length))
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(images, texts, caption=True)[4], model(images, texts, caption=True)[4])
+        image_features = model(images, texts)[0]
+        torch.testing.assert_close(model(images, texts, caption=True)[0], image_features)  # the same features
+    assert not build_model(compose().model).has_decoder  # model.decoder.layers=0: none
+
+
+def test_captions_generate_from_it():
+    from megabatch.models.generate import caption_texts
+
+    model = build_model(compose(*DECODER).model).eval()
+    images = torch.randn(2, 3, 32, 32)
+    for method in ("beam_search", "top_k"):
+        texts = caption_texts(model, images, method=method, max_len=5)
+        assert len(texts) == 2 and all(isinstance(text, str) for text in texts)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.decoder.layers=1", "model.decoder.heads=5"], r"model\.decoder: layers=1, width=64, heads=5"),
+    (["model.decoder.layers=1", "model.decoder.parallel=1.5"], r"model\.decoder\.parallel=1\.5"),
+    (["model.decoder.layers=1", "+model.decoder.depth=3"], r"model\.decoder\.depth: no such key"),
+    (["model=tiny_coca", "+model.decoder.layers=1"], r"model\.decoder with model tiny_coca, a CoCa"),
+])
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_model(compose(*overrides).model)
