@@ -158,10 +158,6 @@ def write_copy(source: str, target: str, member: str, keys: list[str], values: n
     return len(added)
 
 
-def writer_started() -> None:
-    """A writer process's first task: nothing (it starts the process, which imports this module)."""
-
-
 def copy_as_is(source: str, target: str) -> int:
     """``source`` copied to ``target`` byte for byte, under a temporary name renamed when whole (a damaged shard: the
     copies keep the sources' names and counts). Returns 0: no sample given the member."""
@@ -207,8 +203,6 @@ def write_embedded_shards(sources: Sequence[Path], out: Path, member: str,
     futures: list[tuple[int, Future]] = []
     writers = writers if writers is not None else max(4, min(8, (os.cpu_count() or 4) // 4))
     pool = ProcessPoolExecutor(max_workers=max(1, writers), mp_context=multiprocessing.get_context("forkserver"))
-    for _ in range(max(1, writers)):  # the writers started (and this module imported there) while the GPU works,
-        pool.submit(writer_started)   # not when the shards finish together at the end
     unusable = 0
 
     def finish(index: int) -> None:
