@@ -27,7 +27,11 @@ def ddp_and_fsdp(rank: int, world: int, overrides: list[str]) -> dict:
     # model.decoder's caption term (the decoder's blocks sharded too; the image tower's tokens through its own forward)
     ["loss=local", "model.decoder.layers=1", "model.decoder.width=32", "model.decoder.heads=2",
      "loss.caption_weight=1.0"],
-], ids=["gradcache", "locked-siglip-once-per-step", "decoder"])
+    # self_distill's late terms (the student's views through the sharded tower, the teacher whole on each rank)
+    ["loss=local", "self_distill.weight=1.0", "self_distill.masked_weight=0.25", "self_distill.start=0",
+     "self_distill.local_crops=2", "self_distill.local_size=16", "self_distill.prototypes=32",
+     "self_distill.hidden=32", "self_distill.bottleneck=16"],
+], ids=["gradcache", "locked-siglip-once-per-step", "decoder", "self-distill"])
 def test_fsdp_gives_the_gradients_and_update_of_ddp(overrides, tmp_path):
     ranks = run_ranks(2, ddp_and_fsdp, overrides, tmp_path=tmp_path)
     for result in ranks:

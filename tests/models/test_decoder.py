@@ -80,7 +80,8 @@ def test_the_model_carries_it_and_its_description_rebuilds_it():
     images = torch.randint(0, 255, (2, 3, 32, 32), dtype=torch.uint8)
     texts = torch.randint(1, 100, (2, model.context_length))
     with torch.no_grad():
-        torch.testing.assert_close(rebuilt(images, texts, caption=True)[4], model(images, texts, caption=True)[4])
+        torch.testing.assert_close(rebuilt(images, texts, caption=True)[4]["caption"],
+                                   model(images, texts, caption=True)[4]["caption"])
         image_features = model(images, texts)[0]
         torch.testing.assert_close(model(images, texts, caption=True)[0], image_features)  # the same features
     assert not build_model(compose().model).has_decoder  # model.decoder.layers=0: none

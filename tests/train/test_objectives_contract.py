@@ -29,6 +29,9 @@ NEGATIVES = ["data.train.negatives_key=json:negatives", "data.train.negatives=2"
 IMAGE_FEATURES = ["model.lock_image=true", "model.image_features=stored", "data.train.image_features_key=image.npy"]
 # each objective's overrides on top of the contrastive loss; the teacher's path is filled in by the fixture
 DECODER = ["model.decoder.layers=1", "model.decoder.width=32", "model.decoder.heads=2"]
+SELF_DISTILL = ["self_distill.weight=1.0", "self_distill.masked_weight=0.25", "self_distill.start=0",
+                "self_distill.local_crops=2", "self_distill.local_size=16", "self_distill.prototypes=32",
+                "self_distill.hidden=32", "self_distill.bottleneck=16"]
 OBJECTIVES = {
     "contrastive": [],
     "caption": ["model=tiny_coca", "loss.caption_weight=1.5"],
@@ -43,6 +46,9 @@ OBJECTIVES = {
     "image features": IMAGE_FEATURES,
     "image features+negatives": [*IMAGE_FEATURES, *NEGATIVES],
     "image features+stored teacher": [*IMAGE_FEATURES, "distill.teacher=stored", "data.train.teacher_key=teacher.npy"],
+    # SigLIP 2's late terms from the first step: an EMA teacher's targets for the student's crops and masked view
+    "self distill": SELF_DISTILL,
+    "self distill+decoder": [*SELF_DISTILL, *DECODER, "loss.caption_weight=1.5"],
 }
 WEIGHTS = ["1.0", "0.5"]
 PATHS = {"gradcache": [f"trainer.sub_batch={BATCH // 4}"],

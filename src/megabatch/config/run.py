@@ -200,6 +200,49 @@ class EmaSettings:
 
 
 @dataclass(frozen=True)
+class SelfDistillSettings:
+    """``self_distill.*`` (``schema.check_self_distill`` checked them): SigLIP 2's late terms, the local-to-global
+    self-distillation (``weight``) and the masked prediction (``masked_weight``), from the share ``start`` of
+    training on; the student's views and heads (``views``: ``models.views.ViewsCfg``'s keys); the temperatures and
+    momenta of the teacher and the centers."""
+
+    weight: float = 0.0
+    masked_weight: float = 0.0
+    start: float = 0.8
+    local_crops: int = 8
+    local_size: int = 96
+    crop_scale: tuple[float, float] = (0.05, 0.4)
+    mask_ratio: float = 0.5
+    prototypes: int = 4096
+    hidden: int = 2048
+    bottleneck: int = 256
+    student_temp: float = 0.1
+    teacher_temp: float = 0.04
+    center_momentum: float = 0.9
+    teacher_momentum: float = 0.996
+
+    @property
+    def on(self) -> bool:
+        return self.weight > 0 or self.masked_weight > 0
+
+    @property
+    def views(self) -> dict:
+        """The student's views and heads (``ViewsCfg``'s keys)."""
+        return {"local_crops": self.local_crops, "local_size": self.local_size, "crop_scale": self.crop_scale,
+                "mask_ratio": self.mask_ratio, "prototypes": self.prototypes, "hidden": self.hidden,
+                "bottleneck": self.bottleneck, "distill": self.weight > 0, "masked": self.masked_weight > 0}
+
+    @classmethod
+    def of(cls, node: DictConfig | None) -> SelfDistillSettings:
+        if node is None:
+            return cls()
+        values = {spec.name: node[spec.name] for spec in fields(cls) if spec.name in node}
+        if "crop_scale" in values:
+            values["crop_scale"] = tuple(float(v) for v in values["crop_scale"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class DistillSettings:
     """``distill.*``: the teacher (``None``: no distillation; ``stored``: embeddings read from the shards; an open_clip
     architecture, a checkpoint or an open_clip folder), its weights, the term's weight and temperature, whether the
@@ -267,7 +310,8 @@ class EvalSetSettings:
 @dataclass(frozen=True)
 class RunSettings:
     """What a run's objects read of its config, parsed once: the global batch (a number of samples), the seed,
-    ``trainer.*`` (``TrainerSettings``), ``data.*`` (``DataSettings``), ``optim.*``, ``ema.*``, ``distill.*``, the
+    ``trainer.*`` (``TrainerSettings``), ``data.*`` (``DataSettings``), ``optim.*``, ``ema.*``, ``distill.*``,
+    ``self_distill.*``, the
     model's run settings (``ModelSettings``) and the loss's weights (``loss.caption_weight``,
     ``loss.contrastive_weight``)."""
 
@@ -281,6 +325,7 @@ class RunSettings:
     optim: OptimSettings
     ema: EmaSettings
     distill: DistillSettings
+    self_distill: SelfDistillSettings = SelfDistillSettings()
 
     @classmethod
     def of(cls, cfg: DictConfig) -> RunSettings:
@@ -288,4 +333,5 @@ class RunSettings:
         return cls(batch=parse_count(cfg.batch, "batch"), seed=int(cfg.seed), trainer=TrainerSettings.of(cfg.trainer),
                    model=model_settings(cfg.model), caption_weight=caption, contrastive_weight=contrastive,
                    data=DataSettings.of(cfg.data), optim=OptimSettings.of(cfg.optim),
-                   ema=EmaSettings.of(cfg.get("ema")), distill=DistillSettings.of(cfg.get("distill")))
+                   ema=EmaSettings.of(cfg.get("ema")), distill=DistillSettings.of(cfg.get("distill")),
+                   self_distill=SelfDistillSettings.of(cfg.get("self_distill")))

@@ -158,6 +158,24 @@ class EmaConfig:
 
 
 @dataclass
+class SelfDistillConfig:
+    weight: float = 0.0
+    masked_weight: float = 0.0
+    start: float = 0.8
+    local_crops: int = 8
+    local_size: int = 96
+    crop_scale: list = field(default_factory=lambda: [0.05, 0.4])
+    mask_ratio: float = 0.5
+    prototypes: int = 4096
+    hidden: int = 2048
+    bottleneck: int = 256
+    student_temp: float = 0.1
+    teacher_temp: float = 0.04
+    center_momentum: float = 0.9
+    teacher_momentum: float = 0.996
+
+
+@dataclass
 class DistillConfig:
     teacher: str | None = None
     pretrained: str | None = None
@@ -224,6 +242,7 @@ def validate(cfg: DictConfig) -> DictConfig:
                           "optim=timm optim.name=lamb)")
     check_ema(cfg.get("ema"), cfg.eval, cfg.trainer)
     check_distill(cfg.get("distill"), cfg.loss, cfg.data.train)
+    check_self_distill(cfg.get("self_distill"), cfg.model)
     check_image_features(cfg)
     check_schedule(cfg.sched)
     check_buildable(cfg.sched, "sched", total_steps=1, global_batch=parse_count(cfg.batch, "batch"), steps_per_epoch=1)
@@ -629,6 +648,51 @@ def check_ema(ema: DictConfig | None, eval_sets: DictConfig, trainer: DictConfig
         if weights in ("ema", "both") and decay is None:
             raise ConfigError(f"eval.{name}.weights={weights} but the run keeps no moving average: set ema.decay "
                               f"(e.g. 0.9999) or eval.{name}.weights=raw")
+
+
+def check_self_distill(node: DictConfig | None, model: DictConfig) -> None:
+    """``self_distill.*`` (absent in a config stored before it existed: off): its numbers, each a ``ConfigError``
+    naming the key and a value that works; on, a trained image tower that encodes its images."""
+    if node is None:
+        return
+    check_known_keys(node, SelfDistillConfig, "self_distill")
+    values = {**vars(SelfDistillConfig()), **{key: node[key] for key in node}}
+
+    def number(key: str, low: float, high: float, example: str, low_open: bool = False,
+               high_open: bool = False, whole: bool = False) -> None:
+        value = values[key]
+        kind = int if whole else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind) or value < low or value > high \
+                or (low_open and value == low) or (high_open and value == high):
+            raise ConfigError(f"self_distill.{key}={value!r}: give {example}")
+
+    number("weight", 0, float("inf"), "the local-to-global term's weight >= 0 (SigLIP 2: 1.0; 0: off)")
+    number("masked_weight", 0, float("inf"), "the masked-prediction term's weight >= 0 (SigLIP 2: 0.25; 0: off)")
+    if values["weight"] == 0 and values["masked_weight"] == 0:
+        return
+    number("start", 0, 1, "the share of training done before the terms start, in [0, 1) (SigLIP 2: 0.8)",
+           high_open=True)
+    number("local_crops", 1, 64, "the student's crops per image, e.g. 8 (SigLIP 2)", whole=True)
+    number("local_size", 1, 4096, "the crops' side in pixels, a multiple of the patch size, e.g. 96", whole=True)
+    number("mask_ratio", 0, 1, "the share of patch tokens masked, in (0, 1) (SigLIP 2: 0.5)", low_open=True,
+           high_open=True)
+    number("prototypes", 2, 1 << 20, "the heads' prototypes, e.g. 4096", whole=True)
+    number("hidden", 1, 1 << 16, "the heads' hidden width, e.g. 2048", whole=True)
+    number("bottleneck", 1, 1 << 16, "the heads' bottleneck width, e.g. 256", whole=True)
+    number("student_temp", 0, 10, "the student's softmax temperature > 0, e.g. 0.1", low_open=True)
+    number("teacher_temp", 0, 10, "the teacher's softmax temperature > 0, e.g. 0.04", low_open=True)
+    number("center_momentum", 0, 1, "the center's momentum in [0, 1), e.g. 0.9", high_open=True)
+    number("teacher_momentum", 0, 1, "the EMA teacher's momentum per step in [0, 1), e.g. 0.996", high_open=True)
+    scale = list(values["crop_scale"])
+    if len(scale) != 2 or not all(isinstance(v, (int, float)) for v in scale) or not 0 < scale[0] < scale[1] <= 1:
+        raise ConfigError(f"self_distill.crop_scale={scale}: give [low, high] shares of the image's area, "
+                          "0 < low < high <= 1, e.g. [0.05,0.4]")
+    settings = model_settings(model)
+    if model.get("lock_image") or settings.image_features == "stored":
+        why = "locked (model.lock_image=true)" if model.get("lock_image") else \
+            "read from the shards (model.image_features=stored)"
+        raise ConfigError(f"self_distill trains the image tower on views of the images, and this run's image tower is "
+                          f"{why}: set self_distill.weight=0 and self_distill.masked_weight=0")
 
 
 def check_distill(distill: DictConfig | None, loss: DictConfig, train: DictConfig) -> None:

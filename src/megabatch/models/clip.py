@@ -59,6 +59,7 @@ class ClipModel(nn.Module):
         self._compiled_caption: dict | None = None  # compile_towers() of a CoCa: caption_forward's three graphs
         self.text_trim: TextTrim | None = None    # trim_text(): how captions are cut to their length
         self.decoder: nn.Module | None = None     # attach_decoder(): model.decoder's captioner (models/decoder.py)
+        self.views: nn.Module | None = None       # attach_views(): self_distill's heads (models/views.py)
         self.stored_image_features = False        # model.image_features=stored: training feeds features, not images
 
     @property
@@ -105,7 +106,19 @@ class ClipModel(nn.Module):
                        "preprocess_cfg": _plain(self.preprocess), "tokenizer_folder": self.tokenizer_folder}
         if self.decoder is not None:
             description["decoder"] = self.decoder.cfg.to_dict()
+        if self.views is not None:
+            description["views"] = self.views.cfg.to_dict()
         return description
+
+    def attach_views(self, cfg) -> None:
+        """``self_distill``'s student side: the heads over views of the images (``models/views.py``; ``cfg``: a
+        ``ViewsCfg``); an open_clip ViT image tower only (a ``ConfigError`` naming the key otherwise)."""
+        from .views import ViewHeads, check_views
+
+        visual = self.clip.visual
+        check_views(cfg, visual, self.name)
+        self.views = ViewHeads(cfg, int(self.model_cfg["embed_dim"]), visual.transformer.width, visual.grid_size,
+                               visual.patch_size[0])
 
     def attach_decoder(self, cfg) -> None:
         """``model.decoder``: a caption decoder over the image tower's tokens (``models/decoder.py``; ``cfg``: a
@@ -230,22 +243,32 @@ class ClipModel(nn.Module):
         with torch.no_grad() if self.frozen(tower) else contextlib.nullcontext():
             return encode(inputs)
 
-    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None, before_text=None, caption: bool = False):
+    def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None, before_text=None, caption: bool = False,
+                views: bool = False):
         """Either input may be ``None`` (its features are then ``None``): GradCache's replay
         skips a frozen tower. A frozen tower always runs without autograd. After
         ``compile_towers`` the towers run compiled (evaluation's ``encode_*`` calls stay eager).
         ``before_text``: called between the towers (GradCache's replay restores the RNG state its
-        text chunk was first encoded with: the towers' inputs are grouped differently). ``caption``: a CoCa's
-        caption loss too, a fifth output (``caption_forward``)."""
+        text chunk was first encoded with: the towers' inputs are grouped differently). The objectives' outputs
+        come fifth, a dict, where one is asked: ``caption``: a caption decoder's loss (``caption_forward``);
+        ``views``: the student's logits on views of the images (``self_distill``: ``ViewHeads.student``)."""
+        extras = {}
         if caption:
-            return self.caption_forward(images, texts, before_text)
-        if self._cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs are consumed
-        image_features = None if images is None else self._encode("image", images)
-        if before_text is not None:
-            before_text()
-        text_features = None if texts is None else self._encode("text", texts)
-        return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias
+            image_features, text_features, extras["caption"] = self.caption_forward(images, texts, before_text)
+        else:
+            if self._cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs are consumed
+            image_features = None if images is None else self._encode("image", images)
+            if before_text is not None:
+                before_text()
+            text_features = None if texts is None else self._encode("text", texts)
+        if views and images is not None:
+            normalized = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
+            extras["views"] = self.views.student(self.clip.visual, images, normalized)
+        elif self.views is not None and image_features is not None and image_features.requires_grad:
+            image_features = image_features + self.views.untouched().to(image_features.dtype)  # DDP: heads used
+        outputs = (image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias)
+        return (*outputs, extras) if caption or views else outputs
 
     @property
     def has_decoder(self) -> bool:
@@ -269,7 +292,7 @@ class ClipModel(nn.Module):
             visual.output_tokens = False
 
     def caption_forward(self, images: torch.Tensor | None, texts: torch.Tensor, before_text=None):
-        """``forward``'s outputs and the caption decoder's cross-entropy summed over the captions' tokens
+        """The features and the caption decoder's cross-entropy summed over the captions' tokens
         (teacher forcing: token t + 1 from the image's tokens and the caption's up to t; padding ignored):
         ``loss.caption_weight``. A frozen tower runs without autograd; the features are the same as
         ``forward``'s. After ``compile_towers`` the image tower, the text tower and the decoder with its
@@ -282,8 +305,7 @@ class ClipModel(nn.Module):
             before_text()
         with torch.no_grad() if self.frozen("text") else contextlib.nullcontext():
             text_features, token_embeddings = parts["text"](texts)
-        caption = parts["decoder"](image_tokens, token_embeddings, texts)
-        return image_features, text_features, self.clip.logit_scale.exp(), self.logit_bias, caption
+        return image_features, text_features, parts["decoder"](image_tokens, token_embeddings, texts)
 
     def _caption_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
@@ -572,6 +594,15 @@ def build_clip(**values: Any) -> ClipModel:
                 image_pretrained=bool(image_ckpt or source), text_pretrained=bool(hf_path or source))
     attach_decoder(model, spec.decoder)
     return model
+
+
+def attach_views(model: ClipModel, values) -> None:
+    """A description's ``views`` (a mapping, or ``None``): ``self_distill``'s heads attached where it has them."""
+    from .views import ViewsCfg
+
+    cfg = ViewsCfg.of(values)
+    if cfg is not None:
+        model.attach_views(cfg)
 
 
 def attach_decoder(model: ClipModel, values) -> None:

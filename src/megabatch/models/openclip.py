@@ -14,7 +14,7 @@ import open_clip
 from open_clip.model import CLIP, CustomTextCLIP, set_model_preprocess_cfg
 
 from ..config import ConfigError
-from .clip import ClipModel, attach_decoder, init_caption_decoder, lock_towers
+from .clip import ClipModel, attach_decoder, attach_views, init_caption_decoder, lock_towers
 from .preprocess import describe_preprocess, resolve_preprocess
 from .pretrained import Pretrained, load_weights, resolve_pretrained
 from .spec import ModelSpec
@@ -153,4 +153,5 @@ def from_description(description: dict[str, Any]) -> ClipModel:
     model = ClipModel(clip, description["name"], description["model_cfg"], description.get("arch"),
                       description.get("tokenizer_folder"))
     attach_decoder(model, description.get("decoder"))
+    attach_views(model, description.get("views"))
     return model

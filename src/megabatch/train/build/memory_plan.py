@@ -143,7 +143,7 @@ def probe_peak_memory(model, rows: int, precision, device: torch.device, caption
         outputs = model(images, texts, **({"caption": True} if caption else {}))
     image_features, text_features, scale = outputs[:3]
     graph = torch.cuda.memory_allocated(device) - before
-    surrogate = scale.float() + (outputs[4] if caption else 0)
+    surrogate = scale.float() + (outputs[4]["caption"] if caption else 0)
     for features in (image_features, text_features):
         if features.requires_grad:
             surrogate = surrogate + features.float().sum()

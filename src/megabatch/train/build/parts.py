@@ -33,8 +33,10 @@ from ...distributed.fsdp import local, shard_model
 from ...models import ClipModel, build_model
 from ...models.fp8 import convert_to_fp8
 from ...models.preprocess import describe_preprocess
+from ...models.views import ViewsCfg
 from ..step.ema import WeightAverage
 from ..step.objectives import build as build_objectives
+from ..step.objectives.self_distill import start_step
 from ..step.plan import BatchPlan, rank_batch_of
 from ..step.precision import Precision
 from ..step.step import TrainStep
@@ -150,7 +152,10 @@ def build_model_for(cfg: DictConfig, settings: RunSettings, env: DistEnv) -> Cli
     (the same on every rank). Frozen towers stay in eval mode; a Hugging Face tower, which
     transformers loads in eval mode, trains with its dropout on."""
     torch.manual_seed(settings.seed)
-    return build_model(cfg.model).to(env.device).train()
+    model = build_model(cfg.model)
+    if settings.self_distill.on:  # self_distill's heads over the student's views (models/views.py)
+        model.attach_views(ViewsCfg.of(settings.self_distill.views))
+    return model.to(env.device).train()
 
 
 def check_stored_image_features(model: ClipModel, data: TrainData, env: DistEnv) -> None:
@@ -308,21 +313,37 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
                                             env),
                      fsdp_reduce=fsdp_reduce, show_progress=env.rank == 0,
                      max_bad_steps=settings.trainer.max_bad_steps, ema=weight_average(settings.ema, model, env),
-                     objectives=objectives_of(cfg, settings, model, loss, env),
+                     objectives=objectives_of(cfg, settings, model, loss, env, plan, precision),
                      contrastive_weight=settings.contrastive_weight)
     return BuiltStep(step, optimizer, peak_lr, compilation)
 
 
-def objectives_of(cfg: DictConfig, settings: RunSettings, model: ClipModel, loss, env: DistEnv) -> list:
+def objectives_of(cfg: DictConfig, settings: RunSettings, model: ClipModel, loss, env: DistEnv, plan: BatchPlan,
+                  precision: Precision) -> list:
     """The training terms and loss inputs beside the contrastive loss (``train/step/objectives``): ``distill.teacher``'s
     features (the teacher the distilled loss was built with, ``distilled``), ``data.train.negatives_key``'s hard
-    negatives, ``loss.caption_weight``'s caption loss (a CoCa's decoder)."""
+    negatives, ``loss.caption_weight``'s caption loss (a CoCa's decoder), ``self_distill``'s late terms (from the
+    share ``self_distill.start`` of ``plan``'s steps)."""
     caption = settings.caption_weight
     decoder = model.decoder if caption > 0 else None
     pad_id = (decoder.pad_id if decoder is not None else model.clip.pad_id) if caption > 0 else None
+    late = settings.self_distill
+    self_distill = None
+    if late.on:
+        first = start_step(late.start, plan.total_steps)
+        self_distill = {"model": model, "settings": late, "start_step": first, "precision": precision}
+        if env.rank == 0:
+            log.info("self_distill: %s from step %d of %d (self_distill.start=%s): an EMA teacher of the image tower "
+                     "(momentum %s, a whole copy on each rank), %d crops of %d px per image, %d%% of the patches "
+                     "masked, heads of %d prototypes (%.1fM parameters); every GradCache sub-batch is encoded again",
+                     " + ".join(f"{weight} x {name}" for name, weight in (("local-to-global", late.weight),
+                                                                         ("masked prediction", late.masked_weight))
+                                if weight > 0), first, plan.total_steps, late.start, late.teacher_momentum,
+                     late.local_crops, late.local_size, round(100 * late.mask_ratio), late.prototypes,
+                     sum(p.numel() for p in model.views.parameters()) / 1e6)
     return build_objectives(caption_weight=caption, pad_id=pad_id, teacher=getattr(loss, "teacher", None),
                             negatives=settings.data.train.negatives_key is not None, device=env.device,
-                            decoder=decoder)
+                            decoder=decoder, self_distill=self_distill)
 
 
 def weight_average(ema: EmaSettings, model: ClipModel, env: DistEnv) -> WeightAverage | None:

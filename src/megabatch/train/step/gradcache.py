@@ -314,7 +314,7 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
             terms = [term for term in terms if term.requires_grad]
             surrogate = sum(terms[1:], terms[0]) if terms else None
             for objective in objectives if outputs is not None else ():  # its term of the one global loss
-                term = objective.replay_term(outputs)
+                term = objective.replay_term(outputs, images)
                 if term is not None:
                     surrogate = term if surrogate is None else surrogate + term
             if surrogate is not None:

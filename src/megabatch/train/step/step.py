@@ -215,9 +215,6 @@ class TrainStep:
                                  text_trim=model.text_trim if cut else None,
                                  kept_graphs=self.kept_graphs(keep_graph)
                                  if all(objective.keeps_graphs for objective in self.objectives) else 0)
-        self.model_options: dict = {}  # what the objectives ask of the model's forward (its outputs after four)
-        for objective in self.objectives:
-            self.model_options.update(objective.model_options)
         self.loss: torch.Tensor | None = None  # the last gradients() call's
         self.health = UpdateHealth(max_bad_steps)
         self.unsettled: StepOutcome | None = None  # the last step, its update not yet read (settle)
@@ -399,7 +396,9 @@ class TrainStep:
         times = PhaseTimes(self.device.type == "cuda", {"data": data_s})
         times.lap()
         with self.precision.autocast():
-            outputs = self.wrapped(images, texts, **self.model_options)
+            # what the objectives ask of the model's forward this step (its fifth output)
+            outputs = self.wrapped(images, texts, **{key: value for objective in self.objectives
+                                                     for key, value in objective.model_options.items()})
         image_features, text_features, scale, bias = outputs[:4]
         options, start_row = {}, rows
         for objective, texts in zip(self.objectives, extra, strict=True):  # each its own rows' features
@@ -411,7 +410,7 @@ class TrainStep:
                                        *(() if bias is None else (bias.float(),)), **options)
         total = contrastive
         for objective in self.objectives:
-            term = objective.one_pass_term(outputs)
+            term = objective.one_pass_term(outputs, images)
             if term is not None:
                 total = total + term
         self.precision.scaler.scale(total).backward()

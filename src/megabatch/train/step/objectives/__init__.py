@@ -12,16 +12,19 @@ from .base import Objective
 from .caption import Caption
 from .contrastive import Contrastive
 from .negatives import HardNegatives
+from .self_distill import SelfDistillation
 from .teacher import TeacherFeatures
 
-__all__ = ["Caption", "Contrastive", "HardNegatives", "Objective", "States", "TeacherFeatures", "build"]
+__all__ = ["Caption", "Contrastive", "HardNegatives", "Objective", "SelfDistillation", "States", "TeacherFeatures",
+           "build"]
 
 
 def build(caption_weight: float = 0.0, pad_id: int | None = None, teacher=None, negatives: bool = False,
-          device=None, decoder=None) -> list[Objective]:
+          device=None, decoder=None, self_distill: dict | None = None) -> list[Objective]:
     """The objectives of a run, in the order their hooks run: the teacher's features (the distilled loss's
     input), the hard negatives (the softmax's extra columns), the caption term (``decoder``: ``model.decoder``'s
-    captioner, whose parallel-prediction draw takes the step)."""
+    captioner, whose parallel-prediction draw takes the step), the late self-distillation terms (``self_distill``:
+    ``SelfDistillation``'s keywords)."""
     objectives: list[Objective] = []
     if teacher is not None:
         objectives.append(TeacherFeatures(teacher))
@@ -29,6 +32,8 @@ def build(caption_weight: float = 0.0, pad_id: int | None = None, teacher=None, 
         objectives.append(HardNegatives())
     if caption_weight > 0:
         objectives.append(Caption(caption_weight, pad_id, device, decoder))
+    if self_distill is not None:
+        objectives.append(SelfDistillation(**self_distill))
     return objectives
 
 

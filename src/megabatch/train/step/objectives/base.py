@@ -32,7 +32,7 @@ class Objective:
     replays_both_towers = False  # the replay must encode both towers again (a decoder reading their outputs)
     keeps_graphs = True          # phase 1 may keep sub-batches' graphs (False: every sub-batch is replayed)
     cuts_captions = True         # the captions may be cut to their length (False: the objective reads them whole)
-    model_options: dict[str, Any] = {}  # extra keywords of the model's forward (its outputs after the four)
+    model_options: dict[str, Any] = {}  # extra keywords of the model's forward (its fifth output: a dict)
 
     # the one-pass step
     def extra_texts(self, sub) -> torch.Tensor | None:
@@ -48,9 +48,9 @@ class Objective:
         features of ``extra_texts``."""
         return {}
 
-    def one_pass_term(self, outputs: tuple) -> torch.Tensor | None:
+    def one_pass_term(self, outputs: tuple, images: torch.Tensor) -> torch.Tensor | None:
         """The term added to the loss before the one backward (loss-scaled by the caller), from the model's
-        ``outputs``."""
+        ``outputs`` (the objectives' own in the fifth, a dict) of ``images``."""
         return None
 
     # GradCache
@@ -76,8 +76,9 @@ class Objective:
     def replay_first(self, model, encoded, precision, sync) -> None:
         """Phase 3, before the replayed sub-batches."""
 
-    def replay_term(self, outputs: tuple) -> torch.Tensor | None:
-        """Phase 3: the term a re-encoded sub-batch adds to its surrogate, from the model's ``outputs``."""
+    def replay_term(self, outputs: tuple, images: torch.Tensor | None) -> torch.Tensor | None:
+        """Phase 3: the term a re-encoded sub-batch adds to its surrogate, from the model's ``outputs`` of
+        ``images`` (``None`` where the image tower is not replayed)."""
         return None
 
     # both

@@ -23,7 +23,7 @@ class Caption(Objective):
     replays_both_towers = True
     keeps_graphs = False
     cuts_captions = False
-    model_options = {"caption": True}  # the model's fifth output: the decoder's cross-entropy sum
+    model_options = {"caption": True}  # the model's extra output "caption": the decoder's cross-entropy sum
 
     def __init__(self, weight: float, pad_id: int, device: torch.device, decoder=None):
         self.weight, self.pad_id, self.device = float(weight), pad_id, device
@@ -57,8 +57,8 @@ class Caption(Objective):
         self._reset()
         self.tokens = self._global_tokens(self._tokens(sub.texts))
 
-    def one_pass_term(self, outputs: tuple) -> torch.Tensor:
-        caption = outputs[4]
+    def one_pass_term(self, outputs: tuple, images) -> torch.Tensor:
+        caption = outputs[4]["caption"]
         self.sums.append(caption.detach())
         # DDP averages the gradients: the term is W-scaled as the contrastive loss is
         return caption * (self.weight * self.world / self.tokens)
@@ -70,9 +70,10 @@ class Caption(Objective):
         self.tokens = self._global_tokens(self.local)
         self.factor = precision.scaler.scale(self.weight * self.world / self.tokens)
 
-    def replay_term(self, outputs: tuple) -> torch.Tensor:
-        self.sums.append(outputs[4].detach())
-        return outputs[4] * self.factor
+    def replay_term(self, outputs: tuple, images) -> torch.Tensor:
+        caption = outputs[4]["caption"]
+        self.sums.append(caption.detach())
+        return caption * self.factor
 
     def value(self) -> torch.Tensor:
         """``weight x`` the caption loss of the global batch (every rank's sums: one all-reduce, once a step)."""
