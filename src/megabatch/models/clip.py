@@ -392,8 +392,10 @@ class ClipModel(nn.Module):
                           "text": _FixedRows(compiled["text"], rows, dynamic_length=dynamic)}
         self._cuda_graphs = cuda_graphs
         if self.has_decoder and not cuda_graphs:  # loss.caption_weight's pass (caption_forward): three graphs,
-            # shapes automatically dynamic (a short last sub-batch, a frozen tower's no-grad mode: compiled once more)
-            self._compiled_caption = {name: torch.compile(fn) for name, fn in (
+            # each of static shapes (a short last sub-batch, a frozen tower's no-grad mode: compiled once more). Not
+            # dynamic: on one H200 (torch 2.11) inductor's dynamic-shape backward of model.decoder's graph sized a
+            # reduction's workspace 0 ("shape '[1216, 512]' is invalid for input of size 0"; ViT-B/16, sub-batch 512)
+            self._compiled_caption = {name: torch.compile(fn, dynamic=False) for name, fn in (
                 ("image", self._caption_image), ("text", self._caption_text), ("decoder", self._caption_loss))}
 
     def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool) -> float:

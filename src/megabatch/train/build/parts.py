@@ -296,7 +296,11 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     if (layer_decay is not None or getattr(optimizer, "splits_matrices", False)) and env.rank == 0:
         log.info("optimizer groups (optim.layer_decay %s): each group's learning rate is the schedule's times its "
                  "scale\n%s", layer_decay, "\n".join(describe_param_groups(optimizer)))
-    untrimmed = model.trim_text(settings.model.trim_text)  # before compiling: the text tower's lengths vary
+    # before compiling: the text tower's lengths vary. Not where a caption decoder reads the captions whole (its
+    # objective never cuts them): the text tower then compiles for the whole context alone
+    untrimmed = model.trim_text(settings.model.trim_text and settings.caption_weight <= 0)
+    if settings.model.trim_text and settings.caption_weight > 0:
+        untrimmed = f"loss.caption_weight={settings.caption_weight} (the caption decoder reads each caption whole)"
     if untrimmed and env.rank == 0:
         log.info("captions are encoded at their full context: %s", untrimmed)
     if settings.model.cuda_graphs:
