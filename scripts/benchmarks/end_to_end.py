@@ -308,6 +308,7 @@ def run_steps(urls: list[str], batch: int, sub_batch, offload: bool, workers: in
             time.sleep(prime_s)
             sub_batches = itertools.chain([first], inputs)
         with HostMemory(host_sample_s) as host:
+            steady_start = time.perf_counter()  # no warm-up step (--warmup-steps 0): every step is counted
             for index in range(steps):
                 start, waits_before = time.perf_counter(), dict(gpu_decode.wait_seconds)
                 _, phases = step.gradients(sub_batches, epoch=index // plan.steps_per_epoch)

@@ -130,20 +130,25 @@ def teacher_bytes(rank_batch: int, world: int, teacher_row: int, feature_bytes: 
     return held + (world * rank_batch * (teacher_row * 4 + embed_dim * 8) if world > 1 else 0)
 
 
-def probe_peak_memory(model, rows: int, precision, device: torch.device, caption: bool = False) -> tuple[int, int]:
+def probe_peak_memory(model, rows: int, precision, device: torch.device, caption: bool = False,
+                      views: bool = False) -> tuple[int, int]:
     """Peak allocated bytes of one forward-backward of ``rows`` synthetic samples
     (``ClipModel.example_inputs``) under ``precision``'s autocast, and the bytes its graph held
     between the forward and the backward; the gradients are cleared after. ``caption``: with a CoCa's
-    caption loss (``loss.caption_weight``), the decoder's logits over every token included."""
+    caption loss (``loss.caption_weight``), the decoder's logits over every token included; ``views``: with
+    ``self_distill``'s views of the images (the student's crops and masked view, as the late steps replay them)."""
     images, texts = model.example_inputs(rows, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     with precision.autocast():
-        outputs = model(images, texts, **({"caption": True} if caption else {}))
+        outputs = model(images, texts, **({"caption": True} if caption else {}), **({"views": True} if views else {}))
     image_features, text_features, scale = outputs[:3]
     graph = torch.cuda.memory_allocated(device) - before
     surrogate = scale.float() + (outputs[4]["caption"] if caption else 0)
+    for key, logits in (outputs[4].get("views", {}) if views else {}).items():
+        if key != "positions":
+            surrogate = surrogate + logits.float().sum()
     for features in (image_features, text_features):
         if features.requires_grad:
             surrogate = surrogate + features.float().sum()

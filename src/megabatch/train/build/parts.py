@@ -560,7 +560,8 @@ def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, prec
                      rank_batch)
         return SubBatchChoice(rank_batch, 0.0, 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
     caption = settings.caption_weight > 0 and model.has_decoder  # the replay runs the caption decoder too
-    probes = [(rows, *probe_peak_memory(model, rows, precision, env.device, caption))
+    views = settings.self_distill.on  # the late steps' replay: the student's views too (the largest sub-batch)
+    probes = [(rows, *probe_peak_memory(model, rows, precision, env.device, caption, views))
               for rows in sorted({min(rank_batch, 32), min(rank_batch, 64)})]
     if len(probes) == 1:  # a per-rank batch of at most 32: the probe ran it whole
         return SubBatchChoice(rank_batch, float(probes[0][1]), 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
