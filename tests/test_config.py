@@ -236,7 +236,7 @@ def test_every_recipe_composes_validates_and_names_itself(option, placeholder_pa
         assert cfg.sched.warmup_steps is None, f"{option}: give the warm-up in samples or epochs"
         assert cfg.optim.lr_scaling in (None, "linear", "sqrt") and "lr_scaling" in (CONFIGS / "experiment" /
                                                                                        f"{option}.yaml").read_text() \
-            or option in ("openclip_b16_laion400m", "infcl_b16_laion400m")  # inherited from the recipe they extend
+            or option in ("openclip_b16_laion400m", "infcl_b16_laion400m", "siglip2_b16_laion400m")  # inherited
         assert list(cfg.eval) == ["imagenet"], option
         assert "Source" in (CONFIGS / "experiment" / f"{option}.yaml").read_text(), f"{option}: cite the sources"
 
@@ -282,6 +282,11 @@ def test_recipes_set_the_published_numbers():
     assert parse_count(distilled.batch) == 32768 and distilled.optim.lr == 5e-4
     siglip = compose("experiment=siglip_b16_laion400m")
     assert siglip.model.init_logit_bias == -10.0 and siglip.model.text.context_length == 64
+    siglip2 = compose("experiment=siglip2_b16_laion400m")  # SigLIP's, with the decoder and the late terms
+    assert siglip2.model.init_logit_bias == -10.0 and siglip2.loss.caption_weight == 1.0
+    assert (siglip2.model.decoder.layers, siglip2.model.decoder.parallel) == (6, 0.5)
+    late = siglip2.self_distill
+    assert (late.weight, late.masked_weight, late.start) == (1.0, 0.25, 0.8)
 
 
 def test_real_data_without_a_recipe_warns_that_the_settings_are_the_digits_demos():
