@@ -10,7 +10,9 @@ check=true (load the export back with open_clip and compare its embeddings with 
 weights=raw (the weights as trained) or ema (their moving average, from a run with ``ema.decay``),
 license= and datasets= (the model card's metadata: an SPDX id such as mit; Hub dataset names, comma-separated),
 push=<org/name> (upload the folder to the Hugging Face Hub as a model repository; needs a token, from
-``huggingface-cli login`` or HF_TOKEN, checked before anything is written).
+``huggingface-cli login`` or HF_TOKEN, checked before anything is written), decoder=false (true: keep
+``model.decoder``'s caption decoder beside the CLIP, ``megabatch_decoder.safetensors``, which open_clip ignores and
+``model=openclip model.pretrained=<out>`` rebuilds).
 
 Every export holds a model card, ``README.md`` (``models/card.py``): the Hub's metadata, the architecture, the
 training data, batch, steps, samples seen and objectives, the checkpoint's results table where there is one, and
@@ -23,7 +25,7 @@ import sys
 from pathlib import Path
 
 OPTIONS = {"ckpt": None, "out": None, "overwrite": "false", "check": "true", "weights": "raw", "license": "",
-           "datasets": "", "push": ""}
+           "datasets": "", "push": "", "decoder": "false"}
 
 
 def parse(argv: list[str]) -> dict[str, str]:
@@ -34,7 +36,7 @@ def parse(argv: list[str]) -> dict[str, str]:
     try:
         values = key_values(argv, OPTIONS, "ckpt=runs/<name>/checkpoints/last.pt out=exports/<name>",
                             "scripts/export.py")
-        for key in ("overwrite", "check"):
+        for key in ("overwrite", "check", "decoder"):
             if values[key].lower() not in ("true", "false"):
                 raise ConfigError(f"{key}={values[key]!r}: use true or false")
         if values["weights"] not in ("raw", "ema"):
@@ -88,6 +90,7 @@ def main(argv: list[str]) -> None:
         state = load_checkpoint(args["ckpt"])
         model = model_from_checkpoint(state, args["weights"])
         out = export_open_clip(model, Path(args["out"]), overwrite=args["overwrite"].lower() == "true",
+                               decoder=args["decoder"].lower() == "true",
                                extra={"ckpt": str(Path(args["ckpt"]).resolve()), "step": int(state["step"]),
                                       "name": model.name, "arch": model.arch, "weights": args["weights"]})
         datasets = tuple(name.strip() for name in args["datasets"].split(",") if name.strip())

@@ -87,6 +87,23 @@ def test_the_model_carries_it_and_its_description_rebuilds_it():
     assert not build_model(compose().model).has_decoder  # model.decoder.layers=0: none
 
 
+def test_the_export_keeps_it_when_asked_and_an_open_clip_folder_brings_it_back(tmp_path):
+    from megabatch.models.export import DECODER_NAME, check_export, export_open_clip
+
+    torch.manual_seed(0)
+    model = build_model(compose(*DECODER).model)
+    plain = export_open_clip(model, tmp_path / "plain")
+    assert not (plain / DECODER_NAME).exists()  # the CLIP alone by default
+    kept = export_open_clip(model, tmp_path / "kept", decoder=True)
+    assert (kept / DECODER_NAME).is_file() and check_export(model, kept) <= 1e-6  # open_clip loads it as before
+    back = build_model(compose("model=openclip", "model.arch=null", f"model.pretrained={kept}").model)
+    assert back.decoder is not None and back.decoder.cfg == model.decoder.cfg
+    for name, tensor in model.decoder.state_dict().items():
+        torch.testing.assert_close(back.decoder.state_dict()[name], tensor, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="decoder=true"):
+        export_open_clip(build_model(compose().model), tmp_path / "none", decoder=True)
+
+
 def test_captions_generate_from_it():
     from megabatch.models.generate import caption_texts
 

@@ -12,7 +12,8 @@ pass, GradCache and several ranks give the same loss.
 
 The decoder is a module of the ``ClipModel`` beside open_clip's model (not in its ``state_dict`` under ``clip.``):
 checkpoints keep it (``decoder.*``) and the model's description rebuilds it; ``scripts/export.py``'s open_clip
-folder holds the CLIP alone.
+folder holds the CLIP alone, or with ``decoder=true`` the decoder beside it (``models/export.py``), which an open_clip
+folder given as ``model.pretrained`` brings back.
 """
 
 from __future__ import annotations

@@ -23,16 +23,22 @@ from .pretrained import CONFIG_NAME
 log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "open_clip_model.safetensors"
+DECODER_NAME = "megabatch_decoder.safetensors"  # model.decoder's weights, where the export keeps them (decoder=true)
 
 
 def export_open_clip(model: ClipModel, out: Path, extra: dict[str, Any] | None = None,
-                     overwrite: bool = False) -> Path:
+                     overwrite: bool = False, decoder: bool = False) -> Path:
     """Write ``model`` to the folder ``out`` (created); returns ``out``. ``extra`` is recorded
     under ``megabatch`` in the config (where it came from). An existing export is replaced only
-    with ``overwrite``."""
+    with ``overwrite``. ``decoder``: ``model.decoder``'s caption decoder kept beside the CLIP (``DECODER_NAME``, its
+    keys under ``megabatch_decoder`` in the config; open_clip loads the folder without it, and
+    ``model.pretrained=<folder>`` rebuilds it); a model without one is a ``ConfigError``."""
     from safetensors.torch import save_file
 
     out = Path(out).expanduser().resolve()
+    if decoder and model.decoder is None:
+        raise ConfigError(f"decoder=true: model {model.name} has no model.decoder to keep (a CoCa's decoder is part "
+                          "of the CLIP and always exported); use decoder=false")
     if (out / CONFIG_NAME).exists() and not overwrite:
         raise ConfigError(f"out={out} already holds an export ({CONFIG_NAME}); choose another folder or "
                           "pass overwrite=true")
@@ -55,6 +61,13 @@ def export_open_clip(model: ClipModel, out: Path, extra: dict[str, Any] | None =
         config["megabatch"] = extra
     state = {name: tensor.detach().cpu().clone().contiguous() for name, tensor in model.clip.state_dict().items()}
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    if decoder:
+        tensors = {name: tensor.detach().cpu().clone().contiguous()
+                   for name, tensor in model.decoder.state_dict().items()}
+        save_file(tensors, str(out / DECODER_NAME), metadata={"format": "pt"})
+        config["megabatch_decoder"] = model.decoder.cfg.to_dict()
+    elif (out / DECODER_NAME).exists():  # an earlier export's, overwritten
+        (out / DECODER_NAME).unlink()
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     log.info("exported %s (%d tensors) to %s", model.name, len(state), out)
     return out

@@ -15,8 +15,9 @@ from open_clip.model import CLIP, CustomTextCLIP, set_model_preprocess_cfg
 
 from ..config import ConfigError
 from .clip import ClipModel, attach_decoder, attach_views, init_caption_decoder, lock_towers
+from .export import DECODER_NAME
 from .preprocess import describe_preprocess, resolve_preprocess
-from .pretrained import Pretrained, load_weights, resolve_pretrained
+from .pretrained import Pretrained, load_weights, read_state_dict, resolve_pretrained
 from .spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,16 @@ def build_openclip(**values: Any) -> ClipModel:
     model = ClipModel(clip, name or arch or source.folder.name, model_cfg, arch,
                       str(source.folder) if source is not None and source.has_tokenizer else None)
     attach_decoder(model, spec.decoder)
+    if source is not None and source.folder is not None and (source.folder / DECODER_NAME).is_file():
+        # an export that kept model.decoder (scripts/export.py decoder=true): it comes back with its weights
+        if model.decoder is None:
+            attach_decoder(model, (source.config or {}).get("megabatch_decoder"))
+        try:
+            model.decoder.load_state_dict(read_state_dict(source.folder / DECODER_NAME))
+        except RuntimeError as error:
+            raise ConfigError(f"model.pretrained={str(source.folder)!r}: its {DECODER_NAME} does not fit "
+                              f"model.decoder={model.decoder.cfg.to_dict()} ({str(error).splitlines()[0]}); "
+                              "leave model.decoder.layers=0 to build the folder's own") from None
     log.info("model %s (%s): %.1fM parameters; preprocessing %s", model.name, label,
              sum(p.numel() for p in clip.parameters()) / 1e6, describe_preprocess(preprocess_cfg))
     lock_towers(model, lock_image, lock_text, image_unlocked, text_unlocked,
