@@ -319,8 +319,14 @@ def learning_table(data: dict, entry: dict) -> list[str]:
         if "caption_accuracy_mean" in summary:  # learning.py --caption-accuracy (a CoCa)
             named = ", ".join(f"{value:.2f}" for value in summary["caption_accuracy_each"])
             rows[-1] += f" {summary['caption_accuracy_mean']:.2f}% ({named}) |"
+        if "linear_probe_top1_mean" in summary:  # each run's last.pt through scripts/evaluate.py eval=digits_probe
+            probed = ", ".join(f"{value:.2f}" for value in summary["linear_probe_top1_each"])
+            rows[-1] += f" {summary['linear_probe_top1_mean']:.2f}% ({probed}) |"
     if any("caption_accuracy_mean" in summary for summary in data["meta"]["summary"]):
         rows[0] += " held-out captions naming the digit: mean (each) |"
+        rows[1] += "---|"
+    if any("linear_probe_top1_mean" in summary for summary in data["meta"]["summary"]):
+        rows[0] += " linear probe top-1: mean (each) |"
         rows[1] += "---|"
     return rows
 
