@@ -6,6 +6,9 @@ final zero-shot top-1, side by side with their means over the seeds.
     python scripts/benchmarks/learning.py --settings model.fp8=false model.fp8=true \
         --set model.compile=true batch=256 trainer.sub_batch=64 --out fp8.json
 
+``--linear-probe``: each run's last checkpoint also goes through ``scripts/evaluate.py eval=digits_probe`` (the frozen
+image tower's features, a logistic-regression probe), reported as ``linear_probe_top1`` beside the zero-shot top-1.
+
 ``--caption-accuracy`` (a CoCa, ``--set model=tiny_coca``): each run's last checkpoint also captions the held-out
 digits with ``scripts/caption.py`` (beam search), and the run reports the share of captions that name the scan's
 digit, as a word or a numeral, and no other digit (``caption_accuracy``).
@@ -13,7 +16,9 @@ digit, as a word or a numeral, and no other digit (``caption_accuracy``).
     python scripts/benchmarks/learning.py --set model=tiny_coca --settings loss.caption_weight=0 \
         loss.caption_weight=2.0 --caption-accuracy --out coca_digits.json
 
-Each run is a process of its own, ``python train.py <--set ...> <setting> seed=<seed>
+A setting of several overrides is one quoted argument (``'model.decoder.layers=2 loss.caption_weight=1'``);
+``--parallel N`` trains N runs at once (a GPU machine's spare cores). Each run is a process of its own,
+``python train.py <--set ...> <setting> seed=<seed>
 name=learning_<setting>_s<seed>``, in ``runs/``; ``--reuse`` reads a run that already finished there
 instead of training it again. Loss: the logged training loss at each logged step; ``loss_last_100``:
 its mean over the last 100 steps' logs. Zero-shot: the last ``eval/*/top1`` the run logged.
@@ -28,6 +33,7 @@ import re
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from bench import ROOT, write_results
@@ -68,12 +74,24 @@ def caption_accuracy(run_dir: Path) -> dict:
             "caption_examples": [{"digit": labels[row["image"]], "caption": row["caption"]} for row in rows[:5]]}
 
 
-def run(setting: str, seed: int, overrides: list[str], reuse: bool, captions: bool = False) -> dict:
+def linear_probe(run_dir: Path) -> dict:
+    """``scripts/evaluate.py eval=digits_probe`` on ``run_dir``'s last checkpoint: the probe's held-out top-1."""
+    out = run_dir / "linear_probe.json"
+    command = [sys.executable, "scripts/evaluate.py", f"ckpt={run_dir / 'checkpoints' / 'last.pt'}",
+               "eval=digits_probe", f"output={out}", "features=null"]
+    print("$", " ".join(command[1:]), flush=True)
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return {"linear_probe_top1": json.loads(out.read_text())["lp_top1"]}
+
+
+def run(setting: str, seed: int, overrides: list[str], reuse: bool, captions: bool = False,
+        probe: bool = False) -> dict:
     name = "learning_" + "".join(c if c.isalnum() else "_" for c in setting) + f"_s{seed}"
     metrics = ROOT / "runs" / name / "metrics.jsonl"
     finished = metrics.exists() and any("/top1" in line for line in metrics.read_text().splitlines())
     if not (reuse and finished):
-        command = [sys.executable, "train.py", *overrides, setting, f"seed={seed}", f"name={name}", "overwrite=true"]
+        command = [sys.executable, "train.py", *overrides, *setting.split(), f"seed={seed}", f"name={name}",
+                   "overwrite=true"]
         print("$", " ".join(command[1:]), flush=True)
         subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -83,24 +101,35 @@ def run(setting: str, seed: int, overrides: list[str], reuse: bool, captions: bo
     tail = [loss for step, loss in losses.items() if step > last - 100]
     result = {"setting": setting, "seed": seed, "run": name, "loss": losses, "final_loss": losses[last],
               "loss_last_100": statistics.mean(tail), "zero_shot_top1": top1[-1] if top1 else None}
-    return {**result, **(caption_accuracy(metrics.parent) if captions else {})}
+    return {**result, **(caption_accuracy(metrics.parent) if captions else {}),
+            **(linear_probe(metrics.parent) if probe else {})}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--settings", nargs="+", required=True, help="one override per variant compared")
+    parser.add_argument("--settings", nargs="+", required=True,
+                        help="one variant compared per argument: an override, or several in one quoted argument")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--set", nargs="*", default=[], help="overrides every run shares")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="runs trained at once (a GPU machine's spare cores and memory); 1: one after another")
     parser.add_argument("--reuse", action="store_true", help="read runs that already finished")
     parser.add_argument("--caption-accuracy", action="store_true",
                         help="a CoCa's captions of the held-out digits: the share naming the right digit")
+    parser.add_argument("--linear-probe", action="store_true",
+                        help="each run's last checkpoint through scripts/evaluate.py eval=digits_probe")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    runs = [(setting, int(seed)) for seed in args.seeds.split(",") for setting in args.settings]
     results = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for setting in args.settings:
-            results.append(run(setting, seed, args.set, args.reuse, args.caption_accuracy))
-            write_results(args.out, results, shared=args.set)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # each run is a process of its own
+        futures = [pool.submit(run, setting, seed, args.set, args.reuse, args.caption_accuracy, args.linear_probe)
+                   for setting, seed in runs]
+        for future in as_completed(futures):
+            results.append(future.result())
+            write_results(args.out, sorted(results, key=lambda row: runs.index((row["setting"], row["seed"]))),
+                          shared=args.set)
+    results.sort(key=lambda row: runs.index((row["setting"], row["seed"])))
     summary = []
     for setting in args.settings:
         mine = [row for row in results if row["setting"] == setting]
@@ -109,6 +138,11 @@ def main() -> None:
                         "loss_last_100_mean": statistics.mean(row["loss_last_100"] for row in mine),
                         "zero_shot_top1_mean": statistics.mean(top1) if top1 else None,
                         "zero_shot_top1_each": top1})
+        if args.linear_probe:
+            summary[-1]["linear_probe_top1_each"] = [row["linear_probe_top1"] for row in mine]
+            summary[-1]["linear_probe_top1_mean"] = statistics.mean(summary[-1]["linear_probe_top1_each"])
+            print(f"{setting:>24}: linear probe top-1 {summary[-1]['linear_probe_top1_mean']:.2f}% "
+                  f"({', '.join(f'{a:.2f}' for a in summary[-1]['linear_probe_top1_each'])})", flush=True)
         if args.caption_accuracy:
             summary[-1]["caption_accuracy_each"] = [row["caption_accuracy"] for row in mine]
             summary[-1]["caption_accuracy_mean"] = statistics.mean(summary[-1]["caption_accuracy_each"])
