@@ -398,7 +398,8 @@ class ClipModel(nn.Module):
             self._compiled_caption = {name: torch.compile(fn, dynamic=False) for name, fn in (
                 ("image", self._caption_image), ("text", self._caption_text), ("decoder", self._caption_loss))}
 
-    def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool) -> float:
+    def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool,
+                options: dict | None = None) -> float:
         """After ``compile_towers``: compile now every graph training will call, so that no step
         stalls on a compilation later. Calls each tower once with autograd (the replay, a plain step)
         and, with ``graph_free`` (GradCache), once without (phase 1); the text tower at its whole
@@ -407,6 +408,9 @@ class ClipModel(nn.Module):
         and a length outside them compiles its graph here, not in a step. With ``cuda_graphs`` the
         calls run twice, both towers together: the second run records the CUDA graphs a step replays
         (one per length; one recorded mid-run stalls that step).
+        ``options``: the forward's options the objectives ask for (``caption``: the caption decoder's
+        graphs, ``views``: self_distill's crops and masked view, which start later in the run); the call
+        with autograd passes them, so that neither the first step nor the late terms' start compiles.
         ``autocast``: a callable giving the step's autocast context. The RNG states are restored
         and the gradients cleared: training draws and computes what it would have without.
         Returns seconds."""
@@ -428,10 +432,12 @@ class ClipModel(nn.Module):
                     if graph_free:
                         with torch.no_grad(), autocast():
                             self(*inputs)
+                    asked = options if options and not graphs and index == 0 else {}  # (no CUDA graph of theirs)
                     with autocast():
-                        features = [f for f in self(*inputs)[:2] if f is not None and f.requires_grad]
-                    if features:
-                        sum(f.float().sum() for f in features).backward()
+                        outputs = self(*inputs, **asked)
+                    trained = [t for t in _tensors(outputs) if t.requires_grad]
+                    if trained:
+                        sum(t.float().sum() for t in trained).backward()
                     self.zero_grad(set_to_none=True)
         finally:
             torch.set_rng_state(cpu_state)
@@ -443,6 +449,17 @@ class ClipModel(nn.Module):
     def clamp_logit_scale(self) -> None:
         """Keep the temperature in [0, log 100] (CLIP's clamp), after each optimizer step."""
         self.clip.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+
+
+def _tensors(outputs) -> list[torch.Tensor]:
+    """The floating-point tensors in the forward's outputs, its fifth (a dict of the objectives' outputs) included."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs] if outputs.is_floating_point() else []
+    if isinstance(outputs, dict):
+        outputs = list(outputs.values())
+    if isinstance(outputs, (list, tuple)):
+        return [t for item in outputs for t in _tensors(item)]
+    return []
 
 
 class _FixedRows:

@@ -254,8 +254,9 @@ class Compilation:
     saving the compile cache (``compile_cache.py``). ``seconds``: how long ``run`` took (0 before)."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv, model: ClipModel, plan: BatchPlan, precision: Precision,
-                 settings: ModelSettings):
+                 settings: ModelSettings, options: dict | None = None):
         self.cfg, self.env, self.model, self.plan, self.precision = cfg, env, model, plan, precision
+        self.options = options or {}  # the model's forward options the objectives will ask for (warm_up's)
         check_exact_replay(model, plan)
         self.scope = compile_scope(settings)
         model.compile_towers(plan.sub_batch, cuda_graphs=settings.cuda_graphs, scope=self.scope)
@@ -274,7 +275,7 @@ class Compilation:
                      "(model.compile_scope=block)" if self.scope == "block" else "the towers whole "
                      "(model.compile_scope=tower)", " (from the cache)" if cache.loaded else "")
         self.seconds = self.model.warm_up(plan.sub_batch, env.device, self.precision.autocast,
-                                          graph_free=graph_free)
+                                          graph_free=graph_free, options=self.options)
         self.done = True
         if env.rank == 0:
             log.info("model.compile: the towers compiled in %.1f s", self.seconds)
@@ -306,7 +307,11 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     if settings.model.cuda_graphs:
         check_cuda_graphs(model, plan.sub_batches)
     # after the memory probe and the FLOP count, which run eagerly
-    compilation = Compilation(cfg, env, model, plan, precision, settings.model) if settings.model.compile else None
+    # the forwards the objectives will ask for (a caption decoder's loss, self_distill's views), compiled in the warm-up
+    options = {key: True for key, on in (("caption", settings.caption_weight > 0), ("views", settings.self_distill.on))
+               if on}
+    compilation = Compilation(cfg, env, model, plan, precision, settings.model, options) \
+        if settings.model.compile else None
     if compilation is not None and warm_up:
         compilation.run()
     fsdp_reduce = fsdp_reduction(settings, model, env, auto, precision)
