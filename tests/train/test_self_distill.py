@@ -140,3 +140,28 @@ def test_the_crops_must_be_whole_patches():
     model = build_model(compose().model)
     with pytest.raises(ConfigError, match=r"self_distill\.local_size=20"):
         model.attach_views(ViewsCfg(local_size=20))
+
+
+def test_the_heads_are_not_decayed_before_the_late_terms_start():
+    """AdamW's decoupled weight decay (optim=adamw, 0.2) would shrink the heads through every step before the start
+    (their gradient is zero there); their groups' decay is held at 0 until the terms train them."""
+    cfg = validate(compose(*BASE, "optim=adamw", "model.image.patch_dropout=0", "trainer.max_steps=2",
+                           "trainer.sub_batch=4", *SELF_DISTILL, "self_distill.start=0.5"))
+    parts = RunParts.build(cfg, init_distributed("cpu"))
+    step, stream = parts.step, parts.inputs(0)
+    owned = [group for group in step.optimizer.param_groups if group.get("owner") == "views."]
+    heads = list(parts.model.views.parameters())
+    assert {id(p) for group in owned for p in group["params"]} == {id(p) for p in heads}
+    assert max(group["decay"] for group in owned) == 0.2
+    visual = parts.model.clip.visual.proj
+    before, visual_before = [p.detach().clone() for p in heads], visual.detach().clone()
+    step.gradients(stream)
+    step.apply()  # step 0: before the start
+    assert all(torch.equal(p, b) for p, b in zip(heads, before, strict=True))  # neither trained nor decayed
+    assert not torch.equal(visual, visual_before)
+    assert all(group["weight_decay"] == 0.0 for group in owned)
+    step.gradients(stream)
+    step.apply()  # step 1: the terms train the heads, and decay them
+    assert not any(torch.equal(p, b) for p, b in zip(heads, before, strict=True))
+    assert all(group["weight_decay"] == group["decay"] for group in owned)
+    parts.close()

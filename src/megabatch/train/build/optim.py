@@ -82,17 +82,53 @@ def hidden_matrix(name: str, param: torch.Tensor) -> bool:
     return param.ndim == 2 and tower_of(name) is not None and BLOCK.search(name) is not None
 
 
-def param_groups(model: nn.Module, weight_decay: float, layer_decay=None, split_matrices: bool = False) -> list[dict]:
+# the model's parameters that one objective alone trains, by name prefix (self_distill's heads: ``views.``): their own
+# parameter groups (``"owner"``), whose weight decay the step holds at 0 until the objective trains them
+# (``TrainStep.apply``; otherwise AdamW's decoupled decay shrinks them through the steps before it starts)
+OWNED = ("views.",)
+
+
+def owner_of(name: str) -> str | None:
+    return next((prefix for prefix in OWNED if name.startswith(prefix)), None)
+
+
+class _Named:
+    """Named parameters standing in for a module (``param_groups``' recursion over one owner's)."""
+
+    def __init__(self, params: list):
+        self.params = params
+
+    def named_parameters(self):
+        return iter(self.params)
+
+
+def _owned(groups: list[dict], owner: str | None) -> list[dict]:
+    """``groups`` without the empty ones, marked with their ``owner`` (and their configured ``decay``)."""
+    groups = [group for group in groups if group["params"]]
+    if owner is None:
+        return groups
+    return [{**group, "owner": owner, "decay": group["weight_decay"],
+             "name": f"{owner.rstrip('.')}: {'decayed' if group['weight_decay'] else 'not decayed'}"
+                     + (f" ({'Muon' if group['matrices'] else 'AdamW'})" if "matrices" in group else "")}
+            for group in groups]
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay=None, split_matrices: bool = False,
+                 owners: bool = True) -> list[dict]:
     """Weight decay on matrices only (``decayed``). ``layer_decay`` (``optim.layer_decay``: null, or a
     decay per tower, ``{image: 0.75, text: null}``): each parameter's learning rate scaled by decay^(top
     - depth) of its tower (``layer_depths``), in a group per tower, depth and decay with its ``lr_scale``;
     the logit scale and bias, and a tower whose decay is null, keep the peak lr. Off: the two groups.
     ``split_matrices`` (``optim=muon``): each group split in two, its hidden matrices (``hidden_matrix``,
-    ``"matrices": True``) and the rest."""
+    ``"matrices": True``) and the rest. ``owners``: the parameters of ``OWNED`` in groups of their own."""
     params = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    if owners and any(owner_of(name) for name, _ in params):  # an objective's own parameters: groups of their own
+        return [group for owner in (None, *OWNED) for group in _owned(
+            param_groups(_Named([(n, p) for n, p in params if owner_of(n) == owner]), weight_decay, layer_decay,
+                         split_matrices, owners=False), owner)]
     if split_matrices:
         groups = []
-        for group in param_groups(model, weight_decay, layer_decay):
+        for group in param_groups(model, weight_decay, layer_decay, owners=False):
             names = {id(param): name for name, param in params}
             for matrices in (True, False):
                 chosen = [p for p in group["params"] if hidden_matrix(names[id(p)], p) == matrices]

@@ -339,6 +339,11 @@ class TrainStep:
         device where the optimizer can take the decision from there (``skips_on_device``), else on
         the host (one sync)."""
         start, scaler = time.perf_counter(), self.precision.scaler
+        for objective in self.objectives:  # an objective's own parameters: decayed only once it trains them
+            if objective.owns is not None:
+                for group in self.optimizer.param_groups:
+                    if group.get("owner") == objective.owns:
+                        group["weight_decay"] = group["decay"] if objective.trains_now else 0.0
         scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.sharded:  # the norm over every rank's shards

@@ -33,6 +33,8 @@ class Objective:
     keeps_graphs = True          # phase 1 may keep sub-batches' graphs (False: every sub-batch is replayed)
     cuts_captions = True         # the captions may be cut to their length (False: the objective reads them whole)
     model_options: dict[str, Any] = {}  # extra keywords of the model's forward (its fifth output: a dict)
+    owns: str | None = None  # the prefix of the parameters it alone trains (optim.OWNED): not decayed until trains_now
+    trains_now = True        # whether this step trains them (self_distill: from its start step)
 
     # the one-pass step
     def extra_texts(self, sub) -> torch.Tensor | None:

@@ -82,6 +82,12 @@ class SelfDistillation(Objective):
         else:
             torch._foreach_lerp_(teachers, students, 1.0 - self.settings.teacher_momentum)
 
+    owns = "views."  # the student's heads: their weight decay held at 0 until the start step (TrainStep.apply)
+
+    @property
+    def trains_now(self) -> bool:
+        return self.active
+
     def new_step(self) -> None:
         self._reset()
         self.active = self.steps >= self.start_step
