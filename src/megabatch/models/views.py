@@ -28,6 +28,9 @@ from torch import nn
 
 from ..config import ConfigError
 
+# the prefix of the heads' parameter names in a ClipModel (``ClipModel.views``): self_distill trains them alone, from
+# its start step (their own parameter groups: train/build/optim.OWNED)
+PARAMETERS = "views."
 MODULUS = 2147483647  # 2^31 - 1: the Lehmer generator's, products of two draws stay below 2^62
 
 

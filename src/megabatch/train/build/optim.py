@@ -14,6 +14,7 @@ from torch import nn
 
 from ...config import ConfigError, parse_count
 from ...config.run import OptimSettings
+from ...models.views import PARAMETERS as VIEW_PARAMETERS
 
 log = logging.getLogger(__name__)
 
@@ -82,54 +83,48 @@ def hidden_matrix(name: str, param: torch.Tensor) -> bool:
     return param.ndim == 2 and tower_of(name) is not None and BLOCK.search(name) is not None
 
 
-# the model's parameters that one objective alone trains, by name prefix (self_distill's heads: ``views.``): their own
-# parameter groups (``"owner"``), whose weight decay the step holds at 0 until the objective trains them
-# (``TrainStep.apply``; otherwise AdamW's decoupled decay shrinks them through the steps before it starts)
-OWNED = ("views.",)
+# the model's parameters that one objective alone trains, by name prefix (self_distill's heads): their own parameter
+# groups (``"owner"``), whose weight decay the step holds at 0 until the objective trains them (``TrainStep.apply``;
+# otherwise AdamW's decoupled decay shrinks them through the steps before it starts)
+OWNED = (VIEW_PARAMETERS,)
 
 
 def owner_of(name: str) -> str | None:
     return next((prefix for prefix in OWNED if name.startswith(prefix)), None)
 
 
-class _Named:
-    """Named parameters standing in for a module (``param_groups``' recursion over one owner's)."""
-
-    def __init__(self, params: list):
-        self.params = params
-
-    def named_parameters(self):
-        return iter(self.params)
-
-
-def _owned(groups: list[dict], owner: str | None) -> list[dict]:
-    """``groups`` without the empty ones, marked with their ``owner`` (and their configured ``decay``)."""
-    groups = [group for group in groups if group["params"]]
-    if owner is None:
-        return groups
-    return [{**group, "owner": owner, "decay": group["weight_decay"],
-             "name": f"{owner.rstrip('.')}: {'decayed' if group['weight_decay'] else 'not decayed'}"
-                     + (f" ({'Muon' if group['matrices'] else 'AdamW'})" if "matrices" in group else "")}
-            for group in groups]
-
-
-def param_groups(model: nn.Module, weight_decay: float, layer_decay=None, split_matrices: bool = False,
-                 owners: bool = True) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, layer_decay=None, split_matrices: bool = False) -> list[dict]:
     """Weight decay on matrices only (``decayed``). ``layer_decay`` (``optim.layer_decay``: null, or a
     decay per tower, ``{image: 0.75, text: null}``): each parameter's learning rate scaled by decay^(top
     - depth) of its tower (``layer_depths``), in a group per tower, depth and decay with its ``lr_scale``;
     the logit scale and bias, and a tower whose decay is null, keep the peak lr. Off: the two groups.
     ``split_matrices`` (``optim=muon``): each group split in two, its hidden matrices (``hidden_matrix``,
-    ``"matrices": True``) and the rest. ``owners``: the parameters of ``OWNED`` in groups of their own."""
+    ``"matrices": True``) and the rest. The parameters of ``OWNED`` in groups of their own, where there are any
+    (marked with their ``owner`` and their configured ``decay``)."""
     params = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
-    if owners and any(owner_of(name) for name, _ in params):  # an objective's own parameters: groups of their own
-        return [group for owner in (None, *OWNED) for group in _owned(
-            param_groups(_Named([(n, p) for n, p in params if owner_of(n) == owner]), weight_decay, layer_decay,
-                         split_matrices, owners=False), owner)]
+    if not any(owner_of(name) for name, _ in params):
+        return _groups(params, weight_decay, layer_decay, split_matrices)
+    groups = []
+    for owner in (None, *OWNED):
+        for group in _groups([(n, p) for n, p in params if owner_of(n) == owner], weight_decay, layer_decay,
+                             split_matrices):
+            if group["params"] and owner is not None:
+                kind = "decayed" if group["weight_decay"] else "not decayed"
+                groups.append({**group, "owner": owner, "decay": group["weight_decay"],
+                               "name": f"{owner.rstrip('.')}: {kind}" + (
+                                   f" ({'Muon' if group['matrices'] else 'AdamW'})" if "matrices" in group else "")})
+            elif group["params"]:
+                groups.append(group)
+    return groups
+
+
+def _groups(params: list[tuple[str, nn.Parameter]], weight_decay: float, layer_decay,
+            split_matrices: bool) -> list[dict]:
+    """``param_groups`` of these named parameters."""
     if split_matrices:
         groups = []
-        for group in param_groups(model, weight_decay, layer_decay, owners=False):
-            names = {id(param): name for name, param in params}
+        names = {id(param): name for name, param in params}
+        for group in _groups(params, weight_decay, layer_decay, False):
             for matrices in (True, False):
                 chosen = [p for p in group["params"] if hidden_matrix(names[id(p)], p) == matrices]
                 if chosen:

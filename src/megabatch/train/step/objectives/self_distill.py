@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ....distributed.fsdp import full
 from ....models.images import normalize_images
+from ....models.views import PARAMETERS as VIEW_PARAMETERS
 from .base import Objective
 
 
@@ -82,7 +83,7 @@ class SelfDistillation(Objective):
         else:
             torch._foreach_lerp_(teachers, students, 1.0 - self.settings.teacher_momentum)
 
-    owns = "views."  # the student's heads: their weight decay held at 0 until the start step (TrainStep.apply)
+    owns = VIEW_PARAMETERS  # the student's heads: their weight decay held at 0 until the start step (TrainStep.apply)
 
     @property
     def trains_now(self) -> bool:
