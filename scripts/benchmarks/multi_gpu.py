@@ -100,21 +100,25 @@ class GpuMemory:
 
 
 def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives: int = 0,
-            stored_teacher: str | None = None, tower: tuple[str, Path] | None = None) -> str:
+            stored_teacher: str | None = None, tower: tuple[str, Path] | None = None,
+            aspects: tuple[float, ...] = (1.0,)) -> str:
     """The shard pattern of an epoch of ``epoch_samples`` from ``images`` distinct JPEGs (with
     ``negatives`` more captions each in their JSON: ``data.train.negatives_key=json:negatives``; with
     ``stored_teacher``, an open_clip architecture with random weights, each sample's embeddings by it, as
     ``scripts/make_shards.py teacher`` writes them: ``distill.teacher=stored data.train.teacher_key=teacher.npy``;
     with ``tower`` (an architecture and its weights file), each sample's image features by its image tower, as
     ``scripts/make_shards.py image-features`` writes them: ``model.image_features=stored
-    data.train.image_features_key=image.npy``, the images kept for the tower's own runs)."""
+    data.train.image_features_key=image.npy``, the images kept for the tower's own runs; ``aspects``: the images'
+    width / height ratios, cycled, each of ``size``^2 px)."""
     from megabatch.data.synthetic import photo_shards
 
     real_dir = workdir / ("distinct" if not negatives else f"distinct-negatives-{negatives}")
+    if aspects != (1.0,):
+        real_dir = real_dir.with_name(f"{real_dir.name}-aspects-{'-'.join(f'{a:g}' for a in aspects)}")
     listed = workdir / "listed"
     per_shard = min(1024, images)
     real = sorted(real_dir.glob("photo-*.tar")) or [Path(p) for p in photo_shards(images, size, real_dir, per_shard,
-                                                                                  negatives)]
+                                                                                  negatives, aspects)]
     sizes = json.loads((real_dir / "sizes.json").read_text())
     if stored_teacher:
         real = teacher_shards(real, real_dir.with_name(f"{real_dir.name}-teacher-{stored_teacher}"), stored_teacher)
@@ -354,6 +358,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--epoch-samples", type=int, default=160_000,
                         help="samples an epoch lists (the distinct images again and again)")
+    parser.add_argument("--aspects", type=float, nargs="+", default=[1.0],
+                        help="the images' width / height ratios, cycled (each --size^2 px): mixed aspect ratios")
     parser.add_argument("--workers", type=int, default=12, help="loader workers a rank (data.num_workers)")
     parser.add_argument("--stored-teacher", default=None,
                         help="an open_clip architecture whose embeddings (random weights) the shards carry, for "
@@ -413,7 +419,7 @@ def measure(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     tower = (args.arch, tower_weights(args.arch, workdir)) if args.stored_image_features else None
     urls = None if args.openclip_only else dataset(args.images, args.size, args.epoch_samples, workdir, args.negatives,
-                                                   args.stored_teacher, tower)
+                                                   args.stored_teacher, tower, tuple(args.aspects))
     model = [f"model={args.model}", *([f"model.arch={args.arch}"] if args.model == "openclip" else []),
              *([f"model.pretrained={tower[1]}"] if tower else [])]
     common = [*model, f"loss={args.loss}", f"data.num_workers={args.workers}", *args.set]

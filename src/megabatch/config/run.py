@@ -126,6 +126,15 @@ class DataTrainSettings:
 
 
 @dataclass(frozen=True)
+class NaFlexDataSettings:
+    """``data.naflex``: the sequence lengths a NaFlex tower's sub-batches draw (``None``: the model's
+    ``max_seq_len``) and the widest aspect ratio a sample may have (``data/naflex.py``)."""
+
+    seq_lens: tuple[int, ...] | None = None
+    max_aspect: float = 20.0
+
+
+@dataclass(frozen=True)
 class DataSettings:
     """``data.*``, parsed: the cache folder, the loader's workers and how they start, where JPEGs are decoded
     (``decode_ahead_gb`` and ``decode_threads``: a number or ``auto``), and ``train`` (``DataTrainSettings``)."""
@@ -137,10 +146,13 @@ class DataSettings:
     decode_ahead_gb: float | Literal["auto"]
     decode_threads: int | Literal["auto"]
     train: DataTrainSettings
+    naflex: NaFlexDataSettings = NaFlexDataSettings()
 
     @classmethod
     def of(cls, data: DictConfig) -> DataSettings:
-        train = data.train
+        train, naflex = data.train, data.get("naflex")
+        naflex = NaFlexDataSettings() if naflex is None else NaFlexDataSettings(
+            None if naflex.seq_lens is None else tuple(int(n) for n in naflex.seq_lens), float(naflex.max_aspect))
         return cls(
             cache_dir=str(data.cache_dir), num_workers=int(data.num_workers),
             worker_start=data.get("worker_start", "auto"), decode=data.decode,
@@ -153,7 +165,7 @@ class DataSettings:
                 text_probs=_numbers(train.text_probs), negatives_key=train.negatives_key,
                 negatives=int(train.negatives), teacher_key=train.get("teacher_key"),
                 augment=AugmentSettings(_numbers(train.augment.scale), _numbers(train.augment.ratio)),
-                image_features_key=train.get("image_features_key")))
+                image_features_key=train.get("image_features_key")), naflex=naflex)
 
 
 @dataclass(frozen=True)

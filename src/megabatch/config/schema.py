@@ -94,6 +94,13 @@ class DataTrainConfig:
 
 
 @dataclass
+class NaFlexDataConfig:
+    """``data.naflex``: what a NaFlex image tower's data path draws (``model.image.naflex``; ``data/naflex.py``)."""
+    seq_lens: list[int] | None = None  # each sub-batch's patches per image, drawn; null: the model's max_seq_len
+    max_aspect: float = 20.0           # a longer side beyond this times the shorter: the sample skipped, counted
+
+
+@dataclass
 class DataConfig:
     cache_dir: str = MISSING
     num_workers: int = MISSING
@@ -102,6 +109,7 @@ class DataConfig:
     decode_ahead_gb: Any = MISSING    # auto or a number of GB
     decode_threads: Any = MISSING     # auto or a number >= 2
     train: DataTrainConfig = field(default_factory=DataTrainConfig)
+    naflex: NaFlexDataConfig = field(default_factory=NaFlexDataConfig)
 
 
 @dataclass
@@ -425,6 +433,16 @@ def check_data(data: DictConfig) -> None:
         raise ConfigError(f"data.decode_threads={threads!r}: give the GPU decoding threads per rank, 2 or more "
                           "(one of them kept for the offload replay), e.g. data.decode_threads=4, or auto "
                           "(4 with hardware JPEG decoders, else 2)")
+    naflex = data.get("naflex")
+    if naflex is not None:
+        lens = naflex.seq_lens
+        if lens is not None and (not len(lens) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                                       for n in lens)):
+            raise ConfigError(f"data.naflex.seq_lens={list(lens)}: give the patches per image each sub-batch may "
+                              "draw, e.g. [128,256,576,784] (SigLIP 2's), or null (the model's max_seq_len)")
+        if not naflex.max_aspect >= 1:
+            raise ConfigError(f"data.naflex.max_aspect={naflex.max_aspect}: give 1 or more (20: a 1 x 4000 image "
+                              "is skipped and counted)")
     at_least(train.shuffle_buffer, "data.train.shuffle_buffer", 1, "5000")
     choice(train.split, "data.train.split", ("auto", "position", "shard", "indexed"))
     at_least(train.streams, "data.train.streams", 1, "256")

@@ -118,8 +118,9 @@ def _init_redecode_worker(transform, seed: int) -> None:
 
 def _decode_sub_batch(decoder: SampleDecoder, raw: EncodedImages | Spilled,
                       spill_path: str | None = None) -> torch.Tensor:
-    """``[n, 3, s, s]`` uint8 images of one kept sub-batch (``Spilled``: in the file ``spill_path``)."""
-    return torch.stack([decoder(data, position) for data, position in _read_back(raw, spill_path)])
+    """``[n, 3, s, s]`` uint8 images of one kept sub-batch (``Spilled``: in the file ``spill_path``; a NaFlex
+    tower's: its packed patches)."""
+    return decoder.again(_read_back(raw, spill_path))
 
 
 def _read_back(raw: EncodedImages | Spilled, spill_path: str | None) -> EncodedImages:

@@ -22,6 +22,7 @@ except ImportError:  # a torchvision without image decoding (deprecated since 0.
 
 from .captions import CaptionKeys
 from .image_features import ImageFeatureSpec
+from .naflex import NaFlexSpec, UnusableImage
 from .transforms import crop_box, resized_crop, seeded
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Stats:
     missing_negatives: int = 0
     missing_teacher: int = 0  # distill.teacher=stored: no stored embeddings
     bad_teacher: int = 0      # stored embeddings unreadable or of another shape than teacher.json's
+    bad_shape: int = 0        # model.image.naflex: a side shorter than a patch, an aspect beyond data.naflex.max_aspect
     broken_shard: int = 0
     stand_in: int = 0
     padded: int = 0
@@ -93,7 +95,7 @@ class Stats:
     def as_dict(self) -> dict[str, int]:
         return {"corrupt_image": self.corrupt_image, "missing_caption": self.missing_caption,
                 "missing_negatives": self.missing_negatives, "missing_teacher": self.missing_teacher,
-                "bad_teacher": self.bad_teacher, "broken_shard": self.broken_shard,
+                "bad_teacher": self.bad_teacher, "bad_shape": self.bad_shape, "broken_shard": self.broken_shard,
                 "stand_in": self.stand_in, "padded": self.padded}
 
     def report(self) -> dict:
@@ -234,6 +236,10 @@ def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, capti
     image_bytes = next((sample[k] for k in image_keys if k in sample), None)
     try:
         image = decode(image_bytes)
+    except UnusableImage as error:  # decoded, but of a shape the NaFlex tower cannot take
+        stats.bad_shape += 1
+        stats.warn("bad_shape", "skipping %s: %s", sample.get("__key__"), error)
+        return None
     except Exception as error:  # noqa: BLE001 - any decoder failure means a corrupt sample
         stats.corrupt_image += 1
         stats.warn("corrupt_image", "skipping %s: undecodable image (%s)", sample.get("__key__"), error)
@@ -310,7 +316,12 @@ class SampleDecoder:
 
     ``transform`` an ``ImageFeatureSpec`` (``model.image_features=stored``): a sample's "image" is its
     stored features (``[width]``, read from the spec's member), taken as they are: nothing is decoded or
-    augmented, and a sub-batch's images are ``[n, width]``."""
+    augmented, and a sub-batch's images are ``[n, width]``.
+
+    ``transform`` a ``NaFlexSpec`` (``model.image.naflex``): a sample's image (one of a shape the tower cannot take
+    raises ``UnusableImage``: skipped, counted as ``bad_shape``) is resized with its aspect ratio kept to the
+    sequence length drawn for its position and cut into patches; ``collate`` packs a sub-batch's, uint8
+    ``[n, L, 3 p^2 + 4]`` (``data/naflex.py``)."""
 
     def __init__(self, transform, seed: int, epoch: int, gpu: bool = False,
                  captions: CaptionKeys | None = None):
@@ -320,6 +331,11 @@ class SampleDecoder:
         self.stored = isinstance(transform, ImageFeatureSpec)
         if self.stored:
             self.decode, self.image_keys = transform.decode, (transform.key,)
+        self.naflex = isinstance(transform, NaFlexSpec)
+        if self.naflex:
+            if gpu:
+                raise ValueError("a NaFlex tower's images are decoded by the loader workers (data.decode=cpu)")
+            self.decode = lambda data: transform.check(decode_rgb(data))
         # data.train.text_key: which caption, drawn with (seed, epoch, position) as the augmentation is
         self.captions = (captions or TXT).for_epoch(seed, epoch)
 
@@ -335,9 +351,13 @@ class SampleDecoder:
     def __call__(self, image: torch.Tensor | bytes | JpegHeader, position: int):
         """The uint8 ``[3, s, s]`` crop of ``image`` (bytes are decoded first); a ``JpegHeader``
         gives its box instead (the GPU cuts it), followed by the header (``JpegBatch.boxes``'s row).
-        Stored features: ``image`` as it is."""
+        Stored features: ``image`` as it is. A NaFlex tower's: its patches (``NaFlexSpec.patches``)."""
         if self.stored:
             return image
+        if self.naflex:
+            if isinstance(image, bytes):
+                image = self.decode(image)
+            return self.transform.patches(image, self.transform.seq_len(self.seed, self.epoch, position))
         if isinstance(image, JpegHeader):
             return (*self.box(image.height, image.width, position), image.height, image.width, int(image.hardware))
         if isinstance(image, bytes):
@@ -346,9 +366,11 @@ class SampleDecoder:
             return resized_crop(self.transform, image, self.box(image.shape[-2], image.shape[-1], position))
         return seeded(self.transform, image, self.sample_seed(position))
 
-    def collate(self, images: list, data: EncodedImages) -> torch.Tensor | JpegBatch:
+    def collate(self, images: list, data: EncodedImages | None) -> torch.Tensor | JpegBatch:
         """Stack a sub-batch's ``__call__`` results (``data``: the rows' encoded images); with any
-        box among them, a ``JpegBatch``."""
+        box among them, a ``JpegBatch``; a NaFlex tower's patches padded to the longest."""
+        if self.naflex:
+            return self.transform.collate(images)
         if all(torch.is_tensor(image) for image in images):
             return torch.stack(images)
         cpu_rows = [row for row, image in enumerate(images) if torch.is_tensor(image)]

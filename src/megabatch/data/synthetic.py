@@ -14,17 +14,21 @@ from .samples import SubBatch
 from .shard_writer import Sample, write_shards
 
 
-def photos(count: int, size: int, seed: int = 0, negatives: int = 0) -> Iterator[Sample]:
+def photos(count: int, size: int, seed: int = 0, negatives: int = 0,
+           aspects: tuple[float, ...] = (1.0,)) -> Iterator[Sample]:
     """``count`` distinct JPEG samples of ``size`` px: smooth random pictures with noise, which
     compress like photos (about 33 KB at 256 px). ``negatives``: that many more captions each, in
-    the sample's JSON (``negatives``: hard negatives' stand-ins, drawn from a generator of their own)."""
+    the sample's JSON (``negatives``: hard negatives' stand-ins, drawn from a generator of their own).
+    ``aspects``: width / height ratios, cycled (the area stays ``size``^2): images of mixed aspect ratios."""
     from PIL import Image
 
     rng, other = np.random.default_rng(seed), np.random.default_rng(seed + 1)
-    for _ in range(count):
+    for index in range(count):
+        aspect = aspects[index % len(aspects)]
+        width, height = round(size * aspect ** 0.5), round(size / aspect ** 0.5)
         coarse = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
-        image = Image.fromarray(coarse).resize((size, size), Image.BICUBIC)
-        noise = rng.normal(0, 12, (size, size, 3))
+        image = Image.fromarray(coarse).resize((width, height), Image.BICUBIC)
+        noise = rng.normal(0, 12, (height, width, 3))
         pixels = np.clip(np.asarray(image, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
@@ -44,9 +48,10 @@ def caption(rng: np.random.Generator) -> str:
     return " ".join(rng.choice(WORDS, words))
 
 
-def photo_shards(count: int, size: int, folder: str | Path, per_shard: int = 1024, negatives: int = 0) -> list[str]:
+def photo_shards(count: int, size: int, folder: str | Path, per_shard: int = 1024, negatives: int = 0,
+                 aspects: tuple[float, ...] = (1.0,)) -> list[str]:
     """``photos`` written as img2dataset-style shards (with ``sizes.json``) under ``folder``."""
-    return write_shards(photos(count, size, negatives=negatives), Path(folder), "photo", per_shard)
+    return write_shards(photos(count, size, negatives=negatives, aspects=aspects), Path(folder), "photo", per_shard)
 
 
 def synthetic_sub_batch(sub_batch: int, image_size: int, context: int, device) -> SubBatch:

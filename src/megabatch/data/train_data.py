@@ -14,6 +14,7 @@ from .captions import CaptionKeys
 from .digits import ensure_digits
 from .image_features import ImageFeatureSpec
 from .indexed_split import EpochOrder, IndexedBatches, IndexScan
+from .naflex import NaFlexSpec
 from .position_split import PositionSplitBatches, make_loader
 from .shard_split import ShardBatches, slot_quota
 from .tars import reads_locally
@@ -45,6 +46,21 @@ def resolve_split(split: str, mode: str, urls: list[str]) -> str:
     return "indexed" if all(url.endswith(".tar") for url in urls) and reads_locally(urls[0]) else "shard"
 
 
+def naflex_spec(naflex, data: DataSettings, preprocess: dict, global_batch: int) -> NaFlexSpec | None:
+    """What the data path makes for a NaFlex image tower (``naflex``: the model's ``NaFlexCfg``, ``None`` for a
+    fixed-size tower): ``data.naflex``'s lengths, each at most the model's ``max_seq_len`` (a ``ConfigError``
+    naming the keys otherwise), drawn per ``global_batch`` positions, and the model's interpolation."""
+    if naflex is None:
+        return None
+    seq_lens = data.naflex.seq_lens or (naflex.max_seq_len,)
+    if max(seq_lens) > naflex.max_seq_len:
+        raise ConfigError(f"data.naflex.seq_lens={list(seq_lens)}: longer than the model's model.image.max_seq_len="
+                          f"{naflex.max_seq_len} (what it is compiled and measured for); raise max_seq_len or drop "
+                          "the longer lengths")
+    return NaFlexSpec(naflex.patch_size, naflex.max_seq_len, tuple(seq_lens), data.naflex.max_aspect,
+                      preprocess["interpolation"], max(1, global_batch))
+
+
 class TrainData:
     """Shards named by ``data.train.urls`` (``null``: the embedded digits, built on first use).
 
@@ -59,7 +75,7 @@ class TrainData:
     """
 
     def __init__(self, data: DataSettings | DictConfig, tokenize, preprocess: dict, seed: int,
-                 show_progress: bool = True, worker_start: str = "fork"):
+                 show_progress: bool = True, worker_start: str = "fork", naflex=None, global_batch: int = 1):
         cfg = data if isinstance(data, DataSettings) else DataSettings.of(data)  # parsed once: a run's are
         urls = cfg.train.urls or ensure_digits(cfg.cache_dir)["train"]
         patterns = [urls] if isinstance(urls, str) and "::" not in urls else (
@@ -80,7 +96,7 @@ class TrainData:
         # model.image_features=stored: each sample's stored features stand for its image (read, not decoded)
         self.image_features = self._stored_spec(cfg.train.image_features_key, ImageFeatureSpec,
                                                 "data.train.image_features_key", "image features")
-        self.transform = self.image_features or train_transform(
+        self.transform = self.image_features or naflex_spec(naflex, cfg, preprocess, global_batch) or train_transform(
             preprocess["size"], preprocess["interpolation"], scale=list(augment.scale), ratio=list(augment.ratio))
         text_key = cfg.train.text_key
         self.teacher = self._stored_spec(cfg.train.teacher_key, TeacherSpec, "data.train.teacher_key",

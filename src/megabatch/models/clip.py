@@ -61,6 +61,7 @@ class ClipModel(nn.Module):
         self.decoder: nn.Module | None = None     # attach_decoder(): model.decoder's captioner (models/decoder.py)
         self.views: nn.Module | None = None       # attach_views(): self_distill's heads (models/views.py)
         self.stored_image_features = False        # model.image_features=stored: training feeds features, not images
+        self.image_lengths: tuple[int, ...] = ()  # a NaFlex tower's: the sequence lengths training feeds (warm_up's)
 
     @property
     def preprocess(self) -> dict[str, Any]:
@@ -79,8 +80,15 @@ class ClipModel(nn.Module):
         texts = torch.ones((rows, self.context_length), dtype=torch.long, device=device)
         if self.stored_image_features:  # what training feeds the image tower: its stored features, float16
             return torch.ones((rows, int(self.model_cfg["embed_dim"])), dtype=torch.float16, device=device), texts
+        if self.naflex is not None:  # packed patches of the longest sequence training feeds (data/naflex.py)
+            return self.clip.visual.example_inputs(rows, max(self.image_lengths, default=None)).to(device), texts
         size = (self.image_size,) * 2 if isinstance(self.image_size, int) else tuple(self.image_size)
         return torch.zeros((rows, 3, *size), dtype=torch.uint8, device=device), texts
+
+    @property
+    def naflex(self):
+        """A NaFlex image tower's ``NaFlexCfg`` (``model.image.naflex``, ``models/naflex.py``), else ``None``."""
+        return getattr(self.clip.visual, "cfg", None) if type(self.clip.visual).__name__ == "NaFlexTower" else None
 
     @property
     def context_length(self) -> int:
@@ -108,6 +116,8 @@ class ClipModel(nn.Module):
             description["decoder"] = self.decoder.cfg.to_dict()
         if self.views is not None:
             description["views"] = self.views.cfg.to_dict()
+        if self.naflex is not None:
+            description["naflex"] = self.naflex.to_dict()
         return description
 
     def attach_views(self, cfg) -> None:
@@ -198,7 +208,8 @@ class ClipModel(nn.Module):
     def _image_features(self, images: torch.Tensor) -> torch.Tensor:
         if images.dim() == 2:
             return self._stored_features(images)
-        images = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
+        if images.dim() == 4:  # (a NaFlex tower's packed patches [n, L, row], uint8, are normalised in it)
+            images = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
         return nn.functional.normalize(self.clip.encode_image(images), dim=-1)
 
     def _text_features(self, texts: torch.Tensor) -> torch.Tensor:
@@ -411,6 +422,7 @@ class ClipModel(nn.Module):
         ``options``: the forward's options the objectives ask for (``caption``: the caption decoder's
         graphs, ``views``: self_distill's crops and masked view, which start later in the run); the call
         with autograd passes them, so that neither the first step nor the late terms' start compiles.
+        A NaFlex tower's images: at each of ``image_lengths`` (a graph each), beside the text tower's calls.
         ``autocast``: a callable giving the step's autocast context. The RNG states are restored
         and the gradients cleared: training draws and computes what it would have without.
         Returns seconds."""
@@ -429,6 +441,8 @@ class ClipModel(nn.Module):
             for _ in range(2 if graphs else 1):
                 for index, length in enumerate(lengths):
                     inputs = (images if index == 0 or graphs else None, texts[:, :length].contiguous())  # as cut
+                    if index == 0 and len(self.image_lengths) > 1:  # the other lengths' image graphs first
+                        self._warm_image_lengths(rows, device, autocast, graph_free)
                     if graph_free:
                         with torch.no_grad(), autocast():
                             self(*inputs)
@@ -444,6 +458,20 @@ class ClipModel(nn.Module):
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, device)
         return time.perf_counter() - start
+
+    def _warm_image_lengths(self, rows: int, device: torch.device, autocast, graph_free: bool) -> None:
+        """A NaFlex tower's image graphs at each of ``image_lengths`` but the longest (``example_inputs``'),
+        without and with autograd, as ``warm_up`` calls them."""
+        for length in sorted(self.image_lengths)[:-1]:
+            images = self.clip.visual.example_inputs(rows, length).to(device)
+            if graph_free:
+                with torch.no_grad(), autocast():
+                    self(images, None)
+            with autocast():
+                features = self(images, None)[0]
+            if features.requires_grad:
+                features.float().sum().backward()
+            self.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
@@ -481,7 +509,7 @@ class _FixedRows:
             chunk = inputs[start:start + self.rows]
             short = self.rows - chunk.shape[0]
             if short:
-                chunk = torch.cat([chunk, chunk.new_zeros((short, *chunk.shape[1:]))])
+                chunk = torch.cat([chunk, _filler(chunk, short)])
             outputs.append(self._call(chunk)[: self.rows - short])
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
@@ -489,6 +517,15 @@ class _FixedRows:
         if self.dynamic_length:
             torch._dynamo.maybe_mark_dynamic(inputs, 1)
         return self.fn(inputs)
+
+
+def _filler(chunk: torch.Tensor, rows: int) -> torch.Tensor:
+    """``rows`` rows that pad ``chunk`` to a compiled call's rows (their outputs are cut): zeros, or for a
+    NaFlex tower's packed patches (uint8 ``[n, L, row]``) copies of the first row, an image with its patches
+    (all-padding rows would pool over no patch: 0 / 0 in the forward, NaN in the backward)."""
+    if chunk.dim() == 3 and chunk.dtype == torch.uint8:
+        return chunk[:1].expand(rows, *chunk.shape[1:])
+    return chunk.new_zeros((rows, *chunk.shape[1:]))
 
 
 def _run_blocks_outside_the_graph(stack: nn.Module, dynamic_length: bool = False) -> None:
@@ -564,8 +601,12 @@ def build_clip(**values: Any) -> ClipModel:
     image_ckpt = image.pop("ckpt", None)
     image_unlocked = int(image.pop("unlocked_layers", 0) or 0)
     text_unlocked = int(text.pop("unlocked_layers", 0) or 0)
-    vision_cfg = _dataclass_kwargs(CLIPVisionCfg, image, "model.image")
+    naflex = naflex_cfg(image)
+    vision_cfg = _dataclass_kwargs(CLIPVisionCfg, PLACEHOLDER_VISION if naflex else image, "model.image")
     model_cfg: dict[str, Any] = {"embed_dim": embed_dim, "quick_gelu": quick_gelu, "vision_cfg": vision_cfg}
+    if naflex is not None and multimodal:
+        raise ConfigError("model.image.naflex=true with model.multimodal (a CoCa): its decoder reads an open_clip "
+                          "ViT's tokens; set model.image.naflex=false or use a CLIP")
     if init_logit_bias is not None:
         model_cfg["init_logit_bias"] = init_logit_bias
     hf_path = text.pop("hf_path", None)
@@ -596,6 +637,8 @@ def build_clip(**values: Any) -> ClipModel:
         clip = CLIP(embed_dim=embed_dim, vision_cfg=CLIPVisionCfg(**vision_cfg),
                     text_cfg=CLIPTextCfg(**model_cfg["text_cfg"]),
                     quick_gelu=quick_gelu, init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias)
+    if naflex is not None:
+        use_naflex_tower(clip, model_cfg, naflex)
     source = resolve_pretrained(pretrained)
     if source is not None:
         load_weights(clip, source.weights, "model.pretrained", f"model={name}")
@@ -613,6 +656,32 @@ def build_clip(**values: Any) -> ClipModel:
                 image_pretrained=bool(image_ckpt or source), text_pretrained=bool(hf_path or source))
     attach_decoder(model, spec.decoder)
     return model
+
+
+# the open_clip ViT a CLIP is first built with where a NaFlex tower (model.image.naflex) replaces it: the smallest
+PLACEHOLDER_VISION = {"image_size": 8, "patch_size": 8, "width": 8, "layers": 1, "head_width": 8}
+
+
+def naflex_cfg(image: dict[str, Any]):
+    """``model.image.naflex``: the NaFlex tower's ``NaFlexCfg`` of the other ``model.image`` keys (popped from
+    ``image``), else ``None`` (the key removed)."""
+    if not image.pop("naflex", False):
+        image.pop("max_seq_len", None)
+        image.pop("variant", None)
+        return None
+    from .naflex import NaFlexCfg
+
+    values = {key: image.pop(key) for key in list(image)}
+    return NaFlexCfg.of(values)
+
+
+def use_naflex_tower(clip, model_cfg: dict[str, Any], cfg) -> None:
+    """``clip``'s image tower replaced by a NaFlex tower of ``cfg`` (``models/naflex.py``); ``model_cfg`` records
+    open_clip's ``vision_cfg`` of the same layout (``TimmModel``'s)."""
+    from .naflex import NaFlexTower
+
+    clip.visual = NaFlexTower(cfg, int(model_cfg["embed_dim"]))
+    model_cfg["vision_cfg"] = cfg.vision_cfg()
 
 
 def attach_views(model: ClipModel, values) -> None:

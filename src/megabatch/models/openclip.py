@@ -14,8 +14,17 @@ import open_clip
 from open_clip.model import CLIP, CustomTextCLIP, set_model_preprocess_cfg
 
 from ..config import ConfigError
-from .clip import ClipModel, attach_decoder, attach_views, init_caption_decoder, lock_towers
+from .clip import (
+    PLACEHOLDER_VISION,
+    ClipModel,
+    attach_decoder,
+    attach_views,
+    init_caption_decoder,
+    lock_towers,
+    use_naflex_tower,
+)
 from .export import DECODER_NAME
+from .naflex import NaFlexCfg
 from .preprocess import describe_preprocess, resolve_preprocess
 from .pretrained import Pretrained, load_weights, read_state_dict, resolve_pretrained
 from .spec import ModelSpec
@@ -154,11 +163,16 @@ def from_description(description: dict[str, Any]) -> ClipModel:
     """A model with random weights, built from ``ClipModel.description()`` (a checkpoint's, an
     export's): no config group, no pretrained file needed; load the weights afterwards."""
     model_cfg = deepcopy(description["model_cfg"])
+    naflex = description.get("naflex")
+    if naflex is not None:  # built with the smallest open_clip ViT, then its NaFlex tower put in (models/naflex.py)
+        model_cfg["vision_cfg"] = dict(PLACEHOLDER_VISION)
     if "timm_model_name" in model_cfg["vision_cfg"]:
         model_cfg["vision_cfg"]["timm_model_pretrained"] = False
     if "hf_model_name" in model_cfg["text_cfg"]:
         model_cfg["text_cfg"]["hf_model_pretrained"] = False  # the weights follow
     clip = _create(model_cfg, f"the stored model {description['name']}")
+    if naflex is not None:
+        use_naflex_tower(clip, model_cfg, NaFlexCfg.of(naflex))
     set_model_preprocess_cfg(clip, dict(description["preprocess_cfg"]))
     _freeze_caption_decoder(clip)
     model = ClipModel(clip, description["name"], description["model_cfg"], description.get("arch"),

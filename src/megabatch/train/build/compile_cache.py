@@ -42,7 +42,9 @@ def cache_key(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device
             "feature_dtype": cfg.trainer.feature_dtype,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
-            "python": platform.python_version()}
+            "python": platform.python_version(),
+            # a NaFlex tower's images: one graph per sequence length the data draws
+            "naflex_seq_lens": OmegaConf.to_container(cfg.data.naflex, resolve=True) if "naflex" in cfg.data else None}
 
 
 def cache_file(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device) -> Path:

@@ -1,0 +1,151 @@
+"""``model.image.naflex``: a NaFlex image tower (timm's ``NaFlexVit``: each image at its own aspect ratio and
+resolution, as a sequence of patches with their grid coordinates and a validity mask; learned position
+embeddings resized per image) inside megabatch's CLIP, with any text tower.
+
+``NaFlexTower`` has open_clip's ``TimmModel`` layout (``trunk``, ``head.drop``, ``head.proj``), so its weights
+are those of the open_clip config ``vision_cfg: {timm_model_name: <variant>, timm_pool: "", timm_proj:
+"linear"}`` (``NaFlexCfg.vision_cfg``): a model at a timm variant's own sizes exports to a folder open_clip's
+released package loads (it then feeds the tower square images, which ``NaFlexVit`` also takes). The sizes come
+from the usual keys (``patch_size``, ``width``, ``layers``, ``head_width``, ``mlp_ratio``), the variant's the rest.
+
+Training feeds it the packed patches ``data/naflex.py`` makes (uint8 ``[n, L, 3 p^2 + 4]``,
+``kernels/packed_patches.py``): the tower unpacks them on the device, normalised with the model's mean and std.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..kernels.packed_patches import grid_example, unpack
+
+DEFAULT_VARIANT = "naflexvit_base_patch16_gap"
+# model.image keys that have no meaning for a NaFlex tower (open_clip ViT options), refused naming the key
+OPEN_CLIP_ONLY = ("layers_per_block", "ls_init_value", "attentional_pool", "attn_pooler_queries",
+                  "attn_pooler_heads", "no_ln_pre", "pos_embed_type", "final_ln_after_pool", "pool_type",
+                  "output_tokens", "act_kwargs", "norm_kwargs", "block_type", "qk_norm", "scaled_cosine_attn",
+                  "scale_heads", "scale_attn_inner", "scale_attn", "scale_fc", "timm_model_pretrained",
+                  "timm_pool", "timm_proj", "timm_proj_bias", "timm_drop", "timm_drop_path", "timm_model_name",
+                  "hf_model_name", "hf_model_pretrained", "hf_proj_type", "hf_pooler_type", "hf_tokenizer_name",
+                  "embed_cls", "output_dim", "pos_embed_type")
+
+
+@dataclass(frozen=True)
+class NaFlexCfg:
+    """A NaFlex tower: timm's ``variant`` (a ``naflexvit_*`` name: its pooling, registers, layer scale ...) at
+    these sizes. ``image_size``: the square size of evaluation's fixed-size images and of the position
+    embeddings' grid (``image_size / patch_size`` a side); ``max_seq_len``: the most patches an image becomes in
+    training (``data.naflex.seq_lens`` draws lengths up to it) and in evaluation (``eval.<name>.seq_len``)."""
+
+    variant: str = DEFAULT_VARIANT
+    image_size: int = 256
+    patch_size: int = 16
+    width: int = 768
+    layers: int = 12
+    head_width: int = 64
+    mlp_ratio: float = 4.0
+    max_seq_len: int = 256
+    patch_dropout: float = 0.0
+
+    @classmethod
+    def of(cls, image: Mapping[str, Any]) -> NaFlexCfg:
+        """The ``model.image`` keys of a NaFlex tower (``naflex`` itself removed); an open_clip ViT's own
+        option is a ``ConfigError`` naming it."""
+        values = dict(image)
+        variant = values.pop("variant", None) or DEFAULT_VARIANT
+        for key in OPEN_CLIP_ONLY:
+            if values.get(key) not in (None, False, 0, {}, ""):
+                raise ConfigError(f"model.image.{key} is an open_clip ViT's option; a NaFlex tower "
+                                  f"(model.image.naflex=true) does not take it: remove it")
+            values.pop(key, None)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"model.image.{unknown[0]}: not a NaFlex tower's key ({', '.join(sorted(known))})")
+        cfg = cls(variant=str(variant), **values)
+        if not str(cfg.variant).startswith("naflexvit_"):
+            raise ConfigError(f"model.image.variant={cfg.variant!r}: give one of timm's naflexvit_* models "
+                              f"(e.g. {DEFAULT_VARIANT}, naflexvit_base_patch16_siglip)")
+        if cfg.width % cfg.head_width:
+            raise ConfigError(f"model.image.width={cfg.width} is not a multiple of model.image.head_width="
+                              f"{cfg.head_width}")
+        if cfg.image_size % cfg.patch_size:
+            raise ConfigError(f"model.image.image_size={cfg.image_size} is not a multiple of "
+                              f"model.image.patch_size={cfg.patch_size}")
+        if cfg.max_seq_len < 1:
+            raise ConfigError(f"model.image.max_seq_len={cfg.max_seq_len}: give at least one patch")
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    def trunk_kwargs(self) -> dict[str, Any]:
+        """timm's keywords over the variant's config: these sizes, no classifier."""
+        return {"num_classes": 0, "patch_size": self.patch_size, "embed_dim": self.width, "depth": self.layers,
+                "num_heads": self.width // self.head_width, "mlp_ratio": self.mlp_ratio,
+                "pos_embed_grid_size": (self.grid, self.grid), "img_size": self.image_size,
+                "patch_drop_rate": self.patch_dropout}
+
+    def vision_cfg(self) -> dict[str, Any]:
+        """open_clip's ``vision_cfg`` of the same weights' layout (``TimmModel``): what an export records."""
+        return {"timm_model_name": self.variant, "timm_model_pretrained": False, "timm_pool": "",
+                "timm_proj": "linear", "timm_proj_bias": False, "image_size": self.image_size,
+                "patch_size": self.patch_size, "width": self.width, "layers": self.layers,
+                "head_width": self.head_width, "mlp_ratio": self.mlp_ratio}
+
+
+class NaFlexTower(nn.Module):
+    """timm's ``NaFlexVit`` (``trunk``) and a linear projection to the shared embedding (``head.proj``), in
+    open_clip's ``TimmModel`` layout. ``forward`` takes the packed patches (uint8 ``[n, L, 3 p^2 + 4]``,
+    normalised by ``unpack``) or, as ``NaFlexVit`` does, square float images ``[n, 3, s, s]``."""
+
+    def __init__(self, cfg: NaFlexCfg, embed_dim: int):
+        super().__init__()
+        import timm
+
+        self.cfg = cfg
+        self.trunk = timm.create_model(cfg.variant, pretrained=False, **cfg.trunk_kwargs())
+        self.head = nn.Sequential(OrderedDict(drop=nn.Dropout(0.0),
+                                              proj=nn.Linear(self.trunk.num_features, embed_dim, bias=False)))
+        self.image_size = (cfg.image_size, cfg.image_size)
+        self.patch_size = (cfg.patch_size, cfg.patch_size)
+
+    @property
+    def blocks(self) -> nn.Sequential:
+        return self.trunk.blocks
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype == torch.uint8 and images.dim() == 3:
+            preprocess = self.preprocess_cfg  # open_clip's set_model_preprocess_cfg sets it on the image tower
+            images = unpack(images, self.cfg.patch_size, preprocess["mean"], preprocess["std"])
+        return self.head(self.trunk(images))
+
+    def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
+        """Freeze the tower but its last ``unlocked_groups`` blocks and what follows them (the final norm, the
+        pooling, the projection), as open_clip's ``lock`` does."""
+        self.requires_grad_(False)
+        if unlocked_groups:
+            for block in list(self.trunk.blocks)[-unlocked_groups:]:
+                block.requires_grad_(True)
+            for name, module in self.trunk.named_children():
+                if name not in ("embeds", "blocks", "patch_drop", "norm_pre", "rope"):
+                    module.requires_grad_(True)
+            self.head.requires_grad_(True)
+
+    def example_inputs(self, rows: int, seq_len: int | None = None) -> torch.Tensor:
+        """``rows`` packed images of ``seq_len`` (default ``max_seq_len``) patches: the training input's shape."""
+        return grid_example(rows, self.cfg.patch_size, seq_len or self.cfg.max_seq_len)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.trunk.set_grad_checkpointing(enable)
+

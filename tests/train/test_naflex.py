@@ -1,0 +1,102 @@
+"""A NaFlex image tower (``model.image.naflex``, timm's ``NaFlexVit``) trains exactly as a fixed-size one: images
+of mixed aspect ratios, packed per sub-batch at a drawn sequence length, give the same loss and gradients in one
+pass, with GradCache sub-batches, with offload (the kept bytes decoded and packed again) and on 2 gloo ranks; and
+the packed layout is timm's patches with their coordinates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megabatch.data.naflex import NaFlexSpec
+from megabatch.data.shard_writer import Sample, encode_png, write_shards
+from megabatch.kernels.packed_patches import unpack
+from megabatch.models import build_model
+
+from ..helpers import compose, rel_error, run_ranks
+from .test_gradcache import BATCH, flat
+from .test_objectives_contract import assert_same, gradients
+
+# (height, width) of the images, cycled: square, wide, tall, 1:3 and 3:1, smaller and larger than the grid
+SHAPES = [(32, 32), (16, 48), (40, 20), (24, 72), (60, 20), (16, 16), (33, 47)]
+NAFLEX = ["model=tiny_naflex", "data.naflex.seq_lens=[9,16]"]
+PATHS = {"gradcache": [f"trainer.sub_batch={BATCH // 4}"],
+         "offload": [f"trainer.sub_batch={BATCH // 4}", "trainer.offload=true"]}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    """64 captioned images of mixed sizes and aspect ratios, as shards."""
+    folder, rng, samples = tmp_path_factory.mktemp("naflex"), np.random.default_rng(0), []
+    for i in range(64):
+        height, width = SHAPES[i % len(SHAPES)]
+        samples.append(Sample(encode_png(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)), "png",
+                              f"a photo of {i % 10}"))
+    write_shards(samples, folder, "n", per_shard=16)
+    return {"urls": str(folder / "n-{000000..000003}.tar")}
+
+
+def test_packed_patches_are_timms_patches_with_their_coordinates():
+    from timm.data.naflex_transforms import patchify_image
+
+    spec = NaFlexSpec(patch_size=8, max_seq_len=16, seq_lens=(16,))
+    image = torch.randint(0, 256, (3, 16, 48), dtype=torch.uint8)
+    packed = spec.patches(image, 16)
+    assert packed.shape == (16, 3 * 64 + 4)
+    pixels, coord, _ = patchify_image(image, (8, 8))  # 16 x 48 already fits 12 patches of 16: not resized
+    unpacked = unpack(packed[None], 8, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    assert torch.equal(unpacked["patch_valid"][0], torch.arange(16) < 12)
+    assert torch.equal(unpacked["patch_coord"][0, :12], coord)
+    assert torch.equal((unpacked["patches"][0, :12] * 255).round().to(torch.uint8), pixels)
+    # at 9 patches the sides are rounded up to whole patches as far as they fit (timm's search): 2 x 4
+    assert spec.target_size(16, 48, 9) == (16, 32)
+    assert int(unpack(spec.patches(image, 9)[None], 8, (0.0,) * 3, (1.0,) * 3)["patch_valid"].sum()) == 8
+
+
+def test_padding_rows_change_no_feature():
+    """A sub-batch is packed to its longest image: the others' padding rows are masked out of attention and
+    pooling, so an image's features do not depend on the length it is padded to."""
+    model = build_model(compose(*NAFLEX).model).eval()
+    spec = NaFlexSpec(patch_size=8, max_seq_len=16, seq_lens=(9, 16))
+    images = [torch.randint(0, 256, shape, dtype=torch.uint8) for shape in [(3, 16, 48), (3, 40, 20)]]
+    short = spec.collate([spec.patches(image, 9) for image in images])  # 9 rows each
+    mixed = spec.collate([spec.patches(images[0], 9), spec.patches(images[1], 16)])  # the first padded to 16
+    assert short.shape[1] == 9 and mixed.shape[1] == 16
+    texts = torch.ones(2, 16, dtype=torch.long)
+    with torch.no_grad():
+        assert rel_error(model(mixed[:1], texts[:1])[0], model(short[:1], texts[:1])[0]) <= 1e-6
+
+
+def test_a_naflex_model_is_rebuilt_from_its_description():
+    from megabatch.models.openclip import from_description
+
+    model = build_model(compose(*NAFLEX).model)
+    again = from_description(model.description())
+    again.load_state_dict(model.state_dict())
+    images, texts = model.example_inputs(3, torch.device("cpu"))
+    assert images.dtype == torch.uint8 and images.shape == (3, 16, 3 * 64 + 4)
+    assert torch.equal(model(images, texts)[0], again(images, texts)[0])
+
+
+def test_every_path_gives_the_one_pass_loss_and_gradients(data):
+    one_pass = gradients(data, *NAFLEX)
+    assert torch.isfinite(flat(one_pass["grads"])).all()
+    assert any(name.startswith("clip.visual.trunk.") for name in one_pass["grads"])
+    for path, extra in PATHS.items():
+        assert_same(gradients(data, *NAFLEX, *extra), one_pass, path)
+    # patch dropout's draws replayed: GradCache against one pass with the same draws
+    dropped = gradients(data, *NAFLEX, "model.image.patch_dropout=0.25")
+    assert rel_error(flat(dropped["grads"]), flat(one_pass["grads"])) > 1e-4  # it drops patches
+    assert_same(gradients(data, *NAFLEX, "model.image.patch_dropout=0.25", *PATHS["gradcache"]), dropped,
+                "gradcache with patch dropout")
+
+
+def two_ranks(rank: int, world: int, data: dict) -> dict:
+    return gradients(data, *NAFLEX, "trainer.sub_batch=4")
+
+
+def test_two_ranks_equal_one_process(data, tmp_path):
+    single = gradients(data, *NAFLEX)
+    for rank, result in enumerate(run_ranks(2, two_ranks, data, tmp_path=tmp_path)):
+        assert_same(result, single, f"rank {rank}")
