@@ -100,3 +100,16 @@ def test_two_ranks_equal_one_process(data, tmp_path):
     single = gradients(data, *NAFLEX)
     for rank, result in enumerate(run_ranks(2, two_ranks, data, tmp_path=tmp_path)):
         assert_same(result, single, f"rank {rank}")
+
+
+def test_the_naflex_decoder_crosses_to_a_fork_servers_workers():
+    """A GPU run's loader workers start from a fork server: the dataset, its decoder included, is pickled."""
+    import pickle
+
+    from megabatch.data.samples import SampleDecoder, decode_rgb
+    from megabatch.data.shard_writer import encode_png
+
+    spec = NaFlexSpec(patch_size=8, max_seq_len=16, seq_lens=(9, 16), group=32)
+    decoder = pickle.loads(pickle.dumps(SampleDecoder(spec, seed=0, epoch=0)))
+    png = encode_png(np.zeros((16, 48, 3), dtype=np.uint8))
+    assert torch.equal(decoder(png, 5), SampleDecoder(spec, seed=0, epoch=0)(decode_rgb(png), 5))

@@ -3,6 +3,7 @@ seeded augmentation, and the ``SubBatch`` the training loaders yield."""
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import warnings
@@ -200,6 +201,11 @@ def decode_rgb(image_bytes: bytes | None) -> torch.Tensor:
     return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
 
 
+def decode_checked(spec: NaFlexSpec, image_bytes: bytes | None) -> torch.Tensor:
+    """``decode_rgb``, then ``UnusableImage`` for a shape a NaFlex tower cannot take (``NaFlexSpec.check``)."""
+    return spec.check(decode_rgb(image_bytes))
+
+
 def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, captions: CaptionKeys = TXT,
                 position: int = 0, image_keys: tuple[str, ...] = IMAGE_KEYS) -> tuple[bytes, object, str] | None:
     """(image bytes, ``decode(bytes)``, caption) from a raw sample, or ``None`` (counted) when
@@ -335,7 +341,7 @@ class SampleDecoder:
         if self.naflex:
             if gpu:
                 raise ValueError("a NaFlex tower's images are decoded by the loader workers (data.decode=cpu)")
-            self.decode = lambda data: transform.check(decode_rgb(data))
+            self.decode = functools.partial(decode_checked, transform)  # (picklable: a fork server's workers)
         # data.train.text_key: which caption, drawn with (seed, epoch, position) as the augmentation is
         self.captions = (captions or TXT).for_epoch(seed, epoch)
 
