@@ -16,6 +16,13 @@ digit, as a word or a numeral, and no other digit (``caption_accuracy``).
     python scripts/benchmarks/learning.py --set model=tiny_coca --settings loss.caption_weight=0 \
         loss.caption_weight=2.0 --caption-accuracy --out coca_digits.json
 
+``--aspects`` (a NaFlex tower against a fixed-size one): every run trains on the digits' training split written
+again with each scan padded (black, as the scans' background) to the next of these width / height ratios, cycled;
+the held-out digits stay square.
+
+    python scripts/benchmarks/learning.py --settings model=tiny model=tiny_naflex --aspects 0.5 1 2 3 \
+        --out naflex_digits.json
+
 A setting of several overrides is one quoted argument (``'model.decoder.layers=2 loss.caption_weight=1'``);
 ``--parallel N`` trains N runs at once (a GPU machine's spare cores). Each run is a process of its own,
 ``python train.py <--set ...> <setting> seed=<seed>
@@ -105,6 +112,47 @@ def run(setting: str, seed: int, overrides: list[str], reuse: bool, captions: bo
             **(linear_probe(metrics.parent) if probe else {})}
 
 
+def aspect_digits(aspects: list[float], folder: Path) -> str:
+    """The digits' training shards written again under ``folder``, each scan padded (black, centred) to the next of
+    ``aspects`` (width / height), cycled; returns their brace pattern (written once)."""
+    import io
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    from megabatch.data.digits import ensure_digits
+    from megabatch.data.shard_writer import Sample, encode_png, write_shards
+    from megabatch.data.urls import expand_urls
+
+    done = folder / "pattern.txt"
+    if done.exists():
+        return done.read_text()
+    samples, index = [], 0
+    for url in expand_urls(ensure_digits(os.environ.get("MEGABATCH_CACHE", "~/.cache/megabatch"))["train"], "digits"):
+        with tarfile.open(url) as tar:
+            members: dict[str, dict[str, bytes]] = {}
+            for member in tar.getmembers():
+                key, _, ext = member.name.partition(".")
+                members.setdefault(key, {})[ext] = tar.extractfile(member).read()
+        for key in sorted(members):
+            fields = members[key]
+            scan = np.asarray(Image.open(io.BytesIO(fields["png"])).convert("RGB"))
+            aspect = aspects[index % len(aspects)]
+            index += 1
+            height, width = scan.shape[:2]
+            new_h, new_w = (height, round(height * aspect)) if aspect >= 1 else (round(width / aspect), width)
+            canvas = np.zeros((new_h, new_w, 3), dtype=np.uint8)
+            top, left = (new_h - height) // 2, (new_w - width) // 2
+            canvas[top:top + height, left:left + width] = scan
+            meta = json.loads(fields["json"]) if "json" in fields else {}
+            samples.append(Sample(encode_png(canvas), "png", fields["txt"].decode(), meta))
+    shards = write_shards(samples, folder, "train", per_shard=500)
+    pattern = f"{folder}/train-{{000000..{len(shards) - 1:06d}}}.tar"
+    done.write_text(pattern)
+    return pattern
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", nargs="+", required=True,
@@ -118,8 +166,13 @@ def main() -> None:
                         help="a CoCa's captions of the held-out digits: the share naming the right digit")
     parser.add_argument("--linear-probe", action="store_true",
                         help="each run's last checkpoint through scripts/evaluate.py eval=digits_probe")
+    parser.add_argument("--aspects", type=float, nargs="+", default=None,
+                        help="the training scans padded to these width / height ratios, cycled (NaFlex)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.aspects:
+        folder = ROOT / "runs" / f"digits-aspects-{'-'.join(f'{a:g}' for a in args.aspects)}"
+        args.set = [*args.set, f"data.train.urls={aspect_digits(args.aspects, folder)}"]  # data=digits' settings
     runs = [(setting, int(seed)) for seed in args.seeds.split(",") for setting in args.settings]
     results = []
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # each run is a process of its own

@@ -52,6 +52,7 @@ class NaFlexCfg:
     mlp_ratio: float = 4.0
     max_seq_len: int = 256
     patch_dropout: float = 0.0
+    key_only_mask: bool = False  # attention masks the padding keys only ([n, 1, 1, L]), not the pairs ([n, 1, L, L])
 
     @classmethod
     def of(cls, image: Mapping[str, Any]) -> NaFlexCfg:
@@ -94,7 +95,7 @@ class NaFlexCfg:
         return {"num_classes": 0, "patch_size": self.patch_size, "embed_dim": self.width, "depth": self.layers,
                 "num_heads": self.width // self.head_width, "mlp_ratio": self.mlp_ratio,
                 "pos_embed_grid_size": (self.grid, self.grid), "img_size": self.image_size,
-                "patch_drop_rate": self.patch_dropout}
+                "patch_drop_rate": self.patch_dropout, "use_key_only_attn_mask": self.key_only_mask}
 
     def vision_cfg(self) -> dict[str, Any]:
         """open_clip's ``vision_cfg`` of the same weights' layout (``TimmModel``): what an export records."""
