@@ -113,3 +113,26 @@ def test_the_naflex_decoder_crosses_to_a_fork_servers_workers():
     decoder = pickle.loads(pickle.dumps(SampleDecoder(spec, seed=0, epoch=0)))
     png = encode_png(np.zeros((16, 48, 3), dtype=np.uint8))
     assert torch.equal(decoder(png, 5), SampleDecoder(spec, seed=0, epoch=0)(decode_rgb(png), 5))
+
+
+def test_evaluation_keeps_the_aspect_ratio_at_the_sets_sequence_length(tmp_path):
+    """``eval.<name>.seq_len``: each image as that many patches at most, its aspect ratio kept; a checkpoint's NaFlex
+    model evaluates at any length (the position embeddings resized per image)."""
+    from PIL import Image
+
+    from megabatch.eval.zeroshot import run_zeroshot
+
+    spec = NaFlexSpec(patch_size=8, max_seq_len=16, seq_lens=(16,))
+    wide = Image.fromarray(np.zeros((16, 48, 3), dtype=np.uint8))
+    for seq_len, grid in ((16, (2, 6)), (9, (2, 4)), (36, (3, 9))):
+        packed = spec.eval_transform(seq_len)(wide)
+        unpacked = unpack(packed[None], 8, (0.0,) * 3, (1.0,) * 3)
+        assert packed.shape[0] == seq_len and int(unpacked["patch_valid"].sum()) == grid[0] * grid[1]
+        assert unpacked["patch_coord"][0].max(0).values.tolist() == [grid[0] - 1, grid[1] - 1]
+    cfg = compose(*NAFLEX, "eval=digits")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    results = {seq_len: run_zeroshot(model, model.tokenizer(), {**cfg.eval.digits, "seq_len": seq_len}, cfg.data,
+                                     torch.device("cpu")) for seq_len in (16, 9)}
+    assert results[16]["samples"] == results[9]["samples"] == 360
+    assert results[16]["top1"] != results[9]["top1"]  # the images were cut to another length

@@ -306,6 +306,7 @@ class EvalSetSettings:
     num_workers: int = 4
     chunk: int = 1024
     weights: Literal["raw", "ema", "both", "auto"] = "auto"
+    seq_len: int | None = None  # a NaFlex tower's patches per image (models/naflex.py); None: its max_seq_len
 
     @classmethod
     def of(cls, node) -> EvalSetSettings:

@@ -144,6 +144,7 @@ class EvalConfig:
     num_workers: int = 4
     chunk: int = 1024
     weights: str = "auto"             # raw | ema | both | auto (both with ema.decay, else raw)
+    seq_len: int | None = None        # a NaFlex tower's patches per image (aspect kept); null: its max_seq_len
 
 
 @dataclass

@@ -81,6 +81,12 @@ class NaFlexSpec:
         pixels, coord, _ = patchify_image(image, (self.patch_size, self.patch_size))
         return pack(pixels, coord, seq_len)
 
+    def eval_transform(self, seq_len: int | None = None) -> NaFlexEval:
+        """Evaluation's transform: a PIL image to its patches at ``seq_len`` (``max_seq_len`` where ``None``), its
+        aspect ratio kept, padded to ``seq_len`` rows (a batch stacks them)."""
+        seq_len = seq_len or self.max_seq_len
+        return NaFlexEval(NaFlexSpec(self.patch_size, seq_len, (seq_len,), interpolation=self.interpolation))
+
     def collate(self, packed: list[torch.Tensor]) -> torch.Tensor:
         """A sub-batch's images (``patches``' rows, each of its own length) as one uint8 ``[n, L, row_bytes]``,
         ``L`` the longest's length: the others padded with zero rows."""
@@ -91,3 +97,17 @@ class NaFlexSpec:
         for row, item in enumerate(packed):
             out[row, :item.shape[0]] = item
         return out
+
+
+@dataclass(frozen=True)
+class NaFlexEval:
+    """A NaFlex tower's evaluation transform (``NaFlexSpec.eval_transform``): a PIL image (or uint8 ``[3, h, w]``)
+    to uint8 ``[seq_len, row_bytes]``, every image kept whole (none skipped: a set is scored on all of it).
+    Picklable: evaluation's loader workers take it."""
+
+    spec: NaFlexSpec
+
+    def __call__(self, image) -> torch.Tensor:
+        if not isinstance(image, torch.Tensor):
+            image = TF.pil_to_tensor(image.convert("RGB"))
+        return self.spec.patches(image, self.spec.max_seq_len)

@@ -119,7 +119,7 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device, cache: str | None 
     from .datasets import eval_batches, labels_within, resolve_eval_set
 
     eval_cfg = EvalSetSettings.of(eval_cfg)  # parsed once: everything below reads the typed set
-    transform = eval_transform(model.preprocess)
+    transform = eval_transform(model.preprocess) if model.naflex is None else naflex_eval_transform(model, eval_cfg)
     ranks = Ranks.of(model)
     was_training = model.training
     model.eval()
@@ -153,6 +153,21 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device, cache: str | None 
                               f"eval.{eval_cfg.name}.root / .urls / .split, or leave the set out") from None
     finally:
         model.train(was_training)
+
+
+def naflex_eval_transform(model, eval_cfg):
+    """A NaFlex tower's evaluation transform: each image with its aspect ratio kept, as ``eval.<name>.seq_len``
+    patches (the model's ``max_seq_len`` where unset; any length: the position embeddings are resized per
+    image), the model's interpolation (``data/naflex.py``)."""
+    from ..data.naflex import NaFlexSpec
+
+    cfg = model.naflex
+    if eval_cfg.seq_len is not None and eval_cfg.seq_len < 1:
+        raise ConfigError(f"eval.{eval_cfg.name}.seq_len={eval_cfg.seq_len}: give the patches per image (e.g. 256, "
+                          "576, 784, 1024), or null (the model's max_seq_len)")
+    spec = NaFlexSpec(cfg.patch_size, cfg.max_seq_len, (cfg.max_seq_len,),
+                      interpolation=model.preprocess["interpolation"])
+    return spec.eval_transform(eval_cfg.seq_len)
 
 
 def weights_to_evaluate(weights: str, has_average: bool) -> list[str]:
