@@ -27,7 +27,7 @@ from ..kernels.packed_patches import grid_example, unpack
 
 DEFAULT_VARIANT = "naflexvit_base_patch16_gap"
 # model.image keys that have no meaning for a NaFlex tower (open_clip ViT options), refused naming the key
-OPEN_CLIP_ONLY = ("layers_per_block", "ls_init_value", "attentional_pool", "attn_pooler_queries",
+OPEN_CLIP_ONLY = ("layers_per_block", "attentional_pool", "attn_pooler_queries",
                   "attn_pooler_heads", "no_ln_pre", "pos_embed_type", "final_ln_after_pool", "pool_type",
                   "output_tokens", "act_kwargs", "norm_kwargs", "block_type", "qk_norm", "scaled_cosine_attn",
                   "scale_heads", "scale_attn_inner", "scale_attn", "scale_fc", "timm_model_pretrained",
@@ -52,7 +52,7 @@ class NaFlexCfg:
     mlp_ratio: float = 4.0
     max_seq_len: int = 256
     patch_dropout: float = 0.0
-    key_only_mask: bool = False  # attention masks the padding keys only ([n, 1, 1, L]), not the pairs ([n, 1, L, L])
+    ls_init_value: float | None = None  # layer scale's initial value; None: the variant's; 0: no layer scale
 
     @classmethod
     def of(cls, image: Mapping[str, Any]) -> NaFlexCfg:
@@ -95,7 +95,8 @@ class NaFlexCfg:
         return {"num_classes": 0, "patch_size": self.patch_size, "embed_dim": self.width, "depth": self.layers,
                 "num_heads": self.width // self.head_width, "mlp_ratio": self.mlp_ratio,
                 "pos_embed_grid_size": (self.grid, self.grid), "img_size": self.image_size,
-                "patch_drop_rate": self.patch_dropout, "use_key_only_attn_mask": self.key_only_mask}
+                "patch_drop_rate": self.patch_dropout,
+                **({} if self.ls_init_value is None else {"init_values": self.ls_init_value or None})}
 
     def vision_cfg(self) -> dict[str, Any]:
         """open_clip's ``vision_cfg`` of the same weights' layout (``TimmModel``): what an export records."""
