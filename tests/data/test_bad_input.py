@@ -284,3 +284,25 @@ def test_a_stream_whose_command_fails_mid_shard_is_skipped_and_counted(tmp_path)
     seen = [number for sub in subs for number in sub.texts.tolist()]
     assert len(set(seen)) == 30 and 19 not in seen and len(set(seen) & set(range(10, 20))) < 10  # cut short
     assert subs[-1].stats["broken_shard"] == 1 and list(subs[-1].stats["broken_urls"]) == [cut]
+
+
+def test_naflex_skips_and_counts_images_of_a_shape_it_cannot_take(tmp_path):
+    """A NaFlex tower's data path: an image with a side shorter than one patch, or an aspect ratio beyond
+    ``data.naflex.max_aspect`` (1 x 4000), is skipped and counted as ``bad_shape``; the others are packed."""
+    import numpy as np
+
+    from megabatch.data.naflex import NaFlexSpec
+    from megabatch.data.samples import SampleDecoder, Stats, decode_pair
+    from megabatch.data.shard_writer import encode_png
+
+    decoder = SampleDecoder(NaFlexSpec(patch_size=8, max_seq_len=16, seq_lens=(16,)), seed=0, epoch=0)
+    stats = Stats()
+    shapes = {"thin": (1, 4000), "tiny": (4, 30), "fine": (24, 40)}
+    kept = {}
+    for key, (height, width) in shapes.items():
+        sample = {"__key__": key, "png": encode_png(np.zeros((height, width, 3), dtype=np.uint8)), "txt": b"x"}
+        pair = decode_pair(sample, stats, decoder.decode, decoder.captions, 0, decoder.image_keys)
+        if pair is not None:
+            kept[key] = decoder(pair[1], 0)
+    assert stats.bad_shape == 2 and stats.corrupt_image == 0 and list(kept) == ["fine"]
+    assert kept["fine"].shape == (16, 3 * 64 + 4)

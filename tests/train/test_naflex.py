@@ -136,3 +136,20 @@ def test_evaluation_keeps_the_aspect_ratio_at_the_sets_sequence_length(tmp_path)
                                      torch.device("cpu")) for seq_len in (16, 9)}
     assert results[16]["samples"] == results[9]["samples"] == 360
     assert results[16]["top1"] != results[9]["top1"]  # the images were cut to another length
+
+
+def test_a_tower_open_clip_cannot_rebuild_is_not_exported_and_the_flops_are_counted(tmp_path):
+    """open_clip's released package rebuilds a NaFlex tower at its timm variant's own sizes only: the tiny one is
+    refused by name, before anything is written. timm's SigLIP variant (attention pooling) is counted as the
+    other towers are."""
+    from megabatch.config import ConfigError
+    from megabatch.models.export import export_open_clip
+    from megabatch.train.step.utilization import count_model_flops
+
+    model = build_model(compose(*NAFLEX).model)
+    with pytest.raises(ConfigError, match="naflexvit_base_patch16_gap at its own sizes"):
+        export_open_clip(model, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+    siglip = build_model(compose(*NAFLEX, "model.image.variant=naflexvit_base_patch16_siglip").model)
+    flops = count_model_flops(siglip, *siglip.example_inputs(2, torch.device("cpu")))
+    assert flops.image_forward > 0 and all(p.requires_grad for p in siglip.parameters())

@@ -36,6 +36,14 @@ def export_open_clip(model: ClipModel, out: Path, extra: dict[str, Any] | None =
     from safetensors.torch import save_file
 
     out = Path(out).expanduser().resolve()
+    if model.naflex is not None:
+        from .naflex import why_not_open_clip
+
+        why = why_not_open_clip(model.clip.visual)
+        if why is not None:
+            raise ConfigError(f"model {model.name}: {why}; megabatch evaluates and resumes its checkpoint as it is "
+                              "(scripts/evaluate.py ckpt=...), but cannot export it as an open_clip folder: train "
+                              "the variant at its own sizes to export")
     if decoder and model.decoder is None:
         raise ConfigError(f"decoder=true: model {model.name} has no model.decoder to keep (a CoCa's decoder is part "
                           "of the CLIP and always exported); use decoder=false")

@@ -106,6 +106,23 @@ class NaFlexCfg:
                 "head_width": self.head_width, "mlp_ratio": self.mlp_ratio}
 
 
+def why_not_open_clip(tower: NaFlexTower) -> str | None:
+    """Why open_clip's released package cannot rebuild ``tower`` from its ``vision_cfg`` (``TimmModel`` makes the
+    variant at timm's own sizes): a parameter of another shape than the variant's (built on the meta device, no
+    memory), or ``None`` where it can."""
+    import timm
+
+    with torch.device("meta"):
+        reference = timm.create_model(tower.cfg.variant, pretrained=False, num_classes=0)
+    shapes = {name: tuple(param.shape) for name, param in reference.state_dict().items()}
+    for name, param in tower.trunk.state_dict().items():
+        if shapes.get(name) != tuple(param.shape):
+            return (f"its NaFlex tower is not timm's {tower.cfg.variant} at its own sizes (trunk.{name}: "
+                    f"{tuple(param.shape)} against {shapes.get(name)}), which is what open_clip's TimmModel builds "
+                    "from the exported config")
+    return None
+
+
 class NaFlexTower(nn.Module):
     """timm's ``NaFlexVit`` (``trunk``) and a linear projection to the shared embedding (``head.proj``), in
     open_clip's ``TimmModel`` layout. ``forward`` takes the packed patches (uint8 ``[n, L, 3 p^2 + 4]``,

@@ -172,13 +172,23 @@ def model_flop_formulas() -> dict:
 def count_model_flops(model, images: torch.Tensor, texts: torch.Tensor) -> ModelFlops:
     """Count the towers' forward FLOPs on one sub-batch (``images [n, 3, s, s]``, ``texts [n,
     ctx]``), without autograd, in the model's current mode (training: the attention's training
-    path). Returns them per sample."""
+    path). Returns them per sample. The parameters are counted with ``requires_grad`` off: a view of a parameter
+    made under ``no_grad`` (timm's attention-pooling latent, ``expand``ed) still says it requires grad, without a
+    gradient function, and the counter's module tracker refuses such an input."""
     counts = {}
-    with torch.no_grad():
-        for tower, encode, inputs in (("image", model._image_features, images), ("text", model._text_features, texts)):
-            with FlopCounterMode(display=False, custom_mapping=model_flop_formulas()) as counter:
-                encode(inputs)
-            counts[tower] = counter.get_total_flops() / len(inputs)
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    try:
+        for param in trainable:
+            param.requires_grad_(False)
+        with torch.no_grad():
+            for tower, encode, inputs in (("image", model._image_features, images),
+                                          ("text", model._text_features, texts)):
+                with FlopCounterMode(display=False, custom_mapping=model_flop_formulas()) as counter:
+                    encode(inputs)
+                counts[tower] = counter.get_total_flops() / len(inputs)
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)
     return ModelFlops(counts["image"], counts["text"], not model.frozen("image"), not model.frozen("text"))
 
 
