@@ -23,6 +23,7 @@ from torch import nn
 from ..config import ConfigError, no_such_option
 from ..config.schema import RETIRED_MODEL_KEYS, ModelSettings, model_settings
 from .images import normalize_images
+from .naflex import NaFlexCfg, NaFlexTower
 from .preprocess import build_tokenizer, resolve_preprocess
 from .pretrained import load_weights, resolve_pretrained
 from .spec import OPENAI_LOGIT_SCALE, ModelSpec
@@ -88,7 +89,7 @@ class ClipModel(nn.Module):
     @property
     def naflex(self):
         """A NaFlex image tower's ``NaFlexCfg`` (``model.image.naflex``, ``models/naflex.py``), else ``None``."""
-        return getattr(self.clip.visual, "cfg", None) if type(self.clip.visual).__name__ == "NaFlexTower" else None
+        return self.clip.visual.cfg if isinstance(self.clip.visual, NaFlexTower) else None
 
     @property
     def context_length(self) -> int:
@@ -662,24 +663,22 @@ def build_clip(**values: Any) -> ClipModel:
 PLACEHOLDER_VISION = {"image_size": 8, "patch_size": 8, "width": 8, "layers": 1, "head_width": 8}
 
 
-def naflex_cfg(image: dict[str, Any]):
+def naflex_cfg(image: dict[str, Any]) -> NaFlexCfg | None:
     """``model.image.naflex``: the NaFlex tower's ``NaFlexCfg`` of the other ``model.image`` keys (popped from
     ``image``), else ``None`` (the key removed)."""
     if not image.pop("naflex", False):
-        image.pop("max_seq_len", None)
-        image.pop("variant", None)
+        for key in ("max_seq_len", "variant", "ls_init_value"):
+            if image.pop(key, None) is not None:
+                raise ConfigError(f"model.image.{key} is a NaFlex tower's key, and model.image.naflex is off: set "
+                                  "model.image.naflex=true (model=vit_b16_naflex), or remove the key")
         return None
-    from .naflex import NaFlexCfg
-
     values = {key: image.pop(key) for key in list(image)}
     return NaFlexCfg.of(values)
 
 
-def use_naflex_tower(clip, model_cfg: dict[str, Any], cfg) -> None:
+def use_naflex_tower(clip, model_cfg: dict[str, Any], cfg: NaFlexCfg) -> None:
     """``clip``'s image tower replaced by a NaFlex tower of ``cfg`` (``models/naflex.py``); ``model_cfg`` records
     open_clip's ``vision_cfg`` of the same layout (``TimmModel``'s)."""
-    from .naflex import NaFlexTower
-
     clip.visual = NaFlexTower(cfg, int(model_cfg["embed_dim"]))
     model_cfg["vision_cfg"] = cfg.vision_cfg()
 
