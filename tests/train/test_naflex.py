@@ -93,13 +93,16 @@ def test_every_path_gives_the_one_pass_loss_and_gradients(data):
 
 
 def two_ranks(rank: int, world: int, data: dict) -> dict:
-    return gradients(data, *NAFLEX, "trainer.sub_batch=4")
+    return {"ddp": gradients(data, *NAFLEX, "trainer.sub_batch=4"),
+            "fsdp": gradients(data, *NAFLEX, "trainer.sub_batch=4", "trainer.parallel=fsdp")}
 
 
 def test_two_ranks_equal_one_process(data, tmp_path):
+    """DDP and FSDP (the NaFlex tower one unit: timm keeps its blocks in a Sequential) on 2 gloo ranks."""
     single = gradients(data, *NAFLEX)
-    for rank, result in enumerate(run_ranks(2, two_ranks, data, tmp_path=tmp_path)):
-        assert_same(result, single, f"rank {rank}")
+    for rank, results in enumerate(run_ranks(2, two_ranks, data, tmp_path=tmp_path)):
+        for parallel, result in results.items():
+            assert_same(result, single, f"rank {rank}, {parallel}")
 
 
 def test_the_naflex_decoder_crosses_to_a_fork_servers_workers():
