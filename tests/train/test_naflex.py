@@ -156,3 +156,12 @@ def test_a_tower_open_clip_cannot_rebuild_is_not_exported_and_the_flops_are_coun
     siglip = build_model(compose(*NAFLEX, "model.image.variant=naflexvit_base_patch16_siglip").model)
     flops = count_model_flops(siglip, *siglip.example_inputs(2, torch.device("cpu")))
     assert flops.image_forward > 0 and all(p.requires_grad for p in siglip.parameters())
+
+
+def test_a_variant_timm_does_not_have_is_a_config_error_naming_the_key():
+    from megabatch.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.image.variant=naflexvit_nope"):
+        build_model(compose(*NAFLEX, "model.image.variant=naflexvit_nope").model)
+    with pytest.raises(ConfigError, match="model.image.max_seq_len is a NaFlex tower's key"):
+        build_model(compose("model=vit_b16_naflex", "model.image.naflex=false").model)

@@ -133,6 +133,10 @@ class NaFlexTower(nn.Module):
         import timm
 
         self.cfg = cfg
+        if not timm.is_model(cfg.variant):
+            raise ConfigError(f"model.image.variant={cfg.variant}: timm {timm.__version__} has no such model "
+                              "(megabatch's NaFlex towers are tested with timm 1.0.31): pip install -U timm, or give "
+                              "one of timm.list_models('naflexvit_*')")
         self.trunk = timm.create_model(cfg.variant, pretrained=False, **cfg.trunk_kwargs())
         self.head = nn.Sequential(OrderedDict(drop=nn.Dropout(0.0),
                                               proj=nn.Linear(self.trunk.num_features, embed_dim, bias=False)))
