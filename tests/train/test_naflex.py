@@ -16,13 +16,15 @@ from megabatch.models import build_model
 
 from ..helpers import compose, rel_error, run_ranks
 from .test_gradcache import BATCH, flat
-from .test_objectives_contract import assert_same, gradients
+from .test_objectives_contract import assert_same, gradients, run_parts
 
 # (height, width) of the images, cycled: square, wide, tall, 1:3 and 3:1, smaller and larger than the grid
 SHAPES = [(32, 32), (16, 48), (40, 20), (24, 72), (60, 20), (16, 16), (33, 47)]
 NAFLEX = ["model=tiny_naflex", "data.naflex.seq_lens=[9,16]"]
 PATHS = {"gradcache": [f"trainer.sub_batch={BATCH // 4}"],
          "offload": [f"trainer.sub_batch={BATCH // 4}", "trainer.offload=true"]}
+# trainer.sub_batch_tokens: 8 images of 16 patches a sub-batch (128 of the 144), 16 of 9; seed 1 draws 9 for step 0
+TOKENS, SHORT_FIRST = "trainer.sub_batch_tokens=144", "seed=1"
 
 
 @pytest.fixture(scope="module")
@@ -92,17 +94,79 @@ def test_every_path_gives_the_one_pass_loss_and_gradients(data):
                 "gradcache with patch dropout")
 
 
+def test_a_token_budget_joins_the_sub_batches_of_shorter_images(data):
+    """``trainer.sub_batch_tokens``: the loader cuts each step into the sub-batches that fit the budget at the
+    longest length (4 of 8 images of 16 patches); a step of 9-patch images has them joined two by two (16 images,
+    144 patches each), and gives the one-pass loss and gradients, with offload too (the joined bytes decoded
+    again)."""
+    from megabatch.data.token_groups import TokenGroups
+
+    parts = run_parts(data, *NAFLEX, TOKENS)  # seed 0: a step of 16 patches, then one of 9
+    stream = parts.inputs(0)
+    try:
+        assert isinstance(stream, TokenGroups) and (parts.plan.sub_batch, parts.plan.sub_batches) == (8, 4)
+        for count, shape in ((4, (8, 16)), (2, (16, 9))):
+            assert stream.step_sub_batches() == count
+            taken = [next(stream) for _ in range(count)]
+            assert [tuple(sub.images.shape[:2]) for sub in taken] == [shape] * count
+            assert all(len(sub.texts) == shape[0] for sub in taken)
+    finally:
+        stream.close()
+        parts.close()
+    one_pass = gradients(data, *NAFLEX, SHORT_FIRST)
+    for extra in ([TOKENS], [TOKENS, "trainer.offload=true"]):
+        assert_same(gradients(data, *NAFLEX, SHORT_FIRST, *extra), one_pass, " ".join(extra))
+
+
+def test_a_token_budgets_sub_batches_are_compiled_and_warmed_at_their_rows():
+    """Compiled towers see one shape per length (``_FixedRows``): under a token budget a length's rows are its own
+    (``ClipModel.image_rows``), neither cut into chunks of the longest length's rows nor padded to them, and the
+    warm-up compiles each length at them."""
+    import contextlib
+
+    from megabatch.models.clip import _FixedRows
+
+    seen = []
+    fixed = _FixedRows(lambda x: seen.append(tuple(x.shape[:2])) or x.float().sum((1, 2)), rows=4, by_length={9: 8})
+    for shape in ((8, 9), (8, 16), (6, 9)):
+        assert fixed(torch.ones(*shape, 5, dtype=torch.uint8)).shape == (shape[0],)
+    assert seen == [(8, 9), (4, 16), (4, 16), (8, 9)]
+    model = build_model(compose(*NAFLEX).model).train()
+    model.image_lengths, model.image_rows, seen = (9, 16), {9: 8, 16: 4}, []
+    model.clip.visual.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape[:2])))
+    model.warm_up(4, torch.device("cpu"), contextlib.nullcontext, graph_free=True)
+    assert set(seen) == {(8, 9), (4, 16)}
+
+
+def test_a_token_budget_is_checked_at_start(data):
+    """Less than one image at the longest length, beside trainer.sub_batch, without a NaFlex tower, with the
+    shard split (whose sub-batches mix lengths): each a config error naming the keys and the fix."""
+    from megabatch.config import ConfigError
+
+    for extra, match in ((["trainer.sub_batch_tokens=15"], r"less than one image .*\(16 patches"),
+                         ([TOKENS, "trainer.sub_batch=8"], "not both"),
+                         ([TOKENS, "data.train.split=shard"], "data.train.split=indexed")):
+        with pytest.raises(ConfigError, match=match):
+            run_parts(data, *NAFLEX, *extra)
+    with pytest.raises(ConfigError, match="model.image.naflex=true"):
+        run_parts(data, TOKENS)
+
+
 def two_ranks(rank: int, world: int, data: dict) -> dict:
     return {"ddp": gradients(data, *NAFLEX, "trainer.sub_batch=4"),
-            "fsdp": gradients(data, *NAFLEX, "trainer.sub_batch=4", "trainer.parallel=fsdp")}
+            "fsdp": gradients(data, *NAFLEX, "trainer.sub_batch=4", "trainer.parallel=fsdp"),
+            "fsdp, tokens": gradients(data, *NAFLEX, SHORT_FIRST, "trainer.sub_batch_tokens=72",
+                                      "trainer.parallel=fsdp", "trainer.fsdp_reduce=sub_batch")}
 
 
 def test_two_ranks_equal_one_process(data, tmp_path):
-    """DDP and FSDP (the NaFlex tower one unit: timm keeps its blocks in a Sequential) on 2 gloo ranks."""
-    single = gradients(data, *NAFLEX)
+    """DDP and FSDP (the NaFlex tower one unit: timm keeps its blocks in a Sequential) on 2 gloo ranks; FSDP with
+    a token budget's joined sub-batches (each rank's 16 images: 4 sub-batches at 16 patches, 2 at 9), reducing
+    after each."""
+    single = {"": gradients(data, *NAFLEX), SHORT_FIRST: gradients(data, *NAFLEX, SHORT_FIRST)}
     for rank, results in enumerate(run_ranks(2, two_ranks, data, tmp_path=tmp_path)):
         for parallel, result in results.items():
-            assert_same(result, single, f"rank {rank}, {parallel}")
+            assert_same(result, single[SHORT_FIRST if "tokens" in parallel else ""], f"rank {rank}, {parallel}")
 
 
 def test_the_naflex_decoder_crosses_to_a_fork_servers_workers():
@@ -163,5 +227,7 @@ def test_a_variant_timm_does_not_have_is_a_config_error_naming_the_key():
 
     with pytest.raises(ConfigError, match="model.image.variant=naflexvit_nope"):
         build_model(compose(*NAFLEX, "model.image.variant=naflexvit_nope").model)
+    with pytest.raises(ConfigError, match="model.image_features=stored with a NaFlex image tower"):
+        build_model(compose(*NAFLEX, "model.lock_image=true", "model.image_features=stored").model)
     with pytest.raises(ConfigError, match="model.image.max_seq_len is a NaFlex tower's key"):
         build_model(compose("model=vit_b16_naflex", "model.image.naflex=false").model)

@@ -95,15 +95,19 @@ def overrides(data: dict, objective: str, weight: str) -> list[str]:
         [f"loss.contrastive_weight={weight}", f"+urls={urls}"]
 
 
-def gradients(data: dict, *extra: str) -> dict:
-    """One step's loss, terms and gradients (before the optimizer) through the trainer's own step, on the shards
-    ``+urls=`` names (the plain ones without it)."""
+def run_parts(data: dict, *extra: str) -> RunParts:
+    """The trainer's parts for the contract's runs, on the shards ``+urls=`` names (the plain ones without it)."""
     urls = next((item.removeprefix("+urls=") for item in extra if item.startswith("+urls=")), data["urls"])
     cfg = compose(*BASE, "model.image.patch_dropout=0", "loss=infcl", "loss.tile=8", "data=webdataset",
                   "data.num_workers=0", "data.train.split=position",
                   *(item for item in extra if not item.startswith("+urls=")))
     cfg.data.train.urls, cfg.data.cache_dir = urls, compose().data.cache_dir
-    parts = RunParts.build(validate(cfg), init_distributed("cpu"))
+    return RunParts.build(validate(cfg), init_distributed("cpu"))
+
+
+def gradients(data: dict, *extra: str) -> dict:
+    """One step's loss, terms and gradients (before the optimizer) through the trainer's own step (``run_parts``)."""
+    parts = run_parts(data, *extra)
     loss, _ = parts.step.gradients(parts.inputs(0))
     grads = {n: full(p.grad).detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
     terms = {**getattr(parts.step.loss_fn, "terms", {}), **parts.step.contrastive.terms}

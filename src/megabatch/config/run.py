@@ -30,13 +30,15 @@ FsdpReduce = Literal["auto", "sub_batch", "step"]
 @dataclass(frozen=True)
 class TrainerSettings:
     """``trainer.*``, parsed: the run's length (exactly one of ``max_steps``, ``epochs`` and ``max_samples``, the
-    last a number of samples), its sub-batches (a count, ``auto`` or ``None``: one pass), its precision, its
+    last a number of samples), its sub-batches (a count, ``auto`` or ``None``: one pass; or a NaFlex tower's image
+    patches, ``sub_batch_tokens``), its precision, its
     checkpoints and log, its stops (``time_limit_s``: seconds), its parallelism and its offload."""
 
     max_steps: int | None
     epochs: int | None
     max_samples: int | None
     sub_batch: int | Literal["auto"] | None
+    sub_batch_tokens: int | None
     memory_fraction: float
     precision: Precision
     feature_dtype: FeatureDtype
@@ -65,6 +67,7 @@ class TrainerSettings:
             max_samples=None if trainer.max_samples is None else
             parse_samples_total(trainer.max_samples, "trainer.max_samples"),
             sub_batch="auto" if sub_batch == "auto" else parse_optional_count(sub_batch, "trainer.sub_batch"),
+            sub_batch_tokens=parse_optional_count(trainer.sub_batch_tokens, "trainer.sub_batch_tokens"),
             memory_fraction=float(trainer.memory_fraction),
             precision=trainer.precision,
             feature_dtype=trainer.feature_dtype,

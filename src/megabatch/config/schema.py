@@ -46,6 +46,7 @@ class TrainerConfig:
     epochs: int | None = MISSING
     max_samples: Any = MISSING        # samples seen (12.8M, 1B: decimal) or null
     sub_batch: Any = MISSING          # a count (512, 4k), auto or null
+    sub_batch_tokens: Any = MISSING   # a NaFlex tower's image patches per sub-batch (200k) or null
     memory_fraction: float = MISSING
     precision: str = MISSING
     ckpt_every: int | None = MISSING
@@ -378,6 +379,11 @@ def check_trainer(trainer: DictConfig) -> None:
     at_least(trainer.epochs, "trainer.epochs", 1, "32")
     if trainer.sub_batch != "auto":
         parse_optional_count(trainer.sub_batch, "trainer.sub_batch")
+    if parse_optional_count(trainer.sub_batch_tokens, "trainer.sub_batch_tokens") is not None \
+            and trainer.sub_batch is not None:
+        raise ConfigError(f"trainer.sub_batch={trainer.sub_batch} and trainer.sub_batch_tokens="
+                          f"{trainer.sub_batch_tokens}: a NaFlex tower's sub-batch is cut by samples or by image "
+                          "patches, not both; set one, the other null")
     if not 0 < trainer.memory_fraction <= 1:
         raise ConfigError(f"trainer.memory_fraction={trainer.memory_fraction}: give the share of GPU memory a step "
                           "may use, in (0, 1], e.g. 0.9")

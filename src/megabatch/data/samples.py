@@ -143,6 +143,15 @@ class EncodedImages:
     def nbytes(self) -> int:
         return self.blob.numel()
 
+    @classmethod
+    def join(cls, parts: list[EncodedImages]) -> EncodedImages:
+        """``parts``' rows, in order, as one (sub-batches joined: ``data/token_groups.py``)."""
+        starts = torch.tensor([0] + [part.nbytes() for part in parts[:-1]], dtype=torch.int64).cumsum(0)
+        offsets = [parts[0].offsets] + [part.offsets[1:] + start
+                                        for part, start in zip(parts[1:], starts[1:], strict=True)]
+        return cls(torch.cat([part.blob for part in parts]), torch.cat(offsets),
+                   torch.cat([part.positions for part in parts]))
+
     def pin_memory(self) -> EncodedImages:
         """The DataLoader's pin thread calls this: the bytes leave shared memory (a tensor received from a loader
         worker lives there and holds a file descriptor as long as it lives, and a step keeps thousands: offload)

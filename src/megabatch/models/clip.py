@@ -63,6 +63,7 @@ class ClipModel(nn.Module):
         self.views: nn.Module | None = None       # attach_views(): self_distill's heads (models/views.py)
         self.stored_image_features = False        # model.image_features=stored: training feeds features, not images
         self.image_lengths: tuple[int, ...] = ()  # a NaFlex tower's: the sequence lengths training feeds (warm_up's)
+        self.image_rows: dict[int, int] = {}      # and its rows per length where a token budget joins sub-batches
 
     @property
     def preprocess(self) -> dict[str, Any]:
@@ -192,6 +193,12 @@ class ClipModel(nn.Module):
     def use_stored_image_features(self) -> None:
         """``model.image_features=stored``: training feeds this model its locked image tower's stored features
         (``example_inputs`` gives such inputs); evaluation still feeds images, which the tower encodes."""
+        if self.naflex is not None:
+            raise ConfigError("model.image_features=stored with a NaFlex image tower (model.image.naflex=true): stored "
+                              "features are of a fixed-size centre crop (scripts/make_shards.py image-features), not "
+                              "of each image at its own aspect ratio as the tower trains and evaluates; set "
+                              "model.image_features=tower (a locked tower runs without autograd), or use a "
+                              "fixed-size model")
         if not self.frozen("image"):
             raise ConfigError(f"model.image_features=stored: model {self.name}'s image tower has trainable weights, "
                               "and stored features stand for a locked tower's output; set model.lock_image=true with "
@@ -400,7 +407,7 @@ class ClipModel(nn.Module):
             # (before and after the blocks), not a graph per function on the way down and back
             nested = torch._dynamo.config.patch(nested_graph_breaks=True)
             compiled = {tower: nested(fn) for tower, fn in compiled.items()}
-        self._compiled = {"image": _FixedRows(compiled["image"], rows),
+        self._compiled = {"image": _FixedRows(compiled["image"], rows, by_length=self.image_rows),
                           "text": _FixedRows(compiled["text"], rows, dynamic_length=dynamic)}
         self._cuda_graphs = cuda_graphs
         if self.has_decoder and not cuda_graphs:  # loss.caption_weight's pass (caption_forward): three graphs,
@@ -462,9 +469,9 @@ class ClipModel(nn.Module):
 
     def _warm_image_lengths(self, rows: int, device: torch.device, autocast, graph_free: bool) -> None:
         """A NaFlex tower's image graphs at each of ``image_lengths`` but the longest (``example_inputs``'),
-        without and with autograd, as ``warm_up`` calls them."""
+        without and with autograd, as ``warm_up`` calls them, each at its ``image_rows`` (a token budget's)."""
         for length in sorted(self.image_lengths)[:-1]:
-            images = self.clip.visual.example_inputs(rows, length).to(device)
+            images = self.clip.visual.example_inputs(self.image_rows.get(length, rows), length).to(device)
             if graph_free:
                 with torch.no_grad(), autocast():
                     self(images, None)
@@ -496,22 +503,24 @@ class _FixedRows:
     chunks. A compiled function then sees one shape whatever the batch. ``dynamic_length``: the
     inputs' second dimension is marked dynamic from the first call: one compiled graph for the
     lengths its guards admit (all of them on the CPU; on an H100, 40 to 77 tokens for a graph
-    compiled at 77)."""
+    compiled at 77). ``by_length``: the rows of inputs of a given length (a NaFlex tower's packed patches
+    ``[n, L, row]`` under a token budget), ``rows`` for the others; read at each call."""
 
-    def __init__(self, fn, rows: int, dynamic_length: bool = False):
+    def __init__(self, fn, rows: int, dynamic_length: bool = False, by_length: dict[int, int] | None = None):
         self.fn, self.rows, self.dynamic_length = fn, int(rows), dynamic_length
+        self.by_length = {} if by_length is None else by_length
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        n = inputs.shape[0]
-        if n == self.rows:
+        n, rows = inputs.shape[0], self.by_length.get(inputs.shape[1], self.rows) if inputs.dim() > 1 else self.rows
+        if n == rows:
             return self._call(inputs)
         outputs = []
-        for start in range(0, n, self.rows):
-            chunk = inputs[start:start + self.rows]
-            short = self.rows - chunk.shape[0]
+        for start in range(0, n, rows):
+            chunk = inputs[start:start + rows]
+            short = rows - chunk.shape[0]
             if short:
                 chunk = torch.cat([chunk, _filler(chunk, short)])
-            outputs.append(self._call(chunk)[: self.rows - short])
+            outputs.append(self._call(chunk)[: rows - short])
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _call(self, inputs: torch.Tensor) -> torch.Tensor:

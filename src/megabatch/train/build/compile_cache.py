@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 FORMAT = 2  # bumped when what goes into a key, or what is compiled for it, changes
 
 
-def cache_key(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device) -> dict:
-    """What a compiled tower depends on, as a JSON-able dict."""
+def cache_key(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device,
+              image_rows: dict[int, int] | None = None) -> dict:
+    """What a compiled tower depends on, as a JSON-able dict (``image_rows``: a NaFlex tower's rows per sequence
+    length where a token budget joins sub-batches, ``trainer.sub_batch_tokens``)."""
     try:
         import triton
 
@@ -44,12 +46,14 @@ def cache_key(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device
             "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
             "python": platform.python_version(),
             # a NaFlex tower's images: one graph per sequence length the data draws
-            "naflex_seq_lens": OmegaConf.to_container(cfg.data.naflex, resolve=True) if "naflex" in cfg.data else None}
+            "naflex_seq_lens": OmegaConf.to_container(cfg.data.naflex, resolve=True) if "naflex" in cfg.data else None,
+            **({"image_rows": {str(k): int(v) for k, v in image_rows.items()}} if image_rows else {})}
 
 
-def cache_file(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device) -> Path:
+def cache_file(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device,
+               image_rows: dict[int, int] | None = None) -> Path:
     """``<data.cache_dir>/compile/<model name>-<hash of the key>.bin``."""
-    key = json.dumps(cache_key(cfg, rows, graph_free, device), sort_keys=True, default=str)
+    key = json.dumps(cache_key(cfg, rows, graph_free, device, image_rows), sort_keys=True, default=str)
     name = str(cfg.model.get("name") or "model").replace("/", "_")
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return Path(cfg.data.cache_dir).expanduser() / "compile" / f"{name}-{digest}.bin"

@@ -13,6 +13,7 @@ from ...data import TrainData
 from ...data.gpu_decode import GpuDecoder, decode_ahead
 from ...data.read_ahead import ReadAhead
 from ...data.samples import SubBatch
+from ...data.token_groups import TokenGroups
 from ..step.plan import BatchPlan
 
 log = logging.getLogger("megabatch")
@@ -83,9 +84,12 @@ class RunInputs:
     def __call__(self, start_step: int) -> Iterator[SubBatch]:
         """The sub-batches from step ``start_step`` on. The first epoch's reading starts now (the
         loader's workers forked, the read-ahead and GPU decoding threads running), so that what the
-        caller does before taking the first sub-batch (compiling the towers) overlaps it."""
+        caller does before taking the first sub-batch (compiling the towers) overlaps it. With a token
+        budget (``trainer.sub_batch_tokens``) a step of shorter images has its sub-batches joined (``TokenGroups``)."""
         sub_batches = self._sub_batches(start_step)
         next(sub_batches, None)  # up to the first epoch's start: its reading begins
+        if self.plan.token_budget is not None and self.plan.sub_batches > 1:  # a step of shorter images: joined
+            return TokenGroups(sub_batches, self.plan.sub_batches, self.plan.joined)
         return sub_batches
 
     def _loader(self, epoch: int, start: int):

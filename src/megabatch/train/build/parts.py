@@ -26,6 +26,7 @@ from ...config.run import DataSettings, EmaSettings, RunSettings
 from ...config.schema import ModelSettings
 from ...data import TrainData
 from ...data.gpu_decode import GpuDecoder, resolve_decode
+from ...data.naflex import NaFlexSpec
 from ...data.offload import Offload
 from ...data.worker_start import resolve_worker_start
 from ...distributed import DistEnv
@@ -111,6 +112,11 @@ class RunParts:
             # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
             auto = choose_sub_batch(settings, model, env, precision, ahead, getattr(loss, "teacher", None))
             plan = plan_batches(settings, env.world_size, data, auto.sub_batch if auto else None)
+            if plan.token_budget is not None and env.rank == 0:
+                log.info("trainer.sub_batch_tokens=%d: a sub-batch of %s (the loader's of the longest joined for "
+                         "the shorter)", plan.token_budget, ", ".join(
+                             f"{rows} images at {length} patches" for length, rows in
+                             sorted(plan.rows_at(model.image_lengths).items())))
             offload = build_offload(cfg, settings, model, data, env.rank, gpu_decoder)
         with phase("step"):
             built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False, auto=auto,
@@ -279,6 +285,8 @@ class Compilation:
         self.options = options or {}  # the model's forward options the objectives will ask for (warm_up's)
         check_exact_replay(model, plan)
         self.scope = compile_scope(settings)
+        # a token budget's sub-batches of shorter images are larger: each length compiled at its rows
+        model.image_rows = plan.rows_at(model.image_lengths) if plan.token_budget else {}
         model.compile_towers(plan.sub_batch, cuda_graphs=settings.cuda_graphs, scope=self.scope)
         self.seconds, self.done = 0.0, False
 
@@ -288,7 +296,8 @@ class Compilation:
             return self.seconds
         cfg, env, plan = self.cfg, self.env, self.plan
         graph_free = plan.sub_batches > 1
-        cache = CompileCache(cache_file(cfg, plan.sub_batch, graph_free, env.device), enabled=env.rank == 0)
+        cache = CompileCache(cache_file(cfg, plan.sub_batch, graph_free, env.device, self.model.image_rows),
+                             enabled=env.rank == 0)
         cache.load()
         if env.rank == 0:
             log.info("model.compile: compiling %s now%s", "each tower's transformer block once for all its layers "
@@ -564,7 +573,14 @@ def plan_batches(settings: RunSettings, world_size: int, data: TrainData, sub_ba
                               "data.num_workers")
         return steps
 
-    return BatchPlan.of(settings, world_size, data.num_samples, steps_per_epoch, sub_batch=sub_batch)
+    naflex = data.transform if isinstance(data.transform, NaFlexSpec) else None
+    if settings.trainer.sub_batch_tokens is not None and naflex is not None and data.split == "shard":
+        raise ConfigError(f"trainer.sub_batch_tokens={settings.trainer.sub_batch_tokens} with data.train.split=shard: "
+                          "that split draws each image's sequence length by a position of its own shard, so a "
+                          "sub-batch mixes lengths and ranks would join their sub-batches differently; use "
+                          "data.train.split=indexed (local .tar shards) or position, or trainer.sub_batch")
+    return BatchPlan.of(settings, world_size, data.num_samples, steps_per_epoch, sub_batch=sub_batch,
+                        longest=None if naflex is None else max(naflex.seq_lens))
 
 
 def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, precision: Precision,

@@ -11,7 +11,10 @@ from ...config.run import RunSettings, TrainerSettings
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """``global_batch = world_size x rank_batch``; ``rank_batch = sub_batches x sub_batch``."""
+    """``global_batch = world_size x rank_batch``; ``rank_batch = sub_batches x sub_batch``. ``token_budget``
+    (``trainer.sub_batch_tokens``, a NaFlex tower's): the image patches one sub-batch may hold; ``sub_batch`` is then
+    what fits at the longest sequence length, and a step of shorter images joins the loader's sub-batches into
+    fewer, larger ones (``joined``)."""
 
     global_batch: int
     world_size: int
@@ -19,20 +22,38 @@ class BatchPlan:
     sub_batch: int
     steps_per_epoch: int
     total_steps: int
+    token_budget: int | None = None
 
     @property
     def sub_batches(self) -> int:
         return self.rank_batch // self.sub_batch
 
+    def joined(self, length: int) -> int:
+        """How many of the loader's sub-batches one sub-batch of images ``length`` patches long joins: the most that
+        divides the step's ``sub_batches`` and keeps ``token_budget`` (1 without one)."""
+        if self.token_budget is None:
+            return 1
+        return max((d for d in range(1, self.sub_batches + 1)
+                    if self.sub_batches % d == 0 and d * self.sub_batch * length <= self.token_budget), default=1)
+
+    def rows_at(self, lengths) -> dict[int, int]:
+        """Each of ``lengths``' rows per sub-batch (``sub_batch`` times ``joined``)."""
+        return {length: self.sub_batch * self.joined(length) for length in lengths}
+
     @classmethod
     def of(cls, settings: RunSettings, world_size: int, num_samples: int,
-           steps_per_epoch: Callable[[int, int], int] | None = None, sub_batch: int | None = None) -> BatchPlan:
+           steps_per_epoch: Callable[[int, int], int] | None = None, sub_batch: int | None = None,
+           longest: int | None = None) -> BatchPlan:
         """The run's plan, built once: ``settings.batch`` over ``world_size`` ranks, each rank's share in sub-batches
-        of ``sub_batch`` (the size ``trainer.sub_batch=auto`` chose; else ``trainer.sub_batch``, else the whole
-        share). An epoch is ``num_samples // global_batch`` steps, or what ``steps_per_epoch(global_batch,
-        sub_batch)`` says the data gives every rank (a shard split's slots)."""
+        of ``sub_batch`` (the size ``trainer.sub_batch=auto`` chose; else ``trainer.sub_batch``, else the largest
+        divisor of the share whose images of ``longest`` patches (a NaFlex tower's longest sequence length) keep
+        ``trainer.sub_batch_tokens``, else the whole share). An epoch is ``num_samples // global_batch`` steps, or
+        what ``steps_per_epoch(global_batch, sub_batch)`` says the data gives every rank (a shard split's slots)."""
         global_batch = settings.batch
         rank_batch = rank_batch_of(global_batch, world_size)
+        tokens = settings.trainer.sub_batch_tokens
+        if tokens is not None:
+            sub_batch = sub_batch_for_tokens(tokens, longest, rank_batch, settings.trainer.sub_batch)
         if sub_batch is None:
             configured = settings.trainer.sub_batch
             sub_batch = configured if isinstance(configured, int) else rank_batch
@@ -49,7 +70,24 @@ class BatchPlan:
             )
         steps = num_samples // global_batch if steps_per_epoch is None else steps_per_epoch(global_batch, sub_batch)
         return cls(global_batch, world_size, rank_batch, sub_batch, steps,
-                   run_length(settings.trainer, global_batch, steps))
+                   run_length(settings.trainer, global_batch, steps), tokens)
+
+
+def sub_batch_for_tokens(tokens: int, longest: int | None, rank_batch: int, sub_batch) -> int:
+    """``trainer.sub_batch_tokens``' sub-batch at the longest sequence length ``longest``: the largest divisor of
+    ``rank_batch`` whose patches keep the budget; a ``ConfigError`` naming the keys where it cannot."""
+    if longest is None:
+        raise ConfigError(f"trainer.sub_batch_tokens={tokens} cuts a NaFlex tower's sub-batches by their image "
+                          "patches (model.image.naflex=true); a fixed-size tower's are cut by trainer.sub_batch: "
+                          "set that, and trainer.sub_batch_tokens=null")
+    if sub_batch is not None:
+        raise ConfigError(f"trainer.sub_batch={sub_batch} and trainer.sub_batch_tokens={tokens}: a sub-batch is cut "
+                          "by samples or by image patches, not both; set one, the other null")
+    if tokens < longest:
+        raise ConfigError(f"trainer.sub_batch_tokens={tokens} is less than one image at the longest sequence length "
+                          f"({longest} patches, data.naflex.seq_lens): raise trainer.sub_batch_tokens to at least "
+                          f"{longest}, or drop the longer lengths")
+    return max(d for d in range(1, min(rank_batch, tokens // longest) + 1) if rank_batch % d == 0)
 
 
 def rank_batch_of(global_batch: int, world_size: int) -> int:

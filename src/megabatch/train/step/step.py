@@ -23,6 +23,7 @@ line, its checkpoint, a stop) calls it first. ``health`` counts the skipped upda
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,6 +36,7 @@ from tqdm.auto import tqdm
 
 from ...data.offload import Offload
 from ...data.samples import SubBatch
+from ...data.token_groups import TokenGroups
 from ...distributed.fsdp import full, gathered_through, is_sharded, no_gradient_sync, reduce_replicated
 from .ema import WeightAverage
 from .gradcache import GradSync, ReplayInputs, encode_without_graph, loss_and_feature_grads, replay, to_device
@@ -299,12 +301,16 @@ class TrainStep:
         if self.one_pass:
             loss, times = self._forward_backward(next_timed(stream))
         else:
-            progress = tqdm(total=2 * self.sub_batches, desc="encode", leave=False, dynamic_ncols=True,
-                            disable=not self.show_progress or self.sub_batches < 8, position=1, unit="sub-batch")
+            # a token budget's step of shorter images has fewer, larger sub-batches (data/token_groups.py)
+            count = stream.step_sub_batches() if isinstance(stream, TokenGroups) else self.sub_batches
+            keep = self.keep if count == self.sub_batches else \
+                dataclasses.replace(self.keep, kept_graphs=min(self.keep.kept_graphs, count - self.distributed))
+            progress = tqdm(total=2 * count, desc="encode", leave=False, dynamic_ncols=True,
+                            disable=not self.show_progress or count < 8, position=1, unit="sub-batch")
             times = PhaseTimes(self.device.type == "cuda")  # events at the phases' boundaries: no host sync
             times.lap()
-            encoded = encode_without_graph(self.model, stream, self.sub_batches, self.precision, self.keep,
-                                           progress, self.objectives)
+            encoded = encode_without_graph(self.model, stream, count, self.precision, keep, progress,
+                                           self.objectives)
             times.host["data"] = encoded.data_s
             times.lap("encode", minus=encoded.data_s)
             # the offloaded images decoded again: on the GPU starting now (the replay's first are ready after the
