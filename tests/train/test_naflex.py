@@ -222,6 +222,18 @@ def test_a_tower_open_clip_cannot_rebuild_is_not_exported_and_the_flops_are_coun
     assert flops.image_forward > 0 and all(p.requires_grad for p in siglip.parameters())
 
 
+def test_a_timm_older_than_the_floor_is_named_with_the_fix(monkeypatch):
+    """requirements.txt's timm floor (1.0.21: 1.0.16's patch dropout and 1.0.18's meta-device build fail the tests
+    above) is checked where the tower is built."""
+    import timm
+
+    from megabatch.config import ConfigError
+
+    monkeypatch.setattr(timm, "__version__", "1.0.18")
+    with pytest.raises(ConfigError, match=r"needs timm >= 1\.0\.21 \(installed: 1\.0\.18.*pip install -U timm"):
+        build_model(compose(*NAFLEX).model)
+
+
 def test_a_variant_timm_does_not_have_is_a_config_error_naming_the_key():
     from megabatch.config import ConfigError
 

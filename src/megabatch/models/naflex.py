@@ -25,6 +25,14 @@ from torch import nn
 from ..config import ConfigError
 from ..kernels.packed_patches import grid_example, unpack
 
+# the oldest timm whose NaFlexVit the tests pass with (requirements.txt's floor): 1.0.16's patch dropout mismatched
+# its mask by the register tokens, 1.0.18's variants could not be built on the meta device (the export's check)
+TIMM_FLOOR = "1.0.21"
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
+
 DEFAULT_VARIANT = "naflexvit_base_patch16_gap"
 # model.image keys that have no meaning for a NaFlex tower (open_clip ViT options), refused naming the key
 OPEN_CLIP_ONLY = ("layers_per_block", "attentional_pool", "attn_pooler_queries",
@@ -133,10 +141,13 @@ class NaFlexTower(nn.Module):
         import timm
 
         self.cfg = cfg
+        if _version(timm.__version__) < _version(TIMM_FLOOR):
+            raise ConfigError(f"model.image.naflex=true needs timm >= {TIMM_FLOOR} (installed: {timm.__version__}; "
+                              "1.0.16-1.0.20 fail with patch dropout or on the meta device): pip install -U timm")
         if not timm.is_model(cfg.variant):
             raise ConfigError(f"model.image.variant={cfg.variant}: timm {timm.__version__} has no such model "
-                              "(megabatch's NaFlex towers are tested with timm 1.0.31): pip install -U timm, or give "
-                              "one of timm.list_models('naflexvit_*')")
+                              f"(megabatch's NaFlex towers are tested with timm {TIMM_FLOOR} and 1.0.31): pip install "
+                              "-U timm, or give one of timm.list_models('naflexvit_*')")
         self.trunk = timm.create_model(cfg.variant, pretrained=False, **cfg.trunk_kwargs())
         self.head = nn.Sequential(OrderedDict(drop=nn.Dropout(0.0),
                                               proj=nn.Linear(self.trunk.num_features, embed_dim, bias=False)))
