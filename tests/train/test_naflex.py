@@ -222,6 +222,32 @@ def test_a_tower_open_clip_cannot_rebuild_is_not_exported_and_the_flops_are_coun
     assert flops.image_forward > 0 and all(p.requires_grad for p in siglip.parameters())
 
 
+def test_openclips_naflex_checkpoints_load(tmp_path):
+    """OpenCLIP's NaFlex ViT-B/16 (its main branch's config: timm's ``naflexvit_base_patch16_gap`` in a ``TimmModel``,
+    average pooling, a linear projection, open_clip's text tower under ``text.`` as ``custom_text`` saves it) has
+    ``model=vit_b16_naflex``'s tensors, names and shapes, once the text tower is named as a ``CLIP`` names it (built
+    on the meta device, as open_clip's released package builds it); and such a training checkpoint (``state_dict``,
+    ``module.`` prefixes) loads through ``model.pretrained`` with every tensor as saved."""
+    import open_clip
+
+    from megabatch.models.pretrained import text_tower_layout
+
+    cfg = {"embed_dim": 512, "vision_cfg": {"image_size": 224, "timm_model_name": "naflexvit_base_patch16_gap"},
+           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12}}
+    with torch.device("meta"):
+        theirs = open_clip.model.CustomTextCLIP(**cfg).state_dict()
+        own = build_model(compose("model=vit_b16_naflex").model).clip.state_dict()
+    renamed = text_tower_layout(theirs, own)
+    assert renamed.keys() == own.keys() and any(k.startswith("text.") for k in theirs)
+    assert all(renamed[name].shape == tensor.shape for name, tensor in own.items())
+    torch.manual_seed(1)
+    saved = build_model(compose(*NAFLEX).model).clip.state_dict()
+    custom = {f"module.{'' if k.startswith(('visual.', 'logit_')) else 'text.'}{k}": v for k, v in saved.items()}
+    torch.save({"state_dict": custom, "epoch": 1}, tmp_path / "epoch_1.pt")
+    loaded = build_model(compose(*NAFLEX, f"model.pretrained={tmp_path / 'epoch_1.pt'}").model).clip.state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in saved.items())
+
+
 def test_a_timm_older_than_the_floor_is_named_with_the_fix(monkeypatch):
     """requirements.txt's timm floor (1.0.21: 1.0.16's patch dropout and 1.0.18's meta-device build fail the tests
     above) is checked where the tower is built."""

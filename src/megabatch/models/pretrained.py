@@ -159,6 +159,21 @@ def mismatched_shapes(state: dict[str, torch.Tensor], own: dict[str, torch.Tenso
     return misfits
 
 
+def text_tower_layout(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with open_clip's text tower named as the model names it (``own``): a ``CustomTextCLIP``'s tower
+    under ``text.`` (what ``custom_text`` configs save: OpenCLIP's NaFlex models, SigLIP's) moved to a ``CLIP``'s
+    top-level keys, or the reverse (open_clip's own conversion); ``state`` as it is where the layouts agree."""
+    if "token_embedding.weight" in own and "text.token_embedding.weight" in state \
+            and "token_embedding.weight" not in state:
+        return {(k.removeprefix("text.") if k.startswith("text.") and k.removeprefix("text.") in own else k): v
+                for k, v in state.items()}
+    if "text.token_embedding.weight" in own and "token_embedding.weight" in state:
+        from open_clip.model import convert_to_custom_text_state_dict
+
+        return convert_to_custom_text_state_dict(state)
+    return state
+
+
 def load_weights(module: nn.Module, path: Path, key: str, architecture: str, prefix: str = "",
                  hint: str = "") -> None:
     """Load ``path`` into ``module`` (a whole open_clip model, or with ``prefix`` one tower of it).
@@ -186,6 +201,7 @@ def load_weights(module: nn.Module, path: Path, key: str, architecture: str, pre
         state["logit_bias"] = own["logit_bias"].clone()
         log.info("%s has no logit_bias: the model's initial %.2f is kept", path.name, float(own["logit_bias"]))
     state.pop("text.transformer.embeddings.position_ids", None)  # dropped by transformers >= 4.31
+    state = text_tower_layout(state, own)
     misfits = mismatched_shapes(state, own)
     if misfits:  # before open_clip's resizing, which asserts on a width it cannot resize
         raise ConfigError(f"{key}={str(path)!r} does not fit {architecture}: {'; '.join(misfits[:3])}"
