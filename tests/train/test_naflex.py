@@ -248,6 +248,68 @@ def test_openclips_naflex_checkpoints_load(tmp_path):
     assert all(torch.equal(loaded[name], tensor) for name, tensor in saved.items())
 
 
+# OpenCLIP main's ViT-B-16-SigLIP2-naflex image tower (the Hugging Face hub's timm/ViT-B-16-SigLIP2-naflex folder):
+# timm's SigLIP variant, its attention pool's output the embedding; image_seq_len is main's key, not the released one's
+SIGLIP2_NAFLEX = {"image_size": 384, "image_seq_len": 576, "timm_model_name": "naflexvit_base_patch16_siglip",
+                  "timm_model_pretrained": False, "timm_pool": "map", "timm_proj": "none"}
+
+
+def test_siglip2_naflex_folders_load_into_a_naflex_tower(tmp_path):
+    """``model=openclip`` with an open_clip folder whose config names a timm ``naflexvit_*`` tower (SigLIP 2's NaFlex
+    models as OpenCLIP's main branch and the Hugging Face hub keep them) builds megabatch's NaFlex tower of the same
+    weights: the tower's names and shapes are what open_clip's ``TimmModel`` builds from that config, and the weights
+    saved by open_clip (a small text tower here) give the same image and text features; a checkpoint's description
+    rebuilds it."""
+    import json
+
+    import open_clip
+
+    from megabatch.models.naflex import NaFlexCfg, NaFlexTower
+    from megabatch.models.openclip import from_description
+
+    released = {key: value for key, value in SIGLIP2_NAFLEX.items() if key != "image_seq_len"}
+    cfg = NaFlexCfg.of_open_clip(SIGLIP2_NAFLEX)
+    assert (cfg.proj, cfg.max_seq_len, cfg.image_size, cfg.width, cfg.layers) == ("none", 576, 256, 768, 12)
+    with torch.device("meta"):
+        theirs = open_clip.model._build_vision_tower(768, released).state_dict()
+        ours = NaFlexTower(cfg, 768).state_dict()
+    assert {k: v.shape for k, v in theirs.items()} == {k: v.shape for k, v in ours.items()}
+    model_cfg = {"embed_dim": 768, "init_logit_bias": -10, "custom_text": True, "vision_cfg": SIGLIP2_NAFLEX,
+                 "text_cfg": {"context_length": 16, "vocab_size": 1000, "width": 64, "heads": 2, "layers": 1,
+                              "no_causal_mask": True, "proj_bias": True, "pool_type": "last"}}
+    torch.manual_seed(0)
+    saved = open_clip.model.CustomTextCLIP(embed_dim=768, init_logit_bias=-10, vision_cfg=released,
+                                           text_cfg=model_cfg["text_cfg"]).eval()
+    (tmp_path / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": {
+        "size": 384, "mean": [0.5] * 3, "std": [0.5] * 3, "interpolation": "bicubic", "resize_mode": "squash"}}))
+    torch.save(saved.state_dict(), tmp_path / "open_clip_pytorch_model.bin")
+    model = build_model(compose("model=openclip", "model.arch=null", f"model.pretrained={tmp_path}").model).eval()
+    assert isinstance(model.clip.visual, NaFlexTower) and model.naflex == cfg
+    images, texts = torch.rand(2, 3, 256, 256), torch.randint(1, 1000, (2, 16))
+    with torch.no_grad():
+        for ours_, theirs_ in ((model.encode_image(images), saved.encode_image(images)),
+                               (model.encode_text(texts), saved.encode_text(texts))):
+            assert rel_error(torch.nn.functional.normalize(ours_, dim=-1),
+                             torch.nn.functional.normalize(theirs_, dim=-1)) <= 1e-6
+        again = from_description(model.description())
+        again.load_state_dict(model.state_dict())
+        packed = model.clip.visual.example_inputs(2, 64)
+        assert torch.equal(again.eval().encode_image(packed), model.encode_image(packed))
+    # exported, it is the folder it came from: open_clip's released package builds and loads it strictly
+    from safetensors.torch import load_file
+
+    from megabatch.models.export import WEIGHTS_NAME, export_open_clip
+
+    folder = export_open_clip(model, tmp_path / "export")
+    exported = json.loads((folder / "open_clip_config.json").read_text())["model_cfg"]
+    assert {k: exported["vision_cfg"][k] for k in ("timm_model_name", "timm_pool", "timm_proj")} == \
+        {k: released[k] for k in ("timm_model_name", "timm_pool", "timm_proj")}
+    rebuilt = open_clip.model.CustomTextCLIP(**{k: v for k, v in exported.items() if k != "custom_text"}).eval()
+    rebuilt.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+    with torch.no_grad():
+        assert rel_error(rebuilt.encode_image(images), saved.encode_image(images)) <= 1e-6
+
+
 def test_a_timm_older_than_the_floor_is_named_with_the_fix(monkeypatch):
     """requirements.txt's timm floor (1.0.21: 1.0.16's patch dropout and 1.0.18's meta-device build fail the tests
     above) is checked where the tower is built."""
@@ -269,3 +331,5 @@ def test_a_variant_timm_does_not_have_is_a_config_error_naming_the_key():
         build_model(compose(*NAFLEX, "model.lock_image=true", "model.image_features=stored").model)
     with pytest.raises(ConfigError, match="model.image.max_seq_len is a NaFlex tower's key"):
         build_model(compose("model=vit_b16_naflex", "model.image.naflex=false").model)
+    with pytest.raises(ConfigError, match="model.image.max_seq_len is a NaFlex tower's key, and model.arch=ViT-B-32"):
+        build_model(compose("model=openclip", "model.arch=ViT-B-32", "+model.image.max_seq_len=256").model)

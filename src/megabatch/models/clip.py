@@ -676,7 +676,7 @@ def naflex_cfg(image: dict[str, Any]) -> NaFlexCfg | None:
     """``model.image.naflex``: the NaFlex tower's ``NaFlexCfg`` of the other ``model.image`` keys (popped from
     ``image``), else ``None`` (the key removed)."""
     if not image.pop("naflex", False):
-        for key in ("max_seq_len", "variant", "ls_init_value"):
+        for key in ("max_seq_len", "variant", "ls_init_value", "proj"):
             if image.pop(key, None) is not None:
                 raise ConfigError(f"model.image.{key} is a NaFlex tower's key, and model.image.naflex is off: set "
                                   "model.image.naflex=true (model=vit_b16_naflex), or remove the key")
@@ -689,7 +689,7 @@ def use_naflex_tower(clip, model_cfg: dict[str, Any], cfg: NaFlexCfg) -> None:
     """``clip``'s image tower replaced by a NaFlex tower of ``cfg`` (``models/naflex.py``); ``model_cfg`` records
     open_clip's ``vision_cfg`` of the same layout (``TimmModel``'s)."""
     clip.visual = NaFlexTower(cfg, int(model_cfg["embed_dim"]))
-    model_cfg["vision_cfg"] = cfg.vision_cfg()
+    model_cfg["vision_cfg"] = clip.visual.vision_cfg()
 
 
 def attach_views(model: ClipModel, values) -> None:

@@ -61,6 +61,7 @@ class NaFlexCfg:
     max_seq_len: int = 256
     patch_dropout: float = 0.0
     ls_init_value: float | None = None  # layer scale's initial value; None: the variant's; 0: no layer scale
+    proj: str = "linear"                # linear: a projection to the shared embedding; none: the pooled output is it
 
     @classmethod
     def of(cls, image: Mapping[str, Any]) -> NaFlexCfg:
@@ -89,7 +90,41 @@ class NaFlexCfg:
                               f"model.image.patch_size={cfg.patch_size}")
         if cfg.max_seq_len < 1:
             raise ConfigError(f"model.image.max_seq_len={cfg.max_seq_len}: give at least one patch")
+        if cfg.proj not in ("linear", "none"):
+            raise ConfigError(f"model.image.proj={cfg.proj!r}: linear (a projection to model.embed_dim) or none (the "
+                              "pooled output is the embedding: SigLIP 2's towers)")
         return cfg
+
+    @classmethod
+    def of_open_clip(cls, vision_cfg: Mapping[str, Any], overrides: Mapping[str, Any] = ()) -> NaFlexCfg | None:
+        """The NaFlex tower of an open_clip ``vision_cfg`` naming a timm ``naflexvit_*`` model (OpenCLIP's main
+        branch: ``naflex_ViT-B-16``, ``ViT-B-16-SigLIP2-naflex``, the Hugging Face hub's folders of them), else
+        ``None``: the variant at timm's own sizes (read off it, built on the meta device, as open_clip's
+        ``TimmModel`` builds it), its projection as ``timm_proj`` says, ``max_seq_len`` from ``image_seq_len`` (OpenCLIP
+        main's key) or the image's patches, ``patch_dropout`` as open_clip's; ``overrides``: ``model.image``'s NaFlex
+        keys (``max_seq_len``, ``ls_init_value``). Pooling other than the variant's is a ``ConfigError``."""
+        variant = str(vision_cfg.get("timm_model_name") or "")
+        if not variant.startswith("naflexvit_"):
+            return None
+        import timm
+
+        with torch.device("meta"):
+            trunk = timm.create_model(variant, pretrained=False, num_classes=0)
+        pool, proj = vision_cfg.get("timm_pool", "avg"), vision_cfg.get("timm_proj", "linear") or "none"
+        if pool not in ("", trunk.global_pool) or proj not in ("linear", "none") \
+                or vision_cfg.get("timm_proj_bias"):
+            raise ConfigError(f"vision_cfg {dict(vision_cfg)}: a NaFlex tower pools as timm's {variant} does "
+                              f"(timm_pool: {trunk.global_pool!r}) and projects with a linear layer without bias or "
+                              "not at all (timm_proj: linear or none); this config's tower is not one megabatch builds")
+        patch, width = int(trunk.embeds.patch_size[0]), int(trunk.num_features)
+        image_size = int(trunk.embeds.pos_embed.shape[1]) * patch  # the position embeddings' grid
+        values = dict(variant=variant, image_size=image_size, patch_size=patch, width=width, layers=len(trunk.blocks),
+                      head_width=width // trunk.blocks[0].attn.num_heads,
+                      mlp_ratio=trunk.blocks[0].mlp.fc1.out_features / width, proj=proj,
+                      patch_dropout=float(vision_cfg.get("patch_dropout") or 0.0),
+                      max_seq_len=int(vision_cfg.get("image_seq_len") or
+                                      (int(vision_cfg.get("image_size") or image_size) // patch) ** 2))
+        return cls.of({**values, **dict(overrides)})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,12 +141,14 @@ class NaFlexCfg:
                 "patch_drop_rate": self.patch_dropout,
                 **({} if self.ls_init_value is None else {"init_values": self.ls_init_value or None})}
 
-    def vision_cfg(self) -> dict[str, Any]:
-        """open_clip's ``vision_cfg`` of the same weights' layout (``TimmModel``): what an export records."""
-        return {"timm_model_name": self.variant, "timm_model_pretrained": False, "timm_pool": "",
-                "timm_proj": "linear", "timm_proj_bias": False, "image_size": self.image_size,
-                "patch_size": self.patch_size, "width": self.width, "layers": self.layers,
-                "head_width": self.head_width, "mlp_ratio": self.mlp_ratio}
+    def vision_cfg(self, pool: str = "") -> dict[str, Any]:
+        """open_clip's ``vision_cfg`` of the same weights' layout (``TimmModel``): what an export records. ``pool``:
+        the variant's pooling, which ``TimmModel`` passes as it is where no projection follows (``""`` keeps the
+        variant's where one does)."""
+        return {"timm_model_name": self.variant, "timm_model_pretrained": False,
+                "timm_pool": "" if self.proj == "linear" else pool, "timm_proj": self.proj, "timm_proj_bias": False,
+                "image_size": self.image_size, "patch_size": self.patch_size, "width": self.width,
+                "layers": self.layers, "head_width": self.head_width, "mlp_ratio": self.mlp_ratio}
 
 
 def why_not_open_clip(tower: NaFlexTower) -> str | None:
@@ -149,14 +186,23 @@ class NaFlexTower(nn.Module):
                               f"(megabatch's NaFlex towers are tested with timm {TIMM_FLOOR} and 1.0.31): pip install "
                               "-U timm, or give one of timm.list_models('naflexvit_*')")
         self.trunk = timm.create_model(cfg.variant, pretrained=False, **cfg.trunk_kwargs())
+        if cfg.proj == "none" and self.trunk.num_features != embed_dim:
+            raise ConfigError(f"model.image.proj=none: the NaFlex tower's pooled output ({self.trunk.num_features} "
+                              f"wide) is the embedding, and model.embed_dim is {embed_dim}; set model.embed_dim="
+                              f"{self.trunk.num_features}, or model.image.proj=linear")
         self.head = nn.Sequential(OrderedDict(drop=nn.Dropout(0.0),
-                                              proj=nn.Linear(self.trunk.num_features, embed_dim, bias=False)))
+                                              proj=nn.Linear(self.trunk.num_features, embed_dim, bias=False))) \
+            if cfg.proj == "linear" else nn.Sequential()
         self.image_size = (cfg.image_size, cfg.image_size)
         self.patch_size = (cfg.patch_size, cfg.patch_size)
 
     @property
     def blocks(self) -> nn.Sequential:
         return self.trunk.blocks
+
+    def vision_cfg(self) -> dict[str, Any]:
+        """open_clip's ``vision_cfg`` of this tower's layout (``NaFlexCfg.vision_cfg`` with the trunk's pooling)."""
+        return self.cfg.vision_cfg(self.trunk.global_pool)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8 and images.dim() == 3:

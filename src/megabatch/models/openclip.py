@@ -32,6 +32,8 @@ from .spec import ModelSpec
 log = logging.getLogger(__name__)
 
 PREPROCESS_FIELDS = ("mean", "std", "interpolation", "resize_mode")
+# model.image keys of an open_clip architecture's NaFlex tower (NaFlexCfg's, beside open_clip's vision_cfg fields)
+NAFLEX_OVERRIDES = ("max_seq_len", "ls_init_value")
 
 
 def build_openclip(**values: Any) -> ClipModel:
@@ -61,8 +63,17 @@ def build_openclip(**values: Any) -> ClipModel:
     image, text = dict(image or {}), dict(text or {})
     image_unlocked = int(image.pop("unlocked_layers", 0) or 0)
     text_unlocked = int(text.pop("unlocked_layers", 0) or 0)
+    naflex_keys = {key: image.pop(key) for key in NAFLEX_OVERRIDES if key in image}
     model_cfg["vision_cfg"].update(image)
     model_cfg["text_cfg"].update(text)
+    # a timm naflexvit_* tower (OpenCLIP's NaFlex configs): megabatch's NaFlex tower of the same weights, fed packed
+    # patches (models/naflex.py); built with the smallest open_clip ViT, then put in
+    naflex = NaFlexCfg.of_open_clip(model_cfg["vision_cfg"], naflex_keys)
+    if naflex_keys and naflex is None:
+        raise ConfigError(f"model.image.{next(iter(naflex_keys))} is a NaFlex tower's key, and model.arch="
+                          f"{arch}'s image tower is not one (its vision_cfg names no timm naflexvit_* model)")
+    if naflex is not None:
+        model_cfg["vision_cfg"] = dict(PLACEHOLDER_VISION)
     # tower weights come from model.pretrained (or start random): never from a hub
     if "timm_model_name" in model_cfg["vision_cfg"] and "timm_model_pretrained" not in image:
         model_cfg["vision_cfg"]["timm_model_pretrained"] = False
@@ -74,6 +85,8 @@ def build_openclip(**values: Any) -> ClipModel:
     label = f"model.arch={arch}" if arch else f"the architecture of {source.folder}/open_clip_config.json"
     kwargs = {"init_logit_scale": init_logit_scale} if init_logit_scale is not None else {}
     clip = _create(model_cfg, label, **kwargs)
+    if naflex is not None:
+        use_naflex_tower(clip, model_cfg, naflex)
     if source is not None:
         hint = ("; the folder's open_clip_config.json describes its own architecture: model.arch=null builds that"
                 if arch and source.config else "")
