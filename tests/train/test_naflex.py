@@ -264,12 +264,16 @@ def test_siglip2_naflex_folders_load_into_a_naflex_tower(tmp_path):
 
     import open_clip
 
+    from megabatch.config import ConfigError
     from megabatch.models.naflex import NaFlexCfg, NaFlexTower
     from megabatch.models.openclip import from_description
 
     released = {key: value for key, value in SIGLIP2_NAFLEX.items() if key != "image_seq_len"}
     cfg = NaFlexCfg.of_open_clip(SIGLIP2_NAFLEX)
     assert (cfg.proj, cfg.max_seq_len, cfg.image_size, cfg.width, cfg.layers) == ("none", 576, 256, 768, 12)
+    for pool in ("", "avg"):  # open_clip would build another tower: no pooling, or the mean of the tokens
+        with pytest.raises(ConfigError, match="pools as timm's naflexvit_base_patch16_siglip does"):
+            NaFlexCfg.of_open_clip({**SIGLIP2_NAFLEX, "timm_pool": pool})
     with torch.device("meta"):
         theirs = open_clip.model._build_vision_tower(768, released).state_dict()
         ours = NaFlexTower(cfg, 768).state_dict()

@@ -111,8 +111,9 @@ class NaFlexCfg:
         with torch.device("meta"):
             trunk = timm.create_model(variant, pretrained=False, num_classes=0)
         pool, proj = vision_cfg.get("timm_pool", "avg"), vision_cfg.get("timm_proj", "linear") or "none"
-        if pool not in ("", trunk.global_pool) or proj not in ("linear", "none") \
-                or vision_cfg.get("timm_proj_bias"):
+        # TimmModel keeps the variant's pooling for "" only where a projection follows (else "" means none)
+        pooled_as_ours = pool == trunk.global_pool or (pool == "" and proj == "linear")
+        if not pooled_as_ours or proj not in ("linear", "none") or vision_cfg.get("timm_proj_bias"):
             raise ConfigError(f"vision_cfg {dict(vision_cfg)}: a NaFlex tower pools as timm's {variant} does "
                               f"(timm_pool: {trunk.global_pool!r}) and projects with a linear layer without bias or "
                               "not at all (timm_proj: linear or none); this config's tower is not one megabatch builds")
