@@ -70,6 +70,37 @@ def test_padding_rows_change_no_feature():
         assert rel_error(model(mixed[:1], texts[:1])[0], model(short[:1], texts[:1])[0]) <= 1e-6
 
 
+def test_the_grids_are_read_in_one_copy_as_timm_reads_them(monkeypatch):
+    """timm reads each image's grid with two ``.item()`` calls (a GPU wait each); the tower reads all of them in one
+    ``tolist``, to the same sizes and the same features."""
+    from timm.models import naflexvit
+
+    from megabatch.models.naflex import TIMMS, grid_sizes_in_one_copy
+
+    spec = NaFlexSpec(patch_size=8, max_seq_len=16, seq_lens=(16,))
+    images = [torch.randint(0, 256, (3, *shape), dtype=torch.uint8) for shape in SHAPES]
+    packed = spec.collate([spec.patches(image, 16) for image in images])
+    coord = unpack(packed, 8, (0.0,) * 3, (1.0,) * 3)["patch_coord"]
+    model = build_model(compose(*NAFLEX).model).eval()
+    assert naflexvit.calculate_naflex_grid_sizes is grid_sizes_in_one_copy
+    timms = TIMMS["calculate_naflex_grid_sizes"]
+    reads = {"item": 0, "tolist": 0}
+    for name in reads:
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k:
+                            reads.__setitem__(_n, reads[_n] + 1) or _o(self, *a, **k))
+    texts = torch.ones(len(images), 16, dtype=torch.long)
+    with torch.no_grad():
+        ours = model(packed, texts)[0]
+    assert reads == {"item": 0, "tolist": 1}
+    monkeypatch.undo()
+    assert grid_sizes_in_one_copy(coord) == timms(coord)  # timm's own function: the same sizes and features
+    monkeypatch.setattr(naflexvit, "calculate_naflex_grid_sizes", timms)
+    with torch.no_grad():
+        assert torch.equal(model(packed, texts)[0], ours)
+    assert len(set(grid_sizes_in_one_copy(coord))) > 3  # images of several grids
+
+
 def test_a_naflex_model_is_rebuilt_from_its_description():
     from megabatch.models.openclip import from_description
 

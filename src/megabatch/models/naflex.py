@@ -33,6 +33,27 @@ TIMM_FLOOR = "1.0.21"
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
 
+def grid_sizes_in_one_copy(coord: torch.Tensor) -> list[tuple[int, int]]:
+    """Each image's patch grid ``(rows, columns)`` from its patches' coordinates ``[n, L, 2]``, as timm's
+    ``calculate_naflex_grid_sizes`` gives it, read to the host in one copy: timm reads two scalars an image
+    (``.item()``), 2,048 waits on the GPU a forward of 1,024 images, each stalling the queue of kernels behind it."""
+    sizes = torch.stack([coord[:, :, 0].amax(dim=1), coord[:, :, 1].amax(dim=1)], dim=1) + 1
+    return [(int(rows), int(columns)) for rows, columns in sizes.tolist()]
+
+
+def read_grids_in_one_copy() -> None:
+    """timm's NaFlexVit finds the grids (its position embeddings' sizes, per image) with ``grid_sizes_in_one_copy``:
+    the same sizes, one host sync a forward (set on timm's module, where its methods look the function up)."""
+    from timm.models import naflexvit
+
+    if naflexvit.calculate_naflex_grid_sizes is not grid_sizes_in_one_copy:
+        TIMMS["calculate_naflex_grid_sizes"] = naflexvit.calculate_naflex_grid_sizes  # kept: the tests compare
+        naflexvit.calculate_naflex_grid_sizes = grid_sizes_in_one_copy
+
+
+TIMMS: dict = {}  # timm's functions read_grids_in_one_copy replaced
+
+
 DEFAULT_VARIANT = "naflexvit_base_patch16_gap"
 # model.image keys that have no meaning for a NaFlex tower (open_clip ViT options), refused naming the key
 OPEN_CLIP_ONLY = ("layers_per_block", "attentional_pool", "attn_pooler_queries",
@@ -187,6 +208,7 @@ class NaFlexTower(nn.Module):
                               f"(megabatch's NaFlex towers are tested with timm {TIMM_FLOOR} and 1.0.31): pip install "
                               "-U timm, or give one of timm.list_models('naflexvit_*')")
         self.trunk = timm.create_model(cfg.variant, pretrained=False, **cfg.trunk_kwargs())
+        read_grids_in_one_copy()
         if cfg.proj == "none" and self.trunk.num_features != embed_dim:
             raise ConfigError(f"model.image.proj=none: the NaFlex tower's pooled output ({self.trunk.num_features} "
                               f"wide) is the embedding, and model.embed_dim is {embed_dim}; set model.embed_dim="
