@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -182,7 +183,8 @@ def metadata(**extra) -> dict:
             versions[name] = __import__(name).__version__
         except (ImportError, AttributeError):
             pass
-    return {"command": " ".join(sys.argv), "git_commit": _git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    return {"command": shlex.join(sys.argv),  # a setting of several overrides stays one quoted argument
+            "git_commit": _git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "gpu": torch.cuda.get_device_name() if cuda else None,
             "gpus": int(os.environ.get("WORLD_SIZE", "1")) if cuda else 0,
             "host": {"cpus": os.cpu_count(), "machine": platform.machine()}, "versions": versions, **extra}

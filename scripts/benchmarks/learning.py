@@ -18,10 +18,13 @@ digit, as a word or a numeral, and no other digit (``caption_accuracy``).
 
 ``--aspects`` (a NaFlex tower against a fixed-size one): every run trains on the digits' training split written
 again with each scan padded (black, as the scans' background) to the next of these width / height ratios, cycled;
-the held-out digits stay square.
+the held-out digits stay square. ``--place random``: each scan at a random place on its canvas (a fixed-size tower's
+centre crop may miss it); ``--aspect-test``: the held-out scans padded alike, and the zero-shot top-1 read on them.
 
     python scripts/benchmarks/learning.py --settings model=tiny model=tiny_naflex --aspects 0.5 1 2 3 \
         --out naflex_digits.json
+    python scripts/benchmarks/learning.py --settings model=tiny model=tiny_naflex --aspects 0.5 1 2 3 \
+        --place random --aspect-test --out naflex_digits_placed.json
 
 A setting of several overrides is one quoted argument (``'model.decoder.layers=2 loss.caption_weight=1'``);
 ``--parallel N`` trains N runs at once (a GPU machine's spare cores). Each run is a process of its own,
@@ -112,10 +115,12 @@ def run(setting: str, seed: int, overrides: list[str], reuse: bool, captions: bo
             **(linear_probe(metrics.parent) if probe else {})}
 
 
-def aspect_digits(aspects: list[float], folder: Path) -> str:
-    """The digits' training shards written again under ``folder``, each scan padded (black, centred) to the next of
-    ``aspects`` (width / height), cycled; returns their brace pattern (written once)."""
+def aspect_digits(aspects: list[float], folder: Path, split: str = "train", place: str = "centre") -> str:
+    """The digits' ``split`` shards written again under ``folder``, each scan padded (black) to the next of ``aspects``
+    (width / height), cycled, ``place``: centred, or at a random place along the longer side (drawn from the scan's
+    index: the same on every call); returns their brace pattern (written once)."""
     import io
+    import random
     import tarfile
 
     import numpy as np
@@ -125,11 +130,11 @@ def aspect_digits(aspects: list[float], folder: Path) -> str:
     from megabatch.data.shard_writer import Sample, encode_png, write_shards
     from megabatch.data.urls import expand_urls
 
-    done = folder / "pattern.txt"
+    done = folder / f"{split}-pattern.txt"
     if done.exists():
         return done.read_text()
     samples, index = [], 0
-    for url in expand_urls(ensure_digits(os.environ.get("MEGABATCH_CACHE", "~/.cache/megabatch"))["train"], "digits"):
+    for url in expand_urls(ensure_digits(os.environ.get("MEGABATCH_CACHE", "~/.cache/megabatch"))[split], "digits"):
         with tarfile.open(url) as tar:
             members: dict[str, dict[str, bytes]] = {}
             for member in tar.getmembers():
@@ -144,11 +149,14 @@ def aspect_digits(aspects: list[float], folder: Path) -> str:
             new_h, new_w = (height, round(height * aspect)) if aspect >= 1 else (round(width / aspect), width)
             canvas = np.zeros((new_h, new_w, 3), dtype=np.uint8)
             top, left = (new_h - height) // 2, (new_w - width) // 2
+            if place == "random":
+                draw = random.Random(index)
+                top, left = draw.randint(0, new_h - height), draw.randint(0, new_w - width)
             canvas[top:top + height, left:left + width] = scan
             meta = json.loads(fields["json"]) if "json" in fields else {}
             samples.append(Sample(encode_png(canvas), "png", fields["txt"].decode(), meta))
-    shards = write_shards(samples, folder, "train", per_shard=500)
-    pattern = f"{folder}/train-{{000000..{len(shards) - 1:06d}}}.tar"
+    shards = write_shards(samples, folder, split, per_shard=500)
+    pattern = f"{folder}/{split}-{{000000..{len(shards) - 1:06d}}}.tar"
     done.write_text(pattern)
     return pattern
 
@@ -168,11 +176,19 @@ def main() -> None:
                         help="each run's last checkpoint through scripts/evaluate.py eval=digits_probe")
     parser.add_argument("--aspects", type=float, nargs="+", default=None,
                         help="the training scans padded to these width / height ratios, cycled (NaFlex)")
+    parser.add_argument("--place", choices=("centre", "random"), default="centre",
+                        help="with --aspects: each scan centred on its canvas, or at a random place")
+    parser.add_argument("--aspect-test", action="store_true",
+                        help="with --aspects: the held-out scans padded alike, and the zero-shot top-1 read on them")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.aspects:
-        folder = ROOT / "runs" / f"digits-aspects-{'-'.join(f'{a:g}' for a in args.aspects)}"
-        args.set = [*args.set, f"data.train.urls={aspect_digits(args.aspects, folder)}"]  # data=digits' settings
+        folder = ROOT / "runs" / (f"digits-aspects-{'-'.join(f'{a:g}' for a in args.aspects)}"
+                                  f"{'-random' if args.place == 'random' else ''}")
+        # data=digits' settings
+        args.set = [*args.set, f"data.train.urls={aspect_digits(args.aspects, folder, 'train', args.place)}"]
+        if args.aspect_test:
+            args.set.append(f"eval.digits.urls={aspect_digits(args.aspects, folder, 'test', args.place)}")
     runs = [(setting, int(seed)) for seed in args.seeds.split(",") for setting in args.settings]
     results = []
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # each run is a process of its own
