@@ -345,6 +345,18 @@ def test_siglip2_naflex_folders_load_into_a_naflex_tower(tmp_path):
         assert rel_error(rebuilt.encode_image(images), saved.encode_image(images)) <= 1e-6
 
 
+def test_layer_scale_is_the_variants_a_given_value_or_none():
+    """``model.image.ls_init_value``: null keeps the variant's (1e-5), a value starts there, 0 removes layer scale
+    (timm reads init_values=None as "the variant's": before, 0 left it at 1e-5)."""
+    def gammas(value: str) -> list[torch.Tensor]:
+        trunk = build_model(compose(*NAFLEX, f"model.image.ls_init_value={value}").model).clip.visual.trunk
+        return [param for name, param in trunk.named_parameters() if ".ls1." in name or ".ls2." in name]
+
+    assert all(torch.all(gamma == 1e-5) for gamma in gammas("null")) and gammas("null")
+    assert all(torch.all(gamma == 0.1) for gamma in gammas("0.1")) and gammas("0.1")
+    assert gammas("0") == []
+
+
 def test_a_timm_older_than_the_floor_is_named_with_the_fix(monkeypatch):
     """requirements.txt's timm floor (1.0.21: 1.0.16's patch dropout and 1.0.18's meta-device build fail the tests
     above) is checked where the tower is built."""

@@ -161,7 +161,7 @@ class NaFlexCfg:
                 "num_heads": self.width // self.head_width, "mlp_ratio": self.mlp_ratio,
                 "pos_embed_grid_size": (self.grid, self.grid), "img_size": self.image_size,
                 "patch_drop_rate": self.patch_dropout,
-                **({} if self.ls_init_value is None else {"init_values": self.ls_init_value or None})}
+                **({"init_values": self.ls_init_value} if self.ls_init_value else {})}
 
     def vision_cfg(self, pool: str = "") -> dict[str, Any]:
         """open_clip's ``vision_cfg`` of the same weights' layout (``TimmModel``): what an export records. ``pool``:
@@ -208,6 +208,9 @@ class NaFlexTower(nn.Module):
                               f"(megabatch's NaFlex towers are tested with timm {TIMM_FLOOR} and 1.0.31): pip install "
                               "-U timm, or give one of timm.list_models('naflexvit_*')")
         self.trunk = timm.create_model(cfg.variant, pretrained=False, **cfg.trunk_kwargs())
+        if cfg.ls_init_value == 0:  # no layer scale: timm takes init_values=None as "the variant's", not as none
+            for block in self.trunk.blocks:
+                block.ls1, block.ls2 = nn.Identity(), nn.Identity()
         read_grids_in_one_copy()
         if cfg.proj == "none" and self.trunk.num_features != embed_dim:
             raise ConfigError(f"model.image.proj=none: the NaFlex tower's pooled output ({self.trunk.num_features} "
