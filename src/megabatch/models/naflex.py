@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from packaging.version import Version
 from torch import nn
 
 from ..config import ConfigError
@@ -28,10 +29,6 @@ from ..kernels.packed_patches import grid_example, unpack
 # the oldest timm whose NaFlexVit the tests pass with (requirements.txt's floor): 1.0.16's patch dropout mismatched
 # its mask by the register tokens, 1.0.18's variants could not be built on the meta device (the export's check)
 TIMM_FLOOR = "1.0.21"
-
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
 
 def grid_sizes_in_one_copy(coord: torch.Tensor) -> list[tuple[int, int]]:
     """Each image's patch grid ``(rows, columns)`` from its patches' coordinates ``[n, L, 2]``, as timm's
@@ -200,7 +197,7 @@ class NaFlexTower(nn.Module):
         import timm
 
         self.cfg = cfg
-        if _version(timm.__version__) < _version(TIMM_FLOOR):
+        if Version(timm.__version__) < Version(TIMM_FLOOR):
             raise ConfigError(f"model.image.naflex=true needs timm >= {TIMM_FLOOR} (installed: {timm.__version__}; "
                               "1.0.16-1.0.20 fail with patch dropout or on the meta device): pip install -U timm")
         if not timm.is_model(cfg.variant):

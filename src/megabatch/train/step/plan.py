@@ -53,7 +53,7 @@ class BatchPlan:
         rank_batch = rank_batch_of(global_batch, world_size)
         tokens = settings.trainer.sub_batch_tokens
         if tokens is not None:
-            sub_batch = sub_batch_for_tokens(tokens, longest, rank_batch, settings.trainer.sub_batch)
+            sub_batch = sub_batch_for_tokens(tokens, longest, rank_batch)
         if sub_batch is None:
             configured = settings.trainer.sub_batch
             sub_batch = configured if isinstance(configured, int) else rank_batch
@@ -73,16 +73,14 @@ class BatchPlan:
                    run_length(settings.trainer, global_batch, steps), tokens)
 
 
-def sub_batch_for_tokens(tokens: int, longest: int | None, rank_batch: int, sub_batch) -> int:
+def sub_batch_for_tokens(tokens: int, longest: int | None, rank_batch: int) -> int:
     """``trainer.sub_batch_tokens``' sub-batch at the longest sequence length ``longest``: the largest divisor of
-    ``rank_batch`` whose patches keep the budget; a ``ConfigError`` naming the keys where it cannot."""
+    ``rank_batch`` whose patches keep the budget; a ``ConfigError`` naming the keys where it cannot (beside
+    ``trainer.sub_batch``, the config's check refuses it)."""
     if longest is None:
         raise ConfigError(f"trainer.sub_batch_tokens={tokens} cuts a NaFlex tower's sub-batches by their image "
                           "patches (model.image.naflex=true); a fixed-size tower's are cut by trainer.sub_batch: "
                           "set that, and trainer.sub_batch_tokens=null")
-    if sub_batch is not None:
-        raise ConfigError(f"trainer.sub_batch={sub_batch} and trainer.sub_batch_tokens={tokens}: a sub-batch is cut "
-                          "by samples or by image patches, not both; set one, the other null")
     if tokens < longest:
         raise ConfigError(f"trainer.sub_batch_tokens={tokens} is less than one image at the longest sequence length "
                           f"({longest} patches, data.naflex.seq_lens): raise trainer.sub_batch_tokens to at least "
