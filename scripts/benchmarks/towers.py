@@ -18,6 +18,15 @@ kernels, with ``direct``: ``compile-direct-triton``), an ``auto``: ``model.atten
 ``model.gelu=tanh`` (cuBLASLt's tanh-GELU epilogue in the graph-free forward); without them they are off
 (SDPA, exact GELU). (The ``fused`` and ``addln`` variants of the recorded JSONs measured ``model.fused_mlp``
 and ``model.fused_layernorm``, since removed: docs/performance.md.)
+
+A NaFlex model (``--model vit_b16_naflex``) is fed images of ``--aspects`` (width / height), each of 256^2 px
+area, resized and patchified at its ``max_seq_len`` as the loader does (padding and all): without ``direct`` its
+attention is timm's (a ``[n, 1, L, L]`` mask, SDPA), with it ``LengthsAttention`` (each image's length, the
+Triton kernels with ``auto``/``triton``, SDPA with a key mask with ``sdpa``). The tokens a second count every
+row of the padded input; ``padding_share`` says how much of it is padding.
+
+    python scripts/benchmarks/towers.py --model vit_b16_naflex --aspects 1 1.5 0.6667 2 0.5 \
+        --variants compile,compile-direct-auto --sub-batch 1024 --out naflex_towers.json
 """
 
 from __future__ import annotations
@@ -83,6 +92,20 @@ def build(model_name: str, overrides: list[str], variant: str, rows: int, device
             inductor_config.max_autotune = True
             inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
     return model
+
+
+def naflex_images(model, rows: int, aspects: list[float], device: torch.device) -> torch.Tensor:
+    """``rows`` packed images of a NaFlex tower at its ``max_seq_len``, of the ``aspects`` in turn (256^2 px each,
+    random pixels), as ``data/naflex.py`` packs a sub-batch."""
+    from megabatch.data.naflex import NaFlexSpec
+
+    cfg = model.naflex
+    spec = NaFlexSpec(patch_size=cfg.patch_size, max_seq_len=cfg.max_seq_len, seq_lens=(cfg.max_seq_len,))
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(round(256 / aspect ** 0.5), round(256 * aspect ** 0.5)) for aspect in aspects]
+    each = [spec.patches(torch.randint(0, 256, (3, *shape), dtype=torch.uint8, generator=generator),
+                         cfg.max_seq_len) for shape in shapes]
+    return spec.collate([each[i % len(each)] for i in range(rows)]).to(device)
 
 
 def tower_times(model, images: torch.Tensor, texts: torch.Tensor, repeats: int, variant: str) -> dict:
@@ -159,6 +182,8 @@ def main() -> None:
                         default="eager,compile,compile-sdpa-cudnn,compile-sdpa-flash,compile-bf16-weights")
     parser.add_argument("--profile", default="compile", help="variants whose replay is profiled by kernel")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--aspects", type=float, nargs="+", default=[1.0],
+                        help="a NaFlex model's images: width / height of each in turn")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -170,11 +195,16 @@ def main() -> None:
     for variant in args.variants.split(","):
         model = build(args.model, args.set, variant, args.sub_batch, device)
         images, texts = model.example_inputs(args.sub_batch, device)
+        if model.naflex is not None:
+            images = naflex_images(model, args.sub_batch, args.aspects, device)
         texts = texts[:, :args.text_length].clone()
         texts[:, -1] = 49407  # end of text last: the pooled token
         with torch.autocast("cuda", torch.bfloat16):
             flops = count_model_flops(model, images, texts)
         row = {"variant": variant}
+        if model.naflex is not None:  # the padding's share of the image tower's tokens (its rows of zeros)
+            valid = float((images[..., -4:].amax(-1) > 0).float().mean())  # a padding row's coordinates are 0
+            row.update(padding_share=1 - valid, image_tokens=images.shape[1])
         try:
             row.update(tower_times(model, images, texts, args.repeats, variant))
         except Exception as error:  # a kernel this GPU or mask cannot run: recorded, and the next variant runs
@@ -198,8 +228,8 @@ def main() -> None:
         del model
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    ceiling = gemm_ceiling(build(args.model, args.set, "eager", args.sub_batch, device), args.sub_batch,
-                           args.text_length, device)
+    model = build(args.model, args.set, "eager", args.sub_batch, device)
+    ceiling = [] if model.naflex is not None else gemm_ceiling(model, args.sub_batch, args.text_length, device)
     for shape in ceiling:
         print(shape, flush=True)
     write_results(args.out, rows, gemm_ceiling=ceiling, model=args.model, sub_batch=args.sub_batch,

@@ -126,8 +126,46 @@ def test_a_strided_qkv_gets_its_gradient_in_its_own_layout():
     assert rel_error(base.grad[:, ::2], want) <= 1e-5 and base.grad[:, 1::2].abs().max() == 0
 
 
+def masked_reference(qkv: torch.Tensor, lengths: torch.Tensor, grad_out: torch.Tensor):
+    """``reference`` per sample on its first ``lengths[i]`` tokens; padding rows zero, their gradient zero."""
+    out, grad = torch.zeros_like(qkv[:, :, 0], dtype=torch.float64), torch.zeros_like(qkv, dtype=torch.float64)
+    for i, n in enumerate(lengths.tolist()):
+        out[i, :n], grad[i, :n] = (part[0] for part in reference(qkv[i:i + 1, :n], False, grad_out[i:i + 1, :n]))
+    return out, grad
+
+
+@pytest.mark.parametrize("tiles", [(32, 32), (16, 32), (32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lengths_make_the_padding_invisible(monkeypatch, tiles, dtype):
+    """``lengths``: each sample's padding is seen by no query, its rows are zero and get no gradient, and its
+    values do not matter: the float64 attention of each sample's own tokens, at lengths that end inside a block,
+    on a block's edge, fill the sequence, and leave whole blocks of padding (skipped); every kernel at each tile."""
+    block_m, block_n = tiles
+    monkeypatch.setattr(attention, "INTERPRETED_TILES", (block_m, block_n, 1, 1))
+    monkeypatch.setattr(attention, "TILES", {kernel: {64: (block_m, block_n, 4, 2), 128: (block_m, block_n, 4, 2)}
+                                             for kernel in attention.TILES})
+    generator = torch.Generator().manual_seed(7)
+    length, lengths = 70, torch.tensor([70, 33, 32, 5])
+    qkv = (torch.randn(4, length, 3, 2, 64, generator=generator) * 1.5).to(DEVICE, dtype)
+    grad_out = torch.randn(4, length, 2, 64, generator=generator).to(DEVICE, dtype)
+    padding = torch.arange(length)[None, :] >= lengths[:, None]
+    qkv[padding.to(DEVICE)] = 1e4  # huge padding: any query seeing it, or any use of it, shows
+    qkv.requires_grad_()
+    out = packed_attention(qkv, False, lengths.to(DEVICE))
+    out.backward(grad_out)
+    want_out, want_grad = masked_reference(qkv.detach(), lengths, grad_out)
+    assert out[padding.to(DEVICE)].abs().max() == 0 and qkv.grad[padding.to(DEVICE)].abs().max() == 0
+    assert rel_error(out.detach(), want_out) <= TOLERANCE[dtype]
+    for part, name in enumerate("qkv"):
+        assert rel_error(qkv.grad[:, :, part], want_grad[:, :, part]) <= TOLERANCE[dtype], name
+    full = packed_attention(qkv.detach(), False, torch.full((4,), length, device=DEVICE))
+    assert torch.equal(full, packed_attention(qkv.detach(), False))  # all valid: the kernel without lengths
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match=r"qkv \[batch, length, 3, heads, head_dim\]"):
         packed_attention(torch.randn(2, 5, 4, 2, 16, device=DEVICE))
     with pytest.raises(ValueError, match="head dims up to 128"):
         packed_attention(torch.randn(1, 5, 3, 1, 160, device=DEVICE))
+    with pytest.raises(ValueError, match="one integer per sample"):
+        packed_attention(torch.randn(2, 5, 3, 1, 16, device=DEVICE), lengths=torch.tensor([5]))

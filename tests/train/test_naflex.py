@@ -101,6 +101,51 @@ def test_the_grids_are_read_in_one_copy_as_timm_reads_them(monkeypatch):
     assert len(set(grid_sizes_in_one_copy(coord))) > 3  # images of several grids
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_the_blocks_given_each_images_length_compute_timms_masked_attention(attention):
+    """``model.direct_attention`` (the default): the tower passes each image's sequence length to its blocks
+    (``LengthsAttention``) instead of timm's ``[n, 1, L, L]`` mask; SDPA with the key mask and the kernels, which
+    skip the padding, give timm's features and gradients (images of several lengths, padded to the longest)."""
+    from megabatch.models.naflex import LengthsAttention
+
+    timms = build_model(compose(*NAFLEX, "model.direct_attention=false").model)
+    ours = build_model(compose(*NAFLEX, f"model.attention={attention}").model)
+    ours.load_state_dict(timms.state_dict())
+    assert ours.clip.visual.lengths and not timms.clip.visual.lengths
+    assert all(type(block.attn) is LengthsAttention for block in ours.clip.visual.trunk.blocks)
+    spec = NaFlexSpec(patch_size=8, max_seq_len=16, seq_lens=(16,))
+    generator = torch.Generator().manual_seed(0)
+    packed = spec.collate([spec.patches(torch.randint(0, 256, (3, *shape), dtype=torch.uint8, generator=generator),
+                                        16) for shape in SHAPES])
+    assert len(set(unpack(packed, 8, (0.0,) * 3, (1.0,) * 3)["patch_valid"].sum(1).tolist())) > 2
+    texts = torch.ones(len(SHAPES), 16, dtype=torch.long)
+    weights = torch.randn(len(SHAPES), ours.clip.visual.head.proj.out_features, generator=generator)
+    results = []
+    for model in (timms, ours):
+        features = model(packed, texts)[0]
+        (features * weights).sum().backward()
+        results.append((features.detach(), [param.grad for param in model.clip.visual.parameters()]))
+    (want, want_grads), (got, got_grads) = results
+    assert rel_error(got, want) <= 1e-5
+    assert all(rel_error(grad, wanted) <= 1e-5 for grad, wanted in zip(got_grads, want_grads, strict=True))
+
+
+def test_patch_dropout_in_training_keeps_timms_mask(monkeypatch):
+    """Patch dropout shuffles the valid patches out of the row's lead: the tower then passes no lengths."""
+    from megabatch.models.naflex import LengthsAttention
+
+    model = build_model(compose(*NAFLEX, "model.image.patch_dropout=0.5").model)
+    masks = []
+    original = LengthsAttention.forward
+    monkeypatch.setattr(LengthsAttention, "forward", lambda self, x, attn_mask=None, **kw:
+                        masks.append(attn_mask.dim()) or original(self, x, attn_mask=attn_mask, **kw))
+    images, texts = model.example_inputs(2, torch.device("cpu"))
+    model.train()(images, texts)
+    model.eval()(images, texts)
+    layers = len(model.clip.visual.trunk.blocks)
+    assert masks == [4] * layers + [1] * layers
+
+
 def test_a_naflex_model_is_rebuilt_from_its_description():
     from megabatch.models.openclip import from_description
 

@@ -44,6 +44,14 @@ def _tile(ptr, rows, stride_s, dims, length, head_dim, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _valid(LENGTHS, batch, length, HAS_LENGTHS: tl.constexpr):
+    """How many of the sample's leading tokens are valid: its entry of ``LENGTHS`` (``lengths=``), else all."""
+    if HAS_LENGTHS:
+        return tl.load(LENGTHS + batch)
+    return length
+
+
+@triton.jit
 def _key_blocks(block_m, length, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The key range a block of query rows walks, split where masking starts: ``[0, full)`` needs no
     mask, ``[full, end)`` does. Causal: the blocks wholly before the block's first row, then the
@@ -82,31 +90,36 @@ def _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims
 
 
 @triton.jit
-def _forward_kernel(QKV, OUT, LSE, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
+def _forward_kernel(QKV, OUT, LSE, LENGTHS, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
                     heads, length, head_dim, scale_log2,
-                    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_LENGTHS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     block_m, bh = tl.program_id(0), tl.program_id(1)
     batch, head = bh // heads, bh % heads
+    valid = _valid(LENGTHS, batch, length, HAS_LENGTHS)
     base = QKV + batch.to(tl.int64) * stride_b + head * stride_h
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q = _tile(base, rows, stride_s, dims, length, head_dim, UPCAST)
+    q = _tile(base, rows, stride_s, dims, valid, head_dim, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    full, end = _key_blocks(block_m, length, CAUSAL, BLOCK_M, BLOCK_N)
+    full, end = _key_blocks(block_m, valid, CAUSAL, BLOCK_M, BLOCK_N)
+    end = tl.where(block_m * BLOCK_M < valid, end, 0)  # a block of padding rows only: no key read, rows zero
+    full = tl.minimum(full, end)
     for start in range(0, full, BLOCK_N):
-        acc, l_i, m_i = _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims, length,
+        acc, l_i, m_i = _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims, valid,
                                        head_dim, scale_log2, False, CAUSAL, UPCAST, PRECISION, BLOCK_N)
     for start in range(full, end, BLOCK_N):
-        acc, l_i, m_i = _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims, length,
+        acc, l_i, m_i = _forward_block(acc, l_i, m_i, q, base, rows, start, stride_s, stride_3, dims, valid,
                                        head_dim, scale_log2, True, CAUSAL, UPCAST, PRECISION, BLOCK_N)
-    acc = acc / l_i[:, None]
+    row_valid = rows < valid  # padding rows (lengths=) are zero, their log-sum-exp 0
+    l_i = tl.where(row_valid, l_i, 1.0)  # padding rows saw no key (their sum 0)
+    acc = tl.where(row_valid[:, None], acc / l_i[:, None], 0.0)
     row_ok = rows < length
     out = OUT + batch.to(tl.int64) * out_b + head * out_h + rows[:, None] * out_s + dims[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (dims[None, :] < head_dim))
-    tl.store(LSE + bh.to(tl.int64) * length + rows, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(LSE + bh.to(tl.int64) * length + rows, tl.where(row_valid, m_i + tl.log2(l_i), 0.0), mask=row_ok)
 
 
 @triton.jit
@@ -158,32 +171,37 @@ def _dkdv_block(dk, dv, k, v, base, dout, stats, start, cols, stride_s, out_s, d
 
 
 @triton.jit
-def _dkdv_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
+def _dkdv_kernel(QKV, DO, LSE, DELTA, DQKV, LENGTHS, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
                  heads, length, head_dim, scale, scale_log2,
-                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_LENGTHS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     block_n, bh = tl.program_id(0), tl.program_id(1)
     batch, head = bh // heads, bh % heads
+    valid = _valid(LENGTHS, batch, length, HAS_LENGTHS)
     base = QKV + batch.to(tl.int64) * stride_b + head * stride_h
     dout = DO + batch.to(tl.int64) * out_b + head * out_h
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    k = _tile(base + stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
-    v = _tile(base + 2 * stride_3, cols, stride_s, dims, length, head_dim, UPCAST)
+    k = _tile(base + stride_3, cols, stride_s, dims, valid, head_dim, UPCAST)
+    v = _tile(base + 2 * stride_3, cols, stride_s, dims, valid, head_dim, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     stats = bh.to(tl.int64) * length
     if CAUSAL:  # rows above the key block see none of it; the diagonal's query blocks are masked
         first = (block_n * BLOCK_N // BLOCK_M) * BLOCK_M
-        diagonal = tl.minimum(first + tl.cdiv(block_n * BLOCK_N + BLOCK_N - 1 - first, BLOCK_M) * BLOCK_M, length)
+        diagonal = tl.minimum(first + tl.cdiv(block_n * BLOCK_N + BLOCK_N - 1 - first, BLOCK_M) * BLOCK_M, valid)
         for start in range(first, diagonal, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, base, dout, stats, start, cols, stride_s, out_s, dims, length,
+            dk, dv = _dkdv_block(dk, dv, k, v, base, dout, stats, start, cols, stride_s, out_s, dims, valid,
                                  head_dim, scale_log2, LSE, DELTA, True, CAUSAL, UPCAST, PRECISION, BLOCK_M)
     else:
         diagonal = 0
-    for start in range(diagonal, length, BLOCK_M):  # keys past the sequence are never stored: no mask
-        dk, dv = _dkdv_block(dk, dv, k, v, base, dout, stats, start, cols, stride_s, out_s, dims, length,
+    rows_end = tl.where(block_n * BLOCK_N < valid, valid, 0)  # a block of padding keys only: zero, nothing read
+    for start in range(diagonal, rows_end, BLOCK_M):  # keys past the sequence are zeroed below: no mask
+        dk, dv = _dkdv_block(dk, dv, k, v, base, dout, stats, start, cols, stride_s, out_s, dims, valid,
                              head_dim, scale_log2, LSE, DELTA, False, CAUSAL, UPCAST, PRECISION, BLOCK_M)
+    if HAS_LENGTHS:  # padding keys (stored, unlike those past the sequence) have no gradient
+        dk = tl.where(cols[:, None] < valid, dk, 0.0)
+        dv = tl.where(cols[:, None] < valid, dv, 0.0)
     grad = DQKV + batch.to(tl.int64) * stride_b + head * stride_h + cols[:, None] * stride_s + dims[None, :]
     mask = (cols[:, None] < length) & (dims[None, :] < head_dim)
     tl.store(grad + stride_3, (dk * scale).to(DQKV.dtype.element_ty), mask=mask)
@@ -203,27 +221,30 @@ def _dq_block(dq, q, do, lse, delta, base, rows, start, stride_s, stride_3, dims
 
 
 @triton.jit
-def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
+def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, LENGTHS, stride_b, stride_s, stride_3, stride_h, out_b, out_s, out_h,
                heads, length, head_dim, scale, scale_log2,
-               CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_LENGTHS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     block_m, bh = tl.program_id(0), tl.program_id(1)
     batch, head = bh // heads, bh % heads
+    valid = _valid(LENGTHS, batch, length, HAS_LENGTHS)
     base = QKV + batch.to(tl.int64) * stride_b + head * stride_h
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q = _tile(base, rows, stride_s, dims, length, head_dim, UPCAST)
-    do = _tile(DO + batch.to(tl.int64) * out_b + head * out_h, rows, out_s, dims, length, head_dim, UPCAST)
+    q = _tile(base, rows, stride_s, dims, valid, head_dim, UPCAST)  # padding rows: zero q and dO, so zero dq
+    do = _tile(DO + batch.to(tl.int64) * out_b + head * out_h, rows, out_s, dims, valid, head_dim, UPCAST)
     stats = bh.to(tl.int64) * length
-    lse = tl.load(LSE + stats + rows, mask=rows < length, other=0.0)
-    delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
+    lse = tl.load(LSE + stats + rows, mask=rows < valid, other=0.0)
+    delta = tl.load(DELTA + stats + rows, mask=rows < valid, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    full, end = _key_blocks(block_m, length, CAUSAL, BLOCK_M, BLOCK_N)
+    full, end = _key_blocks(block_m, valid, CAUSAL, BLOCK_M, BLOCK_N)
+    end = tl.where(block_m * BLOCK_M < valid, end, 0)  # a block of padding rows only
+    full = tl.minimum(full, end)
     for start in range(0, full, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, base, rows, start, stride_s, stride_3, dims, length, head_dim,
+        dq = _dq_block(dq, q, do, lse, delta, base, rows, start, stride_s, stride_3, dims, valid, head_dim,
                        scale_log2, False, CAUSAL, UPCAST, PRECISION, BLOCK_N)
     for start in range(full, end, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, base, rows, start, stride_s, stride_3, dims, length, head_dim,
+        dq = _dq_block(dq, q, do, lse, delta, base, rows, start, stride_s, stride_3, dims, valid, head_dim,
                        scale_log2, True, CAUSAL, UPCAST, PRECISION, BLOCK_N)
     tl.store(DQKV + batch.to(tl.int64) * stride_b + head * stride_h + rows[:, None] * stride_s + dims[None, :],
              (dq * scale).to(DQKV.dtype.element_ty), mask=(rows[:, None] < length) & (dims[None, :] < head_dim))
@@ -292,10 +313,23 @@ def _precision(qkv: torch.Tensor) -> str:
     return "ieee" if qkv.dtype == torch.float32 else "tf32"
 
 
+def _lengths(lengths: torch.Tensor | None, qkv: torch.Tensor) -> torch.Tensor:
+    """``lengths`` as the kernels read it (int32 on ``qkv``'s device), or a placeholder they never read."""
+    if lengths is None:
+        return qkv  # HAS_LENGTHS=False: the pointer is not dereferenced
+    if lengths.dim() != 1 or lengths.shape[0] != qkv.shape[0] or lengths.dtype.is_floating_point:
+        raise ValueError(f"packed_attention's lengths are one integer per sample ({qkv.shape[0]}), got "
+                         f"{tuple(lengths.shape)} {lengths.dtype}")
+    return lengths.to(device=qkv.device, dtype=torch.int32)
+
+
 @torch.library.custom_op("megabatch::packed_attention", mutates_args=())
-def packed_attention_op(qkv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_attention_op(qkv: torch.Tensor, causal: bool,
+                        lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T / sqrt(d)) v`` per (batch, head) of ``qkv [b, s, 3, h, d]``: the output
-    ``[b, s, h, d]`` and each row's log-sum-exp ``[b, h, s]`` (base 2, fp32) for the backward."""
+    ``[b, s, h, d]`` and each row's log-sum-exp ``[b, h, s]`` (base 2, fp32) for the backward. ``lengths [b]``:
+    each sample's first ``lengths[i]`` tokens are its own, the rest padding: no query sees a padding key, and
+    padding rows are zero (their log-sum-exp 0)."""
     batch, length, heads, head_dim = _check(qkv)
     qkv = qkv.contiguous()  # the in-projection's view already is
     out = qkv.new_empty(batch, length, heads, head_dim)
@@ -303,15 +337,16 @@ def packed_attention_op(qkv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, 
     block_m, block_n, warps, stages = _tiles("forward", head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     _forward_kernel[(triton.cdiv(length, block_m), batch * heads)](
-        qkv, out, lse, qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
+        qkv, out, lse, _lengths(lengths, qkv), qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
         out.stride(0), out.stride(1), out.stride(2), heads, length, head_dim, scale * LOG2E,
-        CAUSAL=causal, UPCAST=_upcast(qkv), PRECISION=_precision(qkv), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=warps, num_stages=stages)
+        CAUSAL=causal, HAS_LENGTHS=lengths is not None, UPCAST=_upcast(qkv), PRECISION=_precision(qkv),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=warps,
+        num_stages=stages)
     return out, lse
 
 
 @packed_attention_op.register_fake
-def _(qkv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _(qkv: torch.Tensor, causal: bool, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     batch, length, _, heads, head_dim = qkv.shape
     return qkv.new_empty(batch, length, heads, head_dim), \
         qkv.new_empty(batch, heads, length, dtype=torch.float32)
@@ -319,9 +354,9 @@ def _(qkv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.library.custom_op("megabatch::packed_attention_backward", mutates_args=())
 def packed_attention_backward(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                              causal: bool) -> torch.Tensor:
+                              causal: bool, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient of ``packed_attention``'s output ``grad_out [b, s, h, d]`` with respect to
-    ``qkv``, packed as ``qkv`` (``[b, s, 3, h, d]``)."""
+    ``qkv``, packed as ``qkv`` (``[b, s, 3, h, d]``); zero at padding tokens (``lengths``)."""
     batch, length, heads, head_dim = _check(qkv)
     qkv, grad_out, out = qkv.contiguous(), grad_out.contiguous(), out.contiguous()
     grad = torch.empty_like(qkv)  # laid out as qkv: the kernels index both with qkv's strides
@@ -332,42 +367,43 @@ def packed_attention_backward(grad_out: torch.Tensor, qkv: torch.Tensor, out: to
         out, grad_out, delta, out.stride(0), out.stride(1), out.stride(2), heads, length, head_dim,
         BLOCK_M=rows, BLOCK_D=block_d)
     scale = 1.0 / math.sqrt(head_dim)
-    common = (qkv, grad_out, lse, delta, grad, qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
-              grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), heads, length, head_dim, scale, scale * LOG2E)
+    common = (qkv, grad_out, lse, delta, grad, _lengths(lengths, qkv), qkv.stride(0), qkv.stride(1), qkv.stride(2),
+              qkv.stride(3), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), heads, length, head_dim,
+              scale, scale * LOG2E)
+    flags = dict(CAUSAL=causal, HAS_LENGTHS=lengths is not None, UPCAST=_upcast(qkv), PRECISION=_precision(qkv))
     block_m, block_n, warps, stages = _tiles("dkdv", head_dim)
     _dkdv_kernel[(triton.cdiv(length, block_n), batch * heads)](
-        *common, CAUSAL=causal, UPCAST=_upcast(qkv), PRECISION=_precision(qkv), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+        *common, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     block_m, block_n, warps, stages = _tiles("dq", head_dim)
     _dq_kernel[(triton.cdiv(length, block_m), batch * heads)](
-        *common, CAUSAL=causal, UPCAST=_upcast(qkv), PRECISION=_precision(qkv), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+        *common, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return grad
 
 
 @packed_attention_backward.register_fake
 def _(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-      causal: bool) -> torch.Tensor:
+      causal: bool, lengths: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(qkv, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    qkv, causal = inputs
+    qkv, causal, lengths = inputs
     out, lse = output
-    ctx.save_for_backward(qkv, out, lse)
+    ctx.save_for_backward(qkv, out, lse, lengths)
     ctx.causal = causal
 
 
 def _backward(ctx, grad_out, grad_lse):
-    qkv, out, lse = ctx.saved_tensors
-    return packed_attention_backward(grad_out, qkv, out, lse, ctx.causal), None
+    qkv, out, lse, lengths = ctx.saved_tensors
+    return packed_attention_backward(grad_out, qkv, out, lse, ctx.causal, lengths), None, None
 
 
 packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def packed_attention(qkv: torch.Tensor, causal: bool = False) -> torch.Tensor:
+def packed_attention(qkv: torch.Tensor, causal: bool = False, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``qkv [b, s, 3, h, d]`` (the in-projection's output, viewed) -> ``[b, s, h, d]``;
-    ``causal``: each query sees the keys up to its own position. Differentiable (``qkv``'s gradient
-    comes packed)."""
-    return packed_attention_op(qkv, causal)[0]
+    ``causal``: each query sees the keys up to its own position; ``lengths [b]``: each sample's tokens past
+    ``lengths[i]`` are padding, seen by no query, their rows zero (a NaFlex tower's padded sequences: the
+    padding's blocks are skipped, not computed). Differentiable (``qkv``'s gradient comes packed)."""
+    return packed_attention_op(qkv, causal, lengths)[0]

@@ -24,7 +24,8 @@ default: measured faster end to end at ViT-B/16 and ViT-L/14 (docs/performance.m
 Only self-attention blocks of open_clip's ``ResidualAttentionBlock`` with a plain batch-first
 ``nn.MultiheadAttention`` are changed (no ``bias_k``/``bias_v``, no ``add_zero_attn``, one embedding
 size for q/k/v); cross-attention (CoCa's decoder), attentional pooling and open_clip's own
-``CustomResidualAttentionBlock`` (which already calls SDPA) keep theirs.
+``CustomResidualAttentionBlock`` (which already calls SDPA) keep theirs. A NaFlex tower's timm attention
+modules become ``naflex.LengthsAttention``: the same choice of kernel, given each image's sequence length.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
 from ..kernels.attention import faster_than_sdpa, packed_attention
+from .naflex import NaFlexTower
 
 KERNELS = ("auto", "sdpa", "triton")  # model.attention
 
@@ -91,6 +93,8 @@ def use_direct_attention(model: nn.Module, kernel: str = "sdpa") -> int:
             module.__class__ = DirectAttentionBlock
             module.kernel, module.causal_mask = kernel, id(module) in causal
             changed += 1
+        elif isinstance(module, NaFlexTower):
+            changed += module.use_lengths_attention(kernel)
     return changed
 
 

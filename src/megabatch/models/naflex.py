@@ -20,10 +20,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from packaging.version import Version
+from timm.layers import Attention as TimmAttention
 from torch import nn
 
 from ..config import ConfigError
+from ..kernels.attention import faster_than_sdpa, packed_attention
 from ..kernels.packed_patches import grid_example, unpack
 
 # the oldest timm whose NaFlexVit the tests pass with (requirements.txt's floor): 1.0.16's patch dropout mismatched
@@ -187,6 +190,54 @@ def why_not_open_clip(tower: NaFlexTower) -> str | None:
     return None
 
 
+class LengthsAttention(TimmAttention):
+    """timm's self-attention (a NaFlex tower's blocks) computed as ``DirectAttentionBlock``'s, and given each
+    image's sequence length instead of a mask: ``attn_mask`` an integer ``[b]`` (``NaFlexTower`` passes it: the
+    registers and each image's valid patches come first, padding after). The kernels then skip the padding's
+    blocks (``packed_attention(lengths=)``: no query sees a padding key, padding rows are zero); SDPA, where it
+    runs instead, gets the key mask of those lengths (FlashAttention takes no mask: the memory-efficient kernel
+    runs). Either way each valid token's output is the one timm's own mask gives (which also masks padding
+    queries, whose rows then differ: no valid token, pooling or loss reads them)."""
+
+    kernel = "sdpa"  # model.attention, as DirectAttentionBlock's
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        lengths = attn_mask if attn_mask is not None and attn_mask.dim() == 1 else None
+        if (attn_mask is not None and lengths is None) or is_causal:
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        batch, length, _ = x.shape
+        heads, head_dim = self.num_heads, self.head_dim
+        qkv = self.qkv(x).view(batch, length, 3, heads, head_dim)
+        if self._kernel_runs(qkv, lengths):
+            out = packed_attention(qkv, lengths=lengths).reshape(batch, length, heads * head_dim)
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            q, k = self.q_norm(q), self.k_norm(k)
+            mask = None if lengths is None else \
+                (torch.arange(length, device=x.device) < lengths[:, None])[:, None, None, :]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 dropout_p=self.attn_drop.p if self.training else 0.0)
+            out = out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+        out = self.norm(out)
+        gate = getattr(self, "gate", None)  # timm >= 1.0.26's gated attention
+        if gate is not None:
+            out = out * gate(x).sigmoid()
+        return self.proj_drop(self.proj(out))
+
+    def _kernel_runs(self, qkv: torch.Tensor, lengths: torch.Tensor | None) -> bool:
+        """The kernels, not SDPA: never with q/k norms or attention dropout in training; ``triton`` always;
+        ``auto`` on a GPU for a sequence with padding (SDPA's masked kernel is the slower one) and as
+        ``faster_than_sdpa`` measured otherwise."""
+        if self.kernel == "sdpa" or not isinstance(self.q_norm, nn.Identity) \
+                or not isinstance(self.k_norm, nn.Identity) or (self.training and self.attn_drop.p > 0):
+            return False
+        if self.kernel == "triton":
+            return True
+        if lengths is not None:
+            return qkv.is_cuda and qkv.shape[-1] <= 128
+        return faster_than_sdpa(qkv)
+
+
 class NaFlexTower(nn.Module):
     """timm's ``NaFlexVit`` (``trunk``) and a linear projection to the shared embedding (``head.proj``), in
     open_clip's ``TimmModel`` layout. ``forward`` takes the packed patches (uint8 ``[n, L, 3 p^2 + 4]``,
@@ -218,6 +269,7 @@ class NaFlexTower(nn.Module):
             if cfg.proj == "linear" else nn.Sequential()
         self.image_size = (cfg.image_size, cfg.image_size)
         self.patch_size = (cfg.patch_size, cfg.patch_size)
+        self.lengths = False  # the blocks take each image's sequence length (use_lengths_attention), not a mask
 
     @property
     def blocks(self) -> nn.Sequential:
@@ -227,10 +279,26 @@ class NaFlexTower(nn.Module):
         """open_clip's ``vision_cfg`` of this tower's layout (``NaFlexCfg.vision_cfg`` with the trunk's pooling)."""
         return self.cfg.vision_cfg(self.trunk.global_pool)
 
+    def use_lengths_attention(self, kernel: str) -> int:
+        """``model.direct_attention``: the blocks' attention becomes ``LengthsAttention`` computing with ``kernel``
+        (``model.attention``), and the tower passes it each image's sequence length instead of timm's mask
+        (``[n, 1, L, L]``, which keeps SDPA off FlashAttention and the kernels off). Every block's or none (a
+        variant with rope or other attention keeps timm's). Returns how many modules changed."""
+        attentions = [getattr(block, "attn", None) for block in self.trunk.blocks]
+        if not attentions or any(type(attn) not in (TimmAttention, LengthsAttention) for attn in attentions):
+            return 0
+        for attn in attentions:
+            attn.__class__, attn.kernel = LengthsAttention, kernel
+        self.lengths = True
+        return len(attentions)
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8 and images.dim() == 3:
             preprocess = self.preprocess_cfg  # open_clip's set_model_preprocess_cfg sets it on the image tower
             images = unpack(images, self.cfg.patch_size, preprocess["mean"], preprocess["std"])
+            if self.lengths and not (self.training and self.trunk.patch_drop is not None):
+                # unpack's valid patches lead each row (patch dropout would shuffle them: timm's mask then)
+                images["attn_mask"] = images["patch_valid"].sum(1, dtype=torch.int32) + self.trunk.num_prefix_tokens
         return self.head(self.trunk(images))
 
     def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
