@@ -156,3 +156,28 @@ def test_two_ranks_equal_one_process(data, tmp_path):
     for rank, results in enumerate(run_ranks(2, two_ranks, data, tmp_path=tmp_path)):
         for key, result in results.items():
             assert_same(result, single[key], f"rank {rank}: {key}")
+
+
+# A NaFlex tower under a token budget (tests/train/test_naflex.py): seed 1 draws 9 patches for step 0, whose 4
+# sub-batches of 8 images the budget joins two by two; the objectives that ride on sub-batches keep their rows in order
+NAFLEX_BUDGET = ["model=tiny_naflex", "data.naflex.seq_lens=[9,16]", "seed=1"]
+
+
+@pytest.mark.parametrize("objective", ["negatives", "stored teacher"])
+def test_a_token_budget_joins_each_objectives_rows_in_order(data, objective):
+    """Hard negatives and stored teacher embeddings under ``trainer.sub_batch_tokens``: joined sub-batches give the
+    one-pass loss and gradients (a teacher row joined out of order would pair with another image; the negatives are
+    the softmax's extra columns, in any order, so for them: none lost or counted twice)."""
+    budget = [*overrides(data, objective, "1.0"), *NAFLEX_BUDGET, "trainer.sub_batch_tokens=144"]
+    parts = run_parts(data, *budget)
+    stream = parts.inputs(0)
+    try:  # step 0's 4 sub-batches of 8 nine-patch images, joined into 2 of 16
+        assert (parts.plan.sub_batches, stream.step_sub_batches()) == (4, 2)
+        assert [len(next(stream).texts) for _ in range(2)] == [16, 16]
+    finally:
+        stream.close()
+        parts.close()
+    one_pass = gradients(data, *overrides(data, objective, "1.0"), *NAFLEX_BUDGET)
+    if "teacher" in objective:
+        assert float(one_pass["terms"]["distill"]) > 0, one_pass["terms"]
+    assert_same(gradients(data, *budget), one_pass, f"{objective} under a token budget")
