@@ -236,9 +236,15 @@ def two_ranks(rank: int, world: int, data: dict) -> dict:
 
 
 def test_two_ranks_equal_one_process(data, tmp_path):
-    """DDP and FSDP (the NaFlex tower one unit: timm keeps its blocks in a Sequential) on 2 gloo ranks; FSDP with
-    a token budget's joined sub-batches (each rank's 16 images: 4 sub-batches at 16 patches, 2 at 9), reducing
-    after each."""
+    """DDP and FSDP (the NaFlex tower's blocks each a unit, as an open_clip tower's: timm keeps them in a
+    Sequential) on 2 gloo ranks; FSDP with a token budget's joined sub-batches (each rank's 16 images: 4 sub-batches
+    at 16 patches, 2 at 9), reducing after each."""
+    from megabatch.distributed.fsdp import transformer_blocks
+
+    model = build_model(compose(*NAFLEX).model)
+    units = {id(block) for block in transformer_blocks(model)}
+    assert {id(block) for block in model.clip.visual.trunk.blocks} <= units
+    assert not any(isinstance(unit, torch.nn.Linear) for unit in transformer_blocks(model))
     single = {"": gradients(data, *NAFLEX), SHORT_FIRST: gradients(data, *NAFLEX, SHORT_FIRST)}
     for rank, results in enumerate(run_ranks(2, two_ranks, data, tmp_path=tmp_path)):
         for parallel, result in results.items():

@@ -34,14 +34,16 @@ log = logging.getLogger(__name__)
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of both towers: the items of every ``nn.ModuleList`` of at least two
     modules of one class that hold parameters (open_clip's ``resblocks``, a Hugging Face
-    encoder's ``layer``), outermost lists only."""
+    encoder's ``layer``), or ``nn.Sequential`` of such modules that have modules of their own (timm's ``blocks``: a
+    NaFlex tower's), outermost lists only."""
     blocks: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():
-        if id(module) in inside or not isinstance(module, nn.ModuleList) or len(module) < 2:
+        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
             continue
         kinds = {type(item) for item in module}
-        if len(kinds) == 1 and all(any(True for _ in item.parameters()) for item in module):
+        composite = isinstance(module, nn.ModuleList) or all(any(True for _ in item.children()) for item in module)
+        if len(kinds) == 1 and composite and all(any(True for _ in item.parameters()) for item in module):
             blocks.extend(module)
             inside.update(id(sub) for item in module for sub in item.modules())
     return blocks
