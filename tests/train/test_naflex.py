@@ -408,6 +408,18 @@ def test_layer_scale_is_the_variants_a_given_value_or_none():
     assert gammas("0") == []
 
 
+def test_the_weight_init_is_timms_scheme_named():
+    """``model.image.weight_init``: timm's schemes (jax: big_vision's Xavier, sqrt(2 / (96 + 288)) = 0.072 for the
+    tiny tower's q/k/v, against the default's 0.02); another name is a config error naming the key."""
+    from megabatch.config import ConfigError
+
+    for init, std in (("''", 0.02), ("jax", (2 / (96 + 288)) ** 0.5)):
+        weight = build_model(compose(*NAFLEX, f"model.image.weight_init={init}").model).clip.visual.trunk.blocks[0]
+        assert float(weight.attn.qkv.weight.detach().std()) == pytest.approx(std, rel=0.05)
+    with pytest.raises(ConfigError, match="model.image.weight_init='xavier'"):
+        build_model(compose(*NAFLEX, "model.image.weight_init=xavier").model)
+
+
 def test_a_timm_older_than_the_floor_is_named_with_the_fix(monkeypatch):
     """requirements.txt's timm floor (1.0.21: 1.0.16's patch dropout and 1.0.18's meta-device build fail the tests
     above) is checked where the tower is built."""

@@ -55,6 +55,7 @@ TIMMS: dict = {}  # timm's functions read_grids_in_one_copy replaced
 
 
 DEFAULT_VARIANT = "naflexvit_base_patch16_gap"
+WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco")  # timm's NaFlexVit.init_weights modes (model.image.weight_init)
 # model.image keys that have no meaning for a NaFlex tower (open_clip ViT options), refused naming the key
 OPEN_CLIP_ONLY = ("layers_per_block", "attentional_pool", "attn_pooler_queries",
                   "attn_pooler_heads", "no_ln_pre", "pos_embed_type", "final_ln_after_pool", "pool_type",
@@ -83,6 +84,7 @@ class NaFlexCfg:
     patch_dropout: float = 0.0
     ls_init_value: float | None = None  # layer scale's initial value; None: the variant's; 0: no layer scale
     proj: str = "linear"                # linear: a projection to the shared embedding; none: the pooled output is it
+    weight_init: str = ""               # timm's scheme: "" (normal, std 0.02), jax (Xavier: big_vision's), moco
 
     @classmethod
     def of(cls, image: Mapping[str, Any]) -> NaFlexCfg:
@@ -111,6 +113,9 @@ class NaFlexCfg:
                               f"model.image.patch_size={cfg.patch_size}")
         if cfg.max_seq_len < 1:
             raise ConfigError(f"model.image.max_seq_len={cfg.max_seq_len}: give at least one patch")
+        if cfg.weight_init not in WEIGHT_INITS:
+            raise ConfigError(f"model.image.weight_init={cfg.weight_init!r}: give one of timm's schemes "
+                              f"{', '.join(repr(mode) for mode in WEIGHT_INITS)}")
         if cfg.proj not in ("linear", "none"):
             raise ConfigError(f"model.image.proj={cfg.proj!r}: linear (a projection to model.embed_dim) or none (the "
                               "pooled output is the embedding: SigLIP 2's towers)")
@@ -161,7 +166,8 @@ class NaFlexCfg:
                 "num_heads": self.width // self.head_width, "mlp_ratio": self.mlp_ratio,
                 "pos_embed_grid_size": (self.grid, self.grid), "img_size": self.image_size,
                 "patch_drop_rate": self.patch_dropout,
-                **({"init_values": self.ls_init_value} if self.ls_init_value else {})}
+                **({"init_values": self.ls_init_value} if self.ls_init_value else {}),
+                **({"weight_init": self.weight_init} if self.weight_init else {})}
 
     def vision_cfg(self, pool: str = "") -> dict[str, Any]:
         """open_clip's ``vision_cfg`` of the same weights' layout (``TimmModel``): what an export records. ``pool``:
