@@ -132,3 +132,61 @@ def test_a_teachers_features_are_held_for_the_batch():
     alone = plan_sub_batch(1 << 20, fit, 141 * GB, 0.9, batch_bytes=20 * GB)
     distilled = plan_sub_batch(1 << 20, fit, 141 * GB, 0.9, batch_bytes=20 * GB + teacher_bytes(1 << 20, 1, 768, 2))
     assert distilled.sub_batch < alone.sub_batch
+
+
+def test_a_naflex_towers_token_budget_fits_every_lengths_joined_sub_batch():
+    """A NaFlex tower trained at 4 and 16 patches (``LengthFits``): the sub-batch at 16 patches sets the token budget,
+    under which a step at 4 patches joins the loader's sub-batches (``BatchPlan.joined``). The text tower costs the
+    same per caption at either length, so the joined short sub-batch is what limits: 32 images fit at 16 patches,
+    but 32 at 16 joins 64 at 4, which does not; 8 at 16 (32 at 4) is the plan."""
+    from megabatch.train.build.memory_plan import LengthFits
+
+    fits = {4: MemoryFit(fixed=1 * GB, per_row=0.008 * GB), 16: MemoryFit(fixed=1 * GB, per_row=0.010 * GB)}
+    assert plan_sub_batch(64, fits[16], 1.4 * GB, 1.0).sub_batch == 32  # the longest length alone
+    lengths = LengthFits(fits, rank_batch=64)
+    assert lengths.rows(32) == {4: 64, 16: 32} and lengths.rows(16) == {4: 64, 16: 16}
+    choice = plan_sub_batch(64, lengths, 1.4 * GB, 1.0)
+    assert (choice.sub_batch, choice.token_budget) == (8, 128) and lengths.rows(8) == {4: 32, 16: 8}
+    assert choice.predicted_bytes == pytest.approx(1 * GB + 32 * 0.008 * GB)  # the 4-patch sub-batch's peak
+    assert plan_sub_batch(64, fits[16], 1.4 * GB, 1.0).token_budget is None
+
+
+def test_auto_measures_a_naflex_tower_at_each_length_and_plans_a_token_budget(monkeypatch):
+    """``trainer.sub_batch=auto`` with a NaFlex tower at ``data.naflex.seq_lens=[4,16]``: probed at each length (on a
+    stand-in GPU whose peaks grow with the images' patches and, per caption, with the text tower), the choice is a
+    token budget, and the batch plan joins a 4-patch step's sub-batches under it."""
+    import torch
+
+    from megabatch.config.run import RunSettings
+    from megabatch.distributed.env import DistEnv
+    from megabatch.models import build_model
+    from megabatch.train.build import parts
+    from megabatch.train.step.plan import BatchPlan
+
+    cfg = validate(compose("model=tiny_naflex", "data.naflex.seq_lens=[4,16]", "batch=256", "trainer.sub_batch=auto"))
+    settings = RunSettings.of(cfg)
+    model = build_model(cfg.model)
+    model.image_lengths = (4, 16)
+    probed = []
+
+    def probe(model, rows, precision, device, caption=False, views=False, seq_len=None):
+        images, _ = model.example_inputs(rows, torch.device("meta"), seq_len=seq_len)
+        probed.append((rows, images.shape[1]))
+        return 1 * GB + rows * (0.05 * GB + images.shape[1] * 0.001 * GB), 0
+
+    monkeypatch.setattr(parts, "probe_peak_memory", probe)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 10 * GB}))
+    env = DistEnv(device=torch.device("cuda"))
+    precision = parts.precision_of(settings, DistEnv())
+    choice = parts.choose_sub_batch(settings, model, env, precision, join_lengths=True)
+    assert sorted(probed) == [(32, 4), (32, 16), (64, 4), (64, 16)]
+    # 0.9 x 10 GB less what the batch holds: 64 at 16 patches would fit (5.2 GB), but joins 256 at 4 (15 GB)
+    assert (choice.sub_batch, choice.token_budget) == (32, 512)
+    rows = choice.fit.rows(choice.sub_batch)
+    assert rows == {4: 128, 16: 32} and choice.predicted_bytes <= 9 * GB  # 128 at 4 patches: 7.9 GB
+    plan = BatchPlan.of(settings, 1, 4096, sub_batch=choice.sub_batch, longest=16, token_budget=choice.token_budget)
+    assert plan.token_budget == choice.token_budget and plan.rows_at((4, 16)) == rows
+    # without joining (the shard split): measured at the longest length alone, no budget
+    probed.clear()
+    plain = parts.choose_sub_batch(settings, model, env, precision, join_lengths=False)
+    assert sorted(probed) == [(32, 16), (64, 16)] and plain.token_budget is None

@@ -76,14 +76,17 @@ class ClipModel(nn.Module):
     def image_size(self) -> int | tuple[int, int]:
         return self.preprocess["size"]
 
-    def example_inputs(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def example_inputs(self, rows: int, device: torch.device,
+                       seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` uint8 images of the model's size and token ids (all ones): inputs of the right
-        shapes for a FLOP count, a memory probe or a compile warm-up."""
+        shapes for a FLOP count, a memory probe or a compile warm-up (``seq_len``: a NaFlex tower's images at that
+        many patches; default: the longest it trains at)."""
         texts = torch.ones((rows, self.context_length), dtype=torch.long, device=device)
         if self.stored_image_features:  # what training feeds the image tower: its stored features, float16
             return torch.ones((rows, int(self.model_cfg["embed_dim"])), dtype=torch.float16, device=device), texts
         if self.naflex is not None:  # packed patches of the longest sequence training feeds (data/naflex.py)
-            return self.clip.visual.example_inputs(rows, max(self.image_lengths, default=None)).to(device), texts
+            return self.clip.visual.example_inputs(rows, seq_len or max(self.image_lengths, default=None)).to(device), \
+                texts
         size = (self.image_size,) * 2 if isinstance(self.image_size, int) else tuple(self.image_size)
         return torch.zeros((rows, 3, *size), dtype=torch.uint8, device=device), texts
 

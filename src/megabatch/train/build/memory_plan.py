@@ -9,6 +9,12 @@ picks the
 largest divisor of the per-rank batch whose predicted peak fits ``memory_fraction`` of the GPU.
 The loss's own working memory is not in the fit (the Inf-CL and local losses' is small next to the
 encoders'; a vanilla loss at a large batch needs a lower ``memory_fraction``).
+
+A NaFlex tower trained at several sequence lengths (``data.naflex.seq_lens``) is measured at each (``LengthFits``):
+the plan is then a token budget, the sub-batch at the longest length times that length, under which a step of
+shorter images joins the loader's sub-batches (``BatchPlan.joined``), as ``trainer.sub_batch_tokens`` would; each
+length's joined sub-batch must fit, its captions included (the text tower's cost per caption does not shrink with
+the images' patches, so a short length's joined sub-batch can be what limits the budget).
 """
 
 from __future__ import annotations
@@ -42,6 +48,54 @@ class MemoryFit:
     def peak(self, rows: int) -> float:
         return self.fixed + self.per_row * rows
 
+    def graph_bytes(self, rows: int) -> float:
+        """What a forward's graph of ``rows`` samples holds until its backward: as measured (``graph_per_row``,
+        eager: more than compiled towers keep), else a whole forward-backward's cost per sample (an upper bound)."""
+        return (self.graph_per_row or self.per_row) * rows
+
+
+@dataclass(frozen=True)
+class LengthFits:
+    """A NaFlex tower's ``MemoryFit`` at each sequence length, for a per-rank batch of ``rank_batch``: a sub-batch of
+    ``d`` images at the longest length sets the token budget ``d x longest``, under which each length's sub-batch
+    joins the loader's as ``BatchPlan.joined`` does (``rows``). ``peak(d)``: the largest of the lengths' predicted
+    peaks; ``fixed``, ``per_row`` and ``graph_per_row`` are the longest length's (the log's)."""
+
+    fits: dict[int, MemoryFit]
+    rank_batch: int
+
+    @property
+    def longest(self) -> int:
+        return max(self.fits)
+
+    def token_budget(self, sub_batch: int) -> int:
+        return sub_batch * self.longest
+
+    def rows(self, sub_batch: int) -> dict[int, int]:
+        """Each length's rows a sub-batch under ``sub_batch``'s token budget."""
+        from ..step.plan import joined_sub_batches
+
+        return {length: sub_batch * joined_sub_batches(self.rank_batch // sub_batch, sub_batch, length,
+                                                       self.token_budget(sub_batch)) for length in self.fits}
+
+    def peak(self, sub_batch: int) -> float:
+        return max(self.fits[length].peak(rows) for length, rows in self.rows(sub_batch).items())
+
+    def graph_bytes(self, sub_batch: int) -> float:
+        return max(self.fits[length].graph_bytes(rows) for length, rows in self.rows(sub_batch).items())
+
+    @property
+    def fixed(self) -> float:
+        return self.fits[self.longest].fixed
+
+    @property
+    def per_row(self) -> float:
+        return self.fits[self.longest].per_row
+
+    @property
+    def graph_per_row(self) -> float:
+        return self.fits[self.longest].graph_per_row
+
 
 @dataclass(frozen=True)
 class SubBatchChoice:
@@ -52,23 +106,29 @@ class SubBatchChoice:
     sub_batch: int
     predicted_bytes: float
     budget_bytes: float
-    fit: MemoryFit
+    fit: MemoryFit | LengthFits
     graphs_that_fit: int = 0
     fsdp_reduce: str | None = None  # under FSDP, the reduction the plan holds memory for (step: the whole gradient)
 
+    @property
+    def token_budget(self) -> int | None:
+        """A NaFlex tower's patches per sub-batch (``LengthFits``: the sub-batch at the longest length's), else
+        ``None``."""
+        return self.fit.token_budget(self.sub_batch) if isinstance(self.fit, LengthFits) else None
 
-def graphs_in(room_bytes: float, fit: MemoryFit, sub_batch: int) -> int:
-    """Kept sub-batch graphs that ``room_bytes`` holds: each what a forward's graph was measured to
-    hold per sample (``fit.graph_per_row``, eager: more than compiled towers keep), else a whole
-    forward-backward's cost per sample (``fit.per_row``, an upper bound)."""
-    graph = (fit.graph_per_row or fit.per_row) * sub_batch
+
+def graphs_in(room_bytes: float, fit: MemoryFit | LengthFits, sub_batch: int) -> int:
+    """Kept sub-batch graphs that ``room_bytes`` holds, each ``fit.graph_bytes(sub_batch)`` (a NaFlex tower's: its
+    largest joined sub-batch's)."""
+    graph = fit.graph_bytes(sub_batch)
     return int(max(0.0, room_bytes) // graph) if graph > 0 else 0
 
 
-def plan_sub_batch(rank_batch: int, fit: MemoryFit, capacity_bytes: float, memory_fraction: float,
+def plan_sub_batch(rank_batch: int, fit: MemoryFit | LengthFits, capacity_bytes: float, memory_fraction: float,
                    batch_bytes: float = 0.0) -> SubBatchChoice:
     """The largest divisor of ``rank_batch`` whose predicted peak (``fit``, plus ``batch_bytes``
-    held for the whole per-rank batch) fits ``memory_fraction x capacity_bytes``."""
+    held for the whole per-rank batch) fits ``memory_fraction x capacity_bytes`` (``LengthFits``: the divisor is
+    the sub-batch at the longest length, and every length's joined sub-batch fits)."""
     budget = memory_fraction * capacity_bytes - batch_bytes
     fitting = [d for d in divisors(rank_batch) if fit.peak(d) <= budget]
     if not fitting:
@@ -83,7 +143,8 @@ def plan_sub_batch(rank_batch: int, fit: MemoryFit, capacity_bytes: float, memor
                           graphs_in(memory_fraction * capacity_bytes - predicted, fit, best))
 
 
-def plan_sub_batch_and_reduction(rank_batch: int, fit: MemoryFit, capacity_bytes: float, memory_fraction: float,
+def plan_sub_batch_and_reduction(rank_batch: int, fit: MemoryFit | LengthFits, capacity_bytes: float,
+                                 memory_fraction: float,
                                  batch_bytes: float, step_bytes: float,
                                  fsdp_reduce: str | None) -> tuple[SubBatchChoice, str | None]:
     """``plan_sub_batch`` under FSDP's ``trainer.fsdp_reduce`` (``None``: not sharded): ``step`` holds
@@ -131,13 +192,14 @@ def teacher_bytes(rank_batch: int, world: int, teacher_row: int, feature_bytes: 
 
 
 def probe_peak_memory(model, rows: int, precision, device: torch.device, caption: bool = False,
-                      views: bool = False) -> tuple[int, int]:
+                      views: bool = False, seq_len: int | None = None) -> tuple[int, int]:
     """Peak allocated bytes of one forward-backward of ``rows`` synthetic samples
     (``ClipModel.example_inputs``) under ``precision``'s autocast, and the bytes its graph held
     between the forward and the backward; the gradients are cleared after. ``caption``: with a CoCa's
     caption loss (``loss.caption_weight``), the decoder's logits over every token included; ``views``: with
-    ``self_distill``'s views of the images (the student's crops and masked view, as the late steps replay them)."""
-    images, texts = model.example_inputs(rows, device)
+    ``self_distill``'s views of the images (the student's crops and masked view, as the late steps replay them);
+    ``seq_len``: a NaFlex tower's images at that many patches (default: the longest it trains at)."""
+    images, texts = model.example_inputs(rows, device, seq_len=seq_len)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)

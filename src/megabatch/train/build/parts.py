@@ -45,6 +45,7 @@ from ..step.utilization import ModelFlops, Peak, count_model_flops, gpu_peak
 from .compile_cache import CompileCache, cache_file
 from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import (
+    LengthFits,
     MemoryFit,
     SubBatchChoice,
     batch_bytes,
@@ -110,11 +111,14 @@ class RunParts:
         with phase("plan"):
             loss = prepare_model(cfg, settings, model, env, precision, data)
             # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
-            auto = choose_sub_batch(settings, model, env, precision, ahead, getattr(loss, "teacher", None))
-            plan = plan_batches(settings, env.world_size, data, auto.sub_batch if auto else None)
+            auto = choose_sub_batch(settings, model, env, precision, ahead, getattr(loss, "teacher", None),
+                                    join_lengths=model.naflex is not None and data.split != "shard")
+            plan = plan_batches(settings, env.world_size, data, auto.sub_batch if auto else None,
+                                auto.token_budget if auto else None)
             if plan.token_budget is not None and env.rank == 0:
-                log.info("trainer.sub_batch_tokens=%d: a sub-batch of %s (the loader's of the longest joined for "
-                         "the shorter)", plan.token_budget, ", ".join(
+                log.info("a token budget of %d patches (trainer.sub_batch_tokens, or trainer.sub_batch=auto's): a "
+                         "sub-batch of %s (the loader's of the longest joined for the shorter)", plan.token_budget,
+                         ", ".join(
                              f"{rows} images at {length} patches" for length, rows in
                              sorted(plan.rows_at(model.image_lengths).items())))
             offload = build_offload(cfg, settings, model, data, env.rank, gpu_decoder)
@@ -562,9 +566,10 @@ def check_bias(model: ClipModel, loss) -> None:
                           "takes none: train it with loss=siglip")
 
 
-def plan_batches(settings: RunSettings, world_size: int, data: TrainData, sub_batch: int | None = None) -> BatchPlan:
+def plan_batches(settings: RunSettings, world_size: int, data: TrainData, sub_batch: int | None = None,
+                 token_budget: int | None = None) -> BatchPlan:
     """The batch plan, built once, with the epoch length the data can give every rank (``sub_batch``:
-    ``trainer.sub_batch=auto``'s choice)."""
+    ``trainer.sub_batch=auto``'s choice; ``token_budget``: its token budget, a NaFlex tower's)."""
     def steps_per_epoch(global_batch: int, sub: int) -> int:
         steps = data.steps_per_epoch(global_batch, world_size, sub)
         if steps == 0:  # shard split: each worker of each rank fills only its own shards
@@ -580,17 +585,19 @@ def plan_batches(settings: RunSettings, world_size: int, data: TrainData, sub_ba
                           "sub-batch mixes lengths and ranks would join their sub-batches differently; use "
                           "data.train.split=indexed (local .tar shards) or position, or trainer.sub_batch")
     return BatchPlan.of(settings, world_size, data.num_samples, steps_per_epoch, sub_batch=sub_batch,
-                        longest=None if naflex is None else max(naflex.seq_lens))
+                        longest=None if naflex is None else max(naflex.seq_lens), token_budget=token_budget)
 
 
 def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, precision: Precision,
-                     decode_ahead: float = 0.0, teacher=None) -> SubBatchChoice | None:
+                     decode_ahead: float = 0.0, teacher=None, join_lengths: bool = False) -> SubBatchChoice | None:
     """``trainer.sub_batch=auto``: the largest divisor of the per-rank batch whose forward-backward
     fits ``trainer.memory_fraction`` of the GPU (``memory_plan.py``), the smallest over the ranks
     (they must agree), and the kept graphs the rest of the memory holds (``graphs_that_fit``, the
     smallest over the ranks); ``None`` when the config gives a number or null. ``decode_ahead``: the GPU bytes
     kept for images decoded ahead of the step (``data.decode_ahead_gb``), left free. ``teacher``:
-    ``distill.teacher``'s (its features of the batch are held too)."""
+    ``distill.teacher``'s (its features of the batch are held too). ``join_lengths``: a NaFlex tower trained at
+    several sequence lengths, whose sub-batches a token budget may join (not under the shard split): measured at
+    each length, the choice is a token budget (``SubBatchChoice.token_budget``, ``memory_plan.LengthFits``)."""
     trainer = settings.trainer
     if trainer.sub_batch != "auto":
         return None
@@ -602,8 +609,11 @@ def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, prec
         return SubBatchChoice(rank_batch, 0.0, 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
     caption = settings.caption_weight > 0 and model.has_decoder  # the replay runs the caption decoder too
     views = settings.self_distill.on  # the late steps' replay: the student's views too (the largest sub-batch)
-    probes = [(rows, *probe_peak_memory(model, rows, precision, env.device, caption, views))
-              for rows in sorted({min(rank_batch, 32), min(rank_batch, 64)})]
+    sizes = sorted({min(rank_batch, 32), min(rank_batch, 64)})
+    lengths = sorted(model.image_lengths) if join_lengths and len(model.image_lengths) > 1 else [None]
+    measured = {length: [(rows, *probe_peak_memory(model, rows, precision, env.device, caption, views, length))
+                         for rows in sizes] for length in lengths}
+    probes = measured[lengths[-1]]  # the longest length's (the only one without joining)
     if len(probes) == 1:  # a per-rank batch of at most 32: the probe ran it whole
         return SubBatchChoice(rank_batch, float(probes[0][1]), 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
     offload, replayed = trainer.offload, not model.frozen("image")
@@ -616,7 +626,9 @@ def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, prec
         held += teacher_bytes(rank_batch, env.world_size, math.prod(teacher.shape), precision.feature_dtype.itemsize,
                               int(model.model_cfg["embed_dim"]))
     capacity = torch.cuda.get_device_properties(env.device).total_memory
-    fit, fraction = MemoryFit.through(probes), trainer.memory_fraction
+    fit = MemoryFit.through(probes) if lengths == [None] else \
+        LengthFits({length: MemoryFit.through(each) for length, each in measured.items()}, rank_batch)
+    fraction = trainer.memory_fraction
     reduce = trainer.fsdp_reduce if trainer.parallel == "fsdp" and env.distributed else None
     whole = fsdp_step_bytes(model, precision.name == "bf16") if reduce is not None else 0
     choice, reduce = plan_sub_batch_and_reduction(rank_batch, fit, capacity, fraction, held, whole, reduce)
@@ -626,7 +638,7 @@ def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, prec
         agreed = torch.tensor([sub_batch, stepwise_flag], device=env.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         sub_batch, stepwise_flag = (int(v) for v in agreed.tolist())
-        predicted = choice.fit.peak(sub_batch) + held
+        predicted = choice.fit.peak(sub_batch) + held  # (LengthFits: the largest of the lengths' joined peaks)
         graphs = torch.tensor([graphs_in(choice.budget_bytes - predicted, choice.fit, sub_batch)], device=env.device)
         dist.all_reduce(graphs, op=dist.ReduceOp.MIN)
         choice = SubBatchChoice(sub_batch, predicted, choice.budget_bytes, choice.fit, int(graphs.item()))
@@ -639,6 +651,14 @@ def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, prec
                  " and ".join(f"{rows} ({peak / 1e9:.2f} GB)" for rows, peak, _ in probes), choice.fit.fixed / 1e9,
                  choice.fit.per_row / 1e6, choice.fit.graph_per_row / 1e6, held / 1e9, rank_batch,
                  choice.predicted_bytes / 1e9, capacity / 1e9, choice.graphs_that_fit, trainer.memory_fraction)
+        if isinstance(choice.fit, LengthFits):
+            log.info("trainer.sub_batch=auto, a NaFlex tower measured at each sequence length: a token budget of %d "
+                     "patches (%d images at the longest), joined sub-batches of %s; peaks measured at %s",
+                     choice.token_budget, sub_batch, ", ".join(
+                         f"{rows} at {length} patches" for length, rows in sorted(choice.fit.rows(sub_batch).items())),
+                     "; ".join(f"{length} patches: " + " and ".join(f"{rows} ({peak / 1e9:.2f} GB)"
+                                                                    for rows, peak, _ in each)
+                               for length, each in measured.items()))
     return choice
 
 

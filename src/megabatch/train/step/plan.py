@@ -31,10 +31,7 @@ class BatchPlan:
     def joined(self, length: int) -> int:
         """How many of the loader's sub-batches one sub-batch of images ``length`` patches long joins: the most that
         divides the step's ``sub_batches`` and keeps ``token_budget`` (1 without one)."""
-        if self.token_budget is None:
-            return 1
-        return max((d for d in range(1, self.sub_batches + 1)
-                    if self.sub_batches % d == 0 and d * self.sub_batch * length <= self.token_budget), default=1)
+        return joined_sub_batches(self.sub_batches, self.sub_batch, length, self.token_budget)
 
     def rows_at(self, lengths) -> dict[int, int]:
         """Each of ``lengths``' rows per sub-batch (``sub_batch`` times ``joined``)."""
@@ -43,15 +40,17 @@ class BatchPlan:
     @classmethod
     def of(cls, settings: RunSettings, world_size: int, num_samples: int,
            steps_per_epoch: Callable[[int, int], int] | None = None, sub_batch: int | None = None,
-           longest: int | None = None) -> BatchPlan:
+           longest: int | None = None, token_budget: int | None = None) -> BatchPlan:
         """The run's plan, built once: ``settings.batch`` over ``world_size`` ranks, each rank's share in sub-batches
         of ``sub_batch`` (the size ``trainer.sub_batch=auto`` chose; else ``trainer.sub_batch``, else the largest
         divisor of the share whose images of ``longest`` patches (a NaFlex tower's longest sequence length) keep
-        ``trainer.sub_batch_tokens``, else the whole share). An epoch is ``num_samples // global_batch`` steps, or
-        what ``steps_per_epoch(global_batch, sub_batch)`` says the data gives every rank (a shard split's slots)."""
+        ``trainer.sub_batch_tokens``, else the whole share). ``token_budget``: the one ``trainer.sub_batch=auto``
+        measured for a NaFlex tower (in place of ``trainer.sub_batch_tokens``). An epoch is ``num_samples //
+        global_batch`` steps, or what ``steps_per_epoch(global_batch, sub_batch)`` says the data gives every rank (a
+        shard split's slots)."""
         global_batch = settings.batch
         rank_batch = rank_batch_of(global_batch, world_size)
-        tokens = settings.trainer.sub_batch_tokens
+        tokens = settings.trainer.sub_batch_tokens if token_budget is None else token_budget
         if tokens is not None:
             sub_batch = sub_batch_for_tokens(tokens, longest, rank_batch)
         if sub_batch is None:
@@ -71,6 +70,16 @@ class BatchPlan:
         steps = num_samples // global_batch if steps_per_epoch is None else steps_per_epoch(global_batch, sub_batch)
         return cls(global_batch, world_size, rank_batch, sub_batch, steps,
                    run_length(settings.trainer, global_batch, steps), tokens)
+
+
+def joined_sub_batches(sub_batches: int, sub_batch: int, length: int, token_budget: int | None) -> int:
+    """``BatchPlan.joined``: of a step's ``sub_batches`` sub-batches of ``sub_batch`` images, how many one sub-batch of
+    images ``length`` patches long joins under ``token_budget`` (the most that divides ``sub_batches``; 1 without a
+    budget). ``trainer.sub_batch=auto`` plans with it before the plan exists (``train/build/memory_plan.py``)."""
+    if token_budget is None:
+        return 1
+    return max((d for d in range(1, sub_batches + 1)
+                if sub_batches % d == 0 and d * sub_batch * length <= token_budget), default=1)
 
 
 def sub_batch_for_tokens(tokens: int, longest: int | None, rank_batch: int) -> int:
