@@ -64,10 +64,10 @@ def what_sub_batch_auto_sees(rank: int, world: int) -> dict:
 
     seen, choose = {}, parts.choose_sub_batch
 
-    def recording(cfg, model, env, *args):
+    def recording(cfg, model, env, *args, **kwargs):
         seen.update(sharded=is_sharded(model), counted=parts.rank_trainable_params(model),
                     whole=sum(p.numel() for p in model.parameters() if p.requires_grad))
-        return choose(cfg, model, env, *args)
+        return choose(cfg, model, env, *args, **kwargs)
 
     parts.choose_sub_batch = recording
     built = parts.RunParts.build(validate(compose("trainer.parallel=fsdp", "trainer.sub_batch=auto", "batch=16")),
