@@ -201,8 +201,8 @@ class LengthsAttention(TimmAttention):
     image's sequence length instead of a mask: ``attn_mask`` an integer ``[b]`` (``NaFlexTower`` passes it: the
     registers and each image's valid patches come first, padding after). The kernels then skip the padding's
     blocks (``packed_attention(lengths=)``: no query sees a padding key, padding rows are zero); SDPA, where it
-    runs instead, gets the key mask of those lengths (FlashAttention takes no mask: the memory-efficient kernel
-    runs). Either way each valid token's output is the one timm's own mask gives (which also masks padding
+    runs instead, gets the key mask of those lengths (FlashAttention takes no mask: cuDNN's or the memory-efficient
+    kernel runs). Either way each valid token's output is the one timm's own mask gives (which also masks padding
     queries, whose rows then differ: no valid token, pooling or loss reads them)."""
 
     kernel = "sdpa"  # model.attention, as DirectAttentionBlock's
