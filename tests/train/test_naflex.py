@@ -443,3 +443,18 @@ def test_a_variant_timm_does_not_have_is_a_config_error_naming_the_key():
         build_model(compose("model=vit_b16_naflex", "model.image.naflex=false").model)
     with pytest.raises(ConfigError, match="model.image.max_seq_len is a NaFlex tower's key, and model.arch=ViT-B-32"):
         build_model(compose("model=openclip", "model.arch=ViT-B-32", "+model.image.max_seq_len=256").model)
+
+
+def test_the_training_crop_keeps_the_aspect_ratio_within_its_range_and_is_drawn_from_the_sample():
+    """``data.train.augment`` for a NaFlex tower: a crop of the image's area share in ``scale``, its aspect ratio the
+    image's times a factor in ``ratio``, the same for the same sample's seed (the offload's replay)."""
+    spec = NaFlexSpec(patch_size=8, max_seq_len=16, seq_lens=(16,), scale=(0.5, 1.0), ratio=(0.8, 1.25))
+    image = torch.randint(0, 256, (3, 60, 180), dtype=torch.uint8)
+    for seed in range(20):
+        crop = spec.crop(image, seed)
+        height, width = crop.shape[-2:]
+        assert 0.5 * 0.9 <= height * width / (60 * 180) <= 1.0
+        assert 3 * 0.8 * 0.9 <= width / height <= 3 * 1.25 * 1.1 or width == 180 or height == 60
+        assert torch.equal(crop, spec.crop(image, seed))
+    assert len({tuple(spec.crop(image, seed).shape) for seed in range(20)}) > 5
+    assert spec.crop(image, 3) is not image and NaFlexSpec(8, 16, (16,)).crop(image, 3) is image

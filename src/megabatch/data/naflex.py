@@ -13,6 +13,7 @@ rows are masked out of attention and pooling.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ class NaFlexSpec:
     max_aspect: float = 20.0
     interpolation: str = "bicubic"
     group: int = 1
+    scale: tuple[float, float] = (1.0, 1.0)  # data.train.augment's: the crop's share of the image's area
+    ratio: tuple[float, float] = (1.0, 1.0)  # and its aspect ratio's factor on the image's own (1: the image's)
 
     @property
     def row_bytes(self) -> int:
@@ -69,11 +72,29 @@ class NaFlexSpec:
 
         return tuple(get_image_size_for_seq((height, width), self.patch_size, seq_len)[1])
 
-    def patches(self, image: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """uint8 ``[seq_len, row_bytes]``: ``image`` (uint8 ``[3, h, w]``) resized to ``target_size``, its
-        patches with their coordinates, then padding rows."""
+    def crop(self, image: torch.Tensor, seed: int) -> torch.Tensor:
+        """``image``'s random crop for training, drawn from ``seed`` (the sample's: the same crop again in the
+        offload's replay): a share in ``scale`` of its area, its aspect ratio the image's times a factor drawn
+        log-uniformly in ``ratio`` (the fixed-size path's ``RandomResizedCrop`` ranges, relative to the image's own
+        aspect ratio, which the NaFlex tower keeps), clamped to the image, at a random place."""
+        if self.scale == (1.0, 1.0) and self.ratio == (1.0, 1.0):
+            return image
+        draw = random.Random(seed)
+        height, width = image.shape[-2:]
+        area = height * width * draw.uniform(*self.scale)
+        aspect = width / height * math.exp(draw.uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
+        crop_w = min(width, max(1, round(math.sqrt(area * aspect))))
+        crop_h = min(height, max(1, round(math.sqrt(area / aspect))))
+        top, left = draw.randint(0, height - crop_h), draw.randint(0, width - crop_w)
+        return image[..., top:top + crop_h, left:left + crop_w]
+
+    def patches(self, image: torch.Tensor, seq_len: int, seed: int | None = None) -> torch.Tensor:
+        """uint8 ``[seq_len, row_bytes]``: ``image`` (uint8 ``[3, h, w]``; with ``seed``, its training ``crop``)
+        resized to ``target_size``, its patches with their coordinates, then padding rows."""
         from timm.data.naflex_transforms import patchify_image
 
+        if seed is not None:
+            image = self.crop(image, seed)
         size = self.target_size(image.shape[-2], image.shape[-1], seq_len)
         if tuple(image.shape[-2:]) != size:
             image = TF.resize(image, list(size), interpolation=InterpolationMode(self.interpolation),

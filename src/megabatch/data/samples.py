@@ -334,8 +334,9 @@ class SampleDecoder:
     augmented, and a sub-batch's images are ``[n, width]``.
 
     ``transform`` a ``NaFlexSpec`` (``model.image.naflex``): a sample's image (one of a shape the tower cannot take
-    raises ``UnusableImage``: skipped, counted as ``bad_shape``) is resized with its aspect ratio kept to the
-    sequence length drawn for its position and cut into patches; ``collate`` packs a sub-batch's, uint8
+    raises ``UnusableImage``: skipped, counted as ``bad_shape``) is cropped at random (``data.train.augment``'s
+    ranges, relative to its aspect ratio), resized with its aspect ratio kept to the sequence length drawn for its
+    position and cut into patches; ``collate`` packs a sub-batch's, uint8
     ``[n, L, 3 p^2 + 4]`` (``data/naflex.py``)."""
 
     def __init__(self, transform, seed: int, epoch: int, gpu: bool = False,
@@ -372,7 +373,8 @@ class SampleDecoder:
         if self.naflex:
             if isinstance(image, bytes):
                 image = self.decode(image)
-            return self.transform.patches(image, self.transform.seq_len(self.seed, self.epoch, position))
+            return self.transform.patches(image, self.transform.seq_len(self.seed, self.epoch, position),
+                                          self.sample_seed(position))
         if isinstance(image, JpegHeader):
             return (*self.box(image.height, image.width, position), image.height, image.width, int(image.hardware))
         if isinstance(image, bytes):

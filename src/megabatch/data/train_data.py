@@ -49,7 +49,8 @@ def resolve_split(split: str, mode: str, urls: list[str]) -> str:
 def naflex_spec(naflex, data: DataSettings, preprocess: dict, global_batch: int) -> NaFlexSpec | None:
     """What the data path makes for a NaFlex image tower (``naflex``: the model's ``NaFlexCfg``, ``None`` for a
     fixed-size tower): ``data.naflex``'s lengths, each at most the model's ``max_seq_len`` (a ``ConfigError``
-    naming the keys otherwise), drawn per ``global_batch`` positions, and the model's interpolation."""
+    naming the keys otherwise), drawn per ``global_batch`` positions, the model's interpolation and
+    ``data.train.augment``'s crop."""
     if naflex is None:
         return None
     seq_lens = data.naflex.seq_lens or (naflex.max_seq_len,)
@@ -57,8 +58,9 @@ def naflex_spec(naflex, data: DataSettings, preprocess: dict, global_batch: int)
         raise ConfigError(f"data.naflex.seq_lens={list(seq_lens)}: longer than the model's model.image.max_seq_len="
                           f"{naflex.max_seq_len} (what it is compiled and measured for); raise max_seq_len or drop "
                           "the longer lengths")
+    augment = data.train.augment  # RandomResizedCrop's ranges, the ratio's relative to each image's aspect ratio
     return NaFlexSpec(naflex.patch_size, naflex.max_seq_len, tuple(seq_lens), data.naflex.max_aspect,
-                      preprocess["interpolation"], max(1, global_batch))
+                      preprocess["interpolation"], max(1, global_batch), tuple(augment.scale), tuple(augment.ratio))
 
 
 class TrainData:
