@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import ConfigError
+from ..step.plan import joined_sub_batches
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,6 @@ class LengthFits:
 
     def rows(self, sub_batch: int) -> dict[int, int]:
         """Each length's rows a sub-batch under ``sub_batch``'s token budget."""
-        from ..step.plan import joined_sub_batches
-
         return {length: sub_batch * joined_sub_batches(self.rank_batch // sub_batch, sub_batch, length,
                                                        self.token_budget(sub_batch)) for length in self.fits}
 
