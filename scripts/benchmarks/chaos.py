@@ -178,6 +178,29 @@ def shared_memory() -> set[str]:
         return set()
 
 
+def mapped_by_live_processes(names: list[str]) -> set[str]:
+    """Which of the ``/dev/shm`` ``names`` some live process has mapped (by inode, in ``/proc/<pid>/maps``: glibc maps
+    a named semaphore under the temporary name it made it with). Checked after the run's processes are gone, these
+    belong to other programs (another test's loader holding its semaphores meanwhile), not to the run."""
+    inodes = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            inodes[(Path("/dev/shm") / name).stat().st_ino] = name
+    mapped = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and inodes:
+            try:
+                maps = (entry / "maps").read_text(errors="replace")
+            except OSError:
+                continue
+            for line in maps.splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and "/dev/shm/" in fields[5] and fields[4].isdigit() \
+                        and int(fields[4]) in inodes:
+                    mapped.add(inodes[int(fields[4])])
+    return mapped
+
+
 def gpu_processes() -> list[int] | None:
     """The processes holding memory on this machine's GPUs (``nvidia-smi``), or ``None`` without one."""
     if shutil.which("nvidia-smi") is None:
@@ -340,11 +363,16 @@ def main() -> int:
     differences = compare(final, reference)
     logged = chaos.steps()
     left = leftovers(workdir)
-    # new and still there 2 s later (a segment is unlinked by its maker or its resource tracker as it ends; what
-    # another program makes and drops meanwhile is not the run's)
-    new = shared_memory() - shm_before
-    time.sleep(2.0)
-    shm_left = sorted(new & shared_memory())
+    # new and still there after up to 10 s (a segment is unlinked by its maker, or by its resource tracker once the
+    # processes that used it are gone: later on a loaded machine), and mapped by no live process (the run's are gone:
+    # a live one's is another program's, made and held meanwhile: another test's loader)
+    new, settled = shared_memory() - shm_before, time.monotonic() + 10.0
+    while True:
+        time.sleep(1.0)
+        still = sorted(new & shared_memory())
+        shm_left = sorted(set(still) - mapped_by_live_processes(still))
+        if not shm_left or time.monotonic() > settled:
+            break
     gpu_now = gpu_processes()
     gpu_left = sorted(set(gpu_now) - set(gpu_before or [])) if gpu_now is not None else None
     moved = any(fault["kind"] == "other-ranks" and "redone" in fault for fault in faults)
