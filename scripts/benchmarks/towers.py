@@ -40,6 +40,7 @@ import torch
 from bench import kernel_summary, write_results
 
 from megabatch.config.compose import compose
+from megabatch.kernels.packed_patches import unpack
 from megabatch.train.step.utilization import count_model_flops, gpu_peak
 
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -203,7 +204,8 @@ def main() -> None:
             flops = count_model_flops(model, images, texts)
         row = {"variant": variant}
         if model.naflex is not None:  # the padding's share of the image tower's tokens (its rows of zeros)
-            valid = float((images[..., -4:].amax(-1) > 0).float().mean())  # a padding row's coordinates are 0
+            cfg = model.naflex
+            valid = float(unpack(images, cfg.patch_size, (0.0,) * 3, (1.0,) * 3)["patch_valid"].float().mean())
             row.update(padding_share=1 - valid, image_tokens=images.shape[1])
         try:
             row.update(tower_times(model, images, texts, args.repeats, variant))

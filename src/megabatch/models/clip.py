@@ -85,8 +85,8 @@ class ClipModel(nn.Module):
         if self.stored_image_features:  # what training feeds the image tower: its stored features, float16
             return torch.ones((rows, int(self.model_cfg["embed_dim"])), dtype=torch.float16, device=device), texts
         if self.naflex is not None:  # packed patches of the longest sequence training feeds (data/naflex.py)
-            return self.clip.visual.example_inputs(rows, seq_len or max(self.image_lengths, default=None)).to(device), \
-                texts
+            length = seq_len or max(self.image_lengths, default=None)
+            return self.clip.visual.example_inputs(rows, length).to(device), texts
         size = (self.image_size,) * 2 if isinstance(self.image_size, int) else tuple(self.image_size)
         return torch.zeros((rows, 3, *size), dtype=torch.uint8, device=device), texts
 
