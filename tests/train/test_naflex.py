@@ -71,8 +71,9 @@ def test_padding_rows_change_no_feature():
 
 
 def test_the_grids_are_read_in_one_copy_as_timm_reads_them(monkeypatch):
-    """timm reads each image's grid with two ``.item()`` calls (a GPU wait each); the tower reads all of them in one
-    ``tolist``, to the same sizes and the same features."""
+    """timm reads each image's grid with two ``.item()`` calls (a GPU wait each), for its position embeddings
+    (then ``PositionsOnDevice``'s, which read none) and its other paths; ``grid_sizes_in_one_copy`` reads all of
+    them in one ``tolist``, to the same sizes; the tower's forward reads nothing to the host."""
     from timm.models import naflexvit
 
     from megabatch.models.naflex import TIMMS, grid_sizes_in_one_copy
@@ -83,22 +84,75 @@ def test_the_grids_are_read_in_one_copy_as_timm_reads_them(monkeypatch):
     coord = unpack(packed, 8, (0.0,) * 3, (1.0,) * 3)["patch_coord"]
     model = build_model(compose(*NAFLEX).model).eval()
     assert naflexvit.calculate_naflex_grid_sizes is grid_sizes_in_one_copy
-    timms = TIMMS["calculate_naflex_grid_sizes"]
+    assert grid_sizes_in_one_copy(coord) == TIMMS["calculate_naflex_grid_sizes"](coord)
+    assert len(set(grid_sizes_in_one_copy(coord))) > 3  # images of several grids
     reads = {"item": 0, "tolist": 0}
     for name in reads:
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k:
                             reads.__setitem__(_n, reads[_n] + 1) or _o(self, *a, **k))
-    texts = torch.ones(len(images), 16, dtype=torch.long)
     with torch.no_grad():
-        ours = model(packed, texts)[0]
-    assert reads == {"item": 0, "tolist": 1}
-    monkeypatch.undo()
-    assert grid_sizes_in_one_copy(coord) == timms(coord)  # timm's own function: the same sizes and features
-    monkeypatch.setattr(naflexvit, "calculate_naflex_grid_sizes", timms)
-    with torch.no_grad():
-        assert torch.equal(model(packed, texts)[0], ours)
-    assert len(set(grid_sizes_in_one_copy(coord))) > 3  # images of several grids
+        model.clip.visual(packed)
+    assert reads == {"item": 0, "tolist": 0}
+
+
+def grids_of(shapes: list[tuple[int, int]], tokens: int) -> torch.Tensor:
+    """Raster patch coordinates ``[n, tokens, 2]`` of grids of these (rows, columns), zero on the padding."""
+    coord = torch.zeros(len(shapes), tokens, 2, dtype=torch.long)
+    for i, (rows, columns) in enumerate(shapes):
+        y, x = torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")
+        coord[i, :rows * columns] = torch.stack([y.flatten(), x.flatten()], dim=1)
+    return coord
+
+
+@pytest.mark.parametrize("variant", ["naflexvit_base_patch16_gap", "naflexvit_base_patch16_siglip"])
+@pytest.mark.parametrize("square", [False, True])
+def test_the_position_embeddings_are_timms_resized_per_grid_with_no_host_read(variant, square):
+    """``PositionsOnDevice``: each patch's position embedding as timm's (the table resized per distinct grid by
+    ``F.interpolate``, antialiased bicubic for the gap variants, bilinear for SigLIP's; ``square``: timm's
+    aspect-preserving square grid, then cropped), with its gradient, computed as one product on the device: grids
+    smaller and larger than the table, one patch wide or high, and padding rows that get none."""
+    import copy
+
+    import timm
+
+    from megabatch.models.naflex import PositionsOnDevice, place_positions_on_device
+
+    timms = timm.create_model(variant, pretrained=False, num_classes=0, embed_dim=32, depth=1, num_heads=2,
+                              pos_embed_ar_preserving=square).embeds
+    torch.nn.init.normal_(timms.pos_embed)
+    ours = copy.deepcopy(timms)
+    assert place_positions_on_device(ours) and type(ours) is PositionsOnDevice
+    shapes = [(16, 16), (1, 7), (7, 1), (1, 1), (3, 5), (11, 22), (22, 11), (4, 40), (17, 15), (2, 128)]
+    coord = grids_of(shapes, 260)
+    tokens = torch.randn(len(shapes), 260, 32)
+    weights = torch.randn_like(tokens)
+    results = []
+    for embeds in (timms, ours):
+        x = tokens.clone()
+        embeds._apply_learned_naflex_pos_embed(x, coord)
+        (x * weights).sum().backward()
+        results.append((x.detach(), embeds.pos_embed.grad))
+    (want, want_grad), (got, got_grad) = results
+    assert rel_error(got, want) <= 1e-6 and rel_error(got_grad, want_grad) <= 1e-6
+    padding = torch.arange(260) >= torch.tensor([rows * columns for rows, columns in shapes])[:, None]
+    assert torch.equal(got[padding], tokens[padding])
+    # one graph: no host read to break it (timm's path reads the grids and loops over them in Python)
+    compiled = torch.compile(lambda x, c: ours._apply_learned_naflex_pos_embed(x, c) or x, fullgraph=True,
+                             backend="eager")
+    assert rel_error(compiled(tokens.clone(), coord), want) <= 1e-6
+
+
+def test_position_settings_the_resize_does_not_compute_keep_timms_path():
+    import timm
+
+    from megabatch.models.naflex import place_positions_on_device
+
+    for kwargs in ({"pos_embed_use_grid_sample": True}, {"pos_embed_align_corners": True},
+                   {"pos_embed_interp_mode": "nearest"}):
+        embeds = timm.create_model("naflexvit_base_patch16_gap", pretrained=False, num_classes=0, embed_dim=32,
+                                   depth=1, num_heads=2, **kwargs).embeds
+        assert not place_positions_on_device(embeds) and type(embeds).__name__ == "NaFlexEmbeds"
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from packaging.version import Version
 from timm.layers import Attention as TimmAttention
+from timm.models.naflexvit import NaFlexEmbeds
 from torch import nn
 
 from ..config import ConfigError
@@ -52,6 +53,65 @@ def read_grids_in_one_copy() -> None:
 
 
 TIMMS: dict = {}  # timm's functions read_grids_in_one_copy replaced
+
+# F.interpolate(antialias=True)'s filters: (support at scale 1 each side, weight of a distance in input pixels)
+FILTERS = {
+    "bilinear": (1.0, lambda d: (1 - d).clamp(min=0)),
+    "bicubic": (2.0, lambda d: torch.where(d < 1, (1.5 * d - 2.5) * d * d + 1,  # Keys' cubic, a = -0.5 (as PIL's)
+                                           torch.where(d < 2, ((-0.5 * d + 2.5) * d - 4) * d + 2, 0.0))),
+}
+
+
+def resize_weights(index: torch.Tensor, out_size: torch.Tensor, in_size: int, mode: str) -> torch.Tensor:
+    """The weights ``[..., in_size]`` by which ``F.interpolate(mode=, antialias=True, align_corners=False)`` makes
+    output ``index`` of an axis resized from ``in_size`` to ``out_size`` (integer tensors of one shape): each
+    output's own row of the resize, computed on the device (float64) with no host copy. As ATen's antialiased
+    kernels: a filter widened by the scale where it shrinks, clipped to the input and normalised to sum 1."""
+    support, weight = FILTERS[mode]
+    scale = in_size / out_size.to(torch.float64)
+    center = scale * (index.to(torch.float64) + 0.5)
+    stretch = scale.clamp(min=1.0)
+    support = support * stretch
+    first = (center - support + 0.5).trunc().clamp(min=0)
+    end = (center + support + 0.5).trunc().clamp(max=in_size)
+    taps = torch.arange(in_size, device=index.device, dtype=torch.float64)
+    inside = (taps >= first[..., None]) & (taps < end[..., None])
+    weights = weight(((taps - center[..., None] + 0.5) / stretch[..., None]).abs()) * inside
+    return weights / weights.sum(-1, keepdim=True)
+
+
+class PositionsOnDevice(NaFlexEmbeds):
+    """timm's ``NaFlexEmbeds`` (``NaFlexTower`` sets its class, ``place_positions_on_device``) whose learned position
+    embeddings, resized to each image's grid as timm resizes them (``F.interpolate`` of the table, antialiased, per
+    distinct grid size, then ``index_add_`` of those images), are one product for all patches: each patch's row
+    of the separable resize (``resize_weights``, rows and columns) against the table. Same values to rounding
+    (in float32, as timm's), with no host sync and no loop over grid sizes: a sub-batch of cropped images has
+    dozens, each a host copy, an interpolation and an ``index_add_`` in timm's; the tower compiles as one graph."""
+
+    def _apply_learned_naflex_pos_embed(self, x: torch.Tensor, patch_coord: torch.Tensor) -> None:
+        rows, columns = self.pos_embed.shape[1:3]
+        grid = patch_coord.amax(dim=1) + 1  # [n, 2]: each image's (rows, columns), as timm finds them
+        valid = torch.arange(x.shape[1], device=x.device) < grid.prod(dim=1, keepdim=True)  # timm adds to rows < h w
+        if self.pos_embed_ar_preserving:  # a square grid of the longer side, then cropped
+            grid = grid.amax(dim=1, keepdim=True).expand_as(grid)
+        mode = self.pos_embed_interp_mode
+        along_rows = resize_weights(patch_coord[..., 0], grid[:, None, 0], rows, mode).float()
+        along_columns = resize_weights(patch_coord[..., 1], grid[:, None, 1], columns, mode).float()
+        weights = (along_rows[..., :, None] * (along_columns * valid[..., None])[..., None, :]).flatten(2)
+        with torch.autocast(x.device.type, enabled=False):
+            x.add_((weights @ self.pos_embed.reshape(rows * columns, -1).float()).to(x.dtype))
+
+
+def place_positions_on_device(embeds: nn.Module) -> bool:
+    """``embeds`` (timm's ``NaFlexEmbeds``) becomes ``PositionsOnDevice`` where its settings are what
+    ``resize_weights`` computes (learned, not grid_sample, antialiased bilinear or bicubic without aligned corners);
+    else it keeps timm's path. Whether it did."""
+    if type(embeds) not in (NaFlexEmbeds, PositionsOnDevice) or embeds.pos_embed_type != "learned" \
+            or getattr(embeds, "pos_embed_use_grid_sample", False) or embeds.pos_embed_interp_mode not in FILTERS \
+            or not getattr(embeds, "pos_embed_antialias", True) or getattr(embeds, "pos_embed_align_corners", False):
+        return False
+    embeds.__class__ = PositionsOnDevice
+    return True
 
 
 DEFAULT_VARIANT = "naflexvit_base_patch16_gap"
@@ -266,6 +326,7 @@ class NaFlexTower(nn.Module):
             for block in self.trunk.blocks:
                 block.ls1, block.ls2 = nn.Identity(), nn.Identity()
         read_grids_in_one_copy()
+        self.positions_on_device = place_positions_on_device(self.trunk.embeds)
         if cfg.proj == "none" and self.trunk.num_features != embed_dim:
             raise ConfigError(f"model.image.proj=none: the NaFlex tower's pooled output ({self.trunk.num_features} "
                               f"wide) is the embedding, and model.embed_dim is {embed_dim}; set model.embed_dim="
