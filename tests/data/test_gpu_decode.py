@@ -561,3 +561,58 @@ def test_the_libnvjpeg_torchvision_ships_has_what_the_hardware_binding_calls():
     quick, slow = nvjpeg._bind()
     assert slow.nvjpegDecodeBatched.argtypes[-1] is not None and quick.nvjpegDecodeBatchedInitialize.argtypes
     assert ctypes.sizeof(nvjpeg._Image) == 64  # nvjpegImage_t: 4 plane pointers and 4 size_t pitches
+
+
+def test_a_naflex_sub_batch_decoded_on_the_gpu_is_the_workers_packed_patches():
+    """A NaFlex tower's images with ``data.decode=gpu``: the worker reads each JPEG's header and draws its crop, size
+    and length (``NaFlexSpec.gpu_row``); the GPU decoder (its logic, on the CPU) cuts, resizes and packs them as the
+    workers' path does: the same rows, coordinates and padding, pixels within the resize's rounding. Rows of other
+    formats come packed by the worker; decoding the kept boxes again (the offload's replay) gives the same bits."""
+    import torch.nn.functional as F
+
+    from megabatch.data.naflex import NaFlexSpec, UnusableImage
+    from megabatch.data.samples import NAFLEX_ROW, probe_checked
+
+    spec = NaFlexSpec(patch_size=8, max_seq_len=16, seq_lens=(9, 16), scale=(0.5, 1.0), ratio=(0.75, 4 / 3))
+    datas = [jpeg(0, size=(48, 64), subsampling=0), png(1), jpeg(2, size=(40, 96), subsampling=0),
+             jpeg(3, size=(64, 24), mode="L"), jpeg(4, size=(20, 20), subsampling=0), jpeg(5, size=(72, 40)),
+             jpeg(6, size=(48, 64), subsampling=0), jpeg(7, size=(48, 64), subsampling=0)]  # row 0's size, other crops
+    positions = list(range(3, 3 + len(datas)))
+    gpu_side, cpu_side = SampleDecoder(spec, seed=1, epoch=0, gpu=True), SampleDecoder(spec, seed=1, epoch=0)
+    batch = gpu_side.again(EncodedImages.from_bytes(datas, positions))
+    assert isinstance(batch, JpegBatch) and batch.naflex and batch.cpu_rows == [1]
+    assert batch.boxes.shape == (len(datas), NAFLEX_ROW)
+    lengths = [spec.seq_len(1, 0, position) for position in positions]
+    assert set(lengths) == {9, 16} and batch.size == (16, 8)  # each drew its own length: packed to the longest
+    packed = GpuDecoder(torch.device("cpu"))(batch)
+    want = cpu_side.collate([cpu_side(data, position) for data, position in zip(datas, positions, strict=True)], None)
+    assert packed.dtype == torch.uint8 and packed.shape == want.shape == (len(datas), 16, 3 * 64 + 4)
+    assert torch.equal(packed[..., -4:], want[..., -4:])  # coordinates, and which rows are padding
+    assert torch.equal(packed[1], want[1])
+    # the workers resize uint8 in fixed point (torchvision), the GPU path in float64 then rounds: a level or two apart
+    assert (packed.int() - want.int()).abs().max() <= 2 and (packed.int() - want.int()).abs().float().mean() < 0.2
+    # ... and the GPU path is F.interpolate's antialiased resize to the rounding: row 4, a crop of 16 x 17 upsampled
+    top, left, height, width, *_, size_h, size_w, _ = batch.boxes[4].tolist()
+    crop = decode_rgb(datas[4])[None, :, top:top + height, left:left + width].double()
+    resized = F.interpolate(crop, size=(size_h, size_w), mode="bicubic", antialias=True).clamp(0, 255).round()
+    patches = resized.to(torch.uint8)[0].view(3, size_h // 8, 8, size_w // 8, 8).permute(1, 3, 2, 4, 0)
+    assert (size_h, size_w) == (32, 32) and torch.equal(packed[4, :16, :-4], patches.reshape(16, -1))
+    assert len({tuple(batch.boxes[row, 7:9].tolist()) for row in (0, 6, 7)}) > 1  # one image size, resized apart
+    jpegs = [0, 2, 4, 5, 6, 7]
+    kept = EncodedImages.from_bytes([datas[row] for row in jpegs], [positions[row] for row in jpegs])
+    first = GpuDecoder(torch.device("cpu"))(gpu_side.again(kept))
+    assert torch.equal(GpuDecoder(torch.device("cpu"))(gpu_side.jpeg_batch(kept, batch.boxes[jpegs])), first)
+    with pytest.raises(UnusableImage, match="aspect ratio"):  # read from the header: never decoded
+        probe_checked(spec, jpeg(8, size=(8, 400)))
+
+
+def test_sub_batches_decoded_on_the_gpu_join_with_their_boxes():
+    from megabatch.data.samples import SubBatch
+    from megabatch.data.token_groups import join_sub_batches
+
+    parts = [SubBatch(torch.full((2, length, 5), length, dtype=torch.uint8), torch.ones(2, 3, dtype=torch.long),
+                      None, boxes=torch.full((2, 10), length)) for length in (4, 9)]
+    joined = join_sub_batches(parts)
+    assert joined.images.shape == (4, 9, 5) and int(joined.images[:2, 4:].sum()) == 0
+    assert torch.equal(joined.boxes, torch.cat([part.boxes for part in parts]))
+    assert join_sub_batches([parts[0], parts[1]._replace(boxes=None)]).boxes is None  # the replay draws them again

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import ConfigError
+from ..kernels.packed_patches import COORD_BYTES, row_bytes
 from .samples import JpegBatch, SubBatch, decode_rgb
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,56 @@ def dense_crops(images: torch.Tensor, crop: torch.Tensor, size: tuple[int, int],
     tall = torch.bmm(along_h, pixels.double()).view(m, size[0] * 3, width)  # [m, s*3, W]
     resized = torch.bmm(tall, along_w.transpose(1, 2)).view(m, size[0], 3, size[1])  # [m, s, 3, s]
     return resized.clamp_(0, 255).round_().permute(0, 2, 1, 3)
+
+
+def packed_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, int], interpolation: str,
+                  chunk_bytes: float = 128e6) -> torch.Tensor:
+    """A NaFlex tower's ``cropped_groups``: each row (of ``groups``, as there) cut to its box, resized to its own
+    size (``boxes``' columns 7 and 8, ``NaFlexSpec.gpu_row``: the aspect ratio kept, whole patches) as
+    ``dense_crops`` resizes, cut into patches and packed with their coordinates as ``NaFlexSpec.patches`` packs
+    them: uint8 ``[n, L, 3 p^2 + 4]`` on the device, ``size`` ``(L, p)``, zero rows after each image's patches.
+    Rows are resized together per image size and resized size, read from ``boxes`` on the CPU: each image size's
+    rows are put in order of their resized size with one index copied to the device (the boxes go in one copy),
+    so that each resized size's rows are a slice; nothing waits for the GPU."""
+    length, patch = size
+    device = groups[0][1].device
+    count = sum(len(rows) for rows, _ in groups)
+    out = torch.zeros((count, length, row_bytes(patch)), dtype=torch.uint8, device=device)
+    on_device = to_device(boxes, device)
+    order: list[int] = []
+    done = 0
+    for rows, pixels in groups:
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        targets = boxes[rows, 7:9]
+        by_target = torch.argsort(targets[:, 0] * 65536 + targets[:, 1], stable=True)
+        rows, targets = rows[by_target], targets[by_target]
+        pixels = pixels[to_device(by_target, device)]
+        crops = on_device[to_device(rows, device)]
+        sizes, counts = torch.unique_consecutive(targets, dim=0, return_counts=True)
+        first = 0
+        for (height, width), same in zip(sizes.tolist(), counts.tolist(), strict=True):
+            grid_h, grid_w = height // patch, width // patch
+            taps_h = taps(boxes[rows[first:first + same], 2], height, interpolation)
+            taps_w = taps(boxes[rows[first:first + same], 3], width, interpolation)
+            per_row = 3 * pixels.shape[2] * pixels.shape[3] * 8 * 2 + 3 * height * width * 8
+            step = max(1, int(chunk_bytes // per_row))
+            y, x = torch.meshgrid(torch.arange(grid_h, device=device), torch.arange(grid_w, device=device),
+                                  indexing="ij")
+            y, x = y.reshape(-1) + 1, x.reshape(-1) + 1  # packed_patches' layout: row + 1, column + 1, two bytes each
+            coord_bytes = torch.stack([y // 256, y % 256, x // 256, x % 256], dim=1).to(torch.uint8)
+            for start in range(first, first + same, step):
+                stop = min(start + step, first + same)
+                resized = dense_crops(pixels[start:stop], crops[start:stop], (height, width), interpolation,
+                                      taps_h, taps_w).to(torch.uint8)  # [m, 3, h, w]
+                # timm's patchify_image: row-major patches, each its pixels row by row with the channels last
+                patches = resized.reshape(stop - start, 3, grid_h, patch, grid_w, patch).permute(0, 2, 4, 3, 5, 1)
+                block = out[done:done + stop - start]
+                block[:, :grid_h * grid_w, :-COORD_BYTES] = patches.reshape(stop - start, grid_h * grid_w, -1)
+                block[:, :grid_h * grid_w, -COORD_BYTES:] = coord_bytes
+                done += stop - start
+            first += same
+        order += rows.tolist()
+    return in_row_order(out, order)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -227,6 +278,7 @@ class Decoded(NamedTuple):
     cpu_rows: list
     size: tuple
     interpolation: str
+    naflex: bool = False  # JpegBatch.naflex: packed patches [n, L, 3 p^2 + 4], not crops
 
 
 class GpuDecoder:
@@ -285,15 +337,18 @@ class GpuDecoder:
             boxes = batch.boxes if not cpu_rows else batch.boxes[gpu_rows]
             groups, boxes = self._decode(batch.data, gpu_rows, boxes)
         cpu_images = to_device(batch.decoded, self.device) if cpu_rows else None
-        return Decoded(groups, boxes, gpu_rows, cpu_images, list(batch.cpu_rows), batch.size, batch.interpolation)
+        return Decoded(groups, boxes, gpu_rows, cpu_images, list(batch.cpu_rows), batch.size, batch.interpolation,
+                       batch.naflex)
 
     def finish(self, decoded: Decoded | torch.Tensor) -> torch.Tensor:
-        """The uint8 crops ``[n, 3, s, s]`` of a ``decode`` result (a tensor is returned as it is)."""
+        """The uint8 crops ``[n, 3, s, s]`` of a ``decode`` result (a tensor is returned as it is); a NaFlex
+        tower's packed patches ``[n, L, 3 p^2 + 4]`` (``packed_groups``)."""
         if torch.is_tensor(decoded):
             return decoded
         parts = []
         if decoded.gpu_rows:
-            parts.append(cropped_groups(decoded.groups, decoded.boxes, decoded.size, decoded.interpolation))
+            cut = packed_groups if decoded.naflex else cropped_groups
+            parts.append(cut(decoded.groups, decoded.boxes, decoded.size, decoded.interpolation))
         if decoded.cpu_rows:
             parts.append(decoded.cpu_images)
         if not decoded.cpu_rows or not decoded.gpu_rows:

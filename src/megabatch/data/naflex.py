@@ -57,13 +57,17 @@ class NaFlexSpec:
 
     def check(self, image: torch.Tensor) -> torch.Tensor:
         """``image`` (uint8 ``[3, h, w]``) if a NaFlex tower can take it, else ``UnusableImage`` saying why."""
-        height, width = image.shape[-2:]
+        self.check_size(*image.shape[-2:])
+        return image
+
+    def check_size(self, height: int, width: int) -> None:
+        """``UnusableImage`` for an image of ``height x width`` a NaFlex tower cannot take (read from the pixels, or
+        from a JPEG's header where the GPU decodes it)."""
         if min(height, width) < self.patch_size:
             raise UnusableImage(f"{height} x {width} px: a side shorter than one {self.patch_size} px patch")
         if max(height, width) > self.max_aspect * min(height, width):
             raise UnusableImage(f"{height} x {width} px: an aspect ratio beyond data.naflex.max_aspect="
                                 f"{self.max_aspect:g}")
-        return image
 
     def target_size(self, height: int, width: int, seq_len: int) -> tuple[int, int]:
         """The size, multiples of the patch, an image of ``height x width`` is resized to: its aspect ratio
@@ -73,20 +77,34 @@ class NaFlexSpec:
         return tuple(get_image_size_for_seq((height, width), self.patch_size, seq_len)[1])
 
     def crop(self, image: torch.Tensor, seed: int) -> torch.Tensor:
-        """``image``'s random crop for training, drawn from ``seed`` (the sample's: the same crop again in the
-        offload's replay): a share in ``scale`` of its area, its aspect ratio the image's times a factor drawn
-        log-uniformly in ``ratio`` (the fixed-size path's ``RandomResizedCrop`` ranges, relative to the image's own
-        aspect ratio, which the NaFlex tower keeps), clamped to the image, at a random place."""
+        """``image``'s random crop for training (``crop_box``); ``image`` itself where no crop is set."""
         if self.scale == (1.0, 1.0) and self.ratio == (1.0, 1.0):
             return image
+        top, left, height, width = self.crop_box(image.shape[-2], image.shape[-1], seed)
+        return image[..., top:top + height, left:left + width]
+
+    def crop_box(self, height: int, width: int, seed: int) -> tuple[int, int, int, int]:
+        """The training crop ``(top, left, height, width)`` of an image of ``height x width``, drawn from ``seed``
+        (the sample's: the same crop again in the offload's replay, and on the GPU from the JPEG's header): a
+        share in ``scale`` of its area, its aspect ratio the image's times a factor drawn log-uniformly in
+        ``ratio`` (the fixed-size path's ``RandomResizedCrop`` ranges, relative to the image's own aspect ratio,
+        which the NaFlex tower keeps), clamped to the image, at a random place."""
+        if self.scale == (1.0, 1.0) and self.ratio == (1.0, 1.0):
+            return 0, 0, height, width
         draw = random.Random(seed)
-        height, width = image.shape[-2:]
         area = height * width * draw.uniform(*self.scale)
         aspect = width / height * math.exp(draw.uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
         crop_w = min(width, max(1, round(math.sqrt(area * aspect))))
         crop_h = min(height, max(1, round(math.sqrt(area / aspect))))
         top, left = draw.randint(0, height - crop_h), draw.randint(0, width - crop_w)
-        return image[..., top:top + crop_h, left:left + crop_w]
+        return top, left, crop_h, crop_w
+
+    def gpu_row(self, height: int, width: int, hardware: bool, seq_len: int, seed: int) -> tuple[int, ...]:
+        """``data.decode=gpu``: what the GPU needs to make the patches ``patches`` makes of a JPEG of ``height x
+        width`` (its header): a ``JpegBatch.boxes`` row, the crop box, the header (size, whether nvJPEG's
+        hardware takes it), the size the crop is resized to and the sequence length it is packed to."""
+        box = self.crop_box(height, width, seed)
+        return (*box, height, width, int(hardware), *self.target_size(box[2], box[3], seq_len), seq_len)
 
     def patches(self, image: torch.Tensor, seq_len: int, seed: int | None = None) -> torch.Tensor:
         """uint8 ``[seq_len, row_bytes]``: ``image`` (uint8 ``[3, h, w]``; with ``seed``, its training ``crop``)

@@ -215,6 +215,16 @@ def decode_checked(spec: NaFlexSpec, image_bytes: bytes | None) -> torch.Tensor:
     return spec.check(decode_rgb(image_bytes))
 
 
+def probe_checked(spec: NaFlexSpec, image_bytes: bytes | None) -> JpegHeader | torch.Tensor:
+    """``probe_jpeg`` (``data.decode=gpu``), then ``UnusableImage`` for a shape a NaFlex tower cannot take, read from
+    the JPEG's header or the pixels the worker decoded."""
+    image = probe_jpeg(image_bytes)
+    if isinstance(image, JpegHeader):
+        spec.check_size(image.height, image.width)
+        return image
+    return spec.check(image)
+
+
 def decode_pair(sample: dict, stats: Stats, decode: Callable = open_image, captions: CaptionKeys = TXT,
                 position: int = 0, image_keys: tuple[str, ...] = IMAGE_KEYS) -> tuple[bytes, object, str] | None:
     """(image bytes, ``decode(bytes)``, caption) from a raw sample, or ``None`` (counted) when
@@ -300,6 +310,9 @@ def hardware_decodes(image: Image.Image) -> bool:
     return image.mode == "L" or JpegImagePlugin.get_sampling(image) in (0, 1, 2)
 
 
+NAFLEX_ROW = 10  # a NaFlex JpegBatch's boxes columns: the 7 below, the resized size (height, width), the length
+
+
 class JpegBatch(NamedTuple):
     """A sub-batch's images left for the GPU to decode (``data.decode=gpu``; ``data/gpu_decode.py``).
 
@@ -307,7 +320,11 @@ class JpegBatch(NamedTuple):
     width), drawn on the CPU from the sample's seed (``SampleDecoder.box``), then its image's height, width and
     whether nvJPEG's hardware decoder takes it (``JpegHeader``; zeros for CPU rows); ``cpu_rows``: rows the
     GPU does not decode (not a JPEG nvJPEG reads), already decoded and cropped, ``decoded [k, 3, s,
-    s]`` uint8; ``size`` ``(s, s)`` and ``interpolation``: the training crop's."""
+    s]`` uint8; ``size`` ``(s, s)`` and ``interpolation``: the training crop's.
+
+    ``naflex`` (a NaFlex tower's, ``NaFlexSpec.gpu_row``): each row of ``boxes`` also holds the size its crop is
+    resized to and the sequence length it is packed to (``NAFLEX_ROW`` columns); ``size`` is ``(L, patch)``, the
+    sub-batch's length and the patch size, and ``decoded`` the CPU rows' packed patches ``[k, L, 3 p^2 + 4]``."""
 
     data: EncodedImages
     boxes: torch.Tensor
@@ -315,6 +332,7 @@ class JpegBatch(NamedTuple):
     decoded: torch.Tensor | None
     size: tuple
     interpolation: str
+    naflex: bool = False  # a NaFlex tower's patches (boxes [n, NAFLEX_ROW], size (L, patch), decoded [k, L, row])
 
     def __len__(self) -> int:
         return len(self.data)
@@ -348,10 +366,8 @@ class SampleDecoder:
         if self.stored:
             self.decode, self.image_keys = transform.decode, (transform.key,)
         self.naflex = isinstance(transform, NaFlexSpec)
-        if self.naflex:
-            if gpu:
-                raise ValueError("a NaFlex tower's images are decoded by the loader workers (data.decode=cpu)")
-            self.decode = functools.partial(decode_checked, transform)  # (picklable: a fork server's workers)
+        if self.naflex:  # (partials are picklable: a fork server's workers)
+            self.decode = functools.partial(probe_checked if gpu else decode_checked, transform)
         # data.train.text_key: which caption, drawn with (seed, epoch, position) as the augmentation is
         self.captions = (captions or TXT).for_epoch(seed, epoch)
 
@@ -372,9 +388,12 @@ class SampleDecoder:
             return image
         if self.naflex:
             if isinstance(image, bytes):
-                image = self.decode(image)
-            return self.transform.patches(image, self.transform.seq_len(self.seed, self.epoch, position),
-                                          self.sample_seed(position))
+                image = decode_checked(self.transform, image)
+            seq_len = self.transform.seq_len(self.seed, self.epoch, position)
+            if isinstance(image, JpegHeader):
+                return self.transform.gpu_row(image.height, image.width, image.hardware, seq_len,
+                                              self.sample_seed(position))
+            return self.transform.patches(image, seq_len, self.sample_seed(position))
         if isinstance(image, JpegHeader):
             return (*self.box(image.height, image.width, position), image.height, image.width, int(image.hardware))
         if isinstance(image, bytes):
@@ -386,19 +405,28 @@ class SampleDecoder:
     def collate(self, images: list, data: EncodedImages | None) -> torch.Tensor | JpegBatch:
         """Stack a sub-batch's ``__call__`` results (``data``: the rows' encoded images); with any
         box among them, a ``JpegBatch``; a NaFlex tower's patches padded to the longest."""
-        if self.naflex:
-            return self.transform.collate(images)
         if all(torch.is_tensor(image) for image in images):
-            return torch.stack(images)
+            return self.transform.collate(images) if self.naflex else torch.stack(images)
         cpu_rows = [row for row, image in enumerate(images) if torch.is_tensor(image)]
-        boxes = torch.tensor([(0,) * 7 if torch.is_tensor(image) else image for image in images],
+        width = NAFLEX_ROW if self.naflex else 7
+        boxes = torch.tensor([(0,) * width if torch.is_tensor(image) else image for image in images],
                              dtype=torch.int64)
-        decoded = torch.stack([images[row] for row in cpu_rows]) if cpu_rows else None
+        if self.naflex:  # the CPU's rows packed to the sub-batch's length (the longest row's, GPU's or CPU's)
+            length = max(image.shape[0] if torch.is_tensor(image) else image[-1] for image in images)
+            decoded = self.transform.collate([images[row] for row in cpu_rows] + [
+                torch.zeros(length, self.transform.row_bytes, dtype=torch.uint8)])[:-1] if cpu_rows else None
+        else:
+            decoded = torch.stack([images[row] for row in cpu_rows]) if cpu_rows else None
         return self.jpeg_batch(data, boxes, cpu_rows, decoded)
 
     def jpeg_batch(self, data: EncodedImages, boxes: torch.Tensor, cpu_rows: list | None = None,
                    decoded: torch.Tensor | None = None) -> JpegBatch:
-        """A ``JpegBatch`` of this decoder's crop size and interpolation."""
+        """A ``JpegBatch`` of this decoder's crop size and interpolation; a NaFlex tower's: of its patch size, packed
+        to the longest row's sequence length."""
+        if self.naflex:
+            length = int(boxes[:, -1].max()) if cpu_rows is None or decoded is None else decoded.shape[1]
+            return JpegBatch(data, boxes, cpu_rows or [], decoded, (length, self.transform.patch_size),
+                             self.transform.interpolation, naflex=True)
         return JpegBatch(data, boxes, cpu_rows or [], decoded, tuple(self.transform.size),
                          self.transform.interpolation.value)
 

@@ -56,23 +56,24 @@ class TokenGroups:
 def join_sub_batches(parts: list[SubBatch]) -> SubBatch:
     """``parts`` as one sub-batch, rows in order: packed patches (uint8 ``[n, L, row]``) padded with zero rows to the
     longest ``L`` (padding, by ``kernels/packed_patches.py``'s layout), captions, kept bytes, hard negatives and
-    stored teacher embeddings concatenated; the last worker counts."""
+    stored teacher embeddings concatenated; the last worker counts. Decoded on the GPU (``data.decode=gpu``), on the
+    device, with the crop boxes concatenated where every part kept its own (else the replay draws them again)."""
     if len(parts) == 1:
         return parts[0]
-    if any(part.boxes is not None for part in parts):
-        raise ValueError("sub-batches decoded on the GPU (crop boxes) are not joined: data.decode=cpu")
     length = max(part.images.shape[1] for part in parts)
     rows = sum(len(part.images) for part in parts)
     first = parts[0].images
-    pinned = torch.cuda.is_available() and first.is_pinned()  # page-locked as the loader's: copied to the GPU as is
-    images = torch.zeros((rows, length, *first.shape[2:]), dtype=first.dtype, pin_memory=pinned)
+    pinned = first.device.type == "cpu" and torch.cuda.is_available() and first.is_pinned()  # copied to the GPU as is
+    images = torch.zeros((rows, length, *first.shape[2:]), dtype=first.dtype, device=first.device, pin_memory=pinned)
     start = 0
     for part in parts:
         images[start:start + len(part.images), :part.images.shape[1]] = part.images
         start += len(part.images)
     stats = next((part.stats for part in reversed(parts) if part.stats), None)
+    boxes = None if any(part.boxes is None for part in parts) else torch.cat([part.boxes for part in parts])
     return SubBatch(images, torch.cat([part.texts for part in parts]),
                     None if parts[0].raw is None else EncodedImages.join([part.raw for part in parts]), stats,
+                    boxes=boxes,
                     negatives=_cat([part.negatives for part in parts]), teacher=_cat([part.teacher for part in parts]))
 
 

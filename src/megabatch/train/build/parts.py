@@ -101,8 +101,9 @@ class RunParts:
             check_naflex(model, settings)
             if model.naflex is not None:  # the lengths it is measured and compiled at
                 model.image_lengths = data.transform.seq_lens
-            gpu_decoder, ahead = build_gpu_decoder(settings.data, env) \
-                if data.image_features is None and model.naflex is None else (None, 0.0)
+            # a NaFlex tower's images decode on the GPU where data.decode=gpu says so (auto: the loader workers)
+            gpu_decoder, ahead = build_gpu_decoder(settings.data, env) if data.image_features is None and (
+                model.naflex is None or settings.data.decode == "gpu") else (None, 0.0)
         with phase("flop count"):  # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
             flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(settings, env), env.device)), \
                 gpu_peak(env.device)
@@ -164,13 +165,9 @@ class RunParts:
 
 def check_naflex(model: ClipModel, settings: RunSettings) -> None:
     """A NaFlex image tower (``model.image.naflex``) with what it cannot train with yet: a ``ConfigError`` naming
-    the key and the fix. Its images are cut into patches by the loader workers (``data.decode=auto`` decodes
-    there); ``self_distill``'s crops and masked view and ``model.decoder`` read an open_clip ViT's grid."""
+    the key and the fix. ``self_distill``'s crops and masked view read an open_clip ViT's grid."""
     if model.naflex is None:
         return
-    if settings.data.decode == "gpu":
-        raise ConfigError("data.decode=gpu with a NaFlex image tower (model.image.naflex=true): its images are "
-                          "resized and cut into patches by the loader workers; set data.decode=cpu (or auto)")
     if model.views is not None:
         raise ConfigError("self_distill with a NaFlex image tower (model.image.naflex=true): its crops and masked "
                           "view are cut from a fixed-size ViT's grid; set self_distill.weight=0 and "
