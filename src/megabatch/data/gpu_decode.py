@@ -43,6 +43,7 @@ import torch
 
 from ..config import ConfigError
 from ..kernels.packed_patches import COORD_BYTES, row_bytes
+from ..kernels.resample import resample_matrices, taps
 from .samples import JpegBatch, SubBatch, decode_rgb
 
 log = logging.getLogger(__name__)
@@ -192,57 +193,6 @@ def in_row_order(out: torch.Tensor, order: list[int]) -> torch.Tensor:
     inverse = torch.empty(len(order), dtype=torch.int64)
     inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
     return out[to_device(inverse, out.device)]
-
-
-def taps(lengths: torch.Tensor, out: int, interpolation: str) -> int:
-    """The most input pixels one output pixel reads along an axis, for crops of ``lengths`` (CPU)
-    resized to ``out``: the filter's support, widened by the scale when shrinking, both sides."""
-    if interpolation == "nearest" or len(lengths) == 0:
-        return 1
-    half = 2.0 if interpolation == "bicubic" else 1.0
-    return int(2 * half * max(int(lengths.max()) / out, 1.0)) + 2
-
-
-def resample_matrices(start: torch.Tensor, length: torch.Tensor, full: int, out: int, interpolation: str,
-                      dtype: torch.dtype = torch.float64, taps_per_pixel: int | None = None) -> torch.Tensor:
-    """``[m, out, full]``: row ``i`` of sample ``k`` holds the weights that output pixel ``i`` gives
-    the input pixels ``start[k] .. start[k] + length[k]`` along one axis (zero elsewhere): PyTorch's
-    antialiased resampling (``aten/src/ATen/native/cpu/UpSampleKernel.cpp``, ``align_corners=False``):
-    the filter widened by the scale when shrinking, cut to the window ``[xmin, xmax)``, normalised.
-    The weights are computed in float64 over each output pixel's window only (``taps_per_pixel``
-    input pixels, ``taps``: from the CPU's copy of the lengths, so nothing waits for the GPU) and
-    scattered into the matrix of ``dtype``."""
-    device = start.device
-    start, length = start.double()[:, None], length.double()[:, None]  # [m, 1]
-    scale = length / out
-    i = torch.arange(out, device=device, dtype=torch.float64)[None, :]  # [1, out]
-    if interpolation == "nearest":  # F.interpolate's nearest: source floor(i * scale)
-        within = torch.minimum(torch.floor(i * scale), length - 1)[..., None]  # [m, out, 1]
-        weights = torch.ones_like(within)
-    else:
-        half = 2.0 if interpolation == "bicubic" else 1.0  # the filter's support: 2 (bicubic), 1 (bilinear)
-        shrinking = scale >= 1.0
-        support = torch.where(shrinking, half * scale, torch.full_like(scale, half))
-        invscale = torch.where(shrinking, 1.0 / scale, torch.ones_like(scale))
-        center = scale * (i + 0.5)  # [m, out]
-        xmin = torch.clamp(torch.trunc(center - support + 0.5), min=0.0)
-        xmax = torch.minimum(torch.trunc(center + support + 0.5), length)
-        if taps_per_pixel is None:
-            taps_per_pixel = taps(length.cpu(), out, interpolation)
-        within = xmin[..., None] + torch.arange(taps_per_pixel, device=device, dtype=torch.float64)  # [m, out, K]
-        x = ((within - center[..., None] + 0.5) * invscale[..., None]).abs()
-        if interpolation == "bicubic":  # Keys' cubic with a = -0.5, as PIL and PyTorch's antialiasing
-            a = -0.5
-            weights = torch.where(x < 1.0, ((a + 2) * x - (a + 3)) * x * x + 1,
-                                  torch.where(x < 2.0, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, torch.zeros_like(x)))
-        else:
-            weights = torch.clamp(1.0 - x, min=0.0)
-        weights = torch.where(within < xmax[..., None], weights, torch.zeros_like(weights))
-        total = weights.sum(-1, keepdim=True)
-        weights = torch.where(total != 0, weights / total, weights)
-    columns = (within + start[..., None]).clamp_(max=full - 1).long()  # taps past the window weigh 0
-    matrices = torch.zeros((len(start), out, full), dtype=dtype, device=device)
-    return matrices.scatter_add_(2, columns, weights.to(dtype))
 
 
 def check_gpu_decode(device: torch.device) -> None:

@@ -424,7 +424,7 @@ class SampleDecoder:
         """A ``JpegBatch`` of this decoder's crop size and interpolation; a NaFlex tower's: of its patch size, packed
         to the longest row's sequence length."""
         if self.naflex:
-            length = int(boxes[:, -1].max()) if cpu_rows is None or decoded is None else decoded.shape[1]
+            length = int(boxes[:, -1].max()) if decoded is None else decoded.shape[1]  # (the CPU rows' are zeros)
             return JpegBatch(data, boxes, cpu_rows or [], decoded, (length, self.transform.patch_size),
                              self.transform.interpolation, naflex=True)
         return JpegBatch(data, boxes, cpu_rows or [], decoded, tuple(self.transform.size),

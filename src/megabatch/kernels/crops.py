@@ -1,7 +1,7 @@
 """The GPU decoding path's crop-and-resize (``data/gpu_decode.py``) as two Triton passes: each crop
 resized down its rows, then along its columns, with PyTorch's antialiased resampling
 (``F.interpolate(..., antialias=True, align_corners=False)``: bicubic or bilinear; nearest without
-antialiasing). Each tap's weight is computed in float64 as ``gpu_decode.resample_matrices``
+antialiasing). Each tap's weight is computed in float64 as ``kernels/resample.py: resample_matrices``
 computes it, the sums are float64 (the first pass's result is kept in float64 between the passes),
 and the result is clamped and rounded half to even to uint8, as the CPU path does. Only float64
 arithmetic on the vector units: nothing depends on the process-wide TF32 switch (which the step's
@@ -56,7 +56,7 @@ def _tap(index, start, length, full, size, k, MODE: tl.constexpr):
         xmax = tl.minimum((center + support + 0.5).to(tl.int64).to(tl.float64), length)
         within = xmin + k
         x = tl.abs((within - center + 0.5) * invscale)
-        if MODE == 2:  # Keys' cubic, a = -0.5, the operations in gpu_decode.resample_matrices' order
+        if MODE == 2:  # Keys' cubic, a = -0.5, the operations in resample_matrices' order
             weight = tl.where(x < 1.0, ((1.5 * x - 2.5) * x) * x + 1.0,
                               tl.where(x < 2.0, ((-0.5 * x + 2.5) * x - 4.0) * x + 2.0, 0.0))
         else:

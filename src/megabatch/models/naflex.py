@@ -29,6 +29,7 @@ from torch import nn
 from ..config import ConfigError
 from ..kernels.attention import faster_than_sdpa, packed_attention
 from ..kernels.packed_patches import grid_example, unpack
+from ..kernels.resample import resample_matrices
 
 # the oldest timm whose NaFlexVit the tests pass with (requirements.txt's floor): 1.0.16's patch dropout mismatched
 # its mask by the register tokens, 1.0.18's variants could not be built on the meta device (the export's check)
@@ -54,60 +55,40 @@ def read_grids_in_one_copy() -> None:
 
 TIMMS: dict = {}  # timm's functions read_grids_in_one_copy replaced
 
-# F.interpolate(antialias=True)'s filters: (support at scale 1 each side, weight of a distance in input pixels)
-FILTERS = {
-    "bilinear": (1.0, lambda d: (1 - d).clamp(min=0)),
-    "bicubic": (2.0, lambda d: torch.where(d < 1, (1.5 * d - 2.5) * d * d + 1,  # Keys' cubic, a = -0.5 (as PIL's)
-                                           torch.where(d < 2, ((-0.5 * d + 2.5) * d - 4) * d + 2, 0.0))),
-}
-
-
-def resize_weights(index: torch.Tensor, out_size: torch.Tensor, in_size: int, mode: str) -> torch.Tensor:
-    """The weights ``[..., in_size]`` by which ``F.interpolate(mode=, antialias=True, align_corners=False)`` makes
-    output ``index`` of an axis resized from ``in_size`` to ``out_size`` (integer tensors of one shape): each
-    output's own row of the resize, computed on the device (float64) with no host copy. As ATen's antialiased
-    kernels: a filter widened by the scale where it shrinks, clipped to the input and normalised to sum 1."""
-    support, weight = FILTERS[mode]
-    scale = in_size / out_size.to(torch.float64)
-    center = scale * (index.to(torch.float64) + 0.5)
-    stretch = scale.clamp(min=1.0)
-    support = support * stretch
-    first = (center - support + 0.5).trunc().clamp(min=0)
-    end = (center + support + 0.5).trunc().clamp(max=in_size)
-    taps = torch.arange(in_size, device=index.device, dtype=torch.float64)
-    inside = (taps >= first[..., None]) & (taps < end[..., None])
-    weights = weight(((taps - center[..., None] + 0.5) / stretch[..., None]).abs()) * inside
-    return weights / weights.sum(-1, keepdim=True)
-
-
 class PositionsOnDevice(NaFlexEmbeds):
     """timm's ``NaFlexEmbeds`` (``NaFlexTower`` sets its class, ``place_positions_on_device``) whose learned position
     embeddings, resized to each image's grid as timm resizes them (``F.interpolate`` of the table, antialiased, per
     distinct grid size, then ``index_add_`` of those images), are one product for all patches: each patch's row
-    of the separable resize (``resize_weights``, rows and columns) against the table. Same values to rounding
+    of the separable resize (``kernels/resample.py``'s matrices for each image's rows and columns) against the
+    table. Same values to rounding
     (in float32, as timm's), with no host sync and no loop over grid sizes: a sub-batch of cropped images has
     dozens, each a host copy, an interpolation and an ``index_add_`` in timm's; the tower compiles as one graph."""
 
     def _apply_learned_naflex_pos_embed(self, x: torch.Tensor, patch_coord: torch.Tensor) -> None:
+        n, length = patch_coord.shape[:2]
         rows, columns = self.pos_embed.shape[1:3]
         grid = patch_coord.amax(dim=1) + 1  # [n, 2]: each image's (rows, columns), as timm finds them
-        valid = torch.arange(x.shape[1], device=x.device) < grid.prod(dim=1, keepdim=True)  # timm adds to rows < h w
+        valid = torch.arange(length, device=x.device) < grid.prod(dim=1, keepdim=True)  # timm adds to rows < h w
         if self.pos_embed_ar_preserving:  # a square grid of the longer side, then cropped
             grid = grid.amax(dim=1, keepdim=True).expand_as(grid)
-        mode = self.pos_embed_interp_mode
-        along_rows = resize_weights(patch_coord[..., 0], grid[:, None, 0], rows, mode).float()
-        along_columns = resize_weights(patch_coord[..., 1], grid[:, None, 1], columns, mode).float()
-        weights = (along_rows[..., :, None] * (along_columns * valid[..., None])[..., None, :]).flatten(2)
+        along = []
+        for axis, side in enumerate((rows, columns)):  # [n, length, side]: each image's resize, a patch's row of it
+            zero, whole = torch.zeros(n, device=x.device), torch.full((n,), side, device=x.device)
+            resize = resample_matrices(zero, whole, side, grid[:, axis], self.pos_embed_interp_mode, torch.float32,
+                                       taps_per_pixel=side, rows=length)  # (a grid side is at most the length)
+            along.append(resize.gather(1, patch_coord[..., axis, None].expand(-1, -1, side)))
+        weights = (along[0][..., :, None] * (along[1] * valid[..., None])[..., None, :]).flatten(2)
         with torch.autocast(x.device.type, enabled=False):
             x.add_((weights @ self.pos_embed.reshape(rows * columns, -1).float()).to(x.dtype))
 
 
 def place_positions_on_device(embeds: nn.Module) -> bool:
     """``embeds`` (timm's ``NaFlexEmbeds``) becomes ``PositionsOnDevice`` where its settings are what
-    ``resize_weights`` computes (learned, not grid_sample, antialiased bilinear or bicubic without aligned corners);
+    ``resample_matrices`` computes (learned, not grid_sample, antialiased bilinear or bicubic, no aligned corners);
     else it keeps timm's path. Whether it did."""
     if type(embeds) not in (NaFlexEmbeds, PositionsOnDevice) or embeds.pos_embed_type != "learned" \
-            or getattr(embeds, "pos_embed_use_grid_sample", False) or embeds.pos_embed_interp_mode not in FILTERS \
+            or getattr(embeds, "pos_embed_use_grid_sample", False) \
+            or embeds.pos_embed_interp_mode not in ("bilinear", "bicubic") \
             or not getattr(embeds, "pos_embed_antialias", True) or getattr(embeds, "pos_embed_align_corners", False):
         return False
     embeds.__class__ = PositionsOnDevice
