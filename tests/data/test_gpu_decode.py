@@ -616,3 +616,22 @@ def test_sub_batches_decoded_on_the_gpu_join_with_their_boxes():
     assert joined.images.shape == (4, 9, 5) and int(joined.images[:2, 4:].sum()) == 0
     assert torch.equal(joined.boxes, torch.cat([part.boxes for part in parts]))
     assert join_sub_batches([parts[0], parts[1]._replace(boxes=None)]).boxes is None  # the replay draws them again
+
+
+@cuda
+def test_a_naflex_sub_batch_decodes_on_the_gpu_twice_alike_and_as_the_workers_pack_it():
+    """``data.decode=gpu`` with a NaFlex tower, on the GPU: phase 1 and the replay give the same packed bits; against
+    the workers' packing the coordinates and padding are equal and the pixels close (4:4:4: the resize's rounding)."""
+    from megabatch.data.naflex import NaFlexSpec
+
+    spec = NaFlexSpec(patch_size=16, max_seq_len=64, seq_lens=(36, 64), scale=(0.5, 1.0), ratio=(0.75, 4 / 3))
+    datas = [jpeg(seed, size=size, subsampling=0) for seed, size in enumerate([(96, 128), (64, 192), (160, 80)] * 4)]
+    gpu_side, cpu_side = SampleDecoder(spec, seed=0, epoch=0, gpu=True), SampleDecoder(spec, seed=0, epoch=0)
+    batch = gpu_side.again(EncodedImages.from_bytes(datas, list(range(len(datas)))))
+    decoder = GpuDecoder(torch.device("cuda"))
+    first, again = decoder(batch), decoder(gpu_side.jpeg_batch(batch.data, batch.boxes))
+    assert first.is_cuda and torch.equal(first, again)
+    want = cpu_side.collate([cpu_side(data, row) for row, data in enumerate(datas)], None)
+    assert torch.equal(first[..., -4:].cpu(), want[..., -4:])
+    diff = (first.cpu().int() - want.int()).abs().float()
+    assert diff.mean() <= 0.3 and diff.max() <= 2, (diff.mean(), diff.max())
