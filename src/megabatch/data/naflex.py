@@ -126,10 +126,11 @@ class NaFlexSpec:
         seq_len = seq_len or self.max_seq_len
         return NaFlexEval(NaFlexSpec(self.patch_size, seq_len, (seq_len,), interpolation=self.interpolation))
 
-    def collate(self, packed: list[torch.Tensor]) -> torch.Tensor:
+    def collate(self, packed: list[torch.Tensor], length: int = 0) -> torch.Tensor:
         """A sub-batch's images (``patches``' rows, each of its own length) as one uint8 ``[n, L, row_bytes]``,
-        ``L`` the longest's length: the others padded with zero rows."""
-        length = max(item.shape[0] for item in packed)
+        ``L`` the longest's length (or ``length``, if longer: a sub-batch whose other rows the GPU packs): the others
+        padded with zero rows."""
+        length = max(length, *(item.shape[0] for item in packed))
         if all(item.shape[0] == length for item in packed):
             return torch.stack(packed)
         out = torch.zeros(len(packed), length, self.row_bytes, dtype=torch.uint8)

@@ -413,8 +413,7 @@ class SampleDecoder:
                              dtype=torch.int64)
         if self.naflex:  # the CPU's rows packed to the sub-batch's length (the longest row's, GPU's or CPU's)
             length = max(image.shape[0] if torch.is_tensor(image) else image[-1] for image in images)
-            decoded = self.transform.collate([images[row] for row in cpu_rows] + [
-                torch.zeros(length, self.transform.row_bytes, dtype=torch.uint8)])[:-1] if cpu_rows else None
+            decoded = self.transform.collate([images[row] for row in cpu_rows], length) if cpu_rows else None
         else:
             decoded = torch.stack([images[row] for row in cpu_rows]) if cpu_rows else None
         return self.jpeg_batch(data, boxes, cpu_rows, decoded)
