@@ -26,6 +26,8 @@ harness = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(harness)
 def sleeper():
     return [sys.executable, "-c", {sleeper!r}, {pids!r}]
+"""
+TERM = """
 def term_once_written():  # SIGTERM to this process once the run has started its grandchild
     import time
     while not os.path.exists({pids!r}) or len(open({pids!r}).read().split()) < 2:
@@ -35,9 +37,11 @@ threading.Thread(target=term_once_written, daemon=True).start()
 """
 
 
-def run_case(tmp_path, body: str) -> tuple[subprocess.CompletedProcess, list[int]]:
+def run_case(tmp_path, body: str, term: bool = True) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """``body`` after the harness is loaded; ``term``: with SIGTERM sent to it once the run has started."""
     pids = tmp_path / "pids"
-    script = PRELUDE.format(harness=str(HARNESS), sleeper=SLEEPER, pids=str(pids)) + textwrap.dedent(body)
+    script = (PRELUDE + TERM * term).format(harness=str(HARNESS), sleeper=SLEEPER, pids=str(pids)) + \
+        textwrap.dedent(body)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HARNESS.parent)])})
     return done, [int(p) for p in pids.read_text().split()]
@@ -62,6 +66,22 @@ def test_sigterm_stops_the_run_in_progress_and_its_whole_process_group(tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {"code": "stopped", "stopped": True}
     assert all(gone(pid) for pid in pids)  # torchrun's workers too: they would hold the GPUs
+
+
+def test_a_timeout_stops_the_workers_a_launcher_started_in_sessions_of_their_own(tmp_path):
+    """torchrun starts its workers in sessions of their own: the launcher's process group does not hold them, and
+    a timeout that signalled the group alone left them holding the GPU (the next run then ran out of memory)."""
+    done, pids = run_case(tmp_path, """
+        import subprocess
+        def sleeper():
+            return [sys.executable, "-c", {session_sleeper!r}, {pids!r}]
+        code, out = harness.run_group(sleeper(), timeout_s=3)
+        print(json.dumps({{"code": code}}))
+    """.format(session_sleeper=SLEEPER.replace("subprocess.Popen([", "subprocess.Popen(start_new_session=True, args=["),
+               pids=str(tmp_path / "pids")), term=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"code": "timeout"}
+    assert len(pids) == 2 and all(gone(pid) for pid in pids)
 
 
 def test_a_stopped_harness_writes_the_stopped_runs_steps_and_starts_no_other(tmp_path):

@@ -42,6 +42,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
+from processes import children, descendants  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("kill-worker", "kill-loader-worker", "requeue", "lost-node", "kill-in-write", "corrupt-newest", "other-ranks")
 RUN = ["trainer.log_every=1", "eval=none", "model.image.patch_dropout=0", "data.train.shuffle_buffer=64",
@@ -136,20 +139,6 @@ class Job:
 
     def finish(self, timeout: float) -> int:
         return self.process.wait(timeout)
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for child in children(pid):
-        found += [child, *descendants(child)]
-    return found
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def leftovers(workdir: Path) -> list[int]:

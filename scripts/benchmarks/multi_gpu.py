@@ -61,6 +61,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
+from processes import signal_tree, wait_gone  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ARGV = "MEGABATCH_OPENCLIP_ARGV"
 PLAN_LINES = ("trainer.sub_batch=auto", "trainer.keep_graph", "FSDP:", "tuning the Triton", "decoded ahead",
@@ -214,16 +217,20 @@ def run_group(command: list[str], timeout_s: float, env: dict | None = None) -> 
         stopped = isinstance(why, Stop)
         if stopped:
             STOPPED.set()
-        out = ""
-        # the group's processes 20 s to stop (5 s where the harness itself is being stopped), then killed
+        out, tree = "", set()
+        # the group's processes and every process under the launcher (torchrun's workers are in sessions of their
+        # own) 20 s to stop (5 s where the harness itself is being stopped), then killed
         for sig, grace in ((signal.SIGTERM, 5 if stopped else 20), (signal.SIGKILL, 20)):
             with contextlib.suppress(ProcessLookupError):  # the group had already exited
                 os.killpg(process.pid, sig)
+            tree = signal_tree(process.pid, sig, tree)
+            start = time.monotonic()
             try:
                 out, _ = process.communicate(timeout=grace)
-                break
             except subprocess.TimeoutExpired:
                 continue
+            if wait_gone(tree, grace - (time.monotonic() - start)):  # the launcher's orphans too
+                break
         return "stopped" if stopped else "timeout", out
 
 
