@@ -9,13 +9,15 @@ from __future__ import annotations
 import torch
 
 
-def taps(lengths: torch.Tensor, out: int, interpolation: str) -> int:
+def taps(lengths: torch.Tensor, out: int | torch.Tensor, interpolation: str) -> int:
     """The most input pixels one output pixel reads along an axis, for crops of ``lengths`` (CPU)
-    resized to ``out``: the filter's support, widened by the scale when shrinking, both sides."""
+    resized to ``out`` (or each to its own, a CPU tensor): the filter's support, widened by the scale when
+    shrinking, both sides."""
     if interpolation == "nearest" or len(lengths) == 0:
         return 1
     half = 2.0 if interpolation == "bicubic" else 1.0
-    return int(2 * half * max(int(lengths.max()) / out, 1.0)) + 2
+    scale = float((lengths.double() / out.double()).max()) if torch.is_tensor(out) else int(lengths.max()) / out
+    return int(2 * half * max(scale, 1.0)) + 2
 
 
 def resample_matrices(start: torch.Tensor, length: torch.Tensor, full: int, out: int | torch.Tensor,
