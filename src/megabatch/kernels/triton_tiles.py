@@ -43,6 +43,7 @@ LOG2E = 1.4426950408889634
 PARTIAL_BYTES = 256 * 2**20  # column (max, sum) partials of one forward stripe
 G_BYTES = 768 * 2**20  # one backward block of G' (extra memory: fp32 accumulators + < 1 GB)
 G_ALIGN = 256  # G' block sides are multiples of every tile size
+SPREAD_LOG2 = tl.constexpr(64.0)  # a tile's logits or log-sum-exps this close (base 2): one exponential a logit
 FP16_G_SCALE = 2.0**14  # |G'| <= 2: scaled into fp16's normal range, undone in the GEMM's alpha
 
 
@@ -119,16 +120,32 @@ def _stats_kernel(
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         ROUND_TF32)
         s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
-        # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-        m_i = m_new
-        # columns: this row block's share, shifted by its own maximum (never under/overflows)
-        s_col = tl.where(row_ok[:, None], s, float("-inf"))
+        s_col = tl.where(row_ok[:, None], s, float("-inf"))  # the valid logits only
+        r_max = tl.max(s, 1)  # every tile has a valid column: finite (0 on padding rows)
         c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
-        c_sum = tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
+        m_new = tl.maximum(m_i, r_max)
+        # the tile's maximum, and the smallest row's or column's: within SPREAD_LOG2 of each other, one exponential
+        # a logit shifted by the tile's maximum serves both directions (each row's and column's terms then keep at
+        # least 2^(SPREAD_LOG2 - 126) of their own maximum's scale before fp32 flushes them; at most b of them lost:
+        # < 2^-42 of the sum at b = 2^20); else a row's and a column's shift each (two exponentials)
+        t_max = tl.max(tl.where(col_ok, c_max, float("-inf")), 0)
+        low = tl.minimum(tl.min(tl.where(row_ok, r_max, float("inf")), 0),
+                         tl.min(tl.where(col_ok, c_max, float("inf")), 0))
+        if t_max - low <= SPREAD_LOG2:
+            e = tl.exp2(s_col - t_max)
+            row_add = tl.where(row_ok, tl.sum(e, 1) * tl.exp2(t_max - m_new), 0.0)
+            c_ref = tl.where(col_ok, tl.zeros((BLOCK_N,), tl.float32) + t_max, 0.0)
+            c_sum = tl.sum(e, 0)
+        else:
+            row_add = tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            c_ref = c_max
+            c_sum = tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
+        # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
+        l_i = l_i * tl.exp2(m_i - m_new) + row_add
+        m_i = m_new
+        # columns: this row block's share, with its shift (the merge takes any)
         part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
-        tl.store(col_max_ptr + part, c_max, mask=col_ok)
+        tl.store(col_max_ptr + part, c_ref, mask=col_ok)
         tl.store(col_sum_ptr + part, c_sum, mask=col_ok)
     row_part = pid_s.to(tl.int64) * stride_row_part + offs_m  # [splits, m]
     tl.store(row_max_ptr + row_part, m_i, mask=row_ok)
@@ -173,7 +190,19 @@ def _grad_kernel(
     row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
     s = acc * scale2
-    g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
+    # the tile's log-sum-exps within SPREAD_LOG2 of each other: one exponential a logit, shifted by their maximum,
+    # times the rows' and the columns' own factors (exp2(s - lse) = exp2(s - hi) exp2(hi - lse)); each probability
+    # under 2^(SPREAD_LOG2 - 126) flushed to zero; else two exponentials
+    hi = tl.maximum(tl.max(tl.where(row_ok, row_lse2, float("-inf")), 0),
+                    tl.max(tl.where(col_ok, col_lse2, float("-inf")), 0))
+    lo = tl.minimum(tl.min(tl.where(row_ok, row_lse2, float("inf")), 0),
+                    tl.min(tl.where(col_ok, col_lse2, float("inf")), 0))
+    if hi - lo <= SPREAD_LOG2:
+        row_f = tl.where(row_ok, tl.exp2(hi - row_lse2), 0.0)
+        col_f = tl.where(col_ok, tl.exp2(hi - col_lse2), 0.0)
+        g = tl.exp2(s - hi) * (row_f[:, None] + col_f[None, :])
+    else:
+        g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
     if DIAGONAL:
         g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
     g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)

@@ -1,0 +1,150 @@
+"""The loss kernels pass by pass, TFLOP/s and share of the GPU's bf16 peak, for several source trees side by side.
+
+    python scripts/benchmarks/loss_passes.py --trees before=before/src,after=src --batches 256k,1M --dims 512,768 \\
+        --out loss_passes.json
+
+One process per tree (its ``megabatch`` imported from the tree's ``src``), the same features in each. Passes, on
+one ``b x b`` block with positives on the diagonal (the one-GPU loss):
+- ``stats``: the forward, both directions' log-sum-exps (``block_stats``): one ``b^2 c`` GEMM's FLOPs (2 b^2 c);
+- ``grad_kernel``: the backward's kernel alone, ``G'`` written block by block (no GEMMs): one GEMM's FLOPs;
+- ``backward``: the whole backward (``block_grads``: the kernel and cuBLAS's two GEMMs): three GEMMs' FLOPs;
+- ``loss``: ``stats`` then ``backward``, four GEMMs' FLOPs (the recomputed logits counted).
+``--dtypes``: ``bf16`` features, or ``fp32_bf16_values`` (fp32 holding bf16 values, as GradCache's phase 2 calls the
+loss: the kernels' dots in bf16, ``G'`` and the GEMMs fp32 with TF32). ``--configs``: tile configs (JSON objects)
+tried on the kernels besides each tree's own (``kernels/tuned.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench, however the script is started
+
+PEAK_BF16_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H200": 989.0}
+PASS_GEMMS = {"stats": 1, "grad_kernel": 1, "backward": 3, "loss": 4}
+DTYPES = ("bf16", "fp32_bf16_values")
+
+
+def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: list[str], configs: list[dict],
+            repeats: int) -> list[dict]:
+    """Every pass in ``tree`` (its ``src`` first on the path), a row each."""
+    sys.path.insert(0, str(Path(tree).resolve()))
+    import torch
+    import torch.nn.functional as F
+
+    from megabatch.kernels import triton_tiles as tt
+
+    assert Path(tt.__file__).resolve().is_relative_to(Path(tree).resolve()), tt.__file__
+    torch.backends.cuda.matmul.allow_tf32 = True
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: TRITON_INTERPRET=1, a smoke test
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = PEAK_BF16_TFLOPS.get(gpu)
+    rows_out = []
+
+    def timed(fn) -> float:
+        fn()  # compile, tune, warm
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    for b in batches:
+        for c in dims:
+            generator = torch.Generator(device=device).manual_seed(0)
+            image = F.normalize(torch.randn(b, c, device=device, generator=generator), dim=-1)
+            text = F.normalize(image + 0.8 * torch.randn(b, c, device=device, generator=generator), dim=-1)
+            scale, weight = torch.tensor(100.0, device=device), torch.tensor(1.0 / (2 * b), device=device)
+            for dtype_name in dtypes:
+                rows, cols = image.bfloat16(), text.bfloat16()
+                dots = None
+                if dtype_name == "fp32_bf16_values":
+                    rows, cols, dots = rows.float(), cols.float(), torch.bfloat16
+                own = {kernel: tt.get_config(kernel, rows.to(dots) if dots else rows, "tf32")
+                       for kernel in ("stats", "grad")}
+                for config in [None, *configs]:
+                    stats_config = config or own["stats"]
+                    grad_config = config or own["grad"]
+                    operands = tt._dot_operands(rows, cols, dots)
+                    lse = tt.block_stats(rows, cols, scale, config=stats_config, dots_dtype=dots)
+                    passes = {  # called in this iteration only
+                        "stats": partial(tt.block_stats, rows, cols, scale, config=stats_config, dots_dtype=dots),
+                        "grad_kernel": partial(tt._grad_launch, rows, cols, scale, *lse, True, "tf32", grad_config,
+                                               dots=operands),
+                        "backward": partial(tt.block_grads, rows, cols, scale, *lse, weight, True,
+                                            config=grad_config, dots_dtype=dots),
+                    }
+                    seconds = {}
+                    for pass_name, fn in passes.items():
+                        try:
+                            seconds[pass_name] = timed(fn)
+                        except Exception as error:  # a config this GPU cannot run (shared memory, registers)
+                            seconds[pass_name] = None
+                            print(f"{name} b={b} c={c} {dtype_name} {config}: {pass_name} {type(error).__name__}",
+                                  file=sys.stderr)
+                    if seconds["stats"] is not None and seconds["backward"] is not None:
+                        seconds["loss"] = seconds["stats"] + seconds["backward"]
+                    for pass_name, s in seconds.items():
+                        if s is None:
+                            continue
+                        tflops = PASS_GEMMS[pass_name] * 2 * b * b * c / s / 1e12
+                        row = {"tree": name, "batch": b, "dim": c, "dtype": dtype_name, "pass": pass_name,
+                               "config": "own" if config is None else config,
+                               "tile": stats_config if pass_name == "stats" else grad_config,
+                               "time_s": s, "tflops": tflops, "peak_share": tflops / peak if peak else None}
+                        rows_out.append(row)
+                        print(json.dumps(row), flush=True)
+            del image, text
+            torch.cuda.empty_cache()
+    return rows_out
+
+
+def main() -> None:
+    from megabatch.config import parse_count
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trees", default="this=src", help="name=src-path pairs, comma-separated, run in turn")
+    parser.add_argument("--batches", default="256k")
+    parser.add_argument("--dims", default="512,768")
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--configs", default="[]", help="a JSON list of tile configs tried besides the trees' own")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    batches = [parse_count(b, "--batches") for b in args.batches.split(",")]
+    dims = [int(c) for c in args.dims.split(",")]
+    dtypes, configs = args.dtypes.split(","), json.loads(args.configs)
+    if args.worker:  # one tree, in a process of its own
+        name, _, tree = args.worker.partition("=")
+        Path(args.out).write_text(json.dumps(measure(tree, name, batches, dims, dtypes, configs, args.repeats)))
+        return
+    from bench import write_results
+
+    results = []
+    for pair in args.trees.split(","):
+        part = f"{args.out}.{pair.partition('=')[0]}.part"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([pair.partition("=")[2], os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", pair, "--out", part], env=env)
+        if done.returncode == 0:
+            results += json.loads(Path(part).read_text())
+            Path(part).unlink()
+        else:
+            results.append({"tree": pair.partition("=")[0], "status": f"exit {done.returncode}"})
+        write_results(args.out, results, trees=args.trees, passes=PASS_GEMMS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The loss kernels compile for Hopper (sm_90) on a machine without a GPU: Triton's own compiler and the ``ptxas`` it
+ships, to a cubin. ``TRITON_INTERPRET=1`` runs a kernel's Python, which accepts what the compiler refuses (a global
+that is not a ``tl.constexpr``, a branch whose two sides differ in type): this is the check the interpreted tests
+cannot make, before any GPU time is spent on a kernel that does not build. The compiler runs in a process of its
+own, without the interpreter the test session sets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ..helpers import ROOT
+
+pytest.importorskip("triton")
+
+KERNELS = ["_stats_kernel", "_grad_kernel", "_sigmoid_kernel", "_distill_stats_kernel", "_distill_grad_kernel"]
+COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megabatch.kernels import triton_tiles
+
+FLOATS = {"g_scale", "t_scale", "t_weight", "diagonal_weight"}  # the kernels' float arguments; other scalars: int32
+OPERANDS = {"rows_ptr", "cols_ptr", "t_rows_ptr", "t_cols_ptr", "g_ptr"}
+kernel, sizes = getattr(triton_tiles, sys.argv[1]), {}
+for features, flags in (("bf16", True), ("fp32", False)):  # every boolean constant on, then off
+    constants = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32 if features == "fp32" else 64, "PRECISION": "tf32",
+                 "GROUP_M": 8}
+    types, values = {}, {}
+    for param in kernel.params:
+        if param.is_constexpr:
+            types[param.name], values[param.name] = "constexpr", constants.get(param.name, flags)
+        elif param.name.endswith("_ptr"):
+            types[param.name] = f"*{features}" if param.name in OPERANDS else "*fp32"
+        else:
+            types[param.name] = "fp32" if param.name in FLOATS else "i32"
+    compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=values),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    sizes[features] = len(compiled.asm["cubin"])
+print(json.dumps(sizes))
+"""
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_the_loss_kernels_compile_for_hopper(name, tmp_path):
+    """Each kernel with bf16 features and every flag on, and with fp32 features and every flag off."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", COMPILE, name], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sizes = json.loads(done.stdout.splitlines()[-1])
+    assert sizes["bf16"] > 0 and sizes["fp32"] > 0
