@@ -115,7 +115,10 @@ def main() -> None:
     from megabatch.config import parse_count
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trees", default="this=src", help="name=src-path pairs, comma-separated, run in turn")
+    parser.add_argument("--trees", default="this=src",
+                        help="name=src-path pairs, comma-separated, run in turn; name=src-path@KEY=VALUE sets an "
+                             "environment variable for that tree (MEGABATCH_LOSS_SPREAD_LOG2=64: one exponential a "
+                             "logit)")
     parser.add_argument("--batches", default="256k")
     parser.add_argument("--dims", default="512,768")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
@@ -129,6 +132,7 @@ def main() -> None:
     dtypes, configs = args.dtypes.split(","), json.loads(args.configs)
     if args.worker:  # one tree, in a process of its own
         name, _, tree = args.worker.partition("=")
+        tree = tree.partition("@")[0]
         Path(args.out).write_text(json.dumps(measure(tree, name, batches, dims, dtypes, configs, args.repeats)))
         return
     from bench import write_results
@@ -136,7 +140,10 @@ def main() -> None:
     results = []
     for pair in args.trees.split(","):
         part = f"{args.out}.{pair.partition('=')[0]}.part"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([pair.partition("=")[2], os.environ.get("PYTHONPATH", "")])}
+        tree, _, setting = pair.partition("=")[2].partition("@")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+        if setting:
+            env[setting.partition("=")[0]] = setting.partition("=")[2]
         done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", pair, "--out", part], env=env)
         if done.returncode == 0:
             results += json.loads(Path(part).read_text())

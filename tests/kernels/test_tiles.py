@@ -153,8 +153,9 @@ def test_near_duplicates_and_opposites_at_scale_100(case):
 @pytest.mark.parametrize("spread", [-1.0, 1e9], ids=["two-exponentials", "one-exponential"])
 def test_both_forms_of_a_tile_match_float64(monkeypatch, spread):
     """A tile whose logits (forward) or log-sum-exps (backward) lie within ``SPREAD_LOG2`` of each other takes one
-    exponential a logit, shifted by the tile's maximum, for both directions; else two. Each form, forced on every
-    tile, matches float64 where the inputs allow both (these tiles' spreads are far below fp32's range)."""
+    exponential a logit, shifted by the tile's maximum, for both directions; else two (the default, -1: every
+    tile). Each form, forced on every tile, matches float64 where the inputs allow both (these tiles' spreads are
+    far below fp32's range)."""
     monkeypatch.setattr(triton_tiles, "SPREAD_LOG2", triton_tiles.tl.constexpr(spread))
     check_against_torch("triton", "fp32", 67, 67, 40, 10.0, True)
     check_against_torch("triton", "bf16", 67, 45, 48, 30.0, False)
@@ -173,8 +174,10 @@ def spread_tile(dtype: torch.dtype):
 
 
 def test_a_tile_spread_past_fp32s_range_takes_two_exponentials(monkeypatch):
-    """Not vacuous: the spread check is what keeps such a tile exact; one shift forced on it loses its far column."""
+    """Not vacuous: the spread check is what keeps such a tile exact under the one-exponential form (64, opt-in:
+    ``MEGABATCH_LOSS_SPREAD_LOG2``); one shift forced on it loses its far column."""
     rows, cols = spread_tile(torch.float32)
+    monkeypatch.setattr(triton_tiles, "SPREAD_LOG2", triton_tiles.tl.constexpr(64.0))
     check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols)
     monkeypatch.setattr(triton_tiles, "SPREAD_LOG2", triton_tiles.tl.constexpr(1e9))
     with pytest.raises(AssertionError):

@@ -135,7 +135,7 @@ def dense_crops(images: torch.Tensor, crop: torch.Tensor, size: tuple[int, int],
 
 
 def packed_groups(groups: list[tuple], boxes: torch.Tensor, size: tuple[int, int], interpolation: str,
-                  chunk_bytes: float = 512e6) -> torch.Tensor:
+                  chunk_bytes: float = 128e6) -> torch.Tensor:
     """A NaFlex tower's ``cropped_groups``: each row (of ``groups``, as there) cut to its box, resized to its own
     size (``boxes``' columns 7 and 8, ``NaFlexSpec.gpu_row``: the aspect ratio kept, whole patches) as
     ``dense_crops`` resizes, cut into patches and packed with their coordinates as ``NaFlexSpec.patches`` packs

@@ -43,7 +43,10 @@ LOG2E = 1.4426950408889634
 PARTIAL_BYTES = 256 * 2**20  # column (max, sum) partials of one forward stripe
 G_BYTES = 768 * 2**20  # one backward block of G' (extra memory: fp32 accumulators + < 1 GB)
 G_ALIGN = 256  # G' block sides are multiples of every tile size
-SPREAD_LOG2 = tl.constexpr(64.0)  # a tile's logits or log-sum-exps this close (base 2): one exponential a logit
+# one exponential a logit for a tile whose logits (forward) or log-sum-exps (backward) lie within 2^SPREAD_LOG2 of
+# each other (64: exact as two, tests/kernels/test_tiles.py); -1, the default, keeps two everywhere until the one
+# form is measured on a GPU (scripts/benchmarks/loss_passes.py with MEGABATCH_LOSS_SPREAD_LOG2=64 beside the default)
+SPREAD_LOG2 = tl.constexpr(float(os.environ.get("MEGABATCH_LOSS_SPREAD_LOG2", "-1")))
 FP16_G_SCALE = 2.0**14  # |G'| <= 2: scaled into fp16's normal range, undone in the GEMM's alpha
 
 
