@@ -88,6 +88,23 @@ def loss_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
+def loss_passes_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/loss_passes.py: each pass's time, TFLOP/s and share of the bf16 peak, per source tree."""
+    rows = ["| tree | batch | c | features | pass | tiles (M x N, warps) | time | TFLOP/s | % of bf16 peak |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        if "pass" not in row:
+            rows.append(f"| {row['tree']} | {row.get('status')} | | | | | | | |")
+            continue
+        tile = row["tile"]
+        shown = f"{row['time_s'] * 1000:.0f} ms" if row["time_s"] < 1 else f"{row['time_s']:.2f} s"
+        share = f"{100 * row['peak_share']:.1f}" if row.get("peak_share") else "-"
+        rows.append(f"| {row['tree']} | {batch_name(row['batch'])} | {row['dim']} | {row['dtype']} | {row['pass']} | "
+                    f"{tile['BLOCK_M']} x {tile['BLOCK_N']}, {tile['num_warps']} | {shown} | {row['tflops']:.0f} | "
+                    f"{share} |")
+    return rows
+
+
 def e2e_rows(data: dict) -> tuple[list[dict], dict | None]:
     ours = [row for row in data["results"] if row.get("system") == "megabatch"]
     theirs = next((row for row in data["results"] if str(row.get("system", "")).startswith("openclip")), None)
@@ -402,6 +419,7 @@ def chaos_table(data: dict, entry: dict) -> list[str]:
 
 
 TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "chaos": chaos_table, "loss": loss_table,
+          "loss_passes": loss_passes_table,
           "e2e": e2e_table,
           "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
