@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"run", "bench"}  # this runner, and the helpers the benchmarks share (bench.py)
+NOT_BENCHMARKS = {"run", "bench", "processes"}  # this runner, and the helpers the benchmarks share
 
 
 def benchmarks() -> dict[str, str]:
