@@ -46,12 +46,14 @@ def write_sets(root) -> list[str]:
         rows.append({"image": f"{index}.png", "captions": [f"the digit {index}", f"the number {9 - index}"],
                      "subset": ["replace_obj", "swap_att"][index % 2]})
     (root / "sel.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return ["eval=[digits,retrieval,imagenet,digits_probe,sugarcrepe]", "eval.digits.batch_size=64",
+    return ["eval=[digits,retrieval,imagenet,digits_probe,sugarcrepe,digits_dense]", "eval.digits.batch_size=64",
             "eval.retrieval.format=clip_benchmark", f"eval.retrieval.root={root / 'pairs'}",
             "eval.retrieval.batch_size=2", "eval.imagenet.format=clip_benchmark", f"eval.imagenet.root={root / 'voc'}",
             "eval.imagenet.classnames=null", "eval.imagenet.templates=null", "eval.imagenet.batch_size=2",
             "eval.digits_probe.format=clip_benchmark", f"eval.digits_probe.root={root / 'probe'}",
-            "eval.digits_probe.batch_size=4", f"eval.sugarcrepe.jsonl={root / 'sel.jsonl'}",
+            "eval.digits_probe.batch_size=4", "eval.digits_dense.format=clip_benchmark",
+            f"eval.digits_dense.root={root / 'probe'}", "eval.digits_dense.classnames=null",
+            "eval.digits_dense.batch_size=4", f"eval.sugarcrepe.jsonl={root / 'sel.jsonl'}",
             "eval.sugarcrepe.batch_size=2"]
 
 
@@ -84,7 +86,7 @@ def test_two_ranks_give_one_processs_numbers(tmp_path, lockstep):
         for rank in ranks:
             assert rank["results"][name] == pytest.approx(expected, abs=1e-6), (name, rank["results"][name], expected)
     expected_metrics = {"digits": "top1", "retrieval": "image_to_text_R@1", "imagenet": "mAP",
-                        "digits_probe": "lp_top1", "sugarcrepe": "acc"}
+                        "digits_probe": "lp_top1", "sugarcrepe": "acc", "digits_dense": "dense_miou"}
     assert all(metric in alone["results"][name] for name, metric in expected_metrics.items())
     images_alone = sum(alone["calls"]["image"])
     shares = [sum(rank["calls"]["image"]) for rank in ranks]

@@ -286,7 +286,8 @@ class EvalSetSettings:
     name: str
     every: int | None
     at_end: bool
-    task: Literal["zeroshot", "retrieval", "captioning", "image_caption_selection", "linear_probe"] = "zeroshot"
+    task: Literal["zeroshot", "retrieval", "captioning", "image_caption_selection", "linear_probe",
+                  "dense_probe"] = "zeroshot"
     format: Literal["wds", "folder", "objectnet", "clip_benchmark"] = "wds"
     split: str = "test"
     root: str | None = None
@@ -301,6 +302,7 @@ class EvalSetSettings:
     probe_epochs: int = 10
     probe_batch_size: int = 64
     probe_seed: int = 0
+    mosaic: int = 2
     jsonl: str | None = None
     classnames: str | tuple[str, ...] | None = None
     templates: str | tuple[str, ...] | None = None

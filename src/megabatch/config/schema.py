@@ -121,7 +121,7 @@ class EvalConfig:
     at_end: bool = MISSING
     # only some eval options set these
     task: str = "zeroshot"            # zeroshot | retrieval | captioning (BLEU, CIDEr) | image_caption_selection
-    #                                   | linear_probe
+    #                                   | linear_probe | dense_probe (the linear probe on patch tokens)
     format: str = "wds"               # wds | folder | objectnet | clip_benchmark (root: CLIP_benchmark's wds layout)
     split: str = "test"               # format=clip_benchmark: the split folder under root
     root: str | None = None
@@ -137,6 +137,7 @@ class EvalConfig:
     probe_epochs: int = 10
     probe_batch_size: int = 64
     probe_seed: int = 0
+    mosaic: int = 2                   # task=dense_probe (eval/dense.py): images a side of a scene
     jsonl: str | None = None
     classnames: Any = None            # a named set or a list; null: the set named like eval.name
     templates: Any = None
@@ -504,8 +505,8 @@ def check_eval_set(eval_cfg: DictConfig) -> None:
     at_least(eval_cfg.chunk, f"{key}.chunk", 1, "1024")
     at_least(eval_cfg.num_workers, f"{key}.num_workers", 0, "4")
     choice(eval_cfg.task, f"{key}.task", ("zeroshot", "retrieval", "captioning", "image_caption_selection",
-                                          "linear_probe"))
-    if eval_cfg.task == "linear_probe":
+                                          "linear_probe", "dense_probe"))
+    if eval_cfg.task in ("linear_probe", "dense_probe"):
         check_probe(eval_cfg)
     choice(eval_cfg.format, f"{key}.format", ("wds", "folder", "objectnet", "clip_benchmark"))
     choice(eval_cfg.weights, f"{key}.weights", ("auto", "raw", "ema", "both"))
@@ -554,7 +555,7 @@ def check_eval_data(eval_cfg: DictConfig) -> None:
             raise ConfigError(f"{key}.root={eval_cfg.root!r}: not a readable folder ({what}): fix the path, "
                               f"{leave_out}")
         if eval_cfg.format == "folder":
-            folders = [root] if eval_cfg.task != "linear_probe" else \
+            folders = [root] if eval_cfg.task not in ("linear_probe", "dense_probe") else \
                 [os.path.join(root, str(split)) for split in (eval_cfg.train_split, eval_cfg.val_split, eval_cfg.split)
                  if split is not None]  # a probe's splits under root
             for folder in folders:
@@ -599,11 +600,13 @@ def check_probe(eval_cfg: DictConfig) -> None:
         raise ConfigError(f"{key}.probe_lr={eval_cfg.probe_lr} must be positive, e.g. 0.1")
     at_least(eval_cfg.probe_epochs, f"{key}.probe_epochs", 1, "10")
     at_least(eval_cfg.probe_batch_size, f"{key}.probe_batch_size", 1, "64")
+    if eval_cfg.task == "dense_probe":
+        at_least(eval_cfg.get("mosaic", 2), f"{key}.mosaic", 1, "2 (images a side of a scene)")
     if eval_cfg.format not in ("wds", "folder", "clip_benchmark"):
-        raise ConfigError(f"{key}.task=linear_probe reads format=clip_benchmark, folder or wds, not "
+        raise ConfigError(f"{key}.task={eval_cfg.task} reads format=clip_benchmark, folder or wds, not "
                           f"{eval_cfg.format}")
     if eval_cfg.format == "wds" and not embedded_digits(eval_cfg) and not (eval_cfg.urls and eval_cfg.train_urls):
-        raise ConfigError(f"{key}.task=linear_probe needs {key}.train_urls and {key}.urls (the training and test "
+        raise ConfigError(f"{key}.task={eval_cfg.task} needs {key}.train_urls and {key}.urls (the training and test "
                           "splits' shards: cls + image)")
 
 

@@ -52,11 +52,12 @@ def check_task(eval_cfg) -> None:
     """The set's type and ``eval.<name>.task`` agree."""
     kind = dataset_type(eval_cfg)
     wanted = "retrieval" if kind == "retrieval" else "zeroshot"
-    if eval_cfg.task not in (wanted, "captioning" if kind == "retrieval" else "linear_probe"):
+    probes = ("linear_probe", "dense_probe")
+    if eval_cfg.task not in (wanted, *(("captioning",) if kind == "retrieval" else probes)):
         raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r} is a {kind} set (its dataset_type.txt): "
                           f"set eval.{eval_cfg.name}.task={wanted}")
-    if kind == "multilabel" and eval_cfg.task == "linear_probe":
-        raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r} is a multilabel set: the linear probe takes "
+    if kind == "multilabel" and eval_cfg.task in probes:
+        raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r} is a multilabel set: the probes take "
                           f"one class an image; set eval.{eval_cfg.name}.task=zeroshot (mean average precision)")
 
 

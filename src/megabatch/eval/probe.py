@@ -127,11 +127,12 @@ def fewshot_indices(labels: torch.Tensor, k: int | None, seed: int, key: str) ->
     return torch.tensor(sorted(rows))
 
 
-def probe(splits: dict[str, tuple[torch.Tensor, torch.Tensor]], eval_cfg, device, ranks: Ranks | None = None
-          ) -> dict[str, float]:
+def probe(splits: dict[str, tuple[torch.Tensor, torch.Tensor]], eval_cfg, device, ranks: Ranks | None = None,
+          scores: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] = None) -> dict[str, float]:
     """The probe on features ``{"train", "val" (optional), "test": (features, labels)}``: the weight-decay
-    search on val (its classifiers shared out over the ranks), the final classifier on train (+ val), its test
-    scores."""
+    search on val (its classifiers shared out over the ranks, by top-1), the final classifier on train (+ val), its
+    test scores (``scores(logits, labels)``: ``classification_scores``, or the dense probe's)."""
+    scores = scores or classification_scores
     key = f"eval.{eval_cfg.name}"
     seed, k = eval_cfg.probe_seed, eval_cfg.fewshot
     train, test = splits["train"], splits["test"]
@@ -155,7 +156,7 @@ def probe(splits: dict[str, tuple[torch.Tensor, torch.Tensor]], eval_cfg, device
             train = (torch.cat([train[0], val[0]]), torch.cat([train[1], val[1]]))
     with torch.no_grad():
         logits = fit(train, weight_decay)(test[0].to(device)).float().cpu()
-    return {**classification_scores(logits, test[1]), "weight_decay": weight_decay,
+    return {**scores(logits, test[1]), "weight_decay": weight_decay,
             "fewshot_k": float(k if k is not None else -1), "weight_decays_tried": float(len(searched)),
             "train_samples": float(len(train[1])), "samples": len(test[1])}
 

@@ -112,9 +112,9 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device, cache: str | None 
     templates, images), image-text retrieval when ``task=retrieval``, a CoCa's captions scored against
     references when ``task=captioning``, hard negatives when ``task=image_caption_selection``, a linear
     classifier on the frozen image features when ``task=linear_probe`` (features kept under ``cache`` where
-    given). Images are preprocessed as the model says (``model.preprocess``: open_clip's evaluation
-    transform). Under torchrun every rank calls this together: each encodes its share of the set
-    (``eval/ranks.py``), and every rank returns the whole set's numbers."""
+    given), on its patch tokens when ``task=dense_probe``. Images are preprocessed as the model says
+    (``model.preprocess``: open_clip's evaluation transform). Under torchrun every rank calls this together: each
+    encodes its share of the set (``eval/ranks.py``), and every rank returns the whole set's numbers."""
     from ..data.transforms import eval_transform
     from .datasets import eval_batches, labels_within, resolve_eval_set
 
@@ -140,6 +140,10 @@ def run_zeroshot(model, tokenize, eval_cfg, data_cfg, device, cache: str | None 
             from .probe import run_linear_probe
 
             return run_linear_probe(model, eval_cfg, data_cfg, transform, device, ranks, cache)
+        if eval_cfg.task == "dense_probe":
+            from .dense import run_dense_probe
+
+            return run_dense_probe(model, eval_cfg, data_cfg, transform, device, ranks)
         classnames, templates = resolve_eval_set(eval_cfg)
         classifier = build_classifier(model, tokenize, classnames, templates, device, ranks=ranks)
         batches = labels_within(eval_batches(eval_cfg, data_cfg, transform, len(classnames), ranks), len(classnames),

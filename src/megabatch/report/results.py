@@ -12,6 +12,7 @@ TASKS = {  # a result's task, told by the metric only it has, and that task's ma
     "top1": ("zeroshot", "top1"),
     "mAP": ("zeroshot_multilabel", "mAP"),
     "lp_top1": ("linear_probe", "lp_top1"),
+    "dense_miou": ("dense_probe", "dense_miou"),
     "cider": ("captioning", "cider"),
     "acc": ("image_caption_selection", "acc"),
     "image_to_text_R@1": ("retrieval", "image_to_text_R@1"),
@@ -30,8 +31,8 @@ def main_metric(result: dict) -> str:
 def headline(result: dict[str, float]) -> float:
     """The one number of a set's result: zero-shot top-1 (mAP for a multi-label set), image-to-text R@1 for
     retrieval, CIDEr (x 100) for captioning, the accuracy (both ways) for image-caption selection, the linear
-    probe's top-1."""
-    for metric in ("top1", "mAP", "lp_top1", "cider", "acc"):
+    probe's top-1, the dense probe's mean IoU."""
+    for metric in ("top1", "mAP", "lp_top1", "dense_miou", "cider", "acc"):
         if metric in result:
             return result[metric]
     return result["image_to_text_R@1"]
