@@ -221,9 +221,9 @@ def run_group(command: list[str], timeout_s: float, env: dict | None = None) -> 
         # the group's processes and every process under the launcher (torchrun's workers are in sessions of their
         # own) 20 s to stop (5 s where the harness itself is being stopped), then killed
         for sig, grace in ((signal.SIGTERM, 5 if stopped else 20), (signal.SIGKILL, 20)):
+            tree = signal_tree(process.pid, sig, tree)  # read while the launcher lives: its orphans leave the tree
             with contextlib.suppress(ProcessLookupError):  # the group had already exited
                 os.killpg(process.pid, sig)
-            tree = signal_tree(process.pid, sig, tree)
             start = time.monotonic()
             try:
                 out, _ = process.communicate(timeout=grace)

@@ -34,7 +34,8 @@ def descendants(pid: int) -> list[int]:
 
 def signal_tree(pid: int, sig: int, known: set[int] | None = None) -> set[int]:
     """``sig`` to ``pid`` and every process under it, and to ``known`` (a tree read earlier, whose members may have
-    lost their parent since: orphans are no longer under ``pid``); returns every process signalled."""
+    lost their parent since: orphans are no longer under ``pid``); returns every process signalled. The whole tree
+    is read before the first signal: a launcher that exits at once leaves its children to init, out of reach."""
     tree = {pid, *descendants(pid), *(known or ())}
     for member in tree:
         with contextlib.suppress(ProcessLookupError, PermissionError):
