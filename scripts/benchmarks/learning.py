@@ -9,6 +9,9 @@ final zero-shot top-1, side by side with their means over the seeds.
 ``--linear-probe``: each run's last checkpoint also goes through ``scripts/evaluate.py eval=digits_probe`` (the frozen
 image tower's features, a logistic-regression probe), reported as ``linear_probe_top1`` beside the zero-shot top-1.
 
+``--dense-probe``: the same through ``eval=digits_dense`` (the frozen tower's patch tokens, scenes of 2 x 2 digits),
+reported as ``dense_miou`` and ``dense_top1``.
+
 ``--caption-accuracy`` (a CoCa, ``--set model=tiny_coca``): each run's last checkpoint also captions the held-out
 digits with ``scripts/caption.py`` (beam search), and the run reports the share of captions that name the scan's
 digit, as a word or a numeral, and no other digit (``caption_accuracy``).
@@ -84,18 +87,22 @@ def caption_accuracy(run_dir: Path) -> dict:
             "caption_examples": [{"digit": labels[row["image"]], "caption": row["caption"]} for row in rows[:5]]}
 
 
-def linear_probe(run_dir: Path) -> dict:
-    """``scripts/evaluate.py eval=digits_probe`` on ``run_dir``'s last checkpoint: the probe's held-out top-1."""
-    out = run_dir / "linear_probe.json"
+def linear_probe(run_dir: Path, eval_set: str = "digits_probe") -> dict:
+    """``scripts/evaluate.py eval=digits_probe`` on ``run_dir``'s last checkpoint: the probe's held-out top-1; with
+    ``eval_set="digits_dense"`` the dense probe's mean IoU and patch accuracy."""
+    out = run_dir / f"{eval_set}.json"
     command = [sys.executable, "scripts/evaluate.py", f"ckpt={run_dir / 'checkpoints' / 'last.pt'}",
-               "eval=digits_probe", f"output={out}", "features=null"]
+               f"eval={eval_set}", f"output={out}", "features=null"]
     print("$", " ".join(command[1:]), flush=True)
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    return {"linear_probe_top1": json.loads(out.read_text())["lp_top1"]}
+    result = json.loads(out.read_text())
+    if eval_set == "digits_dense":
+        return {"dense_miou": result["dense_miou"], "dense_top1": result["dense_top1"]}
+    return {"linear_probe_top1": result["lp_top1"]}
 
 
 def run(setting: str, seed: int, overrides: list[str], reuse: bool, captions: bool = False,
-        probe: bool = False) -> dict:
+        probe: bool = False, dense: bool = False) -> dict:
     name = "learning_" + "".join(c if c.isalnum() else "_" for c in setting) + f"_s{seed}"
     metrics = ROOT / "runs" / name / "metrics.jsonl"
     finished = metrics.exists() and any("/top1" in line for line in metrics.read_text().splitlines())
@@ -112,7 +119,8 @@ def run(setting: str, seed: int, overrides: list[str], reuse: bool, captions: bo
     result = {"setting": setting, "seed": seed, "run": name, "loss": losses, "final_loss": losses[last],
               "loss_last_100": statistics.mean(tail), "zero_shot_top1": top1[-1] if top1 else None}
     return {**result, **(caption_accuracy(metrics.parent) if captions else {}),
-            **(linear_probe(metrics.parent) if probe else {})}
+            **(linear_probe(metrics.parent) if probe else {}),
+            **(linear_probe(metrics.parent, "digits_dense") if dense else {})}
 
 
 def aspect_digits(aspects: list[float], folder: Path, split: str = "train", place: str = "centre") -> str:
@@ -172,6 +180,9 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="read runs that already finished")
     parser.add_argument("--caption-accuracy", action="store_true",
                         help="a CoCa's captions of the held-out digits: the share naming the right digit")
+    parser.add_argument("--dense-probe", action="store_true",
+                        help="each run's last checkpoint also through scripts/evaluate.py eval=digits_dense (the "
+                             "frozen tower's patch tokens: mean IoU of scenes of 2 x 2 digits)")
     parser.add_argument("--linear-probe", action="store_true",
                         help="each run's last checkpoint through scripts/evaluate.py eval=digits_probe")
     parser.add_argument("--aspects", type=float, nargs="+", default=None,
@@ -192,8 +203,8 @@ def main() -> None:
     runs = [(setting, int(seed)) for seed in args.seeds.split(",") for setting in args.settings]
     results = []
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # each run is a process of its own
-        futures = [pool.submit(run, setting, seed, args.set, args.reuse, args.caption_accuracy, args.linear_probe)
-                   for setting, seed in runs]
+        futures = [pool.submit(run, setting, seed, args.set, args.reuse, args.caption_accuracy, args.linear_probe,
+                               args.dense_probe) for setting, seed in runs]
         for future in as_completed(futures):
             results.append(future.result())
             write_results(args.out, sorted(results, key=lambda row: runs.index((row["setting"], row["seed"]))),
@@ -212,6 +223,12 @@ def main() -> None:
             summary[-1]["linear_probe_top1_mean"] = statistics.mean(summary[-1]["linear_probe_top1_each"])
             print(f"{setting:>24}: linear probe top-1 {summary[-1]['linear_probe_top1_mean']:.2f}% "
                   f"({', '.join(f'{a:.2f}' for a in summary[-1]['linear_probe_top1_each'])})", flush=True)
+        if args.dense_probe:
+            for key in ("dense_miou", "dense_top1"):
+                summary[-1][f"{key}_each"] = [row[key] for row in mine]
+                summary[-1][f"{key}_mean"] = statistics.mean(summary[-1][f"{key}_each"])
+            print(f"{setting:>24}: dense probe mean IoU {summary[-1]['dense_miou_mean']:.2f}% "
+                  f"({', '.join(f'{a:.2f}' for a in summary[-1]['dense_miou_each'])})", flush=True)
         if args.caption_accuracy:
             summary[-1]["caption_accuracy_each"] = [row["caption_accuracy"] for row in mine]
             summary[-1]["caption_accuracy_mean"] = statistics.mean(summary[-1]["caption_accuracy_each"])
