@@ -61,6 +61,8 @@ def test_bad_dense_probe_settings_are_config_errors(tmp_path):
     overrides = colour_set(tmp_path)
     with pytest.raises(ConfigError, match="eval.digits_dense.mosaic"):
         validate(compose(*overrides, "eval.digits_dense.mosaic=0"))
+    with pytest.raises(ConfigError, match="eval.digits_dense.fewshot=5: the dense probe"):
+        validate(compose(*overrides, "eval.digits_dense.fewshot=5"))
     cfg = validate(compose(*overrides, "eval.digits_dense.mosaic=3"))  # the tiny tower's 4 x 4 patches
     model = build_model(cfg.model).eval()
     with pytest.raises(ConfigError, match=r"eval.digits_dense.mosaic=3: the tower's 4 x 4 patches"):

@@ -602,6 +602,9 @@ def check_probe(eval_cfg: DictConfig) -> None:
     at_least(eval_cfg.probe_batch_size, f"{key}.probe_batch_size", 1, "64")
     if eval_cfg.task == "dense_probe":
         at_least(eval_cfg.get("mosaic", 2), f"{key}.mosaic", 1, "2 (images a side of a scene)")
+        if eval_cfg.fewshot is not None:  # its rows are patches, not images: k of them a class means nothing here
+            raise ConfigError(f"{key}.fewshot={eval_cfg.fewshot}: the dense probe trains on every training scene; "
+                              f"leave {key}.fewshot unset (null)")
     if eval_cfg.format not in ("wds", "folder", "clip_benchmark"):
         raise ConfigError(f"{key}.task={eval_cfg.task} reads format=clip_benchmark, folder or wds, not "
                           f"{eval_cfg.format}")

@@ -57,7 +57,8 @@ def check_task(eval_cfg) -> None:
         raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r} is a {kind} set (its dataset_type.txt): "
                           f"set eval.{eval_cfg.name}.task={wanted}")
     if kind == "multilabel" and eval_cfg.task in probes:
-        raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r} is a multilabel set: the probes take "
+        what = eval_cfg.task.replace("_", " ")  # the linear probe, the dense probe
+        raise ConfigError(f"eval.{eval_cfg.name}.root={eval_cfg.root!r} is a multilabel set: the {what} takes "
                           f"one class an image; set eval.{eval_cfg.name}.task=zeroshot (mean average precision)")
 
 

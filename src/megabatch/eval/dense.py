@@ -52,7 +52,7 @@ def patch_labels(tiles: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
 
 def dense_scores(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     """The patches' mean intersection over union (over the classes among ``labels``), accuracy and mean per-class
-    recall, in %; ``lp_top1`` too (the weight-decay search's score)."""
+    recall, in %."""
     predicted = logits.argmax(dim=1)
     ious = []
     for c in labels.unique().tolist():
@@ -60,7 +60,7 @@ def dense_scores(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]
         ious.append((truth & guess).sum().item() / (truth | guess).sum().item())
     plain = classification_scores(logits, labels)
     return {"dense_miou": 100.0 * sum(ious) / len(ious), "dense_top1": plain["lp_top1"],
-            "dense_mean_per_class_recall": plain["lp_mean_per_class_recall"], "lp_top1": plain["lp_top1"]}
+            "dense_mean_per_class_recall": plain["lp_mean_per_class_recall"]}
 
 
 def tower(model, key: str):
@@ -144,7 +144,6 @@ def run_dense_probe(model, eval_cfg, data_cfg, transform, device, ranks: Ranks |
     encoded = time.perf_counter()
     rows = {what: (features.flatten(0, 1), labels.flatten()) for what, (features, labels) in scenes.items()}
     result = probe(rows, eval_cfg, device, ranks, scores=dense_scores)
-    result.pop("lp_top1", None)
     if ranks.main:
         log.info("dense probe %s: %d test scenes encoded in %.1f s, %d classifiers in %.1f s", eval_cfg.name,
                  len(scenes["test"][1]), encoded - started, int(result["weight_decays_tried"]) + 1,

@@ -128,7 +128,7 @@ def fewshot_indices(labels: torch.Tensor, k: int | None, seed: int, key: str) ->
 
 
 def probe(splits: dict[str, tuple[torch.Tensor, torch.Tensor]], eval_cfg, device, ranks: Ranks | None = None,
-          scores: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] = None) -> dict[str, float]:
+          scores: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None = None) -> dict[str, float]:
     """The probe on features ``{"train", "val" (optional), "test": (features, labels)}``: the weight-decay
     search on val (its classifiers shared out over the ranks, by top-1), the final classifier on train (+ val), its
     test scores (``scores(logits, labels)``: ``classification_scores``, or the dense probe's)."""
