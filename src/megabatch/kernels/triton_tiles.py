@@ -92,6 +92,13 @@ def _dot_tile(
 
 
 @triton.jit
+def _two_exponentials(s, s_col, m_new, c_max):
+    """A forward tile's terms, two exponentials a logit: the rows' sums shifted by their running maxima, the columns'
+    by their maxima in the tile (``(row sums, column shifts, column sums)``)."""
+    return tl.sum(tl.exp2(s - m_new[:, None]), 1), c_max, tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
+
+
+@triton.jit
 def _stats_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr,  # pointers
     m, c, col_start, col_stop, cols_per_split,  # shapes: this launch covers [col_start, col_stop)
@@ -123,26 +130,27 @@ def _stats_kernel(
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         ROUND_TF32)
         s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
-        s_col = tl.where(row_ok[:, None], s, float("-inf"))  # the valid logits only
         r_max = tl.max(s, 1)  # every tile has a valid column: finite (0 on padding rows)
-        c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
         m_new = tl.maximum(m_i, r_max)
+        s_col = tl.where(row_ok[:, None], s, float("-inf"))  # the valid logits only
+        c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
         # the tile's maximum, and the smallest row's or column's: within SPREAD_LOG2 of each other, one exponential
         # a logit shifted by the tile's maximum serves both directions (each row's and column's terms then keep at
         # least 2^(SPREAD_LOG2 - 126) of their own maximum's scale before fp32 flushes them; at most b of them lost:
         # < 2^-42 of the sum at b = 2^20); else a row's and a column's shift each (two exponentials)
-        t_max = tl.max(tl.where(col_ok, c_max, float("-inf")), 0)
-        low = tl.minimum(tl.min(tl.where(row_ok, r_max, float("inf")), 0),
-                         tl.min(tl.where(col_ok, c_max, float("inf")), 0))
-        if t_max - low <= SPREAD_LOG2:
-            e = tl.exp2(s_col - t_max)
-            row_add = tl.where(row_ok, tl.sum(e, 1) * tl.exp2(t_max - m_new), 0.0)
-            c_ref = tl.where(col_ok, tl.zeros((BLOCK_N,), tl.float32) + t_max, 0.0)
-            c_sum = tl.sum(e, 0)
+        if SPREAD_LOG2 >= 0.0:  # a constant: by default (-1) this is compiled away, the kernel the two-exponential one
+            t_max = tl.max(tl.where(col_ok, c_max, float("-inf")), 0)
+            low = tl.minimum(tl.min(tl.where(row_ok, r_max, float("inf")), 0),
+                             tl.min(tl.where(col_ok, c_max, float("inf")), 0))
+            if t_max - low <= SPREAD_LOG2:
+                e = tl.exp2(s_col - t_max)
+                row_add = tl.where(row_ok, tl.sum(e, 1) * tl.exp2(t_max - m_new), 0.0)
+                c_ref = tl.where(col_ok, tl.zeros((BLOCK_N,), tl.float32) + t_max, 0.0)
+                c_sum = tl.sum(e, 0)
+            else:
+                row_add, c_ref, c_sum = _two_exponentials(s, s_col, m_new, c_max)
         else:
-            row_add = tl.sum(tl.exp2(s - m_new[:, None]), 1)
-            c_ref = c_max
-            c_sum = tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
+            row_add, c_ref, c_sum = _two_exponentials(s, s_col, m_new, c_max)
         # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
         l_i = l_i * tl.exp2(m_i - m_new) + row_add
         m_i = m_new
@@ -196,14 +204,17 @@ def _grad_kernel(
     # the tile's log-sum-exps within SPREAD_LOG2 of each other: one exponential a logit, shifted by their maximum,
     # times the rows' and the columns' own factors (exp2(s - lse) = exp2(s - hi) exp2(hi - lse)); each probability
     # under 2^(SPREAD_LOG2 - 126) flushed to zero; else two exponentials
-    hi = tl.maximum(tl.max(tl.where(row_ok, row_lse2, float("-inf")), 0),
-                    tl.max(tl.where(col_ok, col_lse2, float("-inf")), 0))
-    lo = tl.minimum(tl.min(tl.where(row_ok, row_lse2, float("inf")), 0),
-                    tl.min(tl.where(col_ok, col_lse2, float("inf")), 0))
-    if hi - lo <= SPREAD_LOG2:
-        row_f = tl.where(row_ok, tl.exp2(hi - row_lse2), 0.0)
-        col_f = tl.where(col_ok, tl.exp2(hi - col_lse2), 0.0)
-        g = tl.exp2(s - hi) * (row_f[:, None] + col_f[None, :])
+    if SPREAD_LOG2 >= 0.0:  # compiled away by default, as in _stats_kernel
+        hi = tl.maximum(tl.max(tl.where(row_ok, row_lse2, float("-inf")), 0),
+                        tl.max(tl.where(col_ok, col_lse2, float("-inf")), 0))
+        lo = tl.minimum(tl.min(tl.where(row_ok, row_lse2, float("inf")), 0),
+                        tl.min(tl.where(col_ok, col_lse2, float("inf")), 0))
+        if hi - lo <= SPREAD_LOG2:
+            row_f = tl.where(row_ok, tl.exp2(hi - row_lse2), 0.0)
+            col_f = tl.where(col_ok, tl.exp2(hi - col_lse2), 0.0)
+            g = tl.exp2(s - hi) * (row_f[:, None] + col_f[None, :])
+        else:
+            g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
     else:
         g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
     if DIAGONAL:
