@@ -170,7 +170,7 @@ def test_eval_options_resolve(option, data_cache):
 
         with pytest.raises(ConfigError, match=f"eval.{option}.root is not set"):
             resolve_eval_set(eval_set)
-    elif eval_set.task in ("retrieval", "captioning", "image_caption_selection", "linear_probe"):
+    elif eval_set.task in ("retrieval", "captioning", "image_caption_selection", "linear_probe", "dense_probe"):
         assert eval_set.chunk > 0  # its data (eval.<name>.jsonl) is exercised in tests/eval
     else:
         classnames, templates = resolve_eval_set(eval_set)
