@@ -194,3 +194,26 @@ def write_results(path: str | os.PathLike, results: list, **meta) -> None:
     """Write ``{"meta": metadata(**meta), "results": results}`` to ``path`` (rewritten after every
     row, so a run cut short keeps what it measured)."""
     Path(path).write_text(json.dumps({"meta": metadata(**meta), "results": results}, indent=1))
+
+
+def run_trees(script: str, trees: str, out: str, done=None) -> list:
+    """Run ``script`` (with this process's arguments) once per ``name=src-path`` of ``trees`` (comma-separated), each in
+    a process of its own with that ``src`` first on its ``PYTHONPATH``; ``name=src-path@KEY=VALUE`` also sets an
+    environment variable for it. The worker is called with ``--worker <pair> --out <part>`` and writes its result
+    (JSON) to ``part``. Returns the results in order, a tree that failed as ``{"tree": name, "status": "exit N"}``;
+    ``done(results)`` after each tree (to write what is measured so far)."""
+    results = []
+    for pair in trees.split(","):
+        name, _, rest = pair.partition("=")
+        tree, _, setting = rest.partition("@")
+        part = f"{out}.{name}.part"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+        if setting:
+            env[setting.partition("=")[0]] = setting.partition("=")[2]
+        finished = subprocess.run([sys.executable, script, *sys.argv[1:], "--worker", pair, "--out", part], env=env)
+        results.append(json.loads(Path(part).read_text()) if finished.returncode == 0 else
+                       {"tree": name, "status": f"exit {finished.returncode}"})
+        Path(part).unlink(missing_ok=True)
+        if done is not None:
+            done(results)
+    return results

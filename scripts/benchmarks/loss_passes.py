@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from functools import partial
@@ -117,8 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trees", default="this=src",
                         help="name=src-path pairs, comma-separated, run in turn; name=src-path@KEY=VALUE sets an "
-                             "environment variable for that tree (MEGABATCH_LOSS_SPREAD_LOG2=64: one exponential a "
-                             "logit)")
+                             "environment variable for that tree (MEGABATCH_LOSS_G_FP16=0: fp32 G' and TF32 GEMMs)")
     parser.add_argument("--batches", default="256k")
     parser.add_argument("--dims", default="512,768")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
@@ -135,23 +132,13 @@ def main() -> None:
         tree = tree.partition("@")[0]
         Path(args.out).write_text(json.dumps(measure(tree, name, batches, dims, dtypes, configs, args.repeats)))
         return
-    from bench import write_results
+    from bench import run_trees, write_results
 
-    results = []
-    for pair in args.trees.split(","):
-        part = f"{args.out}.{pair.partition('=')[0]}.part"
-        tree, _, setting = pair.partition("=")[2].partition("@")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
-        if setting:
-            env[setting.partition("=")[0]] = setting.partition("=")[2]
-        done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", pair, "--out", part], env=env)
-        if done.returncode == 0:
-            results += json.loads(Path(part).read_text())
-            Path(part).unlink()
-        else:
-            results.append({"tree": pair.partition("=")[0], "status": f"exit {done.returncode}"})
-        write_results(args.out, results, trees=args.trees, passes=PASS_GEMMS)
+    def done(per_tree: list) -> None:  # a tree's rows, or its failure
+        rows = [row for result in per_tree for row in (result if isinstance(result, list) else [result])]
+        write_results(args.out, rows, trees=args.trees, passes=PASS_GEMMS)
 
+    run_trees(__file__, args.trees, args.out, done)
 
 if __name__ == "__main__":
     main()

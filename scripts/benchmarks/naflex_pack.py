@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench, however the script is started
 
@@ -58,7 +58,9 @@ def measure(tree: str, name: str, args) -> dict:
         run()
         times.append(time.perf_counter() - start)
     resized = len({tuple(box) for box in boxes[:, 7:9].tolist()})
-    digest = hashlib.sha256(packed.cpu().numpy().tobytes()).hexdigest()
+    packed = packed.cpu().numpy()
+    digest = hashlib.sha256(packed.tobytes()).hexdigest()
+    np.save(f"{args.out.removesuffix(f'.{name}.part')}.{name}.packed.npy", packed)  # compare_packed's
     return {"tree": name, "images": row, "sizes": args.sizes, "resized_sizes": resized, "seq_len": args.seq_len,
             "patch": args.patch, "time_s": min(times), "images_per_s": row / min(times), "packed_sha256": digest}
 
@@ -79,19 +81,30 @@ def main() -> None:
         name, _, tree = args.worker.partition("=")
         Path(args.out).write_text(json.dumps(measure(tree, name, args)))
         return
-    from bench import write_results
+    from bench import run_trees, write_results
 
-    results = []
-    for pair in args.trees.split(","):
-        part = f"{args.out}.{pair.partition('=')[0]}.part"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([pair.partition("=")[2], os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", pair, "--out", part], env=env)
-        results.append(json.loads(Path(part).read_text()) if done.returncode == 0 else
-                       {"tree": pair.partition("=")[0], "status": f"exit {done.returncode}"})
-        Path(part).unlink(missing_ok=True)
+    def done(results: list) -> None:
         print(json.dumps(results[-1]), flush=True)
         write_results(args.out, results, trees=args.trees)
 
+    results = run_trees(__file__, args.trees, args.out, done)
+    compare_packed(results, args.out)
+    write_results(args.out, results, trees=args.trees)
+
+
+def compare_packed(results: list, out: str) -> None:
+    """Each tree's packed bytes against the first tree's: the share of bytes that differ and the largest difference
+    (a pixel value), then the saved bytes removed."""
+    saved = [Path(f"{out}.{result['tree']}.packed.npy") for result in results]
+    first = np.load(saved[0]) if saved[0].exists() else None
+    for result, path in zip(results, saved, strict=True):
+        if first is not None and path.exists():
+            packed = np.load(path)
+            if packed.shape == first.shape:
+                differ = packed.astype(np.int16) - first.astype(np.int16)
+                result["bytes_differing_from_first"] = float((differ != 0).mean())
+                result["largest_difference_from_first"] = int(np.abs(differ).max())
+        path.unlink(missing_ok=True)
 
 if __name__ == "__main__":
     main()

@@ -131,3 +131,85 @@ def test_bf16_dots_on_the_gpu_are_as_close_to_float64_as_the_fp32_kernels(precis
         errors.append(max(relative(got.double(), want) for got, want in zip(grads[:2], truth, strict=True)))
     assert errors[1] <= 2 * errors[0] + 1e-5
     assert errors[1] < (2e-3 if precision == "tf32" else 1e-4)
+
+
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 rounded to TF32's 10 stored mantissa bits, to nearest (as cuBLAS rounds its TF32 operands)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def test_an_fp16_g_multiplies_as_exactly_as_tf32_does(monkeypatch):
+    """``G_FP16``: the backward writes G' in fp16 (scaled) and multiplies it by fp16 copies of the features, as a
+    GPU does for bf16-valued fp32 features under tf32. Its gradients are as close to float64's as the TF32 GEMMs'
+    on fp32 G' would be (G' rounded to TF32 here, the features being exact in TF32), and not fp32 G''s: the route
+    was taken."""
+    b = 96
+    rows, cols = bf16_valued(b, 32, seed=6)
+    scale, weight = torch.tensor(40.0, device=DEVICE), torch.tensor(1 / (2 * b), device=DEVICE)
+    lse = triton_tiles.block_stats(rows, cols, scale, dots_dtype=torch.bfloat16)
+    got = {}
+    for route in ("1", "0"):
+        monkeypatch.setattr(triton_tiles, "G_FP16", route)
+        got[route] = triton_tiles.block_grads(rows, cols, scale, *lse, weight, True, dots_dtype=torch.bfloat16)
+    logits = scale.double() * rows.double() @ cols.double().T
+    g = logits.softmax(1) + logits.softmax(0) - 2 * torch.eye(b, dtype=torch.float64, device=DEVICE)
+    alpha = float(scale) * float(weight)
+    exact = (alpha * g @ cols.double(), alpha * g.T @ rows.double())
+    g_tf32 = tf32(g.float()).double()
+    as_tf32 = (alpha * g_tf32 @ cols.double(), alpha * g_tf32.T @ rows.double())
+    for side in range(2):
+        fp16_error = relative(got["1"][side].double(), exact[side])
+        assert fp16_error <= 1.5 * relative(as_tf32[side], exact[side])
+        assert relative(got["0"][side].double(), exact[side]) < 1e-6 < fp16_error
+    assert relative(got["1"][2], got["0"][2]) < 1e-6  # the scale's gradient comes from the kernel's fp32 sums
+
+
+@pytest.mark.parametrize("kernel", ["sigmoid", "distill"])
+def test_the_sigmoid_and_distillation_backwards_take_the_fp16_g_too(kernel, monkeypatch):
+    rows, cols = bf16_valued(40, 24, seed=7)
+    t_rows, t_cols = bf16_valued(40, 16, seed=8)
+    scale = torch.tensor(10.0, device=DEVICE)
+    results = {}
+    for route in ("1", "0"):
+        monkeypatch.setattr(triton_tiles, "G_FP16", route)
+        d_rows, d_cols = torch.zeros_like(rows), torch.zeros_like(cols)
+        if kernel == "sigmoid":
+            sums = triton_tiles.sigmoid_block(rows, cols, scale, torch.tensor(-5.0, device=DEVICE), True, d_rows,
+                                              d_cols, dots_dtype=torch.bfloat16)
+        else:
+            row_lse, col_lse = triton_tiles.distill_stats(rows, cols, t_rows, t_cols, scale, 5.0,
+                                                          dots_dtype=torch.bfloat16)
+            sums = triton_tiles.distill_grads(rows, cols, t_rows, t_cols, scale, 5.0, row_lse[:2], col_lse[:2],
+                                              torch.tensor(0.5, device=DEVICE), d_rows, d_cols,
+                                              dots_dtype=torch.bfloat16)
+        results[route] = (d_rows, d_cols, torch.stack(list(sums)) if kernel == "sigmoid" else sums)
+    for side in range(2):
+        error = relative(results["1"][side], results["0"][side])
+        assert 1e-7 < error < 2e-3  # fp16 G: TF32's rounding, not fp32's
+    # the distillation's scale gradient is the kernel's fp32 sum; the sigmoid's is summed from the row gradients
+    assert relative(results["1"][2], results["0"][2]) < (1e-5 if kernel == "distill" else 2e-3)
+
+
+def test_features_past_fp16s_range_keep_an_fp32_g(monkeypatch):
+    rows, cols = bf16_valued(24, 16, seed=9)
+    rows[3, 2] = 2.0**17  # a bf16 value fp16 cannot hold
+    scale, weight = torch.tensor(0.01, device=DEVICE), torch.tensor(0.5, device=DEVICE)
+    lse = triton_tiles.block_stats(rows, cols, scale, dots_dtype=torch.bfloat16)
+    got = []
+    for route in ("1", "0"):
+        monkeypatch.setattr(triton_tiles, "G_FP16", route)
+        got.append(triton_tiles.block_grads(rows, cols, scale, *lse, weight, True, dots_dtype=torch.bfloat16))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
+    assert triton_tiles._g_format(rows, cols, (rows.bfloat16(), cols.bfloat16()), "tf32", 1.0)[0] == torch.float32
+
+
+def test_the_fp16_g_is_taken_on_a_gpu_only_by_default():
+    rows, cols = bf16_valued(8, 16, seed=10)
+    dots = (rows.bfloat16(), cols.bfloat16())
+    assert triton_tiles.G_FP16 == "auto"
+    expected = torch.float16 if DEVICE.type == "cuda" else torch.float32
+    assert triton_tiles._g_format(rows, cols, dots, "tf32", 1.0)[0] == expected
+    assert triton_tiles._g_format(rows, cols, dots, "ieee", 1.0)[0] == torch.float32  # exact stays exact
+    assert triton_tiles._g_format(rows, cols, None, "tf32", 1.0)[0] == torch.float32  # fp32 values: TF32's GEMMs

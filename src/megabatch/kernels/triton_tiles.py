@@ -48,6 +48,13 @@ G_ALIGN = 256  # G' block sides are multiples of every tile size
 # form is measured on a GPU (scripts/benchmarks/loss_passes.py with MEGABATCH_LOSS_SPREAD_LOG2=64 beside the default)
 SPREAD_LOG2 = tl.constexpr(float(os.environ.get("MEGABATCH_LOSS_SPREAD_LOG2", "-1")))
 FP16_G_SCALE = 2.0**14  # |G'| <= 2: scaled into fp16's normal range, undone in the GEMM's alpha
+FP16_MAX = 65504.0
+# fp32 features holding bf16 values under tf32 (GradCache's loss): G' is written in fp16, scaled, and the GEMMs take
+# fp16 copies of the features. fp16 keeps TF32's 11 significant bits, so the products are as exact as the TF32 GEMMs
+# on fp32 G' (the same error against float64 on an H200, docs/bench/loss_g_fp16_h200.json) at the fp16 tensor cores'
+# rate, 2.2-2.9x TF32's, on half the bytes. "auto": on a GPU (on the CPU fp32 G' is exact, there being no TF32);
+# "1" everywhere (tests); "0" never (fp32 G', TF32 GEMMs)
+G_FP16 = os.environ.get("MEGABATCH_LOSS_G_FP16", "auto")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -602,18 +609,35 @@ def _round_tf32_flag(rows: torch.Tensor, precision: str) -> bool:
     return rows.dtype == torch.float32 and precision == "tf32"
 
 
-def _block_sides(rows: torch.Tensor, m: int, n: int) -> tuple[int, int]:
-    """Near-square blocks of at most ``G_BYTES`` of G: both GEMMs then have a long inner dimension
+def _block_sides(g_dtype: torch.dtype, m: int, n: int) -> tuple[int, int]:
+    """Near-square blocks of at most ``G_BYTES`` of G (in ``g_dtype``): both GEMMs then have a long inner dimension
     and stay compute-bound at any b."""
-    elements, align = G_BYTES // rows.element_size(), G_ALIGN
+    elements, align = G_BYTES // g_dtype.itemsize, G_ALIGN
     side = max(align, math.isqrt(elements) // align * align)
     block_m = min(side, triton.cdiv(m, align) * align)
     block_n = min(max(align, elements // block_m // align * align), triton.cdiv(n, align) * align)
     return block_m, block_n
 
 
+def _g_format(rows: torch.Tensor, cols: torch.Tensor, dots, precision: str, bound: float):
+    """How a kernel writes G and what cuBLAS multiplies it by: ``(g_dtype, g_scale, gemm_rows, gemm_cols)``. fp16
+    features: G in fp16 times ``bound`` (the largest scale that keeps ``|G|`` in fp16's range). fp32 features whose
+    values are narrower (``dots`` given, ``_dot_operands``) under ``tf32``: the same, with fp16 copies of the features
+    for the GEMMs (``G_FP16``), where every feature is within fp16's range (one host sync: the largest magnitude).
+    Else G in the features' dtype and the GEMMs on the features."""
+    if rows.dtype == torch.float16:
+        return torch.float16, bound, rows, cols
+    narrower = dots is not None and dots[0].dtype != rows.dtype
+    wanted = G_FP16 == "1" or (G_FP16 == "auto" and rows.is_cuda)
+    if rows.dtype == torch.float32 and narrower and precision == "tf32" and wanted:
+        largest = torch.stack([rows.abs().amax(), cols.abs().amax()]).amax() if rows.numel() and cols.numel() else 0
+        if float(largest) <= FP16_MAX:
+            return torch.float16, bound, dots[0].half(), dots[1].half()
+    return rows.dtype, 1.0, rows, cols
+
+
 def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d_rows=None, d_cols=None,
-              rows_out=None, write_g: bool = True, row_done=None):
+              rows_out=None, write_g: bool = True, row_done=None, g_format=None):
     """Walk the ``rows x cols`` matrix block by block of G (at most ``G_BYTES``): ``fill(g_block,
     partials, row_start, row_stop, col_start, col_stop, programs)`` launches a kernel that writes
     the block of G (times ``g_scale``) and ``sums`` fp32 partial sums per program; then, unless
@@ -622,13 +646,14 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
     is summed in an fp32 scratch and written to ``rows_out`` (any dtype) once complete. Without
     ``write_g`` no G buffer exists (the kernel writes only its sums). ``row_done(row_start,
     row_stop, row_grads)``, if given, receives each row block's gradient (an fp32 scratch) once
-    complete, instead of ``d_rows``/``rows_out``. Returns the ``[sums]`` totals of the partials
-    (fp32)."""
+    complete, instead of ``d_rows``/``rows_out``. ``g_format``: ``_g_format``'s, else G in the features' dtype.
+    Returns the ``[sums]`` totals of the partials (fp32)."""
     m, c = rows.shape
     n = cols.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    block_m, block_n = _block_sides(rows, m, n)
-    g = torch.empty((block_m * block_n if write_g else 1,), dtype=rows.dtype, device=rows.device)
+    g_dtype, _, gemm_rows, gemm_cols = g_format or (rows.dtype, 1.0, rows, cols)
+    block_m, block_n = _block_sides(g_dtype, m, n)
+    g = torch.empty((block_m * block_n if write_g else 1,), dtype=g_dtype, device=rows.device)
     # zeros: a sum a kernel does not write stays 0 (the sigmoid kernel's without WRITE_G/SCALE_SUM)
     partials = torch.zeros((triton.cdiv(block_m, bm) * triton.cdiv(block_n, bn), sums), dtype=torch.float32,
                            device=rows.device)
@@ -650,8 +675,8 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
             totals += partials[:programs].sum(0)
             if alpha is not None:
                 with fp32_matmul(precision):
-                    _accumulate(row_grads, g_block, cols[col_start:col_stop], alpha)
-                    _accumulate(d_cols[col_start:col_stop], g_block.T, rows[row_start:row_stop], alpha)
+                    _accumulate(row_grads, g_block, gemm_cols[col_start:col_stop], alpha)
+                    _accumulate(d_cols[col_start:col_stop], g_block.T, gemm_rows[row_start:row_stop], alpha)
         if row_done is not None and alpha is not None:
             row_done(row_start, row_stop, row_grads)
         elif rows_out is not None and alpha is not None:
@@ -665,10 +690,11 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
     cuBLAS multiplies it into ``d_rows`` and ``d_cols``. Without ``weight`` (autotuning) only the
     kernel runs. ``dots``: the ``(rows, cols)`` the kernel takes its dot products of (copies in a
     narrower dtype holding the same values, ``_dot_operands``), else ``rows`` and ``cols``; G' and
-    the GEMMs stay in ``rows``' dtype. Returns ``sum(G' * dots)`` (fp32, unweighted)."""
+    the GEMMs as ``_g_format`` says. Returns ``sum(G' * dots)`` (fp32, unweighted)."""
     c = rows.shape[1]
     dot_rows, dot_cols = dots or (rows, cols)
-    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0
+    g_format = _g_format(rows, cols, dots, precision, FP16_G_SCALE)  # |G'| <= 2
+    g_scale = g_format[1]
     alpha = None
     if weight is not None:
         # host sync: cuBLAS takes alpha as a number (once per block call, not per tile)
@@ -686,7 +712,7 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
-    return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, rows_out)[0]
+    return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, rows_out, g_format=g_format)[0]
 
 
 def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows=None, d_cols=None,
@@ -698,7 +724,8 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
     write_g = grads if write_g is None else write_g
     c = rows.shape[1]
     dot_rows, dot_cols = dots or (rows, cols)
-    g_scale = FP16_G_SCALE if rows.dtype == torch.float16 else 1.0  # |g| <= 1
+    g_format = _g_format(rows, cols, dots, precision, FP16_G_SCALE) if write_g else None  # |g| <= 1
+    g_scale = g_format[1] if g_format else 1.0
     alpha = float(scale.double()) / g_scale if grads else None  # host sync, once per block call
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
@@ -714,7 +741,7 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
         )
 
     if not grads:
-        return _g_blocks(rows, cols, config, fill, 3, precision, write_g=write_g)
+        return _g_blocks(rows, cols, config, fill, 3, precision, write_g=write_g, g_format=g_format)
     # sum(g * dots) = sum_i <rows_i, (g @ cols)_i>: one [block, c] dot per row block from its
     # gradient instead of a product and a sum per logit in the kernel
     scale_sum = torch.zeros((), dtype=torch.float32, device=rows.device)
@@ -724,7 +751,8 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
         d_rows[row_start:row_stop] += row_grads
         scale_sum = scale_sum + (rows[row_start:row_stop].float() * row_grads).sum()
 
-    partial_sums = _g_blocks(rows, cols, config, fill, 3, precision, alpha, d_rows, d_cols, row_done=row_done)
+    partial_sums = _g_blocks(rows, cols, config, fill, 3, precision, alpha, d_rows, d_cols, row_done=row_done,
+                             g_format=g_format)
     return torch.stack([partial_sums[0], scale_sum / scale, partial_sums[2]])
 
 
@@ -786,7 +814,8 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
     ``dots``: as in ``_grad_launch``. Returns ``sum(G * dots)`` (fp32, without ``weight``)."""
     (m, c), n, ct = rows.shape, cols.shape[0], t_rows.shape[1]
     dot_rows, dot_cols = dots or (rows, cols)
-    g_scale = FP16_G_SCALE / 4 if rows.dtype == torch.float16 else 1.0  # |G| <= 2 + 2 t_weight + 2 diagonal_weight
+    g_format = _g_format(rows, cols, dots, precision, FP16_G_SCALE / 4)  # |G| <= 2 + 2 t_weight + 2 diagonal_weight
+    g_scale = g_format[1]
     alpha = None if weight is None else float(scale.double() * weight.double()) / g_scale  # host sync, once
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
@@ -803,7 +832,7 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
             DIAGONAL=diagonal_weight is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
-    return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols)[0]
+    return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, g_format=g_format)[0]
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
     """``out += alpha * a @ b`` with ``out`` fp32 and ``a``, ``b`` in the input dtype."""
