@@ -150,40 +150,6 @@ def test_near_duplicates_and_opposites_at_scale_100(case):
     check_against_torch("triton", case, 0, 0, 0, 100.0, True, rows=rows, cols=cols)
 
 
-@pytest.mark.parametrize("spread", [-1.0, 1e9], ids=["two-exponentials", "one-exponential"])
-def test_both_forms_of_a_tile_match_float64(monkeypatch, spread):
-    """A tile whose logits (forward) or log-sum-exps (backward) lie within ``SPREAD_LOG2`` of each other takes one
-    exponential a logit, shifted by the tile's maximum, for both directions; else two (the default, -1: every
-    tile). Each form, forced on every tile, matches float64 where the inputs allow both (these tiles' spreads are
-    far below fp32's range)."""
-    monkeypatch.setattr(triton_tiles, "SPREAD_LOG2", triton_tiles.tl.constexpr(spread))
-    check_against_torch("triton", "fp32", 67, 67, 40, 10.0, True)
-    check_against_torch("triton", "bf16", 67, 45, 48, 30.0, False)
-
-
-def spread_tile(dtype: torch.dtype):
-    """16 rows of ``u`` against 8 columns of ``u`` and 8 of ``-(u + v) / sqrt 2`` at scale 100: one tile holds
-    logits of +100 and of -71 (246 apart in base 2), past what one fp32 shift can hold (2^-149)."""
-    generator = torch.Generator().manual_seed(5)
-    u, v = F.normalize(torch.randn(2, 64, generator=generator, dtype=torch.float64), dim=-1)
-    v = F.normalize(v - (v @ u) * u, dim=0)
-    noise = 1e-3 * torch.randn(32, 64, generator=generator, dtype=torch.float64)
-    rows = F.normalize(u + noise[:16], dim=-1)
-    cols = F.normalize(torch.cat([u + noise[16:24], -(u + v) / 2**0.5 + noise[24:]]), dim=-1)
-    return rows.to(dtype).to(DEVICE), cols.to(dtype).to(DEVICE)
-
-
-def test_a_tile_spread_past_fp32s_range_takes_two_exponentials(monkeypatch):
-    """Not vacuous: the spread check is what keeps such a tile exact under the one-exponential form (64, opt-in:
-    ``MEGABATCH_LOSS_SPREAD_LOG2``); one shift forced on it loses its far column."""
-    rows, cols = spread_tile(torch.float32)
-    monkeypatch.setattr(triton_tiles, "SPREAD_LOG2", triton_tiles.tl.constexpr(64.0))
-    check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols)
-    monkeypatch.setattr(triton_tiles, "SPREAD_LOG2", triton_tiles.tl.constexpr(1e9))
-    with pytest.raises(AssertionError):
-        check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols)
-
-
 def test_stripes_and_splits_cover_the_block(monkeypatch):
     """Tiny memory budgets force many forward column stripes and backward blocks of G'."""
     monkeypatch.setattr(triton_tiles, "PARTIAL_BYTES", 8 * 5 * 16)  # 16-column stripes

@@ -43,15 +43,11 @@ LOG2E = 1.4426950408889634
 PARTIAL_BYTES = 256 * 2**20  # column (max, sum) partials of one forward stripe
 G_BYTES = 768 * 2**20  # one backward block of G' (extra memory: fp32 accumulators + < 1 GB)
 G_ALIGN = 256  # G' block sides are multiples of every tile size
-# one exponential a logit for a tile whose logits (forward) or log-sum-exps (backward) lie within 2^SPREAD_LOG2 of
-# each other (64: exact as two, tests/kernels/test_tiles.py); -1, the default, keeps two everywhere until the one
-# form is measured on a GPU (scripts/benchmarks/loss_passes.py with MEGABATCH_LOSS_SPREAD_LOG2=64 beside the default)
-SPREAD_LOG2 = tl.constexpr(float(os.environ.get("MEGABATCH_LOSS_SPREAD_LOG2", "-1")))
 FP16_G_SCALE = 2.0**14  # |G'| <= 2: scaled into fp16's normal range, undone in the GEMM's alpha
 FP16_MAX = 65504.0
 # fp32 features holding bf16 values under tf32 (GradCache's loss): G' is written in fp16, scaled, and the GEMMs take
 # fp16 copies of the features. fp16 keeps TF32's 11 significant bits, so the products are as exact as the TF32 GEMMs
-# on fp32 G' (the same error against float64 on an H200, docs/bench/loss_g_fp16_h200.json) at the fp16 tensor cores'
+# on fp32 G' (the same error against float64 on an H200, docs/bench/g_gemms_h200.json) at the fp16 tensor cores'
 # rate, 2.2-2.9x TF32's, on half the bytes. "auto": on a GPU (on the CPU fp32 G' is exact, there being no TF32);
 # "1" everywhere (tests); "0" never (fp32 G', TF32 GEMMs)
 G_FP16 = os.environ.get("MEGABATCH_LOSS_G_FP16", "auto")
@@ -99,13 +95,6 @@ def _dot_tile(
 
 
 @triton.jit
-def _two_exponentials(s, s_col, m_new, c_max):
-    """A forward tile's terms, two exponentials a logit: the rows' sums shifted by their running maxima, the columns'
-    by their maxima in the tile (``(row sums, column shifts, column sums)``)."""
-    return tl.sum(tl.exp2(s - m_new[:, None]), 1), c_max, tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
-
-
-@triton.jit
 def _stats_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr,  # pointers
     m, c, col_start, col_stop, cols_per_split,  # shapes: this launch covers [col_start, col_stop)
@@ -137,33 +126,16 @@ def _stats_kernel(
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         ROUND_TF32)
         s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
-        r_max = tl.max(s, 1)  # every tile has a valid column: finite (0 on padding rows)
-        m_new = tl.maximum(m_i, r_max)
-        s_col = tl.where(row_ok[:, None], s, float("-inf"))  # the valid logits only
-        c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
-        # the tile's maximum, and the smallest row's or column's: within SPREAD_LOG2 of each other, one exponential
-        # a logit shifted by the tile's maximum serves both directions (each row's and column's terms then keep at
-        # least 2^(SPREAD_LOG2 - 126) of their own maximum's scale before fp32 flushes them; at most b of them lost:
-        # < 2^-42 of the sum at b = 2^20); else a row's and a column's shift each (two exponentials)
-        if SPREAD_LOG2 >= 0.0:  # a constant: by default (-1) this is compiled away, the kernel the two-exponential one
-            t_max = tl.max(tl.where(col_ok, c_max, float("-inf")), 0)
-            low = tl.minimum(tl.min(tl.where(row_ok, r_max, float("inf")), 0),
-                             tl.min(tl.where(col_ok, c_max, float("inf")), 0))
-            if t_max - low <= SPREAD_LOG2:
-                e = tl.exp2(s_col - t_max)
-                row_add = tl.where(row_ok, tl.sum(e, 1) * tl.exp2(t_max - m_new), 0.0)
-                c_ref = tl.where(col_ok, tl.zeros((BLOCK_N,), tl.float32) + t_max, 0.0)
-                c_sum = tl.sum(e, 0)
-            else:
-                row_add, c_ref, c_sum = _two_exponentials(s, s_col, m_new, c_max)
-        else:
-            row_add, c_ref, c_sum = _two_exponentials(s, s_col, m_new, c_max)
         # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
-        l_i = l_i * tl.exp2(m_i - m_new) + row_add
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
         m_i = m_new
-        # columns: this row block's share, with its shift (the merge takes any)
+        # columns: this row block's share, shifted by its own maximum (never under/overflows)
+        s_col = tl.where(row_ok[:, None], s, float("-inf"))
+        c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
+        c_sum = tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
         part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
-        tl.store(col_max_ptr + part, c_ref, mask=col_ok)
+        tl.store(col_max_ptr + part, c_max, mask=col_ok)
         tl.store(col_sum_ptr + part, c_sum, mask=col_ok)
     row_part = pid_s.to(tl.int64) * stride_row_part + offs_m  # [splits, m]
     tl.store(row_max_ptr + row_part, m_i, mask=row_ok)
@@ -208,22 +180,7 @@ def _grad_kernel(
     row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
     s = acc * scale2
-    # the tile's log-sum-exps within SPREAD_LOG2 of each other: one exponential a logit, shifted by their maximum,
-    # times the rows' and the columns' own factors (exp2(s - lse) = exp2(s - hi) exp2(hi - lse)); each probability
-    # under 2^(SPREAD_LOG2 - 126) flushed to zero; else two exponentials
-    if SPREAD_LOG2 >= 0.0:  # compiled away by default, as in _stats_kernel
-        hi = tl.maximum(tl.max(tl.where(row_ok, row_lse2, float("-inf")), 0),
-                        tl.max(tl.where(col_ok, col_lse2, float("-inf")), 0))
-        lo = tl.minimum(tl.min(tl.where(row_ok, row_lse2, float("inf")), 0),
-                        tl.min(tl.where(col_ok, col_lse2, float("inf")), 0))
-        if hi - lo <= SPREAD_LOG2:
-            row_f = tl.where(row_ok, tl.exp2(hi - row_lse2), 0.0)
-            col_f = tl.where(col_ok, tl.exp2(hi - col_lse2), 0.0)
-            g = tl.exp2(s - hi) * (row_f[:, None] + col_f[None, :])
-        else:
-            g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
-    else:
-        g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
+    g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
     if DIAGONAL:
         g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
     g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
