@@ -105,6 +105,33 @@ def loss_passes_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
+def g_gemms_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/g_gemms.py: each route's GEMM on one block of G', its time, TFLOP/s and error to float64."""
+    rows = ["| c | block side | product | G' route | time | TFLOP/s | relative error | relative max error |",
+            "|---|---|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        rows.append(f"| {row['dim']} | {row['side']:,} | {row['product']} | {row['route']} | "
+                    f"{row['time_s'] * 1000:.2f} ms | {row['tflops']:.0f} | {row['relative_error']:.2e} | "
+                    f"{row['relative_max_error']:.2e} |")
+    return rows
+
+
+def naflex_pack_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/naflex_pack.py: images a second through the packer per tree, and its bytes against the
+    first tree's."""
+    rows = ["| tree | images | resized sizes | time | images/s | bytes differing from the first tree | largest "
+            "difference |", "|---|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        if "time_s" not in row:
+            rows.append(f"| {row['tree']} | {row.get('status')} | | | | | |")
+            continue
+        share = row.get("bytes_differing_from_first")
+        rows.append(f"| {row['tree']} | {row['images']:,} | {row['resized_sizes']} | {row['time_s'] * 1000:.0f} ms | "
+                    f"{row['images_per_s']:,.0f} | {'-' if share is None else f'{share:.1e}'} | "
+                    f"{row.get('largest_difference_from_first', '-')} |")
+    return rows
+
+
 def e2e_rows(data: dict) -> tuple[list[dict], dict | None]:
     ours = [row for row in data["results"] if row.get("system") == "megabatch"]
     theirs = next((row for row in data["results"] if str(row.get("system", "")).startswith("openclip")), None)
@@ -419,7 +446,7 @@ def chaos_table(data: dict, entry: dict) -> list[str]:
 
 
 TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "chaos": chaos_table, "loss": loss_table,
-          "loss_passes": loss_passes_table,
+          "loss_passes": loss_passes_table, "g_gemms": g_gemms_table, "naflex_pack": naflex_pack_table,
           "e2e": e2e_table,
           "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
