@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from .probe import classification_scores, probe, split_names
+from .probe import classification_scores, hold_out, probe, split_names
 from .ranks import Ranks, progress
 
 log = logging.getLogger(__name__)
@@ -135,12 +135,7 @@ def run_dense_probe(model, eval_cfg, data_cfg, transform, device, ranks: Ranks |
         if len(scenes[what][0]) == 0:
             raise ConfigError(f"eval.{eval_cfg.name}: the dense probe's {what} split makes no scene (fewer than "
                               f"{eval_cfg.mosaic ** 2} labelled images)")
-    if "val" not in scenes and eval_cfg.val_proportion > 0:  # a seeded share of the training scenes
-        features, labels = scenes["train"]
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(eval_cfg.probe_seed))
-        held = max(1, round(eval_cfg.val_proportion * len(labels)))
-        val, train = order[:held].sort().values, order[held:].sort().values
-        scenes["val"], scenes["train"] = (features[val], labels[val]), (features[train], labels[train])
+    hold_out(scenes, eval_cfg)  # whole scenes, as the linear probe holds out whole images
     encoded = time.perf_counter()
     rows = {what: (features.flatten(0, 1), labels.flatten()) for what, (features, labels) in scenes.items()}
     result = probe(rows, eval_cfg, device, ranks, scores=dense_scores)

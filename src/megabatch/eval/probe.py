@@ -224,13 +224,20 @@ def features_of(model, eval_cfg, data_cfg, transform, device, ranks: Ranks, cach
             partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")  # no other writer's name
             torch.save({"features": splits[what][0], "labels": splits[what][1], "key": json.dumps(key)}, partial)
             os.replace(partial, path)
-    if "val" not in splits and eval_cfg.val_proportion > 0:  # a seeded share of train
-        features, labels = splits["train"]
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(eval_cfg.probe_seed))
-        held = max(1, round(eval_cfg.val_proportion * len(labels)))
-        val, train = order[:held].sort().values, order[held:].sort().values
-        splits["val"], splits["train"] = (features[val], labels[val]), (features[train], labels[train])
+    hold_out(splits, eval_cfg)
     return splits, cached
+
+
+def hold_out(splits: dict[str, tuple[torch.Tensor, torch.Tensor]], eval_cfg) -> None:
+    """Where ``splits`` has no ``val``: a seeded share (``val_proportion``, by ``probe_seed``) of ``train``'s rows
+    becomes it, in place (the rows keep their order)."""
+    if "val" in splits or eval_cfg.val_proportion <= 0:
+        return
+    features, labels = splits["train"]
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(eval_cfg.probe_seed))
+    held = max(1, round(eval_cfg.val_proportion * len(labels)))
+    val, train = order[:held].sort().values, order[held:].sort().values
+    splits["val"], splits["train"] = (features[val], labels[val]), (features[train], labels[train])
 
 
 def run_linear_probe(model, eval_cfg, data_cfg, transform, device, ranks: Ranks | None = None,
