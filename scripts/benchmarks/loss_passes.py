@@ -140,5 +140,6 @@ def main() -> None:
 
     run_trees(__file__, args.trees, args.out, done)
 
+
 if __name__ == "__main__":
     main()

@@ -60,7 +60,7 @@ def measure(tree: str, name: str, args) -> dict:
     resized = len({tuple(box) for box in boxes[:, 7:9].tolist()})
     packed = packed.cpu().numpy()
     digest = hashlib.sha256(packed.tobytes()).hexdigest()
-    np.save(f"{args.out.removesuffix(f'.{name}.part')}.{name}.packed.npy", packed)  # compare_packed's
+    np.save(f"{args.out}.packed.npy", packed)  # beside the worker's part, for compare_packed
     return {"tree": name, "images": row, "sizes": args.sizes, "resized_sizes": resized, "seq_len": args.seq_len,
             "patch": args.patch, "time_s": min(times), "images_per_s": row / min(times), "packed_sha256": digest}
 
@@ -95,7 +95,7 @@ def main() -> None:
 def compare_packed(results: list, out: str) -> None:
     """Each tree's packed bytes against the first tree's: the share of bytes that differ and the largest difference
     (a pixel value), then the saved bytes removed."""
-    saved = [Path(f"{out}.{result['tree']}.packed.npy") for result in results]
+    saved = [Path(f"{out}.{result['tree']}.part.packed.npy") for result in results]  # run_trees' part names
     first = np.load(saved[0]) if saved[0].exists() else None
     for result, path in zip(results, saved, strict=True):
         if first is not None and path.exists():
@@ -105,6 +105,7 @@ def compare_packed(results: list, out: str) -> None:
                 result["bytes_differing_from_first"] = float((differ != 0).mean())
                 result["largest_difference_from_first"] = int(np.abs(differ).max())
         path.unlink(missing_ok=True)
+
 
 if __name__ == "__main__":
     main()

@@ -51,6 +51,8 @@ FP16_MAX = 65504.0
 # rate, 2.2-2.9x TF32's, on half the bytes. "auto": on a GPU (on the CPU fp32 G' is exact, there being no TF32);
 # "1" everywhere (tests); "0" never (fp32 G', TF32 GEMMs)
 G_FP16 = os.environ.get("MEGABATCH_LOSS_G_FP16", "auto")
+if G_FP16 not in ("auto", "1", "0"):
+    raise ValueError(f"MEGABATCH_LOSS_G_FP16={G_FP16!r}: auto (fp16 G' on a GPU), 1 (everywhere) or 0 (fp32 G')")
 
 
 # ----------------------------------------------------------------------------------------------
