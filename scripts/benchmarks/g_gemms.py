@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,22 +22,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench, however the script is started
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from bench import write_results  # noqa: E402
+from bench import gpu_time, write_results  # noqa: E402
 
 from megabatch.kernels.triton_tiles import FP16_G_SCALE  # noqa: E402
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def routes(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, transpose: bool) -> dict:
@@ -71,7 +57,7 @@ def main() -> None:
     parser.add_argument("--sides", default="13824,19456")
     parser.add_argument("--dims", default="512,768")
     parser.add_argument("--scale", type=float, default=100.0)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls a route (the median is reported)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -90,7 +76,7 @@ def main() -> None:
                 exact = (g.double().T @ rows.double()) if transpose else (g.double() @ cols.double())
                 for route, fn in routes(g, rows, cols, transpose).items():
                     error = fn().double() - exact
-                    seconds = timed(fn, args.repeats)
+                    seconds = gpu_time(fn, 1, args.repeats)
                     results.append({"dim": c, "side": side, "product": "G'^T @ rows" if transpose else "G' @ cols",
                                     "route": route, "time_s": seconds, "tflops": 2 * side * side * c / seconds / 1e12,
                                     "relative_error": float(error.norm() / exact.norm()),

@@ -213,3 +213,22 @@ def test_the_fp16_g_is_taken_on_a_gpu_only_by_default():
     assert triton_tiles._g_format(rows, cols, dots, "tf32", 1.0)[0] == expected
     assert triton_tiles._g_format(rows, cols, dots, "ieee", 1.0)[0] == torch.float32  # exact stays exact
     assert triton_tiles._g_format(rows, cols, None, "tf32", 1.0)[0] == torch.float32  # fp32 values: TF32's GEMMs
+
+
+@pytest.mark.parametrize("sub_batch", [32, 8], ids=["one-sub-batch", "four-sub-batches"])
+def test_gradcache_with_the_fp16_g_gives_the_float64_gradients_to_tf32s_error(sub_batch, monkeypatch):
+    """GradCache's loss on bf16 buffers with G' in fp16 (as a GPU runs it): the loss and the features' gradients of
+    the float64 loss, the gradients to TF32's error (the one-pass step's GEMMs on a GPU are TF32 on fp32 G'), for any
+    sub-batch."""
+    monkeypatch.setattr(triton_tiles, "G_FP16", "1")
+    images, texts = bf16_valued(32, 16, seed=11)
+    encoded = EncodedBatch(images.bfloat16(), texts.bfloat16(), sub_batch=sub_batch, replays=ReplayInputs(True, True))
+    precision = Precision.create("bf16", DEVICE, "bf16")
+    grads = loss_and_feature_grads(InfClLoss(impl="triton"), encoded, torch.tensor(2.0, device=DEVICE), None,
+                                   precision)
+    reference = [images.double().requires_grad_(), texts.double().requires_grad_()]
+    truth = clip_loss_reference(*reference, torch.tensor(2.0, dtype=torch.float64, device=DEVICE).exp())
+    d_images, d_texts = torch.autograd.grad(truth, reference)
+    assert abs(float(grads.loss) / float(truth.detach()) - 1) < 1e-5
+    for got, want in ((grads.image, d_images), (grads.text, d_texts)):
+        assert 1e-5 < relative(got.double(), want) < 2e-3  # fp16 G' rounding (fp32 G': ~3e-7 here)
