@@ -47,3 +47,36 @@ def test_a_cache_file_cut_short_is_tuned_again_and_written_whole(tmp_path):
     cache.write_text('{"Some GPU": {"grad/bf')
     assert tuned_once("Some GPU", "stats/bfloat16/native/c512", lambda: CONFIG, path=cache) == CONFIG
     assert json.loads(cache.read_text()) == {"Some GPU": {"stats/bfloat16/native/c512": CONFIG}}
+
+
+def test_a_small_block_takes_the_default_tiles_and_a_large_one_is_tuned(monkeypatch, tmp_path):
+    """No tuning (tens of seconds on a cold GPU) for a block whose loss takes milliseconds: a GPU's small batch, a
+    GPU test. A table's entry is used at any size; MEGABATCH_AUTOTUNE=0 never tunes."""
+    import types
+
+    import torch
+
+    from megabatch.kernels import triton_tiles
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("MEGABATCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Untuned GPU 7")
+    tuned = []
+    monkeypatch.setattr(triton_tiles, "tuned_once", lambda gpu, key, tune_now: tuned.append(key) or CONFIG)
+
+    def rows(m):
+        return types.SimpleNamespace(is_cuda=True, shape=(m, 512), dtype=torch.bfloat16, device="cuda:0")
+
+    side = int(triton_tiles.TUNE_MIN_LOGITS ** 0.5)
+    default = triton_tiles.default_config(torch.bfloat16)
+    assert triton_tiles.get_config("stats", rows(side // 2), "tf32", cols=side // 2) == default
+    assert triton_tiles.get_config("grad", rows(4 * side), "tf32", cols=side // 8) == default  # rows x cols counts
+    assert tuned == []
+    assert triton_tiles.get_config("grad", rows(side), "tf32", cols=side) == CONFIG
+    assert triton_tiles.get_config("stats", rows(2 * side), "tf32") == CONFIG  # cols not given: square
+    assert tuned == ["grad/bfloat16/native/c512", "stats/bfloat16/native/c512"]
+    monkeypatch.setenv("MEGABATCH_AUTOTUNE", "0")
+    assert triton_tiles.get_config("sigmoid", rows(2 * side), "tf32", cols=2 * side) == default
+    # a known key (here: what this host tuned, now in the table) is used at any size
+    assert triton_tiles.get_config("grad", rows(16), "tf32", cols=16) == CONFIG
+    assert len(tuned) == 2

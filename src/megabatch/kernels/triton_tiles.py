@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
 PARTIAL_BYTES = 256 * 2**20  # column (max, sum) partials of one forward stripe
 G_BYTES = 768 * 2**20  # one backward block of G' (extra memory: fp32 accumulators + < 1 GB)
+# a block with fewer logits takes the default tiles where no tuned ones are known: at 8k x 8k x 512 the whole loss
+# takes about a millisecond, while tuning one kernel on a cold GPU takes ~10-30 s of the first step (and of every
+# GPU test of a small shape)
+TUNE_MIN_LOGITS = 8192 * 8192
 G_ALIGN = 256  # G' block sides are multiples of every tile size
 FP16_G_SCALE = 2.0**14  # |G'| <= 2: scaled into fp16's normal range, undone in the GEMM's alpha
 FP16_MAX = 65504.0
@@ -405,8 +409,10 @@ def _load_tables(gpu: str) -> dict:
     return tables
 
 
-def get_config(kernel: str, rows: torch.Tensor, precision: str) -> dict:
-    """The tile config for ``kernel`` on these inputs' GPU, dtype and width."""
+def get_config(kernel: str, rows: torch.Tensor, precision: str, cols: int | None = None) -> dict:
+    """The tile config for ``kernel`` on these inputs' GPU, dtype and width: the shipped or this host's tuned one,
+    else tuned now (once per host), except for a block of fewer than ``TUNE_MIN_LOGITS`` logits (``rows`` x ``cols``
+    rows), which takes the default tiles: its loss takes milliseconds, a tuning tens of seconds."""
     if interpreting() or not rows.is_cuda:
         return INTERPRET_CONFIG
     gpu = torch.cuda.get_device_name(rows.device)
@@ -416,7 +422,8 @@ def get_config(kernel: str, rows: torch.Tensor, precision: str) -> dict:
         bf16_key = config_key(kernel, torch.bfloat16, rows.shape[1], precision)
         key = bf16_key if bf16_key in table else key
     if key not in table:
-        if os.environ.get("MEGABATCH_AUTOTUNE", "1") == "0":
+        small = rows.shape[0] * (rows.shape[0] if cols is None else cols) < TUNE_MIN_LOGITS
+        if small or os.environ.get("MEGABATCH_AUTOTUNE", "1") == "0":
             return default_config(rows.dtype)
         table[key] = tuned_once(gpu, key, lambda: tune(kernel, rows.dtype, rows.shape[1], precision, rows.device,
                                                        verbose=False))
@@ -865,7 +872,7 @@ def block_stats(
     """
     _check(rows, cols, fp32_precision)
     rows, cols = _dot_operands(rows, cols, dots_dtype)
-    config = config or get_config("stats", rows, fp32_precision)
+    config = config or get_config("stats", rows, fp32_precision, cols.shape[0])
     return _stats_launch(rows, cols, scale.reshape(()).float(), fp32_precision, config)
 
 
@@ -895,7 +902,7 @@ def block_grads(
     """
     _check(rows, cols, fp32_precision)
     operands = _dot_operands(rows, cols, dots_dtype)
-    config = config or get_config("grad", operands[0], fp32_precision)
+    config = config or get_config("grad", operands[0], fp32_precision, cols.shape[0])
     rows_out = None
     if d_rows is None and rows_dtype is not None:
         rows_out = torch.empty(rows.shape, dtype=rows_dtype, device=rows.device)
@@ -929,7 +936,7 @@ def sigmoid_block(
     ``block_grads``."""
     _check(rows, cols, fp32_precision)
     operands = _dot_operands(rows, cols, dots_dtype)
-    config = config or get_config("sigmoid", operands[0], fp32_precision)
+    config = config or get_config("sigmoid", operands[0], fp32_precision, cols.shape[0])
     grads = d_rows is not None or d_cols is not None
     if grads and (d_rows is None or d_cols is None):
         raise ValueError("sigmoid_block: give both d_rows and d_cols, or neither")
@@ -951,7 +958,7 @@ def distill_stats(
     _check(t_rows, t_cols, fp32_precision)
     rows, cols = _dot_operands(rows, cols, dots_dtype)
     t_rows, t_cols = _dot_operands(t_rows, t_cols, dots_dtype)
-    config = config or get_config("distill_stats", rows, fp32_precision)
+    config = config or get_config("distill_stats", rows, fp32_precision, cols.shape[0])
     return _distill_stats_launch(rows, cols, t_rows, t_cols, scale.reshape(()).float(), t_scale, fp32_precision,
                                  config)
 
@@ -974,7 +981,7 @@ def distill_grads(
     _check(t_rows, t_cols, fp32_precision)
     operands = _dot_operands(rows, cols, dots_dtype)
     t_rows, t_cols = _dot_operands(t_rows, t_cols, dots_dtype)
-    config = config or get_config("distill_grad", operands[0], fp32_precision)
+    config = config or get_config("distill_grad", operands[0], fp32_precision, cols.shape[0])
     lse = torch.cat([row_lse[0], col_lse[0], row_lse[1], col_lse[1]]).float().contiguous()
     weight = weight.reshape(()).float()
     t_weight, diagonal_weight = 1.0, None
