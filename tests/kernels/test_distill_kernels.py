@@ -32,6 +32,10 @@ def inputs(m: int, n: int, c: int, ct: int, seed: int):
                                                          (17, 70, 130, 33, 30.0, 5.0)])
 def test_distill_stats_and_grads_match_the_float64_reference(case, m, n, c, ct, scale, t_scale, monkeypatch):
     dtype, precision, tolerance = CASES[case]
+    # fp32 rounds a logit of magnitude ~scale to scale x 2^-24, and every probability exp(S - lse) carries that as a
+    # relative error: the bound grows with the scale (exact fp32 dots, three tile configs, interpreted: the gradients'
+    # error 1.96-2.15e-6 at scale 100, 3-6e-7 at 14 and 30; CASES' 2e-6 failed at 100 on an H200)
+    tolerance *= max(1.0, max(scale, t_scale) / 50)
     rows, cols, t_rows, t_cols = (x.to(dtype) for x in inputs(m, n, c, ct, seed=m + n + c))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":  # stripes of a few columns: the column fields merged stripe by stripe, as at 1M on a GPU
