@@ -218,6 +218,60 @@ def loaders_from_the_fork_server(data: TrainData, plan: BatchPlan, expected: lis
     stream.close()
     assert [sub.texts.tolist() for sub in taken] == [sub.texts.tolist() for sub in expected]
     assert all(torch.equal(a.images, b.images) for a, b in zip(taken, expected, strict=True))
-    # the first loader in the consumer's thread, the next epochs' from threads of their own (the step goes on)
+    # every loader from a thread of its own: the first beside the compile, the next epochs' beside the steps
     assert inputs.loaders_started == [(0, 0), (1, 0), (2, 0)]
-    assert threads[0] is threading.main_thread() and all(t is not threading.main_thread() for t in threads[1:])
+    assert all(t is not threading.main_thread() for t in threads)
+
+
+class Sub:
+    """A loader's sub-batch as ``RunInputs`` reads it (no worker counts)."""
+
+    stats = None
+
+    def __init__(self, step: int):
+        self.step = step
+
+
+@pytest.mark.parametrize("resume_at", [0, 1])
+def test_with_the_fork_server_the_first_loader_starts_beside_the_callers_work(shard_urls, tmp_path, resume_at):
+    """data.worker_start=forkserver: the first epoch's loader starts from a thread of its own, so the caller's work
+    before its first sub-batch (the towers' compile or compiled-graph load) overlaps the workers' start; the
+    sub-batches and the loaders' (epoch, step) are what they were, from the start and from a resumed step."""
+    data = make_data(shard_urls, tmp_path, "indexed")
+    data.worker_start = "forkserver"
+    plan = make_plan(data, epochs=1, extra_steps=1)
+    inputs = RunInputs(data, plan, rank=0)
+    started_in, release = [], threading.Event()
+
+    def loader(epoch, start):  # stands in for the workers' start (no processes here)
+        started_in.append(threading.current_thread())
+        release.wait(10)
+        inputs.loaders_started.append((epoch, start))
+        return iter([Sub(epoch * plan.steps_per_epoch + step) for step in range(start, plan.steps_per_epoch)
+                     for _ in range(plan.sub_batches)])
+
+    inputs._loader = loader
+    stream = inputs(resume_at)  # returns while the loader is still starting
+    assert inputs.loaders_started == []
+    release.set()
+    taken = [next(stream).step for _ in range((plan.total_steps - resume_at) * plan.sub_batches)]
+    stream.close()
+    assert taken == [step for step in range(resume_at, plan.total_steps) for _ in range(plan.sub_batches)]
+    assert inputs.loaders_started == [(0, resume_at), (1, 0)]
+    assert all(thread is not threading.main_thread() for thread in started_in)
+
+
+def test_a_loader_that_fails_to_start_in_its_thread_raises_where_the_sub_batches_are_taken(shard_urls, tmp_path):
+    """The error of a loader started from a thread (a shard list gone, a worker that cannot start) reaches the
+    step that takes the sub-batches, with its own message, instead of the step waiting for a loader forever."""
+    data = make_data(shard_urls, tmp_path, "indexed")
+    data.worker_start = "forkserver"
+    inputs = RunInputs(data, make_plan(data, epochs=1, extra_steps=1), rank=0)
+
+    def loader(epoch, start):
+        raise OSError(f"epoch {epoch}'s shards cannot be opened")
+
+    inputs._loader = loader
+    stream = inputs(0)
+    with pytest.raises(OSError, match="epoch 0's shards cannot be opened"):
+        next(stream)

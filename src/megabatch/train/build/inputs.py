@@ -118,15 +118,22 @@ class RunInputs:
         The epochs come from one chain (``_epochs``), decoded ahead across the boundaries: the GPU
         decodes the next epoch's first sub-batches during this epoch's last step. Loaders start here,
         in the calling thread (a loader forked from another thread lost its workers), or from a thread
-        of their own when their workers come from the fork server (``_start_loader``), and are handed
-        to the chain, which may run in the decoding thread."""
+        of their own when their workers come from the fork server (``_start_loader``; the first one too,
+        so that its start overlaps what the caller does before the first sub-batch: the towers' compile or
+        compiled-graph load), and are handed to the chain, which may run in the decoding thread."""
         plan = self.plan
         epoch, start = divmod(start_step, plan.steps_per_epoch)
         if epoch * plan.steps_per_epoch + start >= plan.total_steps:
             return
         handoff: queue.Queue = queue.Queue()
         stop = threading.Event()
-        chain = self._epochs(epoch, start, self._loader(epoch, start), handoff, stop)
+        starters: list[threading.Thread] = []
+        if self.data.worker_start == "forkserver":  # handed to the chain when started
+            first = None
+            starters.append(self._start_loader(epoch, handoff, start))
+        else:
+            first = self._loader(epoch, start)
+        chain = self._epochs(epoch, start, first, handoff, stop)
         source = chain
         if self.gpu_decoder is not None:
             gpu = self.gpu_decoder
@@ -137,20 +144,21 @@ class RunInputs:
         # wait for them (a loader per epoch: the order is an epoch's own)
         lead = (THREADED_LEAD_STEPS if self.data.worker_start == "forkserver" else EPOCH_LEAD_STEPS) * plan.sub_batches
         left, handed = (plan.steps_per_epoch - start) * plan.sub_batches, False
-        starter = None
         try:
             yield None  # __call__ takes this: the first epoch is reading
             for sub in source:
                 left -= 1
                 if not handed and left < lead and (epoch + 1) * plan.steps_per_epoch < plan.total_steps:
                     starter = self._start_loader(epoch + 1, handoff)
+                    if starter is not None:
+                        starters.append(starter)
                     handed = True
                 yield sub
                 if left == 0:
                     epoch, left, handed = epoch + 1, plan.steps_per_epoch * plan.sub_batches, False
         finally:
             stop.set()
-            if starter is not None:
+            for starter in starters:
                 starter.join()
             if source is not chain:
                 source.close()  # stops the decoding thread
@@ -159,16 +167,22 @@ class RunInputs:
             while not handoff.empty():  # a run stopped before the boundary: that loader's workers end with it
                 handoff.get_nowait()
 
-    def _start_loader(self, epoch: int, handoff: queue.Queue) -> threading.Thread | None:
-        """Start epoch ``epoch``'s loader and hand it to the chain. Workers from the fork server
-        (``data.worker_start``) start from a thread of their own, so that the step goes on meanwhile
+    def _start_loader(self, epoch: int, handoff: queue.Queue, start: int = 0) -> threading.Thread | None:
+        """Start epoch ``epoch``'s loader (from its step ``start``) and hand it to the chain. Workers from the fork
+        server (``data.worker_start``) start from a thread of their own, so that the step goes on meanwhile
         (12 workers: 0.31-0.34 s on a GPU rank); forked workers start in this thread (started from
-        another one, they died)."""
+        another one, they died). A loader that fails to start hands its error over: the chain raises it."""
         if self.data.worker_start != "forkserver":
-            handoff.put(self._loader(epoch, 0))
+            handoff.put(self._loader(epoch, start))
             return None
-        starter = threading.Thread(target=lambda: handoff.put(self._loader(epoch, 0)), daemon=True,
-                                   name=f"loader-start-epoch-{epoch}")
+
+        def started() -> None:
+            try:
+                handoff.put(self._loader(epoch, start))
+            except BaseException as error:  # raised where the sub-batches are taken, not lost with this thread
+                handoff.put(error)
+
+        starter = threading.Thread(target=started, daemon=True, name=f"loader-start-epoch-{epoch}")
         starter.start()
         return starter
 
@@ -176,9 +190,13 @@ class RunInputs:
                 stop: threading.Event) -> Iterator[SubBatch]:
         """Each epoch's sub-batches in turn, from ``start`` of ``epoch`` to the run's end, each loader
         read ahead (``reads_ahead``); the next epoch's loader is taken from ``handoff`` once this one
-        is drained. Runs in the consumer's thread or in the GPU decoding's feeding thread."""
+        is drained (the first one too where ``loader`` is None). Runs in the consumer's thread or in the GPU
+        decoding's feeding thread."""
         plan = self.plan
         while True:
+            loader = self._handed(loader, handoff, stop)
+            if loader is None:  # stopped while waiting
+                return
             # workers keep decoding through the loss and the replay; only steps with a replay: a
             # one-sub-batch step has nothing to hide the reading behind, and the reading thread
             # then competes with the step for the host (docs/performance.md)
@@ -201,13 +219,19 @@ class RunInputs:
             if taken < expected:
                 raise RuntimeError(f"the loader of epoch {epoch - 1} ended after {taken} of its {expected} "
                                    "sub-batches: the data changed while the run read it?")
-            while loader is None and not stop.is_set():
-                try:
-                    loader = handoff.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-            if loader is None:
-                return
+
+    @staticmethod
+    def _handed(loader, handoff: queue.Queue, stop: threading.Event):
+        """``loader``, or the one ``handoff`` holds once it does (None if ``stop`` comes first); a loader's start
+        that failed in its thread (``_start_loader``) is raised here."""
+        while loader is None and not stop.is_set():
+            try:
+                loader = handoff.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        if isinstance(loader, BaseException):
+            raise loader
+        return loader
 
     def state_dict(self) -> dict:
         """What the data order of a run depends on beyond its step: the global batch and the loader
