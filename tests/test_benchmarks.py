@@ -69,3 +69,20 @@ def test_the_benchmarks_time_the_step_the_trainer_builds():
         built.gradients(repeat(sub))
         grads.append(torch.cat([p.grad.flatten() for p in built.model.parameters() if p.grad is not None]))
     assert rel_error(grads[0], grads[1]) <= 1e-6
+
+
+def test_learning_compares_each_setting_with_the_first_paired_by_seed():
+    """learning.py's summary: each later setting's metrics less the first setting's, seed by seed, with a 95%
+    interval (report/seeds.py); a metric not measured is left out, one seed has no interval."""
+    import learning  # scripts/benchmarks/learning.py
+
+    rows = [{"setting": s, "seed": seed, "zero_shot_top1": top1, "linear_probe_top1": probe}
+            for s, seed, top1, probe in [("plain", 0, 97.0, 98.0), ("plain", 1, 95.0, 99.0), ("plain", 2, 98.0, 97.0),
+                                         ("new", 0, 96.0, 98.5), ("new", 1, 95.0, 99.0), ("new", 2, 96.5, 97.5),
+                                         ("one", 1, 96.0, None)]]
+    compared = learning.against(rows, "plain", "new")
+    assert set(compared) == {"zero_shot_top1", "linear_probe_top1"}
+    assert compared["zero_shot_top1"]["mean"] == -2.5 / 3 and compared["zero_shot_top1"]["seeds"] == 3
+    assert 0 < compared["linear_probe_top1"]["half_width"] and compared["linear_probe_top1"]["mean"] == 1 / 3
+    assert learning.against(rows, "plain", "one") == {
+        "zero_shot_top1": {"mean": 1.0, "half_width": None, "seeds": 1}}

@@ -1,6 +1,7 @@
 """What a setting that is not exact does to learning: the same ``python train.py`` run (the default
 digits run unless ``--set`` changes it) once per setting and seed, and each run's loss curve and
-final zero-shot top-1, side by side with their means over the seeds.
+final zero-shot top-1, side by side with their means over the seeds, and each later setting's metrics less the first
+setting's, paired by seed, with a 95% interval (``against_first`` in the summary; ``megabatch/report/seeds.py``).
 
     python scripts/benchmarks/learning.py --settings model.gelu=erf model.gelu=tanh --seeds 0,1,2 --out gelu.json
     python scripts/benchmarks/learning.py --settings model.fp8=false model.fp8=true \
@@ -50,6 +51,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from bench import ROOT, write_results
+
+PAIRED_METRICS = ("zero_shot_top1", "linear_probe_top1", "dense_miou", "caption_accuracy")  # where measured
 
 
 def named_digits(caption: str) -> set[int]:
@@ -236,7 +239,25 @@ def main() -> None:
                   f"({', '.join(f'{a:.2f}' for a in summary[-1]['caption_accuracy_each'])})", flush=True)
         print(f"{setting:>24}: last-100-step loss {summary[-1]['loss_last_100_mean']:.4f}, zero-shot top-1 "
               f"{summary[-1]['zero_shot_top1_mean']:.2f}% ({', '.join(f'{t:.2f}' for t in top1)})", flush=True)
+        if setting != args.settings[0]:
+            summary[-1]["against_first"] = against(results, args.settings[0], setting)
+            print(f"{setting:>24}: against {args.settings[0]}, paired by seed (mean, 95% interval): " + "; ".join(
+                f"{key} {value['mean']:+.2f}" + (f" +- {value['half_width']:.2f}" if value["half_width"] else "")
+                for key, value in summary[-1]["against_first"].items()), flush=True)
     write_results(args.out, results, shared=args.set, summary=summary)
+
+
+def against(results: list[dict], first: str, setting: str) -> dict:
+    """Each measured metric of ``setting`` less the first setting's, paired by seed (``report/seeds.py``): the mean
+    difference, its 95% interval's half width and the seeds both have."""
+    from megabatch.report.seeds import by_seed, paired_difference
+
+    compared = {}
+    for key in PAIRED_METRICS:
+        paired = paired_difference(by_seed(results, first, key), by_seed(results, setting, key))
+        if paired is not None:  # one seed: no interval (null, not JSON's non-standard NaN)
+            compared[key] = {**paired._asdict(), "half_width": None if paired.seeds < 2 else paired.half_width}
+    return compared
 
 
 if __name__ == "__main__":
