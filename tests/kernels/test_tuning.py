@@ -80,3 +80,23 @@ def test_a_small_block_takes_the_default_tiles_and_a_large_one_is_tuned(monkeypa
     # a known key (here: what this host tuned, now in the table) is used at any size
     assert triton_tiles.get_config("grad", rows(16), "tf32", cols=16) == CONFIG
     assert len(tuned) == 2
+
+
+def test_tune_kernels_missing_tunes_only_what_the_table_lacks(tmp_path):
+    """scripts/tune_kernels.py --missing: the keys the committed table lacks for this GPU, each once (c = 768 and
+    1024 share a key); without it every key asked for."""
+    import importlib.util
+
+    from ..helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("tune_kernels", ROOT / "scripts" / "tune_kernels.py")
+    tune_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_kernels)
+    table = tmp_path / "tuned.json"
+    table.write_text(json.dumps({"Some GPU": {"stats/bfloat16/native/c512": CONFIG},
+                                 "Other GPU": {"grad/bfloat16/native/c512": CONFIG}}))
+    keys = [row[-1] for row in tune_kernels.to_tune("Some GPU", ["bf16"], [512, 768, 1024], ["stats", "grad"], True,
+                                                    table)]
+    assert keys == ["grad/bfloat16/native/c512", "stats/bfloat16/native/c1024", "grad/bfloat16/native/c1024"]
+    every = tune_kernels.to_tune("Some GPU", ["bf16", "fp32"], [512], ["stats"], False, table)
+    assert [row[-1] for row in every] == ["stats/bfloat16/native/c512", "stats/float32/tf32/c512"]
