@@ -190,3 +190,62 @@ def test_auto_measures_a_naflex_tower_at_each_length_and_plans_a_token_budget(mo
     probed.clear()
     plain = parts.choose_sub_batch(settings, model, env, precision, join_lengths=False)
     assert sorted(probed) == [(32, 16), (64, 16)] and plain.token_budget is None
+
+
+def test_the_probes_are_kept_for_the_next_run_of_the_same_model(monkeypatch, tmp_path, caplog):
+    """``ProbeCache``: the first run measures and keeps the peaks; the same model again reads them and runs no probe
+    (a warm start); other probes asked, a damaged file or MEGABATCH_PROBE_CACHE=0 measure again. The key follows the
+    model and the trainer's precision, not the run's length or name."""
+    import logging
+
+    import torch
+
+    from megabatch.config.run import RunSettings
+    from megabatch.distributed.env import DistEnv
+    from megabatch.models import build_model
+    from megabatch.train.build import parts
+    from megabatch.train.build.memory_plan import ProbeCache
+
+    def config(*overrides):
+        cfg = validate(compose("model=tiny", "batch=256", "trainer.sub_batch=auto", *overrides))
+        cfg.data.cache_dir = str(tmp_path)
+        return cfg
+
+    cfg = config()
+    settings, model = RunSettings.of(cfg), build_model(cfg.model)
+    probed = []
+
+    def probe(model, rows, precision, device, caption=False, views=False, seq_len=None):
+        probed.append(rows)
+        return int(1 * GB + rows * 0.05 * GB), int(rows * 0.01 * GB)
+
+    monkeypatch.setattr(parts, "probe_peak_memory", probe)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 10 * GB}))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stand-in GPU")
+    env = DistEnv(device=torch.device("cuda"))
+    precision = parts.precision_of(settings, DistEnv())
+    cache = ProbeCache.for_run(cfg, 0, 1, env.device)
+    assert cache.path.parent == tmp_path / "probes" and not cache.path.exists()
+    first = parts.choose_sub_batch(settings, model, env, precision, probe_cache=cache)
+    assert probed == [32, 64] and cache.path.is_file()
+    again = ProbeCache.for_run(config("trainer.max_steps=7", "name=other"), 0, 1, env.device)
+    assert again.path == cache.path  # the run's length and name are not in the key
+    with caplog.at_level(logging.INFO, logger="megabatch"):
+        second = parts.choose_sub_batch(settings, model, env, precision, probe_cache=again)
+    assert probed == [32, 64] and second == first  # nothing probed: the same choice from the kept peaks
+    assert "kept in" in caplog.text
+    # another model, another precision: another file
+    assert ProbeCache.for_run(config("model.image.width=64"), 0, 1, env.device).path != cache.path
+    assert ProbeCache.for_run(config("trainer.precision=fp32"), 0, 1, env.device).path != cache.path
+    # other probes asked of the same file (a caption loss's): measured again
+    cache.write({"sizes": [32, 64], "lengths": [None], "caption": True, "views": False}, {None: [(32, 1, 0)]})
+    parts.choose_sub_batch(settings, model, env, precision, probe_cache=cache)
+    assert probed == [32, 64] * 2
+    cache.path.write_text("{not json")  # damaged: measured again, written whole
+    assert parts.choose_sub_batch(settings, model, env, precision, probe_cache=cache) == first
+    assert probed == [32, 64] * 3 and cache.read({"sizes": [32, 64], "lengths": [None], "caption": False,
+                                                  "views": False}) is not None
+    monkeypatch.setenv("MEGABATCH_PROBE_CACHE", "0")
+    assert ProbeCache.for_run(cfg, 0, 1, env.device).path is None
+    monkeypatch.delenv("MEGABATCH_PROBE_CACHE")
+    assert ProbeCache.for_run(cfg, 0, 1, torch.device("cpu")).path is None

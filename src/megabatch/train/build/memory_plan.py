@@ -19,12 +19,21 @@ the images' patches, so a short length's joined sub-batch can be what limits the
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import logging
+import os
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ...config import ConfigError
 from ..step.plan import joined_sub_batches
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -220,3 +229,91 @@ def probe_peak_memory(model, rows: int, precision, device: torch.device, caption
     del images, texts, image_features, text_features, surrogate, outputs
     torch.cuda.empty_cache()
     return peak, graph
+
+
+PROBES_FORMAT = 1  # bumped when what a probe measures, or what goes into its key, changes
+
+
+class ProbeCache:
+    """``trainer.sub_batch=auto``'s measured peaks kept across runs (``<data.cache_dir>/probes/``): the same command
+    again (a warm start, a resume, a sweep's next job of the same model) reads them instead of running the probes'
+    forward-backward passes. A file per key: the model as it is measured (the ``model``, ``loss``, ``distill`` and
+    ``self_distill`` sections, the trainer's precision and parallelism, the rank and world size), the GPU and its
+    memory, the torch, Triton, CUDA, open_clip and timm versions, and a digest of megabatch's own source; in the file,
+    what was probed (the rows, lengths and options), checked on reading. A file that does not read is measured again;
+    one that cannot be written is a warning. ``MEGABATCH_PROBE_CACHE=0``: always measure."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    @classmethod
+    def for_run(cls, cfg, rank: int, world_size: int, device: torch.device) -> ProbeCache:
+        if device.type != "cuda" or os.environ.get("MEGABATCH_PROBE_CACHE", "1") == "0" or not cfg.data.cache_dir:
+            return cls(None)
+        key = probe_key(cfg, rank, world_size, device)
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+        name = str(cfg.model.get("name") or "model").replace("/", "_")
+        return cls(Path(cfg.data.cache_dir).expanduser() / "probes" / f"{name}-{digest}.json")
+
+    def read(self, asked: dict) -> dict | None:
+        """``{length: [(rows, peak, graph), ...]}`` measured for ``asked``, or None."""
+        if self.path is None or not self.path.is_file():
+            return None
+        try:
+            saved = json.loads(self.path.read_text())
+            if saved.get("asked") != asked:
+                return None
+            return {None if length == "null" else int(length): [tuple(int(v) for v in row) for row in rows]
+                    for length, rows in saved["measured"].items()}
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            log.warning("trainer.sub_batch=auto: the kept probes %s could not be read (%s); measuring again",
+                        self.path, error)
+            return None
+
+    def write(self, asked: dict, measured: dict) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            record = {"asked": asked, "measured": {"null" if length is None else str(length): rows
+                                                   for length, rows in measured.items()}}
+            partial = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.partial")
+            partial.write_text(json.dumps(record, indent=1) + "\n")
+            os.replace(partial, self.path)  # whole or absent (ranks and nodes sharing the cache)
+        except OSError as error:
+            log.warning("trainer.sub_batch=auto: the probes could not be kept in %s (%s); the next run measures "
+                        "again", self.path, error)
+
+
+def probe_key(cfg, rank: int, world_size: int, device: torch.device) -> dict:
+    """What a probe's peaks depend on (``ProbeCache``), JSON-able."""
+    import open_clip
+    import timm
+    from omegaconf import OmegaConf
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    sections = {name: OmegaConf.to_container(cfg[name], resolve=True) if name in cfg else None
+                for name in ("model", "loss", "distill", "self_distill")}
+    trainer = {key: cfg.trainer.get(key) for key in ("precision", "feature_dtype", "parallel", "fsdp_reduce",
+                                                     "fsdp_shard_size")}
+    properties = torch.cuda.get_device_properties(device)
+    return {"format": PROBES_FORMAT, **sections, "trainer": trainer, "rank": rank, "world_size": world_size,
+            "device": torch.cuda.get_device_name(device), "memory": int(properties.total_memory),
+            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
+            "open_clip": open_clip.__version__, "timm": timm.__version__, "source": source_digest()}
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of megabatch's Python source: a probe kept by other code is measured again."""
+    package = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:20]

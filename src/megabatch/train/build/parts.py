@@ -47,6 +47,7 @@ from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import (
     LengthFits,
     MemoryFit,
+    ProbeCache,
     SubBatchChoice,
     batch_bytes,
     graphs_in,
@@ -113,7 +114,8 @@ class RunParts:
             loss = prepare_model(cfg, settings, model, env, precision, data)
             # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
             auto = choose_sub_batch(settings, model, env, precision, ahead, getattr(loss, "teacher", None),
-                                    join_lengths=model.naflex is not None and data.split != "shard")
+                                    join_lengths=model.naflex is not None and data.split != "shard",
+                                    probe_cache=ProbeCache.for_run(cfg, env.rank, env.world_size, env.device))
             plan = plan_batches(settings, env.world_size, data, auto.sub_batch if auto else None,
                                 auto.token_budget if auto else None)
             if plan.token_budget is not None and env.rank == 0:
@@ -586,7 +588,8 @@ def plan_batches(settings: RunSettings, world_size: int, data: TrainData, sub_ba
 
 
 def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, precision: Precision,
-                     decode_ahead: float = 0.0, teacher=None, join_lengths: bool = False) -> SubBatchChoice | None:
+                     decode_ahead: float = 0.0, teacher=None, join_lengths: bool = False,
+                     probe_cache: ProbeCache | None = None) -> SubBatchChoice | None:
     """``trainer.sub_batch=auto``: the largest divisor of the per-rank batch whose forward-backward
     fits ``trainer.memory_fraction`` of the GPU (``memory_plan.py``), the smallest over the ranks
     (they must agree), and the kept graphs the rest of the memory holds (``graphs_that_fit``, the
@@ -594,7 +597,8 @@ def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, prec
     kept for images decoded ahead of the step (``data.decode_ahead_gb``), left free. ``teacher``:
     ``distill.teacher``'s (its features of the batch are held too). ``join_lengths``: a NaFlex tower trained at
     several sequence lengths, whose sub-batches a token budget may join (not under the shard split): measured at
-    each length, the choice is a token budget (``SubBatchChoice.token_budget``, ``memory_plan.LengthFits``)."""
+    each length, the choice is a token budget (``SubBatchChoice.token_budget``, ``memory_plan.LengthFits``).
+    ``probe_cache``: where the measured peaks are kept across runs (``memory_plan.ProbeCache``)."""
     trainer = settings.trainer
     if trainer.sub_batch != "auto":
         return None
@@ -608,8 +612,14 @@ def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, prec
     views = settings.self_distill.on  # the late steps' replay: the student's views too (the largest sub-batch)
     sizes = sorted({min(rank_batch, 32), min(rank_batch, 64)})
     lengths = sorted(model.image_lengths) if join_lengths and len(model.image_lengths) > 1 else [None]
-    measured = {length: [(rows, *probe_peak_memory(model, rows, precision, env.device, caption, views, length))
-                         for rows in sizes] for length in lengths}
+    asked = {"sizes": sizes, "lengths": lengths, "caption": caption, "views": views}
+    probe_cache = probe_cache or ProbeCache(None)
+    measured = probe_cache.read(asked)
+    kept = measured is not None
+    if measured is None:
+        measured = {length: [(rows, *probe_peak_memory(model, rows, precision, env.device, caption, views, length))
+                             for rows in sizes] for length in lengths}
+        probe_cache.write(asked, measured)
     probes = measured[lengths[-1]]  # the longest length's (the only one without joining)
     if len(probes) == 1:  # a per-rank batch of at most 32: the probe ran it whole
         return SubBatchChoice(rank_batch, float(probes[0][1]), 0.0, MemoryFit(0.0, 0.0), graphs_that_fit=0)
@@ -648,6 +658,9 @@ def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, prec
                  " and ".join(f"{rows} ({peak / 1e9:.2f} GB)" for rows, peak, _ in probes), choice.fit.fixed / 1e9,
                  choice.fit.per_row / 1e6, choice.fit.graph_per_row / 1e6, held / 1e9, rank_batch,
                  choice.predicted_bytes / 1e9, capacity / 1e9, choice.graphs_that_fit, trainer.memory_fraction)
+        if kept:
+            log.info("trainer.sub_batch=auto: the peaks measured by an earlier run of this model on this GPU, kept in "
+                     "%s (MEGABATCH_PROBE_CACHE=0 measures again)", probe_cache.path)
         if isinstance(choice.fit, LengthFits):
             log.info("trainer.sub_batch=auto, a NaFlex tower measured at each sequence length: a token budget of %d "
                      "patches (%d images at the longest), joined sub-batches of %s; peaks measured at %s",
