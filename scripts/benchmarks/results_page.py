@@ -391,13 +391,13 @@ def paired_lines(data: dict) -> list[str]:
         for key, name in PAIRED_NAMES.items():
             paired = paired_difference(by_seed(results, settings[0], key), by_seed(results, setting, key))
             if paired is not None and paired.seeds >= 2:
-                compared.append(f"{name} {paired.mean:+.2f} +- {paired.half_width:.2f}")
+                compared.append(f"{name} {paired.describe()}")
         if compared:
             parts.append(f"`{setting}`: " + ", ".join(compared))
     if not parts:
         return []
-    return ["", f"Against `{settings[0]}`, paired by seed (the mean difference in points and its 95% interval): "
-            + "; ".join(parts) + "."]
+    return ["", f"Against `{settings[0]}`, paired by seed (the mean difference in points, its 95% interval, the "
+            "seeds): " + "; ".join(parts) + "."]
 
 
 def eval_suite_table(data: dict, entry: dict) -> list[str]:
