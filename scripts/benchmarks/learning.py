@@ -52,8 +52,6 @@ from pathlib import Path
 
 from bench import ROOT, write_results
 
-PAIRED_METRICS = ("zero_shot_top1", "linear_probe_top1", "dense_miou", "caption_accuracy")  # where measured
-
 
 def named_digits(caption: str) -> set[int]:
     """The digits a caption names, as words (``seven``) or numerals (``7``)."""
@@ -250,10 +248,10 @@ def main() -> None:
 def against(results: list[dict], first: str, setting: str) -> dict:
     """Each measured metric of ``setting`` less the first setting's, paired by seed (``report/seeds.py``): the mean
     difference, its 95% interval's half width and the seeds both have."""
-    from megabatch.report.seeds import by_seed, paired_difference
+    from megabatch.report.seeds import METRICS, by_seed, paired_difference
 
     compared = {}
-    for key in PAIRED_METRICS:
+    for key in METRICS:
         paired = paired_difference(by_seed(results, first, key), by_seed(results, setting, key))
         if paired is not None:  # one seed: no interval (null, not JSON's non-standard NaN)
             compared[key] = {**paired._asdict(), "half_width": None if paired.seeds < 2 else paired.half_width}

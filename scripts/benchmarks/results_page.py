@@ -375,20 +375,16 @@ def learning_table(data: dict, entry: dict) -> list[str]:
     return rows + paired_lines(data)
 
 
-PAIRED_NAMES = {"zero_shot_top1": "zero-shot", "linear_probe_top1": "linear probe", "dense_miou": "dense mean IoU",
-                "caption_accuracy": "captions naming the digit"}
-
-
 def paired_lines(data: dict) -> list[str]:
     """Under a learning table of several settings run with the same seeds (two or more): each later setting less
     the first, paired by seed, with a 95% interval (``megabatch/report/seeds.py``), in points."""
-    from megabatch.report.seeds import by_seed, paired_difference
+    from megabatch.report.seeds import METRICS, by_seed, paired_difference
 
     settings = [summary["setting"] for summary in data["meta"]["summary"]]
     results, parts = data["results"], []
     for setting in settings[1:]:
         compared = []
-        for key, name in PAIRED_NAMES.items():
+        for key, name in METRICS.items():
             paired = paired_difference(by_seed(results, settings[0], key), by_seed(results, setting, key))
             if paired is not None and paired.seeds >= 2:
                 compared.append(f"{name} {paired.describe()}")

@@ -10,6 +10,9 @@ import statistics
 from collections.abc import Mapping
 from typing import NamedTuple
 
+# the metrics scripts/benchmarks/learning.py measures per run (where asked), by the name the results page gives them
+METRICS = {"zero_shot_top1": "zero-shot", "linear_probe_top1": "linear probe", "dense_miou": "dense mean IoU",
+           "caption_accuracy": "captions naming the digit"}
 # Student's t at 97.5% for 1 to 30 degrees of freedom; beyond, the normal's 1.96
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
