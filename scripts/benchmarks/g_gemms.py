@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from bench import gpu_time, write_results  # noqa: E402
 
+from megabatch.kernels.torch_tiles import fp32_matmul  # noqa: E402
 from megabatch.kernels.triton_tiles import FP16_G_SCALE  # noqa: E402
 
 
@@ -36,18 +37,15 @@ def routes(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, transpose: b
         g, g16, g_hi, g_lo = g.T, g16.T, g_hi.T, g_lo.T
     other32, other16 = other.float(), other.half()
 
-    def ieee():
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
+    def fp32(precision: str):
+        with fp32_matmul(precision):  # cuBLAS's fp32 GEMM in TF32 or exact, as the loss's backward sets it
             return torch.mm(g, other32)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = True
 
     def split():
         out = torch.mm(g_hi, other, out_dtype=torch.float32)
         return torch.addmm(out, g_lo, other, out_dtype=torch.float32, out=out)
 
-    return {"tf32": lambda: torch.mm(g, other32), "fp32_ieee": ieee,
+    return {"tf32": lambda: fp32("tf32"), "fp32_ieee": lambda: fp32("ieee"),
             "fp16_scaled": lambda: torch.mm(g16, other16, out_dtype=torch.float32) / FP16_G_SCALE,
             "bf16": lambda: torch.mm(g_hi, other, out_dtype=torch.float32), "bf16_split": split}
 
@@ -60,7 +58,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls a route (the median is reported)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
     results = []
     for c in (int(c) for c in args.dims.split(",")):
         for side in (int(s) for s in args.sides.split(",")):

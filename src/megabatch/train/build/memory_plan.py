@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,17 +244,26 @@ class ProbeCache:
     what was probed (the rows, lengths and options), checked on reading. A file that does not read is measured again;
     one that cannot be written is a warning. ``MEGABATCH_PROBE_CACHE=0``: always measure."""
 
-    def __init__(self, path: Path | None):
-        self.path = path
+    def __init__(self, locate: Callable[[], Path | None] = lambda: None):
+        self._locate = locate
+
+    @functools.cached_property
+    def path(self) -> Path | None:
+        """The file, or None (nothing kept): found when first asked, so a run that probes nothing (a sub-batch
+        given) computes no key."""
+        return self._locate()
 
     @classmethod
     def for_run(cls, cfg, rank: int, world_size: int, device: torch.device) -> ProbeCache:
-        if device.type != "cuda" or os.environ.get("MEGABATCH_PROBE_CACHE", "1") == "0" or not cfg.data.cache_dir:
-            return cls(None)
-        key = probe_key(cfg, rank, world_size, device)
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-        name = str(cfg.model.get("name") or "model").replace("/", "_")
-        return cls(Path(cfg.data.cache_dir).expanduser() / "probes" / f"{name}-{digest}.json")
+        def locate() -> Path | None:
+            if device.type != "cuda" or os.environ.get("MEGABATCH_PROBE_CACHE", "1") == "0" or not cfg.data.cache_dir:
+                return None
+            key = probe_key(cfg, rank, world_size, device)
+            digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+            name = str(cfg.model.get("name") or "model").replace("/", "_")
+            return Path(cfg.data.cache_dir).expanduser() / "probes" / f"{name}-{digest}.json"
+
+        return cls(locate)
 
     def read(self, asked: dict) -> dict | None:
         """``{length: [(rows, peak, graph), ...]}`` measured for ``asked``, or None."""

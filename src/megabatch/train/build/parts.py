@@ -613,7 +613,7 @@ def choose_sub_batch(settings: RunSettings, model: ClipModel, env: DistEnv, prec
     sizes = sorted({min(rank_batch, 32), min(rank_batch, 64)})
     lengths = sorted(model.image_lengths) if join_lengths and len(model.image_lengths) > 1 else [None]
     asked = {"sizes": sizes, "lengths": lengths, "caption": caption, "views": views}
-    probe_cache = probe_cache or ProbeCache(None)
+    probe_cache = probe_cache or ProbeCache()
     measured = probe_cache.read(asked)
     kept = measured is not None
     if measured is None:
