@@ -77,13 +77,15 @@ def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch)
     for name in ("distill_stats", "distill_grads", "block_stats", "block_grads"):
         original = getattr(triton_tiles, name)
         monkeypatch.setattr(triton_tiles, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    rows, cols, t_rows, t_cols = (x.float() for x in inputs(9, 9, 16, 24, seed=1))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, cols, t_rows, t_cols = (x.float().to(device) for x in inputs(9, 9, 16, 24, seed=1))
+    scale = torch.tensor(10.0, device=device)
     loss = DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, 20.0)
     images = rows.clone().requires_grad_()
-    loss(images, cols, torch.tensor(10.0), teacher=(t_rows, t_cols)).backward()
+    loss(images, cols, scale, teacher=(t_rows, t_cols)).backward()
     assert calls == ["distill_stats", "distill_grads"]  # both terms, both directions, in one call each
     calls.clear()
     ensemble = (torch.stack([t_rows, t_rows], 1), torch.stack([t_cols, t_cols], 1))
     DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, (20.0, 10.0))(
-        images, cols, torch.tensor(10.0), teacher=ensemble).backward()
+        images, cols, scale, teacher=ensemble).backward()
     assert calls == ["block_stats", "block_grads"]  # the contrastive loss's own kernels, the term in torch

@@ -142,8 +142,9 @@ def tf32(x: torch.Tensor) -> torch.Tensor:
 def test_an_fp16_g_multiplies_as_exactly_as_tf32_does(monkeypatch):
     """``G_FP16``: the backward writes G' in fp16 (scaled) and multiplies it by fp16 copies of the features, as a
     GPU does for bf16-valued fp32 features under tf32. Its gradients are as close to float64's as the TF32 GEMMs'
-    on fp32 G' would be (G' rounded to TF32 here, the features being exact in TF32), and not fp32 G''s: the route
-    was taken."""
+    on fp32 G' would be (G' rounded to TF32 here, the features being exact in TF32), and the route was taken: in the
+    interpreter fp32 G' multiplies exactly (no TF32) and fp16 G' does not; on a GPU both routes round as TF32 does,
+    and they differ."""
     b = 96
     rows, cols = bf16_valued(b, 32, seed=6)
     scale, weight = torch.tensor(40.0, device=DEVICE), torch.tensor(1 / (2 * b), device=DEVICE)
@@ -161,7 +162,11 @@ def test_an_fp16_g_multiplies_as_exactly_as_tf32_does(monkeypatch):
     for side in range(2):
         fp16_error = relative(got["1"][side].double(), exact[side])
         assert fp16_error <= 1.5 * relative(as_tf32[side], exact[side])
-        assert relative(got["0"][side].double(), exact[side]) < 1e-6 < fp16_error
+        if rows.is_cuda:  # fp32 G' through cuBLAS's TF32 GEMMs (their rounding of G' is not modelled bit for bit)
+            assert relative(got["0"][side].double(), exact[side]) <= 2 * relative(as_tf32[side], exact[side])
+            assert not torch.equal(got["0"][side], got["1"][side])
+        else:
+            assert relative(got["0"][side].double(), exact[side]) < 1e-6 < fp16_error
     assert relative(got["1"][2], got["0"][2]) < 1e-6  # the scale's gradient comes from the kernel's fp32 sums
 
 
