@@ -81,7 +81,9 @@ def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:
     return count
 
 
-def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
+def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path | None = None) -> dict:
+    """One run of ``train.py`` with ``cache`` (cold or warm) caches; with ``profile``, under cProfile, its
+    statistics written there (the profiler's cost is in the row's times)."""
     cache_dir, inductor = workdir / f"cache-{scope}", workdir / f"inductor-{scope}-{cache}"
     if cache == "cold":
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -89,7 +91,8 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
     shutil.rmtree(inductor, ignore_errors=True)
     run_dir = workdir / f"run-{scope}-{cache}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, str(ROOT / "train.py"), f"model={args.model}", "model.compile=true",
+    profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    command = [sys.executable, *profiler, str(ROOT / "train.py"), f"model={args.model}", "model.compile=true",
                f"model.compile_scope={scope}", "data=webdataset", f"data.train.urls={urls}",
                f"data.decode={args.decode}", f"data.num_workers={args.workers}", f"batch={args.batch}",
                f"trainer.max_steps={args.steps}",
@@ -100,7 +103,8 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str) -> dict:
     ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
     row = {"system": "megabatch", "model": args.model, "batch": args.batch, "scope": scope, "cache": cache,
-           "kept_bytecode_files": kept_bytecode, "returncode": ran.returncode, "wall_s": wall,
+           **({"profiled": True} if profile else {}), "kept_bytecode_files": kept_bytecode,
+           "returncode": ran.returncode, "wall_s": wall,
            "command": " ".join(command[1:])}
     if ran.returncode != 0:
         return row | {"error": ran.stderr[-2000:]}
@@ -237,6 +241,9 @@ def main() -> None:
                              "(PYTHONPYCACHEPREFIX), compiled there before: `PYTHONPYCACHEPREFIX=DIR python -m "
                              "compileall <site-packages> src`; for an image whose packages have none (pip installs "
                              "them with it)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rows, one more warm run under cProfile (not in the JSON): its statistics in "
+                             "<out>.warm.prof and the slowest calls in <out>.warm.txt")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from megabatch.data.synthetic import photo_shards
@@ -262,6 +269,25 @@ def main() -> None:
             rows.append(ours(args, scope, cache, workdir, urls))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
             write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
+        if args.profile:
+            profiled = Path(args.out).with_suffix(f".{scope}.warm.prof")
+            row = ours(args, scope, "warm", workdir, urls, profile=profiled)
+            print(json.dumps({k: v for k, v in row.items() if k != "command"})[:600], flush=True)
+            write_profile_summary(profiled, profiled.with_suffix(".txt"))
+
+
+def write_profile_summary(profiled: Path, out: Path, lines: int = 60) -> None:
+    """The profile's slowest calls, by cumulative and by own time, as text."""
+    import io
+    import pstats
+
+    if not profiled.exists():
+        return
+    text = io.StringIO()
+    stats = pstats.Stats(str(profiled), stream=text)
+    stats.sort_stats("cumulative").print_stats(lines)
+    stats.sort_stats("tottime").print_stats(lines)
+    out.write_text(text.getvalue())
 
 
 if __name__ == "__main__":
