@@ -444,6 +444,31 @@ def embed_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
+STARTUP_PHASES = ("launch", "model", "plan", "step", "loader_start", "compile", "first_batch_wait", "first_step")
+
+
+def startup_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/startup.py: each run's seconds from the command to its first finished step, and for
+    megabatch's where they went (``startup_s``; the phases not shown are in the rest)."""
+    rows = ["| trainer | model | batch | caches | first step after (s) | " + " | ".join(
+        name.replace("_", " ") for name in STARTUP_PHASES) + " | rest |", "|---|---|---|---|---|" +
+        "---|" * (len(STARTUP_PHASES) + 1)]
+    for row in data["results"]:
+        if row.get("returncode") != 0 or row.get("time_to_first_step_s") is None:
+            rows.append(f"| {row['system']} | {row['model']} | {row['batch']:,} | {row['cache']} | "
+                        f"no step (exit {row.get('returncode')}) |" + " |" * (len(STARTUP_PHASES) + 1))
+            continue
+        phases = {k.removesuffix("_s"): v for k, v in (row.get("startup_s") or {}).items()}
+        shown = [phases.get(name) for name in STARTUP_PHASES]
+        rest = sum(phases.values()) - sum(v for v in shown if v is not None) if phases else None
+        trainer = "megabatch" if row["system"] == "megabatch" else row["system"]
+        rows.append(f"| {trainer} | {row['model']} | {row['batch']:,} | {row['cache']} | "
+                    f"**{row['time_to_first_step_s']:.1f}** | "
+                    + " | ".join("-" if v is None else f"{v:.1f}" for v in shown)
+                    + f" | {'-' if rest is None else f'{rest:.1f}'} |")
+    return rows
+
+
 def chaos_table(data: dict, entry: dict) -> list[str]:
     """scripts/benchmarks/chaos.py: the faults by kind, the steps each made the run do again (0 where a SIGTERM let it
     checkpoint its last step), the seconds to the next step, and every check."""
@@ -471,7 +496,7 @@ TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "chaos": chaos_t
           "e2e": e2e_table,
           "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
-          "layernorm": layernorm_table, "multi_gpu": multi_gpu_table}
+          "layernorm": layernorm_table, "multi_gpu": multi_gpu_table, "startup": startup_table}
 
 
 def page() -> str:
