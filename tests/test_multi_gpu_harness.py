@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from .helpers import ROOT
 
@@ -45,6 +46,16 @@ def run_case(tmp_path, body: str, term: bool = True) -> tuple[subprocess.Complet
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HARNESS.parent)])})
     return done, [int(p) for p in pids.read_text().split()]
+
+
+def load_harness():
+    """scripts/benchmarks/multi_gpu.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multi_gpu", HARNESS)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    return harness
 
 
 def gone(pid: int) -> bool:
@@ -88,7 +99,7 @@ def test_a_stopped_harness_writes_the_stopped_runs_steps_and_starts_no_other(tmp
     out = tmp_path / "runs.json"
     done, pids = run_case(tmp_path, f"""
         started = []
-        def run_ours(gpus, batch, urls, steps, overrides, workdir, warmup, timeout_s):
+        def run_ours(gpus, batch, urls, steps, overrides, workdir, warmup, timeout_s, cold=False):
             started.append(gpus)
             code, _ = harness.run_group(sleeper(), timeout_s)
             # the steps the stopped run had logged (metrics.jsonl), as run_ours reads them
@@ -114,14 +125,40 @@ def test_a_stopped_harness_writes_the_stopped_runs_steps_and_starts_no_other(tmp
 def test_a_failed_runs_error_lines_name_its_error_where_its_tail_does_not():
     """A run that ran out of memory and then printed 4,000 characters of torch.compile's statistics (OpenCLIP at
     128k on 2 x H200): the error lines keep the out-of-memory, the statistics are left out."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("multi_gpu", HARNESS)
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
+    harness = load_harness()
     oom = "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 GiB."
     stats = "\n".join(f"[rank0]:I1128 torch/_subclasses/fake_tensor.py:3437]   cache_hits: {i}" for i in range(200))
     out = "step 0\n" + oom + "\n" + stats + "\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
     assert oom not in out[-4000:]
     lines = harness.error_lines(out)
     assert lines[0] == oom and lines[-1].startswith("torch.distributed.elastic") and len(lines) == 2
+
+
+
+
+def test_the_epochs_counts_are_given_as_asked_and_the_trainer_reads_each_kind(tmp_path):
+    """``--counts``: sizes.json, img2dataset's per-shard _stats.json, or nothing (the trainer scans the tars); the
+    counts the trainer reads are the shards' own in each case."""
+    from megabatch.data.urls import expand_urls, shard_sizes
+
+    harness = load_harness()
+    got = {}
+    for counts in harness.COUNTS:
+        pattern = harness.dataset(12, 32, 30, tmp_path / counts, counts=counts)
+        listed = Path(pattern).parent
+        assert (listed / "sizes.json").exists() == (counts == "sizes")
+        assert len(list(listed.glob("*_stats.json"))) == (3 if counts == "stats" else 0)
+        scanned = []
+        got[counts] = shard_sizes(expand_urls(pattern, "data.train.urls"), "data.train.urls", tmp_path / "cache",
+                                  show_progress=False, scan=lambda path, _seen=scanned: _seen.append(path) or 12)
+        assert bool(scanned) == (counts == "none")
+    assert got["sizes"] == got["stats"] == [12, 12, 12]
+
+
+def test_a_cold_run_gets_empty_caches_of_its_own(tmp_path, monkeypatch):
+    harness = load_harness()
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/warm")
+    first, second = harness.cold_env(tmp_path), harness.cold_env(tmp_path)
+    assert "TRITON_CACHE_DIR" not in first
+    for key in ("MEGABATCH_CACHE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_HOME"):
+        assert first[key] != second[key] and not Path(first[key]).exists()

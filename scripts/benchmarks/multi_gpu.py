@@ -19,17 +19,23 @@ best settings at that batch; every step's samples/s, MFU, phases and peak memory
         data.decode=auto' --out lit_stored_vs_tower.json
     python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 32k --steps 5 --negatives 16 --variant 'plain:' \\
         --variant 'negatives-4: data.train.negatives_key=json:negatives data.train.negatives=4' --out negatives.json
+    python scripts/benchmarks/multi_gpu.py --gpus 1 --batch 1M --steps 1 --warmup-steps 0 --epoch-samples 1100000 \\
+        --counts stats --cold --set data.decode=gpu model.compile=true trainer.sub_batch=auto trainer.offload=true \\
+        --out 1m_first_step_cold_stats.json
 
 ``--set`` replaces its default (``data.decode=gpu model.compile=true trainer.sub_batch=auto``): repeat those
 with it.
 
 Our side: ``--images`` distinct photo-like JPEGs (``--size`` px) written once as shards, listed
-again under more names (hard links, with their ``sizes.json``) until an epoch holds
-``--epoch-samples``: an epoch of a few steps, so the run crosses epoch boundaries as a small set
-makes it. Each run is ``torchrun --standalone --nproc_per_node=N train.py`` with ``trainer.log_every=1``
-(one ``metrics.jsonl`` record a step: samples/s, MFU, phases, the peak GPU memory of rank 0) and
-``--set``/``--variant`` overrides; ``nvidia-smi`` is sampled meanwhile for every GPU's peak memory
-in use (the same figure for both trainers).
+again under more names (hard links) until an epoch holds ``--epoch-samples``: an epoch of a few steps, so the
+run crosses epoch boundaries as a small set makes it. The trainer learns the shards' counts from a ``sizes.json``
+beside them, or with ``--counts stats`` from img2dataset's ``<shard>_stats.json`` beside each, or with ``--counts
+none`` by counting them itself. ``--cold``: each of our runs with empty caches of its own (``$MEGABATCH_CACHE``,
+inductor's, Triton's), as on a fresh machine; every row has the run's ``time_to_first_step_s`` and its
+``startup_s`` (rank 0's ``status.json``). Each run is ``torchrun --standalone --nproc_per_node=N train.py`` with
+``trainer.log_every=1`` (one ``metrics.jsonl`` record a step: samples/s, MFU, phases, the peak GPU memory of rank 0)
+and ``--set``/``--variant`` overrides; ``nvidia-smi`` is sampled meanwhile for every GPU's peak memory in use (the
+same figure for both trainers).
 
 OpenCLIP's side (``--openclip``): ``open_clip_train.main`` under ``torchrun`` with ``--dataset-type
 synthetic`` (no JPEG decoding: its data costs it less than ours costs us), ``--precision amp_bf16
@@ -104,7 +110,7 @@ class GpuMemory:
 
 def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives: int = 0,
             stored_teacher: str | None = None, tower: tuple[str, Path] | None = None,
-            aspects: tuple[float, ...] = (1.0,)) -> str:
+            aspects: tuple[float, ...] = (1.0,), counts: str = "sizes") -> str:
     """The shard pattern of an epoch of ``epoch_samples`` from ``images`` distinct JPEGs (with
     ``negatives`` more captions each in their JSON: ``data.train.negatives_key=json:negatives``; with
     ``stored_teacher``, an open_clip architecture with random weights, each sample's embeddings by it, as
@@ -112,7 +118,11 @@ def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives
     with ``tower`` (an architecture and its weights file), each sample's image features by its image tower, as
     ``scripts/make_shards.py image-features`` writes them: ``model.image_features=stored
     data.train.image_features_key=image.npy``, the images kept for the tower's own runs; ``aspects``: the images'
-    width / height ratios, cycled, each of ``size``^2 px)."""
+    width / height ratios, cycled, each of ``size``^2 px). ``counts``: how the shards' sample counts are given:
+    ``sizes`` (``sizes.json`` beside them), ``stats`` (img2dataset's ``<shard>_stats.json`` beside each) or ``none``
+    (the trainer counts them)."""
+    if counts not in COUNTS:
+        raise SystemExit(f"--counts {counts}: one of {', '.join(COUNTS)}")
     from megabatch.data.synthetic import photo_shards
 
     real_dir = workdir / ("distinct" if not negatives else f"distinct-negatives-{negatives}")
@@ -136,12 +146,29 @@ def dataset(images: int, size: int, epoch_samples: int, workdir: Path, negatives
         name = f"shard-{index:06d}.tar"
         os.link(source, listed / name)
         listed_sizes[name] = sizes[source.name]
-    (listed / "sizes.json").write_text(json.dumps(listed_sizes))
+    if counts == "sizes":
+        (listed / "sizes.json").write_text(json.dumps(listed_sizes))
+    elif counts == "stats":  # as img2dataset writes them: 00042.tar's count in 00042_stats.json
+        for name, size in listed_sizes.items():
+            (listed / name.replace(".tar", "_stats.json")).write_text(json.dumps({"successes": size}))
     if stored_teacher:
         shutil.copy(real[0].parent / "teacher.json", listed / "teacher.json")
     if tower:
         shutil.copy(real[0].parent / "image_features.json", listed / "image_features.json")
     return str(listed / f"shard-{{000000..{count - 1:06d}}}.tar")
+
+
+COUNTS = ("sizes", "stats", "none")
+
+
+def cold_env(workdir: Path) -> dict:
+    """This process's environment with every cache a run reads empty and its own (``$MEGABATCH_CACHE``, inductor's,
+    Triton's home): a cold start, as on a fresh machine."""
+    root = workdir / f"cold-{time.time_ns()}"
+    inherited = ("TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "MEGABATCH_PYCACHE_FOLDER")
+    return {k: v for k, v in os.environ.items() if k not in inherited} | {
+        "MEGABATCH_CACHE": str(root / "megabatch"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "TRITON_HOME": str(root / "triton-home")}
 
 
 def teacher_shards(shards: list[Path], out: Path, arch: str) -> list[Path]:
@@ -248,7 +275,7 @@ def torchrun(gpus: int) -> list[str]:
 
 
 def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str], workdir: Path, warmup: int,
-             timeout_s: float) -> dict:
+             timeout_s: float, cold: bool = False) -> dict:
     run_dir = workdir / "runs" / f"ours-{gpus}gpu-{batch}-{time.time_ns()}"
     command = [*torchrun(gpus), str(ROOT / "train.py"), f"batch={batch}", "data=webdataset",
                f"data.train.urls={urls}", f"trainer.max_steps={steps}", "trainer.log_every=1",
@@ -256,7 +283,7 @@ def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str],
     print("$", " ".join(command), flush=True)
     start = time.perf_counter()
     with GpuMemory() as memory:
-        code, out = run_group(command, timeout_s)
+        code, out = run_group(command, timeout_s, cold_env(workdir) if cold else None)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
     records = [r for r in records if "samples_per_s" in r]
@@ -272,7 +299,11 @@ def run_ours(gpus: int, batch: str, urls: str, steps: int, overrides: list[str],
                       "phases_s": {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("time/")},
                       "decode_waits_s": {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("data_wait_s/")}}
                      for r in records],
-           "gpu_memory_peak_gb": memory.peaks_gb(gpus)}
+           "gpu_memory_peak_gb": memory.peaks_gb(gpus), "cold_caches": cold}
+    # from the process's start to its first finished step, and where that went (rank 0's status.json)
+    status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
+    row["time_to_first_step_s"] = status.get("time_to_first_step_s")
+    row["startup_s"] = {k.removeprefix("startup/"): v for k, v in status.get("startup_s", {}).items()}
     row["samples_per_s"] = steady([s["samples_per_s"] for s in row["steps"]], warmup)
     row["mfu"] = steady([s["mfu"] for s in row["steps"] if s["mfu"] is not None], warmup)
     # what the run decided at start-up: the sub-batch and kept graphs, FSDP's reduction, kernel tuning
@@ -368,6 +399,12 @@ def main() -> None:
     parser.add_argument("--aspects", type=float, nargs="+", default=[1.0],
                         help="the images' width / height ratios, cycled (each --size^2 px): mixed aspect ratios")
     parser.add_argument("--workers", type=int, default=12, help="loader workers a rank (data.num_workers)")
+    parser.add_argument("--counts", default="sizes", choices=COUNTS,
+                        help="the shards' sample counts: sizes.json beside them, img2dataset's <shard>_stats.json "
+                             "beside each, or none (the trainer counts them)")
+    parser.add_argument("--cold", action="store_true",
+                        help="our runs with empty caches of their own ($MEGABATCH_CACHE, inductor's, Triton's): a "
+                             "cold start, its time_to_first_step_s in the row")
     parser.add_argument("--stored-teacher", default=None,
                         help="an open_clip architecture whose embeddings (random weights) the shards carry, for "
                              "distill.teacher=stored data.train.teacher_key=teacher.npy")
@@ -426,7 +463,7 @@ def measure(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     tower = (args.arch, tower_weights(args.arch, workdir)) if args.stored_image_features else None
     urls = None if args.openclip_only else dataset(args.images, args.size, args.epoch_samples, workdir, args.negatives,
-                                                   args.stored_teacher, tower, tuple(args.aspects))
+                                                   args.stored_teacher, tower, tuple(args.aspects), args.counts)
     model = [f"model={args.model}", *([f"model.arch={args.arch}"] if args.model == "openclip" else []),
              *([f"model.pretrained={tower[1]}"] if tower else [])]
     common = [*model, f"loss={args.loss}", f"data.num_workers={args.workers}", *args.set]
@@ -447,7 +484,7 @@ def measure(args: argparse.Namespace) -> None:
         for gpus in (int(g) for g in args.gpus.split(",")) if not args.openclip_only else ():
             for name, extra in variants:
                 row = run_ours(gpus, batch, urls, args.steps, [*common, *extra], workdir, args.warmup_steps,
-                               args.timeout_s)
+                               args.timeout_s, cold=args.cold)
                 row["variant"] = name
                 basis = basis if not row.get("gflop_per_sample") else row
                 keep(row)

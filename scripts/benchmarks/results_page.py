@@ -205,6 +205,16 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
                             f"{sample_batch(row) / step['samples_per_s']:.1f} | "
                             + " | ".join(f"{step['phases_s'].get(p, 0):.1f}" for p in PHASES)
                             + f" | {step['peak_gpu_gb']:.1f} |")
+    started = [row for row in results if row.get("time_to_first_step_s") is not None]
+    if started:  # multi_gpu.py since --cold: each run's start, from rank 0's status.json
+        rows += ["", "| trainer | caches | first step after (s) | " + " | ".join(
+            name.replace("_", " ") for name in STARTUP_PHASES) + " |", "|---|---|---|" + "---|" * len(STARTUP_PHASES)]
+        for row in started:
+            phases = {k.removesuffix("_s"): v for k, v in (row.get("startup_s") or {}).items()}
+            caches, first = "cold" if row.get("cold_caches") else "as found", row["time_to_first_step_s"]
+            rows.append(f"| {trainer_name(row)} ({row['gpus']} GPU) | {caches} | **{first:.1f}** | "
+                        + " | ".join("-" if phases.get(name) is None else f"{phases[name]:.1f}"
+                                     for name in STARTUP_PHASES) + " |")
     if entry.get("losses"):  # each step's loss (runs on the same samples: their agreement)
         rows += ["", "| trainer | loss per step |", "|---|---|"]
         for row in results:

@@ -243,7 +243,9 @@ def main() -> None:
                              "them with it)")
     parser.add_argument("--profile", action="store_true",
                         help="after the rows, one more warm run under cProfile (not in the JSON): its statistics in "
-                             "<out>.warm.prof and the slowest calls in <out>.warm.txt")
+                             "<out>.<scope>.warm.prof and the slowest calls in <out>.<scope>.warm.txt. On Python 3.12 "
+                             "the profile also holds the other threads' calls (the read-ahead's, the decoders'), so "
+                             "the main thread's own times there include theirs")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from megabatch.data.synthetic import photo_shards
