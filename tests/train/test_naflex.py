@@ -211,6 +211,25 @@ def test_a_naflex_model_is_rebuilt_from_its_description():
     assert torch.equal(model(images, texts)[0], again(images, texts)[0])
 
 
+def test_locking_and_layer_decay_take_the_naflex_towers_blocks():
+    """``model.lock_image`` freezes the whole NaFlex trunk; ``optim.layer_decay.image`` gives its embeddings depth 0,
+    block i depth i + 1 and the final norm and projection the top, as for open_clip's towers."""
+    from megabatch.train.build.optim import param_groups
+
+    locked = build_model(compose(*NAFLEX, "model.lock_image=true").model)
+    assert not any(p.requires_grad for n, p in locked.named_parameters() if n.startswith("clip.visual."))
+    assert any(p.requires_grad for n, p in locked.named_parameters() if n.startswith("clip.transformer."))
+    model = build_model(compose(*NAFLEX).model)
+    image = [g for g in param_groups(model, 0.2, {"image": 0.5, "text": None}) if g["name"].startswith("image/")]
+    layers = len(model.clip.visual.trunk.blocks)
+    depths = [int(group["name"].split()[1]) for group in image]  # "image/depth 2 of 4"
+    assert set(depths) == set(range(layers + 2))
+    for depth, group in zip(depths, image, strict=True):
+        assert group["lr_scale"] == pytest.approx(0.5 ** (layers + 1 - depth))
+    trunk = {id(p) for n, p in model.named_parameters() if n.startswith("clip.visual.")}
+    assert trunk == {id(p) for group in image for p in group["params"]}
+
+
 def test_every_path_gives_the_one_pass_loss_and_gradients(data):
     one_pass = gradients(data, *NAFLEX)
     assert torch.isfinite(flat(one_pass["grads"])).all()
