@@ -196,6 +196,11 @@ def write_results(path: str | os.PathLike, results: list, **meta) -> None:
     Path(path).write_text(json.dumps({"meta": metadata(**meta), "results": results}, indent=1))
 
 
+def part_path(out: str, tree: str) -> str:
+    """Where ``run_trees``' worker for ``tree`` writes its result (files beside it take it as their prefix)."""
+    return f"{out}.{tree}.part"
+
+
 def run_trees(script: str, trees: str, out: str, done=None) -> list:
     """Run ``script`` (with this process's arguments) once per ``name=src-path`` of ``trees`` (comma-separated), each in
     a process of its own with that ``src`` first on its ``PYTHONPATH``; ``name=src-path@KEY=VALUE`` also sets an
@@ -206,7 +211,7 @@ def run_trees(script: str, trees: str, out: str, done=None) -> list:
     for pair in trees.split(","):
         name, _, rest = pair.partition("=")
         tree, _, setting = rest.partition("@")
-        part = f"{out}.{name}.part"
+        part = part_path(out, name)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
         if setting:
             env[setting.partition("=")[0]] = setting.partition("=")[2]

@@ -95,7 +95,9 @@ def main() -> None:
 def compare_packed(results: list, out: str) -> None:
     """Each tree's packed bytes against the first tree's: the share of bytes that differ and the largest difference
     (a pixel value), then the saved bytes removed."""
-    saved = [Path(f"{out}.{result['tree']}.part.packed.npy") for result in results]  # run_trees' part names
+    from bench import part_path
+
+    saved = [Path(f"{part_path(out, result['tree'])}.packed.npy") for result in results]
     first = np.load(saved[0]) if saved[0].exists() else None
     for result, path in zip(results, saved, strict=True):
         if first is not None and path.exists():
