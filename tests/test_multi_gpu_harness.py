@@ -134,8 +134,6 @@ def test_a_failed_runs_error_lines_name_its_error_where_its_tail_does_not():
     assert lines[0] == oom and lines[-1].startswith("torch.distributed.elastic") and len(lines) == 2
 
 
-
-
 def test_the_epochs_counts_are_given_as_asked_and_the_trainer_reads_each_kind(tmp_path):
     """``--counts``: sizes.json, img2dataset's per-shard _stats.json, or nothing (the trainer scans the tars); the
     counts the trainer reads are the shards' own in each case."""
@@ -156,6 +154,7 @@ def test_the_epochs_counts_are_given_as_asked_and_the_trainer_reads_each_kind(tm
 
 
 def test_a_cold_run_gets_empty_caches_of_its_own(tmp_path, monkeypatch):
+    """``--cold``: each run its own new $MEGABATCH_CACHE, inductor cache and Triton home, none inherited."""
     harness = load_harness()
     monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/warm")
     first, second = harness.cold_env(tmp_path), harness.cold_env(tmp_path)

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -194,6 +195,19 @@ def write_results(path: str | os.PathLike, results: list, **meta) -> None:
     """Write ``{"meta": metadata(**meta), "results": results}`` to ``path`` (rewritten after every
     row, so a run cut short keeps what it measured)."""
     Path(path).write_text(json.dumps({"meta": metadata(**meta), "results": results}, indent=1))
+
+
+def fresh_cache_env(environ, home: Path, installed_bytecode: str | None = None) -> dict:
+    """``environ`` with Triton's home (its default caches) in an empty ``home`` and no
+    ``TRITON_CACHE_DIR`` or bytecode folder (``megabatch/runtime/bytecode.py``) from this process: a run then
+    keeps its Triton kernels and bytecode where megabatch puts them (``$MEGABATCH_CACHE/triton``,
+    ``/pycache``) and finds none from another run of this benchmark elsewhere."""
+    shutil.rmtree(home, ignore_errors=True)
+    inherited = ("TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "MEGABATCH_PYCACHE_FOLDER")  # each run its own caches
+    env = {k: v for k, v in environ.items() if k not in inherited} | {"TRITON_HOME": str(home)}
+    if installed_bytecode:  # --installed-bytecode: the packages' bytecode, as pip compiles it when it installs them
+        env["PYTHONPYCACHEPREFIX"] = installed_bytecode
+    return env
 
 
 def part_path(out: str, tree: str) -> str:

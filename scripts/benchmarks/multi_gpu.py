@@ -163,12 +163,12 @@ COUNTS = ("sizes", "stats", "none")
 
 def cold_env(workdir: Path) -> dict:
     """This process's environment with every cache a run reads empty and its own (``$MEGABATCH_CACHE``, inductor's,
-    Triton's home): a cold start, as on a fresh machine."""
+    Triton's home: ``bench.fresh_cache_env``): a cold start, as on a fresh machine."""
+    from bench import fresh_cache_env
+
     root = workdir / f"cold-{time.time_ns()}"
-    inherited = ("TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "MEGABATCH_PYCACHE_FOLDER")
-    return {k: v for k, v in os.environ.items() if k not in inherited} | {
-        "MEGABATCH_CACHE": str(root / "megabatch"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-        "TRITON_HOME": str(root / "triton-home")}
+    return fresh_cache_env(os.environ, root / "triton-home") | {
+        "MEGABATCH_CACHE": str(root / "megabatch"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
 
 
 def teacher_shards(shards: list[Path], out: Path, arch: str) -> list[Path]:

@@ -233,6 +233,8 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
 
 
 PHASES = ("data", "encode", "loss", "replay", "optimizer")
+# the start-up phases shown (status.json's startup_s, less "_s"), in the order a run goes through them
+STARTUP_PHASES = ("launch", "model", "plan", "step", "loader_start", "compile", "first_batch_wait", "first_step")
 
 
 def trainer_name(row: dict) -> str:
@@ -454,9 +456,6 @@ def embed_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
-STARTUP_PHASES = ("launch", "model", "plan", "step", "loader_start", "compile", "first_batch_wait", "first_step")
-
-
 def startup_table(data: dict, entry: dict) -> list[str]:
     """scripts/benchmarks/startup.py: each run's seconds from the command to its first finished step, and for
     megabatch's where they went (``startup_s``; the phases not shown are in the rest)."""
@@ -471,8 +470,7 @@ def startup_table(data: dict, entry: dict) -> list[str]:
         phases = {k.removesuffix("_s"): v for k, v in (row.get("startup_s") or {}).items()}
         shown = [phases.get(name) for name in STARTUP_PHASES]
         rest = sum(phases.values()) - sum(v for v in shown if v is not None) if phases else None
-        trainer = "megabatch" if row["system"] == "megabatch" else row["system"]
-        rows.append(f"| {trainer} | {row['model']} | {row['batch']:,} | {row['cache']} | "
+        rows.append(f"| {row['system']} | {row['model']} | {row['batch']:,} | {row['cache']} | "
                     f"**{row['time_to_first_step_s']:.1f}** | "
                     + " | ".join("-" if v is None else f"{v:.1f}" for v in shown)
                     + f" | {'-' if rest is None else f'{rest:.1f}'} |")

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import write_results
+from bench import fresh_cache_env, write_results
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14"}
@@ -52,19 +52,6 @@ result = openclip_training(repeat((sub.images, sub.texts)), batch, batch, 1, tor
                            torchcompile=True, arch=arch)
 print("FIRST_STEP_S", process_age_s() - result["step_s"], "STEP_S", result["step_s"])
 """
-
-
-def fresh_cache_env(environ, home: Path, installed_bytecode: str | None = None) -> dict:
-    """``environ`` with Triton's home (its default caches) in an empty ``home`` and no
-    ``TRITON_CACHE_DIR`` or bytecode folder (``megabatch/runtime/bytecode.py``) from this process: a run then
-    keeps its Triton kernels and bytecode where megabatch puts them (``$MEGABATCH_CACHE/triton``,
-    ``/pycache``) and finds none from another run of this benchmark elsewhere."""
-    shutil.rmtree(home, ignore_errors=True)
-    inherited = ("TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "MEGABATCH_PYCACHE_FOLDER")  # each run its own caches
-    env = {k: v for k, v in environ.items() if k not in inherited} | {"TRITON_HOME": str(home)}
-    if installed_bytecode:  # --installed-bytecode: the packages' bytecode, as pip compiles it when it installs them
-        env["PYTHONPYCACHEPREFIX"] = installed_bytecode
-    return env
 
 
 def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:
