@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from ..runtime.files import replace_whole
 from .ranks import Ranks, progress
 
 log = logging.getLogger(__name__)
@@ -220,10 +219,8 @@ def features_of(model, eval_cfg, data_cfg, transform, device, ranks: Ranks, cach
         cached = False
         splits[what] = encode_split(model, eval_cfg, data_cfg, transform, device, ranks, stored, what)
         if path is not None and ranks.main:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")  # no other writer's name
-            torch.save({"features": splits[what][0], "labels": splits[what][1], "key": json.dumps(key)}, partial)
-            os.replace(partial, path)
+            record = {"features": splits[what][0], "labels": splits[what][1], "key": json.dumps(key)}
+            replace_whole(path, lambda partial, record=record: torch.save(record, partial))
     hold_out(splits, eval_cfg)
     return splits, cached
 

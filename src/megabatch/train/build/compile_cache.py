@@ -13,16 +13,15 @@ compile as without it; a file that cannot be written is a warning too.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import platform
-import uuid
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+
+from ...runtime.files import replace_whole
+from .cache_keys import keyed_file, library_versions
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +32,11 @@ def cache_key(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device
               image_rows: dict[int, int] | None = None) -> dict:
     """What a compiled tower depends on, as a JSON-able dict (``image_rows``: a NaFlex tower's rows per sequence
     length where a token budget joins sub-batches, ``trainer.sub_batch_tokens``)."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     return {"format": FORMAT, "model": OmegaConf.to_container(cfg.model, resolve=True), "rows": int(rows),
             "graph_free": bool(graph_free), "precision": cfg.trainer.precision,
             "feature_dtype": cfg.trainer.feature_dtype,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
-            "python": platform.python_version(),
+            **library_versions(), "python": platform.python_version(),
             # a NaFlex tower's images: one graph per sequence length the data draws
             "naflex_seq_lens": OmegaConf.to_container(cfg.data.naflex, resolve=True) if "naflex" in cfg.data else None,
             **({"image_rows": {str(k): int(v) for k, v in image_rows.items()}} if image_rows else {})}
@@ -53,10 +45,7 @@ def cache_key(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device
 def cache_file(cfg: DictConfig, rows: int, graph_free: bool, device: torch.device,
                image_rows: dict[int, int] | None = None) -> Path:
     """``<data.cache_dir>/compile/<model name>-<hash of the key>.bin``."""
-    key = json.dumps(cache_key(cfg, rows, graph_free, device, image_rows), sort_keys=True, default=str)
-    name = str(cfg.model.get("name") or "model").replace("/", "_")
-    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return Path(cfg.data.cache_dir).expanduser() / "compile" / f"{name}-{digest}.bin"
+    return keyed_file(cfg, "compile", cache_key(cfg, rows, graph_free, device, image_rows), "bin")
 
 
 def _misses() -> int:
@@ -105,11 +94,7 @@ class CompileCache:
             artifacts = torch.compiler.save_cache_artifacts()
             if artifacts is None:
                 return
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # whole or absent: a reader never sees half a file; a name no other writer has (nodes sharing the cache)
-            partial = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex}.partial")
-            partial.write_bytes(artifacts[0])
-            os.replace(partial, self.path)
+            replace_whole(self.path, lambda partial: partial.write_bytes(artifacts[0]))  # nodes sharing the cache
             log.info("model.compile: compiled towers kept in %s (%.1f MB) for the next run", self.path,
                      len(artifacts[0]) / 1e6)
         except Exception as error:  # noqa: BLE001 - a cache must never stop a run

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,9 @@ from pathlib import Path
 import torch
 
 from ...config import ConfigError
+from ...runtime.files import replace_whole
 from ..step.plan import joined_sub_batches
+from .cache_keys import keyed_file, library_versions
 
 log = logging.getLogger(__name__)
 
@@ -258,10 +259,7 @@ class ProbeCache:
         def locate() -> Path | None:
             if device.type != "cuda" or os.environ.get("MEGABATCH_PROBE_CACHE", "1") == "0" or not cfg.data.cache_dir:
                 return None
-            key = probe_key(cfg, rank, world_size, device)
-            digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-            name = str(cfg.model.get("name") or "model").replace("/", "_")
-            return Path(cfg.data.cache_dir).expanduser() / "probes" / f"{name}-{digest}.json"
+            return keyed_file(cfg, "probes", probe_key(cfg, rank, world_size, device), "json")
 
         return cls(locate)
 
@@ -284,12 +282,10 @@ class ProbeCache:
         if self.path is None:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             record = {"asked": asked, "measured": {"null" if length is None else str(length): rows
                                                    for length, rows in measured.items()}}
-            partial = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.partial")
-            partial.write_text(json.dumps(record, indent=1) + "\n")
-            os.replace(partial, self.path)  # whole or absent (ranks and nodes sharing the cache)
+            # ranks and nodes sharing the cache
+            replace_whole(self.path, lambda partial: partial.write_text(json.dumps(record, indent=1) + "\n"))
         except OSError as error:
             log.warning("trainer.sub_batch=auto: the probes could not be kept in %s (%s); the next run measures "
                         "again", self.path, error)
@@ -301,12 +297,6 @@ def probe_key(cfg, rank: int, world_size: int, device: torch.device) -> dict:
     import timm
     from omegaconf import OmegaConf
 
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     sections = {name: OmegaConf.to_container(cfg[name], resolve=True) if name in cfg else None
                 for name in ("model", "loss", "distill", "self_distill")}
     trainer = {key: cfg.trainer.get(key) for key in ("precision", "feature_dtype", "parallel", "fsdp_reduce",
@@ -314,8 +304,8 @@ def probe_key(cfg, rank: int, world_size: int, device: torch.device) -> dict:
     properties = torch.cuda.get_device_properties(device)
     return {"format": PROBES_FORMAT, **sections, "trainer": trainer, "rank": rank, "world_size": world_size,
             "device": torch.cuda.get_device_name(device), "memory": int(properties.total_memory),
-            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
-            "open_clip": open_clip.__version__, "timm": timm.__version__, "source": source_digest()}
+            **library_versions(), "open_clip": open_clip.__version__, "timm": timm.__version__,
+            "source": source_digest()}
 
 
 @functools.cache
