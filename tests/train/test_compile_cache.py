@@ -79,3 +79,22 @@ def test_a_damaged_or_unwritable_cache_is_a_warning_never_an_error(tmp_path, cap
         caplog.clear()
         CompileCache(blocked).save()
     assert "could not be written" in caplog.text
+
+
+def test_the_compile_log_says_where_the_warm_ups_seconds_went():
+    """``describe_split``: dynamo's timers' growth over a warm-up, in words; this torch still has the timers it reads
+    (a compile through dynamo, its graph handed to a backend); a torch without them gets no account, no error."""
+    from megabatch.train.build.compile_cache import FORWARD, INNER, TRACING, compile_timers, describe_split
+
+    before = compile_timers()
+    compiled = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1, backend="eager")
+    compiled(torch.randn(4, 3))
+    after = compile_timers()
+    assert {INNER, TRACING, FORWARD} <= after.keys()
+    assert after[INNER] > before.get(INNER, 0.0)
+
+    said = describe_split({INNER: 1.0, TRACING: 0.5}, {INNER: 4.0, TRACING: 1.5, FORWARD: 1.5,
+                                                      "backward._backward_impl": 2.0, "async_compile.wait": 0.5}, 6.0)
+    assert said == ("tracing 1.0 s, forward graphs 1.5 s, backward graphs 2.0 s, dynamo's other work 0.5 s; waiting "
+                    "on the kernel compilers 0.5 s of those; running the calls 1.0 s")
+    assert describe_split({}, {"something else": 1.0}, 3.0) == ""

@@ -48,6 +48,37 @@ def cache_file(cfg: DictConfig, rows: int, graph_free: bool, device: torch.devic
     return keyed_file(cfg, "compile", cache_key(cfg, rows, graph_free, device, image_rows), "bin")
 
 
+# dynamo's own timers (``torch._dynamo.utils.compile_times``, process totals): where a warm-up's seconds went.
+# ``_compile.compile_inner`` holds the tracing, the forward graphs (AOTAutograd, inductor, or their caches) and the
+# guards; a backward graph compiles at its first call; the kernel compilers' workers are waited on inside both
+INNER, TRACING, FORWARD = "_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler"
+BACKWARD, KERNELS = "backward._backward_impl", "async_compile.wait"
+
+
+def compile_timers() -> dict[str, float]:
+    """Dynamo's timers so far, seconds by name; empty where this torch has none."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)
+        return {str(name): float(value) for name, value in zip(names, values, strict=True)}
+    except Exception:  # noqa: BLE001 - an account, never a reason to stop
+        return {}
+
+
+def describe_split(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
+    """``'tracing 2.1 s, forward graphs 3.0 s, ...'``: the timers' growth from ``before`` to ``after`` over a
+    warm-up of ``seconds``; '' where this torch's timers lack dynamo's total."""
+    grew = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    if INNER not in grew:
+        return ""
+    tracing, forward, backward = grew.get(TRACING, 0.0), grew.get(FORWARD, 0.0), grew.get(BACKWARD, 0.0)
+    other, running = max(0.0, grew[INNER] - tracing - forward), max(0.0, seconds - grew[INNER] - backward)
+    return (f"tracing {tracing:.1f} s, forward graphs {forward:.1f} s, backward graphs {backward:.1f} s, dynamo's "
+            f"other work {other:.1f} s; waiting on the kernel compilers {grew.get(KERNELS, 0.0):.1f} s of those; "
+            f"running the calls {running:.1f} s")
+
+
 def _misses() -> int:
     """Graphs compiled anew in this process so far (inductor's and AOTAutograd's cache misses)."""
     from torch._dynamo.utils import counters

@@ -42,7 +42,7 @@ from ..step.plan import BatchPlan, rank_batch_of
 from ..step.precision import Precision
 from ..step.step import TrainStep
 from ..step.utilization import ModelFlops, Peak, count_model_flops, gpu_peak
-from .compile_cache import CompileCache, cache_file
+from .compile_cache import CompileCache, cache_file, compile_timers, describe_split
 from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import (
     LengthFits,
@@ -306,11 +306,13 @@ class Compilation:
             log.info("model.compile: compiling %s now%s", "each tower's transformer block once for all its layers "
                      "(model.compile_scope=block)" if self.scope == "block" else "the towers whole "
                      "(model.compile_scope=tower)", " (from the cache)" if cache.loaded else "")
+        timers = compile_timers()
         self.seconds = self.model.warm_up(plan.sub_batch, env.device, self.precision.autocast,
                                           graph_free=graph_free, options=self.options)
         self.done = True
         if env.rank == 0:
-            log.info("model.compile: the towers compiled in %.1f s", self.seconds)
+            split = describe_split(timers, compile_timers(), self.seconds)
+            log.info("model.compile: the towers compiled in %.1f s%s", self.seconds, f" ({split})" if split else "")
         cache.save()
         return self.seconds
 
