@@ -243,13 +243,15 @@ def test_the_process_wide_settings_are_made_once_in_one_place(monkeypatch):
 
     from megabatch.runtime.process import configure_backends
 
-    monkeypatch.setattr(inductor_config, "fallback_random", False)
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # nothing compiled here
-    model = build_model(compose("model=tiny").model)
-    model.compile_towers(rows=4)
-    assert inductor_config.fallback_random is False
-    settings = configure_backends(compose("model.compile=true"), torch.device("cpu"))
-    assert inductor_config.fallback_random is True and any("model.compile" in line for line in settings)
+    # inductor's own patch, undone as it knows how (monkeypatch's undo leaves the key hidden, and a later
+    # compilation in this process then fails)
+    with inductor_config.patch(fallback_random=False):
+        model = build_model(compose("model=tiny").model)
+        model.compile_towers(rows=4)
+        assert inductor_config.fallback_random is False
+        settings = configure_backends(compose("model.compile=true"), torch.device("cpu"))
+        assert inductor_config.fallback_random is True and any("model.compile" in line for line in settings)
     assert configure_backends(compose(), torch.device("cpu")) == []  # nothing to set for an eager CPU run
 
 
@@ -365,3 +367,39 @@ def test_a_multiruns_later_job_counts_its_start_up_from_the_job_before(monkeypat
         time.sleep(0.02)
     assert later.seconds["model"] >= 0.02 and later.elapsed() >= later.seconds["launch"] + 0.02
     assert later.record()["startup/model_s"] == round(later.seconds["model"], 2)
+
+
+def test_the_warm_up_runs_the_shortest_and_longest_cut_and_then_no_caption_length_compiles():
+    """``warm_up`` calls the text tower at the whole context, the shortest cut and the longest, and stops at the
+    first of those after the shortest that compiles nothing (dynamo guards a dynamic length by its range); after
+    it, no cut length compiles a graph, with autograd or without."""
+    torch.manual_seed(0)
+    model = build_model(compose("model=tiny", "model.image.patch_dropout=0").model).train()
+    model.trim_text(step=3)  # cuts of 3, 6, 9, 12, 15 tokens in the tiny tower's 16
+    context = model.context_length
+    cuts = sorted({model.text_trim.bucket(n) for n in range(1, context)} - {context})
+    assert len(cuts) >= 3
+    assert model.warm_up_lengths(context) == [context, cuts[0], cuts[-1], *cuts[1:-1]]
+    model.compile_towers(rows=4, scope="block")
+    torch._dynamo.reset()
+    called, forward = [], type(model).forward
+
+    def recorded(self, images, texts, **options):
+        called.append(texts.shape[1])
+        return forward(self, images, texts, **options)
+
+    type(model).forward = recorded
+    try:
+        model.warm_up(4, torch.device("cpu"), lambda: torch.autocast("cpu", enabled=False), graph_free=True)
+    finally:
+        type(model).forward = forward
+    assert sorted(set(called)) == sorted({context, cuts[0], cuts[-1]}), called  # not every cut
+    counts = torch._dynamo.utils.counters
+    graphs = counts["stats"]["unique_graphs"]
+    texts = torch.randint(1, 400, (4, context))
+    for length in [context, *cuts]:
+        cut = texts[:, :length].contiguous()
+        with torch.no_grad():
+            model(None, cut)
+        model(None, cut)[1].sum().backward()
+    assert counts["stats"]["unique_graphs"] == graphs, "a caption length compiled a graph after the warm-up"
