@@ -207,12 +207,16 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
                             + f" | {step['peak_gpu_gb']:.1f} |")
     started = [row for row in results if row.get("time_to_first_step_s") is not None]
     if started:  # multi_gpu.py since --cold: each run's start, from rank 0's status.json
-        rows += ["", "| trainer | caches | first step after (s) | " + " | ".join(
-            name.replace("_", " ") for name in STARTUP_PHASES) + " |", "|---|---|---|" + "---|" * len(STARTUP_PHASES)]
+        # the first step began after: the start less the step itself (its wait for the loader and its own time)
+        rows += ["", "| trainer | caches | first step after (s) | first step began after (s) | " + " | ".join(
+            name.replace("_", " ") for name in STARTUP_PHASES) + " |",
+            "|---|---|---|---|" + "---|" * len(STARTUP_PHASES)]
         for row in started:
             phases = {k.removesuffix("_s"): v for k, v in (row.get("startup_s") or {}).items()}
             caches, first = "cold" if row.get("cold_caches") else "as found", row["time_to_first_step_s"]
-            rows.append(f"| {trainer_name(row)} ({row['gpus']} GPU) | {caches} | **{first:.1f}** | "
+            stepping = [phases.get(name) for name in ("first_batch_wait", "first_step")]
+            began = "-" if None in stepping else f"{first - sum(stepping):.1f}"
+            rows.append(f"| {trainer_name(row)} ({row['gpus']} GPU) | {caches} | **{first:.1f}** | {began} | "
                         + " | ".join("-" if phases.get(name) is None else f"{phases[name]:.1f}"
                                      for name in STARTUP_PHASES) + " |")
     if entry.get("losses"):  # each step's loss (runs on the same samples: their agreement)
@@ -234,7 +238,9 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
 
 PHASES = ("data", "encode", "loss", "replay", "optimizer")
 # the start-up phases shown (status.json's startup_s, less "_s"), in the order a run goes through them
-STARTUP_PHASES = ("launch", "model", "plan", "step", "loader_start", "compile", "first_batch_wait", "first_step")
+# (data: the shards' counts, where neither sizes.json nor img2dataset's _stats.json gives them)
+STARTUP_PHASES = ("launch", "model", "data", "plan", "step", "loader_start", "compile", "first_batch_wait",
+                  "first_step")
 
 
 def trainer_name(row: dict) -> str:
