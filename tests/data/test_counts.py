@@ -104,6 +104,86 @@ def test_a_truncated_tar_counts_the_samples_before_the_damage(tmp_path):
     assert scan_tar(tmp_path / "c.tar") == 0
 
 
+def odd_tars(folder) -> dict[str, bool]:
+    """Tars of every header kind a shard may hold, each with whether the header reader should count it alone
+    (True) or hand it to tarfile (False)."""
+    made = {}
+
+    def write(name, fmt, members, plain, mode="w"):
+        with tarfile.open(folder / name, mode, format=fmt) as tar:
+            for member, kind in members:
+                info = tarfile.TarInfo(member)
+                info.type = kind
+                data = b"" if kind != tarfile.REGTYPE else member.encode() * 3
+                info.size = len(data)
+                if kind == tarfile.SYMTYPE:
+                    info.linkname = "elsewhere"
+                tar.addfile(info, io.BytesIO(data))
+        made[name] = plain
+
+    files = [(f"{key:09d}.{ext}", tarfile.REGTYPE) for key in range(5) for ext in ("jpg", "txt")]
+    # names told apart only by what a 100-byte name field cannot hold: a reader that missed the ustar prefix, the GNU
+    # long name or the pax path would join their samples
+    long = [(f"{folder * 120}/000000001.{ext}", tarfile.REGTYPE) for folder in "pq" for ext in ("jpg", "json")]
+    write("ustar.tar", tarfile.USTAR_FORMAT, files + long, True)
+    write("gnu.tar", tarfile.GNU_FORMAT, files + [(f"{'y' * 200}{key}.jpg", tarfile.REGTYPE) for key in "ab"], True)
+    write("pax.tar", tarfile.PAX_FORMAT, files + [(f"{'z' * 300}{key}.jpg", tarfile.REGTYPE) for key in "ab"]
+          + [("é/ü.txt", tarfile.REGTYPE)], True)
+    write("folders.tar", tarfile.PAX_FORMAT, [("shards", tarfile.DIRTYPE), *files], True)
+    write("links.tar", tarfile.PAX_FORMAT, [*files[:4], ("000000009.jpg", tarfile.SYMTYPE), *files[4:]], False)
+    write("zipped.tar.gz", tarfile.PAX_FORMAT, files, False, mode="w:gz")
+    whole = (folder / "pax.tar").read_bytes()
+    (folder / "cut.tar").write_bytes(whole[: len(whole) // 2 + 100])  # inside a member's data
+    made["cut.tar"] = False
+    damaged = bytearray(whole)
+    damaged[512 * 6 + 3] ^= 0xFF  # a later header's name: its checksum fails
+    (folder / "damaged.tar").write_bytes(bytes(damaged))
+    made["damaged.tar"] = False
+    (folder / "ended.tar").write_bytes(whole[: 512 * 8])  # no end-of-archive blocks, cut between members
+    made["ended.tar"] = True
+    return made
+
+
+def test_the_header_reader_counts_as_tarfile_does_and_hands_it_what_it_does_not_read(tmp_path, monkeypatch):
+    """``scan_tar`` reads plain tars' headers itself (ustar with prefixes, GNU long names, pax paths, folders, a tar
+    without its end blocks) and gives tarfile's count; links, compression, a bad checksum and data cut short go to
+    tarfile."""
+    made = odd_tars(tmp_path)
+    truth = {name: urls_module._scan_with_tarfile(tmp_path / name) for name in made}
+    assert truth["ustar.tar"] == 7 and truth["gnu.tar"] == 7 and truth["pax.tar"] == 8
+    handed = []
+    reference = urls_module._scan_with_tarfile
+    monkeypatch.setattr(urls_module, "_scan_with_tarfile", lambda path: handed.append(path.name) or reference(path))
+    for name, plain in made.items():
+        assert scan_tar(tmp_path / name) == truth[name], name
+        assert (name not in handed) == plain, (name, handed)
+
+
+def test_the_indexed_splits_offsets_from_the_header_reader_are_tarfiles(tmp_path, monkeypatch):
+    """``indexed_split.scan_offsets`` (each sample's first header, then the end of the last member) gives the same
+    index through ``tars.tar_headers`` as through tarfile, for every kind of tar, and the index reads the samples."""
+    import numpy as np
+
+    from megabatch.data import indexed_split
+    from megabatch.data.tars import NotPlain
+
+    made = odd_tars(tmp_path)
+    read = {name: indexed_split.scan_offsets(tmp_path / name) for name in made}
+
+    def tarfile_only(path):
+        raise NotPlain("the reference: tarfile")
+        yield
+
+    monkeypatch.setattr(indexed_split, "tar_headers", tarfile_only)
+    for name in made:
+        assert np.array_equal(read[name], indexed_split.scan_offsets(tmp_path / name)), name
+    offsets = read["pax.tar"]
+    assert len(offsets) == 8 + 1
+    with tarfile.open(tmp_path / "pax.tar") as tar:  # each offset is a sample's first member, extended header and all
+        firsts = {member.offset for member in tar.getmembers()}
+    assert set(offsets[:-1].tolist()) <= firsts
+
+
 @pytest.mark.parametrize("url", ["pipe:aws s3 cp s3://bucket/{0..3}.tar -", "https://host/{0..3}.tar"])
 def test_streams_without_counts_name_num_samples_and_resampled(url):
     with pytest.raises(ConfigError, match=r"data\.train\.num_samples.*data\.train\.mode=resampled"):

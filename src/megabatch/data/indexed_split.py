@@ -35,7 +35,7 @@ from torch.utils.data import get_worker_info
 from ..config import ConfigError
 from .position_split import PositionSplitBatches
 from .samples import decode_pair
-from .tars import sample_key, tar_members
+from .tars import NotPlain, sample_key, tar_headers, tar_members
 from .urls import _KEY as SAMPLE_KEY
 from .urls import is_remote
 
@@ -168,6 +168,17 @@ def scan_offsets(path: Path) -> np.ndarray:
     share the name up to the first dot of the file name (webdataset's grouping); a damaged tail
     ends the index where the damage starts."""
     starts, last, end = [], None, 0
+    try:  # a plain tar's headers read by tars.tar_headers; anything else by tarfile (below)
+        for name, offset, member_end in tar_headers(path):
+            match = SAMPLE_KEY.match(name)
+            if match:
+                if match.group(1) != last:
+                    starts.append(offset)
+                    last = match.group(1)
+                end = member_end
+        return np.array([*starts, end], dtype=np.int64)
+    except (NotPlain, OSError):
+        starts, last, end = [], None, 0
     try:
         with tarfile.open(path, "r:") as tar:
             while (member := tar.next()) is not None:

@@ -81,6 +81,62 @@ def tar_records(read: Callable[[int], bytes], chunk_bytes: int = 8 << 20,
         raise tarfile.ReadError("tar cut short: no end-of-archive blocks" if whole else "tar header cut short")
 
 
+class NotPlain(Exception):
+    """A tar ``tar_headers`` does not read exactly as ``tarfile`` would (compressed, a link, a sparse file, a global
+    pax header, a bad checksum or number, a cut): ``tarfile``'s to read."""
+
+
+def tar_headers(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:
+    """Each regular member of the tar at ``path``, read from the headers alone (seeking past the data, ten times
+    faster than ``tarfile``): its name, the offset of its first header (its extended ones included, as
+    ``tarfile``'s ``TarInfo.offset``) and the end of its data padded to a block; as ``tarfile`` names and orders
+    them. Ends at the end-of-archive blocks or the file's end between members; raises ``NotPlain`` where only
+    ``tarfile`` can say (then it is asked, and decides as it always did)."""
+    with open(path, "rb") as handle:
+        total, at, first = os.fstat(handle.fileno()).st_size, 0, None
+        long_name, pax = None, {}
+        while at < total:
+            handle.seek(at)
+            header = handle.read(BLOCK)
+            if len(header) < BLOCK:
+                raise NotPlain("a header cut short")
+            if header.count(0) == BLOCK:
+                return  # the end-of-archive blocks
+            try:
+                stored, size = _octal(header[148:156]), int(pax.get("size", _octal(header[124:136])))
+            except (tarfile.ReadError, ValueError):
+                raise NotPlain("a bad number field") from None
+            if stored != sum(header) - sum(header[148:156]) + 256 or size < 0:  # the checksum field as spaces
+                raise NotPlain("a bad header checksum")
+            end = at + BLOCK + -(-size // BLOCK) * BLOCK
+            if end > total:
+                raise NotPlain("a member cut short")
+            kind, first = header[156:157], at if first is None else first
+            if kind in (b"x", b"L"):  # the next member's pax records, or its GNU long name
+                data = handle.read(size)
+                if kind == b"x":
+                    try:
+                        pax = _pax_records(data)
+                    except ValueError:
+                        raise NotPlain("bad pax records") from None
+                else:
+                    long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            elif kind in (b"0", b"\0", b"7", b"5"):
+                name = pax.get("path") or long_name or _ustar_name(header)
+                if kind != b"5" and not (kind == b"\0" and name.endswith("/")):  # (tarfile: that one is a folder)
+                    yield name, first, end
+                long_name, pax, first = None, {}, None
+            else:  # links, devices, sparse files, global pax headers
+                raise NotPlain(f"a member of type {kind!r}")
+            at = end
+
+
+def _ustar_name(header: bytes) -> str:
+    """A header's own name, its ustar prefix before it, each cut at its first NUL (as ``tarfile`` reads them)."""
+    name, prefix = header[:100].split(b"\0", 1)[0], header[345:500].split(b"\0", 1)[0]
+    return (prefix + b"/" + name if prefix else name).decode("utf-8", "surrogateescape")
+
+
 def _octal(field: bytes) -> int:
     if field[:1] in (b"\x80", b"\xff"):  # GNU base-256 for large sizes
         return int.from_bytes(field[1:], "big") * (-1 if field[:1] == b"\xff" else 1)
