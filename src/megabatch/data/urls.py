@@ -11,6 +11,7 @@ import os
 import re
 import tarfile
 import tempfile
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -170,6 +171,7 @@ def _scanned_sizes(urls: list[str], cache_dir, show_progress: bool, mp_context=N
     log.info("counting the samples of %d shards without sizes.json or _stats.json (headers only, once, %s; "
              "cached in %s)", len(todo), f"{processes} processes" if processes else "in threads",
              cache_file or "memory")
+    started, first = time.perf_counter(), None
     pool = ProcessPoolExecutor(processes, mp_context=mp_context) if processes else \
         ThreadPoolExecutor(min(SCAN_THREADS, len(todo)))
     with pool:
@@ -178,9 +180,14 @@ def _scanned_sizes(urls: list[str], cache_dir, show_progress: bool, mp_context=N
         counts = pool.map(scan, [real for _, real, _ in todo], chunksize=chunk)
         for (url, real, key), count in tqdm(zip(todo, counts, strict=True), total=len(todo), desc="counting samples",
                                             unit="shard", delay=2, disable=not show_progress):
+            first = first or time.perf_counter() - started
             sizes[url] = count
             cache[real] = [*key, count]
     _save_cache(cache_file, cache)
+    took = time.perf_counter() - started
+    # the first result waits for the pool's start (with a fork server, for the server's own start) and one chunk
+    log.info("counted the samples of %d shards in %.1f s (%.0f shards/s; the first %d after %.1f s)", len(todo), took,
+             len(todo) / max(took, 1e-9), chunk, first)
     return sizes
 
 
