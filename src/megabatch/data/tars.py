@@ -58,7 +58,7 @@ def tar_records(read: Callable[[int], bytes], chunk_bytes: int = 8 << 20,
         header = buffer[at:at + BLOCK]
         if header.count(0) == BLOCK:
             return  # the end-of-archive blocks
-        if sum(header[:148]) + 256 + sum(header[156:]) != _octal(header[148:156]):  # the checksum field as spaces
+        if not _checksum_holds(header):
             raise tarfile.ReadError("bad tar header checksum")
         kind = header[156:157]
         size = int(pax.get("size", _octal(header[124:136])))
@@ -69,11 +69,9 @@ def tar_records(read: Callable[[int], bytes], chunk_bytes: int = 8 << 20,
         if kind == b"x":  # pax extended header: applies to the next member
             pax = _pax_records(data)
         elif kind == b"L":  # GNU long name of the next member
-            long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
         elif kind in (b"0", b"\0", b"7"):
-            prefix, name = header[345:500].rstrip(b"\0"), header[:100].rstrip(b"\0")
-            default = (prefix + b"/" + name if prefix else name).decode("utf-8", "surrogateescape")
-            yield pax.get("path") or long_name or default, data
+            yield pax.get("path") or long_name or _ustar_name(header), data
             long_name, pax = None, {}
         elif kind != b"g":  # directories, links and the rest carry no sample field
             long_name, pax = None, {}
@@ -103,11 +101,11 @@ def tar_headers(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:
             if header.count(0) == BLOCK:
                 return  # the end-of-archive blocks
             try:
-                stored, size = _octal(header[148:156]), int(pax.get("size", _octal(header[124:136])))
+                size = int(pax.get("size", _octal(header[124:136])))
+                if not _checksum_holds(header) or size < 0:
+                    raise NotPlain("a bad header checksum")
             except (tarfile.ReadError, ValueError):
                 raise NotPlain("a bad number field") from None
-            if stored != sum(header) - sum(header[148:156]) + 256 or size < 0:  # the checksum field as spaces
-                raise NotPlain("a bad header checksum")
             end = at + BLOCK + -(-size // BLOCK) * BLOCK
             if end > total:
                 raise NotPlain("a member cut short")
@@ -129,6 +127,12 @@ def tar_headers(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:
             else:  # links, devices, sparse files, global pax headers
                 raise NotPlain(f"a member of type {kind!r}")
             at = end
+
+
+def _checksum_holds(header: bytes) -> bool:
+    """The header's checksum: the sum of its bytes with the checksum field's eight as spaces (raises
+    ``tarfile.ReadError`` where the field is not a number)."""
+    return sum(header) - sum(header[148:156]) + 8 * 32 == _octal(header[148:156])
 
 
 def _ustar_name(header: bytes) -> str:
