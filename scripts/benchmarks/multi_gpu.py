@@ -73,7 +73,7 @@ from processes import signal_tree, wait_gone  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ARGV = "MEGABATCH_OPENCLIP_ARGV"
 PLAN_LINES = ("trainer.sub_batch=auto", "trainer.keep_graph", "FSDP:", "tuning the Triton", "decoded ahead",
-              "data.worker_start")
+              "data.worker_start", "counted the samples of", "the towers compiled in")
 
 
 class GpuMemory:
