@@ -130,6 +130,13 @@ def odd_tars(folder) -> dict[str, bool]:
     write("pax.tar", tarfile.PAX_FORMAT, files + [(f"{'z' * 300}{key}.jpg", tarfile.REGTYPE) for key in "ab"]
           + [("é/ü.txt", tarfile.REGTYPE)], True)
     write("folders.tar", tarfile.PAX_FORMAT, [("shards", tarfile.DIRTYPE), *files], True)
+    with tarfile.open(folder / "sparse.tar", "w", format=tarfile.PAX_FORMAT) as tar:  # a GNU sparse member in pax
+        info = tarfile.TarInfo("000000000.jpg")
+        info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.realsize": "9"}
+        data = b"1\n0\n9\n".ljust(512, b"\0") + b"123456789"  # the map (one region: 9 bytes at 0), then the bytes
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    made["sparse.tar"] = False
     write("links.tar", tarfile.PAX_FORMAT, [*files[:4], ("000000009.jpg", tarfile.SYMTYPE), *files[4:]], False)
     write("zipped.tar.gz", tarfile.PAX_FORMAT, files, False, mode="w:gz")
     whole = (folder / "pax.tar").read_bytes()
@@ -182,6 +189,28 @@ def test_the_indexed_splits_offsets_from_the_header_reader_are_tarfiles(tmp_path
     with tarfile.open(tmp_path / "pax.tar") as tar:  # each offset is a sample's first member, extended header and all
         firsts = {member.offset for member in tar.getmembers()}
     assert set(offsets[:-1].tolist()) <= firsts
+
+
+def test_a_sparse_member_without_its_map_counts_what_precedes_it(tmp_path, caplog):
+    """tarfile raises ValueError (not a TarError) on a GNU sparse member whose map does not parse: the count and the
+    index keep the samples before it, with a warning, as for any damage."""
+    import logging
+
+    from megabatch.data.indexed_split import scan_offsets
+
+    with tarfile.open(tmp_path / "bad.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+        for key in range(3):
+            info = tarfile.TarInfo(f"{key:09d}.jpg")
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"jpeg"))
+        info = tarfile.TarInfo("000000003.jpg")
+        info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.realsize": "9"}
+        info.size = 9
+        tar.addfile(info, io.BytesIO(b"no map at"))
+    with caplog.at_level(logging.WARNING):
+        assert scan_tar(tmp_path / "bad.tar") == 3
+        assert len(scan_offsets(tmp_path / "bad.tar")) == 3  # two whole samples before the one being read, and the end
+    assert "counted the 3 samples before it" in caplog.text and "indexed the 2 samples before it" in caplog.text
 
 
 @pytest.mark.parametrize("url", ["pipe:aws s3 cp s3://bucket/{0..3}.tar -", "https://host/{0..3}.tar"])

@@ -189,7 +189,7 @@ def scan_offsets(path: Path) -> np.ndarray:
                         last = match.group(1)
                     end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
                 tar.members.clear()
-    except (tarfile.TarError, EOFError, OSError) as error:
+    except (tarfile.TarError, EOFError, OSError, ValueError) as error:  # (tarfile: ValueError on a bad sparse map)
         # the sample being read when the damage came may be cut short: the index ends where it starts
         end = starts.pop() if starts else 0
         log.warning("%s: %s; indexed the %d samples before it", path, error, len(starts))

@@ -117,6 +117,8 @@ def tar_headers(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:
                         pax = _pax_records(data)
                     except ValueError:
                         raise NotPlain("bad pax records") from None
+                    if any(key.startswith("GNU.sparse") for key in pax):  # the data is a sparse map, then the file
+                        raise NotPlain("a sparse member")
                 else:
                     long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             elif kind in (b"0", b"\0", b"7", b"5"):

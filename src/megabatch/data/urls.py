@@ -142,7 +142,7 @@ def _scan_with_tarfile(path: str | os.PathLike) -> int:
                 if match and match.group(1) != last:
                     samples, last = samples + 1, match.group(1)
                 tar.members.clear()  # headers only: keep no TarInfo per member
-    except (tarfile.TarError, EOFError, OSError) as error:
+    except (tarfile.TarError, EOFError, OSError, ValueError) as error:  # (tarfile: ValueError on a bad sparse map)
         log.warning("%s: %s; counted the %d samples before it", path, error, samples)
     return samples
 
