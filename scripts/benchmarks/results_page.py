@@ -208,17 +208,14 @@ def multi_gpu_table(data: dict, entry: dict) -> list[str]:
     started = [row for row in results if row.get("time_to_first_step_s") is not None]
     if started:  # multi_gpu.py since --cold: each run's start, from rank 0's status.json
         # the first step began after: the start less the step itself (its wait for the loader and its own time)
-        rows += ["", "| trainer | caches | first step after (s) | first step began after (s) | " + " | ".join(
-            name.replace("_", " ") for name in STARTUP_PHASES) + " |",
-            "|---|---|---|---|" + "---|" * len(STARTUP_PHASES)]
+        rows += ["", f"| trainer | caches | first step after (s) | first step began after (s) | {startup_header()} |",
+                 "|---|---|---|---|" + "---|" * len(STARTUP_PHASES)]
         for row in started:
-            phases = {k.removesuffix("_s"): v for k, v in (row.get("startup_s") or {}).items()}
+            phases, cells = startup_phases(row)
             caches, first = "cold" if row.get("cold_caches") else "as found", row["time_to_first_step_s"]
             stepping = [phases.get(name) for name in ("first_batch_wait", "first_step")]
             began = "-" if None in stepping else f"{first - sum(stepping):.1f}"
-            rows.append(f"| {trainer_name(row)} ({row['gpus']} GPU) | {caches} | **{first:.1f}** | {began} | "
-                        + " | ".join("-" if phases.get(name) is None else f"{phases[name]:.1f}"
-                                     for name in STARTUP_PHASES) + " |")
+            rows.append(f"| {trainer_name(row)} ({row['gpus']} GPU) | {caches} | **{first:.1f}** | {began} | {cells} |")
     if entry.get("losses"):  # each step's loss (runs on the same samples: their agreement)
         rows += ["", "| trainer | loss per step |", "|---|---|"]
         for row in results:
@@ -241,6 +238,17 @@ PHASES = ("data", "encode", "loss", "replay", "optimizer")
 # (data: the shards' counts, where neither sizes.json nor img2dataset's _stats.json gives them)
 STARTUP_PHASES = ("launch", "model", "data", "plan", "step", "loader_start", "compile", "first_batch_wait",
                   "first_step")
+
+
+def startup_header() -> str:
+    """The shown start-up phases' column names."""
+    return " | ".join(name.replace("_", " ") for name in STARTUP_PHASES)
+
+
+def startup_phases(row: dict) -> tuple[dict[str, float], str]:
+    """A run's ``startup_s`` by phase (less ``_s``), and the shown phases' cells ('-' for a phase it lacks)."""
+    phases = {k.removesuffix("_s"): v for k, v in (row.get("startup_s") or {}).items()}
+    return phases, " | ".join("-" if phases.get(name) is None else f"{phases[name]:.1f}" for name in STARTUP_PHASES)
 
 
 def trainer_name(row: dict) -> str:
@@ -465,21 +473,17 @@ def embed_table(data: dict, entry: dict) -> list[str]:
 def startup_table(data: dict, entry: dict) -> list[str]:
     """scripts/benchmarks/startup.py: each run's seconds from the command to its first finished step, and for
     megabatch's where they went (``startup_s``; the phases not shown are in the rest)."""
-    rows = ["| trainer | model | batch | caches | first step after (s) | " + " | ".join(
-        name.replace("_", " ") for name in STARTUP_PHASES) + " | rest |", "|---|---|---|---|---|" +
-        "---|" * (len(STARTUP_PHASES) + 1)]
+    rows = [f"| trainer | model | batch | caches | first step after (s) | {startup_header()} | rest |",
+            "|---|---|---|---|---|" + "---|" * (len(STARTUP_PHASES) + 1)]
     for row in data["results"]:
         if row.get("returncode") != 0 or row.get("time_to_first_step_s") is None:
             rows.append(f"| {row['system']} | {row['model']} | {row['batch']:,} | {row['cache']} | "
                         f"no step (exit {row.get('returncode')}) |" + " |" * (len(STARTUP_PHASES) + 1))
             continue
-        phases = {k.removesuffix("_s"): v for k, v in (row.get("startup_s") or {}).items()}
-        shown = [phases.get(name) for name in STARTUP_PHASES]
-        rest = sum(phases.values()) - sum(v for v in shown if v is not None) if phases else None
+        phases, cells = startup_phases(row)
+        rest = sum(phases.values()) - sum(phases.get(name) or 0.0 for name in STARTUP_PHASES) if phases else None
         rows.append(f"| {row['system']} | {row['model']} | {row['batch']:,} | {row['cache']} | "
-                    f"**{row['time_to_first_step_s']:.1f}** | "
-                    + " | ".join("-" if v is None else f"{v:.1f}" for v in shown)
-                    + f" | {'-' if rest is None else f'{rest:.1f}'} |")
+                    f"**{row['time_to_first_step_s']:.1f}** | {cells} | {'-' if rest is None else f'{rest:.1f}'} |")
     return rows
 
 
