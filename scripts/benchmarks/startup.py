@@ -5,10 +5,14 @@ OpenCLIP's ``--torchcompile``; and the steady-state samples/s after it.
     python scripts/benchmarks/startup.py --model vit_l14 --batch 128 --scopes block --out startup_l14.json
     python scripts/benchmarks/startup.py --model vit_b16 --batch 256 --sweep-batches 512,1024,2048 \
         --before /tmp/before --out startup_sweep.json
+    git archive HEAD~1 | (mkdir /tmp/before && tar -x -C /tmp/before)
+    python scripts/benchmarks/startup.py --model vit_b16 --batch 4096 --images 4096 --steps 4 --scopes block \
+        --before /tmp/before --out startup_before_after.json
 
 Each row is one process, launched as a user launches it: ``python train.py model=<model>
 model.compile=true model.compile_scope=<scope> data=webdataset data.decode=gpu ...`` on photo-like
-JPEG shards written first (``--images``). ``cold``: an empty ``$MEGABATCH_CACHE``, an empty inductor
+JPEG shards written first (``--images``); with ``--before``, each row again from that source tree.
+``cold``: an empty ``$MEGABATCH_CACHE``, an empty inductor
 cache (``TORCHINDUCTOR_CACHE_DIR``) and an empty Triton home (``TRITON_HOME``: its default caches);
 ``warm``: the cache the cold run of that scope wrote, inductor's own cache and Triton's home empty
 again (as a job on another node that shares ``$MEGABATCH_CACHE``).
@@ -68,28 +72,33 @@ def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:
     return count
 
 
-def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path | None = None) -> dict:
+def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path | None = None, tree: Path = ROOT,
+         label: str = "now") -> dict:
     """One run of ``train.py`` with ``cache`` (cold or warm) caches; with ``profile``, under cProfile, its
-    statistics written there (the profiler's cost is in the row's times)."""
-    cache_dir, inductor = workdir / f"cache-{scope}", workdir / f"inductor-{scope}-{cache}"
+    statistics written there (the profiler's cost is in the row's times). ``tree``: the source tree it runs from
+    (``--before``'s, labelled ``label``: its own caches)."""
+    key = scope if label == "now" else f"{scope}-{label}"
+    cache_dir, inductor = workdir / f"cache-{key}", workdir / f"inductor-{key}-{cache}"
     if cache == "cold":
         shutil.rmtree(cache_dir, ignore_errors=True)
     kept_bytecode = settled(cache_dir / "pycache") if cache == "warm" else 0  # cold: just emptied
     shutil.rmtree(inductor, ignore_errors=True)
-    run_dir = workdir / f"run-{scope}-{cache}"
+    run_dir = workdir / f"run-{key}-{cache}"
     shutil.rmtree(run_dir, ignore_errors=True)
     profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
-    command = [sys.executable, *profiler, str(ROOT / "train.py"), f"model={args.model}", "model.compile=true",
+    command = [sys.executable, *profiler, str(tree / "train.py"), f"model={args.model}", "model.compile=true",
                f"model.compile_scope={scope}", "data=webdataset", f"data.train.urls={urls}",
                f"data.decode={args.decode}", f"data.num_workers={args.workers}", f"batch={args.batch}",
                f"trainer.max_steps={args.steps}",
                "trainer.log_every=5", "eval=none", f"run_dir={run_dir}", *args.set]
-    env = fresh_cache_env(os.environ, workdir / f"triton-home-{scope}-{cache}", args.installed_bytecode) | {
-        "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
+    env = fresh_cache_env(os.environ, workdir / f"triton-home-{key}-{cache}", args.installed_bytecode) | {
+        "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+        "PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")])}
     started = time.perf_counter()
-    ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    ran = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
-    row = {"system": "megabatch", "model": args.model, "batch": args.batch, "scope": scope, "cache": cache,
+    row = {"system": "megabatch" if label == "now" else f"megabatch ({label})", "model": args.model,
+           "batch": args.batch, "scope": scope, "cache": cache,
            **({"profiled": True} if profile else {}), "kept_bytecode_files": kept_bytecode,
            "returncode": ran.returncode, "wall_s": wall,
            "command": " ".join(command[1:])}
@@ -222,7 +231,8 @@ def main() -> None:
                         help="instead: a multirun over these batches (e.g. 512,1024,2048) at sub-batch --batch")
     parser.add_argument("--sweep-steps", type=int, default=3)
     parser.add_argument("--before", default=None,
-                        help="with --sweep-batches: also the sweep from this source tree (an earlier revision)")
+                        help="also the runs (or, with --sweep-batches, the sweep) from this source tree (an earlier "
+                             "revision, e.g. `git archive`'s), each after this tree's, on the same machine")
     parser.add_argument("--installed-bytecode", default=None, metavar="DIR",
                         help="every run (OpenCLIP's too) reads the installed packages' bytecode from DIR "
                              "(PYTHONPYCACHEPREFIX), compiled there before: `PYTHONPYCACHEPREFIX=DIR python -m "
@@ -253,11 +263,13 @@ def main() -> None:
             rows.append(system(args, workdir))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
             write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
+    trees = [(ROOT, "now")] + ([(Path(args.before).resolve(), "before")] if args.before else [])
     for scope in args.scopes.split(","):
-        for cache in args.caches.split(","):
-            rows.append(ours(args, scope, cache, workdir, urls))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
-            write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
+        for tree, label in trees:
+            for cache in args.caches.split(","):
+                rows.append(ours(args, scope, cache, workdir, urls, tree=tree, label=label))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
+                write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
         if args.profile:
             profiled = Path(args.out).with_suffix(f".{scope}.warm.prof")
             row = ours(args, scope, "warm", workdir, urls, profile=profiled)

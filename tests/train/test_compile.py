@@ -304,10 +304,10 @@ def test_inductors_compile_workers_start_with_the_run_on_a_gpu(tmp_path, monkeyp
 
 
 def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start_up(tmp_path, monkeypatch, caplog):
-    """The trainer starts the first epoch's loader (its workers forked and reading), then compiles the
-    towers (``model.compile``), then takes the first sub-batch; where the start-up went is in the log,
-    ``status.json`` and the first ``metrics.jsonl`` record. The compilation itself is stubbed here
-    (the towers run eagerly): this is about the order and the account."""
+    """The trainer starts the first epoch's loader (its workers forked and reading) once the batch plan is
+    known, then builds the step and compiles the towers (``model.compile``), then takes the first sub-batch;
+    where the start-up went is in the log, ``status.json`` and the first ``metrics.jsonl`` record. The
+    compilation itself is stubbed here (the towers run eagerly): this is about the order and the account."""
     import json
     import logging
     import multiprocessing
@@ -315,19 +315,25 @@ def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start
     from megabatch.data import TrainData
     from megabatch.models import ClipModel
     from megabatch.train import run
+    from megabatch.train.build import parts
 
     events = []
-    loader = TrainData.loader
+    loader, build_step = TrainData.loader, parts.build_step
 
     def recorded_loader(self, *args, **kwargs):
         events.append("loader")
         return loader(self, *args, **kwargs)
+
+    def recorded_build_step(*args, **kwargs):
+        events.append("step")
+        return build_step(*args, **kwargs)
 
     def warm_up(self, *args, **kwargs):
         events.append(("compile", len(multiprocessing.active_children())))
         return 0.25
 
     monkeypatch.setattr(TrainData, "loader", recorded_loader)
+    monkeypatch.setattr(parts, "build_step", recorded_build_step)
     monkeypatch.setattr(ClipModel, "compile_towers", lambda self, *args, **kwargs: None)
     monkeypatch.setattr(ClipModel, "warm_up", warm_up)
     cfg = compose("batch=16", "eval=none", "trainer.max_steps=2", "trainer.log_every=1", "data.num_workers=1",
@@ -335,13 +341,15 @@ def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start
     cfg.run_dir = str(tmp_path)
     with caplog.at_level(logging.INFO, logger="megabatch"):
         run(cfg)
-    assert events[0] == "loader" and events[1][0] == "compile", events
-    assert events[1][1] >= 1, "no loader worker was running while the towers compiled"
-    assert events.count(events[1]) == 1  # compiled once
+    assert events[:2] == ["loader", "step"] and events[2][0] == "compile", events
+    assert events[2][1] >= 1, "no loader worker was running while the towers compiled"
+    assert events.count(events[2]) == 1  # compiled once
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     phases = {key for key in first if key.startswith("startup/")}
     assert {"startup/launch_s", "startup/model_s", "startup/loader_start_s", "startup/compile_s",
             "startup/first_step_s", "startup/first_batch_wait_s"} <= phases
+    order = list(first)  # the phases in the order each first ran
+    assert order.index("startup/plan_s") < order.index("startup/loader_start_s") < order.index("startup/step_s")
     assert first["startup/compile_s"] >= 0.0  # the phases account for the time to the first step, no more
     assert sum(first[key] for key in phases) <= first["time_to_first_step_s"] + 0.05
     status = json.loads((tmp_path / "status.json").read_text())

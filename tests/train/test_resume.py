@@ -44,6 +44,37 @@ def test_resume_is_bitwise_exact(tmp_path, loss):
     assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
 
 
+def test_a_resumed_run_reads_from_its_step_while_the_step_is_built(tmp_path, monkeypatch):
+    """The trainer learns the step it resumes at before building the parts, so the loader's worker reads from that
+    step (epoch 0, step 2 of 44) while the step is built; the sub-batches are the uninterrupted run's (the losses)."""
+    from megabatch.data import TrainData
+    from megabatch.train.build import parts
+
+    straight = train(tmp_path / "straight", "data.num_workers=1")
+    train(tmp_path / "resumed", "data.num_workers=1", "trainer.stop_at_step=2")
+    events = []
+    loader, build_step = TrainData.loader, parts.build_step
+
+    def recorded_loader(self, epoch, start, *args, **kwargs):
+        events.append(("loader", epoch, start))
+        return loader(self, epoch, start, *args, **kwargs)
+
+    def recorded_build_step(*args, **kwargs):
+        events.append("step")
+        return build_step(*args, **kwargs)
+
+    monkeypatch.setattr(TrainData, "loader", recorded_loader)
+    monkeypatch.setattr(parts, "build_step", recorded_build_step)
+    resumed = train(tmp_path / "resumed", "data.num_workers=1", "resume=latest")
+    assert events == [("loader", 0, 2), "step"], events
+    assert straight["step"] == resumed["step"] == 4
+    assert all(torch.equal(value, resumed["model"][name]) for name, value in straight["model"].items())
+    records = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+               for run in ("straight", "resumed")}
+    assert [r["loss"] for r in records["straight"] if "loss" in r] == \
+        [r["loss"] for r in records["resumed"] if "loss" in r]
+
+
 @pytest.mark.parametrize("optim", ["optim=timm optim.name=lamb", "optim=timm optim.name=lion",
                                    "optim=timm optim.name=muon",
                                    "optim=muon optim.layer_decay.image=0.8 optim.optimizer.adamw_lr=1e-3",
@@ -173,3 +204,22 @@ def test_resuming_a_checkpoint_of_another_model_names_the_file_and_both_shapes(t
                                           r"clip\.positional_embedding: file \[16, 64\], model \[16, 48\]"):
         train(tmp_path / "b", f"resume={ckpt}", "model.text.width=48")
     assert not (tmp_path / "b" / "checkpoints").exists() or not any((tmp_path / "b" / "checkpoints").iterdir())
+
+
+def test_a_start_that_fails_after_the_loader_began_reading_leaves_no_worker(tmp_path, monkeypatch):
+    """The loader starts reading before the step is built: a build that fails after it (here the step's) stops its
+    workers and says why, and the run directory's lock is released for the next try."""
+    import multiprocessing
+
+    from megabatch.train.build import parts
+
+    def failing_build_step(*args, **kwargs):
+        assert multiprocessing.active_children(), "the loader's worker was not reading yet"
+        raise RuntimeError("the step could not be built")
+
+    monkeypatch.setattr(parts, "build_step", failing_build_step)
+    with pytest.raises(RuntimeError, match="the step could not be built"):
+        train(tmp_path, "data.num_workers=1")
+    assert not multiprocessing.active_children()
+    monkeypatch.undo()
+    assert train(tmp_path, "data.num_workers=1")["step"] == 4  # the lock went with the failed start

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,6 +28,7 @@ from ...data import TrainData
 from ...data.gpu_decode import GpuDecoder, resolve_decode
 from ...data.naflex import NaFlexSpec
 from ...data.offload import Offload
+from ...data.samples import SubBatch
 from ...data.worker_start import resolve_worker_start
 from ...distributed import DistEnv
 from ...distributed.fsdp import local, shard_model
@@ -77,15 +78,19 @@ class RunParts:
     peak: Peak | None                  # the GPU's dense bf16 peak
     settings: RunSettings              # the config's counts and choices, parsed once (config/run.py)
     compilation: Compilation | None = None  # model.compile: the towers' warm-up (warm_up), once
+    reading: Iterator[SubBatch] | None = None  # build's read_from: the sub-batches from there, already being read
 
     @classmethod
     def build(cls, cfg: DictConfig, env: DistEnv, *, warm_up: bool = True,
-              times: StartupTimes | None = None) -> RunParts:
+              times: StartupTimes | None = None, read_from: int | None = None) -> RunParts:
         """Build every part for ``env``'s rank, after ``configure_backends`` (megabatch/runtime/process.py) has made
         the process-wide settings: the model, then the data it reads, the batch plan the data and the
         GPU's memory allow, then the step (``build_step``, as the benchmarks build it). ``warm_up=False``:
         the towers are compiled later, by ``warm_up()`` (the trainer's, once the loader's workers are
-        reading). ``times``: each part's seconds go there (the start-up's account)."""
+        reading). ``times``: each part's seconds go there (the start-up's account). ``read_from`` (the trainer's: 0, or
+        the step the run resumes at): the loader starts reading from there as soon as the batch plan is known, before
+        the step is built and the towers compile, and ``reading`` holds its sub-batches (what ``inputs(read_from)``
+        would return later)."""
         phase = (times if times is not None else StartupTimes()).phase  # timing is cheap; unasked, it is dropped
         settings = RunSettings.of(cfg)  # every count and choice parsed once, handed down
         with phase("model"):
@@ -125,11 +130,6 @@ class RunParts:
                              f"{rows} images at {length} patches" for length, rows in
                              sorted(plan.rows_at(model.image_lengths).items())))
             offload = build_offload(cfg, settings, model, data, env.rank, gpu_decoder)
-        with phase("step"):
-            built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False, auto=auto,
-                               settings=settings)
-            schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
-                                   steps_per_epoch=plan.steps_per_epoch)
             inputs = RunInputs(data, plan, env.rank, keep_raw=offload is not None,
                                pin_memory=env.device.type == "cuda",
                                read_ahead_bytes=read_ahead_budget(settings.trainer.prefetch_gb,
@@ -138,9 +138,24 @@ class RunParts:
                                read_ahead_auto=settings.trainer.prefetch_gb == "auto")
             if env.rank == 0:
                 log.info("data: %s", inputs.describe_read_ahead())
+        reading = None
+        try:
+            if read_from is not None:  # the workers read while the step is built and the towers compile
+                with phase("loader start"):  # (the loader draws from its own generator: no training randomness)
+                    reading = inputs(read_from)
+            with phase("step"):
+                built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False, auto=auto,
+                                   settings=settings)
+                schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
+                                       steps_per_epoch=plan.steps_per_epoch)
+        except BaseException:  # a failed build leaves no workers, spill file or decoding thread behind
+            if reading is not None:
+                reading.close()
+            close_inputs(inputs, offload)
+            raise
         seed_rank(settings, env)
         parts = cls(model, tokenize, data, plan, built.optimizer, built.peak_lr, schedule, offload, inputs, built.step,
-                    flops, peak, settings, built.compilation)
+                    flops, peak, settings, built.compilation, reading)
         if warm_up:
             parts.warm_up()
         return parts
@@ -158,11 +173,19 @@ class RunParts:
     def close(self) -> None:
         """Stop the loaders' workers, the offload's re-decode workers (its spill file deleted) and the GPU
         decoding threads."""
-        self.inputs.close()
-        if self.offload is not None:
-            self.offload.close()
-        if self.inputs.gpu_decoder is not None:
-            self.inputs.gpu_decoder.close()
+        if self.reading is not None:
+            self.reading.close()
+        close_inputs(self.inputs, self.offload)
+
+
+def close_inputs(inputs: RunInputs, offload: Offload | None) -> None:
+    """Stop ``inputs``' loader workers and GPU decoding threads and ``offload``'s re-decode workers (its spill file
+    deleted)."""
+    inputs.close()
+    if offload is not None:
+        offload.close()
+    if inputs.gpu_decoder is not None:
+        inputs.gpu_decoder.close()
 
 
 def check_naflex(model: ClipModel, settings: RunSettings) -> None:

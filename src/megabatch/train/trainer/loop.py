@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from ...checkpoint.checkpointer import Checkpointer, RngStates, TrainState
+from ...checkpoint.checkpointer import Checkpointer, RngStates, TrainState, legacy_parts
 from ...checkpoint.files import load_checkpoint, load_resume, run_checkpoints
 from ...config import ConfigError
 from ...config.schema import recipe_warning, validate
@@ -144,6 +144,11 @@ def agreed_resume(resume: str | None, run_dir: Path, rank: int) -> tuple[Path, d
                           "rank must see the run directory's files alike (a shared filesystem)") from None
 
 
+def resumed_step(found: tuple[Path, dict] | None) -> int:
+    """The step a run resuming from ``found`` (``agreed_resume``'s) starts at: 0 where it starts fresh."""
+    return 0 if found is None else int(legacy_parts(found[1])["train_state"]["step"])
+
+
 def warn_if_torchrun_may_cut(seconds: float) -> bool:
     """Warn (and return ``True``) when a checkpoint takes more than half of what torchrun waits after
     forwarding a signal (its ``--shutdown-timeout``, 30 s unless ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
@@ -198,8 +203,12 @@ class Trainer:
         for setting in done:
             if self.main:
                 log.info("backends: %s", setting)
-        # model.compile: the towers compile in fit(), while the loader's workers start reading
-        self.parts = parts = RunParts.build(cfg, env, warm_up=False, times=self.startup)
+        with self.startup.phase("resume"):  # before the build: the loader starts reading at the step resumed from
+            found = self._find_resume()
+        # the loader's workers read from the plan on, while the step is built and (model.compile) the towers compile
+        # in fit()
+        self.parts = parts = RunParts.build(cfg, env, warm_up=False, times=self.startup,
+                                            read_from=resumed_step(found))
         self.model, self.plan, self.step, self.settings = parts.model, parts.plan, parts.step, parts.settings
         self.state = TrainState()  # steps done, samples seen
         # each part saves and loads its own state; a new part is one more entry
@@ -214,7 +223,7 @@ class Trainer:
             asynchronous=self.settings.trainer.ckpt_async)
         self.warned_shutdown = False  # that checkpoints outlast torchrun's patience after a signal
         with self.startup.phase("resume"):
-            self._resume()
+            self._resume(found)
         # steps after the checkpoint are redone: each logged once
         sinks = MetricsLogger(self.run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), self.main,
                               resumed_step=self.state.step, sweep=sweep_job())
@@ -246,7 +255,9 @@ class Trainer:
             raise ConfigError(error)
         return lock
 
-    def _resume(self) -> None:
+    def _find_resume(self) -> tuple[Path, dict] | None:
+        """The checkpoint this run resumes from (``agreed_resume``), or None for a fresh start, which a run directory
+        holding checkpoints allows only with ``overwrite=true``."""
         found = agreed_resume(self.cfg.resume, self.run_dir, self.env.rank)
         if found is None:
             existing = run_checkpoints(self.ckpt_dir)
@@ -255,6 +266,10 @@ class Trainer:
                     f"{self.ckpt_dir} holds checkpoints ({existing[0].name} ...): continue that run with "
                     "resume=latest, start a new one with name=<new name>, or pass overwrite=true"
                 )
+        return found
+
+    def _resume(self, found: tuple[Path, dict] | None) -> None:
+        if found is None:
             return
         path, state = found
         self.checkpointer.load(path, state)
@@ -294,8 +309,10 @@ class Trainer:
         # trainer.stop_at_step ends this invocation early (a time-limited job); resume=latest
         # continues it as if it had never stopped.
         stop = min(plan.total_steps, self.settings.trainer.stop_at_step or plan.total_steps)
-        with self.startup.phase("loader start"):
-            sub_batches = self.parts.inputs(self.state.step)  # the loader's workers start reading now
+        sub_batches, self.parts.reading = self.parts.reading, None  # started by the build at the step resumed from
+        if sub_batches is None:
+            with self.startup.phase("loader start"):
+                sub_batches = self.parts.inputs(self.state.step)  # the loader's workers start reading now
         try:
             if self.settings.model.compile:
                 with self.startup.phase("compile"):
