@@ -89,6 +89,30 @@ def test_many_shards_are_counted_in_a_process_a_core(shards, tmp_path, monkeypat
     assert shard_sizes(urls, "k", tmp_path / "cache") == TRUTH  # cached
 
 
+@pytest.mark.parametrize("worker_start", ["fork", "forkserver"])
+def test_a_runs_count_forks_its_processes_whatever_starts_the_loaders_workers(shards, tmp_path, monkeypatch,
+                                                                            worker_start):
+    """TrainData counts in processes forked from the training process, also where the loader's workers come from
+    the fork server (``data.worker_start``): at that point of a start the server is still importing."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from megabatch.data import TrainData
+
+    from ..helpers import compose
+
+    folder, pattern = shards
+    pools = []
+    monkeypatch.setattr(urls_module, "SCAN_PROCESSES_FROM", 4)
+    monkeypatch.setattr(urls_module, "ProcessPoolExecutor",
+                        lambda *args, **kwargs: pools.append(ProcessPoolExecutor(*args, **kwargs)) or pools[-1])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cfg = compose("data=webdataset", f"data.train.urls='{pattern}'", f"data.cache_dir={tmp_path / 'cache'}",
+                  f"data.worker_start={worker_start}")
+    data = TrainData(cfg.data, lambda captions: captions, preprocess(8), seed=0)
+    assert data.sizes == TRUTH
+    assert len(pools) == 1 and pools[0]._mp_context.get_start_method() == "fork"
+
+
 def test_sizes_json_wins_and_a_shard_it_misses_is_counted(shards, tmp_path):
     folder, pattern = shards
     (folder / "sizes.json").write_text(json.dumps({"00000.tar": 7, "00001.tar": 3}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -21,7 +22,9 @@ from .tars import reads_locally
 from .teacher_store import TeacherSpec
 from .transforms import train_transform
 from .urls import expand_urls, is_remote, shard_sizes
-from .worker_start import PickledOnce, worker_context
+from .worker_start import PickledOnce
+
+COUNT_START = multiprocessing.get_context("fork")  # how the shard count's processes start (TrainData.sizes)
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +149,15 @@ class TrainData:
             if self.num_samples is not None and any(is_remote(url) for url in self.urls):
                 self._sizes = [self.num_samples // len(self.urls)] * len(self.urls)
             else:  # counted by rank 0 alone (a header scan of 41k shards once, not once per rank), in processes
-                # started as the loader's workers are (a GPU run's fork server: no fork of this process); the
-                # indexed split's scans build the tar indexes its workers read (no second scan in the first epoch)
-                context = worker_context(self.worker_start)
+                # forked from this one, also where the loader's workers come from the fork server: that server is
+                # still importing at this point of a start (the first of 1,075 shards' counts came 21.8 s after
+                # the count began, cold on an H200, the scans taking 4.4 s: docs/performance.md), and a pool
+                # forked once costs a few page-table copies. The indexed split's scans build the tar indexes its
+                # workers read (no second scan in the first epoch)
                 scan = IndexScan(self.cfg.cache_dir) if self.split == "indexed" and self.cfg.cache_dir else None
                 self._sizes = on_rank_zero(lambda: shard_sizes(self.urls, "data.train.urls", self.cfg.cache_dir,
-                                                               self.show_progress, mp_context=context, scan=scan))
+                                                               self.show_progress, mp_context=COUNT_START,
+                                                               scan=scan))
         return self._sizes
 
     @property
