@@ -311,15 +311,13 @@ def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start
     import json
     import logging
     import multiprocessing
-    import sys
 
     from megabatch.data import TrainData
     from megabatch.models import ClipModel
-    from megabatch.runtime.process import BUSY_SWITCH_S
     from megabatch.train import run
     from megabatch.train.build import parts
 
-    events, switch = [], []
+    events = []
     loader, build_step = TrainData.loader, parts.build_step
 
     def recorded_loader(self, *args, **kwargs):
@@ -332,7 +330,6 @@ def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start
 
     def warm_up(self, *args, **kwargs):
         events.append(("compile", len(multiprocessing.active_children())))
-        switch.append(sys.getswitchinterval())
         return 0.25
 
     monkeypatch.setattr(TrainData, "loader", recorded_loader)
@@ -347,9 +344,6 @@ def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start
     assert events[:2] == ["loader", "step"] and events[2][0] == "compile", events
     assert events[2][1] >= 1, "no loader worker was running while the towers compiled"
     assert events.count(events[2]) == 1  # compiled once
-    # the interpreter lock changes hands every 0.5 ms while the towers compile (the decoding threads keep up), and
-    # at Python's 5 ms after
-    assert switch == [BUSY_SWITCH_S] and sys.getswitchinterval() == pytest.approx(0.005)
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     phases = {key for key in first if key.startswith("startup/")}
     assert {"startup/launch_s", "startup/model_s", "startup/loader_start_s", "startup/compile_s",

@@ -15,7 +15,6 @@ benchmark or a notebook that did not.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -33,7 +32,6 @@ log = logging.getLogger("megabatch")
 
 CUDA_QUEUES = "32"  # CUDA_DEVICE_MAX_CONNECTIONS unless set
 
-BUSY_SWITCH_S = 0.0005  # the interpreter lock's switch interval while the main thread compiles (threads_take_turns)
 RECOMPILE_LIMIT = 16  # graphs per compiled function: 3 gradient modes x the caption lengths met before dynamic
 
 
@@ -117,18 +115,3 @@ def start_compile_workers() -> str:
     threads = async_compile.get_compile_threads() if hasattr(async_compile, "get_compile_threads") else None
     return (f"inductor's {threads} compile workers starting beside the build (model.compile)" if threads and threads > 1
             else "inductor compiles in this process (TORCHINDUCTOR_COMPILE_THREADS=1)")
-
-
-@contextlib.contextmanager
-def threads_take_turns(interval_s: float = BUSY_SWITCH_S):
-    """The interpreter lock handed between threads every ``interval_s`` (Python's default: 5 ms) inside the block,
-    restored after. For the towers' compile: tracing holds the lock in pure Python, and a thread that gives it up
-    at each torch call (the loader's GPU decoding and read-ahead threads) waits up to the interval to get it back at
-    every call. On this 2-core machine a thread of small torch calls beside a busy main thread ran 12x faster at
-    0.5 ms than at 5 ms, the main thread's own work 3-7% slower."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, interval_s))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)

@@ -36,7 +36,6 @@ from ...models import ClipModel, build_model
 from ...models.fp8 import convert_to_fp8
 from ...models.preprocess import describe_preprocess
 from ...models.views import ViewsCfg
-from ...runtime.process import threads_take_turns
 from ..step.ema import WeightAverage
 from ..step.objectives import build as build_objectives
 from ..step.objectives.self_distill import start_step
@@ -331,9 +330,8 @@ class Compilation:
                      "(model.compile_scope=block)" if self.scope == "block" else "the towers whole "
                      "(model.compile_scope=tower)", " (from the cache)" if cache.loaded else "")
         timers = compile_timers()
-        with threads_take_turns():  # the loader's decoding and read-ahead threads keep working through the tracing
-            self.seconds = self.model.warm_up(plan.sub_batch, env.device, self.precision.autocast,
-                                              graph_free=graph_free, options=self.options)
+        self.seconds = self.model.warm_up(plan.sub_batch, env.device, self.precision.autocast,
+                                          graph_free=graph_free, options=self.options)
         self.done = True
         if env.rank == 0:
             split = describe_split(timers, compile_timers(), self.seconds)
