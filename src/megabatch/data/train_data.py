@@ -24,8 +24,6 @@ from .transforms import train_transform
 from .urls import expand_urls, is_remote, shard_sizes
 from .worker_start import PickledOnce
 
-COUNT_START = multiprocessing.get_context("fork")  # how the shard count's processes start (TrainData.sizes)
-
 log = logging.getLogger(__name__)
 
 
@@ -155,9 +153,9 @@ class TrainData:
                 # forked once costs a few page-table copies. The indexed split's scans build the tar indexes its
                 # workers read (no second scan in the first epoch)
                 scan = IndexScan(self.cfg.cache_dir) if self.split == "indexed" and self.cfg.cache_dir else None
+                forked = multiprocessing.get_context("fork")
                 self._sizes = on_rank_zero(lambda: shard_sizes(self.urls, "data.train.urls", self.cfg.cache_dir,
-                                                               self.show_progress, mp_context=COUNT_START,
-                                                               scan=scan))
+                                                               self.show_progress, mp_context=forked, scan=scan))
         return self._sizes
 
     @property
