@@ -35,8 +35,7 @@ from torch.utils.data import get_worker_info
 from ..config import ConfigError
 from .position_split import PositionSplitBatches
 from .samples import decode_pair
-from .tars import NotPlain, sample_key, tar_headers, tar_members
-from .urls import _KEY as SAMPLE_KEY
+from .tars import NotPlain, sample_key, sample_starts, tar_headers, tar_members, tarfile_members
 from .urls import is_remote
 
 log = logging.getLogger(__name__)
@@ -167,30 +166,14 @@ def scan_offsets(path: Path) -> np.ndarray:
     then the end of the last one: one read of the headers, none of the data. Members of one sample
     share the name up to the first dot of the file name (webdataset's grouping); a damaged tail
     ends the index where the damage starts."""
-    starts, last, end = [], None, 0
     try:  # a plain tar's headers read by tars.tar_headers; anything else by tarfile (below)
-        for name, offset, member_end in tar_headers(path):
-            match = SAMPLE_KEY.match(name)
-            if match:
-                if match.group(1) != last:
-                    starts.append(offset)
-                    last = match.group(1)
-                end = member_end
+        starts, end = sample_starts(tar_headers(path))
         return np.array([*starts, end], dtype=np.int64)
     except (NotPlain, OSError):
-        starts, last, end = [], None, 0
-    try:
-        with tarfile.open(path, "r:") as tar:
-            while (member := tar.next()) is not None:
-                match = SAMPLE_KEY.match(member.name) if member.isfile() else None
-                if match:  # grouped as urls.scan_tar counts them, so the index and the counts agree
-                    if match.group(1) != last:
-                        starts.append(member.offset)
-                        last = match.group(1)
-                    end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                tar.members.clear()
-    except (tarfile.TarError, EOFError, OSError, ValueError) as error:  # (tarfile: ValueError on a bad sparse map)
-        # the sample being read when the damage came may be cut short: the index ends where it starts
+        pass
+    members, error = tarfile_members(path, "r:")  # grouped as urls.scan_tar counts them: the index and counts agree
+    starts, end = sample_starts(members)
+    if error is not None:  # the sample being read when the damage came may be cut short: the index ends where it starts
         end = starts.pop() if starts else 0
         log.warning("%s: %s; indexed the %d samples before it", path, error, len(starts))
     return np.array([*starts, end], dtype=np.int64)

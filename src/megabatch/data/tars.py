@@ -131,6 +131,37 @@ def tar_headers(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:
             at = end
 
 
+def tarfile_members(path: str | os.PathLike, mode: str) -> tuple[list[tuple[str, int, int]], BaseException | None]:
+    """``tarfile``'s reading (``mode``: ``"r:"``, or ``"r:*"`` for compressed tars too) of the tar's regular members, as
+    ``tar_headers`` yields them (name, first header's offset, padded end of the data), headers only; and the error that
+    ended the reading early (damage; a sparse member whose map does not parse raises ``ValueError``), else None."""
+    members, error = [], None
+    try:
+        with tarfile.open(path, mode) as tar:
+            while (member := tar.next()) is not None:
+                if member.isfile():
+                    members.append((member.name, member.offset, member.offset_data + -(-member.size // BLOCK) * BLOCK))
+                tar.members.clear()  # headers only: keep no TarInfo per member
+    except (tarfile.TarError, EOFError, OSError, ValueError) as failed:
+        error = failed
+    return members, error
+
+
+def sample_starts(members: Iterable[tuple[str, int, int]]) -> tuple[list[int], int]:
+    """The offset of each sample's first member, and the end of the last sample's last member, of ``members`` (``tar_
+    headers``' or ``tarfile_members``'): consecutive members sharing the name up to the first dot of the file name are
+    one sample (webdataset's grouping); members without such a name are no sample's."""
+    starts, last, end = [], None, 0
+    for name, offset, member_end in members:
+        match = SAMPLE_KEY.match(name)
+        if match:
+            if match.group(1) != last:
+                starts.append(offset)
+                last = match.group(1)
+            end = member_end
+    return starts, end
+
+
 def _checksum_holds(header: bytes) -> bool:
     """The header's checksum: the sum of its bytes with the checksum field's eight as spaces (raises
     ``tarfile.ReadError`` where the field is not a number)."""

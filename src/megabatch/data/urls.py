@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import re
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -120,29 +119,20 @@ def scan_tar(path: str | os.PathLike) -> int:
     long-name headers: what img2dataset and webdataset write) is read by ``tars.tar_headers`` (5 ms for a shard of
     512 samples, against tarfile's 50); anything else (compressed, links, a damaged header, data cut short) by
     tarfile, as before."""
-    from .tars import NotPlain, tar_headers  # (tars imports this module)
+    from .tars import NotPlain, sample_starts, tar_headers  # (tars imports this module)
 
-    samples, last = 0, None
     try:
-        for name, _, _ in tar_headers(path):
-            match = _KEY.match(name)
-            if match and match.group(1) != last:
-                samples, last = samples + 1, match.group(1)
-        return samples
+        return len(sample_starts(tar_headers(path))[0])
     except (NotPlain, OSError):
         return _scan_with_tarfile(path)
 
 
 def _scan_with_tarfile(path: str | os.PathLike) -> int:
-    samples, last = 0, None
-    try:
-        with tarfile.open(path, "r:*") as tar:
-            while (member := tar.next()) is not None:
-                match = _KEY.match(member.name) if member.isfile() else None
-                if match and match.group(1) != last:
-                    samples, last = samples + 1, match.group(1)
-                tar.members.clear()  # headers only: keep no TarInfo per member
-    except (tarfile.TarError, EOFError, OSError, ValueError) as error:  # (tarfile: ValueError on a bad sparse map)
+    from .tars import sample_starts, tarfile_members
+
+    members, error = tarfile_members(path, "r:*")
+    samples = len(sample_starts(members)[0])
+    if error is not None:
         log.warning("%s: %s; counted the %d samples before it", path, error, samples)
     return samples
 
