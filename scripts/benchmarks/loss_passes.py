@@ -8,7 +8,11 @@ one ``b x b`` block with positives on the diagonal (the one-GPU loss):
 - ``stats``: the forward, both directions' log-sum-exps (``block_stats``): one ``b^2 c`` GEMM's FLOPs (2 b^2 c);
 - ``grad_kernel``: the backward's kernel alone, ``G'`` written block by block (no GEMMs): one GEMM's FLOPs;
 - ``backward``: the whole backward (``block_grads``: the kernel and cuBLAS's two GEMMs): three GEMMs' FLOPs;
-- ``loss``: ``stats`` then ``backward``, four GEMMs' FLOPs (the recomputed logits counted).
+- ``loss``: ``stats`` then ``backward``, four GEMMs' FLOPs (the recomputed logits counted);
+- ``sigmoid`` (with ``--passes``): the sigmoid loss and its gradients in one pass (``sigmoid_block``: the kernel and
+  cuBLAS's two GEMMs), three GEMMs' FLOPs;
+- ``distill`` (with ``--passes``): the distillation term's statistics and gradients (``distill_stats`` then
+  ``distill_grads``) with a teacher as wide as the student (the student's features swapped), six GEMMs' FLOPs.
 ``--dtypes``: ``bf16`` features, or ``fp32_bf16_values`` (fp32 holding bf16 values, as GradCache's phase 2 calls the
 loss: the kernels' dots in bf16, ``G'`` and the GEMMs fp32 with TF32). ``--configs``: tile configs (JSON objects)
 tried on the kernels besides each tree's own (``kernels/tuned.json``).
@@ -26,12 +30,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench, however the script is started
 
 PEAK_BF16_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H200": 989.0}
-PASS_GEMMS = {"stats": 1, "grad_kernel": 1, "backward": 3, "loss": 4}
+PASS_GEMMS = {"stats": 1, "grad_kernel": 1, "backward": 3, "loss": 4, "sigmoid": 3, "distill": 6}
+PASSES = ("stats", "grad_kernel", "backward")
 DTYPES = ("bf16", "fp32_bf16_values")
 
 
 def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: list[str], configs: list[dict],
-            repeats: int) -> list[dict]:
+            repeats: int, wanted: tuple = PASSES) -> list[dict]:
     """Every pass in ``tree`` (its ``src`` first on the path), a row each."""
     sys.path.insert(0, str(Path(tree).resolve()))
     import torch
@@ -83,7 +88,11 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
                                                dots=operands),
                         "backward": partial(tt.block_grads, rows, cols, scale, *lse, weight, True,
                                             config=grad_config, dots_dtype=dots),
+                        "sigmoid": partial(sigmoid_pass, tt, rows, cols, scale, dots),
+                        "distill": partial(distill_pass, tt, rows, cols, scale, weight, dots),
                     }
+                    passes = {key: fn for key, fn in passes.items() if key in wanted and (config is None or key in
+                                                                                          PASSES)}
                     seconds = {}
                     for pass_name, fn in passes.items():
                         try:
@@ -92,21 +101,45 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
                             seconds[pass_name] = None
                             print(f"{name} b={b} c={c} {dtype_name} {config}: {pass_name} {type(error).__name__}",
                                   file=sys.stderr)
-                    if seconds["stats"] is not None and seconds["backward"] is not None:
+                    if seconds.get("stats") is not None and seconds.get("backward") is not None:
                         seconds["loss"] = seconds["stats"] + seconds["backward"]
+                    narrow = operands[0]  # the dtype the kernels' dots take (their configs' key)
+                    tiles = {"stats": stats_config, "grad_kernel": grad_config, "backward": grad_config,
+                             "loss": grad_config, "sigmoid": tt.get_config("sigmoid", narrow, "tf32"),
+                             "distill": [tt.get_config(kernel, narrow, "tf32")
+                                         for kernel in ("distill_stats", "distill_grad")]}
                     for pass_name, s in seconds.items():
                         if s is None:
                             continue
                         tflops = PASS_GEMMS[pass_name] * 2 * b * b * c / s / 1e12
                         row = {"tree": name, "batch": b, "dim": c, "dtype": dtype_name, "pass": pass_name,
                                "config": "own" if config is None else config,
-                               "tile": stats_config if pass_name == "stats" else grad_config,
+                               "tile": tiles[pass_name],
                                "time_s": s, "tflops": tflops, "peak_share": tflops / peak if peak else None}
                         rows_out.append(row)
                         print(json.dumps(row), flush=True)
             del image, text
             torch.cuda.empty_cache()
     return rows_out
+
+
+def sigmoid_pass(tt, rows, cols, scale, dots):
+    """The sigmoid loss's one pass with its gradients (SigLIP's bias, positives on the diagonal)."""
+    import torch
+
+    d_rows, d_cols = torch.zeros(rows.shape, device=rows.device), torch.zeros(cols.shape, device=rows.device)
+    bias = torch.tensor(-10.0, device=rows.device)
+    return tt.sigmoid_block(rows, cols, scale, bias, True, d_rows, d_cols, dots_dtype=dots)
+
+
+def distill_pass(tt, rows, cols, scale, weight, dots):
+    """The distillation term's two passes, the teacher the student's features swapped (as wide, another matrix)."""
+    import torch
+
+    stats = tt.distill_stats(rows, cols, cols, rows, scale, 100.0, dots_dtype=dots)
+    lse = (torch.stack([stats[0][0], stats[0][1]]), torch.stack([stats[1][0], stats[1][1]]))
+    d_rows, d_cols = torch.zeros(rows.shape, device=rows.device), torch.zeros(cols.shape, device=rows.device)
+    return tt.distill_grads(rows, cols, cols, rows, scale, 100.0, *lse, weight, d_rows, d_cols, dots_dtype=dots)
 
 
 def main() -> None:
@@ -121,6 +154,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--configs", default="[]", help="a JSON list of tile configs tried besides the trees' own")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passes", default=",".join(PASSES),
+                        help=f"of {', '.join(p for p in PASS_GEMMS if p != 'loss')} (loss: stats and backward)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -130,7 +165,8 @@ def main() -> None:
     if args.worker:  # one tree, in a process of its own
         name, _, tree = args.worker.partition("=")
         tree = tree.partition("@")[0]
-        Path(args.out).write_text(json.dumps(measure(tree, name, batches, dims, dtypes, configs, args.repeats)))
+        Path(args.out).write_text(json.dumps(measure(tree, name, batches, dims, dtypes, configs, args.repeats,
+                                                   tuple(args.passes.split(",")))))
         return
     from bench import run_trees, write_results
 

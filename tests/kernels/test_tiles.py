@@ -166,6 +166,62 @@ def test_column_splits_cover_the_block(monkeypatch):
     check_against_torch("triton", "bf16", 67, 67, 40, 100.0, True)
 
 
+def spy_on_loads(monkeypatch) -> list[bool]:
+    """Whether each launch loads its tiles through tensor descriptors (TMA), in order."""
+    seen, real = [], triton_tiles._operands
+
+    def spy(a, b, config):
+        out = real(a, b, config)
+        seen.append(out[2])
+        return out
+
+    monkeypatch.setattr(triton_tiles, "_operands", spy)
+    return seen
+
+
+@pytest.mark.parametrize("loads", ["tma", "per_thread"])
+@pytest.mark.parametrize("sms", [1, 64])
+def test_either_way_of_loading_tiles_with_any_number_of_programs(loads, sms, monkeypatch):
+    """Tiles loaded through tensor descriptors (TMA: the default where the GPU and the layout allow) or by each
+    thread, by two persistent programs that walk every tile of a block between them (one SM) or by one program a
+    tile (64 SMs): each matches float64."""
+    monkeypatch.setattr(triton_tiles, "TMA", "auto" if loads == "tma" else "0")
+    monkeypatch.setattr(triton_tiles, "_sms", lambda device: sms)
+    seen = spy_on_loads(monkeypatch)
+    check_against_torch("triton", "bf16", 67, 67, 40, 30.0, True)
+    check_against_torch("triton", "fp32", 67, 45, 48, 30.0, False)
+    assert seen and all(tma == (loads == "tma") for tma in seen)
+
+
+def test_a_layout_tma_cannot_load_takes_per_thread_loads(monkeypatch):
+    """bf16 rows of 45 features (90 bytes: not 16-byte aligned) and a strided view: no descriptor, the same math."""
+    seen = spy_on_loads(monkeypatch)
+    check_against_torch("triton", "bf16", 40, 33, 45, 30.0, False)
+    rows, cols = features(40, 33, 96, 0, False, torch.float32)
+    check_against_torch("triton", "fp32", 0, 0, 0, 30.0, False, rows=rows[:, ::2], cols=cols[:, ::2])
+    assert seen and not any(seen)
+
+
+def test_the_sigmoid_and_distillation_kernels_either_way_of_loading(monkeypatch):
+    """The same sums, gradients and statistics from tiles loaded through descriptors and by each thread."""
+    rows, cols = features(67, 45, 48, 0, False, torch.float32)
+    t_rows, t_cols = features(67, 45, 24, 1, False, torch.float32)
+    scale, bias = torch.tensor(20.0, device=DEVICE), torch.tensor(-5.0, device=DEVICE)
+    outs = {}
+    for loads in ("auto", "0"):
+        monkeypatch.setattr(triton_tiles, "TMA", loads)
+        d_rows, d_cols = torch.zeros_like(rows), torch.zeros_like(cols)
+        sums = triton_tiles.sigmoid_block(rows, cols, scale, bias, False, d_rows, d_cols, "ieee")
+        stats = triton_tiles.distill_stats(rows, cols, t_rows, t_cols, scale, 30.0, "ieee")
+        t_rows_, t_cols_ = torch.zeros_like(rows), torch.zeros_like(cols)
+        lse = (torch.stack([stats[0][0], stats[0][1]]), torch.stack([stats[1][0], stats[1][1]]))
+        d_scale = triton_tiles.distill_grads(rows, cols, t_rows, t_cols, scale, 30.0, *lse, torch.tensor(0.5),
+                                             t_rows_, t_cols_, "ieee")
+        outs[loads] = [*sums, d_rows, d_cols, *stats, d_scale, t_rows_, t_cols_]
+    for tma, per_thread in zip(outs["auto"], outs["0"], strict=True):
+        torch.testing.assert_close(tma, per_thread, rtol=1e-6, atol=1e-7)
+
+
 def test_the_check_fails_a_wrong_kernel(monkeypatch):
     """Not vacuous: a kernel that drops the column softmax from G' fails the comparison."""
     real = triton_tiles.block_grads

@@ -55,6 +55,13 @@ FP16_MAX = 65504.0
 # rate, 2.2-2.9x TF32's, on half the bytes. "auto": on a GPU (on the CPU fp32 G' is exact, there being no TF32);
 # "1" everywhere (tests); "0" never (fp32 G', TF32 GEMMs)
 G_FP16 = os.environ.get("MEGABATCH_LOSS_G_FP16", "auto")
+# tiles loaded by Hopper's copy engine through tensor descriptors (TMA): "auto" where the GPU has one (sm_90 and
+# newer) and the features' layout allows it (rows contiguous, 16-byte aligned), and under the interpreter; "0" never
+# (per-thread loads, the kernels before TMA)
+TMA = os.environ.get("MEGABATCH_LOSS_TMA", "auto")
+if TMA not in ("auto", "0"):
+    raise ValueError(f"MEGABATCH_LOSS_TMA={TMA!r}: auto (tensor descriptors where the GPU and the layout allow) or 0")
+PERSISTENT_WAVES = 2  # the block kernels' programs per SM (each walks its share of the block's tiles)
 if G_FP16 not in ("auto", "1", "0"):
     raise ValueError(f"MEGABATCH_LOSS_G_FP16={G_FP16!r}: auto (fp16 G' on a GPU), 1 (everywhere) or 0 (fp32 G')")
 
@@ -75,28 +82,41 @@ def _round_tf32(x):
 
 @triton.jit
 def _dot_tile(
-    rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
+    rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
     stride_rm, stride_rk, stride_cn, stride_ck,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr = False,
+    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     """``rows[offs_m] @ cols[offs_n]^T`` as a [BLOCK_M, BLOCK_N] fp32 tile, the feature dimension
     ``c`` in steps of BLOCK_K; masked rows and columns read as zeros (inlined into the kernels).
-    ``ROUND_TF32`` (fp32 inputs, TF32 dots): operands rounded to nearest first (``_round_tf32``)."""
+    ``ROUND_TF32`` (fp32 inputs, TF32 dots): operands rounded to nearest first (``_round_tf32``).
+    ``TMA``: ``rows_ptr`` and ``cols_ptr`` are tensor descriptors (blocks ``[BLOCK_M, BLOCK_K]`` and
+    ``[BLOCK_N, BLOCK_K]``) and the tile starts at row ``m0`` and column ``n0``: Hopper's copy engine loads
+    the tiles (no per-thread addresses; rows, columns and features past the tensors' ends read as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    # element offsets in 64 bits: rows x c passes 2^31 at ~2.8M rows of c = 768 (a 4M batch on one rank)
-    row_at = rows_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
-    col_at = cols_ptr + offs_n.to(tl.int64)[None, :] * stride_cn
-    for k0 in range(0, c, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < c
-        a = tl.load(row_at + offs_k[None, :] * stride_rk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(col_at + offs_k[:, None] * stride_ck, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        if ROUND_TF32:
-            a, b = _round_tf32(a), _round_tf32(b)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if TMA:
+        for k0 in range(0, c, BLOCK_K):
+            a = rows_ptr.load([m0, k0])
+            b = cols_ptr.load([n0, k0]).T
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            if ROUND_TF32:
+                a, b = _round_tf32(a), _round_tf32(b)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        # element offsets in 64 bits: rows x c passes 2^31 at ~2.8M rows of c = 768 (a 4M batch on one rank)
+        row_at = rows_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
+        col_at = cols_ptr + offs_n.to(tl.int64)[None, :] * stride_cn
+        for k0 in range(0, c, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < c
+            a = tl.load(row_at + offs_k[None, :] * stride_rk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(col_at + offs_k[:, None] * stride_ck, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            if ROUND_TF32:
+                a, b = _round_tf32(a), _round_tf32(b)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -106,7 +126,7 @@ def _stats_kernel(
     m, c, col_start, col_stop, cols_per_split,  # shapes: this launch covers [col_start, col_stop)
     stride_rm, stride_rk, stride_cn, stride_ck, stride_row_part, stride_col_part,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr,
+    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, TMA: tl.constexpr = False,
 ):
     """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe.
 
@@ -125,12 +145,13 @@ def _stats_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     split_start = col_start + pid_s * cols_per_split
     split_stop = tl.minimum(split_start + cols_per_split, col_stop)
-    for j0 in range(split_start, split_stop, BLOCK_N):
+    # flattened with the feature loop: the next tile's loads are issued while this one's softmax runs
+    for j0 in tl.range(split_start, split_stop, BLOCK_N, flatten=True):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
-        acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
+        acc = _dot_tile(rows_ptr, cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c,
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                        ROUND_TF32)
+                        ROUND_TF32, TMA)
         s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
         # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -149,21 +170,31 @@ def _stats_kernel(
 
 
 @triton.jit
-def _block_tile(row_start, row_stop, col_start, col_stop,
+def _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many tiles the block ``[row_start, row_stop) x [col_start, col_stop)`` has: ``(tiles, tiles_n)``."""
+    grid_n = tl.cdiv(col_stop - col_start, BLOCK_N)
+    return tl.cdiv(row_stop - row_start, BLOCK_M) * grid_n, grid_n
+
+
+@triton.jit
+def _block_tile(t, grid_n, row_start, row_stop, col_start, col_stop,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's tile of the block ``[row_start, row_stop) x [col_start, col_stop)``:
-    ``(program, row offsets, column offsets, row mask, column mask)``. Grouped order: GROUP_M row
-    blocks share each column tile while it is in L2."""
-    pid = tl.program_id(0)
-    grid_m, grid_n = tl.cdiv(row_stop - row_start, BLOCK_M), tl.cdiv(col_stop - col_start, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
+    """Tile ``t`` of the block ``[row_start, row_stop) x [col_start, col_stop)``: ``(first row, first column,
+    row offsets, column offsets, row mask, column mask)``. Grouped order: GROUP_M row blocks share each column tile
+    while it is in L2. The kernels that walk a block are persistent: program ``p`` takes tiles ``p``, ``p +
+    programs``, ... (``tl.range`` flattened with the feature loop, so a tile's loads overlap the last one's
+    epilogue)."""
+    grid_m = tl.cdiv(row_stop - row_start, BLOCK_M)
+    group = t // (GROUP_M * grid_n)
     first_m = group * GROUP_M
     group_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_m
-    pid_n = (pid % (GROUP_M * grid_n)) // group_m
-    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = col_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return pid, offs_m, offs_n, offs_m < row_stop, offs_n < col_stop
+    pid_m = first_m + (t % (GROUP_M * grid_n)) % group_m
+    pid_n = (t % (GROUP_M * grid_n)) // group_m
+    m0 = row_start + pid_m * BLOCK_M
+    n0 = col_start + pid_n * BLOCK_N
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return m0, n0, offs_m, offs_n, offs_m < row_stop, offs_n < col_stop
 
 
 @triton.jit
@@ -173,27 +204,32 @@ def _grad_kernel(
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
-    """One tile of ``G' = P_row + P_col - 2 I`` (rows [row_start, row_stop) x columns
-    [col_start, col_stop) of the block) into the buffer, times ``g_scale``, and the tile's
+    """This program's tiles of ``G' = P_row + P_col - 2 I`` (rows [row_start, row_stop) x columns
+    [col_start, col_stop) of the block) into the buffer, times ``g_scale``, and their
     ``sum(G' * rows @ cols^T)`` into ``dscale_ptr[program]``."""
-    pid, offs_m, offs_n, row_ok, col_ok = _block_tile(row_start, row_stop, col_start, col_stop,
-                                                      BLOCK_M, BLOCK_N, GROUP_M)
-    acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
-                    stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                    ROUND_TF32)
+    tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
-    row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-    col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
-    s = acc * scale2
-    g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
-    if DIAGONAL:
-        g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
-    g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
-    tl.store(dscale_ptr + pid, tl.sum(g * acc))
-    g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
-    tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    dscale = tl.zeros((BLOCK_M,), tl.float32)
+    for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(t, grid_n, row_start, row_stop, col_start, col_stop,
+                                                             BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
+                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        ROUND_TF32, TMA)
+        row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+        col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
+        s = acc * scale2
+        g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
+        if DIAGONAL:
+            g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
+        g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
+        dscale += tl.sum(g * acc, 1)
+        g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
+        tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0))
 
 
 @triton.jit
@@ -203,43 +239,55 @@ def _sigmoid_kernel(
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
-    WRITE_G: tl.constexpr, SCALE_SUM: tl.constexpr,
+    WRITE_G: tl.constexpr, SCALE_SUM: tl.constexpr, TMA: tl.constexpr = False,
 ):
-    """One tile of the sigmoid loss: with ``l = scale * dots + bias`` and ``-z`` = -1 on the
+    """This program's tiles of the sigmoid loss: with ``l = scale * dots + bias`` and ``-z`` = -1 on the
     diagonal of a DIAGONAL block, +1 elsewhere, writes ``[sum softplus(-z l), sum g * dots, sum g]``
     at ``sums_ptr[3 * program]`` and ``g = -z sigmoid(-z l)``, times ``g_scale``, into the block
     buffer (WRITE_G; without it only the loss sum; without SCALE_SUM not ``sum g * dots``). One
     exponential, one logarithm and one division per logit."""
-    pid, offs_m, offs_n, row_ok, col_ok = _block_tile(row_start, row_stop, col_start, col_stop,
-                                                      BLOCK_M, BLOCK_N, GROUP_M)
-    dots = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
-                     stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                     ROUND_TF32)
+    tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
     # log2 units: exp2/log2 are the hardware's own (no multiply inside)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     bias2 = tl.load(bias_ptr).to(tl.float32) * 1.4426950408889634
-    margin = dots * scale2 + bias2  # -z l / ln 2, off the diagonal
-    if DIAGONAL:
+    loss_sum = tl.zeros((BLOCK_M,), tl.float32)
+    dots_sum = tl.zeros((BLOCK_M,), tl.float32)
+    g_sum = tl.zeros((BLOCK_M,), tl.float32)
+    for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(t, grid_n, row_start, row_stop, col_start, col_stop,
+                                                             BLOCK_M, BLOCK_N, GROUP_M)
+        dots = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
+                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                         ROUND_TF32, TMA)
+        margin = dots * scale2 + bias2  # -z l / ln 2, off the diagonal
         diagonal = offs_m[:, None] == offs_n[None, :]
-        margin = tl.where(diagonal, -margin, margin)
-    ok = row_ok[:, None] & col_ok[None, :]
-    e = tl.exp2(-tl.abs(margin))  # in (0, 1]: never overflows
-    u = 1.0 + e
-    r = 1.0 / u  # the one division, shared by log1p and the sigmoid
-    # softplus(-z l) / ln 2 = max(margin, 0) + log2(1 + e); the last term corrects the rounding of
-    # 1 + e (SigLIP's off-diagonal terms are ~e^-10 each: 1 + e keeps few of their bits)
-    loss = tl.maximum(margin, 0.0) + tl.log2(u) + (e - (u - 1.0)) * r * 1.4426950408889634
-    tl.store(sums_ptr + 3 * pid, tl.sum(tl.sum(tl.where(ok, loss, 0.0), 1), 0) * 0.6931471805599453)
-    if WRITE_G:
-        g = tl.where(margin >= 0, 1.0, e) * r  # sigmoid(-z l)
         if DIAGONAL:
-            g = tl.where(diagonal, -g, g)
-        g = tl.where(ok, g, 0.0)
-        if SCALE_SUM:  # else the launcher takes sum(g * dots) from the row gradients
-            tl.store(sums_ptr + 3 * pid + 1, tl.sum(tl.sum(g * dots, 1), 0))
-        tl.store(sums_ptr + 3 * pid + 2, tl.sum(tl.sum(g, 1), 0))
-        g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
-        tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
+            margin = tl.where(diagonal, -margin, margin)
+        ok = row_ok[:, None] & col_ok[None, :]
+        e = tl.exp2(-tl.abs(margin))  # in (0, 1]: never overflows
+        u = 1.0 + e
+        r = 1.0 / u  # the one division, shared by log1p and the sigmoid
+        # softplus(-z l) / ln 2 = max(margin, 0) + log2(1 + e); the last term corrects the rounding of
+        # 1 + e (SigLIP's off-diagonal terms are ~e^-10 each: 1 + e keeps few of their bits)
+        loss = tl.maximum(margin, 0.0) + tl.log2(u) + (e - (u - 1.0)) * r * 1.4426950408889634
+        loss_sum += tl.sum(tl.where(ok, loss, 0.0), 1)
+        if WRITE_G:
+            g = tl.where(margin >= 0, 1.0, e) * r  # sigmoid(-z l)
+            if DIAGONAL:
+                g = tl.where(diagonal, -g, g)
+            g = tl.where(ok, g, 0.0)
+            if SCALE_SUM:  # else the launcher takes sum(g * dots) from the row gradients
+                dots_sum += tl.sum(g * dots, 1)
+            g_sum += tl.sum(g, 1)
+            g_offs = ((offs_m - row_start).to(tl.int64)[:, None] * stride_gm
+                      + (offs_n - col_start)[None, :] * stride_gn)
+            tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
+    pid = tl.program_id(0)
+    tl.store(sums_ptr + 3 * pid, tl.sum(loss_sum, 0) * 0.6931471805599453)
+    if WRITE_G:
+        if SCALE_SUM:
+            tl.store(sums_ptr + 3 * pid + 1, tl.sum(dots_sum, 0))
+        tl.store(sums_ptr + 3 * pid + 2, tl.sum(g_sum, 0))
 
 
 @triton.jit
@@ -249,6 +297,7 @@ def _distill_stats_kernel(
     stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe, for the student's
     logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @ t_cols^T`` together (as
@@ -273,12 +322,12 @@ def _distill_stats_kernel(
     for j0 in range(split_start, split_stop, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
-        acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
+        acc = _dot_tile(rows_ptr, cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c,
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                        ROUND_TF32)
-        t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, offs_m, offs_n, row_ok, col_ok, ct,
+                        ROUND_TF32, TMA)
+        t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, ct,
                           stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
-                          T_UPCAST, T_ROUND_TF32)
+                          T_UPCAST, T_ROUND_TF32, TMA)
         logits = acc * scale  # natural units: what the teacher's probabilities weigh
         ok = row_ok[:, None] & col_ok[None, :]
         s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
@@ -322,38 +371,44 @@ def _distill_grad_kernel(
     stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
-    GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr,
+    GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr, TMA: tl.constexpr = False,
 ):
-    """One tile of ``G = P_row(S) + P_col(S) - t_weight (P_row(T) + P_col(T))`` (the distillation term's
+    """This program's tiles of ``G = P_row(S) + P_col(S) - t_weight (P_row(T) + P_col(T))`` (the distillation term's
     gradient in the logits, both directions; ``DIAGONAL``: less ``2 diagonal_weight`` where the column is the row
     plus ``diagonal_offset``, the contrastive loss's positives, which with ``t_weight`` and ``diagonal_weight``
     the two terms' weights over their sum gives both losses' gradient at once) into the buffer, times
     ``g_scale``, and the tile's
     ``sum(G * rows @ cols^T)`` into ``dscale_ptr[program]``. ``lse_ptr``: ``[m + n + m + n]``, the student's row
     and column log-sum-exps, then the teacher's."""
-    pid, offs_m, offs_n, row_ok, col_ok = _block_tile(row_start, row_stop, col_start, col_stop,
-                                                      BLOCK_M, BLOCK_N, GROUP_M)
-    acc = _dot_tile(rows_ptr, cols_ptr, offs_m, offs_n, row_ok, col_ok, c,
-                    stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                    ROUND_TF32)
-    t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, offs_m, offs_n, row_ok, col_ok, ct,
-                      stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
-                      T_UPCAST, T_ROUND_TF32)
-    s = acc * (tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634)
-    t = t_acc * (t_scale * 1.4426950408889634)
-    row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-    col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
-    t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-    t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
-    g = (tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :])
-         - t_weight * (tl.exp2(t - t_row_lse[:, None]) + tl.exp2(t - t_col_lse[None, :])))
-    if DIAGONAL:
-        g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight, g)
-    ok = row_ok[:, None] & col_ok[None, :]
-    g = tl.where(ok, g, 0.0)
-    tl.store(dscale_ptr + pid, tl.sum(tl.sum(g * acc, 1), 0))
-    g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
-    tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
+    tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
+    scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
+    t_scale2 = t_scale * 1.4426950408889634
+    dscale = tl.zeros((BLOCK_M,), tl.float32)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(tile, grid_n, row_start, row_stop, col_start,
+                                                             col_stop, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
+                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        ROUND_TF32, TMA)
+        t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, ct,
+                          stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                          T_UPCAST, T_ROUND_TF32, TMA)
+        s = acc * scale2
+        t = t_acc * t_scale2
+        row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+        col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
+        t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+        t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
+        g = (tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :])
+             - t_weight * (tl.exp2(t - t_row_lse[:, None]) + tl.exp2(t - t_col_lse[None, :])))
+        if DIAGONAL:
+            g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight, g)
+        ok = row_ok[:, None] & col_ok[None, :]
+        g = tl.where(ok, g, 0.0)
+        dscale += tl.sum(g * acc, 1)
+        g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
+        tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
+    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,8 +426,8 @@ def default_config(dtype: torch.dtype) -> dict:
 
 def candidate_configs(dtype: torch.dtype) -> list[dict]:
     """Hopper-sized candidates (fp32 tiles take twice the shared memory per element)."""
-    ks = (32, 64) if dtype == torch.float32 else (64, 128)
-    shapes = [(128, 128, 8), (128, 256, 8), (256, 128, 8), (64, 128, 4), (128, 64, 4)]
+    ks = (32, 64) if dtype == torch.float32 else (64,)  # 16-bit tiles of 128 features lost everywhere measured
+    shapes = [(128, 128, 8), (128, 256, 8), (256, 128, 8), (64, 128, 4), (128, 64, 4), (128, 128, 4)]
     out = []
     for bm, bn, warps in shapes:
         for bk in ks:
@@ -519,6 +574,27 @@ def _upcast(rows: torch.Tensor) -> bool:
     return interpreting() and rows.dtype == torch.bfloat16
 
 
+def _operands(a: torch.Tensor, b: torch.Tensor, config: dict) -> tuple:
+    """A kernel's two dot operands as it loads them: ``(a, b, tma)``, tensor descriptors of ``[BLOCK_M, BLOCK_K]``
+    and ``[BLOCK_N, BLOCK_K]`` blocks where TMA can load them (``TMA``: a GPU since Hopper or the interpreter, each
+    row contiguous and 16-byte aligned), else the tensors themselves."""
+    def fits(t: torch.Tensor) -> bool:
+        rows_ok = t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        return rows_ok and t.shape[0] > 0 and config["BLOCK_K"] * t.element_size() >= 16
+    gpu = interpreting() or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9)
+    if TMA == "0" or not gpu or not (fits(a) and fits(b)):
+        return a, b, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(a, [config["BLOCK_M"], config["BLOCK_K"]]),
+            TensorDescriptor.from_tensor(b, [config["BLOCK_N"], config["BLOCK_K"]]), True)
+
+
+def _programs(tiles: int, device) -> int:
+    """A persistent block kernel's programs: ``PERSISTENT_WAVES`` per SM, at most one per tile."""
+    return max(1, min(tiles, PERSISTENT_WAVES * _sms(device)))
+
+
 def _stripes(m: int, n: int, config: dict, device, fields: int) -> tuple[int, int, int, int]:
     """A stats pass's layout: ``(row_blocks, stripe, cols_per_split, splits)``. The stripe width keeps the column
     partials ``[row_blocks, stripe]`` x ``fields`` fp32 within PARTIAL_BYTES; each stripe's columns are split
@@ -546,17 +622,18 @@ def _stats_launch(rows, cols, scale, precision, config):
     run_max = torch.full((m,), float("-inf"), dtype=torch.float32, device=rows.device)
     run_sum = torch.zeros((m,), dtype=torch.float32, device=rows.device)
     col_lse = torch.empty((n,), dtype=torch.float32, device=rows.device)
+    rows_arg, cols_arg, tma = _operands(rows, cols, config)
     for col_start in range(0, n, stripe):
         col_stop = min(col_start + stripe, n)
         width = col_stop - col_start
         active = triton.cdiv(width, cols_per_split)
         _stats_kernel[(row_blocks * active,)](
-            rows, cols, scale, row_max, row_sum, col_max, col_sum,
+            rows_arg, cols_arg, scale, row_max, row_sum, col_max, col_sum,
             m, c, col_start, col_stop, cols_per_split,
             rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
             row_max.stride(0), col_max.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
+            UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision), TMA=tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
         # rows: merge this stripe's splits into the running (max, sum), base 2
@@ -605,8 +682,8 @@ def _g_format(rows: torch.Tensor, cols: torch.Tensor, dots, precision: str, boun
 def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d_rows=None, d_cols=None,
               rows_out=None, write_g: bool = True, row_done=None, g_format=None):
     """Walk the ``rows x cols`` matrix block by block of G (at most ``G_BYTES``): ``fill(g_block,
-    partials, row_start, row_stop, col_start, col_stop, programs)`` launches a kernel that writes
-    the block of G (times ``g_scale``) and ``sums`` fp32 partial sums per program; then, unless
+    partials, row_start, row_stop, col_start, col_stop, programs)`` launches ``programs`` programs of a kernel
+    that writes the block of G (times ``g_scale``) and ``sums`` fp32 partial sums per program; then, unless
     ``alpha`` is None, cuBLAS adds ``alpha * G @ cols`` into ``d_rows`` and ``alpha * G^T @ rows``
     into ``d_cols`` (fp32 out). With ``rows_out`` (instead of ``d_rows``) each row block's gradient
     is summed in an fp32 scratch and written to ``rows_out`` (any dtype) once complete. Without
@@ -635,7 +712,7 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
         for col_start in range(0, n, block_n):
             col_stop = min(col_start + block_n, n)
             height, width = row_stop - row_start, col_stop - col_start
-            programs = triton.cdiv(height, bm) * triton.cdiv(width, bn)
+            programs = _programs(triton.cdiv(height, bm) * triton.cdiv(width, bn), rows.device)
             g_block = g[: height * width].view(height, width) if write_g else g.view(1, 1)
             fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs)
             totals += partials[:programs].sum(0)
@@ -666,15 +743,17 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
         # host sync: cuBLAS takes alpha as a number (once per block call, not per tile)
         alpha = float(scale.double() * weight.double()) / g_scale
 
+    rows_arg, cols_arg, tma = _operands(dot_rows, dot_cols, config)
+
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         _grad_kernel[(programs,)](
-            dot_rows, dot_cols, scale, row_lse, col_lse, g_block, partials,
+            rows_arg, cols_arg, scale, row_lse, col_lse, g_block, partials,
             c, row_start, row_stop, col_start, col_stop, g_scale,
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
-            ROUND_TF32=_round_tf32_flag(dot_rows, precision),
+            ROUND_TF32=_round_tf32_flag(dot_rows, precision), TMA=tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -694,16 +773,19 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
     g_scale = g_format[1] if g_format else 1.0
     alpha = float(scale.double()) / g_scale if grads else None  # host sync, once per block call
 
+    rows_arg, cols_arg, tma = _operands(dot_rows, dot_cols, config)
+
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         _sigmoid_kernel[(programs,)](
-            dot_rows, dot_cols, scale, bias, g_block, partials,
+            rows_arg, cols_arg, scale, bias, g_block, partials,
             c, row_start, row_stop, col_start, col_stop, g_scale,
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
             ROUND_TF32=_round_tf32_flag(dot_rows, precision),
-            WRITE_G=write_g, SCALE_SUM=not grads, num_warps=config["num_warps"], num_stages=config["num_stages"],
+            WRITE_G=write_g, SCALE_SUM=not grads, TMA=tma,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
     if not grads:
@@ -734,18 +816,22 @@ def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, pre
     col_out = torch.empty((5, row_blocks, stripe), dtype=torch.float32, device=rows.device)
     run = None  # the rows' running fields
     col_stats = torch.empty((3, n), dtype=torch.float32, device=rows.device)
+    rows_arg, cols_arg, tma = _operands(rows, cols, config)
+    t_rows_arg, t_cols_arg, t_tma = _operands(t_rows, t_cols, config)
+    if tma != t_tma:  # one way of loading for both
+        rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = rows, cols, t_rows, t_cols, False
     for col_start in range(0, n, stripe):
         col_stop = min(col_start + stripe, n)
         width = col_stop - col_start
         active = triton.cdiv(width, cols_per_split)
         _distill_stats_kernel[(row_blocks * active,)](
-            rows, cols, t_rows, t_cols, scale, float(t_scale), row_out, col_out,
+            rows_arg, cols_arg, t_rows_arg, t_cols_arg, scale, float(t_scale), row_out, col_out,
             m, c, ct, col_start, col_stop, cols_per_split, row_out.stride(0), col_out.stride(0), col_out.stride(1),
             rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
             t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
-            T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision),
+            T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), TMA=tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
         run = _merge_fields(row_out[:, :active], run)
@@ -784,9 +870,14 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
     g_scale = g_format[1]
     alpha = None if weight is None else float(scale.double() * weight.double()) / g_scale  # host sync, once
 
+    rows_arg, cols_arg, tma = _operands(dot_rows, dot_cols, config)
+    t_rows_arg, t_cols_arg, t_tma = _operands(t_rows, t_cols, config)
+    if tma != t_tma:  # one way of loading for both
+        rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = dot_rows, dot_cols, t_rows, t_cols, False
+
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         _distill_grad_kernel[(programs,)](
-            dot_rows, dot_cols, t_rows, t_cols, scale, float(t_scale), lse, g_block, partials,
+            rows_arg, cols_arg, t_rows_arg, t_cols_arg, scale, float(t_scale), lse, g_block, partials,
             m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale, float(t_weight),
             float(diagonal_weight or 0.0), int(diagonal_offset),
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
@@ -795,7 +886,8 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=8,
-            DIAGONAL=diagonal_weight is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
+            DIAGONAL=diagonal_weight is not None, TMA=tma,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
     return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, g_format=g_format)[0]
