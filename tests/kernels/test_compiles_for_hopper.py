@@ -27,7 +27,8 @@ from megabatch.kernels import triton_tiles
 
 FLOATS = {"g_scale", "t_scale", "t_weight", "diagonal_weight"}  # the kernels' float arguments; other scalars: int32
 OPERANDS = {"rows_ptr", "cols_ptr", "t_rows_ptr", "t_cols_ptr", "g_ptr"}
-DESCRIPTORS = {"rows_ptr": "BLOCK_M", "t_rows_ptr": "BLOCK_M", "cols_ptr": "BLOCK_N", "t_cols_ptr": "BLOCK_N"}
+DESCRIPTORS = {"rows_ptr": ["BLOCK_M", "BLOCK_K"], "t_rows_ptr": ["BLOCK_M", "BLOCK_K"],
+               "cols_ptr": ["BLOCK_N", "BLOCK_K"], "t_cols_ptr": ["BLOCK_N", "BLOCK_K"], "g_ptr": ["BLOCK_M", "BLOCK_N"]}
 kernel, sizes = getattr(triton_tiles, sys.argv[1]), {}
 for features, flags in (("bf16", True), ("fp32", False)):  # every boolean constant on (TMA too), then off
     constants = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32 if features == "fp32" else 64, "PRECISION": "tf32",
@@ -36,8 +37,8 @@ for features, flags in (("bf16", True), ("fp32", False)):  # every boolean const
     for param in kernel.params:
         if param.is_constexpr:
             types[param.name], values[param.name] = "constexpr", constants.get(param.name, flags)
-        elif flags and param.name in DESCRIPTORS:  # TMA: the operands are tensor descriptors of their tiles
-            block = [constants[DESCRIPTORS[param.name]], constants["BLOCK_K"]]
+        elif flags and param.name in DESCRIPTORS:  # TMA: the operands and G are tensor descriptors of their tiles
+            block = [constants[side] for side in DESCRIPTORS[param.name]]
             types[param.name] = f"tensordesc<{features}{block}>"
         elif param.name.endswith("_ptr"):
             types[param.name] = f"*{features}" if param.name in OPERANDS else "*fp32"
@@ -52,8 +53,8 @@ print(json.dumps(sizes))
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_the_loss_kernels_compile_for_hopper(name, tmp_path):
-    """Each kernel with bf16 features and every flag on (tiles loaded through tensor descriptors), and with fp32
-    features and every flag off (per-thread loads)."""
+    """Each kernel with bf16 features and every flag on (tiles loaded and G stored through tensor descriptors), and
+    with fp32 features and every flag off (per-thread loads and stores)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, "-c", COMPILE, name], capture_output=True, text=True, timeout=300, env=env)

@@ -167,15 +167,21 @@ def test_column_splits_cover_the_block(monkeypatch):
 
 
 def spy_on_loads(monkeypatch) -> list[bool]:
-    """Whether each launch loads its tiles through tensor descriptors (TMA), in order."""
-    seen, real = [], triton_tiles._operands
+    """Whether each launch loads its tiles (and each block kernel stores G) through tensor descriptors (TMA)."""
+    seen, operands, g_target = [], triton_tiles._operands, triton_tiles._g_target
 
     def spy(a, b, config):
-        out = real(a, b, config)
+        out = operands(a, b, config)
         seen.append(out[2])
         return out
 
+    def spy_g(g_block, config, tma):
+        out = g_target(g_block, config, tma)
+        seen.append(out[1])
+        return out
+
     monkeypatch.setattr(triton_tiles, "_operands", spy)
+    monkeypatch.setattr(triton_tiles, "_g_target", spy_g)
     return seen
 
 

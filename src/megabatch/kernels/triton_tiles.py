@@ -198,13 +198,26 @@ def _block_tile(t, grid_n, row_start, row_stop, col_start, col_stop,
 
 
 @triton.jit
+def _store_g(g_ptr, g, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn,
+             G_TMA: tl.constexpr):
+    """A tile of G (already scaled) into the block buffer at ``(m0 - row_start, n0 - col_start)``: through a tensor
+    descriptor (``G_TMA``: the copy engine writes the tile from shared memory, cut at the block's edges), else by
+    each thread (masked by ``ok``)."""
+    if G_TMA:
+        g_ptr.store([m0 - row_start, n0 - col_start], g.to(g_ptr.dtype))
+    else:
+        g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
+        tl.store(g_ptr + g_offs, g.to(g_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _grad_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, dscale_ptr,  # pointers
     c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block of G'
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
 ):
     """This program's tiles of ``G' = P_row + P_col - 2 I`` (rows [row_start, row_stop) x columns
     [col_start, col_stop) of the block) into the buffer, times ``g_scale``, and their
@@ -226,9 +239,8 @@ def _grad_kernel(
             g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
         g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
         dscale += tl.sum(g * acc, 1)
-        g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
-        tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        _store_g(g_ptr, g * g_scale, m0, n0, offs_m, offs_n, row_ok[:, None] & col_ok[None, :], row_start,
+                 col_start, stride_gm, stride_gn, G_TMA)
     tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0))
 
 
@@ -239,7 +251,7 @@ def _sigmoid_kernel(
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
-    WRITE_G: tl.constexpr, SCALE_SUM: tl.constexpr, TMA: tl.constexpr = False,
+    WRITE_G: tl.constexpr, SCALE_SUM: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
 ):
     """This program's tiles of the sigmoid loss: with ``l = scale * dots + bias`` and ``-z`` = -1 on the
     diagonal of a DIAGONAL block, +1 elsewhere, writes ``[sum softplus(-z l), sum g * dots, sum g]``
@@ -279,9 +291,8 @@ def _sigmoid_kernel(
             if SCALE_SUM:  # else the launcher takes sum(g * dots) from the row gradients
                 dots_sum += tl.sum(g * dots, 1)
             g_sum += tl.sum(g, 1)
-            g_offs = ((offs_m - row_start).to(tl.int64)[:, None] * stride_gm
-                      + (offs_n - col_start)[None, :] * stride_gn)
-            tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
+            _store_g(g_ptr, g * g_scale, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn,
+                     G_TMA)
     pid = tl.program_id(0)
     tl.store(sums_ptr + 3 * pid, tl.sum(loss_sum, 0) * 0.6931471805599453)
     if WRITE_G:
@@ -371,7 +382,7 @@ def _distill_grad_kernel(
     stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
-    GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr, TMA: tl.constexpr = False,
+    GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
 ):
     """This program's tiles of ``G = P_row(S) + P_col(S) - t_weight (P_row(T) + P_col(T))`` (the distillation term's
     gradient in the logits, both directions; ``DIAGONAL``: less ``2 diagonal_weight`` where the column is the row
@@ -406,8 +417,7 @@ def _distill_grad_kernel(
         ok = row_ok[:, None] & col_ok[None, :]
         g = tl.where(ok, g, 0.0)
         dscale += tl.sum(g * acc, 1)
-        g_offs = (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :] * stride_gn
-        tl.store(g_ptr + g_offs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=ok)
+        _store_g(g_ptr, g * g_scale, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
     tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0))
 
 
@@ -590,6 +600,17 @@ def _operands(a: torch.Tensor, b: torch.Tensor, config: dict) -> tuple:
             TensorDescriptor.from_tensor(b, [config["BLOCK_N"], config["BLOCK_K"]]), True)
 
 
+def _g_target(g_block: torch.Tensor, config: dict, tma: bool):
+    """Where a block kernel writes G: ``(g, g_tma)``, a tensor descriptor of ``[BLOCK_M, BLOCK_N]`` tiles over the
+    block where its operands load through TMA, else the block itself."""
+    if not tma or g_block.numel() <= 1:  # no G written (a kernel of sums only): its placeholder
+        return g_block, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(g_block, list(g_block.shape), list(g_block.stride()),
+                            [config["BLOCK_M"], config["BLOCK_N"]]), True
+
+
 def _programs(tiles: int, device) -> int:
     """A persistent block kernel's programs: ``PERSISTENT_WAVES`` per SM, at most one per tile."""
     return max(1, min(tiles, PERSISTENT_WAVES * _sms(device)))
@@ -696,7 +717,8 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     g_dtype, _, gemm_rows, gemm_cols = g_format or (rows.dtype, 1.0, rows, cols)
     block_m, block_n = _block_sides(g_dtype, m, n)
-    g = torch.empty((block_m * block_n if write_g else 1,), dtype=g_dtype, device=rows.device)
+    pitch = triton.cdiv(block_n, 8) * 8  # each row of a block 16-byte aligned, whatever its width (TMA's stores)
+    g = torch.empty((block_m * pitch if write_g else 1,), dtype=g_dtype, device=rows.device)
     # zeros: a sum a kernel does not write stays 0 (the sigmoid kernel's without WRITE_G/SCALE_SUM)
     partials = torch.zeros((triton.cdiv(block_m, bm) * triton.cdiv(block_n, bn), sums), dtype=torch.float32,
                            device=rows.device)
@@ -713,7 +735,7 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
             col_stop = min(col_start + block_n, n)
             height, width = row_stop - row_start, col_stop - col_start
             programs = _programs(triton.cdiv(height, bm) * triton.cdiv(width, bn), rows.device)
-            g_block = g[: height * width].view(height, width) if write_g else g.view(1, 1)
+            g_block = g[: height * pitch].view(height, pitch)[:, :width] if write_g else g.view(1, 1)
             fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs)
             totals += partials[:programs].sum(0)
             if alpha is not None:
@@ -746,14 +768,15 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
     rows_arg, cols_arg, tma = _operands(dot_rows, dot_cols, config)
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
+        g_arg, g_tma = _g_target(g_block, config, tma)
         _grad_kernel[(programs,)](
-            rows_arg, cols_arg, scale, row_lse, col_lse, g_block, partials,
+            rows_arg, cols_arg, scale, row_lse, col_lse, g_arg, partials,
             c, row_start, row_stop, col_start, col_stop, g_scale,
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
-            ROUND_TF32=_round_tf32_flag(dot_rows, precision), TMA=tma,
+            ROUND_TF32=_round_tf32_flag(dot_rows, precision), TMA=tma, G_TMA=g_tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -776,15 +799,16 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
     rows_arg, cols_arg, tma = _operands(dot_rows, dot_cols, config)
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
+        g_arg, g_tma = _g_target(g_block, config, tma)
         _sigmoid_kernel[(programs,)](
-            rows_arg, cols_arg, scale, bias, g_block, partials,
+            rows_arg, cols_arg, scale, bias, g_arg, partials,
             c, row_start, row_stop, col_start, col_stop, g_scale,
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
             ROUND_TF32=_round_tf32_flag(dot_rows, precision),
-            WRITE_G=write_g, SCALE_SUM=not grads, TMA=tma,
+            WRITE_G=write_g, SCALE_SUM=not grads, TMA=tma, G_TMA=g_tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -876,8 +900,9 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
         rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = dot_rows, dot_cols, t_rows, t_cols, False
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
+        g_arg, g_tma = _g_target(g_block, config, tma)
         _distill_grad_kernel[(programs,)](
-            rows_arg, cols_arg, t_rows_arg, t_cols_arg, scale, float(t_scale), lse, g_block, partials,
+            rows_arg, cols_arg, t_rows_arg, t_cols_arg, scale, float(t_scale), lse, g_arg, partials,
             m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale, float(t_weight),
             float(diagonal_weight or 0.0), int(diagonal_offset),
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
@@ -886,7 +911,7 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=8,
-            DIAGONAL=diagonal_weight is not None, TMA=tma,
+            DIAGONAL=diagonal_weight is not None, TMA=tma, G_TMA=g_tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
