@@ -96,12 +96,32 @@ def loss_passes_table(data: dict, entry: dict) -> list[str]:
         if "pass" not in row:
             rows.append(f"| {row['tree']} | {row.get('status')} | | | | | | | |")
             continue
-        tile = row["tile"]
+        tiles = row["tile"] if isinstance(row["tile"], list) else [row["tile"]]  # distill: both kernels'
         shown = f"{row['time_s'] * 1000:.0f} ms" if row["time_s"] < 1 else f"{row['time_s']:.2f} s"
         share = f"{100 * row['peak_share']:.1f}" if row.get("peak_share") else "-"
         rows.append(f"| {row['tree']} | {batch_name(row['batch'])} | {row['dim']} | {row['dtype']} | {row['pass']} | "
-                    f"{tile['BLOCK_M']} x {tile['BLOCK_N']}, {tile['num_warps']} | {shown} | {row['tflops']:.0f} | "
-                    f"{share} |")
+                    f"{'; '.join(tile_name(tile) for tile in tiles)} | {shown} | {row['tflops']:.0f} | {share} |")
+    return rows
+
+
+def tile_name(tile: dict) -> str:
+    return f"{tile['BLOCK_M']} x {tile['BLOCK_N']}, {tile['num_warps']}"
+
+
+def loss_variants_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/loss_variants.py: each kernel variant's time, TFLOP/s, share of the peak and largest
+    difference from the tree's own kernel (or why it did not build)."""
+    rows = ["| pass | variant | tiles (M x N x K, warps, stages) | time | TFLOP/s | % of bf16 peak | largest "
+            "difference |", "|---|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        c = row["config"]
+        tiles = f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}, {c['num_warps']}, {c['num_stages']}"
+        if "ms" not in row:
+            rows.append(f"| {row['kind']} | {row['variant']} | {tiles} | {row['error'][:40]} | | | |")
+            continue
+        error = "-" if row.get("max_err") is None else f"{row['max_err']:.1e}"
+        rows.append(f"| {row['kind']} | {row['variant']} | {tiles} | {row['ms']:.1f} ms | {row['tflops']:.0f} | "
+                    f"{100 * row['peak_share']:.1f} | {error} |")
     return rows
 
 
@@ -510,7 +530,8 @@ def chaos_table(data: dict, entry: dict) -> list[str]:
 
 
 TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "chaos": chaos_table, "loss": loss_table,
-          "loss_passes": loss_passes_table, "g_gemms": g_gemms_table, "naflex_pack": naflex_pack_table,
+          "loss_passes": loss_passes_table, "loss_variants": loss_variants_table,
+          "g_gemms": g_gemms_table, "naflex_pack": naflex_pack_table,
           "e2e": e2e_table,
           "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
