@@ -25,6 +25,7 @@ from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megabatch.kernels import triton_tiles as tt
+from megabatch.kernels.triton_tiles import _block_tile, _block_tiles
 
 
 @triton.jit
@@ -69,37 +70,21 @@ def _stats_tma(rows_desc, cols_desc, scale_ptr, row_max_ptr, row_sum_ptr, col_ma
 
 
 def stats_variant(rows, cols, scale, config, flatten=False, ws=False, gemm_only=False):
+    """``_stats_tma`` over the stripes as the tree's own forward runs its kernel (``_stats_by_stripes``)."""
     m, c = rows.shape
-    n = cols.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    row_blocks, stripe, cols_per_split, splits = tt._stripes(m, n, config, rows.device, fields=2)
-    row_max = torch.empty((splits, m), dtype=torch.float32, device=rows.device)
-    row_sum = torch.empty_like(row_max)
-    col_max = torch.empty((row_blocks, stripe), dtype=torch.float32, device=rows.device)
-    col_sum = torch.empty_like(col_max)
-    run_max = torch.full((m,), float("-inf"), dtype=torch.float32, device=rows.device)
-    run_sum = torch.zeros((m,), dtype=torch.float32, device=rows.device)
-    col_lse = torch.empty((n,), dtype=torch.float32, device=rows.device)
     rows_desc = TensorDescriptor.from_tensor(rows, [bm, bk])
     cols_desc = TensorDescriptor.from_tensor(cols, [bn, bk])
-    for col_start in range(0, n, stripe):
-        col_stop = min(col_start + stripe, n)
-        width = col_stop - col_start
-        active = triton.cdiv(width, cols_per_split)
-        _stats_tma[(row_blocks * active,)](
+
+    def launch(programs, row_max, row_sum, col_max, col_sum, col_start, col_stop, cols_per_split):
+        _stats_tma[(programs,)](
             rows_desc, cols_desc, scale, row_max, row_sum, col_max, col_sum,
             m, c, col_start, col_stop, cols_per_split, row_max.stride(0), col_max.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FLATTEN=flatten, WS=ws, GEMM_ONLY=gemm_only,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
-        part_max, part_sum = row_max[:active], row_sum[:active]
-        new_max = torch.maximum(run_max, part_max.amax(0))
-        run_sum = run_sum * torch.exp2(run_max - new_max) + (part_sum * torch.exp2(part_max - new_max)).sum(0)
-        run_max = new_max
-        c_max = col_max[:, :width].amax(0)
-        c_sum = (col_sum[:, :width] * torch.exp2(col_max[:, :width] - c_max)).sum(0)
-        col_lse[col_start:col_stop] = (c_max + torch.log2(c_sum)) / tt.LOG2E
-    return (run_max + torch.log2(run_sum)) / tt.LOG2E, col_lse
+
+    return tt._stats_by_stripes(m, cols.shape[0], config, rows.device, launch)
 
 
 @triton.jit
@@ -109,26 +94,17 @@ def _grad_tma(rows_desc, cols_desc, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, 
               PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr):
     """Persistent: program p takes tiles p, p + PROGRAMS, ... of the block (grouped order)."""
     pid = tl.program_id(0)
-    grid_m, grid_n = tl.cdiv(row_stop - row_start, BLOCK_M), tl.cdiv(col_stop - col_start, BLOCK_N)
-    tiles = grid_m * grid_n
+    tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     dscale = 0.0
     for t in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
-        group = t // (GROUP_M * grid_n)
-        first_m = group * GROUP_M
-        group_m = tl.minimum(grid_m - first_m, GROUP_M)
-        pid_m = first_m + (t % (GROUP_M * grid_n)) % group_m
-        pid_n = (t % (GROUP_M * grid_n)) // group_m
-        m0 = row_start + pid_m * BLOCK_M
-        n0 = col_start + pid_n * BLOCK_N
+        m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(t, grid_n, row_start, row_stop, col_start, col_stop,
+                                                             BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, c, BLOCK_K):
             a = rows_desc.load([m0, k0])
             b = cols_desc.load([n0, k0])
             acc = tl.dot(a, b.T, acc)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = offs_m < row_stop, offs_n < col_stop
         row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
         col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
         s = acc * scale2

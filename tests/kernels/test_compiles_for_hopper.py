@@ -28,7 +28,8 @@ from megabatch.kernels import triton_tiles
 FLOATS = {"g_scale", "t_scale", "t_weight", "diagonal_weight"}  # the kernels' float arguments; other scalars: int32
 OPERANDS = {"rows_ptr", "cols_ptr", "t_rows_ptr", "t_cols_ptr", "g_ptr"}
 DESCRIPTORS = {"rows_ptr": ["BLOCK_M", "BLOCK_K"], "t_rows_ptr": ["BLOCK_M", "BLOCK_K"],
-               "cols_ptr": ["BLOCK_N", "BLOCK_K"], "t_cols_ptr": ["BLOCK_N", "BLOCK_K"], "g_ptr": ["BLOCK_M", "BLOCK_N"]}
+               "cols_ptr": ["BLOCK_N", "BLOCK_K"], "t_cols_ptr": ["BLOCK_N", "BLOCK_K"],
+               "g_ptr": ["BLOCK_M", "BLOCK_N"]}
 kernel, sizes = getattr(triton_tiles, sys.argv[1]), {}
 for features, flags in (("bf16", True), ("fp32", False)):  # every boolean constant on (TMA too), then off
     constants = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32 if features == "fp32" else 64, "PRECISION": "tf32",

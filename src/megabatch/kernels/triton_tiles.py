@@ -633,30 +633,40 @@ def _stripes(m: int, n: int, config: dict, device, fields: int) -> tuple[int, in
 
 def _stats_launch(rows, cols, scale, precision, config):
     m, c = rows.shape
-    n = cols.shape[0]
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    row_blocks, stripe, cols_per_split, splits = _stripes(m, n, config, rows.device, fields=2)
-    row_max = torch.empty((splits, m), dtype=torch.float32, device=rows.device)
-    row_sum = torch.empty_like(row_max)
-    col_max = torch.empty((row_blocks, stripe), dtype=torch.float32, device=rows.device)
-    col_sum = torch.empty_like(col_max)
-    run_max = torch.full((m,), float("-inf"), dtype=torch.float32, device=rows.device)
-    run_sum = torch.zeros((m,), dtype=torch.float32, device=rows.device)
-    col_lse = torch.empty((n,), dtype=torch.float32, device=rows.device)
     rows_arg, cols_arg, tma = _operands(rows, cols, config)
-    for col_start in range(0, n, stripe):
-        col_stop = min(col_start + stripe, n)
-        width = col_stop - col_start
-        active = triton.cdiv(width, cols_per_split)
-        _stats_kernel[(row_blocks * active,)](
+
+    def launch(programs, row_max, row_sum, col_max, col_sum, col_start, col_stop, cols_per_split):
+        _stats_kernel[(programs,)](
             rows_arg, cols_arg, scale, row_max, row_sum, col_max, col_sum,
             m, c, col_start, col_stop, cols_per_split,
             rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
             row_max.stride(0), col_max.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision), TMA=tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
+
+    return _stats_by_stripes(m, cols.shape[0], config, rows.device, launch)
+
+
+def _stats_by_stripes(m: int, n: int, config: dict, device, launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both directions' log-sum-exps ``(rows [m], cols [n])`` of a block, from a kernel with ``_stats_kernel``'s
+    partials that ``launch(programs, row_max, row_sum, col_max, col_sum, col_start, col_stop, cols_per_split)``
+    starts on each column stripe: the stripes' row partials merged into a running (max, sum), each stripe's column
+    partials merged over the row blocks (base 2)."""
+    row_blocks, stripe, cols_per_split, splits = _stripes(m, n, config, device, fields=2)
+    row_max = torch.empty((splits, m), dtype=torch.float32, device=device)
+    row_sum = torch.empty_like(row_max)
+    col_max = torch.empty((row_blocks, stripe), dtype=torch.float32, device=device)
+    col_sum = torch.empty_like(col_max)
+    run_max = torch.full((m,), float("-inf"), dtype=torch.float32, device=device)
+    run_sum = torch.zeros((m,), dtype=torch.float32, device=device)
+    col_lse = torch.empty((n,), dtype=torch.float32, device=device)
+    for col_start in range(0, n, stripe):
+        col_stop = min(col_start + stripe, n)
+        width = col_stop - col_start
+        active = triton.cdiv(width, cols_per_split)
+        launch(row_blocks * active, row_max, row_sum, col_max, col_sum, col_start, col_stop, cols_per_split)
         # rows: merge this stripe's splits into the running (max, sum), base 2
         part_max, part_sum = row_max[:active], row_sum[:active]
         new_max = torch.maximum(run_max, part_max.amax(0))
