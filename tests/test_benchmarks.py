@@ -86,3 +86,16 @@ def test_learning_compares_each_setting_with_the_first_paired_by_seed():
     assert 0 < compared["linear_probe_top1"]["half_width"] and compared["linear_probe_top1"]["mean"] == 1 / 3
     assert learning.against(rows, "plain", "one") == {
         "zero_shot_top1": {"mean": 1.0, "half_width": None, "seeds": 1}}
+
+
+def test_startup_rows_say_where_the_first_steps_wait_for_images_went():
+    """``startup.py`` keeps the first step's phases and its waits by cause (the loader, the GPU's decoding) from the
+    run's metrics, so a start-up's first batch wait can be told apart."""
+    import startup  # scripts/benchmarks/startup.py
+
+    records = [{"step": 1, "loss": 4.1, "time/data": 1.6, "time/encode": 2.0, "data_wait_s/look_ahead_source": 1.2,
+                "data_wait_s/look_ahead_decode": 0.4}, {"step": 2, "time/data": 0.1}]
+    assert startup.first_step_waits(records) == {
+        "phases_s": {"data": 1.6, "encode": 2.0},
+        "decode_waits_s": {"look_ahead_source": 1.2, "look_ahead_decode": 0.4}}
+    assert startup.first_step_waits([{"step": 2}]) is None

@@ -113,8 +113,19 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path |
     return row | {"time_to_first_step_s": status.get("time_to_first_step_s"),
                   "startup_s": {k.removeprefix("startup/"): v for k, v in status.get("startup_s", {}).items()},
                   "compile_log": compiled[-1].split(" - ")[-1] if compiled else None,
+                  "first_step": first_step_waits(records),
                   "notes": notes,
                   "samples_per_s": statistics.median(rates) if rates else None}
+
+
+def first_step_waits(records: list[dict]) -> dict | None:
+    """The first step's phases and, with the GPU decoding, where its wait for images went (``look_ahead_source``: the
+    loader had not read them; ``look_ahead_decode``: their decoding had not finished), from its metrics record."""
+    first = next((r for r in records if r.get("step") == 1), None)
+    if first is None:
+        return None
+    return {"phases_s": {k.split("/", 1)[1]: v for k, v in first.items() if k.startswith("time/")},
+            "decode_waits_s": {k.split("/", 1)[1]: v for k, v in first.items() if k.startswith("data_wait_s/")}}
 
 
 def sweep(args, workdir: Path, urls: str, tree: Path, label: str) -> dict:
