@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .torch_tiles import fp32_matmul
 
@@ -94,29 +95,24 @@ def _dot_tile(
     ``[BLOCK_N, BLOCK_K]``) and the tile starts at row ``m0`` and column ``n0``: Hopper's copy engine loads
     the tiles (no per-thread addresses; rows, columns and features past the tensors' ends read as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if TMA:
-        for k0 in range(0, c, BLOCK_K):
-            a = rows_ptr.load([m0, k0])
-            b = cols_ptr.load([n0, k0]).T
-            if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            if ROUND_TF32:
-                a, b = _round_tf32(a), _round_tf32(b)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    else:
+    if not TMA:
         # element offsets in 64 bits: rows x c passes 2^31 at ~2.8M rows of c = 768 (a 4M batch on one rank)
         row_at = rows_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
         col_at = cols_ptr + offs_n.to(tl.int64)[None, :] * stride_cn
-        for k0 in range(0, c, BLOCK_K):
+    for k0 in range(0, c, BLOCK_K):
+        if TMA:
+            a = rows_ptr.load([m0, k0])
+            b = cols_ptr.load([n0, k0]).T
+        else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < c
             a = tl.load(row_at + offs_k[None, :] * stride_rk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(col_at + offs_k[:, None] * stride_ck, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            if ROUND_TF32:
-                a, b = _round_tf32(a), _round_tf32(b)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if ROUND_TF32:
+            a, b = _round_tf32(a), _round_tf32(b)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -594,10 +590,18 @@ def _operands(a: torch.Tensor, b: torch.Tensor, config: dict) -> tuple:
     gpu = interpreting() or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9)
     if TMA == "0" or not gpu or not (fits(a) and fits(b)):
         return a, b, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     return (TensorDescriptor.from_tensor(a, [config["BLOCK_M"], config["BLOCK_K"]]),
             TensorDescriptor.from_tensor(b, [config["BLOCK_N"], config["BLOCK_K"]]), True)
+
+
+def _student_and_teacher_operands(rows, cols, t_rows, t_cols, config: dict) -> tuple:
+    """The distillation kernels' four dot operands, all loaded one way: ``(rows, cols, t_rows, t_cols, tma)``,
+    through tensor descriptors only where both pairs allow it (``_operands``)."""
+    rows_arg, cols_arg, tma = _operands(rows, cols, config)
+    t_rows_arg, t_cols_arg, t_tma = _operands(t_rows, t_cols, config)
+    if tma != t_tma:
+        return rows, cols, t_rows, t_cols, False
+    return rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma
 
 
 def _g_target(g_block: torch.Tensor, config: dict, tma: bool):
@@ -605,8 +609,6 @@ def _g_target(g_block: torch.Tensor, config: dict, tma: bool):
     block where its operands load through TMA, else the block itself."""
     if not tma or g_block.numel() <= 1:  # no G written (a kernel of sums only): its placeholder
         return g_block, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     return TensorDescriptor(g_block, list(g_block.shape), list(g_block.stride()),
                             [config["BLOCK_M"], config["BLOCK_N"]]), True
 
@@ -850,10 +852,7 @@ def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, pre
     col_out = torch.empty((5, row_blocks, stripe), dtype=torch.float32, device=rows.device)
     run = None  # the rows' running fields
     col_stats = torch.empty((3, n), dtype=torch.float32, device=rows.device)
-    rows_arg, cols_arg, tma = _operands(rows, cols, config)
-    t_rows_arg, t_cols_arg, t_tma = _operands(t_rows, t_cols, config)
-    if tma != t_tma:  # one way of loading for both
-        rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = rows, cols, t_rows, t_cols, False
+    rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = _student_and_teacher_operands(rows, cols, t_rows, t_cols, config)
     for col_start in range(0, n, stripe):
         col_stop = min(col_start + stripe, n)
         width = col_stop - col_start
@@ -904,10 +903,8 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
     g_scale = g_format[1]
     alpha = None if weight is None else float(scale.double() * weight.double()) / g_scale  # host sync, once
 
-    rows_arg, cols_arg, tma = _operands(dot_rows, dot_cols, config)
-    t_rows_arg, t_cols_arg, t_tma = _operands(t_rows, t_cols, config)
-    if tma != t_tma:  # one way of loading for both
-        rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = dot_rows, dot_cols, t_rows, t_cols, False
+    rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = _student_and_teacher_operands(dot_rows, dot_cols, t_rows,
+                                                                                    t_cols, config)
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         g_arg, g_tma = _g_target(g_block, config, tma)
