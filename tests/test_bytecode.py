@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 FIRST = """
 import importlib.machinery  # as the second process does
 import sys
 from megabatch.runtime import bytecode
-assert bytecode.use_kept_bytecode(probe="plainpkg") == bytecode.bytecode_folder(), sys.pycache_prefix
+assert bytecode.use_kept_bytecode(probe="plainpkg", packages=()) == bytecode.bytecode_folder(), sys.pycache_prefix
 import plainpkg.deep
 assert plainpkg.deep.VALUE == 42
 given = bytecode.write_missing_bytecode()
@@ -71,3 +72,61 @@ def test_bytecode_is_kept_in_the_cache_directory_when_python_may_not_write_it(tm
     assert python(STATE, env | {"MEGABATCH_PYCACHE": "0"}).split() == ["None", "False"]
     python(f"import compileall; compileall.compile_dir({str(package)!r}, quiet=1)", env)
     assert python(STATE, env).split() == ["None", "False"]
+
+
+PRECOMPILE = """
+import os, sys
+from megabatch.runtime import bytecode
+assert bytecode.use_kept_bytecode(probe="plainpkg", packages=("plainpkg", "notinstalled")) == bytecode.bytecode_folder()
+workers = bytecode._precompilers
+assert len(workers) == min(16, max(1, (os.cpu_count() or 2) - 1)), workers
+assert all(worker.wait(timeout=60) == 0 for worker in workers)
+print(sys.pycache_prefix)
+"""
+
+FROM_KEPT = SECOND.split("assert bytecode.write_missing_bytecode()")[0]  # the package's modules come from the folder
+
+
+def test_a_cold_folder_is_filled_in_parallel_while_the_process_imports(tmp_path):
+    package = tmp_path / "site" / "plainpkg"
+    (package / "sub").mkdir(parents=True)
+    for name in ("__init__.py", "deep.py", "sub/__init__.py", "sub/deeper.py"):
+        (package / name).write_text("VALUE = 42\n")
+    cache = tmp_path / "cache"
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "MEGABATCH_CACHE": str(cache), "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(src)])}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    folder = Path(python(PRECOMPILE, env).strip())
+    assert folder == cache / "pycache"
+    kept = sorted(path.relative_to(folder).as_posix().split("plainpkg/", 1)[1]
+                  for path in folder.rglob("*.pyc") if "plainpkg" in str(path))
+    assert [name.split(".")[0] for name in kept] == ["__init__", "deep", "sub/__init__", "sub/deeper"], kept
+    for _ in range(100):  # the lock goes with the last worker (a thread of the process waits for them)
+        if not (folder / ".precompiling").exists():
+            break
+        time.sleep(0.1)
+    assert not (folder / ".precompiling").exists()
+    # the modules are read from there now: nothing is compiled from source
+    assert python(FROM_KEPT, env).strip().startswith(str(folder))
+
+
+def test_one_process_of_a_node_precompiles(tmp_path):
+    from megabatch.runtime import bytecode
+
+    package = tmp_path / "site" / "plainpkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    folder = tmp_path / "pycache"
+    folder.mkdir()
+    (folder / ".precompiling").touch()  # another process of this node is compiling
+    sys.path.insert(0, str(tmp_path / "site"))
+    try:
+        assert bytecode.precompile(folder, ("plainpkg",)) == []
+        stale = time.time() - 2 * bytecode._LOCK_STALE_S  # ... unless its lock is stale (that process died)
+        os.utime(folder / ".precompiling", (stale, stale))
+        workers = bytecode.precompile(folder, ("plainpkg",), workers=2)
+        assert len(workers) == 2 and all(worker.wait(timeout=60) == 0 for worker in workers)
+        assert bytecode.precompile(folder, ("missing_package",)) == []  # nothing to compile: no workers
+    finally:
+        sys.path.remove(str(tmp_path / "site"))

@@ -73,10 +73,11 @@ def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:
 
 
 def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path | None = None, tree: Path = ROOT,
-         label: str = "now") -> dict:
+         label: str = "now", sampled: Path | None = None) -> dict:
     """One run of ``train.py`` with ``cache`` (cold or warm) caches; with ``profile``, under cProfile, its
-    statistics written there (the profiler's cost is in the row's times). ``tree``: the source tree it runs from
-    (``--before``'s, labelled ``label``: its own caches)."""
+    statistics written there (the profiler's cost is in the row's times); with ``sampled``, its main thread's stacks
+    sampled into that file (``sample_stacks.py``). ``tree``: the source tree it runs from (``--before``'s, labelled
+    ``label``: its own caches)."""
     key = scope if label == "now" else f"{scope}-{label}"
     cache_dir, inductor = workdir / f"cache-{key}", workdir / f"inductor-{key}-{cache}"
     if cache == "cold":
@@ -85,7 +86,8 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path |
     shutil.rmtree(inductor, ignore_errors=True)
     run_dir = workdir / f"run-{key}-{cache}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    profiler = ["-m", "cProfile", "-o", str(profile)] if profile else \
+        [str(Path(__file__).with_name("sample_stacks.py")), str(sampled)] if sampled else []
     command = [sys.executable, *profiler, str(tree / "train.py"), f"model={args.model}", "model.compile=true",
                f"model.compile_scope={scope}", "data=webdataset", f"data.train.urls={urls}",
                f"data.decode={args.decode}", f"data.num_workers={args.workers}", f"batch={args.batch}",
@@ -99,7 +101,8 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path |
     wall = time.perf_counter() - started
     row = {"system": "megabatch" if label == "now" else f"megabatch ({label})", "model": args.model,
            "batch": args.batch, "scope": scope, "cache": cache,
-           **({"profiled": True} if profile else {}), "kept_bytecode_files": kept_bytecode,
+           **({"profiled": True} if profile else {}), **({"sampled": True} if sampled else {}),
+           "kept_bytecode_files": kept_bytecode,
            "returncode": ran.returncode, "wall_s": wall,
            "command": " ".join(command[1:])}
     if ran.returncode != 0:
@@ -254,6 +257,10 @@ def main() -> None:
                              "<out>.<scope>.warm.prof and the slowest calls in <out>.<scope>.warm.txt. On Python 3.12 "
                              "the profile also holds the other threads' calls (the read-ahead's, the decoders'), so "
                              "the main thread's own times there include theirs")
+    parser.add_argument("--sample", action="store_true",
+                        help="after the rows, one more warm run with its main thread's stack sampled every 5 ms "
+                             "(sample_stacks.py; not in the JSON): the samples in <out>.<scope>.warm.samples.json and "
+                             "the seconds under each function in <out>.<scope>.warm.samples.txt")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from megabatch.data.synthetic import photo_shards
@@ -286,6 +293,15 @@ def main() -> None:
             row = ours(args, scope, "warm", workdir, urls, profile=profiled)
             print(json.dumps({k: v for k, v in row.items() if k != "command"})[:600], flush=True)
             write_profile_summary(profiled, profiled.with_suffix(".txt"))
+        if args.sample:
+            sampled = Path(args.out).with_suffix(f".{scope}.warm.samples.json")
+            row = ours(args, scope, "warm", workdir, urls, sampled=sampled)
+            print(json.dumps({k: v for k, v in row.items() if k != "command"})[:600], flush=True)
+            if sampled.exists():
+                from sample_stacks import summary
+
+                sampled.with_suffix(".txt").write_text(summary(str(sampled)) + "\n\n" + summary(str(sampled),
+                                                                                               within="megabatch"))
 
 
 def write_profile_summary(profiled: Path, out: Path, lines: int = 60) -> None:
