@@ -99,3 +99,12 @@ def test_startup_rows_say_where_the_first_steps_wait_for_images_went():
         "phases_s": {"data": 1.6, "encode": 2.0},
         "decode_waits_s": {"look_ahead_source": 1.2, "look_ahead_decode": 0.4}}
     assert startup.first_step_waits([{"step": 2}]) is None
+
+
+def test_startup_compares_one_or_several_earlier_trees(tmp_path):
+    """``startup.py --before``: one tree is labelled ``before``, several each by their folder's name."""
+    import startup  # scripts/benchmarks/startup.py
+
+    assert startup.before_trees(None) == []
+    assert startup.before_trees(str(tmp_path / "x")) == [(tmp_path / "x", "before")]
+    assert startup.before_trees(f"{tmp_path / 'a'},{tmp_path / 'b'}") == [(tmp_path / "a", "a"), (tmp_path / "b", "b")]

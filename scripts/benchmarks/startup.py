@@ -92,7 +92,7 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path |
                f"model.compile_scope={scope}", "data=webdataset", f"data.train.urls={urls}",
                f"data.decode={args.decode}", f"data.num_workers={args.workers}", f"batch={args.batch}",
                f"trainer.max_steps={args.steps}",
-               "trainer.log_every=5", "eval=none", f"run_dir={run_dir}", *args.set]
+               "trainer.log_every=1", "eval=none", f"run_dir={run_dir}", *args.set]
     env = fresh_cache_env(os.environ, workdir / f"triton-home-{key}-{cache}", args.installed_bytecode) | {
         "MEGABATCH_CACHE": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
         "PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -246,7 +246,8 @@ def main() -> None:
     parser.add_argument("--sweep-steps", type=int, default=3)
     parser.add_argument("--before", default=None,
                         help="also the runs (or, with --sweep-batches, the sweep) from this source tree (an earlier "
-                             "revision, e.g. `git archive`'s), each after this tree's, on the same machine")
+                             "revision, e.g. `git archive`'s), each after this tree's, on the same machine; several "
+                             "trees (commas, not with --sweep-batches): each labelled by its folder's name")
     parser.add_argument("--installed-bytecode", default=None, metavar="DIR",
                         help="every run (OpenCLIP's too) reads the installed packages' bytecode from DIR "
                              "(PYTHONPYCACHEPREFIX), compiled there before: `PYTHONPYCACHEPREFIX=DIR python -m "
@@ -281,7 +282,7 @@ def main() -> None:
             rows.append(system(args, workdir))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
             write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
-    trees = [(ROOT, "now")] + ([(Path(args.before).resolve(), "before")] if args.before else [])
+    trees = [(ROOT, "now")] + before_trees(args.before)
     for scope in args.scopes.split(","):
         for tree, label in trees:
             for cache in args.caches.split(","):
@@ -302,6 +303,13 @@ def main() -> None:
 
                 sampled.with_suffix(".txt").write_text(summary(str(sampled)) + "\n\n" + summary(str(sampled),
                                                                                                within="megabatch"))
+
+
+def before_trees(before: str | None) -> list[tuple[Path, str]]:
+    """``--before``'s source trees and their labels: one path is ``before``; several (commas) are each labelled by
+    their folder's name."""
+    paths = [Path(path).resolve() for path in before.split(",")] if before else []
+    return [(path, "before" if len(paths) == 1 else path.name) for path in paths]
 
 
 def write_profile_summary(profiled: Path, out: Path, lines: int = 60) -> None:
