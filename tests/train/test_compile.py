@@ -6,7 +6,6 @@ trainer.feature_dtype=auto."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ import torch
 from megabatch.config import ConfigError
 from megabatch.config.schema import validate
 from megabatch.models import build_model
-from megabatch.runtime.process import STARTUP_SWITCH_INTERVAL_S
 from megabatch.train.step.precision import Precision
 
 from ..helpers import build_parts, compose, rel_error, run_ranks
@@ -332,10 +330,7 @@ def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start
 
     def warm_up(self, *args, **kwargs):
         events.append(("compile", len(multiprocessing.active_children())))
-        switches.append(sys.getswitchinterval())
         return 0.25
-
-    switches, before = [], sys.getswitchinterval()
 
     monkeypatch.setattr(TrainData, "loader", recorded_loader)
     monkeypatch.setattr(parts, "build_step", recorded_build_step)
@@ -349,8 +344,6 @@ def test_a_run_compiles_while_its_loader_workers_read_and_accounts_for_its_start
     assert events[:2] == ["loader", "step"] and events[2][0] == "compile", events
     assert events[2][1] >= 1, "no loader worker was running while the towers compiled"
     assert events.count(events[2]) == 1  # compiled once
-    # the loader's threads take the interpreter back quickly while the towers compile; the steps switch as before
-    assert switches == [min(before, STARTUP_SWITCH_INTERVAL_S)] and sys.getswitchinterval() == before
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     phases = {key for key in first if key.startswith("startup/")}
     assert {"startup/launch_s", "startup/model_s", "startup/loader_start_s", "startup/compile_s",

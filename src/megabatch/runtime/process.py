@@ -34,9 +34,6 @@ CUDA_QUEUES = "32"  # CUDA_DEVICE_MAX_CONNECTIONS unless set
 
 RECOMPILE_LIMIT = 16  # graphs per compiled function: 3 gradient modes x the caption lengths met before dynamic
 
-# the interpreter's thread switch interval from a run's build to its first step's end (``StartupSwitches``)
-STARTUP_SWITCH_INTERVAL_S = 0.0005
-
 
 def configure_process() -> None:
     """Before torch starts: CUDA's hardware queues for the decoding streams, and the kept bytecode (see
@@ -118,21 +115,3 @@ def start_compile_workers() -> str:
     threads = async_compile.get_compile_threads() if hasattr(async_compile, "get_compile_threads") else None
     return (f"inductor's {threads} compile workers starting beside the build (model.compile)" if threads and threads > 1
             else "inductor compiles in this process (TORCHINDUCTOR_COMPILE_THREADS=1)")
-
-
-class StartupSwitches:
-    """From a run's build to its first step's end, the main thread compiles the towers (tracing: Python that holds the
-    interpreter lock) while the loader's threads (the workers' start, the pinning, the GPU decoding) each take the
-    lock back after every system call or CUDA call they make, waiting up to the switch interval (5 ms) each time.
-    Made at the build, this shortens the interval to ``STARTUP_SWITCH_INTERVAL_S``, so that the first sub-batches
-    are read and decoded while the towers compile; ``restore`` (the first step done, or the run ended) puts the
-    interval back, so the steps run as before. Idempotent."""
-
-    def __init__(self, interval_s: float = STARTUP_SWITCH_INTERVAL_S):
-        self.previous: float | None = sys.getswitchinterval()
-        sys.setswitchinterval(min(self.previous, interval_s))
-
-    def restore(self) -> None:
-        if self.previous is not None:
-            sys.setswitchinterval(self.previous)
-            self.previous = None

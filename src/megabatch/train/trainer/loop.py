@@ -34,7 +34,7 @@ from ...eval.results import results_table, write_results
 from ...report import RunStatus
 from ...report.runs import failure
 from ...runtime.bytecode import write_missing_bytecode
-from ...runtime.process import StartupSwitches, configure_backends
+from ...runtime.process import configure_backends
 from ...runtime.signals import end_children, ignore_stop_signals
 from ..build.parts import RunParts
 from ..build.startup import StartupTimes, run_ended
@@ -185,11 +185,9 @@ class Trainer:
         self.parts: RunParts | None = None
         self.metrics: StepLog | None = None
         self.checkpointer: Checkpointer | None = None
-        self.switches = StartupSwitches()  # quick thread switches until the first step: the loader reads meanwhile
         try:
             self._build()
         except BaseException as error:  # a failed start leaves no workers, spill file or lock behind
-            self.switches.restore()
             self.status.fail(error)
             if self.parts is not None:
                 self.parts.close()
@@ -368,7 +366,6 @@ class Trainer:
         read (a host sync): how long after the process started and where that time went, in the log,
         ``status.json`` and the next ``metrics.jsonl`` record (``time_to_first_step_s``, ``startup/*_s``)."""
         self.step.settle()
-        self.switches.restore()
         step_s = time.perf_counter() - loop_started
         seconds, waited = self.startup.elapsed(), outcome.times.get("data", 0.0)
         self.startup.add("first batch wait", waited)  # what the loader had not read by then
@@ -438,8 +435,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release what the run holds (offload workers and spill file, the wandb run, the run
-        directory's lock), also after an error; put the signal handlers back (and the thread switch interval)."""
-        self.switches.restore()
+        directory's lock), also after an error; put the signal handlers back."""
         self.stops.restore()
         try:  # a checkpoint still being written is finished, also after an error
             if self.checkpointer is not None:
