@@ -6,8 +6,10 @@ moment, whatever the other threads do.
     python scripts/benchmarks/sample_stacks.py --summary OUT.json      # the seconds under each function, inclusive
 
 OUT.json: ``interval_s``, the distinct ``stacks`` (outermost frame first, each ``file:function``) and ``samples``
-([seconds since the start, stack index]), written when the script ends. ``startup.py --sample`` runs one warm row this
-way.
+([seconds since the start, stack index]) of the main thread, and ``threads``: each other thread's samples by its name
+(the loader's start, its pinning, the GPU decoding), written when the script ends. A sample's weight is the time to
+the next one (the sampler waits for the interpreter's lock like any thread). ``startup.py --sample`` runs one warm
+row this way.
 """
 
 from __future__ import annotations
@@ -28,39 +30,52 @@ def sample(out: str, interval_s: float = INTERVAL_S) -> None:
     main, started = threading.get_ident(), time.perf_counter()
     stacks: dict[tuple, int] = {}
     samples: list[tuple[float, int]] = []
+    threads: dict[str, list[tuple[float, int]]] = {}  # the other threads' samples, by name
     done = threading.Event()
 
+    def stack_of(frame) -> int:
+        names = []
+        while frame is not None:
+            code = frame.f_code
+            names.append(f"{code.co_filename}:{code.co_name}")
+            frame = frame.f_back
+        return stacks.setdefault(tuple(reversed(names)), len(stacks))
+
     def run() -> None:
+        me = threading.get_ident()
         while not done.wait(interval_s):
-            frame = sys._current_frames().get(main)
-            names = []
-            while frame is not None:
-                code = frame.f_code
-                names.append(f"{code.co_filename}:{code.co_name}")
-                frame = frame.f_back
-            key = tuple(reversed(names))
-            samples.append((round(time.perf_counter() - started, 4), stacks.setdefault(key, len(stacks))))
+            now = round(time.perf_counter() - started, 4)
+            names = {thread.ident: thread.name for thread in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == main:
+                    samples.append((now, stack_of(frame)))
+                elif ident != me:
+                    threads.setdefault(f"{names.get(ident, 'unnamed')}-{ident}", []).append((now, stack_of(frame)))
 
     def write() -> None:
         done.set()
         with open(out, "w") as file:
-            json.dump({"interval_s": interval_s, "stacks": [list(key) for key in stacks], "samples": samples}, file)
+            json.dump({"interval_s": interval_s, "stacks": [list(key) for key in stacks], "samples": samples,
+                       "threads": threads}, file)
 
     threading.Thread(target=run, daemon=True, name="stack-sampler").start()
     atexit.register(write)
 
 
-def summary(path: str, top: int = 80, within: str = "") -> str:
-    """The seconds each function was on the main thread's stack (inclusive, once per sample), the largest first;
-    ``within``: only functions whose file contains it."""
+def summary(path: str, top: int = 80, within: str = "", start: float = 0.0, stop: float = float("inf")) -> str:
+    """The seconds each function was on the main thread's stack between ``start`` and ``stop`` (inclusive, once per
+    sample, each sample weighted by the time to the next), the largest first; ``within``: only functions whose file
+    contains it."""
     data = json.load(open(path))
-    stacks, counts = data["stacks"], Counter(index for _, index in data["samples"])
+    stacks, samples = data["stacks"], data["samples"]
     seconds: Counter = Counter()
-    for index, count in counts.items():
-        for name in set(stacks[index]):
-            if within in name:
-                seconds[name] += count * data["interval_s"]
-    total = sum(counts.values()) * data["interval_s"]
+    total = 0.0
+    for (at, index), (after, _) in zip(samples, samples[1:], strict=False):
+        if start <= at < stop:
+            total += after - at
+            for name in set(stacks[index]):
+                if within in name:
+                    seconds[name] += after - at
     lines = [f"{total:.2f} s sampled"] + [f"{s:7.2f} s  {name}" for name, s in seconds.most_common(top)]
     return "\n".join(lines)
 
