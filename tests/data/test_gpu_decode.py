@@ -7,7 +7,6 @@ offload replay) and against the CPU path."""
 from __future__ import annotations
 
 import io
-import logging
 import threading
 import time
 
@@ -196,41 +195,6 @@ def test_the_decoding_threads_follow_data_decode_threads(monkeypatch):
         sizes[name] = (decoder.pool.threads, decoder.pool.look_ahead_threads)
         decoder.close()
     assert sizes == {"auto-hardware": (4, 3), "auto-cuda": (2, 1), "six": (6, 5)}
-
-
-def test_the_hardware_decoder_is_probed_beside_the_build_not_in_the_main_thread(monkeypatch, caplog):
-    """``probe_ahead``: whether the hardware decoder works is found out in a thread of its own (its decoder closed
-    with it), and ``pool`` sizes the decoding threads by the answer without making a decoder in the main thread."""
-    import threading
-
-    from megabatch.data import nvjpeg
-
-    for works, threads in ((True, (4, 3)), (False, (2, 1))):
-        made, released = [], []
-
-        def hardware_decoder(device, _works=works, _made=made):
-            _made.append(threading.current_thread().name)
-            if not _works:
-                raise nvjpeg.NvJpegError("create (hardware backend)", 6)
-            return FakeHardware()
-
-        monkeypatch.setattr(nvjpeg, "hardware_decoder", hardware_decoder)
-        monkeypatch.setattr(nvjpeg, "release_thread_decoders",
-                            lambda _released=released: _released.append(threading.current_thread().name))
-        decoder = GpuDecoder(torch.device("cpu"))
-        decoder.hardware = None  # undecided, as on a CUDA device (a CPU device starts off)
-        with caplog.at_level(logging.INFO, logger="megabatch"):
-            decoder.probe_ahead()
-            assert (decoder.pool.threads, decoder.pool.look_ahead_threads) == threads
-        decoder.close()
-        # the probe's decoder closed with its thread (the decoding threads close theirs as they end)
-        assert made == ["jpeg-hardware-probe"] and released[0] == "jpeg-hardware-probe", (made, released)
-        assert decoder.hardware is works
-    assert "no hardware JPEG decoder" in caplog.text
-    given = GpuDecoder(torch.device("cpu"), threads=3)  # data.decode_threads given: nothing to probe
-    given.hardware = None
-    given.probe_ahead()
-    assert given._probe is None
 
 
 def test_a_corrupt_jpeg_body_becomes_a_counted_black_image(monkeypatch):

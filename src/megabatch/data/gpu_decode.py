@@ -254,7 +254,6 @@ class GpuDecoder:
         self.corrupt_image = 0
         self.hardware = hardware if device.type == "cuda" else False
         self._pool: DecodePool | None = None
-        self._probe: threading.Thread | None = None  # probe_ahead's
 
     @property
     def pool(self) -> DecodePool:
@@ -271,7 +270,7 @@ class GpuDecoder:
         if self._pool is None:
             if self.threads is not None:
                 self._pool = DecodePool(self.device, threads=self.threads, look_ahead_threads=self.threads - 1)
-            elif self._has_hardware():
+            elif self._hardware_decoder() is not None:
                 self._pool = DecodePool(self.device, threads=4, look_ahead_threads=3)
             else:
                 self._pool = DecodePool(self.device, threads=2, look_ahead_threads=1)
@@ -319,33 +318,6 @@ class GpuDecoder:
             boxes = None if sub.images.cpu_rows else sub.images.boxes
             return sub._replace(images=self(sub.images), boxes=boxes)
         return sub._replace(images=to_device(sub.images, self.device))
-
-    def probe_ahead(self) -> None:
-        """Find out now, in a thread of its own, whether the GPU's hardware JPEG decoder works (``pool`` sizes the
-        decoding threads by it): making a hardware decoder took 0.4-0.7 s of the main thread at the loader's start
-        (the library's search and bind, then nvJPEG's handle; an H200, 2026-12-04), which this overlaps with the
-        FLOP count and the batch plan. The probe's decoder is closed with its thread."""
-        if self.hardware is not None or self._probe is not None or self.threads is not None:
-            return  # decided, probing, or not needed (data.decode_threads given)
-
-        def probe() -> None:
-            from . import nvjpeg
-
-            try:
-                self._hardware_decoder()
-            except Exception:  # noqa: BLE001 - hardware=True that fails: raised again by pool, in the main thread
-                pass
-            finally:
-                nvjpeg.release_thread_decoders()
-
-        self._probe = threading.Thread(target=probe, daemon=True, name="jpeg-hardware-probe")
-        self._probe.start()
-
-    def _has_hardware(self) -> bool:
-        """Whether the hardware JPEG decoder works here (``probe_ahead``'s answer, or found out now)."""
-        if self._probe is not None:
-            self._probe.join()
-        return self.hardware is True or (self.hardware is None and self._hardware_decoder() is not None)
 
     def _hardware_decoder(self):
         """This thread's hardware decoder (``nvjpeg.HardwareDecoder``), or ``None`` where there is

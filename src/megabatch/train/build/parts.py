@@ -527,9 +527,8 @@ def build_gpu_decoder(data: DataSettings, env: DistEnv) -> tuple[GpuDecoder | No
     if resolve_decode(data.decode, env.device) != "gpu":
         return None, 0.0
     threads = None if data.decode_threads == "auto" else data.decode_threads
-    decoder = GpuDecoder(env.device, threads=threads)
-    decoder.probe_ahead()  # while the FLOPs are counted and the batch is planned
-    return decoder, decode_ahead_bytes(data, torch.cuda.get_device_properties(env.device).total_memory)
+    return GpuDecoder(env.device, threads=threads), \
+        decode_ahead_bytes(data, torch.cuda.get_device_properties(env.device).total_memory)
 
 
 def check_cuda_graphs(model: ClipModel, sub_batches: int) -> None:
