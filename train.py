@@ -8,7 +8,9 @@ import sys
 
 from megabatch.runtime.process import configure_process
 
-configure_process()  # before torch is imported: CUDA's queues for the decoding streams, the kept bytecode
+# before torch is imported: CUDA's queues for the decoding streams, the kept bytecode, the loader workers' fork server
+# (importing beside this process; not where the fork server's preload imports this file)
+configure_process(sys.argv[1:] if __name__ == "__main__" else None)
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

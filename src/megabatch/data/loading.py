@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from ..runtime.process import start_worker_server
 from .gpu_decode import resolve_decode
-from .worker_start import resolve_worker_start, start_worker_server
+from .worker_start import resolve_worker_start
 
 
 def configure_loading(data: DictConfig, device: torch.device) -> list[str]:

@@ -5,9 +5,9 @@ Forked from the training process, each worker copies that process's page tables:
 with CUDA, the model and the pinned buffers mapped, forking 12 workers took 0.41-0.48 s of the main
 thread once an epoch (ViT-B/32 at 32k on an H200 and on 4 H200s; docs/bench), the slowest step of
 the run. ``forkserver`` forks them from a small server process instead, started once at start-up
-(``configure_backends``) with the data modules imported; the training process only sends it each
-worker's pickled dataset. The samples are the same (a worker's randomness is seeded by the loader
-and by the sample's position, not inherited).
+(``train.py``'s ``configure_process``, else ``configure_loading``) with the data modules imported; the training
+process only sends it each worker's pickled dataset. The samples are the same (a worker's randomness is seeded by
+the loader and by the sample's position, not inherited).
 
 - ``auto``: ``forkserver`` on CUDA ranks with loader workers, ``fork`` elsewhere (a CPU run's process
   is small, and a fork server costs a process that imports torch).
@@ -20,9 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 
-# imported once in the fork server, so that each worker forked from it starts with them: what
-# unpickling a loader's dataset needs, and the module that keeps the server alive through a stop signal
-SERVER_PRELOAD = ["__main__", "megabatch.data.worker_server", "megabatch.data.train_data", "open_clip"]
+from ..runtime.process import start_worker_server
 
 
 def resolve_worker_start(data_cfg, device_type: str) -> str:
@@ -33,26 +31,12 @@ def resolve_worker_start(data_cfg, device_type: str) -> str:
     return "forkserver" if device_type == "cuda" and int(data_cfg.num_workers) > 0 else "fork"
 
 
-def start_worker_server() -> None:
-    """Start this process's fork server now, with ``SERVER_PRELOAD`` imported in it (idempotent: a
-    server already running, started by other code, is kept as it is). It imports while the model and
-    the data are built; the first loader's workers wait for it only if it is not done by then. It
-    ends when this process does."""
-    from multiprocessing import forkserver
-
-    from ..runtime.signals import stop_signals_blocked
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(SERVER_PRELOAD)
-    with stop_signals_blocked():  # the server starts with them blocked, until its preload ignores them
-        forkserver.ensure_running()
-
-
 def worker_context(start: str):
     """The multiprocessing context a DataLoader starts its workers with: ``None`` (the default, fork
     on Linux) or the fork server's."""
     if start == "fork":
         return None
-    start_worker_server()  # started at start-up by configure_backends; here for a loader built without it
+    start_worker_server()  # started at start-up (train.py, configure_loading); here for a loader built without it
     return multiprocessing.get_context("forkserver")
 
 

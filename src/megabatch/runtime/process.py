@@ -35,9 +35,19 @@ CUDA_QUEUES = "32"  # CUDA_DEVICE_MAX_CONNECTIONS unless set
 RECOMPILE_LIMIT = 16  # graphs per compiled function: 3 gradient modes x the caption lengths met before dynamic
 
 
-def configure_process() -> None:
+# imported once in the loader workers' fork server (data.worker_start), so that each worker forked from it starts with
+# them: what unpickling a loader's dataset needs, and the module that keeps the server alive through a stop signal
+SERVER_PRELOAD = ["__main__", "megabatch.data.worker_server", "megabatch.data.train_data", "open_clip"]
+
+# train.py's arguments that leave the fork server unused (data/worker_start.py: auto is forkserver on CUDA with workers)
+NO_SERVER = {"data.worker_start": ("fork",), "data.num_workers": ("0",), "trainer.device": ("cpu",)}
+
+
+def configure_process(argv: list[str] | None = None) -> None:
     """Before torch starts: CUDA's hardware queues for the decoding streams, and the kept bytecode (see
-    the module). Idempotent; a setting made too late (CUDA already started) is warned about."""
+    the module). Idempotent; a setting made too late (CUDA already started) is warned about.
+    ``argv``: ``train.py``'s own arguments (not where another module imports it: the fork server's preload): the
+    loader workers' fork server starts now (``early_worker_server``)."""
     if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = CUDA_QUEUES
         torch = sys.modules.get("torch")
@@ -50,6 +60,41 @@ def configure_process() -> None:
     from .signals import kill_workers_at_exit
 
     kill_workers_at_exit()  # a failed run's workers, which ignore SIGTERM, never hold its exit
+    if argv is not None and early_worker_server(argv):
+        start_worker_server()
+
+
+def early_worker_server(argv: list[str], gpu_node: str = "/dev/nvidiactl") -> bool:
+    """Whether ``train.py`` (its arguments ``argv``) starts the loader workers' fork server before its own imports.
+    Started at the build (``configure_loading``), the server imported torch and the data modules while the inductor
+    compile workers did too, and the first loader's start waited 7.9 s for it on an H200 (ViT-B/16 at 4k, warm: the
+    towers had compiled by then, docs/performance.md); started first, it imports beside the launch. Where the run
+    will not use it (``data.worker_start=auto`` is ``forkserver`` on CUDA with loader workers): no GPU on this node
+    (``gpu_node``, ``CUDA_VISIBLE_DEVICES`` empty), or ``argv`` setting the workers' start to fork, no workers or
+    the CPU. A server started for a run that then does not use it (those keys set in a config file) idles, and ends
+    with the run."""
+    if not os.path.exists(gpu_node) or os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+        return False
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if value.strip() in NO_SERVER.get(key, ()):
+            return False
+    return True
+
+
+def start_worker_server() -> None:
+    """Start this process's fork server for the loader workers now, with ``SERVER_PRELOAD`` imported in it
+    (idempotent: a server already running, started by other code, is kept as it is). It imports while the process
+    starts and the model and the data are built; the first loader's workers wait for it only if it is not done by
+    then. It ends when this process does."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from .signals import stop_signals_blocked
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(SERVER_PRELOAD)
+    with stop_signals_blocked():  # the server starts with them blocked, until its preload ignores them
+        forkserver.ensure_running()
 
 
 def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
