@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"run", "bench", "processes"}  # this runner, and the helpers the benchmarks share
+NOT_BENCHMARKS = {"run", "bench", "processes", "sample_stacks"}  # this runner, and the helpers the benchmarks share
 
 
 def benchmarks() -> dict[str, str]:
