@@ -19,7 +19,8 @@ def test_the_fork_server_starts_early_only_where_the_run_will_use_it(tmp_path, m
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert early_worker_server(["batch=4096", "data=webdataset"], gpu_node=str(gpu))
     assert not early_worker_server([], gpu_node=str(tmp_path / "none"))  # no GPU on this node
-    for unused in ("data.worker_start=fork", "data.num_workers=0", "trainer.device=cpu", "++data.num_workers=0"):
+    for unused in ("data.worker_start=fork", "data.num_workers=0", "trainer.device=cpu", "++data.num_workers=0",
+                   "data.worker_start='fork'", "--help", "--cfg"):
         assert not early_worker_server(["batch=64", unused], gpu_node=str(gpu)), unused
     assert early_worker_server(["data.num_workers=12", "data.worker_start=forkserver"], gpu_node=str(gpu))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible

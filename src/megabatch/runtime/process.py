@@ -41,6 +41,7 @@ SERVER_PRELOAD = ["__main__", "megabatch.data.worker_server", "megabatch.data.tr
 
 # train.py's arguments that leave the fork server unused (data/worker_start.py: auto is forkserver on CUDA with workers)
 NO_SERVER = {"data.worker_start": ("fork",), "data.num_workers": ("0",), "trainer.device": ("cpu",)}
+NO_RUN = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion", "-sc")  # Hydra's: no run
 
 
 def configure_process(argv: list[str] | None = None) -> None:
@@ -72,12 +73,12 @@ def early_worker_server(argv: list[str], gpu_node: str = "/dev/nvidiactl") -> bo
     will not use it (``data.worker_start=auto`` is ``forkserver`` on CUDA with loader workers): no GPU on this node
     (``gpu_node``, ``CUDA_VISIBLE_DEVICES`` empty), or ``argv`` setting the workers' start to fork, no workers or
     the CPU. A server started for a run that then does not use it (those keys set in a config file) idles, and ends
-    with the run."""
+    with the run. Nor for Hydra's flags that run nothing (``--help``, ``--cfg``, ...)."""
     if not os.path.exists(gpu_node) or os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
         return False
     for arg in argv:
         key, _, value = arg.lstrip("+~").partition("=")
-        if value.strip() in NO_SERVER.get(key, ()):
+        if arg in NO_RUN or value.strip().strip("'\"") in NO_SERVER.get(key, ()):
             return False
     return True
 
