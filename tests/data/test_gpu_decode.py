@@ -7,6 +7,7 @@ offload replay) and against the CPU path."""
 from __future__ import annotations
 
 import io
+import json
 import threading
 import time
 
@@ -195,6 +196,39 @@ def test_the_decoding_threads_follow_data_decode_threads(monkeypatch):
         sizes[name] = (decoder.pool.threads, decoder.pool.look_ahead_threads)
         decoder.close()
     assert sizes == {"auto-hardware": (4, 3), "auto-cuda": (2, 1), "six": (6, 5)}
+
+
+def test_whether_the_hardware_decoder_works_is_kept_per_gpu_so_a_warm_start_makes_none_to_size_the_pool(
+        tmp_path, monkeypatch):
+    """The pool's size needs to know whether the GPU's hardware JPEG decoder works: found out once by making one (0.7
+    s of the main thread on an H200), then kept in ``data.cache_dir``; the next start reads it. The decoding threads'
+    first try still decides for the run, and corrects a kept answer that is wrong."""
+    from megabatch.data import nvjpeg
+
+    made, works = [], [True]
+
+    def hardware_decoder(device):
+        made.append(device)
+        if not works[0]:
+            raise nvjpeg.NvJpegError("create (hardware backend)", 6)
+        return FakeHardware()
+
+    monkeypatch.setattr(nvjpeg, "hardware_decoder", hardware_decoder)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    kept = tmp_path / "cache" / "jpeg_hardware.json"
+    cuda = torch.device("cuda")  # (no CUDA call is made: the decoder is a fake, the GPU's name patched)
+    assert GpuDecoder(cuda, kept=kept)._has_hardware() and len(made) == 1  # found out, and kept
+    answers = json.loads(kept.read_text())
+    assert list(answers.values()) == [True] and next(iter(answers)).startswith("NVIDIA H200, CUDA ")
+    warm = GpuDecoder(cuda, kept=kept)
+    assert warm._has_hardware() and len(made) == 1 and warm.hardware is None  # read: none made; threads decide
+    works[0] = False  # a wrong answer: the first decoding thread's try finds no hardware decoder
+    assert warm._hardware_decoder() is None and warm.hardware is False
+    assert list(json.loads(kept.read_text()).values()) == [False]
+    assert not GpuDecoder(cuda, kept=kept)._has_hardware() and len(made) == 2
+    kept.write_text("not json")  # a file that does not read: found out again
+    assert not GpuDecoder(cuda, kept=kept)._has_hardware() and len(made) == 3
+    assert list(json.loads(kept.read_text()).values()) == [False]
 
 
 def test_a_corrupt_jpeg_body_becomes_a_counted_black_image(monkeypatch):

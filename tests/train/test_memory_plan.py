@@ -249,3 +249,40 @@ def test_the_probes_are_kept_for_the_next_run_of_the_same_model(monkeypatch, tmp
     assert ProbeCache.for_run(cfg, 0, 1, env.device).path is None
     monkeypatch.delenv("MEGABATCH_PROBE_CACHE")
     assert ProbeCache.for_run(cfg, 0, 1, torch.device("cpu")).path is None
+
+
+def test_the_flop_count_is_kept_so_the_same_command_again_counts_nothing(tmp_path, monkeypatch):
+    """``parts.model_flops``: on a GPU the towers' FLOPs are counted once (an eager forward under the FLOP counter)
+    and kept in ``data.cache_dir`` under the probes' key and the rows; the same command again reads them. Off (or
+    with a file that does not read) they are counted."""
+    import torch
+
+    from megabatch.config.run import RunSettings
+    from megabatch.distributed import DistEnv
+    from megabatch.train.build import parts
+    from megabatch.train.step.utilization import ModelFlops
+
+    counted = []
+
+    class Model:  # what model_flops asks of the model; the count itself is count_model_flops's (its own tests)
+        def example_inputs(self, rows, device):
+            return rows, device
+
+    def count(model, rows, device):
+        counted.append(rows)
+        return ModelFlops(1.5e9, 2.5e8, True, False)
+
+    monkeypatch.setattr(parts, "count_model_flops", count)
+    monkeypatch.setattr(parts, "probe_key", lambda cfg, rank, world, device: {"model": cfg.model.name})
+    cfg = validate(compose("batch=64", f"data.cache_dir={tmp_path}"))
+    settings, gpu = RunSettings.of(cfg), DistEnv(device=torch.device("cuda"))  # (no CUDA call: the count is stubbed)
+    first = parts.model_flops(cfg, settings, Model(), gpu)
+    assert first == ModelFlops(1.5e9, 2.5e8, True, False) and counted == [64]
+    assert [path.parent.name for path in tmp_path.rglob("*.json")] == ["flops"]
+    assert parts.model_flops(cfg, settings, Model(), gpu) == first and counted == [64]  # read, not counted
+    monkeypatch.setenv("MEGABATCH_PROBE_CACHE", "0")
+    assert parts.model_flops(cfg, settings, Model(), gpu) == first and counted == [64, 64]
+    monkeypatch.delenv("MEGABATCH_PROBE_CACHE")
+    next(tmp_path.rglob("*.json")).write_text("{}")  # a file that does not read: counted again
+    assert parts.model_flops(cfg, settings, Model(), gpu) == first and counted == [64, 64, 64]
+    assert parts.model_flops(cfg, settings, Model(), DistEnv()) == first and counted == [64] * 4  # the CPU: not kept

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -44,9 +46,12 @@ import torch
 from ..config import ConfigError
 from ..kernels.packed_patches import COORD_BYTES, row_bytes
 from ..kernels.resample import resample_matrices, taps
+from ..runtime.files import replace_whole
 from .samples import JpegBatch, SubBatch, decode_rgb
 
 log = logging.getLogger(__name__)
+
+KEPT_HARDWARE_FILE = "jpeg_hardware.json"  # under data.cache_dir: whether each GPU's hardware JPEG decoder works
 
 
 def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int],
@@ -249,10 +254,12 @@ class GpuDecoder:
     takes the same path every time it is decoded. ``corrupt_image``: rows nothing could decode
     (black images), counted for the logs."""
 
-    def __init__(self, device: torch.device, hardware: bool | None = None, threads: int | None = None):
+    def __init__(self, device: torch.device, hardware: bool | None = None, threads: int | None = None,
+                 kept: Path | None = None):
         self.device, self.threads = device, threads
         self.corrupt_image = 0
         self.hardware = hardware if device.type == "cuda" else False
+        self.kept = kept  # a file keeping, per GPU, whether its hardware decoder works (``_has_hardware``)
         self._pool: DecodePool | None = None
 
     @property
@@ -270,7 +277,7 @@ class GpuDecoder:
         if self._pool is None:
             if self.threads is not None:
                 self._pool = DecodePool(self.device, threads=self.threads, look_ahead_threads=self.threads - 1)
-            elif self._hardware_decoder() is not None:
+            elif self._has_hardware():
                 self._pool = DecodePool(self.device, threads=4, look_ahead_threads=3)
             else:
                 self._pool = DecodePool(self.device, threads=2, look_ahead_threads=1)
@@ -319,6 +326,42 @@ class GpuDecoder:
             return sub._replace(images=self(sub.images), boxes=boxes)
         return sub._replace(images=to_device(sub.images, self.device))
 
+    def _has_hardware(self) -> bool:
+        """Whether the hardware JPEG decoder works here, for the pool's size: decided already, or what ``kept`` says
+        for this GPU, else found out by making one in this thread (0.7 s of the main thread at the loader's start on
+        an H200: the library's search and bind, then nvJPEG's handle), then kept. A kept answer only sizes the pool:
+        the decoding threads' first try decides for the run, and says so in the log, as without it."""
+        if self.hardware is not None:
+            return self.hardware
+        key, answers = self._kept_answers()
+        if key in answers:
+            return bool(answers[key])
+        return self._hardware_decoder() is not None  # (kept by _hardware_decoder as it decides)
+
+    def _kept_answers(self) -> tuple[str, dict]:
+        """``(this GPU's key, every kept answer)`` from ``kept`` (none where there is no file or it does not read)."""
+        if self.kept is None or self.device.type != "cuda":
+            return "", {}
+        import torchvision
+
+        key = (f"{torch.cuda.get_device_name(self.device)}, CUDA {torch.version.cuda}, "
+               f"torchvision {torchvision.__version__}")
+        try:
+            answers = json.loads(self.kept.read_text()) if self.kept.is_file() else {}
+        except (OSError, ValueError):
+            answers = {}
+        return key, answers if isinstance(answers, dict) else {}
+
+    def _keep_answer(self, works: bool) -> None:
+        key, answers = self._kept_answers()
+        if key and answers.get(key) is not works:
+            try:
+                replace_whole(self.kept, lambda partial: partial.write_text(json.dumps({**answers, key: works},
+                                                                                       indent=1) + "\n"))
+            except OSError as error:  # the next run probes again
+                log.warning("could not keep whether the GPU's hardware JPEG decoder works in %s (%s)", self.kept,
+                            error)
+
     def _hardware_decoder(self):
         """This thread's hardware decoder (``nvjpeg.HardwareDecoder``), or ``None`` where there is
         none or ``hardware`` is off; the first try decides for the run, and says so in the log."""
@@ -333,10 +376,12 @@ class GpuDecoder:
                 raise RuntimeError(f"the GPU's hardware JPEG decoder was asked for and fails: {error}") from None
             log.info("JPEGs decode with nvJPEG's CUDA decoder (no hardware JPEG decoder: %s)", error)
             self.hardware = False
+            self._keep_answer(False)
             return None
         if self.hardware is None:
             log.info("JPEGs decode on the GPU's hardware JPEG decoder (nvJPEG), the others with its CUDA decoder")
             self.hardware = True
+            self._keep_answer(True)
         return decoder
 
     def _decode(self, data, rows: list[int], boxes: torch.Tensor) -> tuple[list, torch.Tensor]:

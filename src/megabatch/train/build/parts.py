@@ -9,11 +9,13 @@ stream and the step. No run directory, checkpoints or logs: those are the ``Trai
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -25,7 +27,7 @@ from ...config import ConfigError
 from ...config.run import DataSettings, EmaSettings, RunSettings
 from ...config.schema import ModelSettings
 from ...data import TrainData
-from ...data.gpu_decode import GpuDecoder, resolve_decode
+from ...data.gpu_decode import KEPT_HARDWARE_FILE, GpuDecoder, resolve_decode
 from ...data.naflex import NaFlexSpec
 from ...data.offload import Offload
 from ...data.samples import SubBatch
@@ -36,6 +38,7 @@ from ...models import ClipModel, build_model
 from ...models.fp8 import convert_to_fp8
 from ...models.preprocess import describe_preprocess
 from ...models.views import ViewsCfg
+from ...runtime.files import replace_whole
 from ..step.ema import WeightAverage
 from ..step.objectives import build as build_objectives
 from ..step.objectives.self_distill import start_step
@@ -43,6 +46,7 @@ from ..step.plan import BatchPlan, rank_batch_of
 from ..step.precision import Precision
 from ..step.step import TrainStep
 from ..step.utilization import ModelFlops, Peak, count_model_flops, gpu_peak
+from .cache_keys import keyed_file
 from .compile_cache import CompileCache, cache_file, compile_timers, describe_split
 from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import (
@@ -53,6 +57,7 @@ from .memory_plan import (
     batch_bytes,
     graphs_in,
     plan_sub_batch_and_reduction,
+    probe_key,
     probe_peak_memory,
     teacher_bytes,
 )
@@ -111,8 +116,7 @@ class RunParts:
             gpu_decoder, ahead = build_gpu_decoder(settings.data, env) if data.image_features is None and (
                 model.naflex is None or settings.data.decode == "gpu") else (None, 0.0)
         with phase("flop count"):  # FLOPs per sample, counted on the whole model, eagerly (before FP8 and sharding)
-            flops, peak = count_model_flops(model, *model.example_inputs(flop_rows(settings, env), env.device)), \
-                gpu_peak(env.device)
+            flops, peak = model_flops(cfg, settings, model, env), gpu_peak(env.device)
         if env.rank == 0:
             log_utilization_basis(flops, peak, gpu_decoder is not None, ahead)
         with phase("plan"):
@@ -527,7 +531,8 @@ def build_gpu_decoder(data: DataSettings, env: DistEnv) -> tuple[GpuDecoder | No
     if resolve_decode(data.decode, env.device) != "gpu":
         return None, 0.0
     threads = None if data.decode_threads == "auto" else data.decode_threads
-    return GpuDecoder(env.device, threads=threads), \
+    kept = Path(data.cache_dir).expanduser() / KEPT_HARDWARE_FILE if data.cache_dir else None
+    return GpuDecoder(env.device, threads=threads, kept=kept), \
         decode_ahead_bytes(data, torch.cuda.get_device_properties(env.device).total_memory)
 
 
@@ -701,6 +706,27 @@ def rank_trainable_params(model: torch.nn.Module) -> int:
     """The trainable parameters this rank holds AdamW's moments for: its shards under FSDP, all of
     them otherwise."""
     return sum(local(p).numel() for p in model.parameters() if p.requires_grad)
+
+
+def model_flops(cfg: DictConfig, settings: RunSettings, model: ClipModel, env: DistEnv) -> ModelFlops:
+    """The towers' FLOPs per sample (``count_model_flops`` on ``flop_rows`` rows, eagerly under the FLOP counter:
+    0.24-0.58 s of a ViT-B/16 start on an H200), kept on a GPU in ``<data.cache_dir>/flops/`` under the probes' key
+    (``memory_plan.probe_key``: the model's config, the library versions, megabatch's source) and the rows, so that
+    the same command again reads them. ``MEGABATCH_PROBE_CACHE=0``: always counted."""
+    rows, path = flop_rows(settings, env), None
+    if env.device.type == "cuda" and cfg.data.cache_dir and os.environ.get("MEGABATCH_PROBE_CACHE", "1") != "0":
+        path = keyed_file(cfg, "flops", {**probe_key(cfg, 0, 1, env.device), "rows": rows}, "json")
+        try:
+            return ModelFlops(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass  # none kept yet, or unreadable: counted
+    flops = count_model_flops(model, *model.example_inputs(rows, env.device))
+    if path is not None:
+        try:
+            replace_whole(path, lambda partial: partial.write_text(json.dumps(dataclasses.asdict(flops)) + "\n"))
+        except OSError:
+            pass  # counted again next time
+    return flops
 
 
 def flop_rows(settings: RunSettings, env: DistEnv) -> int:
