@@ -11,7 +11,8 @@ OpenCLIP's ``--torchcompile``; and the steady-state samples/s after it.
 
 Each row is one process, launched as a user launches it: ``python train.py model=<model>
 model.compile=true model.compile_scope=<scope> data=webdataset data.decode=gpu ...`` on photo-like
-JPEG shards written first (``--images``); with ``--before``, each row again from that source tree.
+JPEG shards written first (``--images``); with ``--before``, each row again from that source tree (or trees), the
+trees taking turns at each of ``--caches``.
 ``cold``: an empty ``$MEGABATCH_CACHE``, an empty inductor
 cache (``TORCHINDUCTOR_CACHE_DIR``) and an empty Triton home (``TRITON_HOME``: its default caches);
 ``warm``: the cache the cold run of that scope wrote, inductor's own cache and Triton's home empty
@@ -284,8 +285,10 @@ def main() -> None:
             write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
     trees = [(ROOT, "now")] + before_trees(args.before)
     for scope in args.scopes.split(","):
-        for tree, label in trees:
-            for cache in args.caches.split(","):
+        # the trees take turns at each cache state (cold: now, before; warm: now, before; ...): a machine whose speed
+        # drifts during the call (on one H200 a warm start moved by 3 s within ten minutes) weighs on each alike
+        for cache in args.caches.split(","):
+            for tree, label in trees:
                 rows.append(ours(args, scope, cache, workdir, urls, tree=tree, label=label))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
                 write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
