@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import threading
 import time
 
@@ -199,7 +200,7 @@ def test_the_decoding_threads_follow_data_decode_threads(monkeypatch):
 
 
 def test_whether_the_hardware_decoder_works_is_kept_per_gpu_so_a_warm_start_makes_none_to_size_the_pool(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, caplog):
     """The pool's size needs to know whether the GPU's hardware JPEG decoder works: found out once by making one (0.7
     s of the main thread on an H200), then kept in ``data.cache_dir``; the next start reads it. The decoding threads'
     first try still decides for the run, and corrects a kept answer that is wrong."""
@@ -229,6 +230,17 @@ def test_whether_the_hardware_decoder_works_is_kept_per_gpu_so_a_warm_start_make
     kept.write_text("not json")  # a file that does not read: found out again
     assert not GpuDecoder(cuda, kept=kept)._has_hardware() and len(made) == 3
     assert list(json.loads(kept.read_text()).values()) == [False]
+    # the decoding threads' first tries, all at once: one decides and says so
+    works[0] = True
+    shared = GpuDecoder(cuda, kept=kept)
+    with caplog.at_level(logging.INFO, logger="megabatch"):
+        tries = [threading.Thread(target=shared._hardware_decoder) for _ in range(4)]
+        for thread in tries:
+            thread.start()
+        for thread in tries:
+            thread.join()
+    assert shared.hardware is True and caplog.text.count("decode on the GPU's hardware JPEG decoder") == 1
+    assert list(json.loads(kept.read_text()).values()) == [True]
 
 
 def test_a_corrupt_jpeg_body_becomes_a_counted_black_image(monkeypatch):

@@ -260,6 +260,7 @@ class GpuDecoder:
         self.corrupt_image = 0
         self.hardware = hardware if device.type == "cuda" else False
         self.kept = kept  # a file keeping, per GPU, whether its hardware decoder works (``_has_hardware``)
+        self._deciding = threading.Lock()  # the decoding threads' first tries: one decides, logs and keeps
         self._pool: DecodePool | None = None
 
     @property
@@ -374,14 +375,18 @@ class GpuDecoder:
         except (nvjpeg.NvJpegError, OSError, AttributeError) as error:  # (AttributeError: an nvJPEG too old)
             if self.hardware:
                 raise RuntimeError(f"the GPU's hardware JPEG decoder was asked for and fails: {error}") from None
-            log.info("JPEGs decode with nvJPEG's CUDA decoder (no hardware JPEG decoder: %s)", error)
-            self.hardware = False
-            self._keep_answer(False)
+            with self._deciding:
+                if self.hardware is None:
+                    log.info("JPEGs decode with nvJPEG's CUDA decoder (no hardware JPEG decoder: %s)", error)
+                    self.hardware = False
+                    self._keep_answer(False)
             return None
-        if self.hardware is None:
-            log.info("JPEGs decode on the GPU's hardware JPEG decoder (nvJPEG), the others with its CUDA decoder")
-            self.hardware = True
-            self._keep_answer(True)
+        with self._deciding:  # (a kept answer sized the pool: the decoding threads' first tries decide)
+            if self.hardware is None:
+                log.info("JPEGs decode on the GPU's hardware JPEG decoder (nvJPEG), the others with its CUDA "
+                         "decoder")
+                self.hardware = True
+                self._keep_answer(True)
         return decoder
 
     def _decode(self, data, rows: list[int], boxes: torch.Tensor) -> tuple[list, torch.Tensor]:
