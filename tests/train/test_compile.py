@@ -6,6 +6,9 @@ trainer.feature_dtype=auto."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -411,3 +414,74 @@ def test_the_warm_up_runs_the_shortest_and_longest_cut_and_then_no_caption_lengt
             model(None, cut)
         model(None, cut)[1].sum().backward()
     assert counts["stats"]["unique_graphs"] == graphs, "a caption length compiled a graph after the warm-up"
+
+
+def test_the_first_compilations_imports_run_beside_the_models_build(monkeypatch, caplog):
+    """``model.compile``: what the first compilation imports, and Triton's library hash (CUDA), run in threads
+    while the body (the model's build) runs, and are done when it ends; an error in them is only logged; off
+    without ``model.compile``."""
+    import threading
+    import time
+
+    from megabatch.runtime import process
+
+    ran = []
+
+    def job(name, fail=False):
+        def run():
+            time.sleep(0.2)
+            ran.append((name, threading.current_thread() is not threading.main_thread()))
+            if fail:
+                raise RuntimeError("not this time")
+        return run
+
+    monkeypatch.setattr(process, "_import_compiler", job("imports"))
+    monkeypatch.setattr(process, "_hash_triton", job("hash", fail=True))
+    with caplog.at_level("DEBUG", logger="megabatch"), process.compiler_imports(True, hash_triton=True):
+        assert ran == []  # the body runs beside them
+    assert sorted(ran) == [("hash", True), ("imports", True)]
+    assert "not this time" in caplog.text
+    ran.clear()
+    with process.compiler_imports(True, hash_triton=False):
+        pass
+    assert ran == [("imports", True)]
+    ran.clear()
+    with process.compiler_imports(False, hash_triton=False):
+        pass
+    assert ran == []
+
+
+BUILD_IMPORTS = """
+import sys
+import torch
+from megabatch.config.compose import compose
+from megabatch.config.run import RunSettings
+from megabatch.distributed import init_distributed
+from megabatch.runtime.process import COMPILER_MODULES
+from megabatch.train.build.parts import BUILD_CLIP_IMPORTS, build_model_for, compiling_ahead
+
+env = init_distributed("cpu")
+for model in ("tiny", "tiny_coca", "tiny_naflex", "vit_b16"):
+    cfg = compose(f"model={model}")
+    before = set(sys.modules)
+    build_model_for(cfg, RunSettings.of(cfg), env)
+    assert set(sys.modules) - before <= set(BUILD_CLIP_IMPORTS), (model, set(sys.modules) - before)
+assert not any(name in sys.modules for name in COMPILER_MODULES[:2])
+cfg = compose("model=tiny", "model.compile=true")
+with compiling_ahead(cfg, RunSettings.of(cfg), env):
+    build_model_for(cfg, RunSettings.of(cfg), env)
+assert all(name in sys.modules for name in COMPILER_MODULES[:2])
+print("ok")
+"""
+
+
+def test_a_clip_build_imports_nothing_the_compilers_imports_could_meet(tmp_path):
+    """``compiling_ahead`` imports inductor's modules in a thread beside ``build_model_for``: two threads importing
+    modules that import each other can leave one half made, so the build of a ``build_clip`` model (a CLIP, a CoCa,
+    a NaFlex tower) must import nothing but ``BUILD_CLIP_IMPORTS`` (imported before the thread starts). In a fresh
+    interpreter, as a run starts; then the compiler's modules are there after a compiled model's build."""
+    script = tmp_path / "build_imports.py"
+    script.write_text(BUILD_IMPORTS)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr

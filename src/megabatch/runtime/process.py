@@ -15,9 +15,14 @@ benchmark or a notebook that did not.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +47,12 @@ SERVER_PRELOAD = ["__main__", "megabatch.data.worker_server", "megabatch.data.tr
 # train.py's arguments that leave the fork server unused (data/worker_start.py: auto is forkserver on CUDA with workers)
 NO_SERVER = {"data.worker_start": ("fork",), "data.num_workers": ("0",), "trainer.device": ("cpu",)}
 NO_RUN = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion", "-sc")  # Hydra's: no run
+
+# what the first compilation imports beyond what start_compile_workers has (torch 2.11 to 2.14; a module a torch lacks
+# is skipped): in a warm 4k start on one H200, 1.5 s of the main thread before the towers' first graph
+COMPILER_MODULES = ("torch._inductor.compile_fx", "torch._dynamo.backends.inductor", "torch._functorch.partitioners",
+                    "torch._inductor.codegen.triton", "torch._inductor.codegen.cuda_combined_scheduling",
+                    "torch._inductor.runtime.triton_heuristics", "torch.export._trace", "torch.utils.cpp_extension")
 
 
 def configure_process(argv: list[str] | None = None) -> None:
@@ -147,6 +158,54 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
         if device.type == "cuda":
             done.append(start_compile_workers())
     return done
+
+
+@contextmanager
+def compiler_imports(on: bool, hash_triton: bool) -> Iterator[None]:
+    """``model.compile``: while the body runs, import what the first compilation imports (``COMPILER_MODULES``) in one
+    thread and, with ``hash_triton`` (CUDA), hash Triton's library in another (``triton_key``, which inductor's cache
+    keys read: 0.75 s of an H200's warm start, cached for the process). The body is the model's build, whose seeded
+    initialisation runs in torch's ops with the interpreter's lock released, so the threads run beside it rather than
+    in the first compilation. Both are joined on exit: after it the main thread may import what they import, and
+    two threads importing modules that import each other can leave one half made. A thread's error is only logged
+    (the compilation imports again, and reports it there)."""
+    if not on:
+        yield
+        return
+    jobs = [_import_compiler] + ([_hash_triton] if hash_triton else [])
+    threads = [threading.Thread(target=_logged, args=(job,), name=f"megabatch-{job.__name__[1:]}", daemon=True)
+               for job in jobs]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        start = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        log.debug("compiler imports: waited %.2f s for them after the build", time.perf_counter() - start)
+
+
+def _import_compiler() -> None:
+    for name in COMPILER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not in this torch
+            pass
+
+
+def _hash_triton() -> None:
+    from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key
+
+    if HAS_TRITON:
+        triton_key()
+
+
+def _logged(job) -> None:
+    try:
+        job()
+    except Exception as error:  # noqa: BLE001 - ahead of the compilation, which meets it again
+        log.debug("%s ahead of the compilation failed: %r", job.__name__, error)
 
 
 def start_compile_workers() -> str:

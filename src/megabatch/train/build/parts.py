@@ -9,6 +9,7 @@ stream and the step. No run directory, checkpoints or logs: those are the ``Trai
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from ...models.fp8 import convert_to_fp8
 from ...models.preprocess import describe_preprocess
 from ...models.views import ViewsCfg
 from ...runtime.files import replace_whole
+from ...runtime.process import compiler_imports
 from ..step.ema import WeightAverage
 from ..step.objectives import build as build_objectives
 from ..step.objectives.self_distill import start_step
@@ -98,7 +100,7 @@ class RunParts:
         would return later)."""
         phase = (times if times is not None else StartupTimes()).phase  # timing is cheap; unasked, it is dropped
         settings = RunSettings.of(cfg)  # every count and choice parsed once, handed down
-        with phase("model"):
+        with phase("model"), compiling_ahead(cfg, settings, env):
             model = build_model_for(cfg, settings, env)
             tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below
         if env.rank == 0:
@@ -201,6 +203,26 @@ def check_naflex(model: ClipModel, settings: RunSettings) -> None:
         raise ConfigError("self_distill with a NaFlex image tower (model.image.naflex=true): its crops and masked "
                           "view are cut from a fixed-size ViT's grid; set self_distill.weight=0 and "
                           "self_distill.masked_weight=0, or a fixed-size model")
+
+
+# what build_clip imports while it builds (models/clip.py: build_model); nothing else for its CLIPs, CoCas and NaFlex
+# towers without a Hugging Face text tower (a test: tests/train/test_compile.py)
+BUILD_CLIP_IMPORTS = ("megabatch.models.attention", "megabatch.models.mlp", "megabatch.models.patches",
+                      "megabatch.models.decoder")
+
+
+def compiling_ahead(cfg: DictConfig, settings: RunSettings, env: DistEnv):
+    """``model.compile``: the model's build with what the first compilation imports imported beside it, and Triton's
+    library hashed beside it on CUDA (``runtime/process.py: compiler_imports``). The imports only where the build
+    imports nothing that they might (``BUILD_CLIP_IMPORTS``, imported first: a ``build_clip`` model without a Hugging
+    Face text tower), so that no module is imported by both threads at once."""
+    compiled = settings.model.compile
+    imports = compiled and cfg.model.get("_target_") == "megabatch.models.build_clip" and \
+        not (cfg.model.get("text") or {}).get("hf_path")
+    if imports:
+        for name in BUILD_CLIP_IMPORTS:
+            importlib.import_module(name)
+    return compiler_imports(imports, hash_triton=compiled and env.device.type == "cuda")
 
 
 def build_model_for(cfg: DictConfig, settings: RunSettings, env: DistEnv) -> ClipModel:
