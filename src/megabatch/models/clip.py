@@ -438,8 +438,8 @@ class ClipModel(nn.Module):
         and the gradients cleared: training draws and computes what it would have without.
         ``texts_only``: the text tower's calls alone (``train/build/compile_text.py``'s process). ``text_elsewhere``:
         that process compiling them beside this one: the image tower's graphs are compiled first, alone, then
-        ``text_elsewhere()`` waits for it, and the text tower's graphs load from inductor's cache (not with
-        ``options`` or CUDA graphs, whose calls take both towers together).
+        ``text_elsewhere(seconds they took)`` waits for it, and the text tower's graphs load from inductor's cache
+        (not with ``options`` or CUDA graphs, whose calls take both towers together).
         Returns seconds."""
         start = time.perf_counter()
         images, texts = self.example_inputs(rows, device)
@@ -453,7 +453,7 @@ class ClipModel(nn.Module):
             images_first = text_elsewhere is not None and not graphs and not options
             if images_first:  # the text tower's graphs compile in another process meanwhile
                 self._warm_images(images, autocast, graph_free)
-                text_elsewhere()
+                text_elsewhere(time.perf_counter() - start)
             for _ in range(2 if graphs else 1):
                 for index, length in enumerate(lengths):
                     if index >= 3 and not graphs and not compiled_at_last:  # the guards admit the lengths left

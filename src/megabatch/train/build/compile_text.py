@@ -37,7 +37,7 @@ log = logging.getLogger("megabatch")
 
 OFF = "MEGABATCH_COMPILE_HELPER"  # =0: the run compiles both towers itself
 MARGIN_BYTES = 4e9                # kept free beside the two processes' plans: CUDA contexts, kernels, fragmentation
-WAIT_S = 900.0                    # the longest the run waits for the text tower's graphs
+WAIT_S = 900.0                    # the longest wait() waits for the text tower's graphs
 
 
 def wanted(settings, env) -> bool:
@@ -111,6 +111,11 @@ class TextCompiler:
                         "took too long" if code is None else f"ended with {code}", OFF, self.tail())
         self._clean()
         return done
+
+    def wait_beside(self, images_s: float) -> bool:
+        """``wait``, for as long as the image tower's graphs took this process (``images_s``) and half again, at least
+        a minute: a second process slower than that gains nothing, and the run compiles the text tower itself."""
+        return self.wait(timeout=max(60.0, 1.5 * images_s))
 
     def tail(self, lines: int = 12) -> str:
         self.log_file.seek(0)

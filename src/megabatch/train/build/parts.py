@@ -399,7 +399,7 @@ class Compilation:
         try:
             self.seconds = self.model.warm_up(plan.sub_batch, env.device, self.precision.autocast,
                                               graph_free=graph_free, options=self.options,
-                                              text_elsewhere=helper.wait if helper is not None else None)
+                                              text_elsewhere=helper.wait_beside if helper is not None else None)
         finally:
             if helper is not None:
                 helper.stop()  # (a no-op once it has ended)
