@@ -83,11 +83,13 @@ class TextCompiler:
         self.asked = True
 
     def stop(self) -> None:
-        """Nothing to compile (the compile cache had it all, or the run failed): it exits."""
+        """Nothing (more) to compile (the compile cache had it all, or the run failed): it exits, or is ended where it
+        was already told to compile."""
         if self.process.poll() is None:
-            self._tell({"stop": True})
+            if not self.asked:
+                self._tell({"stop": True})
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=0 if self.asked else 30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

@@ -221,9 +221,9 @@ def check_naflex(model: ClipModel, settings: RunSettings) -> None:
 
 def text_compiler_for(started: TextCompiler | None, cfg: DictConfig, settings: RunSettings, env: DistEnv,
                       plan: BatchPlan, auto: SubBatchChoice | None, ahead: float) -> TextCompiler | None:
-    """After the plan: the process compiling the text tower's graphs (``compile_text.py``), with the GPU memory the
-    plan leaves it; ``started`` (before the probes), or one started now for a sub-batch given whose graphs are not in
-    the compile cache. None (``started`` stopped) where the plan leaves it under 2 GB."""
+    """After the plan: the process compiling the text tower's graphs (``compile_text.py``), told the rows and the GPU
+    memory the plan leaves it; ``started`` (before the probes), or one started now for a sub-batch given whose graphs
+    are not in the compile cache. None (``started`` stopped) where the plan leaves it under 2 GB."""
     if started is None and compile_text.wanted(settings, env) and settings.trainer.sub_batch != "auto" and \
             not cache_file(cfg, plan.sub_batch, plan.sub_batches > 1, env.device, None).is_file():
         started = TextCompiler.start(cfg, env.device)
@@ -235,6 +235,7 @@ def text_compiler_for(started: TextCompiler | None, cfg: DictConfig, settings: R
     if started.memory_bytes is None:
         started.stop()
         return None
+    started.compile(plan.sub_batch, plan.sub_batches > 1)  # as Compilation.run will: now, while the loader starts
     return started
 
 
@@ -394,7 +395,7 @@ class Compilation:
         if helper is not None and (cache.loaded or self.options):
             helper.stop()
             helper = None
-        elif helper is not None:
+        elif helper is not None and not helper.asked:
             helper.compile(plan.sub_batch, graph_free)
         try:
             self.seconds = self.model.warm_up(plan.sub_batch, env.device, self.precision.autocast,
