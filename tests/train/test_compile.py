@@ -437,11 +437,8 @@ def test_the_first_compilations_imports_run_beside_the_models_build(monkeypatch,
 
     monkeypatch.setattr(process, "_import_compiler", job("imports"))
     monkeypatch.setattr(process, "_hash_triton", job("hash", fail=True))
-    interval = sys.getswitchinterval()
     with caplog.at_level("DEBUG", logger="megabatch"), process.compiler_imports(True, hash_triton=True):
-        assert ran == []  # the body runs beside them, the interpreter switching threads more often
-        assert sys.getswitchinterval() == min(interval, process.SHARED_SWITCH_S)
-    assert sys.getswitchinterval() == interval
+        assert ran == []  # the body runs beside them
     assert sorted(ran) == [("hash", True), ("imports", True)]
     assert "not this time" in caplog.text
     ran.clear()

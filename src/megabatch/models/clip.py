@@ -421,7 +421,7 @@ class ClipModel(nn.Module):
                 ("image", self._caption_image), ("text", self._caption_text), ("decoder", self._caption_loss))}
 
     def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool,
-                options: dict | None = None, texts_only: bool = False, text_elsewhere=None) -> float:
+                options: dict | None = None) -> float:
         """After ``compile_towers``: compile now every graph training will call, so that no step
         stalls on a compilation later. Calls each tower once with autograd (the replay, a plain step)
         and, with ``graph_free`` (GradCache), once without (phase 1); the text tower at its whole
@@ -436,10 +436,6 @@ class ClipModel(nn.Module):
         A NaFlex tower's images: at each of ``image_lengths`` (a graph each), beside the text tower's calls.
         ``autocast``: a callable giving the step's autocast context. The RNG states are restored
         and the gradients cleared: training draws and computes what it would have without.
-        ``texts_only``: the text tower's calls alone (``train/build/compile_text.py``'s process). ``text_elsewhere``:
-        that process compiling them beside this one: the image tower's graphs are compiled first, alone, then
-        ``text_elsewhere(seconds they took)`` waits for it, and the text tower's graphs load from inductor's cache
-        (not with ``options`` or CUDA graphs, whose calls take both towers together).
         Returns seconds."""
         start = time.perf_counter()
         images, texts = self.example_inputs(rows, device)
@@ -450,18 +446,13 @@ class ClipModel(nn.Module):
             # CUDA graphs: each call is run once, then recorded on its second run, both towers
             # together as the one-pass step calls them
             graphs, compiled_at_last = self._cuda_graphs, True
-            images_first = text_elsewhere is not None and not graphs and not options
-            if images_first:  # the text tower's graphs compile in another process meanwhile
-                self._warm_images(images, autocast, graph_free)
-                text_elsewhere(time.perf_counter() - start)
             for _ in range(2 if graphs else 1):
                 for index, length in enumerate(lengths):
                     if index >= 3 and not graphs and not compiled_at_last:  # the guards admit the lengths left
                         break
                     before = _graphs_compiled()
-                    with_images = (index == 0 and not (images_first or texts_only)) or graphs
-                    inputs = (images if with_images else None, texts[:, :length].contiguous())  # as cut
-                    if with_images and index == 0 and len(self.image_lengths) > 1:  # the other lengths' image graphs
+                    inputs = (images if index == 0 or graphs else None, texts[:, :length].contiguous())  # as cut
+                    if index == 0 and len(self.image_lengths) > 1:  # the other lengths' image graphs first
                         self._warm_image_lengths(rows, device, autocast, graph_free)
                     if graph_free:
                         with torch.no_grad(), autocast():
@@ -479,20 +470,6 @@ class ClipModel(nn.Module):
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, device)
         return time.perf_counter() - start
-
-    def _warm_images(self, images: torch.Tensor, autocast, graph_free: bool) -> None:
-        """``warm_up``'s image tower calls alone, as its first call makes them (a NaFlex tower's other lengths
-        first)."""
-        if len(self.image_lengths) > 1:
-            self._warm_image_lengths(images.shape[0], images.device, autocast, graph_free)
-        if graph_free:
-            with torch.no_grad(), autocast():
-                self(images, None)
-        with autocast():
-            features = self(images, None)[0]
-        if features is not None and features.requires_grad:
-            features.float().sum().backward()
-        self.zero_grad(set_to_none=True)
 
     def warm_up_lengths(self, context: int) -> list[int]:
         """The caption lengths ``warm_up`` calls the text tower at, in order: the whole context, then (captions cut,

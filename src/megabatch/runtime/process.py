@@ -48,8 +48,6 @@ SERVER_PRELOAD = ["__main__", "megabatch.data.worker_server", "megabatch.data.tr
 NO_SERVER = {"data.worker_start": ("fork",), "data.num_workers": ("0",), "trainer.device": ("cpu",)}
 NO_RUN = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion", "-sc")  # Hydra's: no run
 
-SHARED_SWITCH_S = 0.0005  # compiler_imports: the switch interval while its threads share the interpreter with the build
-
 # what the first compilation imports beyond what start_compile_workers has (torch 2.11 to 2.14; a module a torch lacks
 # is skipped): in a warm 4k start on one H200, 1.5 s of the main thread before the towers' first graph
 COMPILER_MODULES = ("torch._inductor.compile_fx", "torch._dynamo.backends.inductor", "torch._functorch.partitioners",
@@ -170,17 +168,13 @@ def compiler_imports(on: bool, hash_triton: bool) -> Iterator[None]:
     initialisation runs in torch's ops with the interpreter's lock released, so the threads run beside it rather than
     in the first compilation. Both are joined on exit: after it the main thread may import what they import, and
     two threads importing modules that import each other can leave one half made. A thread's error is only logged
-    (the compilation imports again, and reports it there). Meanwhile the interpreter hands its lock over every
-    ``SHARED_SWITCH_S`` instead of 5 ms: the build takes it back after each of its ops, and waited up to 5 ms each
-    time (on one H200 the build took 0.8 s longer beside the threads with 5 ms)."""
+    (the compilation imports again, and reports it there)."""
     if not on:
         yield
         return
     jobs = [_import_compiler] + ([_hash_triton] if hash_triton else [])
     threads = [threading.Thread(target=_logged, args=(job,), name=f"megabatch-{job.__name__[1:]}", daemon=True)
                for job in jobs]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, SHARED_SWITCH_S))
     for thread in threads:
         thread.start()
     try:
@@ -189,7 +183,6 @@ def compiler_imports(on: bool, hash_triton: bool) -> Iterator[None]:
         start = time.perf_counter()
         for thread in threads:
             thread.join()
-        sys.setswitchinterval(interval)
         log.debug("compiler imports: waited %.2f s for them after the build", time.perf_counter() - start)
 
 

@@ -48,10 +48,8 @@ from ..step.plan import BatchPlan, rank_batch_of
 from ..step.precision import Precision
 from ..step.step import TrainStep
 from ..step.utilization import ModelFlops, Peak, count_model_flops, gpu_peak
-from . import compile_text
 from .cache_keys import keyed_file
 from .compile_cache import CompileCache, cache_file, compile_timers, describe_split
-from .compile_text import TextCompiler
 from .inputs import RunInputs, read_ahead_budget
 from .memory_plan import (
     LengthFits,
@@ -124,23 +122,13 @@ class RunParts:
         if env.rank == 0:
             log_utilization_basis(flops, peak, gpu_decoder is not None, ahead)
         with phase("plan"):
-            probes = ProbeCache.for_run(cfg, env.rank, env.world_size, env.device)
-            # cold caches: the text tower's graphs compile in a second process, which starts now (compile_text.py)
-            text_compiler = TextCompiler.start(cfg, env.device) if compile_text.wanted(settings, env) and \
-                settings.trainer.sub_batch == "auto" and (probes.path is None or not probes.path.is_file()) else None
-            try:
-                loss = prepare_model(cfg, settings, model, env, precision, data)
-                # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
-                auto = choose_sub_batch(settings, model, env, precision, ahead, getattr(loss, "teacher", None),
-                                        join_lengths=model.naflex is not None and data.split != "shard",
-                                        probe_cache=probes)
-            except BaseException:
-                if text_compiler is not None:
-                    text_compiler.stop()
-                raise
+            loss = prepare_model(cfg, settings, model, env, precision, data)
+            # trainer.sub_batch=auto measures the model as it trains: FP8, and each rank's shard under FSDP
+            auto = choose_sub_batch(settings, model, env, precision, ahead, getattr(loss, "teacher", None),
+                                    join_lengths=model.naflex is not None and data.split != "shard",
+                                    probe_cache=ProbeCache.for_run(cfg, env.rank, env.world_size, env.device))
             plan = plan_batches(settings, env.world_size, data, auto.sub_batch if auto else None,
                                 auto.token_budget if auto else None)
-            text_compiler = text_compiler_for(text_compiler, cfg, settings, env, plan, auto, ahead)
             if plan.token_budget is not None and env.rank == 0:
                 log.info("a token budget of %d patches (trainer.sub_batch_tokens, or trainer.sub_batch=auto's): a "
                          "sub-batch of %s (the loader's of the longest joined for the shorter)", plan.token_budget,
@@ -163,15 +151,13 @@ class RunParts:
                     reading = inputs(read_from)
             with phase("step"):
                 built = build_step(cfg, env, model, loss, plan, precision, offload, warm_up=False, auto=auto,
-                                   settings=settings, text_compiler=text_compiler)
+                                   settings=settings)
                 schedule = instantiate(cfg.sched, total_steps=plan.total_steps, global_batch=plan.global_batch,
                                        steps_per_epoch=plan.steps_per_epoch)
-        except BaseException:  # a failed build leaves no workers, spill file, decoding thread or compiler behind
+        except BaseException:  # a failed build leaves no workers, spill file or decoding thread behind
             if reading is not None:
                 reading.close()
             close_inputs(inputs, offload)
-            if text_compiler is not None:
-                text_compiler.stop()
             raise
         seed_rank(settings, env)
         parts = cls(model, tokenize, data, plan, built.optimizer, built.peak_lr, schedule, offload, inputs, built.step,
@@ -217,26 +203,6 @@ def check_naflex(model: ClipModel, settings: RunSettings) -> None:
         raise ConfigError("self_distill with a NaFlex image tower (model.image.naflex=true): its crops and masked "
                           "view are cut from a fixed-size ViT's grid; set self_distill.weight=0 and "
                           "self_distill.masked_weight=0, or a fixed-size model")
-
-
-def text_compiler_for(started: TextCompiler | None, cfg: DictConfig, settings: RunSettings, env: DistEnv,
-                      plan: BatchPlan, auto: SubBatchChoice | None, ahead: float) -> TextCompiler | None:
-    """After the plan: the process compiling the text tower's graphs (``compile_text.py``), told the rows and the GPU
-    memory the plan leaves it; ``started`` (before the probes), or one started now for a sub-batch given whose graphs
-    are not in the compile cache. None (``started`` stopped) where the plan leaves it under 2 GB."""
-    if started is None and compile_text.wanted(settings, env) and settings.trainer.sub_batch != "auto" and \
-            not cache_file(cfg, plan.sub_batch, plan.sub_batches > 1, env.device, None).is_file():
-        started = TextCompiler.start(cfg, env.device)
-    if started is None or env.device.type != "cuda":  # (the CPU: tests')
-        return started
-    capacity = torch.cuda.get_device_properties(env.device).total_memory
-    planned = (auto.predicted_bytes if auto else settings.trainer.memory_fraction * capacity) + ahead
-    started.memory_bytes = compile_text.memory_allowance(capacity, planned)
-    if started.memory_bytes is None:
-        started.stop()
-        return None
-    started.compile(plan.sub_batch, plan.sub_batches > 1)  # as Compilation.run will: now, while the loader starts
-    return started
 
 
 # what build_clip imports while it builds (models/clip.py: build_model); nothing else for its CLIPs, CoCas and NaFlex
@@ -366,10 +332,9 @@ class Compilation:
     saving the compile cache (``compile_cache.py``). ``seconds``: how long ``run`` took (0 before)."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv, model: ClipModel, plan: BatchPlan, precision: Precision,
-                 settings: ModelSettings, options: dict | None = None, text_compiler: TextCompiler | None = None):
+                 settings: ModelSettings, options: dict | None = None):
         self.cfg, self.env, self.model, self.plan, self.precision = cfg, env, model, plan, precision
         self.options = options or {}  # the model's forward options the objectives will ask for (warm_up's)
-        self.text_compiler = text_compiler  # compile_text.py's process, told the rows by run()
         check_exact_replay(model, plan)
         self.scope = compile_scope(settings)
         # a token budget's sub-batches of shorter images are larger: each length compiled at its rows
@@ -391,22 +356,8 @@ class Compilation:
                      "(model.compile_scope=block)" if self.scope == "block" else "the towers whole "
                      "(model.compile_scope=tower)", " (from the cache)" if cache.loaded else "")
         timers = compile_timers()
-        helper, self.text_compiler = self.text_compiler, None
-        if helper is not None and (cache.loaded or self.options):
-            helper.stop()
-            helper = None
-        elif helper is not None and not helper.asked:
-            helper.compile(plan.sub_batch, graph_free)
-        try:
-            self.seconds = self.model.warm_up(plan.sub_batch, env.device, self.precision.autocast,
-                                              graph_free=graph_free, options=self.options,
-                                              text_elsewhere=helper.wait_beside if helper is not None else None)
-        finally:
-            if helper is not None:
-                helper.stop()  # (a no-op once it has ended)
-        if helper is not None and env.rank == 0:
-            log.info("model.compile: the text tower's graphs compiled in a second process (compile_text.py) while "
-                     "this one compiled the image tower's; it waited %.1f s for them", helper.seconds)
+        self.seconds = self.model.warm_up(plan.sub_batch, env.device, self.precision.autocast,
+                                          graph_free=graph_free, options=self.options)
         self.done = True
         if env.rank == 0:
             split = describe_split(timers, compile_timers(), self.seconds)
@@ -417,14 +368,12 @@ class Compilation:
 
 def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: BatchPlan, precision: Precision,
                offload: Offload | None = None, *, warm_up: bool = True,
-               auto: SubBatchChoice | None = None, settings: RunSettings | None = None,
-               text_compiler: TextCompiler | None = None) -> BuiltStep:
+               auto: SubBatchChoice | None = None, settings: RunSettings | None = None) -> BuiltStep:
     """The step a run of ``cfg`` trains ``model`` (``prepare_model``'s) with at ``plan``: the
     optimizer, the text tower's trimming, the compiled towers (``model.compile``; compiled here, or
     later by the returned ``compilation.run()`` with ``warm_up=False``), and the ``TrainStep``, with
     the kept graphs and FSDP reduction ``trainer.sub_batch=auto``'s plan (``auto``) chose. ``settings``: the
-    config's parsed settings (``RunSettings.of(cfg)``, the caller's where it has them). ``text_compiler``: the
-    process compiling the text tower's graphs (``compile_text.py``), which the compilation tells or stops."""
+    config's parsed settings (``RunSettings.of(cfg)``, the caller's where it has them)."""
     settings = settings or RunSettings.of(cfg)
     optimizer, peak_lr = build_optimizer(settings.optim, model, plan.global_batch)
     layer_decay = settings.optim.layer_decay
@@ -444,7 +393,7 @@ def build_step(cfg: DictConfig, env: DistEnv, model: ClipModel, loss, plan: Batc
     # the forwards the objectives will ask for (a caption decoder's loss, self_distill's views), compiled in the warm-up
     options = {key: True for key, on in (("caption", settings.caption_weight > 0), ("views", settings.self_distill.on))
                if on}
-    compilation = Compilation(cfg, env, model, plan, precision, settings.model, options, text_compiler) \
+    compilation = Compilation(cfg, env, model, plan, precision, settings.model, options) \
         if settings.model.compile else None
     if compilation is not None and warm_up:
         compilation.run()
