@@ -446,6 +446,10 @@ def test_the_first_compilations_imports_run_beside_the_models_build(monkeypatch,
         pass
     assert ran == [("imports", True)]
     ran.clear()
+    with process.compiler_imports(False, hash_triton=True):  # (a build that may import: the hash alone)
+        pass
+    assert ran == [("hash", True)]
+    ran.clear()
     with process.compiler_imports(False, hash_triton=False):
         pass
     assert ran == []

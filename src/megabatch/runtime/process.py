@@ -161,18 +161,16 @@ def configure_backends(cfg: DictConfig, device: torch.device) -> list[str]:
 
 
 @contextmanager
-def compiler_imports(on: bool, hash_triton: bool) -> Iterator[None]:
-    """``model.compile``: while the body runs, import what the first compilation imports (``COMPILER_MODULES``) in one
-    thread and, with ``hash_triton`` (CUDA), hash Triton's library in another (``triton_key``, which inductor's cache
-    keys read: 0.75 s of an H200's warm start, cached for the process). The body is the model's build, whose seeded
-    initialisation runs in torch's ops with the interpreter's lock released, so the threads run beside it rather than
-    in the first compilation. Both are joined on exit: after it the main thread may import what they import, and
-    two threads importing modules that import each other can leave one half made. A thread's error is only logged
-    (the compilation imports again, and reports it there)."""
-    if not on:
-        yield
-        return
-    jobs = [_import_compiler] + ([_hash_triton] if hash_triton else [])
+def compiler_imports(imports: bool, hash_triton: bool) -> Iterator[None]:
+    """``model.compile``: while the body runs, import what the first compilation imports (``COMPILER_MODULES``) in
+    one thread (``imports``) and, with ``hash_triton`` (CUDA), hash Triton's library in another (``triton_key``, which
+    inductor's cache keys read: 0.75 s of an H200's warm start, cached for the process). The body is the model's
+    build, whose seeded initialisation runs in torch's ops with the interpreter's lock released, so the threads run
+    beside it rather than in the first compilation. Both are joined on exit: after it the main thread may import what
+    they import, and two threads importing modules that import each other can leave one half made (so ``imports``
+    only where the body imports nothing they might). A thread's error is only logged (the compilation imports again,
+    and reports it there)."""
+    jobs = [job for job, wanted in ((_import_compiler, imports), (_hash_triton, hash_triton)) if wanted]
     threads = [threading.Thread(target=_logged, args=(job,), name=f"megabatch-{job.__name__[1:]}", daemon=True)
                for job in jobs]
     for thread in threads:

@@ -100,8 +100,9 @@ class RunParts:
         would return later)."""
         phase = (times if times is not None else StartupTimes()).phase  # timing is cheap; unasked, it is dropped
         settings = RunSettings.of(cfg)  # every count and choice parsed once, handed down
-        with phase("model"), compiling_ahead(cfg, settings, env):
-            model = build_model_for(cfg, settings, env)
+        with phase("model"):
+            with compiling_ahead(cfg, settings, env):
+                model = build_model_for(cfg, settings, env)
             tokenize = model.tokenizer()  # the model's own, as its image size and preprocessing below
         if env.rank == 0:
             log.info("model %s: preprocessing %s", model.name, describe_preprocess(model.preprocess))
