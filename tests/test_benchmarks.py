@@ -101,6 +101,16 @@ def test_startup_rows_say_where_the_first_steps_wait_for_images_went():
     assert startup.first_step_waits([{"step": 2}]) is None
 
 
+def test_startup_keeps_each_rows_log_in_a_file_of_its_own():
+    """``startup.py --logs``: a row's run output beside the JSON, one file per row (the same cache state twice, or two
+    trees at one state, each its own)."""
+    import startup  # scripts/benchmarks/startup.py
+
+    assert str(startup.run_log("out/startup.json", "block", "now", "warm", 3)) == "out/startup.block-now.warm.3.log"
+    assert len({startup.run_log("s.json", "block", label, "warm", index)
+                for label, index in (("now", 1), ("now", 2), ("before", 2))}) == 3
+
+
 def test_startup_compares_one_or_several_earlier_trees(tmp_path):
     """``startup.py --before``: one tree is labelled ``before``, several each by their folder's name."""
     import startup  # scripts/benchmarks/startup.py

@@ -73,12 +73,18 @@ def settled(folder: Path, quiet_s: float = 3.0, limit_s: float = 90.0) -> int:
     return count
 
 
+def run_log(out: str, scope: str, label: str, cache: str, index: int) -> Path:
+    """``--logs``: where a row's run leaves its output, beside ``out``: ``<out>.<scope>-<label>.<cache>.<index>.log``
+    (``index``: the row's, so that the same cache state run again has a file of its own)."""
+    return Path(out).with_suffix(f".{scope}-{label}.{cache}.{index}.log")
+
+
 def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path | None = None, tree: Path = ROOT,
-         label: str = "now", sampled: Path | None = None) -> dict:
+         label: str = "now", sampled: Path | None = None, log_to: Path | None = None) -> dict:
     """One run of ``train.py`` with ``cache`` (cold or warm) caches; with ``profile``, under cProfile, its
     statistics written there (the profiler's cost is in the row's times); with ``sampled``, its main thread's stacks
     sampled into that file (``sample_stacks.py``). ``tree``: the source tree it runs from (``--before``'s, labelled
-    ``label``: its own caches)."""
+    ``label``: its own caches). ``log_to``: the run's output (its log) written there, and named in the row."""
     key = scope if label == "now" else f"{scope}-{label}"
     cache_dir, inductor = workdir / f"cache-{key}", workdir / f"inductor-{key}-{cache}"
     if cache == "cold":
@@ -100,9 +106,12 @@ def ours(args, scope: str, cache: str, workdir: Path, urls: str, profile: Path |
     started = time.perf_counter()
     ran = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
+    if log_to is not None:
+        log_to.write_text(ran.stdout + ran.stderr)
     row = {"system": "megabatch" if label == "now" else f"megabatch ({label})", "model": args.model,
            "batch": args.batch, "scope": scope, "cache": cache,
            **({"profiled": True} if profile else {}), **({"sampled": True} if sampled else {}),
+           **({"log": log_to.name} if log_to is not None else {}),
            "kept_bytecode_files": kept_bytecode,
            "returncode": ran.returncode, "wall_s": wall,
            "command": " ".join(command[1:])}
@@ -263,6 +272,9 @@ def main() -> None:
                         help="after the rows, one more warm run with its main thread's stack sampled every 5 ms "
                              "(sample_stacks.py; not in the JSON): the samples in <out>.<scope>.warm.samples.json and "
                              "the seconds under each function in <out>.<scope>.warm.samples.txt")
+    parser.add_argument("--logs", action="store_true",
+                        help="keep each row's run output (its log) beside --out, "
+                             "<out>.<scope>-<tree>.<cache>.<row>.log (the row names its file)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from megabatch.data.synthetic import photo_shards
@@ -289,7 +301,8 @@ def main() -> None:
         # drifts during the call (on one H200 a warm start moved by 3 s within ten minutes) weighs on each alike
         for cache in args.caches.split(","):
             for tree, label in trees:
-                rows.append(ours(args, scope, cache, workdir, urls, tree=tree, label=label))
+                log_to = run_log(args.out, scope, label, cache, len(rows)) if args.logs else None
+                rows.append(ours(args, scope, cache, workdir, urls, tree=tree, label=label, log_to=log_to))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
                 write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
         if args.profile:
