@@ -46,7 +46,7 @@ import torch
 from ..config import ConfigError
 from ..kernels.packed_patches import COORD_BYTES, row_bytes
 from ..kernels.resample import resample_matrices, taps
-from ..runtime.files import replace_whole
+from ..runtime.files import replace_json
 from .samples import JpegBatch, SubBatch, decode_rgb
 
 log = logging.getLogger(__name__)
@@ -357,8 +357,7 @@ class GpuDecoder:
         key, answers = self._kept_answers()
         if key and answers.get(key) is not works:
             try:
-                replace_whole(self.kept, lambda partial: partial.write_text(json.dumps({**answers, key: works},
-                                                                                       indent=1) + "\n"))
+                replace_json(self.kept, {**answers, key: works}, indent=1)
             except OSError as error:  # the next run probes again
                 log.warning("could not keep whether the GPU's hardware JPEG decoder works in %s (%s)", self.kept,
                             error)

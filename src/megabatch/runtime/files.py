@@ -3,6 +3,7 @@ new one, or none, never half of one."""
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Callable
@@ -20,3 +21,8 @@ def replace_whole(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def replace_json(path: Path, value, indent: int | None = None) -> None:
+    """``value`` as JSON (one line, or ``indent``ed) written whole to ``path`` (``replace_whole``)."""
+    replace_whole(path, lambda partial: partial.write_text(json.dumps(value, indent=indent) + "\n"))

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ...config import ConfigError
-from ...runtime.files import replace_whole
+from ...runtime.files import replace_json
 from ..step.plan import joined_sub_batches
 from .cache_keys import keyed_file, library_versions
 
@@ -257,7 +257,7 @@ class ProbeCache:
     @classmethod
     def for_run(cls, cfg, rank: int, world_size: int, device: torch.device) -> ProbeCache:
         def locate() -> Path | None:
-            if device.type != "cuda" or os.environ.get("MEGABATCH_PROBE_CACHE", "1") == "0" or not cfg.data.cache_dir:
+            if not kept_measurements(cfg, device):
                 return None
             return keyed_file(cfg, "probes", probe_key(cfg, rank, world_size, device), "json")
 
@@ -285,10 +285,16 @@ class ProbeCache:
             record = {"asked": asked, "measured": {"null" if length is None else str(length): rows
                                                    for length, rows in measured.items()}}
             # ranks and nodes sharing the cache
-            replace_whole(self.path, lambda partial: partial.write_text(json.dumps(record, indent=1) + "\n"))
+            replace_json(self.path, record, indent=1)
         except OSError as error:
             log.warning("trainer.sub_batch=auto: the probes could not be kept in %s (%s); the next run measures "
                         "again", self.path, error)
+
+
+def kept_measurements(cfg, device: torch.device) -> bool:
+    """Whether a run keeps what it measures at start-up (the probes' peaks, the FLOP count) in ``data.cache_dir``: on a
+    GPU, with a cache directory, unless ``MEGABATCH_PROBE_CACHE=0``."""
+    return device.type == "cuda" and bool(cfg.data.cache_dir) and os.environ.get("MEGABATCH_PROBE_CACHE", "1") != "0"
 
 
 def probe_key(cfg, rank: int, world_size: int, device: torch.device) -> dict:

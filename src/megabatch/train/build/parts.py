@@ -39,7 +39,7 @@ from ...models import ClipModel, build_model
 from ...models.fp8 import convert_to_fp8
 from ...models.preprocess import describe_preprocess
 from ...models.views import ViewsCfg
-from ...runtime.files import replace_whole
+from ...runtime.files import replace_json
 from ...runtime.process import compiler_imports
 from ..step.ema import WeightAverage
 from ..step.objectives import build as build_objectives
@@ -58,6 +58,7 @@ from .memory_plan import (
     SubBatchChoice,
     batch_bytes,
     graphs_in,
+    kept_measurements,
     plan_sub_batch_and_reduction,
     probe_key,
     probe_peak_memory,
@@ -737,7 +738,7 @@ def model_flops(cfg: DictConfig, settings: RunSettings, model: ClipModel, env: D
     (``memory_plan.probe_key``: the model's config, the library versions, megabatch's source) and the rows, so that
     the same command again reads them. ``MEGABATCH_PROBE_CACHE=0``: always counted."""
     rows, path = flop_rows(settings, env), None
-    if env.device.type == "cuda" and cfg.data.cache_dir and os.environ.get("MEGABATCH_PROBE_CACHE", "1") != "0":
+    if kept_measurements(cfg, env.device):
         path = keyed_file(cfg, "flops", {**probe_key(cfg, 0, 1, env.device), "rows": rows}, "json")
         try:
             return ModelFlops(**json.loads(path.read_text()))
@@ -746,7 +747,7 @@ def model_flops(cfg: DictConfig, settings: RunSettings, model: ClipModel, env: D
     flops = count_model_flops(model, *model.example_inputs(rows, env.device))
     if path is not None:
         try:
-            replace_whole(path, lambda partial: partial.write_text(json.dumps(dataclasses.asdict(flops)) + "\n"))
+            replace_json(path, dataclasses.asdict(flops))
         except OSError:
             pass  # counted again next time
     return flops
