@@ -380,6 +380,42 @@ def test_a_multiruns_later_job_counts_its_start_up_from_the_job_before(monkeypat
     assert later.record()["startup/model_s"] == round(later.seconds["model"], 2)
 
 
+@pytest.mark.parametrize("scope", ["block", "tower"])
+def test_a_dynamic_caption_length_compiles_without_inductors_size_checks(monkeypatch, scope):
+    """Captions cut to their length: the text tower's graphs (its blocks and the tower around them, or the whole
+    tower) are compiled with ``dynamic_length_options`` (inductor's mix-order fusion without its size checks, which
+    on a GPU guarded the length, ``10 <= L`` at 1024 rows on an H200, and compiled a second set of graphs for the
+    shortest cut); the image tower's, and a text tower at its whole context, as before. CUDA graphs' mode (the
+    whole-tower scope) keeps its own options beside them."""
+    from megabatch.models.clip import _compile_kwargs, dynamic_length_options
+
+    wanted = dynamic_length_options()
+    assert wanted == ({"triton.mix_order_reduction_non_strict_mode": True}
+                      if hasattr(torch._inductor.config.triton, "mix_order_reduction_non_strict_mode") else {})
+    compile_ = torch.compile
+    calls = []
+
+    def recorded(fn, *args, **kwargs):
+        calls.append((getattr(fn, "__self__", None), getattr(fn, "__name__", ""), kwargs.get("options") or {}))
+        return compile_(fn, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recorded)
+    for trimmed in (True, False):
+        calls.clear()
+        model = build_model(compose("model=tiny", "model.image.patch_dropout=0").model)
+        model.trim_text(enabled=trimmed)
+        model.compile_towers(rows=4, scope=scope)
+        text_blocks, image_blocks = set(map(id, model.tower_blocks("text"))), set(map(id, model.tower_blocks("image")))
+        assert len(calls) == 2 + (5 if scope == "block" else 0)
+        for owner, name, options in calls:
+            text = id(owner) in text_blocks or name.startswith("_text")
+            assert text or id(owner) in image_blocks or name == "_image_features", (owner, name)
+            assert options == (wanted if text and trimmed else {}), (name, options)
+    if wanted:
+        assert _compile_kwargs("reduce-overhead", wanted) == {"options": {"triton.cudagraphs": True, **wanted}}
+    assert _compile_kwargs("reduce-overhead", {}) == {"mode": "reduce-overhead"}
+
+
 def test_the_warm_up_runs_the_shortest_and_longest_cut_and_then_no_caption_length_compiles():
     """``warm_up`` calls the text tower at the whole context, the shortest cut and the longest, and stops at the
     first of those after the shortest that compiles nothing (dynamo guards a dynamic length by its range); after

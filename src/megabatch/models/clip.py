@@ -379,9 +379,8 @@ class ClipModel(nn.Module):
         generator as in eager mode (inductor's ``fallback_random``, which
         ``megabatch.runtime.process.configure_backends`` sets), so the replay redraws them.
         Captions cut to their length (``trim_text``) reach the text tower with their length marked
-        dynamic from the first call: one graph per gradient mode for the lengths its guards admit
-        (every length on the CPU; on an H100, 40 to 77 tokens for a graph compiled at 77), not one per
-        length.
+        dynamic from the first call, and compiled without the size checks that would guard that length
+        (``dynamic_length_options``): one graph per gradient mode for every length, not one per length.
 
         ``cuda_graphs`` (``model.cuda_graphs``): inductor's ``reduce-overhead`` mode, each compiled
         graph recorded once as a CUDA graph (per shape and gradient mode) and replayed as one launch
@@ -392,6 +391,7 @@ class ClipModel(nn.Module):
         (``train/build/parts.py: check_cuda_graphs``)."""
         trim = self.text_trim
         dynamic = trim is not None and trim.bucket(1) < trim.context_length  # captions cut to varying lengths
+        options = {"image": {}, "text": dynamic_length_options() if dynamic else {}}
         if scope == "block":
             if cuda_graphs:
                 raise ValueError("CUDA graphs record whole towers: compile_towers(scope='tower') with them")
@@ -399,12 +399,12 @@ class ClipModel(nn.Module):
                 found = self._tower_stack(tower)
                 if found is not None:
                     for block in found[1]:
-                        block.compile(dynamic=False)
+                        block.compile(dynamic=False, **_compile_kwargs(None, options[tower]))
                     _run_blocks_outside_the_graph(found[0], dynamic_length=tower == "text" and dynamic)
         mode = "reduce-overhead" if cuda_graphs else None
         compiled = {"image": torch.compile(self._image_features, dynamic=False, mode=mode),
-                    "text": torch.compile(self._text_prefix_features, mode=mode) if trim else
-                    torch.compile(self._text_features, dynamic=False, mode=mode)}
+                    "text": torch.compile(self._text_prefix_features, **_compile_kwargs(mode, options["text"])) if trim
+                    else torch.compile(self._text_features, dynamic=False, mode=mode)}
         if scope == "block" and hasattr(torch._dynamo.config, "nested_graph_breaks"):
             # the loop over the blocks, deep in the tower's calls, splits it where it is: two graphs
             # (before and after the blocks), not a graph per function on the way down and back
@@ -473,11 +473,11 @@ class ClipModel(nn.Module):
 
     def warm_up_lengths(self, context: int) -> list[int]:
         """The caption lengths ``warm_up`` calls the text tower at, in order: the whole context, then (captions cut,
-        ``trim_text``) the shortest cut, the longest, and the others. Dynamo guards a dynamic length by a range: the
-        graph traced at the whole context admits the longer cuts, the one traced at the shortest cut the shorter
-        ones (ViT-B/16's text tower on an H100: 40-77 tokens, and below), so the warm-up stops at the first length
-        after the shortest that compiles nothing (with CUDA graphs it runs them all, to record each). A length that
-        neither admitted would compile in the first step that cuts to it; on an H200 none did. Each call costs a
+        ``trim_text``) the shortest cut, the longest, and the others. The graph traced at the whole context admits
+        every length where nothing guards it (``dynamic_length_options``); where something does, dynamo guards it
+        by a range, and the graph traced at the shortest cut admits the shorter ones. So the warm-up stops at the
+        first length after the shortest that compiles nothing (with CUDA graphs it runs them all, to record each).
+        A length that neither admitted would compile in the first step that cuts to it. Each call costs a
         sub-batch's forward and backward (~0.2 s for ViT-B/16 at 1024 rows on an H200)."""
         if self.text_trim is None:
             return [context]
@@ -505,6 +505,31 @@ class ClipModel(nn.Module):
         self.clip.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
 
 
+def dynamic_length_options() -> dict:
+    """Inductor's options for a graph whose sequence length is dynamic (the text tower's, captions cut to their
+    length): one graph for every length. Inductor fuses a layer norm's backward reductions (``mix_order_reduction``)
+    only past a size, and checking that size on a dynamic length guards the graph on it: on one H200 (torch 2.11,
+    ViT-B/16's text tower at 1024 rows) ``10 <= L``, so the shortest cut (8 tokens) compiled a second set of graphs,
+    ~7 s of a cold start; at 256 rows, ``40 <= L``. Its non-strict mode leaves those size checks out (the fusion is
+    then taken at every length, as it already was at every length but the shortest). ``{}`` where this torch has no
+    such option."""
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return {}
+
+
+def _compile_kwargs(mode: str | None, options: dict) -> dict:
+    """``torch.compile``'s keywords for ``mode`` and ``options`` together (it takes one or the other): the mode's own
+    options (``reduce-overhead``: CUDA graphs) with ``options`` added."""
+    if not options:
+        return {"mode": mode}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**(list_mode_options(mode) if mode else {}), **options}}
+
+
 def _graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process so far (a cached one counts: it is traced again)."""
     from torch._dynamo.utils import counters
@@ -527,9 +552,9 @@ class _FixedRows:
     """Calls ``fn`` on exactly ``rows`` rows: fewer are padded (zeros) and the output cut, more go in
     chunks. A compiled function then sees one shape whatever the batch. ``dynamic_length``: the
     inputs' second dimension is marked dynamic from the first call: one compiled graph for the
-    lengths its guards admit (all of them on the CPU; on an H100, 40 to 77 tokens for a graph
-    compiled at 77). ``by_length``: the rows of inputs of a given length (a NaFlex tower's packed patches
-    ``[n, L, row]`` under a token budget), ``rows`` for the others; read at each call."""
+    lengths its guards admit (every length, compiled with ``dynamic_length_options``). ``by_length``:
+    the rows of inputs of a given length (a NaFlex tower's packed patches ``[n, L, row]`` under a
+    token budget), ``rows`` for the others; read at each call."""
 
     def __init__(self, fn, rows: int, dynamic_length: bool = False, by_length: dict[int, int] | None = None):
         self.fn, self.rows, self.dynamic_length = fn, int(rows), dynamic_length
