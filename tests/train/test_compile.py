@@ -416,6 +416,35 @@ def test_a_dynamic_caption_length_compiles_without_inductors_size_checks(monkeyp
     assert _compile_kwargs("reduce-overhead", {}) == {"mode": "reduce-overhead"}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's mix-order fusion of reductions is GPU-only")
+def test_on_a_gpu_the_shortest_cut_runs_the_graph_compiled_at_the_whole_context():
+    """ViT-B/16's text tower's width (512) at 1,024 rows, bf16 as trained: its block and the graph after the blocks,
+    compiled at 77 tokens with autograd, serve an 8-token cut too. Inductor's mix-order fusion of the layer norms'
+    backward reductions, checked in its strict mode, guarded ``10 <= L`` here (1,024 x L x 512 >= 5 M) and the cut
+    compiled a second set of graphs (one H200, torch 2.11)."""
+    cfg = compose("model=tiny", "model.text.width=512", "model.text.heads=8", "model.text.layers=1",
+                  "model.text.context_length=77").model
+    model = build_model(cfg).cuda().train()
+    model.trim_text()
+    model.compile_towers(rows=1024, scope="block")
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    texts = torch.randint(1, 400, (1024, 77), device="cuda")
+
+    def step(length: int) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            features = model(None, texts[:, :length].contiguous())[1]
+        features.float().sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    step(77)
+    graphs = counts["stats"]["unique_graphs"]
+    step(8)
+    step(40)
+    assert counts["stats"]["unique_graphs"] == graphs, "a cut caption length compiled another graph"
+
+
 def test_the_warm_up_runs_the_shortest_and_longest_cut_and_then_no_caption_length_compiles():
     """``warm_up`` calls the text tower at the whole context, the shortest cut and the longest, and stops at the
     first of those after the shortest that compiles nothing (dynamo guards a dynamic length by its range); after
