@@ -379,8 +379,11 @@ class ClipModel(nn.Module):
         generator as in eager mode (inductor's ``fallback_random``, which
         ``megabatch.runtime.process.configure_backends`` sets), so the replay redraws them.
         Captions cut to their length (``trim_text``) reach the text tower with their length marked
-        dynamic from the first call, and compiled without the size checks that would guard that length
-        (``dynamic_length_options``): one graph per gradient mode for every length, not one per length.
+        dynamic from the first call, and compiled without the GPU's fusion size checks that guarded that length
+        (``dynamic_length_options``): one graph per gradient mode for the lengths its guards admit (ViT-B/16's cold
+        compile on one H200 lost the shortest cut's second set, 5 s; on the CPU in bf16, inductor's C++
+        reductions guard ``65 <= L`` at 64 rows, and the warm-up compiles the shorter cuts' graph), not one
+        per length.
 
         ``cuda_graphs`` (``model.cuda_graphs``): inductor's ``reduce-overhead`` mode, each compiled
         graph recorded once as a CUDA graph (per shape and gradient mode) and replayed as one launch
@@ -510,9 +513,9 @@ def dynamic_length_options() -> dict:
     length): one graph for every length. Inductor fuses a layer norm's backward reductions (``mix_order_reduction``)
     only past a size, and checking that size on a dynamic length guards the graph on it: on one H200 (torch 2.11,
     ViT-B/16's text tower at 1024 rows) ``10 <= L``, so the shortest cut (8 tokens) compiled a second set of graphs,
-    ~7 s of a cold start; at 256 rows, ``40 <= L``. Its non-strict mode leaves those size checks out (the fusion is
-    then taken at every length, as it already was at every length but the shortest). ``{}`` where this torch has no
-    such option."""
+    ~7 s of a cold start (at 256 rows the same check is ``40 <= L``). Its non-strict mode leaves those size checks out
+    (the fusion is then taken at every length, as it already was at every length but the shortest). ``{}`` where
+    this torch has no such option."""
     import torch._inductor.config as inductor_config
 
     if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
@@ -552,7 +555,7 @@ class _FixedRows:
     """Calls ``fn`` on exactly ``rows`` rows: fewer are padded (zeros) and the output cut, more go in
     chunks. A compiled function then sees one shape whatever the batch. ``dynamic_length``: the
     inputs' second dimension is marked dynamic from the first call: one compiled graph for the
-    lengths its guards admit (every length, compiled with ``dynamic_length_options``). ``by_length``:
+    lengths its guards admit (compiled with ``dynamic_length_options``: on a GPU, every length). ``by_length``:
     the rows of inputs of a given length (a NaFlex tower's packed patches ``[n, L, row]`` under a
     token budget), ``rows`` for the others; read at each call."""
 
