@@ -394,7 +394,7 @@ class ClipModel(nn.Module):
         (``train/build/parts.py: check_cuda_graphs``)."""
         trim = self.text_trim
         dynamic = trim is not None and trim.bucket(1) < trim.context_length  # captions cut to varying lengths
-        options = {"image": {}, "text": dynamic_length_options() if dynamic else {}}
+        text_options = dynamic_length_options() if dynamic else {}
         if scope == "block":
             if cuda_graphs:
                 raise ValueError("CUDA graphs record whole towers: compile_towers(scope='tower') with them")
@@ -402,11 +402,11 @@ class ClipModel(nn.Module):
                 found = self._tower_stack(tower)
                 if found is not None:
                     for block in found[1]:
-                        block.compile(dynamic=False, **_compile_kwargs(None, options[tower]))
+                        block.compile(dynamic=False, **_compile_kwargs(None, text_options if tower == "text" else {}))
                     _run_blocks_outside_the_graph(found[0], dynamic_length=tower == "text" and dynamic)
         mode = "reduce-overhead" if cuda_graphs else None
         compiled = {"image": torch.compile(self._image_features, dynamic=False, mode=mode),
-                    "text": torch.compile(self._text_prefix_features, **_compile_kwargs(mode, options["text"])) if trim
+                    "text": torch.compile(self._text_prefix_features, **_compile_kwargs(mode, text_options)) if trim
                     else torch.compile(self._text_features, dynamic=False, mode=mode)}
         if scope == "block" and hasattr(torch._dynamo.config, "nested_graph_breaks"):
             # the loop over the blocks, deep in the tower's calls, splits it where it is: two graphs
@@ -555,7 +555,8 @@ class _FixedRows:
     """Calls ``fn`` on exactly ``rows`` rows: fewer are padded (zeros) and the output cut, more go in
     chunks. A compiled function then sees one shape whatever the batch. ``dynamic_length``: the
     inputs' second dimension is marked dynamic from the first call: one compiled graph for the
-    lengths its guards admit (compiled with ``dynamic_length_options``: on a GPU, every length). ``by_length``:
+    lengths its guards admit (compiled with ``dynamic_length_options``, without the GPU's guarding size
+    checks). ``by_length``:
     the rows of inputs of a given length (a NaFlex tower's packed patches ``[n, L, row]`` under a
     token budget), ``rows`` for the others; read at each call."""
 
