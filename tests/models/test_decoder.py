@@ -6,8 +6,11 @@ path: tests/train/test_objectives_contract.py's "decoder" row.)"""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch import nn
 
 from megabatch.config import ConfigError
 from megabatch.models import build_model, from_description
@@ -54,6 +57,34 @@ def test_the_parallel_captions_are_a_share_drawn_per_caption_and_step():
     assert 0.45 < again.float().mean() < 0.55 and (again != drawn).float().mean() > 0.3  # a new draw each step
     assert not decoder(parallel=0.0).parallel_rows(texts).any()
     assert decoder(parallel=1.0).parallel_rows(texts).all()
+
+
+def test_the_head_runs_at_the_predicted_tokens_alone_and_gives_the_whole_contexts_loss():
+    """The head and the softmax run at each caption's tokens after the first, not at its padding: the loss and the
+    gradients are the cross-entropy over the whole context with the padding ignored, in float64; the count given by
+    the caption objective (read on the host) selects the same tokens as the count made on the device."""
+    model = decoder().double()
+    image = torch.randn(4, 5, 24, dtype=torch.float64)
+    texts = torch.randint(1, 50, (4, 12))
+    for row, length in enumerate((12, 3, 7, 2)):  # padded after each caption's last token, one not at all
+        texts[row, length:] = 0
+    seen = []
+    model.head.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape[:-1].numel()))
+    whole = nn.functional.cross_entropy(model.logits(image, texts[:, :-1], model.parallel_rows(texts)).flatten(0, 1),
+                                        texts[:, 1:].flatten(), ignore_index=0, reduction="sum")
+    whole_grads = torch.autograd.grad(whole, list(model.parameters()))
+    objective = Caption(1.0, 0, torch.device("cpu"), model)
+    objective.one_pass_start(SimpleNamespace(texts=texts))
+    predicted = objective.model_options_for(0)["caption_tokens"]
+    assert predicted == 11 + 2 + 6 + 1 and seen == [4 * 11]
+    for count in (predicted, None):
+        loss = model.loss(image, texts, count)
+        assert seen[-1] == predicted  # the head saw the predicted tokens alone
+        torch.testing.assert_close(loss, whole, rtol=1e-12, atol=0)
+        for grad, expected in zip(torch.autograd.grad(loss, list(model.parameters()), allow_unused=True),
+                                  whole_grads, strict=True):
+            torch.testing.assert_close(torch.zeros_like(expected) if grad is None else grad, expected,
+                                       rtol=1e-10, atol=1e-12)
 
 
 def test_the_caption_objective_counts_the_steps_and_checkpoints_the_count():

@@ -266,17 +266,19 @@ class ClipModel(nn.Module):
             return encode(inputs)
 
     def forward(self, images: torch.Tensor | None, texts: torch.Tensor | None, before_text=None, caption: bool = False,
-                views: bool = False):
+                views: bool = False, caption_tokens: int | None = None):
         """Either input may be ``None`` (its features are then ``None``): GradCache's replay
         skips a frozen tower. A frozen tower always runs without autograd. After
         ``compile_towers`` the towers run compiled (evaluation's ``encode_*`` calls stay eager).
         ``before_text``: called between the towers (GradCache's replay restores the RNG state its
         text chunk was first encoded with: the towers' inputs are grouped differently). The objectives' outputs
-        come fifth, a dict, where one is asked: ``caption``: a caption decoder's loss (``caption_forward``);
-        ``views``: the student's logits on views of the images (``self_distill``: ``ViewHeads.student``)."""
+        come fifth, a dict, where one is asked: ``caption``: a caption decoder's loss (``caption_forward``; with
+        ``caption_tokens``, the count of tokens it predicts in ``texts``, counted on the host); ``views``: the
+        student's logits on views of the images (``self_distill``: ``ViewHeads.student``)."""
         extras = {}
         if caption:
-            image_features, text_features, extras["caption"] = self.caption_forward(images, texts, before_text)
+            image_features, text_features, extras["caption"] = self.caption_forward(images, texts, before_text,
+                                                                                    caption_tokens)
         else:
             if self._cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs are consumed
@@ -313,21 +315,27 @@ class ClipModel(nn.Module):
         finally:
             visual.output_tokens = False
 
-    def caption_forward(self, images: torch.Tensor | None, texts: torch.Tensor, before_text=None):
+    def caption_forward(self, images: torch.Tensor | None, texts: torch.Tensor, before_text=None,
+                        caption_tokens: int | None = None):
         """The features and the caption decoder's cross-entropy summed over the captions' tokens
         (teacher forcing: token t + 1 from the image's tokens and the caption's up to t; padding ignored):
         ``loss.caption_weight``. A frozen tower runs without autograd; the features are the same as
-        ``forward``'s. After ``compile_towers`` the image tower, the text tower and the decoder with its
-        cross-entropy run compiled, each its own graph (the first two also output their tokens)."""
+        ``forward``'s. After ``compile_towers`` the image tower, the text tower and the decoder run compiled, each
+        its own graph (the first two also output their tokens; a CoCa's decoder with its cross-entropy).
+        ``model.decoder``'s head and cross-entropy then run at the predicted tokens alone
+        (``CaptionDecoder.head_loss``; ``caption_tokens``: their count, else counted there)."""
         parts = self._compiled_caption or {"image": self._caption_image, "text": self._caption_text,
-                                           "decoder": self._caption_loss}
+                                           "decoder": self._decoder_pass}
         with torch.no_grad() if self.frozen("image") else contextlib.nullcontext():
             image_features, image_tokens = parts["image"](images)
         if before_text is not None:
             before_text()
         with torch.no_grad() if self.frozen("text") else contextlib.nullcontext():
             text_features, token_embeddings = parts["text"](texts)
-        return image_features, text_features, parts["decoder"](image_tokens, token_embeddings, texts)
+        decoded = parts["decoder"](image_tokens, token_embeddings, texts)
+        if self.decoder is not None:  # its head and the softmax at the predicted tokens (a count the graph can't be)
+            decoded = self.decoder.head_loss(decoded, texts, caption_tokens)
+        return image_features, text_features, decoded
 
     def _caption_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = normalize_images(images, self.preprocess["mean"], self.preprocess["std"])
@@ -340,10 +348,12 @@ class ClipModel(nn.Module):
         latent, token_embeddings = self.clip._encode_text(texts)
         return nn.functional.normalize(latent, dim=-1), token_embeddings
 
-    def _caption_loss(self, image_tokens: torch.Tensor, token_embeddings: torch.Tensor | None,
+    def _decoder_pass(self, image_tokens: torch.Tensor, token_embeddings: torch.Tensor | None,
                       texts: torch.Tensor) -> torch.Tensor:
+        """The decoder's graph: ``model.decoder``'s states before its head (``CaptionDecoder.states``), or a CoCa's
+        cross-entropy sum over the captions' tokens."""
         if self.decoder is not None:
-            return self.decoder.loss(image_tokens, texts)
+            return self.decoder.states(image_tokens, texts[:, :-1], self.decoder.parallel_rows(texts))
         logits = self.clip.text_decoder(image_tokens, token_embeddings[:, :-1])
         return nn.functional.cross_entropy(logits.float().flatten(0, 1), texts[:, 1:].flatten(),
                                            ignore_index=self.clip.pad_id, reduction="sum")
@@ -421,7 +431,7 @@ class ClipModel(nn.Module):
             # dynamic: on one H200 (torch 2.11) inductor's dynamic-shape backward of model.decoder's graph sized a
             # reduction's workspace 0 ("shape '[1216, 512]' is invalid for input of size 0"; ViT-B/16, sub-batch 512)
             self._compiled_caption = {name: torch.compile(fn, dynamic=False) for name, fn in (
-                ("image", self._caption_image), ("text", self._caption_text), ("decoder", self._caption_loss))}
+                ("image", self._caption_image), ("text", self._caption_text), ("decoder", self._decoder_pass))}
 
     def warm_up(self, rows: int, device: torch.device, autocast, graph_free: bool,
                 options: dict | None = None) -> float:

@@ -96,10 +96,11 @@ class CaptionDecoder(nn.Module):
         mixed = ((texts.long() * weights).sum(1) + self.step * 7919) % 65521
         return (mixed * 40503) % 65536 < int(round(self.cfg.parallel * 65536))
 
-    def logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
+    def states(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
                parallel: torch.Tensor | None = None) -> torch.Tensor:
-        """``[n, L, vocab]``: the next token's logits after each of ``tokens [n, L]`` (teacher forcing), or for rows
-        ``parallel`` each position's token from the image alone (mask tokens in, no causal mask)."""
+        """``[n, L, width]``: the last layer's states after each of ``tokens [n, L]``, normalised (``ln_final``), which
+        the head reads: teacher forcing, or for rows ``parallel`` each position from the image alone (mask tokens in,
+        no causal mask)."""
         rows, length = tokens.shape
         x = self.token_embedding(tokens)
         if parallel is not None:
@@ -115,14 +116,33 @@ class CaptionDecoder(nn.Module):
         for attend, read in zip(self.self_blocks, self.cross_blocks, strict=True):
             x = attend(x, attn_mask=mask)
             x = read(x, k_x=memory, v_x=memory)
-        return self.head(self.ln_final(x))
+        return self.ln_final(x)
 
-    def loss(self, image_tokens: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+    def logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
+               parallel: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, L, vocab]``: the next token's logits after each of ``tokens [n, L]`` (``states``' rows and
+        ``parallel``)."""
+        return self.head(self.states(image_tokens, tokens, parallel))
+
+    def loss(self, image_tokens: torch.Tensor, texts: torch.Tensor, predicted: int | None = None) -> torch.Tensor:
         """The cross-entropy summed over the captions' tokens after the first (padding left out): teacher forcing,
-        or parallel prediction for the rows ``parallel_rows`` draws."""
-        logits = self.logits(image_tokens, texts[:, :-1], self.parallel_rows(texts))
-        return nn.functional.cross_entropy(logits.float().flatten(0, 1), texts[:, 1:].flatten(),
-                                           ignore_index=self.pad_id, reduction="sum")
+        or parallel prediction for the rows ``parallel_rows`` draws (``head_loss``: ``predicted``)."""
+        return self.head_loss(self.states(image_tokens, texts[:, :-1], self.parallel_rows(texts)), texts, predicted)
+
+    def head_loss(self, states: torch.Tensor, texts: torch.Tensor, predicted: int | None = None) -> torch.Tensor:
+        """The cross-entropy summed over ``texts``' tokens after the first, padding left out, from ``states`` (of
+        ``texts[:, :-1]``). The head and the softmax over the vocabulary run at those tokens alone, not at every
+        place of the context: a caption shorter than the context costs its own length. ``predicted``: their count,
+        counted on the host where the token ids are (the caption objective's), so that nothing waits for the GPU;
+        ``None``: counted here (one wait)."""
+        targets = texts[:, 1:].flatten()
+        padding = (targets == self.pad_id).to(torch.int32)
+        if predicted is None:
+            predicted = int(targets.numel() - padding.sum())
+        places = torch.argsort(padding, stable=True)[:predicted]  # the predicted tokens', in order
+        logits = self.head(states.flatten(0, 1)[places])
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (float64 stays)
+        return nn.functional.cross_entropy(logits, targets[places], reduction="sum")
 
 
 class DecoderCaptioner:

@@ -259,18 +259,16 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
     ``GradSync.of(model)``): with DDP only the last replayed sub-batch's (the kept graphs, built by the unwrapped
     model in phase 1, are back-propagated first, outside DDP's bookkeeping; their gradients join the
     synchronisation with the others'). Each of ``objectives`` replays its own first (``replay_first``: hard
-    negatives' chunks), asks the model for its outputs (``model_options``) and adds its term to each re-encoded
-    sub-batch's surrogate (``replay_term``: a CoCa's caption loss). Returns the time spent waiting for
+    negatives' chunks), asks the model for its outputs (``model_options_for`` the sub-batch) and adds its term to
+    each re-encoded sub-batch's surrogate (``replay_term``: a CoCa's caption loss). Returns the time spent waiting for
     re-decoded images."""
     device, kept = precision.device, sorted(encoded.graphs)
     count, replayed = len(encoded.rng), len(encoded.rng) - len(kept)
     sync = GradSync.of(model) if sync is None else sync
     after_encoding = RngState.capture(device)
     waited_s = 0.0
-    options = {}
     for objective in objectives:  # before the sub-batch whose backward synchronises
         objective.replay_first(model, encoded, precision, sync)
-        options.update(objective.model_options)
     for index in kept + list(range(replayed)):
         graph, outputs = encoded.graphs.pop(index, None), None
         if graph is not None:
@@ -298,6 +296,8 @@ def replay(model, encoded: EncodedBatch, grads: FeatureGrads, precision: Precisi
             before_text = encoded.text_rng[index].restore if encoded.text_rng else None
         with contextlib.nullcontext() if hold is None else hold():
             if graph is None:
+                options = {key: value for objective in objectives
+                           for key, value in objective.model_options_for(index).items()}
                 with precision.autocast():
                     outputs = model(images, texts, before_text=before_text, **options)
                 image_features, text_features, scale, bias = outputs[:4]

@@ -409,7 +409,7 @@ class TrainStep:
         with self.precision.autocast():
             # what the objectives ask of the model's forward this step (its fifth output)
             outputs = self.wrapped(images, texts, **{key: value for objective in self.objectives
-                                                     for key, value in objective.model_options.items()})
+                                                     for key, value in objective.model_options_for(0).items()})
         image_features, text_features, scale, bias = outputs[:4]
         options, start_row = {}, rows
         for objective, texts in zip(self.objectives, extra, strict=True):  # each its own rows' features

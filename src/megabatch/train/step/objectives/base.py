@@ -36,6 +36,11 @@ class Objective:
     owns: str | None = None  # the prefix of the parameters it alone trains (optim.OWNED): not decayed until trains_now
     trains_now = True        # whether this step trains them (self_distill: from its start step)
 
+    def model_options_for(self, index: int) -> dict[str, Any]:
+        """The model's forward keywords for this rank's sub-batch ``index`` (the one pass's: 0): ``model_options``,
+        and what that sub-batch's own inputs say, read on the host (``one_pass_start``, ``encoded``)."""
+        return self.model_options
+
     # the one-pass step
     def extra_texts(self, sub) -> torch.Tensor | None:
         """Token rows ``[n, ctx]`` the text tower encodes with this sub-batch's captions, after them."""

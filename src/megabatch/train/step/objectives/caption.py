@@ -46,6 +46,14 @@ class Caption(Objective):
 
     def _reset(self) -> None:
         self.local, self.sums, self.tokens, self.factor, self._value = 0, [], None, None, None
+        self.counts: list[int] = []  # each sub-batch's predicted tokens, in order
+
+    def model_options_for(self, index: int) -> dict:
+        """``model.decoder``'s also the sub-batch's count of predicted tokens: its head runs at those alone, without
+        counting them on the GPU (``CaptionDecoder.head_loss``)."""
+        if self.decoder is None:
+            return self.model_options
+        return {**self.model_options, "caption_tokens": self.counts[index]}
 
     def new_step(self) -> None:
         self._reset()
@@ -55,7 +63,8 @@ class Caption(Objective):
 
     def one_pass_start(self, sub) -> None:
         self._reset()
-        self.tokens = self._global_tokens(self._tokens(sub.texts))
+        self.counts.append(self._tokens(sub.texts))
+        self.tokens = self._global_tokens(self.counts[0])
 
     def one_pass_term(self, outputs: tuple, images) -> torch.Tensor:
         caption = outputs[4]["caption"]
@@ -64,7 +73,8 @@ class Caption(Objective):
         return caption * (self.weight * self.world / self.tokens)
 
     def encoded(self, sub, images, rows, total_rows, precision) -> None:
-        self.local += self._tokens(sub.texts)
+        self.counts.append(self._tokens(sub.texts))
+        self.local += self.counts[-1]
 
     def before_replay(self, precision) -> None:
         self.tokens = self._global_tokens(self.local)
