@@ -66,6 +66,18 @@ def test_hydra_full_error_still_shows_the_traceback(tmp_path):
     assert "Traceback" in result.stderr and "ConfigError: trainer.log_every=0" in result.stderr
 
 
+def test_a_given_run_dir_holds_hydras_log_and_config_and_nothing_lands_in_runs(tmp_path):
+    """``run_dir=<path>``: Hydra's output dir is that folder (``mb.output_dir``), so ``train.log`` and ``.hydra/`` are
+    beside the run, and no ``runs/<timestamp>`` of Hydra's own is left in the working directory (a config error
+    here: Hydra makes its output dir before the job starts)."""
+    run_dir = tmp_path / "elsewhere"
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "trainer.log_every=0", f"run_dir={run_dir}"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "trainer.log_every=0" in result.stderr
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("typo, message", [
     ("trainer.max_step=5", "trainer.max_step: no such option; did you mean trainer.max_steps?"),
     ("+trainer.max_step=5", "trainer.max_step: no such option; did you mean trainer.max_steps?"),

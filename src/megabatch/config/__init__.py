@@ -116,6 +116,13 @@ def package_dir(module: str, *parts: str) -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], *parts)
 
 
+def output_dir(run_dir: str | None, name: str) -> str:
+    """``${mb.output_dir:${run_dir},${name}}``, Hydra's output dir of a single run: ``run_dir`` where one is given, so
+    that its log (``train.log``) and its composed config (``.hydra/``) are written beside the checkpoints, not in a
+    ``runs/<name>`` of their own; else ``runs/<name>``."""
+    return str(run_dir) if run_dir else f"runs/{name}"
+
+
 def loader_workers(most: int = 8) -> int:
     """``${mb.workers:8}``: loader workers per rank, at most ``most`` and no more than this machine's cores
     shared among the ranks on it (``LOCAL_WORLD_SIZE``, torchrun's): 2 on a 2-core machine, where 8 workers
@@ -140,6 +147,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("mb.package_dir", package_dir)
     if not OmegaConf.has_resolver("mb.workers"):
         OmegaConf.register_new_resolver("mb.workers", loader_workers)
+    if not OmegaConf.has_resolver("mb.output_dir"):
+        OmegaConf.register_new_resolver("mb.output_dir", output_dir)
     register()
 
 
