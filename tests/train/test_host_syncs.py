@@ -33,10 +33,16 @@ def test_phase_times_read_on_the_cpu_as_host_seconds():
     assert set(times) == {"data", "encode", "loss"} and times["data"] == 0.75 and times["loss"] >= 0.01
 
 
+# model.decoder's caption term: its head runs at the predicted tokens alone, their count read on the host (phase 1)
+DECODER = ["model.decoder.layers=1", "model.decoder.width=32", "model.decoder.heads=2", "loss.caption_weight=1"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_gradcache_step_synchronises_the_host_once(monkeypatch):
+@pytest.mark.parametrize("extra", [[], DECODER], ids=["contrastive", "decoder"])
+def test_a_gradcache_step_synchronises_the_host_once(monkeypatch, extra):
     parts = RunParts.build(validate(compose(*BASE, "trainer.device=cuda", "model.image.patch_dropout=0",
-                                            f"trainer.sub_batch={BATCH // 4}", "loss=infcl", "data.decode=cpu")),
+                                            f"trainer.sub_batch={BATCH // 4}", "loss=infcl", "data.decode=cpu",
+                                            *extra)),
                            init_distributed("cuda"))
     stream = parts.inputs(0)
     parts.step.step(stream, lr=1e-3, number=1)  # the first step: kernels tuned and compiled
