@@ -350,10 +350,10 @@ class ClipModel(nn.Module):
 
     def _decoder_pass(self, image_tokens: torch.Tensor, token_embeddings: torch.Tensor | None,
                       texts: torch.Tensor) -> torch.Tensor:
-        """The decoder's graph: ``model.decoder``'s states before its head (``CaptionDecoder.states``), or a CoCa's
-        cross-entropy sum over the captions' tokens."""
+        """The decoder's graph: ``model.decoder``'s states before its head (``CaptionDecoder.caption_states``), or a
+        CoCa's cross-entropy sum over the captions' tokens."""
         if self.decoder is not None:
-            return self.decoder.states(image_tokens, texts[:, :-1], self.decoder.parallel_rows(texts))
+            return self.decoder.caption_states(image_tokens, texts)
         logits = self.clip.text_decoder(image_tokens, token_embeddings[:, :-1])
         return nn.functional.cross_entropy(logits.float().flatten(0, 1), texts[:, 1:].flatten(),
                                            ignore_index=self.clip.pad_id, reduction="sum")

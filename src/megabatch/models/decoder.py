@@ -124,10 +124,15 @@ class CaptionDecoder(nn.Module):
         ``parallel``)."""
         return self.head(self.states(image_tokens, tokens, parallel))
 
+    def caption_states(self, image_tokens: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        """``states`` of the captions ``texts`` as the caption objective trains them: of each caption's tokens but the
+        last, teacher forcing, or parallel prediction for the rows ``parallel_rows`` draws this step."""
+        return self.states(image_tokens, texts[:, :-1], self.parallel_rows(texts))
+
     def loss(self, image_tokens: torch.Tensor, texts: torch.Tensor, predicted: int | None = None) -> torch.Tensor:
-        """The cross-entropy summed over the captions' tokens after the first (padding left out): teacher forcing,
-        or parallel prediction for the rows ``parallel_rows`` draws (``head_loss``: ``predicted``)."""
-        return self.head_loss(self.states(image_tokens, texts[:, :-1], self.parallel_rows(texts)), texts, predicted)
+        """The cross-entropy summed over the captions' tokens after the first (padding left out), from
+        ``caption_states`` (``head_loss``: ``predicted``)."""
+        return self.head_loss(self.caption_states(image_tokens, texts), texts, predicted)
 
     def head_loss(self, states: torch.Tensor, texts: torch.Tensor, predicted: int | None = None) -> torch.Tensor:
         """The cross-entropy summed over ``texts``' tokens after the first, padding left out, from ``states`` (of
