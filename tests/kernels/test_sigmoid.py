@@ -49,3 +49,28 @@ def test_sigmoid_block_wants_both_accumulators_or_neither():
     with pytest.raises(ValueError, match="both d_rows and d_cols"):
         triton_tiles.sigmoid_block(rows, cols, torch.tensor(1.0, device=device), torch.tensor(0.0, device=device),
                                    True, d_rows=torch.zeros(8, 16, device=device))
+
+
+def test_the_kernels_log2_1p_is_within_a_few_ulps_of_float64_over_its_whole_range():
+    """``_log2_1p`` (the sigmoid kernel's softplus tail, a polynomial on the FMA units in place of libdevice's log2f)
+    against float64's ``log1p(e) / ln 2``, relatively, at e = 0, the smallest normal number, 2^-k for every k, and a
+    dense grid of [0, 1]: a wrong coefficient or a dropped term is off by far more than 4 ulps. (A subnormal e, a
+    logit 126 binary orders past the bias, is as exact as its value's few bits; the GPU's exp2 flushes it to 0.)"""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def evaluate(e_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        e = tl.load(e_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + offs, triton_tiles._log2_1p(e), mask=offs < n)
+
+    special = torch.tensor([0.0, 1.0, torch.finfo(torch.float32).tiny] + [2.0**-k for k in range(1, 127)])
+    e = torch.cat([special, torch.linspace(0, 1, 20001)]).float()
+    out = torch.empty_like(e, device="cuda" if torch.cuda.is_available() else "cpu")
+    evaluate[(triton.cdiv(e.numel(), 1024),)](e.to(out.device), out, e.numel(), BLOCK=1024)
+    out = out.cpu()
+    exact = torch.log1p(e.double()) / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    relative = ((out.double() - exact).abs() / exact.clamp_min(1e-300))[e > 0]
+    assert float(out[0]) == 0.0
+    assert float(relative.max()) <= 4 * 2.0**-24, float(relative.max())

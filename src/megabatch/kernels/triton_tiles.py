@@ -241,6 +241,35 @@ def _grad_kernel(
 
 
 @triton.jit
+def _log2_1p(e):
+    """``log2(1 + e)`` for ``e`` in [0, 1], on the FMA units: ``e q(e)``, ``q`` the degree-8 Chebyshev interpolant
+    of ``log2(1 + e) / e`` on [0, 1] with its coefficients rounded to fp32 (at most 3 ulps from float64's value over
+    the range, relative: small ``e`` keeps all its bits, which ``log2(1 + e)`` of a rounded ``1 + e`` would not).
+    ``tl.log2`` is libdevice's full-range log2f (~25 instructions a value); in the sigmoid kernel this is 9."""
+    q = tl.fma(e, 0.007579137571156025, -0.04268719255924225)
+    q = tl.fma(q, e, 0.11305198818445206)
+    q = tl.fma(q, e, -0.1972852200269699)
+    q = tl.fma(q, e, 0.27571967244148254)
+    q = tl.fma(q, e, -0.3584284782409668)
+    q = tl.fma(q, e, 0.4806954860687256)
+    q = tl.fma(q, e, -0.7213403582572937)
+    q = tl.fma(q, e, 1.4426950216293335)
+    return q * e
+
+
+@triton.jit
+def _reciprocal(u, FAST: tl.constexpr):
+    """``1 / u`` for ``u`` in [1, 2]: ``FAST`` (a CUDA GPU) the hardware's reciprocal alone (``rcp.approx``, within 1
+    ulp), where ``1 / u`` compiles to a full-range division (within 2 ulps: the reciprocal, a product and the range
+    checks around them); the interpreter, which runs no PTX, divides."""
+    if FAST:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 1.0 / u
+
+
+@triton.jit
 def _sigmoid_kernel(
     rows_ptr, cols_ptr, scale_ptr, bias_ptr, g_ptr, sums_ptr,  # pointers
     c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block
@@ -248,14 +277,15 @@ def _sigmoid_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
     WRITE_G: tl.constexpr, SCALE_SUM: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
+    FAST_RCP: tl.constexpr = False,
 ):
     """This program's tiles of the sigmoid loss: with ``l = scale * dots + bias`` and ``-z`` = -1 on the
     diagonal of a DIAGONAL block, +1 elsewhere, writes ``[sum softplus(-z l), sum g * dots, sum g]``
     at ``sums_ptr[3 * program]`` and ``g = -z sigmoid(-z l)``, times ``g_scale``, into the block
     buffer (WRITE_G; without it only the loss sum; without SCALE_SUM not ``sum g * dots``). One
-    exponential, one logarithm and one division per logit."""
+    exponential, one reciprocal (``_reciprocal``) and a polynomial (``_log2_1p``) per logit."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
-    # log2 units: exp2/log2 are the hardware's own (no multiply inside)
+    # log2 units: exp2 is the hardware's own (no multiply inside)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     bias2 = tl.load(bias_ptr).to(tl.float32) * 1.4426950408889634
     loss_sum = tl.zeros((BLOCK_M,), tl.float32)
@@ -272,18 +302,16 @@ def _sigmoid_kernel(
         if DIAGONAL:
             margin = tl.where(diagonal, -margin, margin)
         ok = row_ok[:, None] & col_ok[None, :]
-        e = tl.exp2(-tl.abs(margin))  # in (0, 1]: never overflows
-        u = 1.0 + e
-        r = 1.0 / u  # the one division, shared by log1p and the sigmoid
-        # softplus(-z l) / ln 2 = max(margin, 0) + log2(1 + e); the last term corrects the rounding of
-        # 1 + e (SigLIP's off-diagonal terms are ~e^-10 each: 1 + e keeps few of their bits)
-        loss = tl.maximum(margin, 0.0) + tl.log2(u) + (e - (u - 1.0)) * r * 1.4426950408889634
-        loss_sum += tl.sum(tl.where(ok, loss, 0.0), 1)
+        # outside the block -inf: its loss (0 + log2(1 + 0)) and g (0) are then zeros with no further mask
+        margin = tl.where(ok, margin, float("-inf"))
+        e = tl.exp2(-tl.abs(margin))  # in [0, 1]: never overflows
+        # softplus(-z l) / ln 2 = max(margin, 0) + log2(1 + e), the last term from e itself (SigLIP's
+        # off-diagonal terms are ~e^-10 each: a rounded 1 + e keeps few of their bits)
+        loss_sum += tl.sum(tl.maximum(margin, 0.0) + _log2_1p(e), 1)
         if WRITE_G:
-            g = tl.where(margin >= 0, 1.0, e) * r  # sigmoid(-z l)
+            g = tl.where(margin >= 0, 1.0, e) * _reciprocal(1.0 + e, FAST_RCP)  # sigmoid(-z l)
             if DIAGONAL:
                 g = tl.where(diagonal, -g, g)
-            g = tl.where(ok, g, 0.0)
             if SCALE_SUM:  # else the launcher takes sum(g * dots) from the row gradients
                 dots_sum += tl.sum(g * dots, 1)
             g_sum += tl.sum(g, 1)
@@ -430,10 +458,15 @@ def default_config(dtype: torch.dtype) -> dict:
     return {**DEFAULT_CONFIG, "BLOCK_K": 32} if dtype == torch.float32 else DEFAULT_CONFIG
 
 
-def candidate_configs(dtype: torch.dtype) -> list[dict]:
-    """Hopper-sized candidates (fp32 tiles take twice the shared memory per element)."""
+def candidate_configs(dtype: torch.dtype, kernel: str = "") -> list[dict]:
+    """Hopper-sized candidates (fp32 tiles take twice the shared memory per element). The distillation kernels hold
+    two accumulators (the student's and the teacher's logits): they also try tiles of 32 logits a thread, where the
+    64 of the others' best tiles spill registers to local memory (their statistics kernel at 128 x 64, 4 warps:
+    ~170 spill stores for sm_90)."""
     ks = (32, 64) if dtype == torch.float32 else (64,)  # 16-bit tiles of 128 features lost everywhere measured
     shapes = [(128, 128, 8), (128, 256, 8), (256, 128, 8), (64, 128, 4), (128, 64, 4), (128, 128, 4)]
+    if kernel.startswith("distill"):
+        shapes += [(128, 64, 8), (64, 128, 8), (64, 64, 4)]
     out = []
     for bm, bn, warps in shapes:
         for bk in ks:
@@ -538,7 +571,7 @@ def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: 
     row_lse, col_lse = block_stats(rows, cols, scale, fp32_precision=precision,
                                    config=default_config(dtype))
     best, best_ms = default_config(dtype), float("inf")
-    for config in candidate_configs(dtype):
+    for config in candidate_configs(dtype, kernel):
         if kernel == "stats":
             fn = functools.partial(_stats_launch, rows, cols, scale, precision, config)
         elif kernel == "distill_stats":  # a teacher as wide as the student
@@ -572,6 +605,11 @@ def _sms(device) -> int:
     if not torch.cuda.is_available() or interpreting():
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _ptx(t: torch.Tensor) -> bool:
+    """Whether a kernel on ``t`` compiles to PTX (an NVIDIA GPU, not the interpreter): inline PTX may run there."""
+    return t.is_cuda and torch.version.hip is None and not interpreting()
 
 
 def _upcast(rows: torch.Tensor) -> bool:
@@ -820,7 +858,7 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
             ROUND_TF32=_round_tf32_flag(dot_rows, precision),
-            WRITE_G=write_g, SCALE_SUM=not grads, TMA=tma, G_TMA=g_tma,
+            WRITE_G=write_g, SCALE_SUM=not grads, TMA=tma, G_TMA=g_tma, FAST_RCP=_ptx(dot_rows),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
