@@ -38,8 +38,9 @@ class Caption(Objective):
         return int((texts[:, 1:] != self.pad_id).sum())
 
     def _global_tokens(self, local: int) -> torch.Tensor:
-        """The global batch's caption tokens (every rank's ``local`` count summed: one small all-reduce)."""
-        tokens = torch.tensor(float(local), device=self.device)
+        """The global batch's caption tokens (every rank's ``local`` count summed: one small all-reduce). Filled on the
+        device (``torch.tensor(n, device=...)`` would copy from pageable memory, which waits for the GPU)."""
+        tokens = torch.full((), float(local), device=self.device)
         if self.distributed:
             dist.all_reduce(tokens)
         return tokens.clamp_(min=1.0)
