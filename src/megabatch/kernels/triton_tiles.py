@@ -458,15 +458,10 @@ def default_config(dtype: torch.dtype) -> dict:
     return {**DEFAULT_CONFIG, "BLOCK_K": 32} if dtype == torch.float32 else DEFAULT_CONFIG
 
 
-def candidate_configs(dtype: torch.dtype, kernel: str = "") -> list[dict]:
-    """Hopper-sized candidates (fp32 tiles take twice the shared memory per element). The distillation kernels hold
-    two accumulators (the student's and the teacher's logits): they also try tiles of 32 logits a thread, where the
-    64 of the others' best tiles spill registers to local memory (their statistics kernel at 128 x 64, 4 warps:
-    ~170 spill stores for sm_90)."""
+def candidate_configs(dtype: torch.dtype) -> list[dict]:
+    """Hopper-sized candidates (fp32 tiles take twice the shared memory per element)."""
     ks = (32, 64) if dtype == torch.float32 else (64,)  # 16-bit tiles of 128 features lost everywhere measured
     shapes = [(128, 128, 8), (128, 256, 8), (256, 128, 8), (64, 128, 4), (128, 64, 4), (128, 128, 4)]
-    if kernel.startswith("distill"):
-        shapes += [(128, 64, 8), (64, 128, 8), (64, 64, 4)]
     out = []
     for bm, bn, warps in shapes:
         for bk in ks:
@@ -571,7 +566,7 @@ def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: 
     row_lse, col_lse = block_stats(rows, cols, scale, fp32_precision=precision,
                                    config=default_config(dtype))
     best, best_ms = default_config(dtype), float("inf")
-    for config in candidate_configs(dtype, kernel):
+    for config in candidate_configs(dtype):
         if kernel == "stats":
             fn = functools.partial(_stats_launch, rows, cols, scale, precision, config)
         elif kernel == "distill_stats":  # a teacher as wide as the student
