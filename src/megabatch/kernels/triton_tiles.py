@@ -242,10 +242,11 @@ def _grad_kernel(
 
 @triton.jit
 def _log2_1p(e):
-    """``log2(1 + e)`` for ``e`` in [0, 1], on the FMA units: ``e q(e)``, ``q`` the degree-8 Chebyshev interpolant
-    of ``log2(1 + e) / e`` on [0, 1] with its coefficients rounded to fp32 (at most 3 ulps from float64's value over
-    the range, relative: small ``e`` keeps all its bits, which ``log2(1 + e)`` of a rounded ``1 + e`` would not).
-    ``tl.log2`` is libdevice's full-range log2f (~25 instructions a value); in the sigmoid kernel this is 9."""
+    """``log2(1 + e)`` for ``e`` in [0, 1], on the FMA units: ``e q(e)``, ``q`` the degree-8 least-squares fit of
+    ``log2(1 + e) / e`` at 4,000 Chebyshev nodes of [0, 1] (``numpy.polynomial.chebyshev.chebfit``, turned into
+    powers of ``e``), its coefficients rounded to fp32: at most 3 ulps from float64's value over the range,
+    relatively, so a small ``e`` keeps all its bits, which ``log2`` of a rounded ``1 + e`` would not. ``tl.log2`` is
+    libdevice's full-range log2f (~25 instructions a value); this is 9."""
     q = tl.fma(e, 0.007579137571156025, -0.04268719255924225)
     q = tl.fma(q, e, 0.11305198818445206)
     q = tl.fma(q, e, -0.1972852200269699)
