@@ -220,7 +220,9 @@ def test_cuda_graphs_compile_the_towers_in_reduce_overhead_mode(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_towers_replayed_as_cuda_graphs_give_the_compiled_gradients():
-    """Two steps each way: the second replays the graphs the first recorded."""
+    """Two steps each way: the second replays the graphs the first recorded. Both compile each tower whole (CUDA
+    graphs record towers; ``model.compile_scope``'s default compiles blocks, whose other fusions round bf16 otherwise:
+    on one H200 the loss 3.74131 against 3.74252 and a parameter's gradient 1.3% apart, the same in every run)."""
     def two_steps(*more):
         parts = build_parts(validate(compose(*BASE, "model.image.patch_dropout=0", "trainer.device=cuda",
                                              "model.compile=true", *more)), "cuda")
@@ -233,7 +235,8 @@ def test_towers_replayed_as_cuda_graphs_give_the_compiled_gradients():
         parts.close()
         return results
 
-    for (loss, grads), (graph_loss, graph_grads) in zip(two_steps(), two_steps("model.cuda_graphs=true"), strict=True):
+    for (loss, grads), (graph_loss, graph_grads) in zip(two_steps("model.compile_scope=tower"),
+                                                        two_steps("model.cuda_graphs=true"), strict=True):
         assert torch.allclose(graph_loss, loss, rtol=1e-5)
         assert graph_grads.keys() == grads.keys()
         for name, grad in grads.items():
