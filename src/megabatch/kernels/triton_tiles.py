@@ -364,33 +364,32 @@ def _distill_stats_kernel(
         t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, ct,
                           stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
                           T_UPCAST, T_ROUND_TF32, TMA)
-        logits = acc * scale  # natural units: what the teacher's probabilities weigh
+        logits = acc * scale  # natural units: what the teacher's probabilities weigh (finite where masked)
+        # -inf outside the block, rows and columns alike (one mask for both directions): there the exponentials are
+        # 0, so the sums need no other mask; a row outside it ends NaN (-inf - -inf), which is never stored
         ok = row_ok[:, None] & col_ok[None, :]
-        s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
-        t = tl.where(col_ok[None, :], t_acc * t_scale2, float("-inf"))
+        s = tl.where(ok, acc * scale2, float("-inf"))
+        t = tl.where(ok, t_acc * t_scale2, float("-inf"))
         # rows: online, as _stats_kernel (every tile has a valid column)
         m_new = tl.maximum(m_s, tl.max(s, 1))
         l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
         m_s = m_new
         m_new = tl.maximum(m_t, tl.max(t, 1))
         keep = tl.exp2(m_t - m_new)
-        p = tl.exp2(t - m_new[:, None])  # 0 on padding columns
+        p = tl.exp2(t - m_new[:, None])  # 0 outside the block
         l_t = l_t * keep + tl.sum(p, 1)
-        w_t = w_t * keep + tl.sum(p * tl.where(ok, logits, 0.0), 1)
+        w_t = w_t * keep + tl.sum(p * logits, 1)
         m_t = m_new
         # columns: this row block's share, shifted by its own maxima
-        s_col = tl.where(row_ok[:, None], s, float("-inf"))
-        t_col = tl.where(row_ok[:, None], t, float("-inf"))
-        cs_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
-        ct_max = tl.where(col_ok, tl.max(t_col, 0), 0.0)
-        p_col = tl.exp2(t_col - ct_max[None, :])
+        cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)  # 0 on padding columns: no inf - inf
+        ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
+        p_col = tl.exp2(t - ct_max[None, :])
         part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
         tl.store(col_out_ptr + part, cs_max, mask=col_ok)
-        tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s_col - cs_max[None, :]), 0), mask=col_ok)
+        tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s - cs_max[None, :]), 0), mask=col_ok)
         tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
         tl.store(col_out_ptr + 3 * stride_col_field + part, tl.sum(p_col, 0), mask=col_ok)
-        tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * tl.where(ok, logits, 0.0), 0),
-                 mask=col_ok)
+        tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * logits, 0), mask=col_ok)
     at = pid_s.to(tl.int64) * m + offs_m  # [field, splits, m]
     tl.store(row_out_ptr + at, m_s, mask=row_ok)
     tl.store(row_out_ptr + stride_row_field + at, l_s, mask=row_ok)
