@@ -71,6 +71,27 @@ def test_the_benchmarks_time_the_step_the_trainer_builds():
     assert rel_error(grads[0], grads[1]) <= 1e-6
 
 
+def test_the_distillation_floors_copy_of_the_statistics_kernel_computes_what_the_kernel_does():
+    """loss_variants.py --kinds distill_stats times a copy of the distillation statistics kernel with its softmax or
+    its dots left out: the copy whole must give the kernel's statistics exactly (a ragged block, tiles of 16), or
+    its parts measure another kernel. The two parts run too."""
+    import loss_variants  # scripts/benchmarks (tests/conftest.py puts its folder on the path)
+
+    from megabatch.kernels import triton_tiles as tt
+
+    generator = torch.Generator().manual_seed(0)
+    rows, cols = (torch.nn.functional.normalize(torch.randn(n, 24, generator=generator), dim=-1).bfloat16()
+                  for n in (40, 36))
+    scale = torch.tensor(100.0)
+    config = tt.get_config("distill_stats", rows, "tf32", 36)
+    kernel = tt.distill_stats(rows, cols, cols, rows, scale, 50.0, config=config)
+    copy = loss_variants.distill_stats_variant(rows, cols, cols, rows, scale, 50.0, config)
+    assert all(torch.equal(a, b) for a, b in zip(copy, kernel, strict=True))
+    for part in ({"gemm_only": True}, {"softmax_only": True}):
+        row, column = loss_variants.distill_stats_variant(rows, cols, cols, rows, scale, 50.0, config, **part)
+        assert row.shape == (3, 40) and column.shape == (3, 36)
+
+
 def test_learning_compares_each_setting_with_the_first_paired_by_seed():
     """learning.py's summary: each later setting's metrics less the first setting's, seed by seed, with a 95%
     interval (report/seeds.py); a metric not measured is left out, one seed has no interval."""

@@ -8,6 +8,15 @@ copy of the kernel's math with another way of loading and looping). Writes JSON 
     python scripts/benchmarks/loss_variants.py --size 131072 --c 512 --out loss_variants.json
 
 The measurement behind c0d9abb (``docs/bench/loss_variants_c512_h200.json``, ``today`` = 68c2fcd's kernels).
+
+``--kinds distill_stats``: where the distillation term's statistics kernel spends its time, at the tree's tiles and
+``CONFIGS``': the kernel (``today``), a copy of it (``copy``, which must match it), the copy's two GEMMs alone
+(``gemm_only``: the softmax's five fields cut to one row sum, the ceiling of Triton's GEMMs in that loop) and its
+softmax alone (``softmax_only``: the two dots replaced by a tile computed from the indices, no loads). The kernel can
+be no faster than the slower of the last two, and takes their sum where nothing overlaps them; its FLOPs are two
+``b^2 c`` GEMMs (a teacher as wide as the student).
+
+    python scripts/benchmarks/loss_variants.py --kinds distill_stats --size 262144 --c 512 --out distill_floor.json
 """
 
 from __future__ import annotations
@@ -88,6 +97,132 @@ def stats_variant(rows, cols, scale, config, flatten=False, ws=False, gemm_only=
 
 
 @triton.jit
+def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_ptr, t_scale, row_out_ptr, col_out_ptr,
+                        m, c, ct, col_start, col_stop, cols_per_split, stride_row_field, stride_col_field,
+                        stride_col_part, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GEMM_ONLY: tl.constexpr, SOFTMAX_ONLY: tl.constexpr, UPCAST: tl.constexpr):
+    """``triton_tiles._distill_stats_kernel``'s math (bf16 operands through tensor descriptors; ``UPCAST``: dots in
+    fp32, as the interpreter takes them), with its softmax or its dots left out."""
+    pid = tl.program_id(0)
+    splits = tl.num_programs(0) // tl.cdiv(m, BLOCK_M)
+    pid_m, pid_s = pid // splits, pid % splits
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < m
+    scale = tl.load(scale_ptr).to(tl.float32)
+    scale2 = scale * 1.4426950408889634
+    t_scale2 = t_scale * 1.4426950408889634
+    m_s = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_s = tl.zeros((BLOCK_M,), tl.float32)
+    m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_t = tl.zeros((BLOCK_M,), tl.float32)
+    w_t = tl.zeros((BLOCK_M,), tl.float32)
+    split_start = col_start + pid_s * cols_per_split
+    split_stop = tl.minimum(split_start + cols_per_split, col_stop)
+    for j0 in range(split_start, split_stop, BLOCK_N):
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < split_stop
+        if SOFTMAX_ONLY:  # a tile of logits in [-1, 1] from the indices: no loads, no dots
+            acc = tl.sin(offs_m[:, None].to(tl.float32) * 0.37 + offs_n[None, :].to(tl.float32) * 0.11)
+            t_acc = tl.cos(offs_m[:, None].to(tl.float32) * 0.23 - offs_n[None, :].to(tl.float32) * 0.17)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, c, BLOCK_K):
+                a, b = rows_desc.load([pid_m * BLOCK_M, k0]), cols_desc.load([j0, k0]).T
+                if UPCAST:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(a, b, acc)
+            t_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, ct, BLOCK_K):
+                a, b = t_rows_desc.load([pid_m * BLOCK_M, k0]), t_cols_desc.load([j0, k0]).T
+                if UPCAST:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                t_acc = tl.dot(a, b, t_acc)
+        if GEMM_ONLY:
+            l_s += tl.sum(acc + t_acc, 1)
+        else:
+            logits = acc * scale
+            ok = row_ok[:, None] & col_ok[None, :]
+            s = tl.where(ok, acc * scale2, float("-inf"))
+            t = tl.where(ok, t_acc * t_scale2, float("-inf"))
+            m_new = tl.maximum(m_s, tl.max(s, 1))
+            l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            m_s = m_new
+            m_new = tl.maximum(m_t, tl.max(t, 1))
+            keep = tl.exp2(m_t - m_new)
+            p = tl.exp2(t - m_new[:, None])
+            l_t = l_t * keep + tl.sum(p, 1)
+            w_t = w_t * keep + tl.sum(p * logits, 1)
+            m_t = m_new
+            cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)
+            ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
+            p_col = tl.exp2(t - ct_max[None, :])
+            part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
+            tl.store(col_out_ptr + part, cs_max, mask=col_ok)
+            tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s - cs_max[None, :]), 0), mask=col_ok)
+            tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
+            tl.store(col_out_ptr + 3 * stride_col_field + part, tl.sum(p_col, 0), mask=col_ok)
+            tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * logits, 0), mask=col_ok)
+    at = pid_s.to(tl.int64) * m + offs_m
+    tl.store(row_out_ptr + at, m_s, mask=row_ok)
+    tl.store(row_out_ptr + stride_row_field + at, l_s, mask=row_ok)
+    tl.store(row_out_ptr + 2 * stride_row_field + at, m_t, mask=row_ok)
+    tl.store(row_out_ptr + 3 * stride_row_field + at, l_t, mask=row_ok)
+    tl.store(row_out_ptr + 4 * stride_row_field + at, w_t, mask=row_ok)
+
+
+def distill_stats_variant(rows, cols, t_rows, t_cols, scale, t_scale, config, gemm_only=False, softmax_only=False):
+    """``_distill_stats_copy`` over the stripes as ``triton_tiles._distill_stats_launch`` runs the tree's kernel."""
+    m, c = rows.shape
+    n, ct = cols.shape[0], t_rows.shape[1]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    row_blocks, stripe, cols_per_split, splits = tt._stripes(m, n, config, rows.device, fields=5)
+    row_out = torch.empty((5, splits, m), dtype=torch.float32, device=rows.device)
+    col_out = torch.empty((5, row_blocks, stripe), dtype=torch.float32, device=rows.device)
+    col_stats = torch.empty((3, n), dtype=torch.float32, device=rows.device)
+    descs = [TensorDescriptor.from_tensor(x, [size, bk]) for x, size in ((rows, bm), (cols, bn), (t_rows, bm),
+                                                                         (t_cols, bn))]
+    run = None
+    for col_start in range(0, n, stripe):
+        col_stop = min(col_start + stripe, n)
+        width = col_stop - col_start
+        active = triton.cdiv(width, cols_per_split)
+        _distill_stats_copy[(row_blocks * active,)](
+            *descs, scale, float(t_scale), row_out, col_out, m, c, ct, col_start, col_stop, cols_per_split,
+            row_out.stride(0), col_out.stride(0), col_out.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GEMM_ONLY=gemm_only, SOFTMAX_ONLY=softmax_only, UPCAST=tt._upcast(rows), num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
+        run = tt._merge_fields(row_out[:, :active], run)
+        col_stats[:, col_start:col_stop] = tt._finish_fields(tt._merge_fields(col_out[:, :, :width]))
+    return tt._finish_fields(run), col_stats
+
+
+def distill_stats_rows(record, n: int, c: int, dev, only: str) -> None:
+    """The ``distill_stats`` kind's rows: the tree's kernel, then at its tiles and ``CONFIGS``' the copy, its GEMMs
+    alone and its softmax alone."""
+    generator = torch.Generator(device=dev).manual_seed(1)
+    rows = torch.nn.functional.normalize(torch.randn(n, c, device=dev, generator=generator), dim=-1).bfloat16()
+    cols = torch.nn.functional.normalize(torch.randn(n, c, device=dev, generator=generator), dim=-1).bfloat16()
+    scale = torch.tensor(100.0, device=dev)
+    today = tt.get_config("distill_stats", rows, "tf32", n)
+    ref = tt.distill_stats(rows, cols, cols, rows, scale, 50.0, config=today)
+
+    def check(out):
+        return max(float((out[0] - ref[0]).abs().max()), float((out[1] - ref[1]).abs().max()))
+
+    flops = 2 * 2.0 * n * n * c
+    record("distill_stats", "today", today, lambda: tt.distill_stats(rows, cols, cols, rows, scale, 50.0,
+                                                                     config=today), flops, check)
+    variants = [("copy", {}), ("gemm_only", {"gemm_only": True}), ("softmax_only", {"softmax_only": True})]
+    for config in [today, *[config for config in CONFIGS if config != today]]:
+        for name, kw in variants:
+            if only and name not in only.split(","):
+                continue
+            record("distill_stats", name, config, lambda kw=kw, config=config: distill_stats_variant(
+                rows, cols, cols, rows, scale, 50.0, config, **kw), flops, check if name == "copy" else None)
+
+
+@triton.jit
 def _grad_tma(rows_desc, cols_desc, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, dscale_ptr,
               c, row_start, row_stop, col_start, col_stop, g_scale, stride_gm, stride_gn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -160,7 +295,9 @@ def main() -> None:
     p.add_argument("--c", type=int, default=512)
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="")
+    p.add_argument("--kinds", default="stats,grad", help="of stats, grad, distill_stats")
     args = p.parse_args()
+    kinds = args.kinds.split(",")
     torch.manual_seed(0)
     dev = torch.device("cuda")
     peak = 989e12
@@ -172,6 +309,14 @@ def main() -> None:
     ref_row, ref_col = tt._stats_launch(rows, cols, scale, "tf32", today)
     results = []
 
+    def write() -> None:  # after every row: a run cut short keeps what it measured
+        meta = {"command": " ".join(["scripts/benchmarks/loss_variants.py", *sys.argv[1:]]), "gpus": 1,
+                "gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
+                "size": n, "c": c, "block": list(tt._block_sides(torch.float16, n, n)),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "peak": peak, "log2_size": math.log2(n)}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
     def record(kind, variant, config, fn, flops, check=None):
         try:
             out = fn()
@@ -181,56 +326,56 @@ def main() -> None:
             results.append({"kind": kind, "variant": variant, "config": config, "error": f"{type(error).__name__}: "
                             + str(error)[:300]})
             print(kind, variant, config, "ERROR", type(error).__name__, str(error)[:200], flush=True)
+            write()
             return
         tf = flops / (ms / 1e3)
         results.append({"kind": kind, "variant": variant, "config": config, "ms": ms, "tflops": tf / 1e12,
                         "peak_share": tf / peak, "max_err": err})
         print(f"{kind:6s} {variant:18s} {config} {ms:8.3f} ms {tf / 1e12:6.1f} TFLOP/s {tf / peak:.3f} err={err}",
               flush=True)
+        write()
 
     def stats_check(out):
         return max(float((out[0] - ref_row).abs().max()), float((out[1] - ref_col).abs().max()))
 
-    flops = 2.0 * n * n * c
-    record("stats", "today", today, lambda: tt._stats_launch(rows, cols, scale, "tf32", today), flops, stats_check)
-    variants = [("tma", {}), ("tma_flat", {"flatten": True}), ("tma_ws", {"ws": True}),
-                ("tma_gemm_only", {"gemm_only": True})]
-    for config in CONFIGS:
-        for name, kw in variants:
-            if args.only and name not in args.only.split(","):
-                continue
-            check = None if kw.get("gemm_only") else stats_check
-            record("stats", name, config, lambda kw=kw, config=config: stats_variant(rows, cols, scale, config, **kw),
-                   flops, check)
-    # grad: one block of G' as the 1M line's backward writes it
+    if "stats" in kinds:
+        flops = 2.0 * n * n * c
+        record("stats", "today", today, lambda: tt._stats_launch(rows, cols, scale, "tf32", today), flops, stats_check)
+        variants = [("tma", {}), ("tma_flat", {"flatten": True}), ("tma_ws", {"ws": True}),
+                    ("tma_gemm_only", {"gemm_only": True})]
+        for config in CONFIGS:
+            for name, kw in variants:
+                if args.only and name not in args.only.split(","):
+                    continue
+                check = None if kw.get("gemm_only") else stats_check
+                record("stats", name, config,
+                       lambda kw=kw, config=config: stats_variant(rows, cols, scale, config, **kw), flops, check)
     block_m, block_n = tt._block_sides(torch.float16, n, n)
-    g_block = torch.empty((block_m, block_n), dtype=torch.float16, device=dev)
-    g_ref = torch.empty_like(g_block)
-    partials = torch.zeros((triton.cdiv(block_m, 64) * triton.cdiv(block_n, 64), 1), device=dev)
-    gtoday = tt.get_config("grad", rows, "tf32", n)
-    r, cc = rows[:block_m], cols[:block_n]
-    gflops = 2.0 * block_m * block_n * c
-    ref_sum = float(grad_today(r, cc, scale, ref_row, ref_col, g_ref, partials, gtoday))
+    if "grad" in kinds:
+        # grad: one block of G' as the 1M line's backward writes it
+        g_block = torch.empty((block_m, block_n), dtype=torch.float16, device=dev)
+        g_ref = torch.empty_like(g_block)
+        partials = torch.zeros((triton.cdiv(block_m, 64) * triton.cdiv(block_n, 64), 1), device=dev)
+        gtoday = tt.get_config("grad", rows, "tf32", n)
+        r, cc = rows[:block_m], cols[:block_n]
+        gflops = 2.0 * block_m * block_n * c
+        ref_sum = float(grad_today(r, cc, scale, ref_row, ref_col, g_ref, partials, gtoday))
 
-    def grad_check(out):
-        return max(float((g_block.float() - g_ref.float()).abs().max()), abs(float(out) - ref_sum) / abs(ref_sum))
+        def grad_check(out):
+            return max(float((g_block.float() - g_ref.float()).abs().max()), abs(float(out) - ref_sum) / abs(ref_sum))
 
-    record("grad", "today", gtoday, lambda: grad_today(r, cc, scale, ref_row, ref_col, g_block, partials, gtoday),
-           gflops, grad_check)
-    gvariants = [("tma_w1", {}), ("tma_w2", {"waves": 2}), ("tma_w1_flat", {"flatten": True}),
-                 ("tma_w2_flat", {"waves": 2, "flatten": True}), ("tma_w1_ws", {"ws": True})]
-    for config in CONFIGS:
-        for name, kw in gvariants:
-            if args.only and name not in args.only.split(","):
-                continue
-            record("grad", name, config, lambda kw=kw, config=config: grad_variant(
-                r, cc, scale, ref_row, ref_col, g_block, partials, config, **kw), gflops, grad_check)
-    meta = {"command": " ".join(["scripts/benchmarks/loss_variants.py", *sys.argv[1:]]), "gpus": 1,
-            "gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
-            "size": n, "c": c, "block": [block_m, block_n], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "peak": peak, "log2_size": math.log2(n)}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+        record("grad", "today", gtoday, lambda: grad_today(r, cc, scale, ref_row, ref_col, g_block, partials, gtoday),
+               gflops, grad_check)
+        gvariants = [("tma_w1", {}), ("tma_w2", {"waves": 2}), ("tma_w1_flat", {"flatten": True}),
+                     ("tma_w2_flat", {"waves": 2, "flatten": True}), ("tma_w1_ws", {"ws": True})]
+        for config in CONFIGS:
+            for name, kw in gvariants:
+                if args.only and name not in args.only.split(","):
+                    continue
+                record("grad", name, config, lambda kw=kw, config=config: grad_variant(
+                    r, cc, scale, ref_row, ref_col, g_block, partials, config, **kw), gflops, grad_check)
+    if "distill_stats" in kinds:
+        distill_stats_rows(record, n, c, dev, args.only)
 
 
 if __name__ == "__main__":
