@@ -72,9 +72,9 @@ def test_the_benchmarks_time_the_step_the_trainer_builds():
 
 
 def test_the_distillation_floors_copy_of_the_statistics_kernel_computes_what_the_kernel_does():
-    """loss_variants.py --kinds distill_stats times a copy of the distillation statistics kernel with its softmax or
-    its dots left out: the copy whole must give the kernel's statistics exactly (a ragged block, tiles of 16), or
-    its parts measure another kernel. The two parts run too."""
+    """loss_variants.py --kinds distill_stats times a copy of the distillation statistics kernel with its softmax left
+    out or its dots cut to one tile of features: the copy whole must give the kernel's statistics exactly (a ragged
+    block, tiles of 16), or its parts measure another kernel. The parts run too."""
     import loss_variants  # scripts/benchmarks (tests/conftest.py puts its folder on the path)
 
     from megabatch.kernels import triton_tiles as tt
@@ -87,7 +87,7 @@ def test_the_distillation_floors_copy_of_the_statistics_kernel_computes_what_the
     kernel = tt.distill_stats(rows, cols, cols, rows, scale, 50.0, config=config)
     copy = loss_variants.distill_stats_variant(rows, cols, cols, rows, scale, 50.0, config)
     assert all(torch.equal(a, b) for a, b in zip(copy, kernel, strict=True))
-    for part in ({"gemm_only": True}, {"softmax_only": True}):
+    for part in ({"gemm_only": True}, {"one_k": True}, {"gemm_only": True, "one_k": True}):
         row, column = loss_variants.distill_stats_variant(rows, cols, cols, rows, scale, 50.0, config, **part)
         assert row.shape == (3, 40) and column.shape == (3, 36)
 

@@ -11,10 +11,10 @@ The measurement behind c0d9abb (``docs/bench/loss_variants_c512_h200.json``, ``t
 
 ``--kinds distill_stats``: where the distillation term's statistics kernel spends its time, at the tree's tiles and
 ``CONFIGS``': the kernel (``today``), a copy of it (``copy``, which must match it), the copy's two GEMMs alone
-(``gemm_only``: the softmax's five fields cut to one row sum, the ceiling of Triton's GEMMs in that loop) and its
-softmax alone (``softmax_only``: the two dots replaced by a tile computed from the indices, no loads). The kernel can
-be no faster than the slower of the last two, and takes their sum where nothing overlaps them; its FLOPs are two
-``b^2 c`` GEMMs (a teacher as wide as the student).
+(``gemm_only``: the softmax's five fields cut to one row sum, the ceiling of Triton's GEMMs in that loop), and both
+again with the dots over one ``BLOCK_K`` of features (``one_k``, ``gemm_only_one_k``: their difference is the
+softmax's own time). The kernel can be no faster than the slower of its GEMMs and its softmax, and takes their sum
+where nothing overlaps them; the FLOPs counted are two ``b^2 c`` GEMMs (a teacher as wide as the student).
 
     python scripts/benchmarks/loss_variants.py --kinds distill_stats --size 262144 --c 512 --out distill_floor.json
 """
@@ -100,9 +100,9 @@ def stats_variant(rows, cols, scale, config, flatten=False, ws=False, gemm_only=
 def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_ptr, t_scale, row_out_ptr, col_out_ptr,
                         m, c, ct, col_start, col_stop, cols_per_split, stride_row_field, stride_col_field,
                         stride_col_part, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GEMM_ONLY: tl.constexpr, SOFTMAX_ONLY: tl.constexpr, UPCAST: tl.constexpr):
+                        GEMM_ONLY: tl.constexpr, UPCAST: tl.constexpr):
     """``triton_tiles._distill_stats_kernel``'s math (bf16 operands through tensor descriptors; ``UPCAST``: dots in
-    fp32, as the interpreter takes them), with its softmax or its dots left out."""
+    fp32, as the interpreter takes them); ``GEMM_ONLY``: its softmax left out."""
     pid = tl.program_id(0)
     splits = tl.num_programs(0) // tl.cdiv(m, BLOCK_M)
     pid_m, pid_s = pid // splits, pid % splits
@@ -121,22 +121,18 @@ def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_pt
     for j0 in range(split_start, split_stop, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
-        if SOFTMAX_ONLY:  # a tile of logits in [-1, 1] from the indices: no loads, no dots
-            acc = tl.sin(offs_m[:, None].to(tl.float32) * 0.37 + offs_n[None, :].to(tl.float32) * 0.11)
-            t_acc = tl.cos(offs_m[:, None].to(tl.float32) * 0.23 - offs_n[None, :].to(tl.float32) * 0.17)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for k0 in range(0, c, BLOCK_K):
-                a, b = rows_desc.load([pid_m * BLOCK_M, k0]), cols_desc.load([j0, k0]).T
-                if UPCAST:
-                    a, b = a.to(tl.float32), b.to(tl.float32)
-                acc = tl.dot(a, b, acc)
-            t_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for k0 in range(0, ct, BLOCK_K):
-                a, b = t_rows_desc.load([pid_m * BLOCK_M, k0]), t_cols_desc.load([j0, k0]).T
-                if UPCAST:
-                    a, b = a.to(tl.float32), b.to(tl.float32)
-                t_acc = tl.dot(a, b, t_acc)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, c, BLOCK_K):
+            a, b = rows_desc.load([pid_m * BLOCK_M, k0]), cols_desc.load([j0, k0]).T
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        t_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, ct, BLOCK_K):
+            a, b = t_rows_desc.load([pid_m * BLOCK_M, k0]), t_cols_desc.load([j0, k0]).T
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            t_acc = tl.dot(a, b, t_acc)
         if GEMM_ONLY:
             l_s += tl.sum(acc + t_acc, 1)
         else:
@@ -170,8 +166,10 @@ def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_pt
     tl.store(row_out_ptr + 4 * stride_row_field + at, w_t, mask=row_ok)
 
 
-def distill_stats_variant(rows, cols, t_rows, t_cols, scale, t_scale, config, gemm_only=False, softmax_only=False):
-    """``_distill_stats_copy`` over the stripes as ``triton_tiles._distill_stats_launch`` runs the tree's kernel."""
+def distill_stats_variant(rows, cols, t_rows, t_cols, scale, t_scale, config, gemm_only=False, one_k=False):
+    """``_distill_stats_copy`` over the stripes as ``triton_tiles._distill_stats_launch`` runs the tree's kernel;
+    ``one_k``: its dots over the first ``BLOCK_K`` features alone (the softmax's cost with little GEMM: a tile of
+    logits in the layout the dots leave it in, which no tile made another way has)."""
     m, c = rows.shape
     n, ct = cols.shape[0], t_rows.shape[1]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
@@ -187,9 +185,10 @@ def distill_stats_variant(rows, cols, t_rows, t_cols, scale, t_scale, config, ge
         width = col_stop - col_start
         active = triton.cdiv(width, cols_per_split)
         _distill_stats_copy[(row_blocks * active,)](
-            *descs, scale, float(t_scale), row_out, col_out, m, c, ct, col_start, col_stop, cols_per_split,
+            *descs, scale, float(t_scale), row_out, col_out, m, min(c, bk) if one_k else c,
+            min(ct, bk) if one_k else ct, col_start, col_stop, cols_per_split,
             row_out.stride(0), col_out.stride(0), col_out.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GEMM_ONLY=gemm_only, SOFTMAX_ONLY=softmax_only, UPCAST=tt._upcast(rows), num_warps=config["num_warps"],
+            GEMM_ONLY=gemm_only, UPCAST=tt._upcast(rows), num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
         run = tt._merge_fields(row_out[:, :active], run)
@@ -213,7 +212,8 @@ def distill_stats_rows(record, n: int, c: int, dev, only: str) -> None:
     flops = 2 * 2.0 * n * n * c
     record("distill_stats", "today", today, lambda: tt.distill_stats(rows, cols, cols, rows, scale, 50.0,
                                                                      config=today), flops, check)
-    variants = [("copy", {}), ("gemm_only", {"gemm_only": True}), ("softmax_only", {"softmax_only": True})]
+    variants = [("copy", {}), ("gemm_only", {"gemm_only": True}), ("one_k", {"one_k": True}),
+                ("gemm_only_one_k", {"gemm_only": True, "one_k": True})]
     for config in [today, *[config for config in CONFIGS if config != today]]:
         for name, kw in variants:
             if only and name not in only.split(","):
