@@ -22,10 +22,9 @@ where nothing overlaps them; the FLOPs counted are two ``b^2 c`` GEMMs (a teache
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
+from pathlib import Path
 
 import torch
 import triton
@@ -33,8 +32,13 @@ import triton.language as tl
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megabatch.kernels import triton_tiles as tt
-from megabatch.kernels.triton_tiles import _block_tile, _block_tiles
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench, however the script is started
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+from bench import write_results  # noqa: E402
+
+from megabatch.kernels import triton_tiles as tt  # noqa: E402
+from megabatch.kernels.triton_tiles import _block_tile, _block_tiles  # noqa: E402
 
 
 @triton.jit
@@ -310,12 +314,8 @@ def main() -> None:
     results = []
 
     def write() -> None:  # after every row: a run cut short keeps what it measured
-        meta = {"command": " ".join(["scripts/benchmarks/loss_variants.py", *sys.argv[1:]]), "gpus": 1,
-                "gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
-                "size": n, "c": c, "block": list(tt._block_sides(torch.float16, n, n)),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "peak": peak, "log2_size": math.log2(n)}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+        write_results(args.out, results, size=n, c=c, block=list(tt._block_sides(torch.float16, n, n)), peak=peak,
+                      log2_size=math.log2(n))
 
     def record(kind, variant, config, fn, flops, check=None):
         try:
