@@ -90,8 +90,9 @@ def test_the_head_runs_at_the_predicted_tokens_alone_and_gives_the_whole_context
 def test_the_heads_loss_and_gradients_are_the_whole_ones_a_few_tokens_at_a_time(monkeypatch):
     """The head's logits exist a chunk of tokens at a time (``decoder.HEAD_BYTES``), its gradients made in the
     forward: in float64 the loss and every gradient are those of the plain head and cross-entropy, with the
-    loss's incoming gradient applied; without autograd the loss alone; under bf16 autocast every gradient is as close
-    to float64's as the plain path's is (1.05x at most here; the head's bias 8x closer)."""
+    loss's incoming gradient applied; without autograd the loss alone (the logits' GEMM, not the gradients' two);
+    under bf16 autocast every gradient is as close to float64's as the plain path's is (1.05x at most here; the
+    head's bias 8x closer)."""
     from megabatch.models import decoder as module
 
     monkeypatch.setattr(module, "HEAD_BYTES", 4 * 50 * 3)  # 3 tokens a chunk: the 20 tokens in 7 chunks
@@ -115,9 +116,14 @@ def test_the_heads_loss_and_gradients_are_the_whole_ones_a_few_tokens_at_a_time(
         assert (grad is None) == (want is None)
         if want is not None:
             torch.testing.assert_close(grad, want, rtol=1e-11, atol=1e-13)
-    with torch.no_grad():
-        torch.testing.assert_close(model.head_loss(model.caption_states(image, texts), texts), plain.detach(),
-                                   rtol=1e-13, atol=0)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    states = model.caption_states(image, texts).detach().requires_grad_()
+    for grad_mode, products in ((False, 1), (True, 3)):  # the logits; and the gradients' two GEMMs
+        with torch.set_grad_enabled(grad_mode), FlopCounterMode(display=False) as counter:
+            loss = model.head_loss(states, texts)
+        torch.testing.assert_close(loss.detach(), plain.detach(), rtol=1e-13, atol=0)
+        assert counter.get_total_flops() == products * 2 * 20 * 32 * 50  # 20 tokens, width 32, 50 in the vocabulary
     exact = [None if grad is None else grad / 2.5 for grad in expected]
     model = model.float()
     with torch.autocast("cpu", dtype=torch.bfloat16):

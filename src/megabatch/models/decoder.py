@@ -147,7 +147,7 @@ class CaptionDecoder(nn.Module):
         places = torch.argsort(padding, stable=True)[:predicted]  # the predicted tokens', in order
         chunk = max(1, HEAD_BYTES // (4 * self.head.out_features))
         return _HeadCrossEntropy.apply(states.flatten(0, 1)[places], targets[places], self.head, chunk,
-                                       self.head.weight, self.head.bias)
+                                       torch.is_grad_enabled(), self.head.weight, self.head.bias)
 
 
 HEAD_BYTES = 256 * 2**20  # the head's logits of one chunk of tokens, fp32 (~1,350 tokens of open_clip's 49,408)
@@ -158,37 +158,45 @@ class _HeadCrossEntropy(torch.autograd.Function):
     chunk live at once (fp32 at least, as ``cross_entropy`` takes them), never ``[k, vocab]``. Where a gradient is
     asked for, the forward makes it chunk by chunk (the softmax less the targets, times the head's weight for the
     states, times the states for the weight, in the logits' own dtype as the head's backward would; summed over the
-    chunks in fp32 at least) and the backward scales it by the loss's incoming gradient. ``weight`` and ``bias``
-    (``head``'s) are passed so that autograd sees them; the logits come from calling ``head``, under the caller's
-    autocast."""
+    chunks in fp32 at least) and the backward scales it by the loss's incoming gradient; ``grads``: whether autograd
+    is on where the loss is made (inside the forward it is off, and ``needs_input_grad`` does not say). ``weight``
+    and ``bias`` (``head``'s) are passed so that autograd sees them; the logits come from calling ``head``, under the
+    caller's autocast."""
 
     @staticmethod
-    def forward(ctx, states, targets, head, chunk, weight, bias):
-        wanted = ctx.needs_input_grad
+    def forward(ctx, states, targets, head, chunk, grads, weight, bias):
+        wanted = [grads and needed for needed in ctx.needs_input_grad]
         total = states.new_zeros((), dtype=torch.promote_types(states.dtype, torch.float32))
-        d_states = torch.zeros_like(states) if wanted[0] else None
+        d_states = torch.empty_like(states) if wanted[0] else None
         acc = torch.promote_types(weight.dtype, torch.float32)
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if wanted[4] else None
-        d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if bias is not None and wanted[5] else None
+        d_weight = d_bias = None  # the first chunk's, then the sums
+        grad_weight, grad_bias = wanted[5], bias is not None and wanted[6]
         for start in range(0, states.shape[0], chunk):
-            rows, goal = states[start:start + chunk], targets[start:start + chunk]
+            # detached: a view made here would claim autograd's attention without a graph (FLOP counters' hooks)
+            rows, goal = states[start:start + chunk].detach(), targets[start:start + chunk]
             logits = head(rows)
             dtype = logits.dtype  # the autocast dtype, or the states' own
             logits = logits.to(total.dtype)
             lse = logits.logsumexp(1)
             total += (lse - logits.gather(1, goal[:, None])[:, 0]).sum()
-            if d_states is None and d_weight is None and d_bias is None:
+            if d_states is None and not grad_weight and not grad_bias:
                 continue
             grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             grad[torch.arange(grad.shape[0], device=grad.device), goal] -= 1
-            if d_bias is not None:
-                d_bias += grad.sum(0)
+            if grad_bias:
+                part = grad.sum(0).to(acc)
+                d_bias = part if d_bias is None else d_bias.add_(part)
             grad = grad.to(dtype)
             with torch.autocast(states.device.type, enabled=False):
                 if d_states is not None:
                     d_states[start:start + chunk] = grad @ weight.to(dtype)
-                if d_weight is not None:
-                    d_weight += grad.T @ rows.to(dtype)
+                if grad_weight:
+                    part = (grad.T @ rows.to(dtype)).to(acc)
+                    d_weight = part if d_weight is None else d_weight.add_(part)
+        if grad_weight and d_weight is None:
+            d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        if grad_bias and d_bias is None:
+            d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device)
         made = (d_states, d_weight, d_bias)
         ctx.save_for_backward(*(t if t is not None else states.new_empty(0) for t in made))
         ctx.made = tuple(t is not None for t in made)
@@ -200,7 +208,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         d_states, d_weight, d_bias = ((grad * grad_output.to(grad.dtype)).to(dtype) if made else None
                                       for grad, made, dtype in zip(ctx.saved_tensors, ctx.made, ctx.dtypes,
                                                                    strict=True))
-        return d_states, None, None, None, d_weight, d_bias
+        return d_states, None, None, None, None, d_weight, d_bias
 
 
 class DecoderCaptioner:
