@@ -136,6 +136,20 @@ def g_gemms_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
+def decoder_head_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/decoder_head.py: the caption decoder's head per tree and count of tokens, its peak memory
+    and seconds."""
+    rows = ["| tree | tokens | device | peak memory | what the peak is | forward + backward |",
+            "|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        if "peak_gb" not in row:
+            rows.append(f"| {row['tree']} | {row.get('status')} | | | | |")
+            continue
+        rows.append(f"| {row['tree']} | {row['tokens']:,} | {row['device']} | {row['peak_gb']:.2f} GB | "
+                    f"{row['peak_is']} | {row['seconds']:.2f} s |")
+    return rows
+
+
 def naflex_pack_table(data: dict, entry: dict) -> list[str]:
     """scripts/benchmarks/naflex_pack.py: images a second through the packer per tree, and its bytes against the
     first tree's."""
@@ -531,7 +545,7 @@ def chaos_table(data: dict, entry: dict) -> list[str]:
 
 TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "chaos": chaos_table, "loss": loss_table,
           "loss_passes": loss_passes_table, "loss_variants": loss_variants_table,
-          "g_gemms": g_gemms_table, "naflex_pack": naflex_pack_table,
+          "g_gemms": g_gemms_table, "naflex_pack": naflex_pack_table, "decoder_head": decoder_head_table,
           "e2e": e2e_table,
           "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
