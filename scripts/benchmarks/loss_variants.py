@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from bench import write_results  # noqa: E402
 
 from megabatch.kernels import triton_tiles as tt  # noqa: E402
-from megabatch.kernels.triton_tiles import _block_tile, _block_tiles  # noqa: E402
+from megabatch.kernels.triton_tiles import _block_tile, _block_tiles, _dot_tile  # noqa: E402
 
 
 @triton.jit
@@ -105,8 +105,8 @@ def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_pt
                         m, c, ct, col_start, col_stop, cols_per_split, stride_row_field, stride_col_field,
                         stride_col_part, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GEMM_ONLY: tl.constexpr, UPCAST: tl.constexpr):
-    """``triton_tiles._distill_stats_kernel``'s math (bf16 operands through tensor descriptors; ``UPCAST``: dots in
-    fp32, as the interpreter takes them); ``GEMM_ONLY``: its softmax left out."""
+    """``triton_tiles._distill_stats_kernel``'s math, its dots ``_dot_tile``'s (bf16 operands through tensor
+    descriptors; ``UPCAST``: in fp32, as the interpreter takes them); ``GEMM_ONLY``: its softmax left out."""
     pid = tl.program_id(0)
     splits = tl.num_programs(0) // tl.cdiv(m, BLOCK_M)
     pid_m, pid_s = pid // splits, pid % splits
@@ -125,18 +125,11 @@ def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_pt
     for j0 in range(split_start, split_stop, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, c, BLOCK_K):
-            a, b = rows_desc.load([pid_m * BLOCK_M, k0]), cols_desc.load([j0, k0]).T
-            if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        t_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, ct, BLOCK_K):
-            a, b = t_rows_desc.load([pid_m * BLOCK_M, k0]), t_cols_desc.load([j0, k0]).T
-            if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            t_acc = tl.dot(a, b, t_acc)
+        # the kernel's own dots (tensor descriptors: no strides)
+        acc = _dot_tile(rows_desc, cols_desc, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c, 0, 0, 0, 0,
+                        BLOCK_M, BLOCK_N, BLOCK_K, "tf32", UPCAST, False, True)
+        t_acc = _dot_tile(t_rows_desc, t_cols_desc, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, ct, 0, 0, 0,
+                          0, BLOCK_M, BLOCK_N, BLOCK_K, "tf32", UPCAST, False, True)
         if GEMM_ONLY:
             l_s += tl.sum(acc + t_acc, 1)
         else:
