@@ -53,7 +53,8 @@ class Counter:
 
 def test_a_new_part_is_one_entry_saved_and_resumed_by_the_checkpointer(tmp_path, caplog):
     """Each part saves and loads its own state under its name; a file written before a part existed
-    leaves that part fresh (logged), and a weight that is not finite writes nothing."""
+    leaves that part fresh (logged, unless the part never has a state: a disabled scaler), and a weight that is not
+    finite writes nothing."""
     import logging
 
     from megabatch.checkpoint.checkpointer import Checkpointer, TrainState
@@ -81,6 +82,13 @@ def test_a_new_part_is_one_entry_saved_and_resumed_by_the_checkpointer(tmp_path,
     checkpointer(older, model, {"train_state": TrainState(), "ema": later})[0].load(
         older / "last.pt", load_checkpoint(older / "last.pt"))
     assert later.value == 3 and "has no ema: it starts fresh" in caplog.text
+    # a disabled scaler (fp32 and bf16 runs) saves nothing, and its absence is not logged; an fp16 run's is
+    for enabled in (False, True):
+        caplog.clear()
+        scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+        checkpointer(older, model, {"train_state": TrainState(), "scaler": scaler})[0].load(
+            older / "last.pt", load_checkpoint(older / "last.pt"))
+        assert ("has no scaler" in caplog.text) == enabled
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
     assert not saver.save(6, numbered=True) and saver.saved_step == 5

@@ -102,6 +102,12 @@ class RngStates:
             restore_rng(state["ranks"][self.rank])
 
 
+def _always_empty(part) -> bool:
+    """A part whose state is empty, and so never saved: a disabled GradScaler (every run but fp16's). Its absence
+    from a checkpoint is not news."""
+    return isinstance(part, torch.amp.GradScaler) and not part.is_enabled()
+
+
 def legacy_parts(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint written before each part had its own entry (flat keys: ``step``,
     ``samples_seen``, ``global_batch``, ``loader_slots``, ``rng`` as a list) with those entries
@@ -226,7 +232,7 @@ class Checkpointer:
         for name, part in self.parts.items():
             if name in state:
                 part.load_state_dict(state[name])
-            elif self.main:
+            elif self.main and not _always_empty(part):
                 log.info("checkpoint %s has no %s: it starts fresh", path, name)
         self.saved_step = int(state["step"])
 
