@@ -4,9 +4,11 @@
     python scripts/tune_kernels.py --kernels stats,grad,sigmoid,distill_stats,distill_grad --missing --merge \
         --out tuned_missing.json
 
-The output has the layout of ``src/megabatch/kernels/tuned.json`` ({gpu name: {key: config}});
-``--merge`` folds it into that committed file, so fresh GPU machines start tuned. ``--missing`` tunes only
-the keys that file lacks for this GPU (dims that share a key, 768 and 1024, are tuned once).
+The output has the layout of ``src/megabatch/kernels/tuned.json`` ({gpu name: {key: config}}, and under
+``_devices`` each GPU's compute capability and SM count); ``--merge`` folds it into that committed file, so fresh
+GPU machines start tuned: these GPUs, and any GPU of the same capability and SM count for the keys its own
+table lacks. ``--missing`` tunes only the keys that file lacks for this GPU (dims that share a key, 768 and 1024,
+are tuned once).
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ def main() -> None:
         start = time.perf_counter()
         config = triton_tiles.tune(kernel, dtype, dim, precision, device, size=args.size)
         print(f"{gpu} {key}: {config} ({time.perf_counter() - start:.0f} s)", flush=True)
-        triton_tiles.save_config(gpu, key, config, out)
+        record = triton_tiles.device_record(device)
+        triton_tiles.save_config(gpu, key, config, out, record)
         if args.merge:
-            triton_tiles.save_config(gpu, key, config, triton_tiles.TUNED_FILE)
+            triton_tiles.save_config(gpu, key, config, triton_tiles.TUNED_FILE, record)
 
 
 def to_tune(gpu: str, dtypes: list[str], dims: list[int], kernels: list[str], missing: bool,

@@ -61,6 +61,7 @@ def test_a_small_block_takes_the_default_tiles_and_a_large_one_is_tuned(monkeypa
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("MEGABATCH_CACHE", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Untuned GPU 7")
+    monkeypatch.setattr(triton_tiles, "device_record", lambda device: {"capability": "7.5", "sms": 40})  # no sibling
     tuned = []
     monkeypatch.setattr(triton_tiles, "tuned_once", lambda gpu, key, tune_now: tuned.append(key) or CONFIG)
 
@@ -100,3 +101,62 @@ def test_tune_kernels_missing_tunes_only_what_the_table_lacks(tmp_path):
     assert keys == ["grad/bfloat16/native/c512", "stats/bfloat16/native/c1024", "grad/bfloat16/native/c1024"]
     every = tune_kernels.to_tune("Some GPU", ["bf16", "fp32"], [512], ["stats"], False, table)
     assert [row[-1] for row in every] == ["stats/bfloat16/native/c512", "stats/float32/tf32/c512"]
+
+
+def test_a_gpu_missing_a_key_takes_a_shipped_gpu_of_the_same_sms_and_else_tunes(monkeypatch, tmp_path, caplog):
+    """A GPU whose own table lacks a key (here one the table does not name at all) takes the key's config from a
+    GPU that ``tuned.json`` records with the same compute capability and SM count, the first by name, and tunes
+    nothing; a GPU of another SM count tunes. The record is made only where another GPU has the key."""
+    import logging
+    import types
+
+    import torch
+
+    from megabatch.kernels import triton_tiles
+
+    table = tmp_path / "tuned.json"
+    big = {"capability": "9.0", "sms": 132}
+    other = {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    for gpu, config in (("B GPU", CONFIG), ("A GPU", other)):
+        triton_tiles.save_config(gpu, "grad/bfloat16/native/c512", config, table, big)
+    triton_tiles.save_config("C GPU", "stats/bfloat16/native/c512", CONFIG, table, {"capability": "9.0", "sms": 114})
+    assert json.loads(table.read_text())[triton_tiles.DEVICES] == {"A GPU": big, "B GPU": big,
+                                                                   "C GPU": {"capability": "9.0", "sms": 114}}
+    monkeypatch.setattr(triton_tiles, "TUNED_FILE", table)
+    monkeypatch.setattr(triton_tiles, "_shipped", lambda: json.loads(table.read_text()))
+    triton_tiles._load_tables.cache_clear()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("MEGABATCH_CACHE", str(tmp_path / "host"))
+    tuned, made = [], []
+    monkeypatch.setattr(triton_tiles, "tuned_once", lambda gpu, key, tune_now: tuned.append((gpu, key)) or CONFIG)
+    record = {"New GPU": big, "Small GPU": {"capability": "9.0", "sms": 114}}
+    name = {"value": "New GPU"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["value"])
+    monkeypatch.setattr(triton_tiles, "device_record", lambda device: made.append(1) or record[name["value"]])
+    rows = types.SimpleNamespace(is_cuda=True, shape=(16384, 512), dtype=torch.bfloat16, device="cuda:0")
+    try:
+        with caplog.at_level(logging.INFO, logger=triton_tiles.__name__):
+            assert triton_tiles.get_config("grad", rows, "tf32") == other  # A GPU's: the first by name
+        assert tuned == []
+        assert "A GPU's shipped tiles" in caplog.text
+        assert triton_tiles.get_config("stats", rows, "tf32") == CONFIG  # C GPU has it, with 114 SMs: tuned
+        assert tuned == [("New GPU", "stats/bfloat16/native/c512")]
+        assert triton_tiles.get_config("sigmoid", rows, "tf32") == CONFIG  # no GPU has it: tuned, no record made
+        assert len(made) == 2
+        name["value"] = "Small GPU"
+        assert triton_tiles.get_config("stats", rows, "tf32") == CONFIG  # C GPU's (its own tuning not called)
+        assert triton_tiles.get_config("grad", rows, "tf32") == CONFIG  # 132 SMs' only: tuned
+        assert tuned[1:] == [("New GPU", "sigmoid/bfloat16/native/c512"), ("Small GPU", "grad/bfloat16/native/c512")]
+    finally:
+        triton_tiles._load_tables.cache_clear()
+
+
+def test_every_gpu_in_the_shipped_table_has_its_device_record():
+    """tuned.json names each GPU's compute capability and SM count, which is what lets another GPU take its tiles."""
+    from megabatch.kernels import triton_tiles
+
+    shipped = json.loads(triton_tiles.TUNED_FILE.read_text())
+    records = shipped.pop(triton_tiles.DEVICES)
+    assert set(records) == set(shipped)
+    for record in records.values():
+        assert set(record) == {"capability", "sms"} and isinstance(record["sms"], int)

@@ -18,7 +18,8 @@ c-sized accumulator has to live on chip: any feature width works.
 
 Inputs bf16, fp16 or fp32, accumulation in fp32; fp32 inputs use TF32 or exact fp32 dots
 (``fp32_precision``). Any m, n (masked edges) and any c (masked K loop). Tile configs come from
-``tuned.json`` (committed, per GPU name), else from a one-off autotune cached on disk.
+``tuned.json`` (committed, per GPU name), else from a GPU there of the same compute capability and SM count
+(an H100 SXM takes an H200's: the same 132 SMs), else from a one-off autotune cached on disk.
 """
 
 from __future__ import annotations
@@ -449,6 +450,7 @@ def _distill_grad_kernel(
 # Tile configs: committed per GPU, else tuned once and cached, else a safe default
 # ----------------------------------------------------------------------------------------------
 TUNED_FILE = Path(__file__).with_name("tuned.json")
+DEVICES = "_devices"  # tuned.json's record of each GPU's compute capability and SM count (``device_record``)
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
@@ -489,6 +491,34 @@ def tuning_cache_file() -> Path:
     return Path(root) / "triton_tuned.json"
 
 
+def device_record(device) -> dict:
+    """What decides a GPU's best tiles: its compute capability (the instructions, shared memory and registers of
+    an SM) and SM count (the waves of programs). GPUs that share both (H100 SXM and H200: sm_90, 132 SMs; they
+    differ in memory, which these compute-bound kernels barely touch) take each other's tables."""
+    props = torch.cuda.get_device_properties(device)
+    return {"capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count}
+
+
+@functools.cache
+def _shipped() -> dict:
+    return json.loads(TUNED_FILE.read_text()) if TUNED_FILE.exists() else {}
+
+
+def sibling_config(gpu: str, key: str, record) -> tuple[str, dict] | None:
+    """``(other GPU, its config)``: ``key``'s shipped config of another GPU in ``tuned.json`` whose recorded
+    ``device_record`` equals this one's (``record``: the record, or a call that makes it, made only where another
+    GPU has the key), the first by name; else ``None``."""
+    shipped = _shipped()
+    others = [other for other in sorted(shipped.get(DEVICES, {})) if other != gpu and key in shipped.get(other, {})]
+    if not others:
+        return None
+    record = record() if callable(record) else record
+    for other in others:
+        if shipped[DEVICES][other] == record:
+            return other, shipped[other][key]
+    return None
+
+
 @functools.cache
 def _load_tables(gpu: str) -> dict:
     tables = {}
@@ -510,6 +540,12 @@ def get_config(kernel: str, rows: torch.Tensor, precision: str, cols: int | None
     if key not in table and rows.dtype == torch.float16:  # same element size: bf16's tiles fit
         bf16_key = config_key(kernel, torch.bfloat16, rows.shape[1], precision)
         key = bf16_key if bf16_key in table else key
+    if key not in table:  # another GPU's of the same SMs, shipped: no tuning at the first step
+        sibling = sibling_config(gpu, key, lambda: device_record(rows.device))
+        if sibling is not None:
+            log.info("Triton loss kernel %s on %s: %s's shipped tiles (the same compute capability and SM count; "
+                     "scripts/tune_kernels.py --missing --merge tunes this GPU's own)", key, gpu, sibling[0])
+            table[key] = sibling[1]
     if key not in table:
         small = rows.shape[0] * (rows.shape[0] if cols is None else cols) < TUNE_MIN_LOGITS
         if small or os.environ.get("MEGABATCH_AUTOTUNE", "1") == "0":
@@ -542,12 +578,16 @@ def tuned_once(gpu: str, key: str, tune_now, path: Path | None = None) -> dict:
         return config
 
 
-def save_config(gpu: str, key: str, config: dict, path: Path) -> None:
+def save_config(gpu: str, key: str, config: dict, path: Path, record: dict | None = None) -> None:
+    """``key``'s ``config`` for ``gpu`` into the table at ``path``, with the GPU's ``device_record`` where given
+    (``tuned.json``: what lets another GPU of the same SMs take it)."""
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
     except json.JSONDecodeError:  # cut short (a crash before atomic writes): written whole again
         data = {}
     data.setdefault(gpu, {})[key] = config
+    if record is not None:
+        data.setdefault(DEVICES, {})[gpu] = record
     path.parent.mkdir(parents=True, exist_ok=True)
     # a name no other writer has, whatever host or process it is (a cache on a filesystem several nodes share)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
