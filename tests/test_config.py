@@ -534,3 +534,32 @@ def test_the_run_settings_are_parsed_once_into_frozen_dataclasses():
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.trainer.sub_batch = 512
     assert RunSettings.of(validate(compose("trainer.sub_batch=auto"))).trainer.sub_batch == "auto"
+
+
+def test_a_sections_defaults_agree_in_train_yaml_the_schema_and_the_run_settings():
+    """``self_distill``, ``distill`` and ``ema`` give their defaults three times: train.yaml (a new run), the schema
+    (a stored config's missing key) and the run settings (a stored config without the section): one value each, and
+    ``self_distill``'s model part as ``ViewsCfg`` has it (its heads on or off follow the weights)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from megabatch.config import run, schema
+    from megabatch.models.views import ViewsCfg
+
+    from .helpers import ROOT
+
+    def defaults(cls) -> dict:
+        out = {}
+        for spec in dataclasses.fields(cls):
+            value = spec.default if spec.default_factory is dataclasses.MISSING else spec.default_factory()
+            out[spec.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    train = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "train.yaml"))
+    for section, stored, settings in (("self_distill", schema.SelfDistillConfig, run.SelfDistillSettings),
+                                      ("distill", schema.DistillConfig, run.DistillSettings),
+                                      ("ema", schema.EmaConfig, run.EmaSettings)):
+        assert defaults(stored) == defaults(settings) == train[section], section
+    views = {key: value for key, value in defaults(ViewsCfg).items() if key not in ("distill", "masked")}
+    assert views == {key: train["self_distill"][key] for key in views}
