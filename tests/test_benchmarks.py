@@ -109,6 +109,16 @@ def test_learning_compares_each_setting_with_the_first_paired_by_seed():
         "zero_shot_top1": {"mean": 1.0, "half_width": None, "seeds": 1}}
 
 
+def test_learning_shares_the_cores_out_among_the_runs_at_once():
+    """learning.py --parallel N: each run's torch takes the machine's cores / N threads (at least one), unless
+    OMP_NUM_THREADS is given."""
+    import learning  # scripts/benchmarks/learning.py
+
+    assert [learning.threads_each(n, cores=2) for n in (1, 2, 3)] == ["2", "1", "1"]
+    assert learning.threads_each(8, cores=16) == "2"
+    assert learning.threads_each(2, cores=16, given="4") == "4"
+
+
 def test_startup_rows_say_where_the_first_steps_wait_for_images_went():
     """``startup.py`` keeps the first step's phases and its waits by cause (the loader, the GPU's decoding) from the
     run's metrics, so a start-up's first batch wait can be told apart."""
