@@ -143,10 +143,14 @@ def test_a_gpu_missing_a_key_takes_a_shipped_gpu_of_the_same_sms_and_else_tunes(
         assert tuned == [("New GPU", "stats/bfloat16/native/c512")]
         assert triton_tiles.get_config("sigmoid", rows, "tf32") == CONFIG  # no GPU has it: tuned, no record made
         assert len(made) == 2
+        half = types.SimpleNamespace(is_cuda=True, shape=(16384, 512), dtype=torch.float16, device="cuda:0")
+        assert triton_tiles.get_config("grad", half, "tf32") == other  # fp16 takes bf16's tiles, a sibling's too
+        assert len(tuned) == 2
         name["value"] = "Small GPU"
         assert triton_tiles.get_config("stats", rows, "tf32") == CONFIG  # C GPU's (its own tuning not called)
         assert triton_tiles.get_config("grad", rows, "tf32") == CONFIG  # 132 SMs' only: tuned
         assert tuned[1:] == [("New GPU", "sigmoid/bfloat16/native/c512"), ("Small GPU", "grad/bfloat16/native/c512")]
+        assert len(tuned) == 3
     finally:
         triton_tiles._load_tables.cache_clear()
 

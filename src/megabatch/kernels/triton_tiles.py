@@ -541,7 +541,12 @@ def get_config(kernel: str, rows: torch.Tensor, precision: str, cols: int | None
         bf16_key = config_key(kernel, torch.bfloat16, rows.shape[1], precision)
         key = bf16_key if bf16_key in table else key
     if key not in table:  # another GPU's of the same SMs, shipped: no tuning at the first step
-        sibling = sibling_config(gpu, key, lambda: device_record(rows.device))
+        record = functools.cache(lambda: device_record(rows.device))
+        sibling = sibling_config(gpu, key, record)
+        if sibling is None and rows.dtype == torch.float16:  # as above: bf16's tiles fit
+            bf16_key = config_key(kernel, torch.bfloat16, rows.shape[1], precision)
+            sibling = sibling_config(gpu, bf16_key, record)
+            key = bf16_key if sibling is not None else key
         if sibling is not None:
             log.info("Triton loss kernel %s on %s: %s's shipped tiles (the same compute capability and SM count; "
                      "scripts/tune_kernels.py --missing --merge tunes this GPU's own)", key, gpu, sibling[0])
