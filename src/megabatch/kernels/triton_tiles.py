@@ -506,25 +506,26 @@ def _shipped() -> dict:
 
 def sibling_config(gpu: str, key: str, record) -> tuple[str, dict] | None:
     """``(other GPU, its config)``: ``key``'s shipped config of another GPU in ``tuned.json`` whose recorded
-    ``device_record`` equals this one's (``record``: the record, or a call that makes it, made only where another
-    GPU has the key), the first by name; else ``None``."""
+    ``device_record`` equals this one's (``record()``, called only where another GPU has the key), the first by
+    name; else ``None``."""
     shipped = _shipped()
     others = [other for other in sorted(shipped.get(DEVICES, {})) if other != gpu and key in shipped.get(other, {})]
     if not others:
         return None
-    record = record() if callable(record) else record
+    mine = record()
     for other in others:
-        if shipped[DEVICES][other] == record:
+        if shipped[DEVICES][other] == mine:
             return other, shipped[other][key]
     return None
 
 
 @functools.cache
 def _load_tables(gpu: str) -> dict:
-    tables = {}
-    for path in (TUNED_FILE, tuning_cache_file()):
-        if path.exists():
-            tables.update(json.loads(path.read_text()).get(gpu, {}))
+    """``gpu``'s shipped table and this host's tuned one over it (a copy: ``get_config`` adds to it)."""
+    tables = dict(_shipped().get(gpu, {}))
+    path = tuning_cache_file()
+    if path.exists():
+        tables.update(json.loads(path.read_text()).get(gpu, {}))
     return tables
 
 
