@@ -92,3 +92,14 @@ def test_push_uploads_the_folder_with_its_card(tmp_path, monkeypatch):
     assert {"README.md", "open_clip_config.json", "open_clip_model.safetensors"} <= set(calls[2][2])
     assert "# my-lab/tiny" in (tmp_path / "out" / "README.md").read_text()
     assert "hf-hub:my-lab/tiny" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_the_card_names_the_caption_warmup():
+    from omegaconf import OmegaConf
+
+    from megabatch.models.card import objectives
+
+    loss = {"_target_": "megabatch.losses.SigLipLoss", "caption_weight": 1.0}
+    assert objectives(OmegaConf.create({"loss": loss}))[1] == "caption loss (weight 1.0)"
+    warmed = objectives(OmegaConf.create({"loss": {**loss, "caption_warmup": 0.2}}))
+    assert warmed[1] == "caption loss (weight 1.0, reached after the first 20% of the steps)"

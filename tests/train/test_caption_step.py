@@ -99,11 +99,63 @@ def test_two_ranks_ddp_and_fsdp_equal_one_process(tmp_path):
             assert rel_error(decoder(result["grads"]), decoder(single["grads"])) <= 1e-5, parallel
 
 
+def warmed_gradients(steps_done: int, *overrides: str) -> dict:
+    """``gradients`` at the step after ``steps_done`` steps (the caption objective's count set, as a resume sets it)."""
+    parts = RunParts.build(validate(compose(*COCA, *overrides)), init_distributed("cpu"))
+    (caption,) = [objective for objective in parts.step.objectives if objective.name == "caption"]
+    caption.steps = steps_done
+    loss, _ = parts.step.gradients(parts.inputs(0))
+    grads = {n: full(p.grad).detach().clone() for n, p in parts.model.named_parameters() if p.grad is not None}
+    result = {"loss": loss, "grads": grads, "warmup_steps": caption.warmup_steps, "weight": caption.weight}
+    parts.close()
+    return result
+
+
+def test_the_caption_warmup_weighs_the_term_by_its_step_on_every_path():
+    """``loss.caption_warmup=0.5`` of 8 steps: 4 steps of warm-up. At step 2 the term weighs half of
+    ``loss.caption_weight=2.0``, exactly as ``caption_weight=1.0`` without it, on the one-pass step, GradCache and
+    offload; at step 0 the decoder gets no gradient; from step 4 on, the whole weight."""
+    warm = ["loss.caption_weight=2.0", "loss.caption_warmup=0.5", "trainer.max_steps=8"]
+    half = gradients("loss.caption_weight=1.0", "trainer.max_steps=8")
+    whole = gradients("loss.caption_weight=2.0", "trainer.max_steps=8")
+    for more in ([], [f"trainer.sub_batch={BATCH // 4}"], [f"trainer.sub_batch={BATCH // 4}", "trainer.offload=true"]):
+        mid = warmed_gradients(2, *warm, *more)
+        assert (mid["warmup_steps"], mid["weight"]) == (4, 1.0), more
+        assert rel_error(mid["loss"], half["loss"]) <= 1e-6, more
+        assert rel_error(flat(mid["grads"]), flat(half["grads"])) <= 1e-5, more
+        after = warmed_gradients(5, *warm, *more)
+        assert rel_error(flat(after["grads"]), flat(whole["grads"])) <= 1e-5, more
+        first = warmed_gradients(0, *warm, *more)
+        assert decoder(first["grads"]).abs().sum() == 0 and first["weight"] == 0.0, more
+        assert rel_error(flat(mid["grads"]), flat(first["grads"])) > 1e-3, more  # the weight reached the gradients
+
+
+def test_the_caption_warmup_counts_its_steps_across_a_resume():
+    from megabatch.train.step.objectives import Caption
+
+    term = Caption(2.0, pad_id=0, device=torch.device("cpu"), warmup_steps=4)
+    weights = []
+    for _ in range(3):
+        term.new_step()
+        weights.append(term.weight)
+    resumed = Caption(2.0, pad_id=0, device=torch.device("cpu"), warmup_steps=4)
+    resumed.load_state_dict(term.state_dict())
+    for _ in range(3):
+        resumed.new_step()
+        weights.append(resumed.weight)
+    assert weights == [0.0, 0.5, 1.0, 1.5, 2.0, 2.0]
+    assert Caption(2.0, pad_id=0, device=torch.device("cpu")).state_dict() == {}  # no warm-up, no decoder: as before
+
+
 def test_a_model_without_a_decoder_and_bad_weights_are_config_errors():
     with pytest.raises(ConfigError, match=r"loss\.caption_weight=1\.0 but model tiny has no caption decoder"):
         RunParts.build(validate(compose(*BASE, "loss.caption_weight=1.0")), init_distributed("cpu"))
     with pytest.raises(ConfigError, match=r"loss\.caption_weight=-1"):
         validate(compose("loss.caption_weight=-1"))
+    with pytest.raises(ConfigError, match=r"loss\.caption_warmup=1\.5: give a share of the run's steps in \[0, 1\]"):
+        validate(compose("loss.caption_weight=1.0", "loss.caption_warmup=1.5"))
+    with pytest.raises(ConfigError, match=r"loss\.caption_warmup=0\.2 with loss\.caption_weight=0"):
+        validate(compose("loss.caption_warmup=0.2"))
 
 
 def test_caption_script_writes_a_caption_per_image(tmp_path, caplog, capsys):

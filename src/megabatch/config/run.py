@@ -19,7 +19,7 @@ from typing import Literal
 from omegaconf import DictConfig
 
 from . import parse_count, parse_duration, parse_optional_count, parse_samples_total
-from .schema import ModelSettings, loss_weights, model_settings
+from .schema import ModelSettings, caption_warmup, loss_weights, model_settings
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 FeatureDtype = Literal["auto", "fp32", "bf16"]
@@ -331,7 +331,7 @@ class RunSettings:
     ``trainer.*`` (``TrainerSettings``), ``data.*`` (``DataSettings``), ``optim.*``, ``ema.*``, ``distill.*``,
     ``self_distill.*``, the
     model's run settings (``ModelSettings``) and the loss's weights (``loss.caption_weight``,
-    ``loss.contrastive_weight``)."""
+    ``loss.contrastive_weight``, ``loss.caption_warmup``)."""
 
     batch: int
     seed: int
@@ -344,6 +344,7 @@ class RunSettings:
     ema: EmaSettings
     distill: DistillSettings
     self_distill: SelfDistillSettings = SelfDistillSettings()
+    caption_warmup: float = 0.0
 
     @classmethod
     def of(cls, cfg: DictConfig) -> RunSettings:
@@ -352,4 +353,5 @@ class RunSettings:
                    model=model_settings(cfg.model), caption_weight=caption, contrastive_weight=contrastive,
                    data=DataSettings.of(cfg.data), optim=OptimSettings.of(cfg.optim),
                    ema=EmaSettings.of(cfg.get("ema")), distill=DistillSettings.of(cfg.get("distill")),
-                   self_distill=SelfDistillSettings.of(cfg.get("self_distill")))
+                   self_distill=SelfDistillSettings.of(cfg.get("self_distill")),
+                   caption_warmup=caption_warmup(cfg.loss))

@@ -844,6 +844,12 @@ def loss_weights(loss: DictConfig) -> tuple[float, float]:
     return tuple(float(loss.get(key, default)) for key, default in LOSS_WEIGHTS.items())
 
 
+def caption_warmup(loss: DictConfig) -> float:
+    """``loss.caption_warmup``: the share of the run's steps over which the caption term's weight rises from 0 to
+    ``loss.caption_weight`` (absent in a config stored before it: 0, the whole weight from the first step)."""
+    return float(loss.get("caption_warmup", 0.0))
+
+
 def check_loss(loss: DictConfig, device: str) -> None:
     """The loss's own arguments (its constructor), its weights, and ``impl=triton`` only where a GPU (or
     the interpreter, for tests) will run it."""
@@ -851,6 +857,13 @@ def check_loss(loss: DictConfig, device: str) -> None:
         value = loss.get(key, LOSS_WEIGHTS[key])
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(f"loss.{key}={value!r}: give a weight >= 0, e.g. loss.{key}={LOSS_WEIGHTS[key] or 1.0}")
+    warmup = loss.get("caption_warmup", 0.0)
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup <= 1:
+        raise ConfigError(f"loss.caption_warmup={warmup!r}: give a share of the run's steps in [0, 1] (the caption "
+                          "term's weight rises from 0 over it), e.g. loss.caption_warmup=0.2, or 0 for none")
+    if warmup > 0 and loss_weights(loss)[0] == 0:
+        raise ConfigError(f"loss.caption_warmup={warmup} with loss.caption_weight=0: there is no caption term to warm "
+                          "up; set loss.caption_weight > 0 (e.g. 1.0) or loss.caption_warmup=0")
     check_buildable(loss, "loss")
     if loss.get("impl") == "triton":
         if not runs_on_cuda(device) and os.environ.get("TRITON_INTERPRET", "0") != "1":

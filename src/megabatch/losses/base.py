@@ -45,12 +45,15 @@ class ContrastiveLoss(nn.Module):
     uses_bias = False
     takes_negatives = True
 
-    def __init__(self, group=None, caption_weight: float = 0.0, contrastive_weight: float = 1.0):
+    def __init__(self, group=None, caption_weight: float = 0.0, contrastive_weight: float = 1.0,
+                 caption_warmup: float = 0.0):
         super().__init__()
         self.group = group
         # loss.caption_weight / loss.contrastive_weight: the step's weights of the caption loss (a CoCa's) and
-        # of this loss, kept in the loss's config; the trainer applies them (train/step/step.py), not this module
+        # of this loss, and loss.caption_warmup (the share of the steps over which the caption weight rises), kept in
+        # the loss's config; the trainer applies them (train/step/objectives), not this module
         self.caption_weight, self.contrastive_weight = float(caption_weight), float(contrastive_weight)
+        self.caption_warmup = float(caption_warmup)
         self._checked_rows: set[int] = set()  # the per-rank row counts already checked equal on every rank
 
     def forward(

@@ -51,7 +51,9 @@ def objectives(cfg: DictConfig) -> list[str]:
     terms = [f"contrastive loss `{target}`" + (f" (weight {loss.contrastive_weight})"
                                                if float(loss.get("contrastive_weight", 1.0)) != 1.0 else "")]
     if float(loss.get("caption_weight", 0.0)) > 0:
-        terms.append(f"caption loss (weight {loss.caption_weight})")
+        warmup = float(loss.get("caption_warmup", 0.0))
+        terms.append(f"caption loss (weight {loss.caption_weight}" +
+                     (f", reached after the first {warmup:.0%} of the steps)" if warmup > 0 else ")"))
     distill = cfg.get("distill") or {}
     if distill.get("teacher"):
         terms.append(f"distillation from `{distill.teacher}`")

@@ -416,11 +416,16 @@ def objectives_of(cfg: DictConfig, settings: RunSettings, model: ClipModel, loss
                   precision: Precision) -> list:
     """The training terms and loss inputs beside the contrastive loss (``train/step/objectives``): ``distill.teacher``'s
     features (the teacher the distilled loss was built with, ``distilled``), ``data.train.negatives_key``'s hard
-    negatives, ``loss.caption_weight``'s caption loss (a CoCa's decoder), ``self_distill``'s late terms (from the
-    share ``self_distill.start`` of ``plan``'s steps)."""
+    negatives, ``loss.caption_weight``'s caption loss (a CoCa's decoder; at full weight after the share
+    ``loss.caption_warmup`` of ``plan``'s steps), ``self_distill``'s late terms (from the share ``self_distill.start``
+    of ``plan``'s steps)."""
     caption = settings.caption_weight
     decoder = model.decoder if caption > 0 else None
     pad_id = (decoder.pad_id if decoder is not None else model.clip.pad_id) if caption > 0 else None
+    caption_warmup_steps = start_step(settings.caption_warmup, plan.total_steps) if caption > 0 else 0
+    if caption_warmup_steps > 0 and env.rank == 0:
+        log.info("loss.caption_warmup=%s: the caption term's weight rises from 0 to %s over the first %d steps of %d",
+                 settings.caption_warmup, caption, caption_warmup_steps, plan.total_steps)
     late = settings.self_distill
     self_distill = None
     if late.on:
@@ -437,7 +442,7 @@ def objectives_of(cfg: DictConfig, settings: RunSettings, model: ClipModel, loss
                      sum(p.numel() for p in model.views.parameters()) / 1e6)
     return build_objectives(caption_weight=caption, pad_id=pad_id, teacher=getattr(loss, "teacher", None),
                             negatives=settings.data.train.negatives_key is not None, device=env.device,
-                            decoder=decoder, self_distill=self_distill)
+                            decoder=decoder, self_distill=self_distill, caption_warmup_steps=caption_warmup_steps)
 
 
 def weight_average(ema: EmaSettings, model: ClipModel, env: DistEnv) -> WeightAverage | None:

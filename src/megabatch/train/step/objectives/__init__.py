@@ -20,18 +20,19 @@ __all__ = ["Caption", "Contrastive", "HardNegatives", "Objective", "SelfDistilla
 
 
 def build(caption_weight: float = 0.0, pad_id: int | None = None, teacher=None, negatives: bool = False,
-          device=None, decoder=None, self_distill: dict | None = None) -> list[Objective]:
+          device=None, decoder=None, self_distill: dict | None = None, caption_warmup_steps: int = 0
+          ) -> list[Objective]:
     """The objectives of a run, in the order their hooks run: the teacher's features (the distilled loss's
     input), the hard negatives (the softmax's extra columns), the caption term (``decoder``: ``model.decoder``'s
-    captioner, whose parallel-prediction draw takes the step), the late self-distillation terms (``self_distill``:
-    ``SelfDistillation``'s keywords)."""
+    captioner, whose parallel-prediction draw takes the step; its weight reached after ``caption_warmup_steps``), the
+    late self-distillation terms (``self_distill``: ``SelfDistillation``'s keywords)."""
     objectives: list[Objective] = []
     if teacher is not None:
         objectives.append(TeacherFeatures(teacher))
     if negatives:
         objectives.append(HardNegatives())
     if caption_weight > 0:
-        objectives.append(Caption(caption_weight, pad_id, device, decoder))
+        objectives.append(Caption(caption_weight, pad_id, device, decoder, caption_warmup_steps))
     if self_distill is not None:
         objectives.append(SelfDistillation(**self_distill))
     return objectives

@@ -4,6 +4,10 @@ decoder reads both towers' outputs, so with GradCache every sub-batch is encoded
 own cross-entropy sum to its surrogate. The decoder is a CoCa's, or ``model.decoder``'s (``models/decoder.py``, any
 CLIP: it reads the image tower's tokens alone), whose parallel-prediction draw takes the step counted here.
 
+``loss.caption_warmup``: the weight rises linearly from 0 (the first step) to ``loss.caption_weight`` over that share
+of the run's steps (``warmup_steps``), then stays. While the contrastive loss sits at chance its gradient is small,
+and a caption term at full weight from the first step kept the digits' runs on that plateau longer (models.md).
+
 Config checks (``validate``, before anything is built): ``check_loss`` (a weight >= 0) and ``check_negatives`` (not
 with hard negatives); a model without a decoder is refused as the run builds it (``train_decoder``)."""
 
@@ -16,8 +20,9 @@ from .base import Objective
 
 
 class Caption(Objective):
-    """The caption term of weight ``weight``; ``pad_id``: the captions' pad token; ``device``: where the
-    counts are summed (over every rank of the default process group where one is running)."""
+    """The caption term of weight ``weight``, reached after ``warmup_steps`` steps (step ``s`` before: ``weight x s /
+    warmup_steps``); ``pad_id``: the captions' pad token; ``device``: where the counts are summed (over every rank of
+    the default process group where one is running)."""
 
     name = "caption"
     replays_both_towers = True
@@ -25,13 +30,21 @@ class Caption(Objective):
     cuts_captions = False
     model_options = {"caption": True}  # the model's extra output "caption": the decoder's cross-entropy sum
 
-    def __init__(self, weight: float, pad_id: int, device: torch.device, decoder=None):
-        self.weight, self.pad_id, self.device = float(weight), pad_id, device
+    def __init__(self, weight: float, pad_id: int, device: torch.device, decoder=None, warmup_steps: int = 0):
+        self.full_weight, self.pad_id, self.device = float(weight), pad_id, device
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.world = dist.get_world_size() if self.distributed else 1
-        # model.decoder's captioner: its parallel-prediction draw takes the step (counted here, checkpointed)
-        self.decoder, self.steps = decoder, 0
+        # model.decoder's captioner (its parallel-prediction draw) and the warm-up take the step (counted here,
+        # checkpointed where either needs it)
+        self.decoder, self.warmup_steps, self.steps = decoder, int(warmup_steps), 0
+        self.weight = self.weight_at(0)
         self._reset()
+
+    def weight_at(self, step: int) -> float:
+        """The term's weight at ``step`` (from 0): ``loss.caption_weight``, less during the warm-up."""
+        if step >= self.warmup_steps:
+            return self.full_weight
+        return self.full_weight * step / self.warmup_steps
 
     def _tokens(self, texts: torch.Tensor) -> int:
         """The tokens of ``texts`` the decoder predicts (counted on the host, where the token ids are: no sync)."""
@@ -58,9 +71,10 @@ class Caption(Objective):
 
     def new_step(self) -> None:
         self._reset()
+        self.weight = self.weight_at(self.steps)
         if self.decoder is not None:
             self.decoder.step.fill_(self.steps)
-            self.steps += 1
+        self.steps += 1
 
     def one_pass_start(self, sub) -> None:
         self._reset()
@@ -99,7 +113,7 @@ class Caption(Objective):
         return {} if self._value is None else {"caption": self._value}
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps} if self.decoder is not None else {}
+        return {"steps": self.steps} if self.decoder is not None or self.warmup_steps > 0 else {}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state.get("steps", self.steps))
