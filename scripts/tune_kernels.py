@@ -8,7 +8,12 @@ The output has the layout of ``src/megabatch/kernels/tuned.json`` ({gpu name: {k
 ``_devices`` each GPU's compute capability and SM count); ``--merge`` folds it into that committed file, so fresh
 GPU machines start tuned: these GPUs, and any GPU of the same capability and SM count for the keys its own
 table lacks. ``--missing`` tunes only the keys that file lacks for this GPU (dims that share a key, 768 and 1024,
-are tuned once).
+are tuned once). ``--check`` launches every config this GPU would take from that file (its own, and a GPU's of the
+same capability and SM count where its own lacks the key) and tunes again those that no longer fit it (shared
+memory or registers: a config tuned before a kernel changed); with ``--merge`` the new ones replace them, and a
+same-SM GPU's identical config is dropped, so that GPU takes the new one:
+
+    python scripts/tune_kernels.py --check --merge --out tuned_check.json
 """
 
 from __future__ import annotations
@@ -35,21 +40,74 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--merge", action="store_true", help="also merge into the committed tuned.json")
     parser.add_argument("--missing", action="store_true", help="only the keys tuned.json lacks for this GPU")
+    parser.add_argument("--check", action="store_true",
+                        help="only the configs this GPU takes from tuned.json that no longer fit it")
     args = parser.parse_args()
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name(device)
+    record = triton_tiles.device_record(device)
     out = Path(args.out)
-    todo = to_tune(gpu, args.dtypes.split(","), [int(d) for d in args.dims.split(",")], args.kernels.split(","),
-                   args.missing)
+    if args.check:
+        todo, stale = misfits(gpu, record, device)
+    else:
+        todo = to_tune(gpu, args.dtypes.split(","), [int(d) for d in args.dims.split(",")], args.kernels.split(","),
+                       args.missing)
+        stale = {}
     print(f"{gpu}: {len(todo)} kernel configs to tune", flush=True)
     for kernel, dtype, dim, precision, key in todo:
         start = time.perf_counter()
         config = triton_tiles.tune(kernel, dtype, dim, precision, device, size=args.size)
         print(f"{gpu} {key}: {config} ({time.perf_counter() - start:.0f} s)", flush=True)
-        record = triton_tiles.device_record(device)
         triton_tiles.save_config(gpu, key, config, out, record)
         if args.merge:
             triton_tiles.save_config(gpu, key, config, triton_tiles.TUNED_FILE, record)
+            drop_siblings(key, stale.get(key), record)
+
+
+def parse_key(key: str) -> tuple[str, torch.dtype, int, str]:
+    """``(kernel, dtype, dim, precision)`` of a ``config_key``: the width this script tunes its bucket at (c1024:
+    768, as ``--dims 512,768`` does)."""
+    kernel, dtype_name, precision, bucket = key.split("/")
+    width = int(bucket.removeprefix("c"))
+    return kernel, getattr(torch, dtype_name), 768 if width == 1024 else width, \
+        "tf32" if precision == "native" else precision
+
+
+def taken_configs(gpu: str, record: dict, tuned_file: Path = triton_tiles.TUNED_FILE) -> dict[str, dict]:
+    """Each key's config this GPU takes from ``tuned_file``: its own, else the first same-record GPU's by name."""
+    shipped = json.loads(tuned_file.read_text()) if tuned_file.exists() else {}
+    devices = shipped.get(triton_tiles.DEVICES, {})
+    taken = dict(shipped.get(gpu, {}))
+    for other in sorted(devices):
+        if other != gpu and devices[other] == record:
+            for key, config in shipped.get(other, {}).items():
+                taken.setdefault(key, config)
+    return taken
+
+
+def misfits(gpu: str, record: dict, device) -> tuple[list[tuple], dict[str, dict]]:
+    """``to_tune``'s rows for the configs this GPU takes that do not fit it, and each such key's config."""
+    todo, stale = [], {}
+    for key, config in sorted(taken_configs(gpu, record).items()):
+        kernel, dtype, dim, precision = parse_key(key)
+        ok = triton_tiles.fits(kernel, dtype, dim, precision, config, device)
+        print(f"{gpu} {key}: {config} {'fits' if ok else 'does NOT fit'}", flush=True)
+        if not ok:
+            todo.append((kernel, dtype, dim, precision, key))
+            stale[key] = config
+    return todo, stale
+
+
+def drop_siblings(key: str, config: dict | None, record: dict, tuned_file: Path = triton_tiles.TUNED_FILE) -> None:
+    """Drop ``key``'s ``config`` (one that did not fit) from the other GPUs of ``record`` in ``tuned_file``: they take
+    the new one from the GPU that tuned it."""
+    if config is None:
+        return
+    data = json.loads(tuned_file.read_text())
+    for other, mine in data.get(triton_tiles.DEVICES, {}).items():
+        if mine == record and data.get(other, {}).get(key) == config:
+            del data[other][key]
+    tuned_file.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def to_tune(gpu: str, dtypes: list[str], dims: list[int], kernels: list[str], missing: bool,

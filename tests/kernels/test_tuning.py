@@ -164,3 +164,98 @@ def test_every_gpu_in_the_shipped_table_has_its_device_record():
     assert set(records) == set(shipped)
     for record in records.values():
         assert set(record) == {"capability", "sms"} and isinstance(record["sms"], int)
+
+
+def test_a_config_that_does_not_fit_the_gpu_is_tuned_again_and_the_kernel_runs(monkeypatch, tmp_path, caplog):
+    """A shipped config that no longer fits the GPU (seen on an H200: grad fp32 c512's tiles, tuned before the kernels
+    moved to TMA, asked 311 KB of shared memory of 227 KB): the kernel's first launch raises ``OutOfResources``
+    before it writes anything; the key is tuned again (here: a small block, so the default tiles), the warning names
+    it, and the call returns the gradients it would have. The kernels run in the interpreter, the first launch at the
+    bad tiles made to fail as the GPU's does."""
+    import logging
+
+    import torch
+    import triton
+
+    from megabatch.kernels import triton_tiles
+
+    monkeypatch.setenv("MEGABATCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    bad = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4}
+    monkeypatch.setattr(triton_tiles, "get_config", lambda *args, **kwargs: bad)
+    launches, real = [], triton_tiles._grad_launch
+
+    def launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, config, *rest):
+        launches.append(config)
+        if config == bad:
+            raise triton.runtime.errors.OutOfResources(311352, 232448, "shared memory")
+        return real(rows, cols, scale, row_lse, col_lse, diagonal, precision, triton_tiles.INTERPRET_CONFIG, *rest)
+
+    monkeypatch.setattr(triton_tiles, "_grad_launch", launch)
+    torch.manual_seed(0)
+    rows = torch.nn.functional.normalize(torch.randn(32, 16), dim=-1)
+    cols = torch.nn.functional.normalize(torch.randn(32, 16), dim=-1)
+    scale, weight = torch.tensor(5.0), torch.tensor(1 / 64)
+    lse = triton_tiles.block_stats(rows, cols, scale, config=triton_tiles.INTERPRET_CONFIG)
+    expected = real(rows, cols, scale, *lse, True, "tf32", triton_tiles.INTERPRET_CONFIG, weight,
+                    torch.zeros_like(rows), torch.zeros_like(cols), None, (rows, cols))
+    triton_tiles._load_tables.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=triton_tiles.__name__):
+            d_rows, d_cols, d_scale = triton_tiles.block_grads(rows, cols, scale, *lse, weight, True)
+    finally:
+        triton_tiles._load_tables.cache_clear()
+    assert launches == [bad, triton_tiles.default_config(torch.float32)]
+    assert "grad/float32/tf32/c64 on Some GPU: the tiles" in caplog.text and "do not fit this GPU" in caplog.text
+    assert torch.equal(d_scale, expected * weight)
+    reference = triton_tiles.block_grads(rows, cols, scale, *lse, weight, True, config=triton_tiles.INTERPRET_CONFIG)
+    assert torch.equal(d_rows, reference[0]) and torch.equal(d_cols, reference[1])
+
+
+def test_a_stale_cached_config_is_tuned_again_and_replaced(tmp_path):
+    cache = tmp_path / "tuned.json"
+    stale = {**CONFIG, "BLOCK_N": 256}
+    triton_tiles_key = "grad/float32/tf32/c512"
+    assert tuned_once("Some GPU", triton_tiles_key, lambda: stale, path=cache) == stale
+    assert tuned_once("Some GPU", triton_tiles_key, lambda: CONFIG, path=cache) == stale  # cached: not tuned
+    assert tuned_once("Some GPU", triton_tiles_key, lambda: CONFIG, path=cache, stale=stale) == CONFIG
+    assert json.loads(cache.read_text())["Some GPU"][triton_tiles_key] == CONFIG
+
+
+def test_tune_kernels_check_retunes_what_does_not_fit_and_drops_it_from_same_sm_gpus(monkeypatch, tmp_path):
+    """scripts/tune_kernels.py --check: the configs this GPU takes (its own, and a same-SM GPU's for keys it lacks)
+    launched once each; those that do not fit are tuned again, and with --merge a same-SM GPU's identical config is
+    dropped (it then takes the new one); another SM count's is kept."""
+    import importlib.util
+
+    import torch
+
+    from megabatch.kernels import triton_tiles
+
+    from ..helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("tune_kernels", ROOT / "scripts" / "tune_kernels.py")
+    tune_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_kernels)
+    big, small = {"capability": "9.0", "sms": 132}, {"capability": "9.0", "sms": 114}
+    bad = {**CONFIG, "BLOCK_N": 256}
+    table = tmp_path / "tuned.json"
+    triton_tiles.save_config("H200", "grad/float32/tf32/c512", bad, table, big)
+    triton_tiles.save_config("H200", "stats/bfloat16/native/c1024", CONFIG, table, big)
+    triton_tiles.save_config("H100", "grad/float32/tf32/c512", bad, table, big)
+    triton_tiles.save_config("H100", "sigmoid/float32/tf32/c512", bad, table, big)
+    triton_tiles.save_config("H20", "grad/float32/tf32/c512", bad, table, small)
+    assert tune_kernels.taken_configs("H200", big, table) == {
+        "grad/float32/tf32/c512": bad, "stats/bfloat16/native/c1024": CONFIG, "sigmoid/float32/tf32/c512": bad}
+    assert tune_kernels.parse_key("stats/bfloat16/native/c1024") == ("stats", torch.bfloat16, 768, "tf32")
+    assert tune_kernels.parse_key("grad/float32/ieee/c512") == ("grad", torch.float32, 512, "ieee")
+    monkeypatch.setattr(tune_kernels, "taken_configs", lambda gpu, record: {"grad/float32/tf32/c512": bad,
+                                                                            "stats/bfloat16/native/c1024": CONFIG})
+    monkeypatch.setattr(triton_tiles, "fits", lambda kernel, dtype, c, precision, config, device: config != bad)
+    todo, stale = tune_kernels.misfits("H200", big, "cuda")
+    assert [row[-1] for row in todo] == ["grad/float32/tf32/c512"] and stale == {"grad/float32/tf32/c512": bad}
+    triton_tiles.save_config("H200", "grad/float32/tf32/c512", CONFIG, table, big)  # what --merge writes, then
+    tune_kernels.drop_siblings("grad/float32/tf32/c512", bad, big, table)
+    data = json.loads(table.read_text())
+    assert data["H200"]["grad/float32/tf32/c512"] == CONFIG and "grad/float32/tf32/c512" not in data["H100"]
+    assert data["H100"]["sigmoid/float32/tf32/c512"] == bad and data["H20"]["grad/float32/tf32/c512"] == bad

@@ -561,11 +561,12 @@ def get_config(kernel: str, rows: torch.Tensor, precision: str, cols: int | None
     return table[key]
 
 
-def tuned_once(gpu: str, key: str, tune_now, path: Path | None = None) -> dict:
+def tuned_once(gpu: str, key: str, tune_now, path: Path | None = None, stale: dict | None = None) -> dict:
     """``key``'s config for ``gpu`` from the cache file, tuned by ``tune_now()`` and saved there by the
     first process of the host to ask: the ranks of a run reach the same kernels at once, and one of
     them tunes while the others wait on the file's lock and then read its result (a tuning per rank
-    took ~30 s before the first step, 4 GPUs each timing candidates beside the others)."""
+    took ~30 s before the first step, 4 GPUs each timing candidates beside the others). ``stale``: a config that
+    did not fit, tuned again where the file holds it."""
     import fcntl
 
     path = path or tuning_cache_file()
@@ -576,7 +577,7 @@ def tuned_once(gpu: str, key: str, tune_now, path: Path | None = None) -> dict:
             saved = json.loads(path.read_text()).get(gpu, {}) if path.exists() else {}
         except json.JSONDecodeError:  # a file cut short by a crash: tuned again, written whole
             saved = {}
-        if key in saved:
+        if key in saved and saved[key] != stale:
             return saved[key]
         log.info("tuning the Triton loss kernel %s for %s (once per host; cached in %s)", key, gpu, path)
         config = tune_now()
@@ -606,26 +607,10 @@ def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: 
     """Benchmark every candidate on a ``size x size x c`` block; returns the fastest config."""
     from triton.testing import do_bench
 
-    rows = torch.nn.functional.normalize(torch.randn(size, c, device=device), dim=-1).to(dtype)
-    cols = torch.nn.functional.normalize(torch.randn(size, c, device=device), dim=-1).to(dtype)
-    scale = torch.tensor(50.0, device=device)
-    row_lse, col_lse = block_stats(rows, cols, scale, fp32_precision=precision,
-                                   config=default_config(dtype))
+    launch = _launcher(kernel, dtype, c, precision, device, size)
     best, best_ms = default_config(dtype), float("inf")
     for config in candidate_configs(dtype):
-        if kernel == "stats":
-            fn = functools.partial(_stats_launch, rows, cols, scale, precision, config)
-        elif kernel == "distill_stats":  # a teacher as wide as the student
-            fn = functools.partial(_distill_stats_launch, rows, cols, cols, rows, scale, 100.0, precision, config)
-        elif kernel == "distill_grad":
-            lse = torch.cat([row_lse, col_lse, row_lse, col_lse])
-            fn = functools.partial(_distill_grad_launch, rows, cols, cols, rows, scale, 100.0, lse, precision, config)
-        elif kernel == "sigmoid":
-            fn = functools.partial(_sigmoid_launch, rows, cols, scale, torch.tensor(-10.0, device=device), True,
-                                   precision, config, grads=False, write_g=True)
-        else:
-            fn = functools.partial(_grad_launch, rows, cols, scale, row_lse, col_lse, True,
-                                   precision, config)
+        fn = functools.partial(launch, config)
         try:
             ms = do_bench(fn, warmup=5, rep=20)
         except Exception as error:  # out of shared memory / registers for this GPU: skip it
@@ -637,6 +622,73 @@ def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: 
         if ms < best_ms:
             best, best_ms = config, ms
     return best
+
+
+def _launcher(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: int):
+    """``launch(config)``: ``kernel``'s pass on a ``size x size x c`` block of random unit rows (a distillation
+    teacher as wide as the student), as ``tune`` times it."""
+    rows = torch.nn.functional.normalize(torch.randn(size, c, device=device), dim=-1).to(dtype)
+    cols = torch.nn.functional.normalize(torch.randn(size, c, device=device), dim=-1).to(dtype)
+    scale = torch.tensor(50.0, device=device)
+    row_lse, col_lse = block_stats(rows, cols, scale, fp32_precision=precision, config=default_config(dtype))
+
+    def launch(config: dict):
+        if kernel == "stats":
+            return _stats_launch(rows, cols, scale, precision, config)
+        if kernel == "distill_stats":
+            return _distill_stats_launch(rows, cols, cols, rows, scale, 100.0, precision, config)
+        if kernel == "distill_grad":
+            lse = torch.cat([row_lse, col_lse, row_lse, col_lse])
+            return _distill_grad_launch(rows, cols, cols, rows, scale, 100.0, lse, precision, config)
+        if kernel == "sigmoid":
+            return _sigmoid_launch(rows, cols, scale, torch.tensor(-10.0, device=device), True, precision, config,
+                                   grads=False, write_g=True)
+        return _grad_launch(rows, cols, scale, row_lse, col_lse, True, precision, config)
+
+    return launch
+
+
+def fits(kernel: str, dtype: torch.dtype, c: int, precision: str, config: dict, device, size: int = 1024) -> bool:
+    """Whether ``config``'s tiles of ``kernel`` compile within this GPU's shared memory and registers (a config
+    tuned before a kernel changed may not: ``scripts/tune_kernels.py --check``)."""
+    try:
+        _launcher(kernel, dtype, c, precision, device, size)(config)
+        torch.cuda.synchronize(device)
+    except triton.runtime.errors.OutOfResources:
+        return False
+    return True
+
+
+def _with_fitting_config(kernel: str, operands: torch.Tensor, precision: str, cols: int, config: dict | None,
+                         launch):
+    """``launch(config)`` with the given config, else with ``get_config``'s; where that one does not fit this GPU
+    (shared memory or registers: a shipped or cached config tuned before the kernel changed), the key is tuned again
+    here (``retune``) and the launch made with the new one. The error comes from the kernel's first launch, before
+    it has written anything, so the second launch starts from the same buffers."""
+    if config is not None:
+        return launch(config)
+    config = get_config(kernel, operands, precision, cols)
+    try:
+        return launch(config)
+    except triton.runtime.errors.OutOfResources as error:
+        return launch(retune(kernel, operands, precision, cols, config, error))
+
+
+def retune(kernel: str, rows: torch.Tensor, precision: str, cols: int, stale: dict, error: Exception) -> dict:
+    """A config in place of ``stale``, which did not fit this GPU: tuned now (once per host; cached over the shipped
+    table), or the default tiles where ``get_config`` would not tune."""
+    gpu = torch.cuda.get_device_name(rows.device)
+    key = config_key(kernel, rows.dtype, rows.shape[1], precision)
+    log.warning("Triton loss kernel %s on %s: the tiles %s do not fit this GPU (%s); tuning them again (once per "
+                "host; scripts/tune_kernels.py --check --merge fixes the shipped table)", key, gpu, stale, error)
+    table = _load_tables(gpu)
+    small = rows.shape[0] * cols < TUNE_MIN_LOGITS
+    if small or os.environ.get("MEGABATCH_AUTOTUNE", "1") == "0":
+        table[key] = default_config(rows.dtype)
+    else:
+        table[key] = tuned_once(gpu, key, lambda: tune(kernel, rows.dtype, rows.shape[1], precision, rows.device,
+                                                       verbose=False), stale=stale)
+    return table[key]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1075,8 +1127,9 @@ def block_stats(
     """
     _check(rows, cols, fp32_precision)
     rows, cols = _dot_operands(rows, cols, dots_dtype)
-    config = config or get_config("stats", rows, fp32_precision, cols.shape[0])
-    return _stats_launch(rows, cols, scale.reshape(()).float(), fp32_precision, config)
+    scale = scale.reshape(()).float()
+    return _with_fitting_config("stats", rows, fp32_precision, cols.shape[0], config,
+                                lambda config: _stats_launch(rows, cols, scale, fp32_precision, config))
 
 
 def block_grads(
@@ -1105,7 +1158,6 @@ def block_grads(
     """
     _check(rows, cols, fp32_precision)
     operands = _dot_operands(rows, cols, dots_dtype)
-    config = config or get_config("grad", operands[0], fp32_precision, cols.shape[0])
     rows_out = None
     if d_rows is None and rows_dtype is not None:
         rows_out = torch.empty(rows.shape, dtype=rows_dtype, device=rows.device)
@@ -1113,10 +1165,11 @@ def block_grads(
         d_rows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
     if d_cols is None:
         d_cols = torch.zeros(cols.shape, dtype=torch.float32, device=rows.device)
-    weight = weight.reshape(()).float()
-    dots = _grad_launch(rows, cols, scale.reshape(()).float(), row_lse.float().contiguous(),
-                        col_lse.float().contiguous(), diagonal, fp32_precision, config,
-                        weight, d_rows, d_cols, rows_out, operands)
+    weight, scale, row_lse, col_lse = (weight.reshape(()).float(), scale.reshape(()).float(),
+                                       row_lse.float().contiguous(), col_lse.float().contiguous())
+    dots = _with_fitting_config("grad", operands[0], fp32_precision, cols.shape[0], config, lambda config: _grad_launch(
+        rows, cols, scale, row_lse, col_lse, diagonal, fp32_precision, config, weight, d_rows, d_cols, rows_out,
+        operands))
     return (d_rows if rows_out is None else rows_out), d_cols, dots * weight
 
 
@@ -1139,12 +1192,13 @@ def sigmoid_block(
     ``block_grads``."""
     _check(rows, cols, fp32_precision)
     operands = _dot_operands(rows, cols, dots_dtype)
-    config = config or get_config("sigmoid", operands[0], fp32_precision, cols.shape[0])
     grads = d_rows is not None or d_cols is not None
     if grads and (d_rows is None or d_cols is None):
         raise ValueError("sigmoid_block: give both d_rows and d_cols, or neither")
-    sums = _sigmoid_launch(rows, cols, scale.reshape(()).float(), bias.reshape(()).float(), diagonal,
-                           fp32_precision, config, d_rows, d_cols, grads, dots=operands)
+    scale, bias = scale.reshape(()).float(), bias.reshape(()).float()
+    sums = _with_fitting_config("sigmoid", operands[0], fp32_precision, cols.shape[0], config, lambda config: (
+        _sigmoid_launch(rows, cols, scale, bias, diagonal, fp32_precision, config, d_rows, d_cols, grads,
+                        dots=operands)))
     return sums[0], sums[1], sums[2]
 
 
@@ -1161,9 +1215,9 @@ def distill_stats(
     _check(t_rows, t_cols, fp32_precision)
     rows, cols = _dot_operands(rows, cols, dots_dtype)
     t_rows, t_cols = _dot_operands(t_rows, t_cols, dots_dtype)
-    config = config or get_config("distill_stats", rows, fp32_precision, cols.shape[0])
-    return _distill_stats_launch(rows, cols, t_rows, t_cols, scale.reshape(()).float(), t_scale, fp32_precision,
-                                 config)
+    scale = scale.reshape(()).float()
+    return _with_fitting_config("distill_stats", rows, fp32_precision, cols.shape[0], config, lambda config: (
+        _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale, fp32_precision, config)))
 
 
 def distill_grads(
@@ -1184,7 +1238,6 @@ def distill_grads(
     _check(t_rows, t_cols, fp32_precision)
     operands = _dot_operands(rows, cols, dots_dtype)
     t_rows, t_cols = _dot_operands(t_rows, t_cols, dots_dtype)
-    config = config or get_config("distill_grad", operands[0], fp32_precision, cols.shape[0])
     lse = torch.cat([row_lse[0], col_lse[0], row_lse[1], col_lse[1]]).float().contiguous()
     weight = weight.reshape(()).float()
     t_weight, diagonal_weight = 1.0, None
@@ -1194,8 +1247,10 @@ def distill_grads(
             return torch.zeros((), dtype=torch.float32, device=rows.device)
         t_weight, diagonal_weight = float(weight) / both, float(contrastive_weight) / both
         weight = torch.tensor(both, dtype=torch.float32, device=rows.device)
-    dots = _distill_grad_launch(rows, cols, t_rows, t_cols, scale.reshape(()).float(), t_scale, lse, fp32_precision,
-                                config, weight, d_rows, d_cols, operands, t_weight, diagonal_weight, diagonal_offset)
+    scale = scale.reshape(()).float()
+    dots = _with_fitting_config("distill_grad", operands[0], fp32_precision, cols.shape[0], config, lambda config: (
+        _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale, lse, fp32_precision, config, weight, d_rows,
+                             d_cols, operands, t_weight, diagonal_weight, diagonal_offset)))
     return dots * weight
 
 def symmetric_loss(
