@@ -76,12 +76,10 @@ def parse_key(key: str) -> tuple[str, torch.dtype, int, str]:
 def taken_configs(gpu: str, record: dict, tuned_file: Path = triton_tiles.TUNED_FILE) -> dict[str, dict]:
     """Each key's config this GPU takes from ``tuned_file``: its own, else the first same-record GPU's by name."""
     shipped = json.loads(tuned_file.read_text()) if tuned_file.exists() else {}
-    devices = shipped.get(triton_tiles.DEVICES, {})
     taken = dict(shipped.get(gpu, {}))
-    for other in sorted(devices):
-        if other != gpu and devices[other] == record:
-            for key, config in shipped.get(other, {}).items():
-                taken.setdefault(key, config)
+    for key in sorted({key for name, table in shipped.items() if name != triton_tiles.DEVICES for key in table}):
+        if key not in taken and (sibling := triton_tiles.sibling_config(gpu, key, lambda: record, shipped)):
+            taken[key] = sibling[1]
     return taken
 
 

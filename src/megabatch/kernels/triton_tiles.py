@@ -504,11 +504,11 @@ def _shipped() -> dict:
     return json.loads(TUNED_FILE.read_text()) if TUNED_FILE.exists() else {}
 
 
-def sibling_config(gpu: str, key: str, record) -> tuple[str, dict] | None:
-    """``(other GPU, its config)``: ``key``'s shipped config of another GPU in ``tuned.json`` whose recorded
-    ``device_record`` equals this one's (``record()``, called only where another GPU has the key), the first by
-    name; else ``None``."""
-    shipped = _shipped()
+def sibling_config(gpu: str, key: str, record, shipped: dict | None = None) -> tuple[str, dict] | None:
+    """``(other GPU, its config)``: ``key``'s shipped config of another GPU in ``tuned.json`` (or ``shipped``, a table
+    of its layout) whose recorded ``device_record`` equals this one's (``record()``, called only where another GPU
+    has the key), the first by name; else ``None``."""
+    shipped = _shipped() if shipped is None else shipped
     others = [other for other in sorted(shipped.get(DEVICES, {})) if other != gpu and key in shipped.get(other, {})]
     if not others:
         return None

@@ -422,7 +422,7 @@ def objectives_of(cfg: DictConfig, settings: RunSettings, model: ClipModel, loss
     caption = settings.caption_weight
     decoder = model.decoder if caption > 0 else None
     pad_id = (decoder.pad_id if decoder is not None else model.clip.pad_id) if caption > 0 else None
-    caption_warmup_steps = start_step(settings.caption_warmup, plan.total_steps) if caption > 0 else 0
+    caption_warmup_steps = start_step(settings.caption_warmup, plan.total_steps)  # 0 unless a caption term (validate)
     if caption_warmup_steps > 0 and env.rank == 0:
         log.info("loss.caption_warmup=%s: the caption term's weight rises from 0 to %s over the first %d steps of %d",
                  settings.caption_warmup, caption, caption_warmup_steps, plan.total_steps)
