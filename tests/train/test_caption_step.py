@@ -84,15 +84,22 @@ def test_the_caption_term_is_the_cross_entropy_over_the_global_batchs_tokens():
 
 
 def two_ranks(rank: int, world: int) -> dict:
-    """DDP, and FSDP (each rank a shard of every parameter, the decoder's included; ``full`` gathers them)."""
-    return {parallel: gradients("loss.caption_weight=1.5", "trainer.sub_batch=4", f"trainer.parallel={parallel}")
-            for parallel in ("ddp", "fsdp")}
+    """DDP, and FSDP (each rank a shard of every parameter, the decoder's included; ``full`` gathers them); and DDP
+    at step 2 of ``loss.caption_warmup``'s 4 steps (each rank counts its own: half of weight 2.0)."""
+    results = {parallel: gradients("loss.caption_weight=1.5", "trainer.sub_batch=4", f"trainer.parallel={parallel}")
+               for parallel in ("ddp", "fsdp")}
+    results["warm-up, ddp"] = warmed_gradients(2, "loss.caption_weight=2.0", "loss.caption_warmup=0.5",
+                                               "trainer.max_steps=8", "trainer.sub_batch=4")
+    return results
 
 
 def test_two_ranks_ddp_and_fsdp_equal_one_process(tmp_path):
-    single = gradients("loss.caption_weight=1.5")
+    singles = {"ddp": gradients("loss.caption_weight=1.5"),
+               "warm-up, ddp": gradients("loss.caption_weight=1.0", "trainer.max_steps=8")}
+    singles["fsdp"] = singles["ddp"]
     for ranks in run_ranks(2, two_ranks, tmp_path=tmp_path):
         for parallel, result in ranks.items():
+            single = singles[parallel]
             assert result["grads"].keys() == single["grads"].keys(), parallel
             assert rel_error(result["loss"], single["loss"]) <= 1e-6, parallel
             assert rel_error(flat(result["grads"]), flat(single["grads"])) <= 1e-5, parallel
