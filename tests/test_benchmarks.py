@@ -4,6 +4,8 @@ table that names each of them."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 
@@ -149,3 +151,19 @@ def test_startup_compares_one_or_several_earlier_trees(tmp_path):
     assert startup.before_trees(None) == []
     assert startup.before_trees(str(tmp_path / "x")) == [(tmp_path / "x", "before")]
     assert startup.before_trees(f"{tmp_path / 'a'},{tmp_path / 'b'}") == [(tmp_path / "a", "a"), (tmp_path / "b", "b")]
+
+
+def test_kernel_instructions_counts_a_loss_kernels_machine_code(tmp_path):
+    """kernel_instructions.py compiles a loss kernel for sm_90 without a GPU and counts its machine code: the
+    backward's kernel at the H200's tiles has its tensor-core instructions and, in the block that holds them, two
+    exponentials a logit of its tile (P_row and P_col), no spills, and a register count."""
+    out = tmp_path / "instructions.json"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    ran = subprocess.run([sys.executable, str(FOLDER / "kernel_instructions.py"), "--kernels", "grad", "--out",
+                          str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["kernel"] == "grad" and row["tuned"] and row["instructions"] == sum(row["opcodes"].values())
+    loop = max(row["blocks"], key=lambda block: block["hgmma"])
+    assert loop["hgmma"] > 0 and loop["mufu"] == 2 * row["logits_per_thread"]
+    assert row["spill_stores"] == 0 and 0 < row["registers"] <= 255
