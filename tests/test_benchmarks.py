@@ -73,13 +73,17 @@ def test_the_benchmarks_time_the_step_the_trainer_builds():
     assert rel_error(grads[0], grads[1]) <= 1e-6
 
 
-def test_the_distillation_floors_copy_of_the_statistics_kernel_computes_what_the_kernel_does():
+def test_the_distillation_floors_copy_of_the_statistics_kernel_computes_what_the_kernel_does(monkeypatch):
     """loss_variants.py --kinds distill_stats times a copy of the distillation statistics kernel with its softmax left
     out or its dots cut to one tile of features: the copy whole must give the kernel's statistics exactly (a ragged
-    block, tiles of 16), or its parts measure another kernel. The parts run too."""
+    block, tiles of 16), or its parts measure another kernel. The copy is the kernel's two-exponential path (each
+    row's and column's own shift), which every tile took until the shared shift: the kernel is held to it here. The
+    parts run too."""
     import loss_variants  # scripts/benchmarks (tests/conftest.py puts its folder on the path)
 
     from megabatch.kernels import triton_tiles as tt
+
+    monkeypatch.setattr(tt, "SHARED_SHIFT_SPREAD", -1.0)  # no tile takes the shared shift
 
     generator = torch.Generator().manual_seed(0)
     rows, cols = (torch.nn.functional.normalize(torch.randn(n, 24, generator=generator), dim=-1).bfloat16()

@@ -10,7 +10,8 @@ copy of the kernel's math with another way of loading and looping). Writes JSON 
 The measurement behind c0d9abb (``docs/bench/loss_variants_c512_h200.json``, ``today`` = 68c2fcd's kernels).
 
 ``--kinds distill_stats``: where the distillation term's statistics kernel spends its time, at the tree's tiles and
-``CONFIGS``': the kernel (``today``), a copy of it (``copy``, which must match it), the copy's two GEMMs alone
+``CONFIGS``': the kernel (``today``), a copy of its two-exponential path (``copy``, which every tile took until the
+shared shift of 2026-12-05: it matches the kernel with ``SHARED_SHIFT_SPREAD`` at -1), the copy's two GEMMs alone
 (``gemm_only``: the softmax's five fields cut to one row sum, the ceiling of Triton's GEMMs in that loop), and both
 again with the dots over one ``BLOCK_K`` of features (``one_k``, ``gemm_only_one_k``: their difference is the
 softmax's own time). The kernel can be no faster than the slower of its GEMMs and its softmax, and takes their sum

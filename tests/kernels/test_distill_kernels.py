@@ -89,3 +89,29 @@ def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch)
     DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, (20.0, 10.0))(
         images, cols, scale, teacher=ensemble).backward()
     assert calls == ["block_stats", "block_grads"]  # the contrastive loss's own kernels, the term in torch
+
+
+def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
+    """The statistics kernel takes one exponential a logit of each matrix in a whole tile whose logits span at most
+    ``SHARED_SHIFT_SPREAD`` (log2 units), else each row's and column's own shift. Columns opposite to every row at
+    scale 100 (student and teacher alike) span 288 beside the near-duplicates: their statistics match float64 with
+    the shipped limit, and come out wrong with it lifted (one shift for the tile underflows them)."""
+    generator = torch.Generator().manual_seed(3)
+    base = F.normalize(torch.randn(3, 64, generator=generator, dtype=torch.float64), dim=-1)
+    rows = F.normalize(base.repeat(14, 1)[:40] + 1e-3 * torch.randn(40, 64, generator=generator,
+                                                                     dtype=torch.float64), dim=-1)
+    cols = torch.cat([rows[:20], -rows[20:]])
+    teacher = (100.0 * rows @ cols.T)
+    expected = (teacher.logsumexp(0), teacher.logsumexp(0), (teacher.softmax(0) * teacher).sum(0))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    on = [x.float().to(device) for x in (rows, cols, rows, cols)]
+
+    def column_errors():
+        _, col_stats = triton_tiles.distill_stats(*on, torch.tensor(100.0, device=device), 100.0,
+                                                  fp32_precision="ieee")
+        return [float((got.cpu().double() - want).abs().max() / want.abs().max())
+                for got, want in zip(col_stats, expected, strict=True)]
+
+    assert max(column_errors()) < 1e-5
+    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT_SPREAD", 1e9)
+    assert max(column_errors()) > 1e-2

@@ -7,7 +7,9 @@ Forward, ``_stats_kernel``: one pass over the tiles gives both directions. Each 
 row block and walks a range of column tiles, keeping the row log-sum-exp online in registers;
 for every tile it also writes the column-wise (max, sum) of that row block, and those partials
 are merged across row blocks afterwards. The columns are processed in stripes sized so the
-partials stay within ``PARTIAL_BYTES``: memory is linear in b, never ``b^2 / tile``.
+partials stay within ``PARTIAL_BYTES``: memory is linear in b, never ``b^2 / tile``. A whole tile whose logits
+span at most ``SHARED_SHIFT_SPREAD`` (log2 units) takes one exponential a logit for both directions, shifted by
+its largest logit, and no column maximum or mask; other tiles shift each row and column by its own maximum.
 
 Backward, hybrid: ``_grad_kernel`` recomputes each tile once and writes a block of
 ``G' = P_row + P_col - 2 I`` (near-square, up to ``G_BYTES``) in the input dtype, with the per-tile
@@ -63,6 +65,11 @@ G_FP16 = os.environ.get("MEGABATCH_LOSS_G_FP16", "auto")
 TMA = os.environ.get("MEGABATCH_LOSS_TMA", "auto")
 if TMA not in ("auto", "0"):
     raise ValueError(f"MEGABATCH_LOSS_TMA={TMA!r}: auto (tensor descriptors where the GPU and the layout allow) or 0")
+# the forward's tiles whose logits (log2 units) are all within this of the largest take one exponential a logit,
+# shifted by the tile's largest (rounded up to an integer) for rows and columns alike: every term is then a normal
+# fp32 (>= 2^-121); other tiles, and those with rows or columns past the block's edge, take two (``_stats_kernel``).
+# The kernels take it as an argument (a test lifts it, or takes it away: -1)
+SHARED_SHIFT_SPREAD = 120.0
 PERSISTENT_WAVES = 2  # the block kernels' programs per SM (each walks its share of the block's tiles)
 if G_FP16 not in ("auto", "1", "0"):
     raise ValueError(f"MEGABATCH_LOSS_G_FP16={G_FP16!r}: auto (fp16 G' on a GPU), 1 (everywhere) or 0 (fp32 G')")
@@ -118,10 +125,22 @@ def _dot_tile(
 
 
 @triton.jit
+def _exponent_into(shift, x):
+    """``(shift + e, m, 2^-e)`` with ``x = m 2^e``, ``m`` in [1, 2), for a normal positive fp32 ``x`` (e in [-126,
+    126]) and an integer-valued ``shift``: the same number, ``2^shift x``, as a base-2 (max, sum) pair, and the
+    factor that scales another sum of the same terms alike; no rounding (the exponent's bits)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) - 127
+    mantissa = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    return shift + exponent.to(tl.float32), mantissa, ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _stats_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr,  # pointers
     m, c, col_start, col_stop, cols_per_split,  # shapes: this launch covers [col_start, col_stop)
     stride_rm, stride_rk, stride_cn, stride_ck, stride_row_part, stride_col_part,  # strides
+    spread,  # SHARED_SHIFT_SPREAD
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, TMA: tl.constexpr = False,
 ):
@@ -142,6 +161,7 @@ def _stats_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     split_start = col_start + pid_s * cols_per_split
     split_stop = tl.minimum(split_start + cols_per_split, col_stop)
+    rows_full = (pid_m + 1) * BLOCK_M <= m
     # flattened with the feature loop: the next tile's loads are issued while this one's softmax runs
     for j0 in tl.range(split_start, split_stop, BLOCK_N, flatten=True):
         offs_n = j0 + tl.arange(0, BLOCK_N)
@@ -149,15 +169,32 @@ def _stats_kernel(
         acc = _dot_tile(rows_ptr, cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c,
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         ROUND_TF32, TMA)
-        s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
-        # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        # each row's largest and smallest logit (of the dots: one multiply a row, not a logit; either sign of scale)
+        dots_hi, dots_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
+        hi = tl.maximum(dots_hi, dots_lo)
+        top = tl.max(hi, 0)
+        bottom = tl.min(tl.minimum(dots_hi, dots_lo), 0)
+        if rows_full & (j0 + BLOCK_N <= split_stop) & (top - bottom <= spread):
+            # a whole tile whose logits are within ``spread`` (SHARED_SHIFT_SPREAD) of each other: one exponential a
+            # logit for both directions, shifted by the tile's largest logit rounded up to an integer; every term is
+            # then in [2^-121, 1] (normal fp32), and no mask is needed
+            shift = tl.ceil(top)
+            e = tl.exp2(acc * scale2 - shift)
+            m_new = tl.maximum(m_i, hi)
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(e, 1) * tl.exp2(shift - m_new)
+            # a column's share as (shift + its sum's exponent, its sum's mantissa in [1, 2)): exact, and in the
+            # (max, sum in [1, BLOCK_M]) form of the other tiles' partials, which the merge sums without underflow
+            c_max, c_sum, _ = _exponent_into(shift, tl.sum(e, 0))
+        else:
+            s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
+            # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            # columns: this row block's share, shifted by its own maximum (never under/overflows)
+            s_col = tl.where(row_ok[:, None], s, float("-inf"))
+            c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
+            c_sum = tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
         m_i = m_new
-        # columns: this row block's share, shifted by its own maximum (never under/overflows)
-        s_col = tl.where(row_ok[:, None], s, float("-inf"))
-        c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
-        c_sum = tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
         part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
         tl.store(col_max_ptr + part, c_max, mask=col_ok)
         tl.store(col_sum_ptr + part, c_sum, mask=col_ok)
@@ -234,7 +271,7 @@ def _grad_kernel(
         g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
         if DIAGONAL:
             g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
-        g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
+        # no mask: outside the block the dots read zeros (acc = 0, so g * acc = 0) and G' is stored cut at its edges
         dscale += tl.sum(g * acc, 1)
         _store_g(g_ptr, g * g_scale, m0, n0, offs_m, offs_n, row_ok[:, None] & col_ok[None, :], row_start,
                  col_start, stride_gm, stride_gn, G_TMA)
@@ -332,6 +369,7 @@ def _distill_stats_kernel(
     rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, row_out_ptr, col_out_ptr,  # t_scale a number
     m, c, ct, col_start, col_stop, cols_per_split, stride_row_field, stride_col_field, stride_col_part,
     stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
+    spread,  # SHARED_SHIFT_SPREAD
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
     TMA: tl.constexpr = False,
@@ -356,6 +394,7 @@ def _distill_stats_kernel(
     w_t = tl.zeros((BLOCK_M,), tl.float32)
     split_start = col_start + pid_s * cols_per_split
     split_stop = tl.minimum(split_start + cols_per_split, col_stop)
+    rows_full = (pid_m + 1) * BLOCK_M <= m
     for j0 in range(split_start, split_stop, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
@@ -366,31 +405,60 @@ def _distill_stats_kernel(
                           stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
                           T_UPCAST, T_ROUND_TF32, TMA)
         logits = acc * scale  # natural units: what the teacher's probabilities weigh (finite where masked)
-        # -inf outside the block, rows and columns alike (one mask for both directions): there the exponentials are
-        # 0, so the sums need no other mask; a row outside it ends NaN (-inf - -inf), which is never stored
-        ok = row_ok[:, None] & col_ok[None, :]
-        s = tl.where(ok, acc * scale2, float("-inf"))
-        t = tl.where(ok, t_acc * t_scale2, float("-inf"))
-        # rows: online, as _stats_kernel (every tile has a valid column)
-        m_new = tl.maximum(m_s, tl.max(s, 1))
-        l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-        m_s = m_new
-        m_new = tl.maximum(m_t, tl.max(t, 1))
-        keep = tl.exp2(m_t - m_new)
-        p = tl.exp2(t - m_new[:, None])  # 0 outside the block
-        l_t = l_t * keep + tl.sum(p, 1)
-        w_t = w_t * keep + tl.sum(p * logits, 1)
-        m_t = m_new
-        # columns: this row block's share, shifted by its own maxima
-        cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)  # 0 on padding columns: no inf - inf
-        ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
-        p_col = tl.exp2(t - ct_max[None, :])
         part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
+        # each row's largest and smallest logit of either matrix (a multiply a row, not a logit; either sign)
+        s_hi, s_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
+        t_hi, t_lo = tl.max(t_acc, 1) * t_scale2, tl.min(t_acc, 1) * t_scale2
+        s_row_max, t_row_max = tl.maximum(s_hi, s_lo), tl.maximum(t_hi, t_lo)
+        s_top, t_top = tl.max(s_row_max, 0), tl.max(t_row_max, 0)
+        s_bottom = tl.min(tl.minimum(s_hi, s_lo), 0)
+        t_bottom = tl.min(tl.minimum(t_hi, t_lo), 0)
+        if rows_full & (j0 + BLOCK_N <= split_stop) & (s_top - s_bottom <= spread) & (t_top - t_bottom <= spread):
+            # as _stats_kernel: a whole tile whose logits span at most ``spread``, in each matrix, takes
+            # one exponential a logit of each, shifted by the tile's largest rounded up, for rows and columns alike
+            s_shift, t_shift = tl.ceil(s_top), tl.ceil(t_top)
+            e = tl.exp2(acc * scale2 - s_shift)
+            p = tl.exp2(t_acc * t_scale2 - t_shift)
+            m_new = tl.maximum(m_s, s_row_max)
+            l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(e, 1) * tl.exp2(s_shift - m_new)
+            m_s = m_new
+            m_new = tl.maximum(m_t, t_row_max)
+            keep, into = tl.exp2(m_t - m_new), tl.exp2(t_shift - m_new)
+            l_t = l_t * keep + tl.sum(p, 1) * into
+            w_t = w_t * keep + tl.sum(p * logits, 1) * into
+            m_t = m_new
+            # columns: (shift + the sum's exponent, its mantissa), the weighted logits scaled as the teacher's sum
+            cs_max, cs_sum, _ = _exponent_into(s_shift, tl.sum(e, 0))
+            ct_max, ct_sum, ct_scale = _exponent_into(t_shift, tl.sum(p, 0))
+            cw_sum = tl.sum(p * logits, 0) * ct_scale
+        else:
+            # -inf outside the block, rows and columns alike (one mask for both directions): there the exponentials
+            # are 0, so the sums need no other mask; a row outside it ends NaN (-inf - -inf), which is never stored
+            ok = row_ok[:, None] & col_ok[None, :]
+            s = tl.where(ok, acc * scale2, float("-inf"))
+            t = tl.where(ok, t_acc * t_scale2, float("-inf"))
+            # rows: online, as _stats_kernel (every tile has a valid column)
+            m_new = tl.maximum(m_s, tl.max(s, 1))
+            l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            m_s = m_new
+            m_new = tl.maximum(m_t, tl.max(t, 1))
+            keep = tl.exp2(m_t - m_new)
+            p = tl.exp2(t - m_new[:, None])  # 0 outside the block
+            l_t = l_t * keep + tl.sum(p, 1)
+            w_t = w_t * keep + tl.sum(p * logits, 1)
+            m_t = m_new
+            # columns: this row block's share, shifted by its own maxima
+            cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)  # 0 on padding columns: no inf - inf
+            ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
+            p_col = tl.exp2(t - ct_max[None, :])
+            cs_sum = tl.sum(tl.exp2(s - cs_max[None, :]), 0)
+            ct_sum = tl.sum(p_col, 0)
+            cw_sum = tl.sum(p_col * logits, 0)
         tl.store(col_out_ptr + part, cs_max, mask=col_ok)
-        tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s - cs_max[None, :]), 0), mask=col_ok)
+        tl.store(col_out_ptr + stride_col_field + part, cs_sum, mask=col_ok)
         tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
-        tl.store(col_out_ptr + 3 * stride_col_field + part, tl.sum(p_col, 0), mask=col_ok)
-        tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * logits, 0), mask=col_ok)
+        tl.store(col_out_ptr + 3 * stride_col_field + part, ct_sum, mask=col_ok)
+        tl.store(col_out_ptr + 4 * stride_col_field + part, cw_sum, mask=col_ok)
     at = pid_s.to(tl.int64) * m + offs_m  # [field, splits, m]
     tl.store(row_out_ptr + at, m_s, mask=row_ok)
     tl.store(row_out_ptr + stride_row_field + at, l_s, mask=row_ok)
@@ -773,7 +841,7 @@ def _stats_launch(rows, cols, scale, precision, config):
             rows_arg, cols_arg, scale, row_max, row_sum, col_max, col_sum,
             m, c, col_start, col_stop, cols_per_split,
             rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
-            row_max.stride(0), col_max.stride(0),
+            row_max.stride(0), col_max.stride(0), float(SHARED_SHIFT_SPREAD),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision), TMA=tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
@@ -858,6 +926,9 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
     m, c = rows.shape
     n = cols.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    if G_ALIGN % bm or G_ALIGN % bn:  # the block kernels leave G unmasked: no tile may reach into the next block
+        raise ValueError(f"tiles of {bm} x {bn} do not divide the blocks of G ({G_ALIGN}-aligned): take tiles of at "
+                         f"most {G_ALIGN} a side that divide it")
     g_dtype, _, gemm_rows, gemm_cols = g_format or (rows.dtype, 1.0, rows, cols)
     block_m, block_n = _block_sides(g_dtype, m, n)
     pitch = triton.cdiv(block_n, 8) * 8  # each row of a block 16-byte aligned, whatever its width (TMA's stores)
@@ -992,7 +1063,7 @@ def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, pre
             rows_arg, cols_arg, t_rows_arg, t_cols_arg, scale, float(t_scale), row_out, col_out,
             m, c, ct, col_start, col_stop, cols_per_split, row_out.stride(0), col_out.stride(0), col_out.stride(1),
             rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
-            t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
+            t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1), float(SHARED_SHIFT_SPREAD),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), TMA=tma,
