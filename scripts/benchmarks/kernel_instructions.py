@@ -34,7 +34,7 @@ FLOATS = {"g_scale", "t_scale", "t_weight", "diagonal_weight", "spread"}  # floa
 DESCRIPTORS = {"rows_ptr": ["BLOCK_M", "BLOCK_K"], "t_rows_ptr": ["BLOCK_M", "BLOCK_K"],
                "cols_ptr": ["BLOCK_N", "BLOCK_K"], "t_cols_ptr": ["BLOCK_N", "BLOCK_K"],
                "g_ptr": ["BLOCK_M", "BLOCK_N"]}
-FLAGS_ON = {"TMA", "G_TMA", "FAST_RCP", "WRITE_G", "SCALE_SUM"}  # as a bf16 loss on a Hopper GPU launches them
+FLAGS_ON = {"TMA", "G_TMA", "FAST_RCP", "WRITE_G", "SCALE_SUM", "SHARED"}  # every option on (bf16 on Hopper)
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 

@@ -30,7 +30,9 @@ def inputs(m: int, n: int, c: int, ct: int, seed: int):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("m, n, c, ct, scale, t_scale", [(37, 37, 24, 40, 14.0, 23.0), (50, 29, 40, 24, 100.0, 100.0),
                                                          (17, 70, 130, 33, 30.0, 5.0)])
-def test_distill_stats_and_grads_match_the_float64_reference(case, m, n, c, ct, scale, t_scale, monkeypatch):
+@pytest.mark.parametrize("shared", ["1", "0"])
+def test_distill_stats_and_grads_match_the_float64_reference(case, m, n, c, ct, scale, t_scale, shared, monkeypatch):
+    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)  # a whole tile within the spread by one shift, or not
     dtype, precision, tolerance = CASES[case]
     # fp32 rounds a logit of magnitude ~scale to scale x 2^-24, and every probability exp(S - lse) carries that as a
     # relative error: the bound grows with the scale (exact fp32 dots, three tile configs, interpreted: the gradients'
@@ -105,6 +107,7 @@ def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
     expected = (teacher.logsumexp(0), teacher.logsumexp(0), (teacher.softmax(0) * teacher).sum(0))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on = [x.float().to(device) for x in (rows, cols, rows, cols)]
+    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "1")  # on a GPU too
 
     def column_errors():
         _, col_stats = triton_tiles.distill_stats(*on, torch.tensor(100.0, device=device), 100.0,

@@ -132,7 +132,12 @@ def check_against_torch(impl: str, case: str, m: int, n: int, c: int, scale: flo
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize(("m", "n", "c", "diagonal"), [(67, 45, 48, False), (67, 67, 40, True)])
 @pytest.mark.parametrize("scale", [1.0, 100.0])
-def test_matches_float64(impl, case, m, n, c, diagonal, scale):
+@pytest.mark.parametrize("shared", ["1", "0"])
+def test_matches_float64(impl, case, m, n, c, diagonal, scale, shared, monkeypatch):
+    """Every tile shifted by its own maxima, or (``shared``) a whole tile within the spread by one shift."""
+    if impl == "torch" and shared == "0":
+        pytest.skip("the torch reference has one way")
+    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)
     check_against_torch(impl, case, m, n, c, scale, diagonal)
 
 
@@ -165,10 +170,11 @@ def spread_tiles(dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("case", ["fp32", "bf16"])
-def test_one_exponential_a_logit_near_its_limit(case):
+def test_one_exponential_a_logit_near_its_limit(case, monkeypatch):
     """The forward takes one exponential a logit in a tile whose logits span up to 120 (log2 units), shifted by
     the tile's largest for rows and columns alike: a column whose share of a tile sits 118 below that shift, and
     whose other row block's tile is shifted 127 lower, keeps both shares (float64 within the usual tolerance)."""
+    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "1")  # on a GPU too
     rows, cols = spread_tiles(CASES[case][0])
     check_against_torch("triton", case, 0, 0, 0, 100.0, False, rows=rows, cols=cols)
 
@@ -183,6 +189,7 @@ def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
                                                                      dtype=torch.float64), dim=-1)
     cols = torch.cat([rows[:20], -rows[20:]]).float().to(DEVICE)
     rows = rows.float().to(DEVICE)
+    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "1")  # on a GPU too
     check_against_torch("triton", "fp32", 0, 0, 0, 100.0, True, rows=rows, cols=cols)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT_SPREAD", 1e9)
     with pytest.raises(AssertionError, match="col_lse error"):

@@ -65,6 +65,12 @@ G_FP16 = os.environ.get("MEGABATCH_LOSS_G_FP16", "auto")
 TMA = os.environ.get("MEGABATCH_LOSS_TMA", "auto")
 if TMA not in ("auto", "0"):
     raise ValueError(f"MEGABATCH_LOSS_TMA={TMA!r}: auto (tensor descriptors where the GPU and the layout allow) or 0")
+# the statistics kernels' shared shift (SHARED_SHIFT_SPREAD): "auto" on where no GPU has timed it against the two
+# exponentials yet, i.e. under the interpreter (the tests) and off on a GPU, where it is compiled away; "1" on, "0" off
+SHARED_SHIFT = os.environ.get("MEGABATCH_LOSS_SHARED_SHIFT", "auto")
+if SHARED_SHIFT not in ("auto", "1", "0"):
+    raise ValueError(f"MEGABATCH_LOSS_SHARED_SHIFT={SHARED_SHIFT!r}: auto (on under the interpreter, off on a GPU "
+                     "until timed there), 1 (on) or 0 (off)")
 # the forward's tiles whose logits (log2 units) are all within this of the largest take one exponential a logit,
 # shifted by the tile's largest (rounded up to an integer) for rows and columns alike: every term is then a normal
 # fp32 (>= 2^-121); other tiles, and those with rows or columns past the block's edge, take two (``_stats_kernel``).
@@ -136,13 +142,42 @@ def _exponent_into(shift, x):
 
 
 @triton.jit
+def _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok):
+    """A forward tile's terms, each row and column shifted by its own maximum (never under/overflows): the rows'
+    running ``(max, sum)`` and the columns' ``(max, sum)`` over the tile, base 2."""
+    s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
+    # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+    # columns: this row block's share
+    s_col = tl.where(row_ok[:, None], s, float("-inf"))
+    c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
+    return m_new, l_i, c_max, tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
+
+
+@triton.jit
+def _stats_shared_shift(acc, scale2, m_i, l_i, hi, top):
+    """``_stats_own_shifts``' terms for a whole tile whose logits are within ``SHARED_SHIFT_SPREAD`` of each other
+    (``hi``: each row's largest logit, ``top`` the tile's): one exponential a logit for both directions, shifted by
+    ``top`` rounded up to an integer, every term then in [2^-121, 1] (normal fp32), and no mask."""
+    shift = tl.ceil(top)
+    e = tl.exp2(acc * scale2 - shift)
+    m_new = tl.maximum(m_i, hi)
+    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(e, 1) * tl.exp2(shift - m_new)
+    # a column's share as (shift + its sum's exponent, its sum's mantissa in [1, 2)): exact, and in the (max, sum in
+    # [1, BLOCK_M]) form of the other tiles' partials, which the merge sums without underflow
+    c_max, c_sum, _ = _exponent_into(shift, tl.sum(e, 0))
+    return m_new, l_i, c_max, c_sum
+
+
+@triton.jit
 def _stats_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr,  # pointers
     m, c, col_start, col_stop, cols_per_split,  # shapes: this launch covers [col_start, col_stop)
     stride_rm, stride_rk, stride_cn, stride_ck, stride_row_part, stride_col_part,  # strides
     spread,  # SHARED_SHIFT_SPREAD
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, TMA: tl.constexpr = False,
+    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, TMA: tl.constexpr = False, SHARED: tl.constexpr = False,
 ):
     """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe.
 
@@ -169,31 +204,17 @@ def _stats_kernel(
         acc = _dot_tile(rows_ptr, cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c,
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         ROUND_TF32, TMA)
-        # each row's largest and smallest logit (of the dots: one multiply a row, not a logit; either sign of scale)
-        dots_hi, dots_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
-        hi = tl.maximum(dots_hi, dots_lo)
-        top = tl.max(hi, 0)
-        bottom = tl.min(tl.minimum(dots_hi, dots_lo), 0)
-        if rows_full & (j0 + BLOCK_N <= split_stop) & (top - bottom <= spread):
-            # a whole tile whose logits are within ``spread`` (SHARED_SHIFT_SPREAD) of each other: one exponential a
-            # logit for both directions, shifted by the tile's largest logit rounded up to an integer; every term is
-            # then in [2^-121, 1] (normal fp32), and no mask is needed
-            shift = tl.ceil(top)
-            e = tl.exp2(acc * scale2 - shift)
-            m_new = tl.maximum(m_i, hi)
-            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(e, 1) * tl.exp2(shift - m_new)
-            # a column's share as (shift + its sum's exponent, its sum's mantissa in [1, 2)): exact, and in the
-            # (max, sum in [1, BLOCK_M]) form of the other tiles' partials, which the merge sums without underflow
-            c_max, c_sum, _ = _exponent_into(shift, tl.sum(e, 0))
-        else:
-            s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
-            # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-            # columns: this row block's share, shifted by its own maximum (never under/overflows)
-            s_col = tl.where(row_ok[:, None], s, float("-inf"))
-            c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
-            c_sum = tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
+        if SHARED:
+            # each row's largest and smallest logit (of the dots: a multiply a row, not a logit; either sign of scale)
+            dots_hi, dots_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
+            hi = tl.maximum(dots_hi, dots_lo)
+            top = tl.max(hi, 0)
+            if rows_full & (j0 + BLOCK_N <= split_stop) & (top - tl.min(tl.minimum(dots_hi, dots_lo), 0) <= spread):
+                m_new, l_i, c_max, c_sum = _stats_shared_shift(acc, scale2, m_i, l_i, hi, top)
+            else:
+                m_new, l_i, c_max, c_sum = _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok)
+        else:  # compiled away: every tile as _stats_own_shifts
+            m_new, l_i, c_max, c_sum = _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok)
         m_i = m_new
         part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
         tl.store(col_max_ptr + part, c_max, mask=col_ok)
@@ -365,6 +386,55 @@ def _sigmoid_kernel(
 
 
 @triton.jit
+def _distill_own_shifts(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok):
+    """A distillation statistics tile's terms, each row and column shifted by its own maxima: the rows' running
+    fields and the columns' fields over the tile (``_distill_stats_kernel``'s five)."""
+    # -inf outside the block, rows and columns alike (one mask for both directions): there the exponentials are 0, so
+    # the sums need no other mask; a row outside it ends NaN (-inf - -inf), which is never stored
+    ok = row_ok[:, None] & col_ok[None, :]
+    s = tl.where(ok, acc * scale2, float("-inf"))
+    t = tl.where(ok, t_acc * t_scale2, float("-inf"))
+    # rows: online, as _stats_kernel (every tile has a valid column)
+    m_new = tl.maximum(m_s, tl.max(s, 1))
+    l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+    m_s = m_new
+    m_new = tl.maximum(m_t, tl.max(t, 1))
+    keep = tl.exp2(m_t - m_new)
+    p = tl.exp2(t - m_new[:, None])  # 0 outside the block
+    l_t = l_t * keep + tl.sum(p, 1)
+    w_t = w_t * keep + tl.sum(p * logits, 1)
+    m_t = m_new
+    # columns: this row block's share, shifted by its own maxima
+    cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)  # 0 on padding columns: no inf - inf
+    ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
+    p_col = tl.exp2(t - ct_max[None, :])
+    return (m_s, l_s, m_t, l_t, w_t, cs_max, tl.sum(tl.exp2(s - cs_max[None, :]), 0), ct_max, tl.sum(p_col, 0),
+            tl.sum(p_col * logits, 0))
+
+
+@triton.jit
+def _distill_shared_shift(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max,
+                          s_top, t_top):
+    """``_distill_own_shifts``' terms for a whole tile whose logits span at most ``SHARED_SHIFT_SPREAD`` in each
+    matrix: one exponential a logit of each, shifted by the tile's largest rounded up, for rows and columns alike
+    (as ``_stats_shared_shift``; the teacher-weighted logits' column sums scaled as the teacher's)."""
+    s_shift, t_shift = tl.ceil(s_top), tl.ceil(t_top)
+    e = tl.exp2(acc * scale2 - s_shift)
+    p = tl.exp2(t_acc * t_scale2 - t_shift)
+    m_new = tl.maximum(m_s, s_row_max)
+    l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(e, 1) * tl.exp2(s_shift - m_new)
+    m_s = m_new
+    m_new = tl.maximum(m_t, t_row_max)
+    keep, into = tl.exp2(m_t - m_new), tl.exp2(t_shift - m_new)
+    l_t = l_t * keep + tl.sum(p, 1) * into
+    w_t = w_t * keep + tl.sum(p * logits, 1) * into
+    m_t = m_new
+    cs_max, cs_sum, _ = _exponent_into(s_shift, tl.sum(e, 0))
+    ct_max, ct_sum, ct_scale = _exponent_into(t_shift, tl.sum(p, 0))
+    return m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, tl.sum(p * logits, 0) * ct_scale
+
+
+@triton.jit
 def _distill_stats_kernel(
     rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, row_out_ptr, col_out_ptr,  # t_scale a number
     m, c, ct, col_start, col_stop, cols_per_split, stride_row_field, stride_col_field, stride_col_part,
@@ -372,7 +442,7 @@ def _distill_stats_kernel(
     spread,  # SHARED_SHIFT_SPREAD
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, SHARED: tl.constexpr = False,
 ):
     """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe, for the student's
     logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @ t_cols^T`` together (as
@@ -406,54 +476,23 @@ def _distill_stats_kernel(
                           T_UPCAST, T_ROUND_TF32, TMA)
         logits = acc * scale  # natural units: what the teacher's probabilities weigh (finite where masked)
         part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
-        # each row's largest and smallest logit of either matrix (a multiply a row, not a logit; either sign)
-        s_hi, s_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
-        t_hi, t_lo = tl.max(t_acc, 1) * t_scale2, tl.min(t_acc, 1) * t_scale2
-        s_row_max, t_row_max = tl.maximum(s_hi, s_lo), tl.maximum(t_hi, t_lo)
-        s_top, t_top = tl.max(s_row_max, 0), tl.max(t_row_max, 0)
-        s_bottom = tl.min(tl.minimum(s_hi, s_lo), 0)
-        t_bottom = tl.min(tl.minimum(t_hi, t_lo), 0)
-        if rows_full & (j0 + BLOCK_N <= split_stop) & (s_top - s_bottom <= spread) & (t_top - t_bottom <= spread):
-            # as _stats_kernel: a whole tile whose logits span at most ``spread``, in each matrix, takes
-            # one exponential a logit of each, shifted by the tile's largest rounded up, for rows and columns alike
-            s_shift, t_shift = tl.ceil(s_top), tl.ceil(t_top)
-            e = tl.exp2(acc * scale2 - s_shift)
-            p = tl.exp2(t_acc * t_scale2 - t_shift)
-            m_new = tl.maximum(m_s, s_row_max)
-            l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(e, 1) * tl.exp2(s_shift - m_new)
-            m_s = m_new
-            m_new = tl.maximum(m_t, t_row_max)
-            keep, into = tl.exp2(m_t - m_new), tl.exp2(t_shift - m_new)
-            l_t = l_t * keep + tl.sum(p, 1) * into
-            w_t = w_t * keep + tl.sum(p * logits, 1) * into
-            m_t = m_new
-            # columns: (shift + the sum's exponent, its mantissa), the weighted logits scaled as the teacher's sum
-            cs_max, cs_sum, _ = _exponent_into(s_shift, tl.sum(e, 0))
-            ct_max, ct_sum, ct_scale = _exponent_into(t_shift, tl.sum(p, 0))
-            cw_sum = tl.sum(p * logits, 0) * ct_scale
-        else:
-            # -inf outside the block, rows and columns alike (one mask for both directions): there the exponentials
-            # are 0, so the sums need no other mask; a row outside it ends NaN (-inf - -inf), which is never stored
-            ok = row_ok[:, None] & col_ok[None, :]
-            s = tl.where(ok, acc * scale2, float("-inf"))
-            t = tl.where(ok, t_acc * t_scale2, float("-inf"))
-            # rows: online, as _stats_kernel (every tile has a valid column)
-            m_new = tl.maximum(m_s, tl.max(s, 1))
-            l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-            m_s = m_new
-            m_new = tl.maximum(m_t, tl.max(t, 1))
-            keep = tl.exp2(m_t - m_new)
-            p = tl.exp2(t - m_new[:, None])  # 0 outside the block
-            l_t = l_t * keep + tl.sum(p, 1)
-            w_t = w_t * keep + tl.sum(p * logits, 1)
-            m_t = m_new
-            # columns: this row block's share, shifted by its own maxima
-            cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)  # 0 on padding columns: no inf - inf
-            ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
-            p_col = tl.exp2(t - ct_max[None, :])
-            cs_sum = tl.sum(tl.exp2(s - cs_max[None, :]), 0)
-            ct_sum = tl.sum(p_col, 0)
-            cw_sum = tl.sum(p_col * logits, 0)
+        if SHARED:
+            # each row's largest and smallest logit of either matrix (a multiply a row, not a logit; either sign)
+            s_hi, s_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
+            t_hi, t_lo = tl.max(t_acc, 1) * t_scale2, tl.min(t_acc, 1) * t_scale2
+            s_row_max, t_row_max = tl.maximum(s_hi, s_lo), tl.maximum(t_hi, t_lo)
+            s_top, t_top = tl.max(s_row_max, 0), tl.max(t_row_max, 0)
+            s_spread = s_top - tl.min(tl.minimum(s_hi, s_lo), 0)
+            t_spread = t_top - tl.min(tl.minimum(t_hi, t_lo), 0)
+            if rows_full & (j0 + BLOCK_N <= split_stop) & (s_spread <= spread) & (t_spread <= spread):
+                m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_shared_shift(
+                    acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max, s_top, t_top)
+            else:
+                m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_own_shifts(
+                    acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok)
+        else:  # compiled away: every tile as _distill_own_shifts
+            m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_own_shifts(
+                acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok)
         tl.store(col_out_ptr + part, cs_max, mask=col_ok)
         tl.store(col_out_ptr + stride_col_field + part, cs_sum, mask=col_ok)
         tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
@@ -773,6 +812,11 @@ def _ptx(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.version.hip is None and not interpreting()
 
 
+def _shared_shift(rows: torch.Tensor) -> bool:
+    """Whether the statistics kernels on ``rows`` take the shared shift where a tile allows it (``SHARED_SHIFT``)."""
+    return SHARED_SHIFT == "1" or (SHARED_SHIFT == "auto" and not _ptx(rows))
+
+
 def _upcast(rows: torch.Tensor) -> bool:
     """bf16 dots upcast to fp32 under the interpreter only: its numpy ``tl.dot`` mishandles bf16.
     The products of bf16 values are exact in fp32, so the math is the GPU's."""
@@ -843,7 +887,7 @@ def _stats_launch(rows, cols, scale, precision, config):
             rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
             row_max.stride(0), col_max.stride(0), float(SHARED_SHIFT_SPREAD),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision), TMA=tma,
+            UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision), TMA=tma, SHARED=_shared_shift(rows),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -1067,7 +1111,7 @@ def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, pre
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), TMA=tma,
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            SHARED=_shared_shift(rows), num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
         run = _merge_fields(row_out[:, :active], run)
         col_stats[:, col_start:col_stop] = _finish_fields(_merge_fields(col_out[:, :, :width]))
