@@ -95,15 +95,14 @@ def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch)
 
 def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
     """The statistics kernel takes one exponential a logit of each matrix in a whole tile whose logits span at most
-    ``SHARED_SHIFT_SPREAD`` (log2 units), else each row's and column's own shift. Columns opposite to every row at
-    scale 100 (student and teacher alike) span 288 beside the near-duplicates: their statistics match float64 with
-    the shipped limit, and come out wrong with it lifted (one shift for the tile underflows them)."""
-    generator = torch.Generator().manual_seed(3)
-    base = F.normalize(torch.randn(3, 64, generator=generator, dtype=torch.float64), dim=-1)
-    rows = F.normalize(base.repeat(14, 1)[:40] + 1e-3 * torch.randn(40, 64, generator=generator,
-                                                                     dtype=torch.float64), dim=-1)
-    cols = torch.cat([rows[:20], -rows[20:]])
-    teacher = (100.0 * rows @ cols.T)
+    ``SHARED_SHIFT_SPREAD`` (log2 units), else each row's and column's own shift. ``test_tiles.wide_tiles``' columns
+    at cos -0.5 from every row (student and teacher alike) span 216 beside the others at scale 100: their statistics
+    match float64 with the shipped limit, and come out wrong with it lifted (one shift for the tile underflows
+    them)."""
+    from .test_tiles import wide_tiles
+
+    rows, cols = (x.double().cpu() for x in wide_tiles(torch.float32))
+    teacher = 100.0 * rows @ cols.T
     expected = (teacher.logsumexp(0), teacher.logsumexp(0), (teacher.softmax(0) * teacher).sum(0))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on = [x.float().to(device) for x in (rows, cols, rows, cols)]

@@ -157,13 +157,13 @@ def test_near_duplicates_and_opposites_at_scale_100(case):
 
 def spread_tiles(dtype: torch.dtype):
     """32 rows against 32 columns (two 16 x 16 tiles a side, the interpreter's tiles) at scale 100, whose first tile's
-    logits span 118 in log2 units, near the forward's limit for one exponential a logit (120): column 0 meets the
-    first row block at cos 0.085 beside cos 0.9 in its other columns, and the second row block at cos 0.06, where
-    nothing is larger; that row block still holds 8% of the column's sum."""
+    logits span 148.6 in log2 units, near the forward's limit for one exponential a logit (150): column 0 meets the
+    first row block at cos -0.13 beside cos 0.9 in its other columns, and the second row block at cos -0.14, where
+    nothing is much larger; that row block still holds 27% of the column's sum."""
     basis = torch.eye(64, dtype=torch.float64)
     generator = torch.Generator().manual_seed(5)
-    rows = torch.cat([0.085 * basis[0] + 0.9 * basis[1] + 0.42 * basis[2:18],
-                      0.06 * basis[0] + 0.99 * basis[18:34]])
+    rows = torch.cat([-0.13 * basis[0] + 0.9 * basis[1] + 0.42 * basis[2:18],
+                      -0.14 * basis[0] + 0.99 * basis[18:34]])
     cols = torch.cat([basis[:1], F.normalize(basis[1] + 0.01 * torch.randn(15, 64, generator=generator), dim=-1),
                       F.normalize(torch.randn(16, 64, generator=generator, dtype=torch.float64), dim=-1)])
     return F.normalize(rows, dim=-1).to(dtype).to(DEVICE), cols.to(dtype).to(DEVICE)
@@ -171,29 +171,37 @@ def spread_tiles(dtype: torch.dtype):
 
 @pytest.mark.parametrize("case", ["fp32", "bf16"])
 def test_one_exponential_a_logit_near_its_limit(case, monkeypatch):
-    """The forward takes one exponential a logit in a tile whose logits span up to 120 (log2 units), shifted by
-    the tile's largest for rows and columns alike: a column whose share of a tile sits 118 below that shift, and
-    whose other row block's tile is shifted 127 lower, keeps both shares (float64 within the usual tolerance)."""
+    """The forward takes one exponential a logit in a tile whose logits span up to 150 (log2 units), shifted by
+    the tile's largest (less 32) for rows and columns alike: a column whose share of a tile sits 148 below its
+    largest, and whose other row block's tile is shifted ~129 lower, keeps both shares (float64 within the usual
+    tolerance)."""
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "1")  # on a GPU too
     rows, cols = spread_tiles(CASES[case][0])
     check_against_torch("triton", case, 0, 0, 0, 100.0, False, rows=rows, cols=cols)
 
 
+def wide_tiles(dtype: torch.dtype):
+    """32 rows, all near one feature, against 32 columns: 8 near it (cos 1) and 24 at cos -0.5 from it. At scale 100
+    a tile holding both kinds spans 216 in log2 units, past the limit for one exponential a logit (150); the
+    columns at -0.5 have no larger logit anywhere, so their whole log-sum-exp comes from such tiles."""
+    generator = torch.Generator().manual_seed(3)
+    basis = torch.eye(64, dtype=torch.float64)
+    rows = F.normalize(basis[0] + 1e-3 * torch.randn(32, 64, generator=generator, dtype=torch.float64), dim=-1)
+    cols = torch.cat([F.normalize(basis[0] + 1e-3 * torch.randn(8, 64, generator=generator, dtype=torch.float64),
+                                  dim=-1), -0.5 * basis[0] + 0.866 * basis[1:25]])
+    return rows.to(dtype).to(DEVICE), F.normalize(cols, dim=-1).to(dtype).to(DEVICE)
+
+
 def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
     """Where a tile's logits span more than the limit, the forward shifts each row and column by its own largest:
-    with the limit lifted, one shift for the whole tile underflows the columns of opposite features at scale 100
-    (every term 2^-288) and their log-sum-exps come out wrong, which the shipped limit keeps right."""
-    generator = torch.Generator().manual_seed(3)
-    base = F.normalize(torch.randn(3, 64, generator=generator, dtype=torch.float64), dim=-1)
-    rows = F.normalize(base.repeat(14, 1)[:40] + 1e-3 * torch.randn(40, 64, generator=generator,
-                                                                     dtype=torch.float64), dim=-1)
-    cols = torch.cat([rows[:20], -rows[20:]]).float().to(DEVICE)
-    rows = rows.float().to(DEVICE)
+    with the limit lifted, one shift for the whole tile underflows the columns at cos -0.5 (every term 2^-185) and
+    their log-sum-exps come out wrong, which the shipped limit keeps right."""
+    rows, cols = wide_tiles(torch.float32)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "1")  # on a GPU too
-    check_against_torch("triton", "fp32", 0, 0, 0, 100.0, True, rows=rows, cols=cols)
+    check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT_SPREAD", 1e9)
     with pytest.raises(AssertionError, match="col_lse error"):
-        check_against_torch("triton", "fp32", 0, 0, 0, 100.0, True, rows=rows, cols=cols)
+        check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols)
 
 
 def test_tiles_that_reach_past_a_block_of_g_are_refused(monkeypatch):

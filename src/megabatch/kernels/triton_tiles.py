@@ -9,7 +9,8 @@ for every tile it also writes the column-wise (max, sum) of that row block, and 
 are merged across row blocks afterwards. The columns are processed in stripes sized so the
 partials stay within ``PARTIAL_BYTES``: memory is linear in b, never ``b^2 / tile``. A whole tile whose logits
 span at most ``SHARED_SHIFT_SPREAD`` (log2 units) takes one exponential a logit for both directions, shifted by
-its largest logit, and no column maximum or mask; other tiles shift each row and column by its own maximum.
+its largest logit (less a headroom), and no column maximum or mask; other tiles shift each row and column by its own
+maximum (``MEGABATCH_LOSS_SHARED_SHIFT``).
 
 Backward, hybrid: ``_grad_kernel`` recomputes each tile once and writes a block of
 ``G' = P_row + P_col - 2 I`` (near-square, up to ``G_BYTES``) in the input dtype, with the per-tile
@@ -72,10 +73,12 @@ if SHARED_SHIFT not in ("auto", "1", "0"):
     raise ValueError(f"MEGABATCH_LOSS_SHARED_SHIFT={SHARED_SHIFT!r}: auto (on under the interpreter, off on a GPU "
                      "until timed there), 1 (on) or 0 (off)")
 # the forward's tiles whose logits (log2 units) are all within this of the largest take one exponential a logit,
-# shifted by the tile's largest (rounded up to an integer) for rows and columns alike: every term is then a normal
-# fp32 (>= 2^-121); other tiles, and those with rows or columns past the block's edge, take two (``_stats_kernel``).
+# shifted by the tile's largest (rounded up to an integer) less SHARED_SHIFT_HEADROOM for rows and columns alike:
+# every term is then a normal fp32 in [2^-119, 2^32], its exponent's argument below 32 in size (rounded as finely
+# as a logit's own); other tiles, and those with rows or columns past the block's edge, take two (``_stats_kernel``).
 # The kernels take it as an argument (a test lifts it, or takes it away: -1)
-SHARED_SHIFT_SPREAD = 120.0
+SHARED_SHIFT_SPREAD = 150.0
+SHARED_SHIFT_HEADROOM: tl.constexpr = tl.constexpr(32.0)
 PERSISTENT_WAVES = 2  # the block kernels' programs per SM (each walks its share of the block's tiles)
 if G_FP16 not in ("auto", "1", "0"):
     raise ValueError(f"MEGABATCH_LOSS_G_FP16={G_FP16!r}: auto (fp16 G' on a GPU), 1 (everywhere) or 0 (fp32 G')")
@@ -159,13 +162,14 @@ def _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok):
 def _stats_shared_shift(acc, scale2, m_i, l_i, hi, top):
     """``_stats_own_shifts``' terms for a whole tile whose logits are within ``SHARED_SHIFT_SPREAD`` of each other
     (``hi``: each row's largest logit, ``top`` the tile's): one exponential a logit for both directions, shifted by
-    ``top`` rounded up to an integer, every term then in [2^-121, 1] (normal fp32), and no mask."""
-    shift = tl.ceil(top)
+    ``top`` rounded up to an integer less SHARED_SHIFT_HEADROOM, every term then a normal fp32 in [2^-119, 2^32], and
+    no mask."""
+    shift = tl.ceil(top) - SHARED_SHIFT_HEADROOM
     e = tl.exp2(acc * scale2 - shift)
     m_new = tl.maximum(m_i, hi)
     l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(e, 1) * tl.exp2(shift - m_new)
     # a column's share as (shift + its sum's exponent, its sum's mantissa in [1, 2)): exact, and in the (max, sum in
-    # [1, BLOCK_M]) form of the other tiles' partials, which the merge sums without underflow
+    # [1, BLOCK_M]) form of the other tiles' partials, which the merge sums without under- or overflow
     c_max, c_sum, _ = _exponent_into(shift, tl.sum(e, 0))
     return m_new, l_i, c_max, c_sum
 
@@ -197,8 +201,10 @@ def _stats_kernel(
     split_start = col_start + pid_s * cols_per_split
     split_stop = tl.minimum(split_start + cols_per_split, col_stop)
     rows_full = (pid_m + 1) * BLOCK_M <= m
-    # flattened with the feature loop: the next tile's loads are issued while this one's softmax runs
-    for j0 in tl.range(split_start, split_stop, BLOCK_N, flatten=True):
+    # flattened with the feature loop: the next tile's loads are issued while this one's softmax runs. Not with the
+    # shared shift: Triton 3.6-3.8 then waits for each tensor-core instruction (a branch in the flattened loop's
+    # epilogue; kernel_instructions.py shows every HGMMA followed by its wait), which the unflattened loop does not
+    for j0 in tl.range(split_start, split_stop, BLOCK_N, flatten=not SHARED):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
         acc = _dot_tile(rows_ptr, cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c,
@@ -209,7 +215,9 @@ def _stats_kernel(
             dots_hi, dots_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
             hi = tl.maximum(dots_hi, dots_lo)
             top = tl.max(hi, 0)
-            if rows_full & (j0 + BLOCK_N <= split_stop) & (top - tl.min(tl.minimum(dots_hi, dots_lo), 0) <= spread):
+            bottom = tl.min(tl.minimum(dots_hi, dots_lo), 0)
+            # (and logits below 2^22 in size: the shift plus a sum's exponent stays an exact fp32 integer)
+            if rows_full & (j0 + BLOCK_N <= split_stop) & (top - bottom <= spread) & (tl.abs(top) < 4194304.0):
                 m_new, l_i, c_max, c_sum = _stats_shared_shift(acc, scale2, m_i, l_i, hi, top)
             else:
                 m_new, l_i, c_max, c_sum = _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok)
@@ -418,7 +426,7 @@ def _distill_shared_shift(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l
     """``_distill_own_shifts``' terms for a whole tile whose logits span at most ``SHARED_SHIFT_SPREAD`` in each
     matrix: one exponential a logit of each, shifted by the tile's largest rounded up, for rows and columns alike
     (as ``_stats_shared_shift``; the teacher-weighted logits' column sums scaled as the teacher's)."""
-    s_shift, t_shift = tl.ceil(s_top), tl.ceil(t_top)
+    s_shift, t_shift = tl.ceil(s_top) - SHARED_SHIFT_HEADROOM, tl.ceil(t_top) - SHARED_SHIFT_HEADROOM
     e = tl.exp2(acc * scale2 - s_shift)
     p = tl.exp2(t_acc * t_scale2 - t_shift)
     m_new = tl.maximum(m_s, s_row_max)
@@ -484,7 +492,8 @@ def _distill_stats_kernel(
             s_top, t_top = tl.max(s_row_max, 0), tl.max(t_row_max, 0)
             s_spread = s_top - tl.min(tl.minimum(s_hi, s_lo), 0)
             t_spread = t_top - tl.min(tl.minimum(t_hi, t_lo), 0)
-            if rows_full & (j0 + BLOCK_N <= split_stop) & (s_spread <= spread) & (t_spread <= spread):
+            if rows_full & (j0 + BLOCK_N <= split_stop) & (s_spread <= spread) & (t_spread <= spread) & \
+                    (tl.abs(s_top) < 4194304.0) & (tl.abs(t_top) < 4194304.0):  # as _stats_kernel
                 m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_shared_shift(
                     acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max, s_top, t_top)
             else:
