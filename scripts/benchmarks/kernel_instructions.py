@@ -5,13 +5,15 @@ side.
 
     python scripts/benchmarks/kernel_instructions.py --trees before=before/src,after=src --out instructions.json
 
-Per kernel and tree: the registers a thread takes, its spills (local stores and loads), the instructions by opcode,
-and each basic block (from a branch label to the next) with its length, exponentials and reciprocals (``MUFU``) and
-tensor-core instructions (``HGMMA``): a tile's path through the loop is the blocks it runs, and ``logits_per_thread``
-(the tile's logits over its threads) turns a block's length into instructions a logit. An epilogue that issues as
-many instructions as the tile's GEMM takes cycles (a warp issues one a cycle; the SM's tensor cores do 4,096 bf16
-FLOP a cycle) leaves the kernel near half the peak: these counts show where a change moves that, before any GPU time
-is spent. They are a proxy, not a timing: ``loss_passes.py`` on a GPU says what the change is worth.
+Per kernel and tree: the registers a thread takes, its spills (local stores and loads), how many of its tensor-core
+instructions end a batch that is then waited for (``hgmma_batches_ended``: all of them, and the dots run one at a
+time, as in a loop Triton could not pipeline), the instructions by opcode, and each basic block (from a branch label
+to the next) with its length, exponentials and reciprocals (``MUFU``) and tensor-core instructions (``HGMMA``): a
+tile's path through the loop is the blocks it runs, and ``logits_per_thread`` (the tile's logits over its threads)
+turns a block's length into instructions a logit. An epilogue that issues as many instructions as the tile's GEMM
+takes cycles (a warp issues one a cycle; the SM's tensor cores do 4,096 bf16 FLOP a cycle) leaves the kernel near
+half the peak: these counts show where a change moves that, before any GPU time is spent. They are a proxy, not a
+timing: ``loss_passes.py`` on a GPU says what the change is worth.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def count(cubin: bytes) -> dict:
         usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
                                text=True).stdout
     opcodes, blocks, block = collections.Counter(), [], {"label": "entry", "instructions": 0, "mufu": 0, "hgmma": 0}
+    # a tensor-core instruction that ends its batch (``gsb0``) is waited for; all of them so: the dots run one at a time
+    waited = sum("HGMMA" in line and "gsb0" in line for line in sass.splitlines())
     for line in sass.splitlines():
         if label := LABEL.match(line):
             blocks.append(block)
@@ -94,7 +98,8 @@ def count(cubin: bytes) -> dict:
     registers = re.search(r"REG:(\d+)", usage)
     return {"registers": int(registers.group(1)) if registers else None,
             "spill_stores": opcodes["STL"], "spill_loads": opcodes["LDL"],
-            "instructions": sum(opcodes.values()), "opcodes": dict(opcodes.most_common()),
+            "instructions": sum(opcodes.values()), "hgmma_batches_ended": waited,
+            "opcodes": dict(opcodes.most_common()),
             "blocks": [b for b in blocks if b["instructions"]]}
 
 
@@ -114,7 +119,8 @@ def measure(name: str, kernels: list[str], gpu: str, width: int) -> list[dict]:
         rows.append({"tree": name, "kernel": kernel, "key": key, "config": config, "tuned": key in table,
                      "logits_per_thread": logits, **counted})
         print(f"{name} {kernel} {key} {config}: {counted['instructions']} instructions, {counted['registers']} "
-              f"registers, spills {counted['spill_stores']}/{counted['spill_loads']}; blocks of >= {logits}: "
+              f"registers, spills {counted['spill_stores']}/{counted['spill_loads']}, tensor-core batches ended "
+              f"{counted['hgmma_batches_ended']} of {counted['opcodes'].get('HGMMA', 0)}; blocks of >= {logits}: "
               + ", ".join(f"{b['label']} {b['instructions']} (MUFU {b['mufu']}, HGMMA {b['hgmma']})"
                           for b in counted["blocks"] if b["instructions"] >= logits), flush=True)
     return rows
