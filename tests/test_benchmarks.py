@@ -161,17 +161,18 @@ def test_kernel_instructions_counts_a_loss_kernels_machine_code(tmp_path):
     """kernel_instructions.py compiles loss kernels for sm_90 without a GPU and counts their machine code: the
     backward's kernel at the H200's tiles has its tensor-core instructions and, in the block that holds them, two
     exponentials a logit of its tile (P_row and P_col), no spills, and a register count. The forward with the shared
-    shift on (every option on) keeps its dots pipelined: a branch in a flattened loop made Triton wait for each
-    tensor-core instruction (every one ending its batch)."""
+    shift on, a branch a tile or checked, keeps its dots pipelined: a branch in a flattened loop made Triton wait for
+    each tensor-core instruction (every one ending its batch)."""
     out = tmp_path / "instructions.json"
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    ran = subprocess.run([sys.executable, str(FOLDER / "kernel_instructions.py"), "--kernels", "grad,stats", "--out",
-                          str(out)], capture_output=True, text=True, timeout=300, env=env)
+    trees = "branch=src,checked=src@MEGABATCH_LOSS_SHARED_SHIFT=checked"
+    ran = subprocess.run([sys.executable, str(FOLDER / "kernel_instructions.py"), "--kernels", "grad,stats", "--trees",
+                          trees, "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert ran.returncode == 0, ran.stderr[-3000:]
-    grad, stats = json.loads(out.read_text())["results"]
+    grad, stats, _, checked = json.loads(out.read_text())["results"]
     assert grad["kernel"] == "grad" and grad["tuned"] and grad["instructions"] == sum(grad["opcodes"].values())
     loop = max(grad["blocks"], key=lambda block: block["hgmma"])
     assert loop["hgmma"] > 0 and loop["mufu"] == 2 * grad["logits_per_thread"]
     assert grad["spill_stores"] == 0 and 0 < grad["registers"] <= 255
-    for row in (grad, stats):
-        assert 0 < row["hgmma_batches_ended"] < row["opcodes"]["HGMMA"], row["kernel"]
+    for row in (grad, stats, checked):
+        assert 0 < row["hgmma_batches_ended"] < row["opcodes"]["HGMMA"], (row["tree"], row["kernel"])

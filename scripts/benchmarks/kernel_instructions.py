@@ -1,7 +1,8 @@
 """The loss kernels' machine code for Hopper, counted on a machine without a GPU: each kernel compiled for sm_90 (bf16
 features, tiles loaded and G stored through tensor descriptors, the tiles a GPU's ``tuned.json`` table gives it at a
 width) by Triton and the ``ptxas`` it ships, disassembled with its ``nvdisasm``, for several source trees side by
-side.
+side; ``name=src@MEGABATCH_LOSS_SHARED_SHIFT=checked`` compiles a tree's statistics kernels with that shared shift
+(the default here: on, a branch a tile).
 
     python scripts/benchmarks/kernel_instructions.py --trees before=before/src,after=src --out instructions.json
 
@@ -36,7 +37,7 @@ FLOATS = {"g_scale", "t_scale", "t_weight", "diagonal_weight", "spread"}  # floa
 DESCRIPTORS = {"rows_ptr": ["BLOCK_M", "BLOCK_K"], "t_rows_ptr": ["BLOCK_M", "BLOCK_K"],
                "cols_ptr": ["BLOCK_N", "BLOCK_K"], "t_cols_ptr": ["BLOCK_N", "BLOCK_K"],
                "g_ptr": ["BLOCK_M", "BLOCK_N"]}
-FLAGS_ON = {"TMA", "G_TMA", "FAST_RCP", "WRITE_G", "SCALE_SUM", "SHARED"}  # every option on (bf16 on Hopper)
+FLAGS_ON = {"TMA", "G_TMA", "FAST_RCP", "WRITE_G", "SCALE_SUM"}  # every option on (bf16 on Hopper)
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
@@ -57,6 +58,9 @@ def compile_kernel(kernel: str, config: dict) -> bytes:
 
     fn = getattr(triton_tiles, KERNELS[kernel])
     constants = {**{k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "PRECISION": "tf32", "GROUP_M": 8}
+    # the statistics kernels' shared shift as MEGABATCH_LOSS_SHARED_SHIFT sets it (auto: on, a branch a tile)
+    mode = getattr(triton_tiles, "SHARED_SHIFT_MODES", {}).get(getattr(triton_tiles, "SHARED_SHIFT", "1"), 1)
+    constants["SHARED"] = mode if kernel == "stats" else mode > 0
     types, values = {}, {}
     tma = any(param.name == "TMA" for param in fn.params)  # an earlier tree's kernels may load by thread only
     for param in fn.params:

@@ -132,10 +132,11 @@ def check_against_torch(impl: str, case: str, m: int, n: int, c: int, scale: flo
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize(("m", "n", "c", "diagonal"), [(67, 45, 48, False), (67, 67, 40, True)])
 @pytest.mark.parametrize("scale", [1.0, 100.0])
-@pytest.mark.parametrize("shared", ["1", "0"])
+@pytest.mark.parametrize("shared", ["1", "checked", "0"])
 def test_matches_float64(impl, case, m, n, c, diagonal, scale, shared, monkeypatch):
-    """Every tile shifted by its own maxima, or (``shared``) a whole tile within the spread by one shift."""
-    if impl == "torch" and shared == "0":
+    """Every tile shifted by its own maxima, or a whole tile within the spread by one shift (``1``: a branch a
+    tile; ``checked``: every tile, the programs with a tile past the limit redone)."""
+    if impl == "torch" and shared != "1":
         pytest.skip("the torch reference has one way")
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)
     check_against_torch(impl, case, m, n, c, scale, diagonal)
@@ -170,12 +171,13 @@ def spread_tiles(dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("case", ["fp32", "bf16"])
-def test_one_exponential_a_logit_near_its_limit(case, monkeypatch):
+@pytest.mark.parametrize("shared", ["1", "checked"])
+def test_one_exponential_a_logit_near_its_limit(case, shared, monkeypatch):
     """The forward takes one exponential a logit in a tile whose logits span up to 150 (log2 units), shifted by
     the tile's largest (less 32) for rows and columns alike: a column whose share of a tile sits 148 below its
     largest, and whose other row block's tile is shifted ~129 lower, keeps both shares (float64 within the usual
     tolerance)."""
-    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "1")  # on a GPU too
+    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)  # on a GPU too
     rows, cols = spread_tiles(CASES[case][0])
     check_against_torch("triton", case, 0, 0, 0, 100.0, False, rows=rows, cols=cols)
 
@@ -192,12 +194,13 @@ def wide_tiles(dtype: torch.dtype):
     return rows.to(dtype).to(DEVICE), F.normalize(cols, dim=-1).to(dtype).to(DEVICE)
 
 
-def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
+@pytest.mark.parametrize("shared", ["1", "checked"])
+def test_one_exponential_a_logit_only_where_the_tile_allows(shared, monkeypatch):
     """Where a tile's logits span more than the limit, the forward shifts each row and column by its own largest:
     with the limit lifted, one shift for the whole tile underflows the columns at cos -0.5 (every term 2^-185) and
     their log-sum-exps come out wrong, which the shipped limit keeps right."""
     rows, cols = wide_tiles(torch.float32)
-    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "1")  # on a GPU too
+    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)  # on a GPU too
     check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT_SPREAD", 1e9)
     with pytest.raises(AssertionError, match="col_lse error"):

@@ -67,11 +67,15 @@ TMA = os.environ.get("MEGABATCH_LOSS_TMA", "auto")
 if TMA not in ("auto", "0"):
     raise ValueError(f"MEGABATCH_LOSS_TMA={TMA!r}: auto (tensor descriptors where the GPU and the layout allow) or 0")
 # the statistics kernels' shared shift (SHARED_SHIFT_SPREAD): "auto" on where no GPU has timed it against the two
-# exponentials yet, i.e. under the interpreter (the tests) and off on a GPU, where it is compiled away; "1" on, "0" off
+# exponentials yet, i.e. under the interpreter (the tests) and off on a GPU, where it is compiled away; "1" on (a
+# branch a tile; the forward's column loop then not flattened), "checked" on without a branch (the forward's loop
+# flattened: each program flags a tile past the limit and a second launch redoes the flagged programs with each row's
+# and column's own shift; the distillation kernel as "1"), "0" off
 SHARED_SHIFT = os.environ.get("MEGABATCH_LOSS_SHARED_SHIFT", "auto")
-if SHARED_SHIFT not in ("auto", "1", "0"):
+SHARED_SHIFT_MODES = {"0": 0, "1": 1, "checked": 2}
+if SHARED_SHIFT not in ("auto", *SHARED_SHIFT_MODES):
     raise ValueError(f"MEGABATCH_LOSS_SHARED_SHIFT={SHARED_SHIFT!r}: auto (on under the interpreter, off on a GPU "
-                     "until timed there), 1 (on) or 0 (off)")
+                     "until timed there), 1 (on, a branch a tile), checked (on, flagged tiles redone) or 0 (off)")
 # the forward's tiles whose logits (log2 units) are all within this of the largest take one exponential a logit,
 # shifted by the tile's largest (rounded up to an integer) less SHARED_SHIFT_HEADROOM for rows and columns alike:
 # every term is then a normal fp32 in [2^-119, 2^32], its exponent's argument below 32 in size (rounded as finely
@@ -175,18 +179,34 @@ def _stats_shared_shift(acc, scale2, m_i, l_i, hi, top):
 
 
 @triton.jit
+def _stats_checked_shift(acc, scale2, m_i, l_i, hi, top, row_ok, col_ok):
+    """``_stats_shared_shift`` on any tile, without a branch: rows and columns past the block's edge masked through
+    the exponent's argument (-inf) and a row's weight (0); a tile past the limit is the caller's to flag and redo."""
+    shift = tl.ceil(top) - SHARED_SHIFT_HEADROOM
+    e = tl.exp2(acc * scale2 + tl.where(col_ok, -shift, float("-inf"))[None, :])
+    m_new = tl.maximum(m_i, hi)
+    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(e, 1) * tl.exp2(shift - m_new)
+    c_max, c_sum, _ = _exponent_into(shift, tl.sum(e * tl.where(row_ok, 1.0, 0.0)[:, None], 0))
+    return m_new, l_i, c_max, c_sum
+
+
+@triton.jit
 def _stats_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr,  # pointers
     m, c, col_start, col_stop, cols_per_split,  # shapes: this launch covers [col_start, col_stop)
     stride_rm, stride_rk, stride_cn, stride_ck, stride_row_part, stride_col_part,  # strides
-    spread,  # SHARED_SHIFT_SPREAD
+    spread, flags_ptr,  # SHARED_SHIFT_SPREAD; a flag a program (SHARED 2 and FIXUP)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, TMA: tl.constexpr = False, SHARED: tl.constexpr = False,
+    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, TMA: tl.constexpr = False, SHARED: tl.constexpr = 0,
+    FIXUP: tl.constexpr = False,
 ):
     """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe.
 
     Writes the rows' base-2 (max, sum) over the split at ``[s, row]`` and each column's base-2
-    (max, sum) over the row block at ``[i, col - col_start]``.
+    (max, sum) over the row block at ``[i, col - col_start]``. ``SHARED`` (``_shared_shift``): 1, a whole tile
+    within the limit takes the shared shift (a branch); 2, every tile takes it and the program's flag says whether a
+    tile was past the limit; ``FIXUP``, a flagged program redoes its tiles with each row's and column's own shift
+    (the others do nothing).
     """
     # split index fastest: the programs running at once share few row blocks (L2 reuse; a
     # [BM, c] row block is re-read for every column tile, and c=768 blocks would thrash L2)
@@ -201,16 +221,28 @@ def _stats_kernel(
     split_start = col_start + pid_s * cols_per_split
     split_stop = tl.minimum(split_start + cols_per_split, col_stop)
     rows_full = (pid_m + 1) * BLOCK_M <= m
-    # flattened with the feature loop: the next tile's loads are issued while this one's softmax runs. Not with the
-    # shared shift: Triton 3.6-3.8 then waits for each tensor-core instruction (a branch in the flattened loop's
-    # epilogue; kernel_instructions.py shows every HGMMA followed by its wait), which the unflattened loop does not
-    for j0 in tl.range(split_start, split_stop, BLOCK_N, flatten=not SHARED):
+    if FIXUP:  # no tile for a program its checked pass did not flag
+        flagged = tl.load(flags_ptr + pid) != 0
+        split_stop = tl.where(flagged, split_stop, split_start)
+    bad = pid < 0  # a tile past the limit (SHARED 2)
+    # flattened with the feature loop: the next tile's loads are issued while this one's softmax runs. Not with a
+    # branch a tile (SHARED 1): Triton 3.6-3.8 then waits for each tensor-core instruction (kernel_instructions.py
+    # shows every HGMMA ending its batch), which the unflattened loop does not
+    for j0 in tl.range(split_start, split_stop, BLOCK_N, flatten=SHARED != 1):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
         acc = _dot_tile(rows_ptr, cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c,
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         ROUND_TF32, TMA)
-        if SHARED:
+        if SHARED == 2:
+            # as below, every tile, past the block's edges too (their zero dots then count in the tile's range)
+            dots_hi, dots_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
+            hi = tl.maximum(dots_hi, dots_lo)
+            top = tl.max(hi, 0)
+            bottom = tl.min(tl.minimum(dots_hi, dots_lo), 0)
+            bad = bad | (((top - bottom <= spread) & (tl.abs(top) < 4194304.0)) == 0)
+            m_new, l_i, c_max, c_sum = _stats_checked_shift(acc, scale2, m_i, l_i, hi, top, row_ok, col_ok)
+        elif SHARED == 1:
             # each row's largest and smallest logit (of the dots: a multiply a row, not a logit; either sign of scale)
             dots_hi, dots_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
             hi = tl.maximum(dots_hi, dots_lo)
@@ -228,8 +260,12 @@ def _stats_kernel(
         tl.store(col_max_ptr + part, c_max, mask=col_ok)
         tl.store(col_sum_ptr + part, c_sum, mask=col_ok)
     row_part = pid_s.to(tl.int64) * stride_row_part + offs_m  # [splits, m]
+    if FIXUP:
+        row_ok = row_ok & flagged
     tl.store(row_max_ptr + row_part, m_i, mask=row_ok)
     tl.store(row_sum_ptr + row_part, l_i, mask=row_ok)
+    if SHARED == 2:
+        tl.store(flags_ptr + pid, bad.to(tl.int32))
 
 
 @triton.jit
@@ -483,7 +519,6 @@ def _distill_stats_kernel(
                           stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
                           T_UPCAST, T_ROUND_TF32, TMA)
         logits = acc * scale  # natural units: what the teacher's probabilities weigh (finite where masked)
-        part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
         if SHARED:
             # each row's largest and smallest logit of either matrix (a multiply a row, not a logit; either sign)
             s_hi, s_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
@@ -499,14 +534,36 @@ def _distill_stats_kernel(
             else:
                 m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_own_shifts(
                     acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok)
-        else:  # compiled away: every tile as _distill_own_shifts
-            m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_own_shifts(
-                acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok)
-        tl.store(col_out_ptr + part, cs_max, mask=col_ok)
-        tl.store(col_out_ptr + stride_col_field + part, cs_sum, mask=col_ok)
-        tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
-        tl.store(col_out_ptr + 3 * stride_col_field + part, ct_sum, mask=col_ok)
-        tl.store(col_out_ptr + 4 * stride_col_field + part, cw_sum, mask=col_ok)
+            part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
+            tl.store(col_out_ptr + part, cs_max, mask=col_ok)
+            tl.store(col_out_ptr + stride_col_field + part, cs_sum, mask=col_ok)
+            tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
+            tl.store(col_out_ptr + 3 * stride_col_field + part, ct_sum, mask=col_ok)
+            tl.store(col_out_ptr + 4 * stride_col_field + part, cw_sum, mask=col_ok)
+        else:
+            # _distill_own_shifts' math, written out with each column sum stored as it is made: the registers this
+            # kernel had before the shared shift (through the helper, which returns all ten, it spills twice as much)
+            ok = row_ok[:, None] & col_ok[None, :]
+            s = tl.where(ok, acc * scale2, float("-inf"))
+            t = tl.where(ok, t_acc * t_scale2, float("-inf"))
+            m_new = tl.maximum(m_s, tl.max(s, 1))
+            l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            m_s = m_new
+            m_new = tl.maximum(m_t, tl.max(t, 1))
+            keep = tl.exp2(m_t - m_new)
+            p = tl.exp2(t - m_new[:, None])
+            l_t = l_t * keep + tl.sum(p, 1)
+            w_t = w_t * keep + tl.sum(p * logits, 1)
+            m_t = m_new
+            cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)
+            ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
+            p_col = tl.exp2(t - ct_max[None, :])
+            part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
+            tl.store(col_out_ptr + part, cs_max, mask=col_ok)
+            tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s - cs_max[None, :]), 0), mask=col_ok)
+            tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
+            tl.store(col_out_ptr + 3 * stride_col_field + part, tl.sum(p_col, 0), mask=col_ok)
+            tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * logits, 0), mask=col_ok)
     at = pid_s.to(tl.int64) * m + offs_m  # [field, splits, m]
     tl.store(row_out_ptr + at, m_s, mask=row_ok)
     tl.store(row_out_ptr + stride_row_field + at, l_s, mask=row_ok)
@@ -821,9 +878,12 @@ def _ptx(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.version.hip is None and not interpreting()
 
 
-def _shared_shift(rows: torch.Tensor) -> bool:
-    """Whether the statistics kernels on ``rows`` take the shared shift where a tile allows it (``SHARED_SHIFT``)."""
-    return SHARED_SHIFT == "1" or (SHARED_SHIFT == "auto" and not _ptx(rows))
+def _shared_shift(rows: torch.Tensor) -> int:
+    """How the statistics kernels on ``rows`` take the shared shift (``SHARED_SHIFT``): 0 not, 1 a branch a tile,
+    2 checked (flagged programs redone)."""
+    if SHARED_SHIFT == "auto":
+        return 0 if _ptx(rows) else 1
+    return SHARED_SHIFT_MODES[SHARED_SHIFT]
 
 
 def _upcast(rows: torch.Tensor) -> bool:
@@ -889,16 +949,23 @@ def _stats_launch(rows, cols, scale, precision, config):
     m, c = rows.shape
     rows_arg, cols_arg, tma = _operands(rows, cols, config)
 
+    shared = _shared_shift(rows)
+    flags = torch.zeros((1,), dtype=torch.int32, device=rows.device)
+
     def launch(programs, row_max, row_sum, col_max, col_sum, col_start, col_stop, cols_per_split):
-        _stats_kernel[(programs,)](
-            rows_arg, cols_arg, scale, row_max, row_sum, col_max, col_sum,
-            m, c, col_start, col_stop, cols_per_split,
-            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
-            row_max.stride(0), col_max.stride(0), float(SHARED_SHIFT_SPREAD),
-            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision), TMA=tma, SHARED=_shared_shift(rows),
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
-        )
+        nonlocal flags
+        if shared == 2 and flags.numel() < programs:
+            flags = torch.zeros((programs,), dtype=torch.int32, device=rows.device)
+        for mode, fixup in ((shared, False), (0, True)) if shared == 2 else ((shared, False),):
+            _stats_kernel[(programs,)](
+                rows_arg, cols_arg, scale, row_max, row_sum, col_max, col_sum,
+                m, c, col_start, col_stop, cols_per_split,
+                rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+                row_max.stride(0), col_max.stride(0), float(SHARED_SHIFT_SPREAD), flags,
+                BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+                UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision), TMA=tma, SHARED=mode,
+                FIXUP=fixup, num_warps=config["num_warps"], num_stages=config["num_stages"],
+            )
 
     return _stats_by_stripes(m, cols.shape[0], config, rows.device, launch)
 
@@ -1120,7 +1187,7 @@ def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, pre
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), TMA=tma,
-            SHARED=_shared_shift(rows), num_warps=config["num_warps"], num_stages=config["num_stages"],
+            SHARED=_shared_shift(rows) > 0, num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
         run = _merge_fields(row_out[:, :active], run)
         col_stats[:, col_start:col_stop] = _finish_fields(_merge_fields(col_out[:, :, :width]))
