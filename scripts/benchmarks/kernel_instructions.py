@@ -4,7 +4,9 @@ width) by Triton and the ``ptxas`` it ships, disassembled with its ``nvdisasm``,
 side; ``name=src@MEGABATCH_LOSS_SHARED_SHIFT=checked`` compiles a tree's statistics kernels with that shared shift
 (the default here: on, a branch a tile).
 
-    python scripts/benchmarks/kernel_instructions.py --trees before=before/src,after=src --out instructions.json
+    python scripts/benchmarks/kernel_instructions.py --out instructions.json
+    python scripts/benchmarks/kernel_instructions.py --trees off=src@MEGABATCH_LOSS_SHARED_SHIFT=0,on=src \
+        --kernels stats --out instructions.json
 
 Per kernel and tree: the registers a thread takes, its spills (local stores and loads), how many of its tensor-core
 instructions end a batch that is then waited for (``hgmma_batches_ended``: all of them, and the dots run one at a
