@@ -362,10 +362,44 @@ def _log2_1p(e):
 
 
 @triton.jit
+def _one_plus_product(a, b):
+    """``(1 + a)(1 + b) - 1``, the product of ``1 + a`` and ``1 + b`` less one: kept this way, a small ``a`` or ``b``
+    keeps its bits (each step rounds once relatively, the terms all non-negative), which a product of rounded
+    ``1 + e`` would not."""
+    return tl.fma(a, b, a + b)
+
+
+@triton.jit
+def _log2_1p_row(e):
+    """``sum(log2(1 + e), 1)`` for ``e`` in [0, 1] and at most 128 columns: ``log2`` of the row's product of ``1 + e``
+    (held as the product less one, ``_one_plus_product``), one ``log2`` a row in place of one a value. The product is
+    at most 2^128: below 1 the polynomial of ``_log2_1p`` on it, else ``1 + q = 2^k (1 + f)`` read from its bits,
+    ``k + _log2_1p(f)`` (a product past fp32's largest number is ``inf``, whose bits read 128 + 0: only 128 columns,
+    all with ``e`` within 2e-5 of 1, get there, and their sum is 128 within that)."""
+    q = tl.reduce(e, 1, _one_plus_product)
+    bits = (1.0 + q).to(tl.int32, bitcast=True)
+    big = q >= 1.0
+    k = ((bits >> 23) - 127).to(tl.float32)
+    f = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+    return _log2_1p(tl.where(big, f, q)) + tl.where(big, k, 0.0)
+
+
+@triton.jit
+def _log2_1p_sum(e, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``sum(log2(1 + e), 1)`` for a tile of ``e`` in [0, 1]: ``_log2_1p_row`` on its columns, or on its even and odd
+    columns apart where a row is wider than 128 (each part's product then stays within fp32's range)."""
+    if BLOCK_N > 128:
+        even, odd = tl.split(tl.reshape(e, [BLOCK_M, BLOCK_N // 2, 2]))
+        return _log2_1p_row(even) + _log2_1p_row(odd)
+    else:
+        return _log2_1p_row(e)
+
+
+@triton.jit
 def _reciprocal(u, FAST: tl.constexpr):
-    """``1 / u`` for ``u`` in [1, 2]: ``FAST`` (a CUDA GPU) the hardware's reciprocal alone (``rcp.approx``, within 1
-    ulp), where ``1 / u`` compiles to a full-range division (within 2 ulps: the reciprocal, a product and the range
-    checks around them); the interpreter, which runs no PTX, divides."""
+    """``1 / u`` for a normal ``u`` whose reciprocal is normal: ``FAST`` (a CUDA GPU) the hardware's reciprocal alone
+    (``rcp.approx``, within 1 ulp), where ``1 / u`` compiles to a full-range division (within 2 ulps: the reciprocal, a
+    product and the range checks around them); the interpreter, which runs no PTX, divides."""
     if FAST:
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
                                          pack=1)
@@ -385,13 +419,15 @@ def _sigmoid_kernel(
 ):
     """This program's tiles of the sigmoid loss: with ``l = scale * dots + bias`` and ``-z`` = -1 on the
     diagonal of a DIAGONAL block, +1 elsewhere, writes ``[sum softplus(-z l), sum g * dots, sum g]``
-    at ``sums_ptr[3 * program]`` and ``g = -z sigmoid(-z l)``, times ``g_scale``, into the block
+    at ``sums_ptr[3 * program]`` and ``g = -z sigmoid(-z l)``, times ``g_scale`` (a power of two), into the block
     buffer (WRITE_G; without it only the loss sum; without SCALE_SUM not ``sum g * dots``). One
-    exponential, one reciprocal (``_reciprocal``) and a polynomial (``_log2_1p``) per logit."""
+    exponential and one reciprocal (``_reciprocal``) per logit, and the loss's logarithm once per row of a tile
+    (``_log2_1p_sum``)."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
     # log2 units: exp2 is the hardware's own (no multiply inside)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     bias2 = tl.load(bias_ptr).to(tl.float32) * 1.4426950408889634
+    inv_g_scale = 1.0 / g_scale
     loss_sum = tl.zeros((BLOCK_M,), tl.float32)
     dots_sum = tl.zeros((BLOCK_M,), tl.float32)
     g_sum = tl.zeros((BLOCK_M,), tl.float32)
@@ -409,24 +445,25 @@ def _sigmoid_kernel(
         # outside the block -inf: its loss (0 + log2(1 + 0)) and g (0) are then zeros with no further mask
         margin = tl.where(ok, margin, float("-inf"))
         e = tl.exp2(-tl.abs(margin))  # in [0, 1]: never overflows
-        # softplus(-z l) / ln 2 = max(margin, 0) + log2(1 + e), the last term from e itself (SigLIP's
-        # off-diagonal terms are ~e^-10 each: a rounded 1 + e keeps few of their bits)
-        loss_sum += tl.sum(tl.maximum(margin, 0.0) + _log2_1p(e), 1)
+        # softplus(-z l) / ln 2 = max(margin, 0) + log2(1 + e), the last term summed as the log of a row's product
+        # of 1 + e, held less one (SigLIP's off-diagonal terms are ~e^-10 each: a rounded 1 + e keeps few of their bits)
+        loss_sum += tl.sum(tl.maximum(margin, 0.0), 1) + _log2_1p_sum(e, BLOCK_M, BLOCK_N)
         if WRITE_G:
-            g = tl.where(margin >= 0, 1.0, e) * _reciprocal(1.0 + e, FAST_RCP)  # sigmoid(-z l)
+            # sigmoid(-z l) times g_scale, a power of two: the reciprocal of (1 + e) / g_scale, rounded as 1 + e is,
+            # is g_scale / (1 + e) exactly (no multiply a logit); the sums are of g times g_scale, undone at the end
+            g = tl.where(margin >= 0, 1.0, e) * _reciprocal(tl.fma(e, inv_g_scale, inv_g_scale), FAST_RCP)
             if DIAGONAL:
                 g = tl.where(diagonal, -g, g)
             if SCALE_SUM:  # else the launcher takes sum(g * dots) from the row gradients
                 dots_sum += tl.sum(g * dots, 1)
             g_sum += tl.sum(g, 1)
-            _store_g(g_ptr, g * g_scale, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn,
-                     G_TMA)
+            _store_g(g_ptr, g, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
     pid = tl.program_id(0)
     tl.store(sums_ptr + 3 * pid, tl.sum(loss_sum, 0) * 0.6931471805599453)
     if WRITE_G:
         if SCALE_SUM:
-            tl.store(sums_ptr + 3 * pid + 1, tl.sum(dots_sum, 0))
-        tl.store(sums_ptr + 3 * pid + 2, tl.sum(g_sum, 0))
+            tl.store(sums_ptr + 3 * pid + 1, tl.sum(dots_sum, 0) * inv_g_scale)
+        tl.store(sums_ptr + 3 * pid + 2, tl.sum(g_sum, 0) * inv_g_scale)
 
 
 @triton.jit
@@ -1128,6 +1165,8 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
     dot_rows, dot_cols = dots or (rows, cols)
     g_format = _g_format(rows, cols, dots, precision, FP16_G_SCALE) if write_g else None  # |g| <= 1
     g_scale = g_format[1] if g_format else 1.0
+    if math.frexp(g_scale)[0] != 0.5:
+        raise ValueError(f"_sigmoid_launch: g_scale {g_scale} is not a power of two (the kernel divides by it)")
     alpha = float(scale.double()) / g_scale if grads else None  # host sync, once per block call
 
     rows_arg, cols_arg, tma = _operands(dot_rows, dot_cols, config)
