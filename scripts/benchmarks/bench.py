@@ -218,16 +218,16 @@ def part_path(out: str, tree: str) -> str:
 def run_trees(script: str, trees: str, out: str, done=None) -> list:
     """Run ``script`` (with this process's arguments) once per ``name=src-path`` of ``trees`` (comma-separated), each in
     a process of its own with that ``src`` first on its ``PYTHONPATH``; ``name=src-path@KEY=VALUE`` also sets an
-    environment variable for it. The worker is called with ``--worker <pair> --out <part>`` and writes its result
-    (JSON) to ``part``. Returns the results in order, a tree that failed as ``{"tree": name, "status": "exit N"}``;
-    ``done(results)`` after each tree (to write what is measured so far)."""
+    environment variable for it (``@K1=V1@K2=V2`` several). The worker is called with ``--worker <pair> --out <part>``
+    and writes its result (JSON) to ``part``. Returns the results in order, a tree that failed as
+    ``{"tree": name, "status": "exit N"}``; ``done(results)`` after each tree (to write what is measured so far)."""
     results = []
     for pair in trees.split(","):
         name, _, rest = pair.partition("=")
-        tree, _, setting = rest.partition("@")
+        tree, *settings = rest.split("@")
         part = part_path(out, name)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
-        if setting:
+        for setting in settings:
             env[setting.partition("=")[0]] = setting.partition("=")[2]
         finished = subprocess.run([sys.executable, script, *sys.argv[1:], "--worker", pair, "--out", part], env=env)
         results.append(json.loads(Path(part).read_text()) if finished.returncode == 0 else

@@ -2,7 +2,8 @@
 features, tiles loaded and G stored through tensor descriptors, the tiles a GPU's ``tuned.json`` table gives it at a
 width) by Triton and the ``ptxas`` it ships, disassembled with its ``nvdisasm``, for several source trees side by
 side; ``name=src@MEGABATCH_LOSS_SHARED_SHIFT=checked`` compiles a tree's statistics kernels with that shared shift
-(the default here: on, a branch a tile).
+(the default here: on, a branch a tile), ``name=src@MEGABATCH_LOSS_ACC_FLAG=1`` its block kernels with the
+accumulator's reset as the tensor cores' flag (``megabatch.kernels.compile_hooks``).
 
     python scripts/benchmarks/kernel_instructions.py --out instructions.json
     python scripts/benchmarks/kernel_instructions.py --trees off=src@MEGABATCH_LOSS_SHARED_SHIFT=0,on=src \
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import os
 import re
@@ -63,6 +65,11 @@ def compile_kernel(kernel: str, config: dict) -> bytes:
     # the statistics kernels' shared shift as MEGABATCH_LOSS_SHARED_SHIFT sets it (auto: on, a branch a tile)
     mode = getattr(triton_tiles, "SHARED_SHIFT_MODES", {}).get(getattr(triton_tiles, "SHARED_SHIFT", "1"), 1)
     constants["SHARED"] = mode if kernel == "stats" else mode > 0
+    # the accumulator's reset as the tensor cores' flag, as MEGABATCH_LOSS_ACC_FLAG sets it (an earlier tree has none)
+    hooks = getattr(importlib.import_module("megabatch.kernels"), "compile_hooks", None)
+    if hooks is not None and hooks.enabled():
+        hooks.install()
+        constants["ACC_FLAG"] = True
     types, values = {}, {}
     tma = any(param.name == "TMA" for param in fn.params)  # an earlier tree's kernels may load by thread only
     for param in fn.params:

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import compile_hooks
 from .torch_tiles import fp32_matmul
 
 log = logging.getLogger(__name__)
@@ -316,7 +317,7 @@ def _grad_kernel(
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
-    TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, G_TMA: tl.constexpr = False, ACC_FLAG: tl.constexpr = False,
 ):
     """This program's tiles of ``G' = P_row + P_col - 2 I`` (rows [row_start, row_stop) x columns
     [col_start, col_stop) of the block) into the buffer, times ``g_scale``, and their
@@ -415,7 +416,7 @@ def _sigmoid_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
     WRITE_G: tl.constexpr, SCALE_SUM: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
-    FAST_RCP: tl.constexpr = False,
+    FAST_RCP: tl.constexpr = False, ACC_FLAG: tl.constexpr = False,
 ):
     """This program's tiles of the sigmoid loss: with ``l = scale * dots + bias`` and ``-z`` = -1 on the
     diagonal of a DIAGONAL block, +1 elsewhere, writes ``[sum softplus(-z l), sum g * dots, sum g]``
@@ -915,6 +916,15 @@ def _ptx(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.version.hip is None and not interpreting()
 
 
+def _acc_flag(t: torch.Tensor) -> bool:
+    """Whether the block kernels on ``t`` are compiled with their accumulator's reset as the tensor cores' flag
+    (``compile_hooks``: ``MEGABATCH_LOSS_ACC_FLAG=1`` on a CUDA GPU); the hook is installed on the first such call."""
+    if not (compile_hooks.enabled() and _ptx(t)):
+        return False
+    compile_hooks.install()
+    return True
+
+
 def _shared_shift(rows: torch.Tensor) -> int:
     """How the statistics kernels on ``rows`` take the shared shift (``SHARED_SHIFT``): 0 not, 1 a branch a tile,
     2 checked (flagged programs redone)."""
@@ -1147,7 +1157,7 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
-            ROUND_TF32=_round_tf32_flag(dot_rows, precision), TMA=tma, G_TMA=g_tma,
+            ROUND_TF32=_round_tf32_flag(dot_rows, precision), TMA=tma, G_TMA=g_tma, ACC_FLAG=_acc_flag(dot_rows),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -1182,6 +1192,7 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
             DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
             ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             WRITE_G=write_g, SCALE_SUM=not grads, TMA=tma, G_TMA=g_tma, FAST_RCP=_ptx(dot_rows),
+            ACC_FLAG=_acc_flag(dot_rows),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
