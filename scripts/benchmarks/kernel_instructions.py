@@ -41,7 +41,7 @@ FLOATS = {"g_scale", "t_scale", "t_weight", "diagonal_weight", "spread"}  # floa
 DESCRIPTORS = {"rows_ptr": ["BLOCK_M", "BLOCK_K"], "t_rows_ptr": ["BLOCK_M", "BLOCK_K"],
                "cols_ptr": ["BLOCK_N", "BLOCK_K"], "t_cols_ptr": ["BLOCK_N", "BLOCK_K"],
                "g_ptr": ["BLOCK_M", "BLOCK_N"]}
-FLAGS_ON = {"TMA", "G_TMA", "FAST_RCP", "WRITE_G", "SCALE_SUM"}  # every option on (bf16 on Hopper)
+FLAGS_ON = {"TMA", "G_TMA", "FAST_RCP", "WRITE_G", "SCALE_SUM", "EVEN"}  # every option on (bf16 on Hopper, whole tiles)
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 

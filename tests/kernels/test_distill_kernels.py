@@ -29,7 +29,8 @@ def inputs(m: int, n: int, c: int, ct: int, seed: int):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("m, n, c, ct, scale, t_scale", [(37, 37, 24, 40, 14.0, 23.0), (50, 29, 40, 24, 100.0, 100.0),
-                                                         (17, 70, 130, 33, 30.0, 5.0)])
+                                                         (17, 70, 130, 33, 30.0, 5.0),
+                                                         (48, 32, 24, 40, 14.0, 23.0)])  # whole tiles: EVEN
 @pytest.mark.parametrize("shared", ["1", "0"])
 def test_distill_stats_and_grads_match_the_float64_reference(case, m, n, c, ct, scale, t_scale, shared, monkeypatch):
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)  # a whole tile within the spread by one shift, or not

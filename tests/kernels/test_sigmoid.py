@@ -20,7 +20,8 @@ def block(m: int, n: int, c: int, seed: int):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("m, n, c, diagonal", [(37, 37, 24, True), (50, 29, 40, False), (17, 70, 130, False)])
+@pytest.mark.parametrize("m, n, c, diagonal", [(37, 37, 24, True), (50, 29, 40, False), (17, 70, 130, False),
+                                                (48, 48, 24, True), (32, 64, 40, False)])  # whole tiles: EVEN
 def test_sigmoid_block_matches_the_float64_reference(case, m, n, c, diagonal):
     dtype, precision, tolerance = CASES[case]
     rows, cols = block(m, n, c, seed=m + n + c)

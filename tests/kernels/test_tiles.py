@@ -130,12 +130,13 @@ def check_against_torch(impl: str, case: str, m: int, n: int, c: int, scale: flo
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize(("m", "n", "c", "diagonal"), [(67, 45, 48, False), (67, 67, 40, True)])
+@pytest.mark.parametrize(("m", "n", "c", "diagonal"), [(67, 45, 48, False), (67, 67, 40, True), (48, 64, 40, False)])
 @pytest.mark.parametrize("scale", [1.0, 100.0])
 @pytest.mark.parametrize("shared", ["1", "checked", "0"])
 def test_matches_float64(impl, case, m, n, c, diagonal, scale, shared, monkeypatch):
     """Every tile shifted by its own maxima, or a whole tile within the spread by one shift (``1``: a branch a
-    tile; ``checked``: every tile, the programs with a tile past the limit redone)."""
+    tile; ``checked``: every tile, the programs with a tile past the limit redone); ragged blocks (masked) and
+    blocks of whole tiles (the interpreter's 16 x 16: the kernels' ``EVEN``, no mask)."""
     if impl == "torch" and shared != "1":
         pytest.skip("the torch reference has one way")
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)

@@ -150,14 +150,20 @@ def _exponent_into(shift, x):
 
 
 @triton.jit
-def _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok):
+def _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok, EVEN: tl.constexpr):
     """A forward tile's terms, each row and column shifted by its own maximum (never under/overflows): the rows'
-    running ``(max, sum)`` and the columns' ``(max, sum)`` over the tile, base 2."""
-    s = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
+    running ``(max, sum)`` and the columns' ``(max, sum)`` over the tile, base 2 (``EVEN``: no row or column past
+    the block's edge, no mask)."""
+    s = acc * scale2
+    if not EVEN:
+        s = tl.where(col_ok[None, :], s, float("-inf"))
     # rows: online log-sum-exp (every tile has a valid column, so m_new is finite)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
     # columns: this row block's share
+    if EVEN:
+        c_max = tl.max(s, 0)
+        return m_new, l_i, c_max, tl.sum(tl.exp2(s - c_max[None, :]), 0)
     s_col = tl.where(row_ok[:, None], s, float("-inf"))
     c_max = tl.where(col_ok, tl.max(s_col, 0), 0.0)  # 0 on padding columns: no inf - inf
     return m_new, l_i, c_max, tl.sum(tl.exp2(s_col - c_max[None, :]), 0)
@@ -180,14 +186,21 @@ def _stats_shared_shift(acc, scale2, m_i, l_i, hi, top):
 
 
 @triton.jit
-def _stats_checked_shift(acc, scale2, m_i, l_i, hi, top, row_ok, col_ok):
+def _stats_checked_shift(acc, scale2, m_i, l_i, hi, top, row_ok, col_ok, EVEN: tl.constexpr):
     """``_stats_shared_shift`` on any tile, without a branch: rows and columns past the block's edge masked through
-    the exponent's argument (-inf) and a row's weight (0); a tile past the limit is the caller's to flag and redo."""
+    the exponent's argument (-inf) and a row's weight (0), none where ``EVEN``; a tile past the limit is the caller's
+    to flag and redo."""
     shift = tl.ceil(top) - SHARED_SHIFT_HEADROOM
-    e = tl.exp2(acc * scale2 + tl.where(col_ok, -shift, float("-inf"))[None, :])
+    if EVEN:
+        e = tl.exp2(acc * scale2 - shift)
+    else:
+        e = tl.exp2(acc * scale2 + tl.where(col_ok, -shift, float("-inf"))[None, :])
     m_new = tl.maximum(m_i, hi)
     l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(e, 1) * tl.exp2(shift - m_new)
-    c_max, c_sum, _ = _exponent_into(shift, tl.sum(e * tl.where(row_ok, 1.0, 0.0)[:, None], 0))
+    if EVEN:
+        c_max, c_sum, _ = _exponent_into(shift, tl.sum(e, 0))
+    else:
+        c_max, c_sum, _ = _exponent_into(shift, tl.sum(e * tl.where(row_ok, 1.0, 0.0)[:, None], 0))
     return m_new, l_i, c_max, c_sum
 
 
@@ -199,7 +212,7 @@ def _stats_kernel(
     spread, flags_ptr,  # SHARED_SHIFT_SPREAD; a flag a program (SHARED 2 and FIXUP)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, TMA: tl.constexpr = False, SHARED: tl.constexpr = 0,
-    FIXUP: tl.constexpr = False,
+    FIXUP: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
     """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe.
 
@@ -207,7 +220,7 @@ def _stats_kernel(
     (max, sum) over the row block at ``[i, col - col_start]``. ``SHARED`` (``_shared_shift``): 1, a whole tile
     within the limit takes the shared shift (a branch); 2, every tile takes it and the program's flag says whether a
     tile was past the limit; ``FIXUP``, a flagged program redoes its tiles with each row's and column's own shift
-    (the others do nothing).
+    (the others do nothing). ``EVEN``: ``m`` and the launch's columns are whole tiles (no logit masked).
     """
     # split index fastest: the programs running at once share few row blocks (L2 reuse; a
     # [BM, c] row block is re-read for every column tile, and c=768 blocks would thrash L2)
@@ -242,7 +255,7 @@ def _stats_kernel(
             top = tl.max(hi, 0)
             bottom = tl.min(tl.minimum(dots_hi, dots_lo), 0)
             bad = bad | (((top - bottom <= spread) & (tl.abs(top) < 4194304.0)) == 0)
-            m_new, l_i, c_max, c_sum = _stats_checked_shift(acc, scale2, m_i, l_i, hi, top, row_ok, col_ok)
+            m_new, l_i, c_max, c_sum = _stats_checked_shift(acc, scale2, m_i, l_i, hi, top, row_ok, col_ok, EVEN)
         elif SHARED == 1:
             # each row's largest and smallest logit (of the dots: a multiply a row, not a logit; either sign of scale)
             dots_hi, dots_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
@@ -253,9 +266,9 @@ def _stats_kernel(
             if rows_full & (j0 + BLOCK_N <= split_stop) & (top - bottom <= spread) & (tl.abs(top) < 4194304.0):
                 m_new, l_i, c_max, c_sum = _stats_shared_shift(acc, scale2, m_i, l_i, hi, top)
             else:
-                m_new, l_i, c_max, c_sum = _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok)
+                m_new, l_i, c_max, c_sum = _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok, EVEN)
         else:  # compiled away: every tile as _stats_own_shifts
-            m_new, l_i, c_max, c_sum = _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok)
+            m_new, l_i, c_max, c_sum = _stats_own_shifts(acc, scale2, m_i, l_i, row_ok, col_ok, EVEN)
         m_i = m_new
         part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
         tl.store(col_max_ptr + part, c_max, mask=col_ok)
@@ -416,12 +429,13 @@ def _sigmoid_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
     WRITE_G: tl.constexpr, SCALE_SUM: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
-    FAST_RCP: tl.constexpr = False, ACC_FLAG: tl.constexpr = False,
+    FAST_RCP: tl.constexpr = False, ACC_FLAG: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
     """This program's tiles of the sigmoid loss: with ``l = scale * dots + bias`` and ``-z`` = -1 on the
     diagonal of a DIAGONAL block, +1 elsewhere, writes ``[sum softplus(-z l), sum g * dots, sum g]``
     at ``sums_ptr[3 * program]`` and ``g = -z sigmoid(-z l)``, times ``g_scale`` (a power of two), into the block
-    buffer (WRITE_G; without it only the loss sum; without SCALE_SUM not ``sum g * dots``). One
+    buffer (WRITE_G; without it only the loss sum; without SCALE_SUM not ``sum g * dots``; ``EVEN``: the tiles cover
+    the block exactly, so no logit needs a mask). One
     exponential and one reciprocal (``_reciprocal``) per logit, and the loss's logarithm once per row of a tile
     (``_log2_1p_sum``)."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
@@ -443,8 +457,8 @@ def _sigmoid_kernel(
         if DIAGONAL:
             margin = tl.where(diagonal, -margin, margin)
         ok = row_ok[:, None] & col_ok[None, :]
-        # outside the block -inf: its loss (0 + log2(1 + 0)) and g (0) are then zeros with no further mask
-        margin = tl.where(ok, margin, float("-inf"))
+        if not EVEN:  # outside the block -inf: its loss (0 + log2(1 + 0)) and g (0) are then zeros, no further mask
+            margin = tl.where(ok, margin, float("-inf"))
         e = tl.exp2(-tl.abs(margin))  # in [0, 1]: never overflows
         # softplus(-z l) / ln 2 = max(margin, 0) + log2(1 + e), the last term summed as the log of a row's product
         # of 1 + e, held less one (SigLIP's off-diagonal terms are ~e^-10 each: a rounded 1 + e keeps few of their bits)
@@ -468,14 +482,18 @@ def _sigmoid_kernel(
 
 
 @triton.jit
-def _distill_own_shifts(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok):
+def _distill_own_shifts(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok,
+                        EVEN: tl.constexpr):
     """A distillation statistics tile's terms, each row and column shifted by its own maxima: the rows' running
-    fields and the columns' fields over the tile (``_distill_stats_kernel``'s five)."""
+    fields and the columns' fields over the tile (``_distill_stats_kernel``'s five; ``EVEN``: no mask)."""
     # -inf outside the block, rows and columns alike (one mask for both directions): there the exponentials are 0, so
     # the sums need no other mask; a row outside it ends NaN (-inf - -inf), which is never stored
-    ok = row_ok[:, None] & col_ok[None, :]
-    s = tl.where(ok, acc * scale2, float("-inf"))
-    t = tl.where(ok, t_acc * t_scale2, float("-inf"))
+    s = acc * scale2
+    t = t_acc * t_scale2
+    if not EVEN:
+        ok = row_ok[:, None] & col_ok[None, :]
+        s = tl.where(ok, s, float("-inf"))
+        t = tl.where(ok, t, float("-inf"))
     # rows: online, as _stats_kernel (every tile has a valid column)
     m_new = tl.maximum(m_s, tl.max(s, 1))
     l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
@@ -487,8 +505,9 @@ def _distill_own_shifts(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t
     w_t = w_t * keep + tl.sum(p * logits, 1)
     m_t = m_new
     # columns: this row block's share, shifted by its own maxima
-    cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)  # 0 on padding columns: no inf - inf
-    ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
+    cs_max, ct_max = tl.max(s, 0), tl.max(t, 0)
+    if not EVEN:  # 0 on padding columns: no inf - inf
+        cs_max, ct_max = tl.where(col_ok, cs_max, 0.0), tl.where(col_ok, ct_max, 0.0)
     p_col = tl.exp2(t - ct_max[None, :])
     return (m_s, l_s, m_t, l_t, w_t, cs_max, tl.sum(tl.exp2(s - cs_max[None, :]), 0), ct_max, tl.sum(p_col, 0),
             tl.sum(p_col * logits, 0))
@@ -524,7 +543,7 @@ def _distill_stats_kernel(
     spread,  # SHARED_SHIFT_SPREAD
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
-    TMA: tl.constexpr = False, SHARED: tl.constexpr = False,
+    TMA: tl.constexpr = False, SHARED: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
     """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe, for the student's
     logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @ t_cols^T`` together (as
@@ -571,7 +590,7 @@ def _distill_stats_kernel(
                     acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max, s_top, t_top)
             else:
                 m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_own_shifts(
-                    acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok)
+                    acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok, EVEN)
             part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
             tl.store(col_out_ptr + part, cs_max, mask=col_ok)
             tl.store(col_out_ptr + stride_col_field + part, cs_sum, mask=col_ok)
@@ -581,9 +600,12 @@ def _distill_stats_kernel(
         else:
             # _distill_own_shifts' math, written out with each column sum stored as it is made: the registers this
             # kernel had before the shared shift (through the helper, which returns all ten, it spills twice as much)
-            ok = row_ok[:, None] & col_ok[None, :]
-            s = tl.where(ok, acc * scale2, float("-inf"))
-            t = tl.where(ok, t_acc * t_scale2, float("-inf"))
+            s = acc * scale2
+            t = t_acc * t_scale2
+            if not EVEN:
+                ok = row_ok[:, None] & col_ok[None, :]
+                s = tl.where(ok, s, float("-inf"))
+                t = tl.where(ok, t, float("-inf"))
             m_new = tl.maximum(m_s, tl.max(s, 1))
             l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
             m_s = m_new
@@ -593,8 +615,9 @@ def _distill_stats_kernel(
             l_t = l_t * keep + tl.sum(p, 1)
             w_t = w_t * keep + tl.sum(p * logits, 1)
             m_t = m_new
-            cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)
-            ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
+            cs_max, ct_max = tl.max(s, 0), tl.max(t, 0)
+            if not EVEN:
+                cs_max, ct_max = tl.where(col_ok, cs_max, 0.0), tl.where(col_ok, ct_max, 0.0)
             p_col = tl.exp2(t - ct_max[None, :])
             part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
             tl.store(col_out_ptr + part, cs_max, mask=col_ok)
@@ -619,6 +642,7 @@ def _distill_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
     GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
+    EVEN: tl.constexpr = False,
 ):
     """This program's tiles of ``G = P_row(S) + P_col(S) - t_weight (P_row(T) + P_col(T))`` (the distillation term's
     gradient in the logits, both directions; ``DIAGONAL``: less ``2 diagonal_weight`` where the column is the row
@@ -651,7 +675,8 @@ def _distill_grad_kernel(
         if DIAGONAL:
             g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight, g)
         ok = row_ok[:, None] & col_ok[None, :]
-        g = tl.where(ok, g, 0.0)
+        if not EVEN:
+            g = tl.where(ok, g, 0.0)
         dscale += tl.sum(g * acc, 1)
         _store_g(g_ptr, g * g_scale, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
     tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0))
@@ -916,6 +941,11 @@ def _ptx(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.version.hip is None and not interpreting()
 
 
+def _even(height: int, width: int, config: dict) -> bool:
+    """Whether ``config``'s tiles cover a ``height`` x ``width`` block exactly (a kernel then masks no logit)."""
+    return height % config["BLOCK_M"] == 0 and width % config["BLOCK_N"] == 0
+
+
 def _acc_flag(t: torch.Tensor) -> bool:
     """Whether the block kernels on ``t`` are compiled with their accumulator's reset as the tensor cores' flag
     (``compile_hooks``: ``MEGABATCH_LOSS_ACC_FLAG=1`` on a CUDA GPU); the hook is installed on the first such call."""
@@ -998,6 +1028,7 @@ def _stats_launch(rows, cols, scale, precision, config):
 
     shared = _shared_shift(rows)
     flags = torch.zeros((1,), dtype=torch.int32, device=rows.device)
+    even = _even(m, cols.shape[0], config)  # stripes and splits are whole tiles: only the batch's edges are not
 
     def launch(programs, row_max, row_sum, col_max, col_sum, col_start, col_stop, cols_per_split):
         nonlocal flags
@@ -1011,7 +1042,7 @@ def _stats_launch(rows, cols, scale, precision, config):
                 row_max.stride(0), col_max.stride(0), float(SHARED_SHIFT_SPREAD), flags,
                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
                 UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision), TMA=tma, SHARED=mode,
-                FIXUP=fixup, num_warps=config["num_warps"], num_stages=config["num_stages"],
+                FIXUP=fixup, EVEN=even, num_warps=config["num_warps"], num_stages=config["num_stages"],
             )
 
     return _stats_by_stripes(m, cols.shape[0], config, rows.device, launch)
@@ -1192,7 +1223,7 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
             DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
             ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             WRITE_G=write_g, SCALE_SUM=not grads, TMA=tma, G_TMA=g_tma, FAST_RCP=_ptx(dot_rows),
-            ACC_FLAG=_acc_flag(dot_rows),
+            ACC_FLAG=_acc_flag(dot_rows), EVEN=_even(row_stop - row_start, col_stop - col_start, config),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -1237,7 +1268,8 @@ def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, pre
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), TMA=tma,
-            SHARED=_shared_shift(rows) > 0, num_warps=config["num_warps"], num_stages=config["num_stages"],
+            SHARED=_shared_shift(rows) > 0, EVEN=_even(m, n, config), num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
         )
         run = _merge_fields(row_out[:, :active], run)
         col_stats[:, col_start:col_stop] = _finish_fields(_merge_fields(col_out[:, :, :width]))
@@ -1291,6 +1323,7 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
             UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=8,
             DIAGONAL=diagonal_weight is not None, TMA=tma, G_TMA=g_tma,
+            EVEN=_even(row_stop - row_start, col_stop - col_start, config),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
