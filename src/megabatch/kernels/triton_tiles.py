@@ -337,6 +337,9 @@ def _grad_kernel(
     ``sum(G' * rows @ cols^T)`` into ``dscale_ptr[program]``."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
+    # g_scale, a power of two, in the exponentials' arguments (an integer off the log-sum-exps, rounded at most as
+    # finely as the arguments themselves): G' comes out scaled, with no multiply a logit; the sum is undone at the end
+    g_shift = tl.log2(g_scale)
     dscale = tl.zeros((BLOCK_M,), tl.float32)
     for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(t, grid_n, row_start, row_stop, col_start, col_stop,
@@ -344,17 +347,17 @@ def _grad_kernel(
         acc = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         ROUND_TF32, TMA)
-        row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-        col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
+        row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
+        col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
         s = acc * scale2
         g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
         if DIAGONAL:
-            g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0, g)
+            g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0 * g_scale, g)
         # no mask: outside the block the dots read zeros (acc = 0, so g * acc = 0) and G' is stored cut at its edges
         dscale += tl.sum(g * acc, 1)
-        _store_g(g_ptr, g * g_scale, m0, n0, offs_m, offs_n, row_ok[:, None] & col_ok[None, :], row_start,
+        _store_g(g_ptr, g, m0, n0, offs_m, offs_n, row_ok[:, None] & col_ok[None, :], row_start,
                  col_start, stride_gm, stride_gn, G_TMA)
-    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0))
+    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) / g_scale)
 
 
 @triton.jit
@@ -654,6 +657,7 @@ def _distill_grad_kernel(
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     t_scale2 = t_scale * 1.4426950408889634
+    g_shift = tl.log2(g_scale)  # in the exponentials' arguments, as _grad_kernel: G comes out scaled
     dscale = tl.zeros((BLOCK_M,), tl.float32)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(tile, grid_n, row_start, row_stop, col_start,
@@ -666,20 +670,20 @@ def _distill_grad_kernel(
                           T_UPCAST, T_ROUND_TF32, TMA)
         s = acc * scale2
         t = t_acc * t_scale2
-        row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-        col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
-        t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-        t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634
+        row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
+        col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
+        t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
+        t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
         g = (tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :])
              - t_weight * (tl.exp2(t - t_row_lse[:, None]) + tl.exp2(t - t_col_lse[None, :])))
         if DIAGONAL:
-            g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight, g)
+            g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight * g_scale, g)
         ok = row_ok[:, None] & col_ok[None, :]
         if not EVEN:
             g = tl.where(ok, g, 0.0)
         dscale += tl.sum(g * acc, 1)
-        _store_g(g_ptr, g * g_scale, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
-    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0))
+        _store_g(g_ptr, g, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
+    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) / g_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -941,6 +945,14 @@ def _ptx(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.version.hip is None and not interpreting()
 
 
+def _power_of_two(g_scale: float) -> float:
+    """``g_scale``, which the G-writing kernels fold into their exponentials or reciprocals exactly, only if it is a
+    power of two."""
+    if math.frexp(g_scale)[0] != 0.5:
+        raise ValueError(f"g_scale {g_scale} is not a power of two (the kernels fold it into G exactly)")
+    return g_scale
+
+
 def _even(height: int, width: int, config: dict) -> bool:
     """Whether ``config``'s tiles cover a ``height`` x ``width`` block exactly (a kernel then masks no logit)."""
     return height % config["BLOCK_M"] == 0 and width % config["BLOCK_N"] == 0
@@ -1171,7 +1183,7 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
     c = rows.shape[1]
     dot_rows, dot_cols = dots or (rows, cols)
     g_format = _g_format(rows, cols, dots, precision, FP16_G_SCALE)  # |G'| <= 2
-    g_scale = g_format[1]
+    g_scale = _power_of_two(g_format[1])
     alpha = None
     if weight is not None:
         # host sync: cuBLAS takes alpha as a number (once per block call, not per tile)
@@ -1205,9 +1217,7 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
     c = rows.shape[1]
     dot_rows, dot_cols = dots or (rows, cols)
     g_format = _g_format(rows, cols, dots, precision, FP16_G_SCALE) if write_g else None  # |g| <= 1
-    g_scale = g_format[1] if g_format else 1.0
-    if math.frexp(g_scale)[0] != 0.5:
-        raise ValueError(f"_sigmoid_launch: g_scale {g_scale} is not a power of two (the kernel divides by it)")
+    g_scale = _power_of_two(g_format[1] if g_format else 1.0)
     alpha = float(scale.double()) / g_scale if grads else None  # host sync, once per block call
 
     rows_arg, cols_arg, tma = _operands(dot_rows, dot_cols, config)
@@ -1304,7 +1314,7 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
     (m, c), n, ct = rows.shape, cols.shape[0], t_rows.shape[1]
     dot_rows, dot_cols = dots or (rows, cols)
     g_format = _g_format(rows, cols, dots, precision, FP16_G_SCALE / 4)  # |G| <= 2 + 2 t_weight + 2 diagonal_weight
-    g_scale = g_format[1]
+    g_scale = _power_of_two(g_format[1])
     alpha = None if weight is None else float(scale.double() * weight.double()) / g_scale  # host sync, once
 
     rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = _student_and_teacher_operands(dot_rows, dot_cols, t_rows,
