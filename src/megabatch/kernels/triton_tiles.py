@@ -485,18 +485,25 @@ def _sigmoid_kernel(
 
 
 @triton.jit
-def _distill_own_shifts(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok,
-                        EVEN: tl.constexpr):
-    """A distillation statistics tile's terms, each row and column shifted by its own maxima: the rows' running
-    fields and the columns' fields over the tile (``_distill_stats_kernel``'s five; ``EVEN``: no mask)."""
-    # -inf outside the block, rows and columns alike (one mask for both directions): there the exponentials are 0, so
-    # the sums need no other mask; a row outside it ends NaN (-inf - -inf), which is never stored
+def _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN: tl.constexpr):
+    """A distillation tile's student and teacher logits (log2 units), -inf outside the block, rows and columns alike
+    (one mask for both directions; none where ``EVEN``): there the exponentials are 0, so the sums need no other
+    mask; a row outside it ends NaN (-inf - -inf), which is never stored."""
     s = acc * scale2
     t = t_acc * t_scale2
     if not EVEN:
         ok = row_ok[:, None] & col_ok[None, :]
         s = tl.where(ok, s, float("-inf"))
         t = tl.where(ok, t, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def _distill_own_shifts(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok,
+                        EVEN: tl.constexpr):
+    """A distillation statistics tile's terms, each row and column shifted by its own maxima: the rows' running
+    fields and the columns' fields over the tile (``_distill_stats_kernel``'s five; ``EVEN``: no mask)."""
+    s, t = _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN)
     # rows: online, as _stats_kernel (every tile has a valid column)
     m_new = tl.maximum(m_s, tl.max(s, 1))
     l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
@@ -603,12 +610,7 @@ def _distill_stats_kernel(
         else:
             # _distill_own_shifts' math, written out with each column sum stored as it is made: the registers this
             # kernel had before the shared shift (through the helper, which returns all ten, it spills twice as much)
-            s = acc * scale2
-            t = t_acc * t_scale2
-            if not EVEN:
-                ok = row_ok[:, None] & col_ok[None, :]
-                s = tl.where(ok, s, float("-inf"))
-                t = tl.where(ok, t, float("-inf"))
+            s, t = _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN)
             m_new = tl.maximum(m_s, tl.max(s, 1))
             l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
             m_s = m_new
