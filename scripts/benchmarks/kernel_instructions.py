@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench, however the s
 
 KERNELS = {"stats": "_stats_kernel", "grad": "_grad_kernel", "sigmoid": "_sigmoid_kernel",
            "distill_stats": "_distill_stats_kernel", "distill_grad": "_distill_grad_kernel"}
-FLOATS = {"g_scale", "t_scale", "t_weight", "diagonal_weight", "spread"}  # float arguments; else int32
+# float arguments; else int32
+FLOATS = {"g_scale", "inv_g_scale", "t_scale", "t_weight", "diagonal_weight", "spread"}
 DESCRIPTORS = {"rows_ptr": ["BLOCK_M", "BLOCK_K"], "t_rows_ptr": ["BLOCK_M", "BLOCK_K"],
                "cols_ptr": ["BLOCK_N", "BLOCK_K"], "t_cols_ptr": ["BLOCK_N", "BLOCK_K"],
                "g_ptr": ["BLOCK_M", "BLOCK_N"]}

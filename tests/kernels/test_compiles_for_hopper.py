@@ -25,7 +25,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megabatch.kernels import triton_tiles
 
-FLOATS = {"g_scale", "t_scale", "t_weight", "diagonal_weight", "spread"}  # float arguments; else int32
+# float arguments; else int32
+FLOATS = {"g_scale", "inv_g_scale", "t_scale", "t_weight", "diagonal_weight", "spread"}
 OPERANDS = {"rows_ptr", "cols_ptr", "t_rows_ptr", "t_cols_ptr", "g_ptr"}
 DESCRIPTORS = {"rows_ptr": ["BLOCK_M", "BLOCK_K"], "t_rows_ptr": ["BLOCK_M", "BLOCK_K"],
                "cols_ptr": ["BLOCK_N", "BLOCK_K"], "t_cols_ptr": ["BLOCK_N", "BLOCK_K"],

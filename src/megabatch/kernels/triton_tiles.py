@@ -324,6 +324,14 @@ def _store_g(g_ptr, g, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_
 
 
 @triton.jit
+def _power_of_two_parts(x):
+    """``(log2(x), 1 / x)`` of a normal power of two ``x``, exactly, from its bits (no logarithm or division, whose
+    GPU forms need not be exact)."""
+    bits = tl.cast(x, tl.float32).to(tl.int32, bitcast=True)
+    return ((bits >> 23) - 127).to(tl.float32), ((254 << 23) - bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _grad_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, dscale_ptr,  # pointers
     c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block of G'
@@ -339,7 +347,7 @@ def _grad_kernel(
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     # g_scale, a power of two, in the exponentials' arguments (an integer off the log-sum-exps, rounded at most as
     # finely as the arguments themselves): G' comes out scaled, with no multiply a logit; the sum is undone at the end
-    g_shift = tl.log2(g_scale)
+    g_shift, inv_g_scale = _power_of_two_parts(g_scale)
     dscale = tl.zeros((BLOCK_M,), tl.float32)
     for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(t, grid_n, row_start, row_stop, col_start, col_stop,
@@ -357,7 +365,7 @@ def _grad_kernel(
         dscale += tl.sum(g * acc, 1)
         _store_g(g_ptr, g, m0, n0, offs_m, offs_n, row_ok[:, None] & col_ok[None, :], row_start,
                  col_start, stride_gm, stride_gn, G_TMA)
-    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) / g_scale)
+    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) * inv_g_scale)
 
 
 @triton.jit
@@ -427,7 +435,7 @@ def _reciprocal(u, FAST: tl.constexpr):
 @triton.jit
 def _sigmoid_kernel(
     rows_ptr, cols_ptr, scale_ptr, bias_ptr, g_ptr, sums_ptr,  # pointers
-    c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block
+    c, row_start, row_stop, col_start, col_stop, inv_g_scale,  # shapes: this launch's block; 1 / g_scale
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
@@ -445,7 +453,6 @@ def _sigmoid_kernel(
     # log2 units: exp2 is the hardware's own (no multiply inside)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     bias2 = tl.load(bias_ptr).to(tl.float32) * 1.4426950408889634
-    inv_g_scale = 1.0 / g_scale
     loss_sum = tl.zeros((BLOCK_M,), tl.float32)
     dots_sum = tl.zeros((BLOCK_M,), tl.float32)
     g_sum = tl.zeros((BLOCK_M,), tl.float32)
@@ -659,7 +666,7 @@ def _distill_grad_kernel(
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     t_scale2 = t_scale * 1.4426950408889634
-    g_shift = tl.log2(g_scale)  # in the exponentials' arguments, as _grad_kernel: G comes out scaled
+    g_shift, inv_g_scale = _power_of_two_parts(g_scale)  # in the exponentials' arguments, as _grad_kernel
     dscale = tl.zeros((BLOCK_M,), tl.float32)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(tile, grid_n, row_start, row_stop, col_start,
@@ -685,7 +692,7 @@ def _distill_grad_kernel(
             g = tl.where(ok, g, 0.0)
         dscale += tl.sum(g * acc, 1)
         _store_g(g_ptr, g, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
-    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) / g_scale)
+    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) * inv_g_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1228,7 +1235,7 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
         g_arg, g_tma = _g_target(g_block, config, tma)
         _sigmoid_kernel[(programs,)](
             rows_arg, cols_arg, scale, bias, g_arg, partials,
-            c, row_start, row_stop, col_start, col_stop, g_scale,
+            c, row_start, row_stop, col_start, col_stop, 1.0 / g_scale,  # exact: a power of two
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
