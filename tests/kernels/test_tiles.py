@@ -108,8 +108,9 @@ def errors(results, reference, scale: float, weight: float) -> dict:
 
 
 def check_against_torch(impl: str, case: str, m: int, n: int, c: int, scale: float, diagonal: bool,
-                        seed: int = 0, rows=None, cols=None):
-    dtype, precision, tolerance = CASES[case]
+                        seed: int = 0, rows=None, cols=None, tolerance: float | None = None):
+    dtype, precision, case_tolerance = CASES[case]
+    tolerance = case_tolerance if tolerance is None else tolerance
     if rows is None:
         rows, cols = features(m, n, c, seed, diagonal, dtype)
     weight = 1.0 / (2 * rows.shape[0])
@@ -202,10 +203,14 @@ def test_one_exponential_a_logit_only_where_the_tile_allows(shared, monkeypatch)
     their log-sum-exps come out wrong, which the shipped limit keeps right."""
     rows, cols = wide_tiles(torch.float32)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)  # on a GPU too
-    check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols)
+    # fp32 rounds a logit of ~100 to 100 x 2^-24 and every probability carries that relatively: at scale 100 the
+    # bound doubles (on an H200 these sharply peaked rows' d_rows came 4.7e-6 from float64 against torch's 2.7e-6,
+    # the same without the shared shift: every tile here is past its limit)
+    tolerance = 2 * CASES["fp32"][2]
+    check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols, tolerance=tolerance)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT_SPREAD", 1e9)
     with pytest.raises(AssertionError, match="col_lse error"):
-        check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols)
+        check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols, tolerance=tolerance)
 
 
 def test_tiles_that_reach_past_a_block_of_g_are_refused(monkeypatch):
@@ -219,11 +224,18 @@ def test_tiles_that_reach_past_a_block_of_g_are_refused(monkeypatch):
         triton_tiles.block_grads(rows, cols, scale, *lse, torch.tensor(0.1, device=rows.device), True)
 
 
+def small_blocks_of_g(monkeypatch):
+    """G' in 16 x 16 blocks, with tiles that divide them: the interpreter's 16 x 16 tiles, and on a GPU the same in
+    place of the tuned ones (which ``_g_blocks`` would refuse: they reach past such a block)."""
+    monkeypatch.setattr(triton_tiles, "G_BYTES", 16 * 16 * 4)
+    monkeypatch.setattr(triton_tiles, "G_ALIGN", 16)
+    monkeypatch.setattr(triton_tiles, "get_config", lambda *args, **kwargs: dict(triton_tiles.INTERPRET_CONFIG))
+
+
 def test_stripes_and_splits_cover_the_block(monkeypatch):
     """Tiny memory budgets force many forward column stripes and backward blocks of G'."""
     monkeypatch.setattr(triton_tiles, "PARTIAL_BYTES", 8 * 5 * 16)  # 16-column stripes
-    monkeypatch.setattr(triton_tiles, "G_BYTES", 16 * 16 * 4)  # 16 x 16 blocks of G'
-    monkeypatch.setattr(triton_tiles, "G_ALIGN", 16)
+    small_blocks_of_g(monkeypatch)
     check_against_torch("triton", "fp32", 67, 45, 48, 30.0, False)
     check_against_torch("triton", "fp32", 67, 67, 40, 30.0, True)
 
@@ -339,8 +351,7 @@ def test_clear_errors():
 def test_rows_returned_in_the_features_dtype(impl, monkeypatch):
     """``rows_dtype``: d_rows summed per row block in fp32 and cast when complete equals the fp32
     result cast once (several row and column blocks of G')."""
-    monkeypatch.setattr(triton_tiles, "G_BYTES", 16 * 16 * 4)
-    monkeypatch.setattr(triton_tiles, "G_ALIGN", 16)
+    small_blocks_of_g(monkeypatch)
     rows, cols = features(67, 45, 48, 5, False, torch.bfloat16)
     scale, weight = torch.tensor(30.0, device=rows.device), torch.tensor(0.01, device=rows.device)
     module = IMPLS[impl]
@@ -356,8 +367,7 @@ def test_rows_returned_in_the_features_dtype(impl, monkeypatch):
 def test_kernel_only_launch_used_by_tuning(monkeypatch):
     """Autotuning and profiling launch the G' kernel alone (no weight, no GEMMs): it runs over
     several blocks and returns sum(G' * dots), the scale gradient before weighting."""
-    monkeypatch.setattr(triton_tiles, "G_BYTES", 16 * 16 * 4)
-    monkeypatch.setattr(triton_tiles, "G_ALIGN", 16)
+    small_blocks_of_g(monkeypatch)
     rows, cols = features(67, 45, 48, 6, False, torch.float32)
     scale, weight = torch.tensor(30.0, device=rows.device), torch.tensor(0.25, device=rows.device)
     row_lse, col_lse = triton_tiles.block_stats(rows, cols, scale, fp32_precision="ieee")
