@@ -2,8 +2,9 @@
 features, tiles loaded and G stored through tensor descriptors, the tiles a GPU's ``tuned.json`` table gives it at a
 width) by Triton and the ``ptxas`` it ships, disassembled with its ``nvdisasm``, for several source trees side by
 side; ``name=src@MEGABATCH_LOSS_SHARED_SHIFT=checked`` compiles a tree's statistics kernels with that shared shift
-(the default here: on, a branch a tile), ``name=src@MEGABATCH_LOSS_ACC_FLAG=1`` its block kernels with the
-accumulator's reset as the tensor cores' flag (``megabatch.kernels.compile_hooks``).
+(the default here: on, a branch a tile, as under the interpreter; a Hopper GPU's ``auto`` is ``checked`` for the
+contrastive kernel and off for the distillation kernel), ``name=src@MEGABATCH_LOSS_ACC_FLAG=1`` its block kernels
+with the accumulator's reset as the tensor cores' flag (``megabatch.kernels.compile_hooks``).
 
     python scripts/benchmarks/kernel_instructions.py --out instructions.json
     python scripts/benchmarks/kernel_instructions.py --trees off=src@MEGABATCH_LOSS_SHARED_SHIFT=0,on=src \
@@ -63,7 +64,8 @@ def compile_kernel(kernel: str, config: dict) -> bytes:
 
     fn = getattr(triton_tiles, KERNELS[kernel])
     constants = {**{k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "PRECISION": "tf32", "GROUP_M": 8}
-    # the statistics kernels' shared shift as MEGABATCH_LOSS_SHARED_SHIFT sets it (auto: on, a branch a tile)
+    # the statistics kernels' shared shift as MEGABATCH_LOSS_SHARED_SHIFT sets it (auto: a branch a tile, as under the
+    # interpreter; name checked or 0 for what a GPU runs)
     mode = getattr(triton_tiles, "SHARED_SHIFT_MODES", {}).get(getattr(triton_tiles, "SHARED_SHIFT", "1"), 1)
     constants["SHARED"] = mode if kernel == "stats" else mode > 0
     # the accumulator's reset as the tensor cores' flag, as MEGABATCH_LOSS_ACC_FLAG sets it (an earlier tree has none)
