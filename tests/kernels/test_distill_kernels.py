@@ -100,7 +100,7 @@ def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
     at cos -0.5 from every row (student and teacher alike) span 216 beside the others at scale 100: their statistics
     match float64 with the shipped limit, and come out wrong with it lifted (one shift for the tile underflows
     them)."""
-    from .test_tiles import wide_tiles
+    from .test_tiles import interpreter_tiles, wide_tiles
 
     rows, cols = (x.double().cpu() for x in wide_tiles(torch.float32))
     teacher = 100.0 * rows @ cols.T
@@ -108,6 +108,7 @@ def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on = [x.float().to(device) for x in (rows, cols, rows, cols)]
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "1")  # on a GPU too
+    interpreter_tiles(monkeypatch)  # whole tiles of the 32 x 32 block, which alone take the shared shift
 
     def column_errors():
         _, col_stats = triton_tiles.distill_stats(*on, torch.tensor(100.0, device=device), 100.0,

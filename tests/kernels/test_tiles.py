@@ -203,6 +203,7 @@ def test_one_exponential_a_logit_only_where_the_tile_allows(shared, monkeypatch)
     their log-sum-exps come out wrong, which the shipped limit keeps right."""
     rows, cols = wide_tiles(torch.float32)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)  # on a GPU too
+    interpreter_tiles(monkeypatch)  # whole tiles of the 32 x 32 block, where "1" takes the shared shift (a GPU's: one)
     # fp32 rounds a logit of ~100 to 100 x 2^-24 and every probability carries that relatively: at scale 100 the
     # bound doubles (on an H200 these sharply peaked rows' d_rows came 4.7e-6 from float64 against torch's 2.7e-6,
     # the same without the shared shift: every tile here is past its limit)
@@ -224,12 +225,18 @@ def test_tiles_that_reach_past_a_block_of_g_are_refused(monkeypatch):
         triton_tiles.block_grads(rows, cols, scale, *lse, torch.tensor(0.1, device=rows.device), True)
 
 
+def interpreter_tiles(monkeypatch):
+    """The interpreter's 16 x 16 tiles on a GPU too, in place of the tuned ones (a test's small blocks then hold whole
+    tiles, as they do interpreted)."""
+    monkeypatch.setattr(triton_tiles, "get_config", lambda *args, **kwargs: dict(triton_tiles.INTERPRET_CONFIG))
+
+
 def small_blocks_of_g(monkeypatch):
-    """G' in 16 x 16 blocks, with tiles that divide them: the interpreter's 16 x 16 tiles, and on a GPU the same in
-    place of the tuned ones (which ``_g_blocks`` would refuse: they reach past such a block)."""
+    """G' in 16 x 16 blocks, with tiles that divide them (``interpreter_tiles``: the tuned ones would reach past such
+    a block, which ``_g_blocks`` refuses)."""
     monkeypatch.setattr(triton_tiles, "G_BYTES", 16 * 16 * 4)
     monkeypatch.setattr(triton_tiles, "G_ALIGN", 16)
-    monkeypatch.setattr(triton_tiles, "get_config", lambda *args, **kwargs: dict(triton_tiles.INTERPRET_CONFIG))
+    interpreter_tiles(monkeypatch)
 
 
 def test_stripes_and_splits_cover_the_block(monkeypatch):
