@@ -2,9 +2,9 @@
 features, tiles loaded and G stored through tensor descriptors, the tiles a GPU's ``tuned.json`` table gives it at a
 width) by Triton and the ``ptxas`` it ships, disassembled with its ``nvdisasm``, for several source trees side by
 side; ``name=src@MEGABATCH_LOSS_SHARED_SHIFT=checked`` compiles a tree's statistics kernels with that shared shift
-(the default here: on, a branch a tile, as under the interpreter; a Hopper GPU's ``auto`` is ``checked`` for the
-contrastive kernel and off for the distillation kernel), ``name=src@MEGABATCH_LOSS_ACC_FLAG=1`` its block kernels
-with the accumulator's reset as the tensor cores' flag (``megabatch.kernels.compile_hooks``).
+(the default here: on, a branch a tile, as under the interpreter; a Hopper GPU's ``auto`` is ``checked``),
+``name=src@MEGABATCH_LOSS_ACC_FLAG=1`` its block kernels with the accumulator's reset as the tensor cores' flag
+(``megabatch.kernels.compile_hooks``).
 
     python scripts/benchmarks/kernel_instructions.py --out instructions.json
     python scripts/benchmarks/kernel_instructions.py --trees off=src@MEGABATCH_LOSS_SHARED_SHIFT=0,on=src \

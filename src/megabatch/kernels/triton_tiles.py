@@ -68,8 +68,8 @@ TMA = os.environ.get("MEGABATCH_LOSS_TMA", "auto")
 if TMA not in ("auto", "0"):
     raise ValueError(f"MEGABATCH_LOSS_TMA={TMA!r}: auto (tensor descriptors where the GPU and the layout allow) or 0")
 # the statistics kernels' shared shift (SHARED_SHIFT_SPREAD): "auto" checked on a GPU since Hopper (timed on an H200:
-# the contrastive forward 7% faster at b = 256k; the distillation kernel's, 2-4% faster there, stays off on a GPU
-# until its float64 tests have run compiled), "1" under the interpreter (the tests), off on older GPUs (untimed);
+# the contrastive forward 7% faster at b = 256k, the distillation term's passes 2-4%; the float64 tests passed
+# compiled there), "1" under the interpreter (the tests), off on older GPUs (untimed);
 # "1" on (a branch a tile; the forward's column loop then not flattened), "checked" on without a branch (the
 # forward's loop flattened: each program flags a tile past the limit and a second launch redoes the flagged programs
 # with each row's and column's own shift; the distillation kernel as "1"), "0" off
@@ -988,15 +988,6 @@ def _shared_shift(rows: torch.Tensor) -> int:
     return SHARED_SHIFT_MODES[SHARED_SHIFT]
 
 
-def _distill_shared_mode(rows: torch.Tensor) -> bool:
-    """Whether the distillation statistics kernel takes the shared shift (as ``1``: ``checked`` too): as
-    ``SHARED_SHIFT`` says, except ``auto`` on a GPU, off there until its float64 tests have run compiled (timed on an
-    H200 it was 2-4% faster; its path spills at the tuned tiles)."""
-    if SHARED_SHIFT == "auto" and _ptx(rows):
-        return False
-    return _shared_shift(rows) > 0
-
-
 def _upcast(rows: torch.Tensor) -> bool:
     """bf16 dots upcast to fp32 under the interpreter only: its numpy ``tl.dot`` mishandles bf16.
     The products of bf16 values are exact in fp32, so the math is the GPU's."""
@@ -1300,7 +1291,7 @@ def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, pre
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), TMA=tma,
-            SHARED=_distill_shared_mode(rows), EVEN=_even(m, n, config), num_warps=config["num_warps"],
+            SHARED=_shared_shift(rows) > 0, EVEN=_even(m, n, config), num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
         run = _merge_fields(row_out[:, :active], run)
