@@ -157,6 +157,33 @@ def test_startup_compares_one_or_several_earlier_trees(tmp_path):
     assert startup.before_trees(f"{tmp_path / 'a'},{tmp_path / 'b'}") == [(tmp_path / "a", "a"), (tmp_path / "b", "b")]
 
 
+def test_loss_passes_names_an_unknown_pass_and_the_loss_brings_its_parts(tmp_path):
+    """``loss_passes.py --passes``: a misspelt pass is refused with the names it takes (before any GPU work); ``loss``
+    (the forward plus the backward) adds the two passes it is the sum of, which it silently lacked without them."""
+    script = str(FOLDER / "loss_passes.py")
+    ran = subprocess.run([sys.executable, script, "--passes", "stats,lose", "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert ran.returncode == 2 and "--passes: lose unknown" in ran.stderr and "backward" in ran.stderr
+    spec = importlib.util.spec_from_file_location("loss_passes", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seen = {}
+
+    def measure(tree, name, batches, dims, dtypes, configs, repeats, passes):
+        seen["passes"] = passes
+        return []
+
+    module.measure = measure
+    out = tmp_path / "part.json"
+    argv = sys.argv
+    try:
+        sys.argv = [script, "--passes", "loss,sigmoid", "--worker", "this=src", "--out", str(out)]
+        module.main()
+    finally:
+        sys.argv = argv
+    assert seen["passes"] == ("loss", "sigmoid", "stats", "backward") and json.loads(out.read_text()) == []
+
+
 def test_kernel_instructions_counts_a_loss_kernels_machine_code(tmp_path):
     """kernel_instructions.py compiles loss kernels for sm_90 without a GPU and counts their machine code: the
     backward's kernel at the H200's tiles has its tensor-core instructions and, in the block that holds them, two

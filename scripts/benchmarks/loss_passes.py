@@ -155,10 +155,16 @@ def main() -> None:
     parser.add_argument("--configs", default="[]", help="a JSON list of tile configs tried besides the trees' own")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passes", default=",".join(PASSES),
-                        help=f"of {', '.join(p for p in PASS_GEMMS if p != 'loss')} (loss: stats and backward)")
+                        help=f"of {', '.join(PASS_GEMMS)} (loss: stats plus backward, which it adds)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    passes = tuple(args.passes.split(","))
+    unknown = [name for name in passes if name not in PASS_GEMMS]
+    if unknown:
+        parser.error(f"--passes: {', '.join(unknown)} unknown; take some of {', '.join(PASS_GEMMS)}")
+    if "loss" in passes:  # the sum of the forward and the backward: measured with them (else it had no row)
+        passes = tuple(dict.fromkeys([*passes, "stats", "backward"]))
     batches = [parse_count(b, "--batches") for b in args.batches.split(",")]
     dims = [int(c) for c in args.dims.split(",")]
     dtypes, configs = args.dtypes.split(","), json.loads(args.configs)
@@ -166,7 +172,7 @@ def main() -> None:
         name, _, tree = args.worker.partition("=")
         tree = tree.partition("@")[0]
         Path(args.out).write_text(json.dumps(measure(tree, name, batches, dims, dtypes, configs, args.repeats,
-                                                   tuple(args.passes.split(",")))))
+                                                   passes)))
         return
     from bench import run_trees, write_results
 
