@@ -508,21 +508,24 @@ def _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN: tl.const
 
 
 @triton.jit
+def _distill_rows(s, t, logits, m_s, l_s, m_t, l_t, w_t):
+    """The rows' five running fields over one more tile, online as ``_stats_kernel``'s (every tile has a valid
+    column): the student's (max, sum), the teacher's (max, sum) and the teacher-weighted student logits."""
+    m_new = tl.maximum(m_s, tl.max(s, 1))
+    l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+    m_new_t = tl.maximum(m_t, tl.max(t, 1))
+    keep = tl.exp2(m_t - m_new_t)
+    p = tl.exp2(t - m_new_t[:, None])  # 0 outside the block
+    return m_new, l_s, m_new_t, l_t * keep + tl.sum(p, 1), w_t * keep + tl.sum(p * logits, 1)
+
+
+@triton.jit
 def _distill_own_shifts(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok,
                         EVEN: tl.constexpr):
     """A distillation statistics tile's terms, each row and column shifted by its own maxima: the rows' running
     fields and the columns' fields over the tile (``_distill_stats_kernel``'s five; ``EVEN``: no mask)."""
     s, t = _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN)
-    # rows: online, as _stats_kernel (every tile has a valid column)
-    m_new = tl.maximum(m_s, tl.max(s, 1))
-    l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-    m_s = m_new
-    m_new = tl.maximum(m_t, tl.max(t, 1))
-    keep = tl.exp2(m_t - m_new)
-    p = tl.exp2(t - m_new[:, None])  # 0 outside the block
-    l_t = l_t * keep + tl.sum(p, 1)
-    w_t = w_t * keep + tl.sum(p * logits, 1)
-    m_t = m_new
+    m_s, l_s, m_t, l_t, w_t = _distill_rows(s, t, logits, m_s, l_s, m_t, l_t, w_t)
     # columns: this row block's share, shifted by its own maxima
     cs_max, ct_max = tl.max(s, 0), tl.max(t, 0)
     if not EVEN:  # 0 on padding columns: no inf - inf
@@ -620,15 +623,7 @@ def _distill_stats_kernel(
             # _distill_own_shifts' math, written out with each column sum stored as it is made: the registers this
             # kernel had before the shared shift (through the helper, which returns all ten, it spills twice as much)
             s, t = _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN)
-            m_new = tl.maximum(m_s, tl.max(s, 1))
-            l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-            m_s = m_new
-            m_new = tl.maximum(m_t, tl.max(t, 1))
-            keep = tl.exp2(m_t - m_new)
-            p = tl.exp2(t - m_new[:, None])
-            l_t = l_t * keep + tl.sum(p, 1)
-            w_t = w_t * keep + tl.sum(p * logits, 1)
-            m_t = m_new
+            m_s, l_s, m_t, l_t, w_t = _distill_rows(s, t, logits, m_s, l_s, m_t, l_t, w_t)
             cs_max, ct_max = tl.max(s, 0), tl.max(t, 0)
             if not EVEN:
                 cs_max, ct_max = tl.where(col_ok, cs_max, 0.0), tl.where(col_ok, ct_max, 0.0)
