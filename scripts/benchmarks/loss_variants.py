@@ -18,6 +18,16 @@ softmax's own time). The kernel can be no faster than the slower of its GEMMs an
 where nothing overlaps them; the FLOPs counted are two ``b^2 c`` GEMMs (a teacher as wide as the student).
 
     python scripts/benchmarks/loss_variants.py --kinds distill_stats --size 262144 --c 512 --out distill_floor.json
+
+``--kinds grad_parts``: where the backward's G' kernel spends its time, on one block of G' at ``PARTS_CONFIGS``' tiles:
+the tree's launcher (``tree``), a copy of its kernel (``today_copy``), one exponential a logit instead of two
+(``one_exp``: ``2^(s - h) (2^(h - r) + 2^(h - c))``, ``h`` the tile's largest log-sum-exp), the GEMM and the store of G'
+without the softmax (``gemm_store``), the GEMM alone (``gemm_only``), and G' stored by each thread instead of through a
+tensor descriptor (``today_ptr``; ``_evict``: marked to leave L2 first). ``docs/bench/grad_parts_c512_h100.json``,
+``grad_stores_c512_h100.json`` (and ``_c768_``): on an H100 the GEMM alone reaches 80% of the bf16 peak at 128 x 256,
+54% with the store and 42% with the softmax; the kernel's best tile (64 x 128, two programs an SM) 44.5%.
+
+    python scripts/benchmarks/loss_variants.py --kinds grad_parts --size 131072 --c 512 --out grad_parts.json
 """
 
 from __future__ import annotations
@@ -39,7 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from bench import write_results  # noqa: E402
 
 from megabatch.kernels import triton_tiles as tt  # noqa: E402
-from megabatch.kernels.triton_tiles import _block_tile, _block_tiles, _dot_tile  # noqa: E402
+from megabatch.kernels.triton_tiles import (  # noqa: E402
+    _block_tile,
+    _block_tiles,
+    _dot_tile,
+    _power_of_two_parts,
+    _store_g,
+)
 
 
 @triton.jit
@@ -279,12 +295,84 @@ def grad_today(rows, cols, scale, row_lse, col_lse, g_block, partials, config):
     return partials[:programs].sum()
 
 
+@triton.jit
+def _grad_parts(rows_ptr, cols_ptr, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, dscale_ptr, flags_ptr,
+                c, row_start, row_stop, col_start, col_stop, g_scale, stride_gm, stride_gn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
+                UPCAST: tl.constexpr, STORE: tl.constexpr):
+    """The backward's G' kernel as the tree has it (persistent, TMA loads and stores, g_scale in the exponents),
+    ``MODE`` 0; 1: one exponential a logit, ``G' = 2^(s - h) (2^(h - r) + 2^(h - c))`` with ``h`` the tile's largest
+    log-sum-exp (a tile whose log-sum-exps span more than 88 is flagged: its terms would leave fp32's normal range);
+    2: no exponential (``G' = s``), the GEMM and the store; 3: the GEMM alone (no store). ``STORE`` 0: through the
+    tensor descriptor (the tree's); 1: by each thread from its registers; 2: the same, marked to leave L2 first (G' is
+    read back only after the whole block is written, and evicts the operands' tiles from L2 on its way)."""
+    tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
+    scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
+    g_shift, inv_g_scale = _power_of_two_parts(g_scale)
+    dscale = tl.zeros((BLOCK_M,), tl.float32)
+    bad = False
+    for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(t, grid_n, row_start, row_stop, col_start, col_stop,
+                                                             BLOCK_M, BLOCK_N, 8)
+        acc = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c, 0, 0, 0, 0,
+                        BLOCK_M, BLOCK_N, BLOCK_K, "tf32", UPCAST, False, True)
+        if MODE == 3:
+            dscale += tl.sum(acc, 1)
+        else:
+            s = acc * scale2
+            if MODE == 2:
+                g = s
+            else:
+                row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
+                col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
+                if MODE == 0:
+                    g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
+                else:
+                    h = tl.maximum(tl.max(row_lse2, 0), tl.max(col_lse2, 0))
+                    low = tl.minimum(tl.min(row_lse2, 0), tl.min(col_lse2, 0))
+                    bad = bad | (h - low > 88.0)
+                    u = tl.exp2(h - row_lse2)
+                    v = tl.exp2(h - col_lse2)
+                    g = tl.exp2(s - h) * (u[:, None] + v[None, :])
+                g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0 * g_scale, g)
+            dscale += tl.sum(g * acc, 1)
+            if STORE == 0:
+                _store_g(g_ptr, g, m0, n0, offs_m, offs_n, row_ok[:, None] & col_ok[None, :], row_start, col_start,
+                         stride_gm, stride_gn, True)
+            else:
+                g_at = g_ptr + (offs_m - row_start).to(tl.int64)[:, None] * stride_gm + (offs_n - col_start)[None, :]
+                tl.store(g_at, g.to(g_ptr.dtype.element_ty), eviction_policy="evict_first" if STORE == 2 else "")
+    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) * inv_g_scale)
+    tl.store(flags_ptr + tl.program_id(0), bad.to(tl.int32))
+
+
+def grad_parts(rows, cols, scale, row_lse, col_lse, g_block, partials, flags, config, mode, store=0):
+    height, width = g_block.shape
+    rows_arg, cols_arg, tma = tt._operands(rows, cols, config)
+    g_arg = tt._g_target(g_block, config, tma)[0] if store == 0 else g_block
+    programs = tt._programs(triton.cdiv(height, config["BLOCK_M"]) * triton.cdiv(width, config["BLOCK_N"]),
+                            rows.device)
+    _grad_parts[(programs,)](
+        rows_arg, cols_arg, scale, row_lse, col_lse, g_arg, partials, flags,
+        rows.shape[1], 0, height, 0, width, tt.FP16_G_SCALE, g_block.stride(0), g_block.stride(1),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], MODE=mode,
+        UPCAST=tt._upcast(rows), STORE=store, num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return partials[:programs].sum()
+
+
+GRAD_MODES = {"today_copy": (0, 0), "one_exp": (1, 0), "gemm_store": (2, 0), "gemm_only": (3, 0),
+              "today_ptr": (0, 1), "today_ptr_evict": (0, 2), "gemm_store_ptr_evict": (2, 2)}
+
 def cfg(bm, bn, bk, warps, stages):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
 CONFIGS = [cfg(128, 64, 64, 4, 3), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 3), cfg(128, 128, 64, 8, 3),
            cfg(128, 128, 64, 4, 3), cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), cfg(128, 128, 128, 8, 2)]
+PARTS_CONFIGS = [cfg(64, 128, 64, 4, 4), cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 4, 2), cfg(128, 128, 32, 4, 4),
+                 cfg(128, 128, 32, 4, 3), cfg(128, 256, 32, 8, 4), cfg(64, 256, 64, 4, 3), cfg(64, 256, 32, 4, 4),
+                 cfg(128, 128, 64, 4, 4)]
 
 
 def main() -> None:
@@ -293,7 +381,7 @@ def main() -> None:
     p.add_argument("--c", type=int, default=512)
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="")
-    p.add_argument("--kinds", default="stats,grad", help="of stats, grad, distill_stats")
+    p.add_argument("--kinds", default="stats,grad", help="of stats, grad, grad_parts, distill_stats")
     args = p.parse_args()
     kinds = args.kinds.split(",")
     torch.manual_seed(0)
@@ -368,6 +456,32 @@ def main() -> None:
                     continue
                 record("grad", name, config, lambda kw=kw, config=config: grad_variant(
                     r, cc, scale, ref_row, ref_col, g_block, partials, config, **kw), gflops, grad_check)
+    if "grad_parts" in kinds:
+        # the backward's G' kernel taken apart on one block: the tree's kernel, a copy (MODE 0), one exponential a
+        # logit (1), the GEMM and the store without exponentials (2), the GEMM alone (3)
+        g_block = torch.empty((block_m, block_n), dtype=torch.float16, device=dev)
+        g_ref = torch.empty_like(g_block)
+        partials = torch.zeros((triton.cdiv(block_m, 64) * triton.cdiv(block_n, 64), 1), device=dev)
+        flags = torch.zeros((triton.cdiv(block_m, 64) * triton.cdiv(block_n, 64),), dtype=torch.int32, device=dev)
+        r, cc = rows[:block_m], cols[:block_n]
+        gflops = 2.0 * block_m * block_n * c
+        gtoday = tt.get_config("grad", rows, "tf32", n)
+
+        ref_sum = float(grad_parts(r, cc, scale, ref_row, ref_col, g_ref, partials, flags, gtoday, 0))
+
+        def parts_check(out):
+            assert int(flags.max()) == 0, "a tile flagged"
+            return max(float((g_block.float() - g_ref.float()).abs().max()), abs(float(out) - ref_sum) / abs(ref_sum))
+
+        record("grad_parts", "tree", gtoday, lambda: tt._grad_launch(r, cc, scale, ref_row, ref_col, True, "tf32",
+                                                                     gtoday), gflops)
+        for config in PARTS_CONFIGS:
+            for name, (mode, store) in GRAD_MODES.items():
+                if args.only and name not in args.only.split(","):
+                    continue
+                record("grad_parts", name, config, lambda config=config, mode=mode, store=store: grad_parts(
+                    r, cc, scale, ref_row, ref_col, g_block, partials, flags, config, mode, store), gflops,
+                    parts_check if mode < 2 else None)
     if "distill_stats" in kinds:
         distill_stats_rows(record, n, c, dev, args.only)
 
