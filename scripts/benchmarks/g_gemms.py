@@ -4,10 +4,10 @@ and relative error against float64, side by side on one GPU.
     python scripts/benchmarks/g_gemms.py --sides 13824,19456 --dims 512,768 --out g_gemms.json
 
 G' is a real one: ``P_row + P_col - 2 I`` of ``scale * rows @ cols^T`` for normalized bf16 features, one block of the
-backward's size (``triton_tiles.G_BYTES`` gives sides of 13824 in fp32, 19456 in fp16). Routes: ``tf32`` (fp32 G',
-the features fp32 holding bf16 values: GradCache's loss before the fp16 route), ``fp32_ieee``, ``fp16_scaled`` (G'
-times ``FP16_G_SCALE`` in fp16, fp16 copies of the features: today's route for those features), ``bf16`` (bf16
-features' route), ``bf16_split`` (G' as two bf16 parts, two GEMMs).
+backward's size (``triton_tiles.G_BYTES``: sides of 14080 in fp32 and 19968 in fp16 at 768 MiB, 17152 x 17408 and
+24576 since). Routes: ``tf32`` (fp32 G', the features fp32 holding bf16 values: GradCache's loss before the fp16
+route), ``fp32_ieee``, ``fp16_scaled`` (G' times ``FP16_G_SCALE`` in fp16, fp16 copies of the features: today's route
+for those features), ``bf16`` (bf16 features' route), ``bf16_split`` (G' as two bf16 parts, two GEMMs).
 """
 
 from __future__ import annotations

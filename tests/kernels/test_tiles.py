@@ -247,6 +247,26 @@ def test_stripes_and_splits_cover_the_block(monkeypatch):
     check_against_torch("triton", "fp32", 67, 67, 40, 30.0, True)
 
 
+def test_the_blocks_of_g_take_their_size_from_the_environment():
+    """``MEGABATCH_LOSS_G_MIB`` sets one backward block's memory (the sides it gives), and a value that is not a
+    positive number of MiB stops the import with the variable's name and what it takes."""
+    import os
+    import subprocess
+    import sys
+
+    show = ("from megabatch.kernels import triton_tiles as t; import torch; b = 10**6; "
+            "print(t.G_BYTES, t._block_sides(torch.float16, b, b), t._block_sides(torch.float32, b, b))")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    default = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, env=env, timeout=120)
+    assert default.stdout.split() == [str(1152 * 2**20), "(24576,", "24576)", "(17152,", "17408)"], default.stderr
+    less = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=120,
+                          env={**env, "MEGABATCH_LOSS_G_MIB": "768"})
+    assert less.stdout.split() == [str(768 * 2**20), "(19968,", "19968)", "(14080,", "14080)"], less.stderr
+    bad = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=120,
+                         env={**env, "MEGABATCH_LOSS_G_MIB": "1.5G"})
+    assert bad.returncode != 0 and "MEGABATCH_LOSS_G_MIB='1.5G'" in bad.stderr and "positive integer" in bad.stderr
+
+
 def test_column_splits_cover_the_block(monkeypatch):
     """A GPU with many SMs splits each row block's columns over programs (merged afterwards)."""
     monkeypatch.setattr(triton_tiles, "_sms", lambda device: 64)

@@ -47,7 +47,15 @@ log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 PARTIAL_BYTES = 256 * 2**20  # column (max, sum) partials of one forward stripe
-G_BYTES = 768 * 2**20  # one backward block of G' (extra memory: fp32 accumulators + < 1 GB)
+# one backward block of G' (the loss's extra memory: fp32 accumulators + this): 1152 MiB, sides of 24576 in 16 bits,
+# where cuBLAS's GEMMs on G' ran at 74-77% of an H100's bf16 peak against 70-72% at 768 MiB's 19968 and the backward at
+# 256k took 5-7% less time (docs/bench/g_sides_h100.json, loss_g_blocks_256k_h100.json). MEGABATCH_LOSS_G_MIB sets it
+# (less on a GPU short of memory)
+G_MIB = os.environ.get("MEGABATCH_LOSS_G_MIB", "1152")
+if not G_MIB.isdigit() or int(G_MIB) < 1:
+    raise ValueError(f"MEGABATCH_LOSS_G_MIB={G_MIB!r}: the MiB of one backward block of G' (a positive integer; "
+                     "1152 by default, less to spend less GPU memory on the loss)")
+G_BYTES = int(G_MIB) * 2**20
 # a block with fewer logits takes the default tiles where no tuned ones are known: at 8k x 8k x 512 the whole loss
 # takes about a millisecond, while tuning one kernel on a cold GPU takes ~10-30 s of the first step (and of every
 # GPU test of a small shape)
