@@ -136,6 +136,23 @@ def g_gemms_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
+def g_block_sides_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/g_block_sides.py: cuBLAS's GEMMs on one block of G' by side, then the whole backward with
+    blocks of each side: time and share of the bf16 peak."""
+    rows = ["| what | batch | c | features | block side | product | time | % of bf16 peak |",
+            "|---|---|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        shown = f"{row['time_s'] * 1000:.2f} ms" if row["time_s"] < 1 else f"{row['time_s']:.2f} s"
+        side = row["side"] if isinstance(row["side"], str) else f"{row['side']:,}"
+        if row["kind"] == "gemm":
+            rows.append(f"| GEMM | | {row['dim']} | bf16 | {side} | {row['product']} | {shown} | "
+                        f"{100 * row['peak_share']:.1f} |")
+        else:
+            rows.append(f"| backward | {batch_name(row['batch'])} | {row['dim']} | {row['dtype']} | {side} | | "
+                        f"{shown} | {100 * row['peak_share']:.1f} |")
+    return rows
+
+
 def decoder_head_table(data: dict, entry: dict) -> list[str]:
     """scripts/benchmarks/decoder_head.py: the caption decoder's head per tree and count of tokens, its peak memory
     and seconds."""
@@ -545,7 +562,8 @@ def chaos_table(data: dict, entry: dict) -> list[str]:
 
 TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "chaos": chaos_table, "loss": loss_table,
           "loss_passes": loss_passes_table, "loss_variants": loss_variants_table,
-          "g_gemms": g_gemms_table, "naflex_pack": naflex_pack_table, "decoder_head": decoder_head_table,
+          "g_gemms": g_gemms_table, "g_block_sides": g_block_sides_table, "naflex_pack": naflex_pack_table,
+          "decoder_head": decoder_head_table,
           "e2e": e2e_table,
           "loader": loader_table, "stop": stop_table,
           "attention": attention_table, "mlp": mlp_table, "towers": towers_table, "learning": learning_table,
