@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,10 @@ def free_port() -> int:
 # run_ranks forks its ranks from a server process that has imported these once (per pytest worker), not
 # from a fresh interpreter each that imports torch and megabatch again (about 4 s of CPU a rank)
 _PRELOAD = ["torch", "torch.distributed", "megabatch.config", "megabatch.models", "megabatch.train.trainer.loop"]
+# a collective that waits this long fails the test with gloo's timeout error instead of gloo's default of 30 minutes
+# (past pytest's own limit, so a deadlocked test would end as a bare timeout); the tests' collectives carry a few
+# tensors, their slowest wait is another rank running interpreted Triton kernels on 2 cores
+RANK_TIMEOUT = timedelta(minutes=5)
 
 
 def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, environ: dict[str, str]) -> None:
@@ -59,7 +64,7 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, environ: d
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=RANK_TIMEOUT)
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
