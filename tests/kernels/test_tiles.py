@@ -256,9 +256,11 @@ def test_the_blocks_of_g_take_their_size_from_the_environment():
 
     show = ("from megabatch.kernels import triton_tiles as t; import torch; b = 10**6; "
             "print(t.G_BYTES, t._block_sides(torch.float16, b, b), t._block_sides(torch.float32, b, b))")
+    if "MEGABATCH_LOSS_G_MIB" not in os.environ:  # this process's module: the default
+        assert triton_tiles.G_BYTES == 1152 * 2**20
+        assert triton_tiles._block_sides(torch.float16, 10**6, 10**6) == (24576, 24576)
+        assert triton_tiles._block_sides(torch.float32, 10**6, 10**6) == (17152, 17408)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    default = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, env=env, timeout=120)
-    assert default.stdout.split() == [str(1152 * 2**20), "(24576,", "24576)", "(17152,", "17408)"], default.stderr
     less = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=120,
                           env={**env, "MEGABATCH_LOSS_G_MIB": "768"})
     assert less.stdout.split() == [str(768 * 2**20), "(19968,", "19968)", "(14080,", "14080)"], less.stderr

@@ -718,7 +718,7 @@ def candidate_configs(dtype: torch.dtype) -> list[dict]:
     """Hopper-sized candidates (fp32 tiles take twice the shared memory per element). Two stages: a tile whose
     buffers then take less than half an SM's shared memory lets two programs share the SM, one's epilogue beside the
     other's dots (the H100's forward at c = 512, 128 x 128 at 4 warps: 51.5% of the bf16 peak at 2 stages, 46.4% at
-    its best of 3 and 4; ``docs/bench/loss_two_per_sm_256k_h100.json``)."""
+    the best of the 3- and 4-stage candidates, 8 warps at 3; ``docs/bench/loss_two_per_sm_256k_h100.json``)."""
     ks = (32, 64) if dtype == torch.float32 else (64,)  # 16-bit tiles of 128 features lost everywhere measured
     shapes = [(128, 128, 8), (128, 256, 8), (256, 128, 8), (64, 128, 4), (128, 64, 4), (128, 128, 4)]
     out = []
