@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -34,9 +35,8 @@ PEAK_BF16 = 989e12  # H100 and H200, dense
 
 
 def timed(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` calls after one warm-up, in seconds."""
-    import time
-
+    """The fastest of ``repeats`` calls after one warm-up, in seconds (the median of ``bench.gpu_time`` would not
+    match the measurements this script's first form made)."""
     fn()
     best = float("inf")
     for _ in range(repeats):

@@ -364,6 +364,7 @@ def grad_parts(rows, cols, scale, row_lse, col_lse, g_block, partials, flags, co
 GRAD_MODES = {"today_copy": (0, 0), "one_exp": (1, 0), "gemm_store": (2, 0), "gemm_only": (3, 0),
               "today_ptr": (0, 1), "today_ptr_evict": (0, 2), "gemm_store_ptr_evict": (2, 2)}
 
+
 def cfg(bm, bn, bk, warps, stages):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
@@ -466,7 +467,6 @@ def main() -> None:
         r, cc = rows[:block_m], cols[:block_n]
         gflops = 2.0 * block_m * block_n * c
         gtoday = tt.get_config("grad", rows, "tf32", n)
-
         ref_sum = float(grad_parts(r, cc, scale, ref_row, ref_col, g_ref, partials, flags, gtoday, 0))
 
         def parts_check(out):
