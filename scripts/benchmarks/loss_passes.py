@@ -12,10 +12,12 @@ one ``b x b`` block with positives on the diagonal (the one-GPU loss):
 - ``sigmoid`` (with ``--passes``): the sigmoid loss and its gradients in one pass (``sigmoid_block``: the kernel and
   cuBLAS's two GEMMs), three GEMMs' FLOPs;
 - ``distill`` (with ``--passes``): the distillation term's statistics and gradients (``distill_stats`` then
-  ``distill_grads``) with a teacher as wide as the student (the student's features swapped), six GEMMs' FLOPs.
+  ``distill_grads``) with a teacher as wide as the student (the student's features swapped), six GEMMs' FLOPs;
+- ``distill_stats`` (with ``--passes``): its statistics alone, the student's and the teacher's logits: two GEMMs'.
 ``--dtypes``: ``bf16`` features, or ``fp32_bf16_values`` (fp32 holding bf16 values, as GradCache's phase 2 calls the
 loss: the kernels' dots in bf16, ``G'`` and the GEMMs fp32 with TF32). ``--configs``: tile configs (JSON objects)
-tried on the kernels besides each tree's own (``kernels/tuned.json``).
+tried on the kernels besides each tree's own (``kernels/tuned.json``): a config's rows time each pass with it, the
+distillation's two kernels both taking it (its backward is ``distill`` less ``distill_stats``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench, however the script is started
 
 PEAK_BF16_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H200": 989.0}
-PASS_GEMMS = {"stats": 1, "grad_kernel": 1, "backward": 3, "loss": 4, "sigmoid": 3, "distill": 6}
+PASS_GEMMS = {"stats": 1, "grad_kernel": 1, "backward": 3, "loss": 4, "sigmoid": 3, "distill": 6, "distill_stats": 2}
 PASSES = ("stats", "grad_kernel", "backward")
 DTYPES = ("bf16", "fp32_bf16_values")
 
@@ -88,11 +90,12 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
                                                dots=operands),
                         "backward": partial(tt.block_grads, rows, cols, scale, *lse, weight, True,
                                             config=grad_config, dots_dtype=dots),
-                        "sigmoid": partial(sigmoid_pass, tt, rows, cols, scale, dots),
-                        "distill": partial(distill_pass, tt, rows, cols, scale, weight, dots),
+                        "sigmoid": partial(sigmoid_pass, tt, rows, cols, scale, dots, config),
+                        "distill": partial(distill_pass, tt, rows, cols, scale, weight, dots, config),
+                        "distill_stats": partial(tt.distill_stats, rows, cols, cols, rows, scale, 100.0,
+                                                 dots_dtype=dots, config=config),
                     }
-                    passes = {key: fn for key, fn in passes.items() if key in wanted and (config is None or key in
-                                                                                          PASSES)}
+                    passes = {key: fn for key, fn in passes.items() if key in wanted}
                     seconds = {}
                     for pass_name, fn in passes.items():
                         try:
@@ -105,9 +108,10 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
                         seconds["loss"] = seconds["stats"] + seconds["backward"]
                     narrow = operands[0]  # the dtype the kernels' dots take (their configs' key)
                     tiles = {"stats": stats_config, "grad_kernel": grad_config, "backward": grad_config,
-                             "loss": grad_config, "sigmoid": tt.get_config("sigmoid", narrow, "tf32"),
-                             "distill": [tt.get_config(kernel, narrow, "tf32")
-                                         for kernel in ("distill_stats", "distill_grad")]}
+                             "loss": grad_config, "sigmoid": config or tt.get_config("sigmoid", narrow, "tf32"),
+                             "distill": [config or tt.get_config(kernel, narrow, "tf32")
+                                         for kernel in ("distill_stats", "distill_grad")],
+                             "distill_stats": config or tt.get_config("distill_stats", narrow, "tf32")}
                     for pass_name, s in seconds.items():
                         if s is None:
                             continue
@@ -123,23 +127,26 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
     return rows_out
 
 
-def sigmoid_pass(tt, rows, cols, scale, dots):
-    """The sigmoid loss's one pass with its gradients (SigLIP's bias, positives on the diagonal)."""
+def sigmoid_pass(tt, rows, cols, scale, dots, config=None):
+    """The sigmoid loss's one pass with its gradients (SigLIP's bias, positives on the diagonal); ``config``: its
+    kernel's tiles, else the tree's own."""
     import torch
 
     d_rows, d_cols = torch.zeros(rows.shape, device=rows.device), torch.zeros(cols.shape, device=rows.device)
     bias = torch.tensor(-10.0, device=rows.device)
-    return tt.sigmoid_block(rows, cols, scale, bias, True, d_rows, d_cols, dots_dtype=dots)
+    return tt.sigmoid_block(rows, cols, scale, bias, True, d_rows, d_cols, dots_dtype=dots, config=config)
 
 
-def distill_pass(tt, rows, cols, scale, weight, dots):
-    """The distillation term's two passes, the teacher the student's features swapped (as wide, another matrix)."""
+def distill_pass(tt, rows, cols, scale, weight, dots, config=None):
+    """The distillation term's two passes, the teacher the student's features swapped (as wide, another matrix);
+    ``config``: both kernels' tiles, else the tree's own."""
     import torch
 
-    stats = tt.distill_stats(rows, cols, cols, rows, scale, 100.0, dots_dtype=dots)
+    stats = tt.distill_stats(rows, cols, cols, rows, scale, 100.0, dots_dtype=dots, config=config)
     lse = (torch.stack([stats[0][0], stats[0][1]]), torch.stack([stats[1][0], stats[1][1]]))
     d_rows, d_cols = torch.zeros(rows.shape, device=rows.device), torch.zeros(cols.shape, device=rows.device)
-    return tt.distill_grads(rows, cols, cols, rows, scale, 100.0, *lse, weight, d_rows, d_cols, dots_dtype=dots)
+    return tt.distill_grads(rows, cols, cols, rows, scale, 100.0, *lse, weight, d_rows, d_cols, dots_dtype=dots,
+                            config=config)
 
 
 def main() -> None:
