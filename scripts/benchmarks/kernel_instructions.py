@@ -68,8 +68,6 @@ def compile_kernel(kernel: str, config: dict) -> bytes:
     # interpreter; name checked or 0 for what a GPU runs)
     mode = getattr(triton_tiles, "SHARED_SHIFT_MODES", {}).get(getattr(triton_tiles, "SHARED_SHIFT", "1"), 1)
     constants["SHARED"] = mode if kernel == "stats" else mode > 0
-    # the distillation kernels' two dots in one loop, as MEGABATCH_LOSS_DISTILL_JOINT sets it (an earlier tree: none)
-    constants["JOINT"] = getattr(triton_tiles, "DISTILL_JOINT", "0") == "1"
     # the accumulator's reset as the tensor cores' flag, as MEGABATCH_LOSS_ACC_FLAG sets it (an earlier tree has none)
     hooks = getattr(importlib.import_module("megabatch.kernels"), "compile_hooks", None)
     if hooks is not None and hooks.enabled():

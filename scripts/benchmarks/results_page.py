@@ -90,7 +90,7 @@ def loss_table(data: dict, entry: dict) -> list[str]:
 
 def loss_passes_table(data: dict, entry: dict) -> list[str]:
     """scripts/benchmarks/loss_passes.py: each pass's time, TFLOP/s and share of the bf16 peak, per source tree."""
-    rows = ["| tree | batch | c | features | pass | tiles (M x N, warps) | time | TFLOP/s | % of bf16 peak |",
+    rows = ["| tree | batch | c | features | pass | tiles (M x N, warps, stages) | time | TFLOP/s | % of bf16 peak |",
             "|---|---|---|---|---|---|---|---|---|"]
     for row in data["results"]:
         if "pass" not in row:
@@ -105,7 +105,22 @@ def loss_passes_table(data: dict, entry: dict) -> list[str]:
 
 
 def tile_name(tile: dict) -> str:
-    return f"{tile['BLOCK_M']} x {tile['BLOCK_N']}, {tile['num_warps']}"
+    return f"{tile['BLOCK_M']} x {tile['BLOCK_N']}, {tile['num_warps']}, {tile['num_stages']}"
+
+
+def tune_table(data: dict, entry: dict) -> list[str]:
+    """scripts/tune_kernels.py's log: each candidate tile's median time on the tuning block, the one it picked marked
+    (a candidate that does not fit the GPU: why)."""
+    rows = ["| kernel | c | tiles (M x N x K, warps, stages) | time | picked |", "|---|---|---|---|---|"]
+    for row in data["results"]:
+        c = row["config"]
+        tiles = f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}, {c['num_warps']}, {c['num_stages']}"
+        key = next((key for key in data["picks"] if key.startswith(f"{row['kernel']}/")
+                    and key.endswith(f"/c{512 if row['dim'] == 512 else 1024}")), None)
+        picked = "yes" if key and data["picks"][key] == c else ""
+        shown = f"{row['ms']:.3f} ms" if "ms" in row else row["skipped"]
+        rows.append(f"| {row['kernel']} | {row['dim']} | {tiles} | {shown} | {picked} |")
+    return rows
 
 
 def loss_variants_table(data: dict, entry: dict) -> list[str]:
@@ -562,7 +577,8 @@ def chaos_table(data: dict, entry: dict) -> list[str]:
 
 TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "chaos": chaos_table, "loss": loss_table,
           "loss_passes": loss_passes_table, "loss_variants": loss_variants_table,
-          "g_gemms": g_gemms_table, "g_block_sides": g_block_sides_table, "naflex_pack": naflex_pack_table,
+          "g_gemms": g_gemms_table, "g_block_sides": g_block_sides_table, "tune": tune_table,
+          "naflex_pack": naflex_pack_table,
           "decoder_head": decoder_head_table,
           "e2e": e2e_table,
           "loader": loader_table, "stop": stop_table,

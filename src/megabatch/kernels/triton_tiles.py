@@ -93,12 +93,6 @@ if SHARED_SHIFT not in ("auto", *SHARED_SHIFT_MODES):
 # as a logit's own); other tiles, and those with rows or columns past the block's edge, take two (``_stats_kernel``).
 # The kernels take it as an argument (a test lifts it, or takes it away: -1)
 SHARED_SHIFT_SPREAD = 150.0
-# the distillation kernels' two dots a tile (the student's and the teacher's): "1" in one loop over the features
-# (``_dot_tile_pair``), "0" one after the other (the kernels until 2026-12); the same sums either way
-DISTILL_JOINT = os.environ.get("MEGABATCH_LOSS_DISTILL_JOINT", "1")
-if DISTILL_JOINT not in ("1", "0"):
-    raise ValueError(f"MEGABATCH_LOSS_DISTILL_JOINT={DISTILL_JOINT!r}: 1 (the distillation kernels' two dots in one "
-                     "loop over the features) or 0 (one after the other)")
 SHARED_SHIFT_HEADROOM: tl.constexpr = tl.constexpr(32.0)
 PERSISTENT_WAVES = 2  # the block kernels' programs per SM (each walks its share of the block's tiles)
 if G_FP16 not in ("auto", "1", "0"):
@@ -133,88 +127,25 @@ def _dot_tile(
     ``[BLOCK_N, BLOCK_K]``) and the tile starts at row ``m0`` and column ``n0``: Hopper's copy engine loads
     the tiles (no per-thread addresses; rows, columns and features past the tensors' ends read as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    row_at, col_at = _operand_rows(rows_ptr, cols_ptr, offs_m, offs_n, stride_rm, stride_cn, TMA)
-    for k0 in range(0, c, BLOCK_K):
-        a, b = _operand_tiles(rows_ptr, cols_ptr, row_at, col_at, m0, n0, k0, c, row_ok, col_ok, stride_rk, stride_ck,
-                              BLOCK_K, UPCAST, ROUND_TF32, TMA)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _operand_rows(rows_ptr, cols_ptr, offs_m, offs_n, stride_rm, stride_cn, TMA: tl.constexpr):
-    """Where each row and column of a tile's operands starts (the loads by thread; TMA's descriptors need none)."""
-    if TMA:
-        row_at, col_at = rows_ptr, cols_ptr
-    else:
+    if not TMA:
         # element offsets in 64 bits: rows x c passes 2^31 at ~2.8M rows of c = 768 (a 4M batch on one rank)
         row_at = rows_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
         col_at = cols_ptr + offs_n.to(tl.int64)[None, :] * stride_cn
-    return row_at, col_at
-
-
-@triton.jit
-def _operand_tiles(rows_ptr, cols_ptr, row_at, col_at, m0, n0, k0, c, row_ok, col_ok, stride_rk, stride_ck,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, TMA: tl.constexpr):
-    """A dot's two operand tiles at features ``[k0, k0 + BLOCK_K)`` (``_dot_tile``'s; features past ``c`` read as
-    zeros): ``[BLOCK_M, BLOCK_K]`` and ``[BLOCK_K, BLOCK_N]``."""
-    if TMA:
-        a = rows_ptr.load([m0, k0])
-        b = cols_ptr.load([n0, k0]).T
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < c
-        a = tl.load(row_at + offs_k[None, :] * stride_rk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(col_at + offs_k[:, None] * stride_ck, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-    if UPCAST:
-        a, b = a.to(tl.float32), b.to(tl.float32)
-    if ROUND_TF32:
-        a, b = _round_tf32(a), _round_tf32(b)
-    return a, b
-
-
-@triton.jit
-def _dot_tile_pair(
-    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c, ct,
-    stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
-    TMA: tl.constexpr, JOINT: tl.constexpr,
-):
-    """The distillation kernels' two tiles, the student's ``rows @ cols^T`` (``c`` features) and the teacher's
-    ``t_rows @ t_cols^T`` (``ct``), each summed as ``_dot_tile`` sums it (the same products in the same order).
-    ``JOINT``: both in one loop over the features they share, then the wider's rest (one pipeline of loads for both
-    dots, filled and drained once a tile instead of twice); else one ``_dot_tile`` after the other."""
-    if JOINT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        t_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        row_at, col_at = _operand_rows(rows_ptr, cols_ptr, offs_m, offs_n, stride_rm, stride_cn, TMA)
-        t_row_at, t_col_at = _operand_rows(t_rows_ptr, t_cols_ptr, offs_m, offs_n, stride_trm, stride_tcn, TMA)
-        # whole steps of the narrower width (its features past its end read as zeros, adding nothing)
-        shared = tl.cdiv(tl.minimum(c, ct), BLOCK_K) * BLOCK_K
-        for k0 in range(0, shared, BLOCK_K):
-            a, b = _operand_tiles(rows_ptr, cols_ptr, row_at, col_at, m0, n0, k0, c, row_ok, col_ok, stride_rk,
-                                  stride_ck, BLOCK_K, UPCAST, ROUND_TF32, TMA)
-            ta, tb = _operand_tiles(t_rows_ptr, t_cols_ptr, t_row_at, t_col_at, m0, n0, k0, ct, row_ok, col_ok,
-                                    stride_trk, stride_tck, BLOCK_K, T_UPCAST, T_ROUND_TF32, TMA)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            t_acc = tl.dot(ta, tb, t_acc, input_precision=PRECISION)
-        for k0 in range(shared, c, BLOCK_K):
-            a, b = _operand_tiles(rows_ptr, cols_ptr, row_at, col_at, m0, n0, k0, c, row_ok, col_ok, stride_rk,
-                                  stride_ck, BLOCK_K, UPCAST, ROUND_TF32, TMA)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        for k0 in range(shared, ct, BLOCK_K):
-            ta, tb = _operand_tiles(t_rows_ptr, t_cols_ptr, t_row_at, t_col_at, m0, n0, k0, ct, row_ok, col_ok,
-                                    stride_trk, stride_tck, BLOCK_K, T_UPCAST, T_ROUND_TF32, TMA)
-            t_acc = tl.dot(ta, tb, t_acc, input_precision=PRECISION)
-    else:
-        acc = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
-                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                        ROUND_TF32, TMA)
-        t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, ct,
-                          stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
-                          T_UPCAST, T_ROUND_TF32, TMA)
-    return acc, t_acc
+    for k0 in range(0, c, BLOCK_K):
+        if TMA:
+            a = rows_ptr.load([m0, k0])
+            b = cols_ptr.load([n0, k0]).T
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < c
+            a = tl.load(row_at + offs_k[None, :] * stride_rk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(col_at + offs_k[:, None] * stride_ck, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if ROUND_TF32:
+            a, b = _round_tf32(a), _round_tf32(b)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -642,7 +573,7 @@ def _distill_stats_kernel(
     spread,  # SHARED_SHIFT_SPREAD
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
-    TMA: tl.constexpr = False, SHARED: tl.constexpr = False, EVEN: tl.constexpr = False, JOINT: tl.constexpr = False,
+    TMA: tl.constexpr = False, SHARED: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
     """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe, for the student's
     logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @ t_cols^T`` together (as
@@ -668,10 +599,12 @@ def _distill_stats_kernel(
     for j0 in range(split_start, split_stop, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < split_stop
-        acc, t_acc = _dot_tile_pair(rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n,
-                                    row_ok, col_ok, c, ct, stride_rm, stride_rk, stride_cn, stride_ck, stride_trm,
-                                    stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                                    ROUND_TF32, T_UPCAST, T_ROUND_TF32, TMA, JOINT)
+        acc = _dot_tile(rows_ptr, cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c,
+                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        ROUND_TF32, TMA)
+        t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, ct,
+                          stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                          T_UPCAST, T_ROUND_TF32, TMA)
         logits = acc * scale  # natural units: what the teacher's probabilities weigh (finite where masked)
         if SHARED:
             # each row's largest and smallest logit of either matrix (a multiply a row, not a logit; either sign)
@@ -726,7 +659,7 @@ def _distill_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
     GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
-    EVEN: tl.constexpr = False, JOINT: tl.constexpr = False,
+    EVEN: tl.constexpr = False,
 ):
     """This program's tiles of ``G = P_row(S) + P_col(S) - t_weight (P_row(T) + P_col(T))`` (the distillation term's
     gradient in the logits, both directions; ``DIAGONAL``: less ``2 diagonal_weight`` where the column is the row
@@ -743,10 +676,12 @@ def _distill_grad_kernel(
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(tile, grid_n, row_start, row_stop, col_start,
                                                              col_stop, BLOCK_M, BLOCK_N, GROUP_M)
-        acc, t_acc = _dot_tile_pair(rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, m0, n0, offs_m, offs_n, row_ok,
-                                    col_ok, c, ct, stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk,
-                                    stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, ROUND_TF32,
-                                    T_UPCAST, T_ROUND_TF32, TMA, JOINT)
+        acc = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
+                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        ROUND_TF32, TMA)
+        t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, ct,
+                          stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                          T_UPCAST, T_ROUND_TF32, TMA)
         s = acc * scale2
         t = t_acc * t_scale2
         row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
@@ -1365,8 +1300,8 @@ def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, pre
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), TMA=tma,
-            SHARED=_shared_shift(rows) > 0, EVEN=_even(m, n, config), JOINT=DISTILL_JOINT == "1",
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            SHARED=_shared_shift(rows) > 0, EVEN=_even(m, n, config), num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
         )
         run = _merge_fields(row_out[:, :active], run)
         col_stats[:, col_start:col_stop] = _finish_fields(_merge_fields(col_out[:, :, :width]))
@@ -1420,7 +1355,7 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
             UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=8,
             DIAGONAL=diagonal_weight is not None, TMA=tma, G_TMA=g_tma,
-            EVEN=_even(row_stop - row_start, col_stop - col_start, config), JOINT=DISTILL_JOINT == "1",
+            EVEN=_even(row_stop - row_start, col_stop - col_start, config),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
