@@ -516,53 +516,59 @@ def _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN: tl.const
 
 
 @triton.jit
-def _distill_rows(s, t, logits, m_s, l_s, m_t, l_t, w_t):
+def _distill_rows(s, t, acc, scale, m_s, l_s, m_t, l_t, w_t):
     """The rows' five running fields over one more tile, online as ``_stats_kernel``'s (every tile has a valid
-    column): the student's (max, sum), the teacher's (max, sum) and the teacher-weighted student logits."""
+    column): the student's (max, sum), the teacher's (max, sum) and the teacher-weighted student logits (``acc``, the
+    student's dots, weighed and summed, the sum times ``scale``: no tile of logits held beside the dots)."""
     m_new = tl.maximum(m_s, tl.max(s, 1))
     l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
     m_new_t = tl.maximum(m_t, tl.max(t, 1))
     keep = tl.exp2(m_t - m_new_t)
     p = tl.exp2(t - m_new_t[:, None])  # 0 outside the block
-    return m_new, l_s, m_new_t, l_t * keep + tl.sum(p, 1), w_t * keep + tl.sum(p * logits, 1)
+    return m_new, l_s, m_new_t, l_t * keep + tl.sum(p, 1), w_t * keep + tl.sum(p * acc, 1) * scale
 
 
 @triton.jit
-def _distill_own_shifts(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok,
+def _distill_own_shifts(acc, t_acc, scale, scale2, t_scale2, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok,
                         EVEN: tl.constexpr):
     """A distillation statistics tile's terms, each row and column shifted by its own maxima: the rows' running
     fields and the columns' fields over the tile (``_distill_stats_kernel``'s five; ``EVEN``: no mask)."""
     s, t = _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN)
-    m_s, l_s, m_t, l_t, w_t = _distill_rows(s, t, logits, m_s, l_s, m_t, l_t, w_t)
+    m_s, l_s, m_t, l_t, w_t = _distill_rows(s, t, acc, scale, m_s, l_s, m_t, l_t, w_t)
     # columns: this row block's share, shifted by its own maxima
     cs_max, ct_max = tl.max(s, 0), tl.max(t, 0)
     if not EVEN:  # 0 on padding columns: no inf - inf
         cs_max, ct_max = tl.where(col_ok, cs_max, 0.0), tl.where(col_ok, ct_max, 0.0)
     p_col = tl.exp2(t - ct_max[None, :])
     return (m_s, l_s, m_t, l_t, w_t, cs_max, tl.sum(tl.exp2(s - cs_max[None, :]), 0), ct_max, tl.sum(p_col, 0),
-            tl.sum(p_col * logits, 0))
+            tl.sum(p_col * acc, 0) * scale)
 
 
 @triton.jit
-def _distill_shared_shift(acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max,
+def _distill_shared_shift(acc, t_acc, scale, scale2, t_scale2, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max,
                           s_top, t_top):
     """``_distill_own_shifts``' terms for a whole tile whose logits span at most ``SHARED_SHIFT_SPREAD`` in each
     matrix: one exponential a logit of each, shifted by the tile's largest rounded up, for rows and columns alike
     (as ``_stats_shared_shift``; the teacher-weighted logits' column sums scaled as the teacher's)."""
     s_shift, t_shift = tl.ceil(s_top) - SHARED_SHIFT_HEADROOM, tl.ceil(t_top) - SHARED_SHIFT_HEADROOM
+    # each tile's sums taken as soon as it is made, in the order that ends the others' lives soonest
     e = tl.exp2(acc * scale2 - s_shift)
+    e_rows, e_cols = tl.sum(e, 1), tl.sum(e, 0)
     p = tl.exp2(t_acc * t_scale2 - t_shift)
+    p_rows, p_cols = tl.sum(p, 1), tl.sum(p, 0)
+    q = p * acc
+    q_rows, q_cols = tl.sum(q, 1), tl.sum(q, 0)
     m_new = tl.maximum(m_s, s_row_max)
-    l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(e, 1) * tl.exp2(s_shift - m_new)
+    l_s = l_s * tl.exp2(m_s - m_new) + e_rows * tl.exp2(s_shift - m_new)
     m_s = m_new
     m_new = tl.maximum(m_t, t_row_max)
     keep, into = tl.exp2(m_t - m_new), tl.exp2(t_shift - m_new)
-    l_t = l_t * keep + tl.sum(p, 1) * into
-    w_t = w_t * keep + tl.sum(p * logits, 1) * into
+    l_t = l_t * keep + p_rows * into
+    w_t = w_t * keep + q_rows * (into * scale)
     m_t = m_new
-    cs_max, cs_sum, _ = _exponent_into(s_shift, tl.sum(e, 0))
-    ct_max, ct_sum, ct_scale = _exponent_into(t_shift, tl.sum(p, 0))
-    return m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, tl.sum(p * logits, 0) * ct_scale
+    cs_max, cs_sum, _ = _exponent_into(s_shift, e_cols)
+    ct_max, ct_sum, ct_scale = _exponent_into(t_shift, p_cols)
+    return m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, q_cols * (ct_scale * scale)
 
 
 @triton.jit
@@ -605,7 +611,6 @@ def _distill_stats_kernel(
         t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, ct,
                           stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
                           T_UPCAST, T_ROUND_TF32, TMA)
-        logits = acc * scale  # natural units: what the teacher's probabilities weigh (finite where masked)
         if SHARED:
             # each row's largest and smallest logit of either matrix (a multiply a row, not a logit; either sign)
             s_hi, s_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
@@ -617,10 +622,10 @@ def _distill_stats_kernel(
             if rows_full & (j0 + BLOCK_N <= split_stop) & (s_spread <= spread) & (t_spread <= spread) & \
                     (tl.abs(s_top) < 4194304.0) & (tl.abs(t_top) < 4194304.0):  # as _stats_kernel
                 m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_shared_shift(
-                    acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max, s_top, t_top)
+                    acc, t_acc, scale, scale2, t_scale2, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max, s_top, t_top)
             else:
                 m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_own_shifts(
-                    acc, t_acc, scale2, t_scale2, logits, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok, EVEN)
+                    acc, t_acc, scale, scale2, t_scale2, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok, EVEN)
             part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
             tl.store(col_out_ptr + part, cs_max, mask=col_ok)
             tl.store(col_out_ptr + stride_col_field + part, cs_sum, mask=col_ok)
@@ -631,7 +636,7 @@ def _distill_stats_kernel(
             # _distill_own_shifts' math, written out with each column sum stored as it is made: the registers this
             # kernel had before the shared shift (through the helper, which returns all ten, it spills twice as much)
             s, t = _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN)
-            m_s, l_s, m_t, l_t, w_t = _distill_rows(s, t, logits, m_s, l_s, m_t, l_t, w_t)
+            m_s, l_s, m_t, l_t, w_t = _distill_rows(s, t, acc, scale, m_s, l_s, m_t, l_t, w_t)
             cs_max, ct_max = tl.max(s, 0), tl.max(t, 0)
             if not EVEN:
                 cs_max, ct_max = tl.where(col_ok, cs_max, 0.0), tl.where(col_ok, ct_max, 0.0)
@@ -641,7 +646,7 @@ def _distill_stats_kernel(
             tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s - cs_max[None, :]), 0), mask=col_ok)
             tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
             tl.store(col_out_ptr + 3 * stride_col_field + part, tl.sum(p_col, 0), mask=col_ok)
-            tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * logits, 0), mask=col_ok)
+            tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * acc, 0) * scale, mask=col_ok)
     at = pid_s.to(tl.int64) * m + offs_m  # [field, splits, m]
     tl.store(row_out_ptr + at, m_s, mask=row_ok)
     tl.store(row_out_ptr + stride_row_field + at, l_s, mask=row_ok)
