@@ -14,18 +14,27 @@ memory or registers: a config tuned before a kernel changed); with ``--merge`` t
 same-SM GPU's identical config is dropped, so that GPU takes the new one:
 
     python scripts/tune_kernels.py --check --merge --out tuned_check.json
+
+``--timings`` also writes each candidate's median time and the picks (``{"meta": {..., "picks"}, "results"}``, as the
+benchmarks write theirs; the results page draws it as a ``tune`` table):
+
+    python scripts/tune_kernels.py --size 24576 --dims 512,768 --dtypes bf16 --kernels sigmoid --out tuned.json \
+        --timings tune_sigmoid.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from megabatch.kernels import triton_tiles
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "benchmarks"))  # bench: the benchmarks' JSON layout
 
 DTYPES = {"bf16": (torch.bfloat16, "tf32"), "fp16": (torch.float16, "tf32"),
           "fp32": (torch.float32, "tf32"), "fp32_ieee": (torch.float32, "ieee")}
@@ -38,6 +47,8 @@ def main() -> None:
     parser.add_argument("--kernels", default="stats,grad,sigmoid")
     parser.add_argument("--size", type=int, default=16384, help="rows and columns of the tuning block")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--timings", default=None,
+                        help="also write every candidate's median time and the picks here (JSON, with the run's meta)")
     parser.add_argument("--merge", action="store_true", help="also merge into the committed tuned.json")
     parser.add_argument("--missing", action="store_true", help="only the keys tuned.json lacks for this GPU")
     parser.add_argument("--check", action="store_true",
@@ -54,10 +65,16 @@ def main() -> None:
                        args.missing)
         stale = {}
     print(f"{gpu}: {len(todo)} kernel configs to tune", flush=True)
+    timings, picks = [], {}
     for kernel, dtype, dim, precision, key in todo:
         start = time.perf_counter()
-        config = triton_tiles.tune(kernel, dtype, dim, precision, device, size=args.size)
+        config = triton_tiles.tune(kernel, dtype, dim, precision, device, size=args.size, timings=timings)
         print(f"{gpu} {key}: {config} ({time.perf_counter() - start:.0f} s)", flush=True)
+        picks[key] = config
+        if args.timings:  # after every key: a run cut short keeps what it timed
+            from bench import write_results
+
+            write_results(args.timings, timings, picks=picks)
         triton_tiles.save_config(gpu, key, config, out, record)
         if args.merge:
             triton_tiles.save_config(gpu, key, config, triton_tiles.TUNED_FILE, record)

@@ -109,17 +109,16 @@ def tile_name(tile: dict) -> str:
 
 
 def tune_table(data: dict, entry: dict) -> list[str]:
-    """scripts/tune_kernels.py's log: each candidate tile's median time on the tuning block, the one it picked marked
-    (a candidate that does not fit the GPU: why)."""
-    rows = ["| kernel | c | tiles (M x N x K, warps, stages) | time | picked |", "|---|---|---|---|---|"]
+    """scripts/tune_kernels.py --timings: each candidate tile's median time on the tuning block, the one it picked
+    marked (a candidate that does not fit the GPU: why)."""
+    rows = ["| kernel | c | block | tiles (M x N x K, warps, stages) | time | picked |", "|---|---|---|---|---|---|"]
+    picks = data["meta"]["picks"]
     for row in data["results"]:
         c = row["config"]
         tiles = f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}, {c['num_warps']}, {c['num_stages']}"
-        key = next((key for key in data["picks"] if key.startswith(f"{row['kernel']}/")
-                    and key.endswith(f"/c{512 if row['dim'] == 512 else 1024}")), None)
-        picked = "yes" if key and data["picks"][key] == c else ""
         shown = f"{row['ms']:.3f} ms" if "ms" in row else row["skipped"]
-        rows.append(f"| {row['kernel']} | {row['dim']} | {tiles} | {shown} | {picked} |")
+        picked = "yes" if picks.get(row["key"]) == c else ""
+        rows.append(f"| {row['kernel']} | {row['dim']} | {row['size']:,} | {tiles} | {shown} | {picked} |")
     return rows
 
 

@@ -264,3 +264,51 @@ def test_tune_kernels_check_retunes_what_does_not_fit_and_drops_it_from_same_sm_
     data = json.loads(table.read_text())
     assert data["H200"]["grad/float32/tf32/c512"] == CONFIG and "grad/float32/tf32/c512" not in data["H100"]
     assert data["H100"]["sigmoid/float32/tf32/c512"] == bad and data["H20"]["grad/float32/tf32/c512"] == bad
+
+
+def test_tune_kernels_times_each_candidate_by_its_median_and_writes_the_timings(monkeypatch, tmp_path):
+    """scripts/tune_kernels.py --timings: ``triton_tiles.tune`` times every candidate by the median of its launches
+    (``do_bench``'s ``return_mode``), picks the fastest, and records each one, a candidate that does not fit the GPU
+    with why; the script writes those rows and the picks with the run's meta, after every key."""
+    import importlib.util
+    import sys
+
+    import triton.testing
+
+    from megabatch.kernels import triton_tiles
+
+    from ..helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("tune_kernels", ROOT / "scripts" / "tune_kernels.py")
+    tune_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_kernels)
+    slow, fast, too_big = ({**CONFIG, "BLOCK_M": m} for m in (128, 64, 256))
+    times = {128: 2.0, 64: 1.5}
+    asked = []
+
+    def do_bench(fn, warmup, rep, return_mode):
+        asked.append(return_mode)
+        config = fn.args[0]
+        if config["BLOCK_M"] == 256:
+            raise triton_tiles.triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+        return times[config["BLOCK_M"]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(triton_tiles, "_launcher", lambda *args: lambda config: None)
+    monkeypatch.setattr(triton_tiles, "candidate_configs", lambda dtype: [slow, fast, too_big])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    monkeypatch.setattr(triton_tiles, "device_record", lambda device: {"capability": "9.0", "sms": 132})
+    timings = tmp_path / "timings.json"
+    monkeypatch.setattr(sys, "argv", ["tune_kernels.py", "--dims", "512,768", "--dtypes", "bf16", "--kernels",
+                                      "sigmoid", "--size", "24576", "--out", str(tmp_path / "tuned.json"),
+                                      "--timings", str(timings)])
+    tune_kernels.main()
+    written = json.loads(timings.read_text())
+    keys = ["sigmoid/bfloat16/native/c512", "sigmoid/bfloat16/native/c1024"]
+    assert set(asked) == {"median"} and len(asked) == 6
+    assert written["meta"]["picks"] == {key: fast for key in keys}
+    assert [(row["key"], row["dim"], row["size"], row["config"]["BLOCK_M"], row.get("ms"), row.get("skipped"))
+            for row in written["results"]] == [
+        (key, dim, 24576, m, times.get(m), None if m != 256 else "OutOfResources")
+        for key, dim in zip(keys, (512, 768), strict=True) for m in (128, 64, 256)]
+    assert json.loads((tmp_path / "tuned.json").read_text())["Some GPU"] == {key: fast for key in keys}

@@ -865,23 +865,30 @@ def save_config(gpu: str, key: str, config: dict, path: Path, record: dict | Non
 
 
 def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: int = 16384,
-         verbose: bool = True) -> dict:
+         verbose: bool = True, timings: list | None = None) -> dict:
     """Benchmark every candidate on a ``size x size x c`` block; returns the fastest config. Each is timed by the
     median of ~100 ms of launches after ~25 ms of warm-up (until 2026-12 the mean of 20 ms, a handful of launches at
     16k, where a slow launch or two could move a candidate's rank). ``scripts/tune_kernels.py --size`` sets ``size``
-    (24576, one block of G' at 16 bits, times the backward's kernels as a large batch runs them)."""
-    from triton.testing import do_bench
+    (24576, one block of G' at 16 bits, times the backward's kernels as a large batch runs them). ``timings``, if
+    given, receives a row a candidate: its key, width, config and milliseconds, or why it did not run."""
+    from triton import testing
 
     launch = _launcher(kernel, dtype, c, precision, device, size)
+    key = config_key(kernel, dtype, c, precision)
     best, best_ms = default_config(dtype), float("inf")
     for config in candidate_configs(dtype):
         fn = functools.partial(launch, config)
+        row = {"key": key, "kernel": kernel, "dim": c, "size": size, "config": config}
         try:
-            ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            ms = testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         except Exception as error:  # out of shared memory / registers for this GPU: skip it
             if verbose:
                 print(f"  tune {kernel} {config}: skipped ({type(error).__name__})")
+            if timings is not None:
+                timings.append({**row, "skipped": type(error).__name__})
             continue
+        if timings is not None:
+            timings.append({**row, "ms": ms})
         if verbose:
             print(f"  tune {kernel} {dtype} c={c} {config}: {ms:.3f} ms")
         if ms < best_ms:
