@@ -150,7 +150,6 @@ def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_pt
         if GEMM_ONLY:
             l_s += tl.sum(acc + t_acc, 1)
         else:
-            logits = acc * scale
             ok = row_ok[:, None] & col_ok[None, :]
             s = tl.where(ok, acc * scale2, float("-inf"))
             t = tl.where(ok, t_acc * t_scale2, float("-inf"))
@@ -161,7 +160,7 @@ def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_pt
             keep = tl.exp2(m_t - m_new)
             p = tl.exp2(t - m_new[:, None])
             l_t = l_t * keep + tl.sum(p, 1)
-            w_t = w_t * keep + tl.sum(p * logits, 1)
+            w_t = w_t * keep + tl.sum(p * acc, 1) * scale  # the kernel's: no tile of logits
             m_t = m_new
             cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)
             ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
@@ -171,7 +170,7 @@ def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_pt
             tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s - cs_max[None, :]), 0), mask=col_ok)
             tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
             tl.store(col_out_ptr + 3 * stride_col_field + part, tl.sum(p_col, 0), mask=col_ok)
-            tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * logits, 0), mask=col_ok)
+            tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * acc, 0) * scale, mask=col_ok)
     at = pid_s.to(tl.int64) * m + offs_m
     tl.store(row_out_ptr + at, m_s, mask=row_ok)
     tl.store(row_out_ptr + stride_row_field + at, l_s, mask=row_ok)
