@@ -35,6 +35,7 @@ import torch
 from megabatch.kernels import triton_tiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "benchmarks"))  # bench: the benchmarks' JSON layout
+from bench import write_results  # noqa: E402
 
 DTYPES = {"bf16": (torch.bfloat16, "tf32"), "fp16": (torch.float16, "tf32"),
           "fp32": (torch.float32, "tf32"), "fp32_ieee": (torch.float32, "ieee")}
@@ -72,8 +73,6 @@ def main() -> None:
         print(f"{gpu} {key}: {config} ({time.perf_counter() - start:.0f} s)", flush=True)
         picks[key] = config
         if args.timings:  # after every key: a run cut short keeps what it timed
-            from bench import write_results
-
             write_results(args.timings, timings, picks=picks)
         triton_tiles.save_config(gpu, key, config, out, record)
         if args.merge:
