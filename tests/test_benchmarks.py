@@ -206,3 +206,49 @@ def test_kernel_instructions_counts_a_loss_kernels_machine_code(tmp_path):
     assert grad["spill_stores"] == 0 and 0 < grad["registers"] <= 255
     for row in (grad, stats, checked):
         assert 0 < row["hgmma_batches_ended"] < row["opcodes"]["HGMMA"], (row["tree"], row["kernel"])
+
+
+def test_a_result_names_the_commit_whose_sources_it_measured_where_the_checkouts_history_lags(tmp_path):
+    """``bench.source_tree`` is git's id of a folder's tree, computed from its files (what git ignores left out), so a
+    run on a copy of the working tree whose history stopped at an older commit still says which code it measured;
+    ``results_page.py --resolve`` turns that back into the commit."""
+    import bench
+    import results_page
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True,
+                              env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                                   "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}).stdout.strip()
+
+    src = tmp_path / "src"
+    (src / "pkg" / "sub").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("x = 1\n")
+    (src / "pkg" / "sub" / "b.json").write_text("{}\n")
+    (src / "pkg-x.py").write_text("y = 2\n")  # sorts before "pkg/" as git sorts a folder: name + "/"
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    (src / "run.sh").chmod(0o755)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "HEAD")
+    assert bench.source_tree(src) == git("rev-parse", "HEAD:src")
+    (src / "pkg" / "a.py").write_text("x = 2\n")
+    git("commit", "-qam", "second")
+    (src / "pkg" / "__pycache__").mkdir()  # ignored by git, so by the id too
+    (src / "pkg" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (src / "pkg" / "c.pyc").write_bytes(b"\0")
+    assert bench.source_tree(src) == git("rev-parse", "HEAD:src") != bench.source_tree(src / "pkg")
+    assert bench.source_tree(tmp_path / "nope") is None
+    assert bench.tree_ids(f"now={src},gone={tmp_path / 'nope'}@X=1") == {"now": git("rev-parse", "HEAD:src"),
+                                                                           "gone": None}
+    assert bench.commit_of_tree(git("rev-parse", f"{first}:src"), root=tmp_path) == first
+    assert bench.commit_of_tree("0" * 40, root=tmp_path) is None
+
+    # a result measured at the first commit's sources, reported from a copy whose history said otherwise
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"meta": {"git_commit": "abc1234+dirty", "src_tree": git("rev-parse", f"{first}:src")},
+                                  "results": [1]}))
+    said = results_page.resolve_commits([str(result)], root=tmp_path)
+    meta = json.loads(result.read_text())["meta"]
+    assert meta["git_commit"] == first and meta["reported_commit"] == "abc1234+dirty" and first[:7] in said[0]
+    assert "already" in results_page.resolve_commits([str(result)], root=tmp_path)[0]

@@ -160,9 +160,9 @@ def kernel_summary(prof, wall_s: float, top: int = 15) -> dict:
             "top_kernels": [{"name": name[:120], "s": s} for name, s in ranked]}
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, root: Path = ROOT) -> str | None:
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -175,8 +175,77 @@ def _git_commit() -> str | None:
     return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+IGNORED_PARTS = ("__pycache__", ".pytest_cache", ".ruff_cache")  # what .gitignore keeps out of a source folder
+
+
+def source_tree(folder: str | os.PathLike) -> str | None:
+    """git's id of ``folder``'s tree as its files are now, computed without git: equal to ``git rev-parse
+    <commit>:<folder>`` for the commit whose files these are. It names the code a run measured where the checkout's
+    history does not (a copy of the working tree sent to a GPU machine can keep the commit it was first sent with, so
+    ``git_commit`` there names a stale HEAD ``+dirty``); ``commit_of_tree`` finds the commit again. What git ignores in
+    a source folder (``IGNORED_PARTS``, ``*.pyc``, ``*.egg-info``) is left out. None where ``folder`` is no folder."""
+    import hashlib
+
+    def tree(path: Path) -> bytes | None:
+        entries = []
+        for child in path.iterdir():
+            if child.name in IGNORED_PARTS or child.name.endswith((".pyc", ".egg-info")):
+                continue
+            if child.is_symlink():
+                mode, oid = b"120000", _object(b"blob", os.readlink(child).encode())
+            elif child.is_dir():
+                mode, oid = b"40000", tree(child)
+                if oid is None:  # git keeps no empty folder
+                    continue
+            elif child.is_file():
+                mode = b"100755" if os.access(child, os.X_OK) else b"100644"
+                oid = _object(b"blob", child.read_bytes())
+            else:
+                continue
+            # git orders a folder's entries by name, a subfolder's name as if it ended in "/"
+            entries.append((child.name.encode() + (b"/" if mode == b"40000" else b""), mode, child.name.encode(), oid))
+        if not entries:
+            return None
+        return _object(b"tree", b"".join(mode + b" " + name + b"\0" + oid for _, mode, name, oid in sorted(entries)))
+
+    def _object(kind: bytes, body: bytes) -> bytes:
+        return hashlib.sha1(kind + b" " + str(len(body)).encode() + b"\0" + body).digest()
+
+    path = Path(folder)
+    if not path.is_dir():
+        return None
+    oid = tree(path)
+    return oid.hex() if oid is not None else None
+
+
+def commit_of_tree(tree_id: str, folder: str = "src", root: Path = ROOT, depth: int = 2000) -> str | None:
+    """The newest of the last ``depth`` commits whose ``folder`` is the tree ``tree_id`` (``source_tree``), else
+    None: the commit a run on a copy of the working tree measured."""
+    commits = (_git("log", "--format=%H", f"-n{depth}", root=root) or "").split()
+    if not commits:
+        return None
+    listed = subprocess.run(["git", "cat-file", "--batch-check"], cwd=root, capture_output=True, text=True,
+                            input="".join(f"{commit}:{folder}\n" for commit in commits)).stdout.splitlines()
+    for commit, line in zip(commits, listed, strict=False):
+        if line.split(" ")[0] == tree_id:
+            return commit
+    return None
+
+
+def tree_ids(trees: str) -> dict[str, str | None]:
+    """``name=src-path[@KEY=VALUE...]`` pairs (``run_trees``' argument) to each source folder's ``source_tree``."""
+    ids = {}
+    for pair in trees.split(","):
+        name, _, rest = pair.partition("=")
+        ids[name] = source_tree(rest.split("@")[0])
+    return ids
+
+
 def metadata(**extra) -> dict:
-    """The one metadata schema of every benchmark result."""
+    """The one metadata schema of every benchmark result (``trees``, ``run_trees``' argument: each tree's
+    ``source_tree`` too, as ``tree_ids``)."""
+    if isinstance(extra.get("trees"), str):
+        extra = {**extra, "tree_ids": tree_ids(extra["trees"])}
     cuda = torch.cuda.is_available()
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("triton", "open_clip", "torchvision"):
@@ -185,7 +254,8 @@ def metadata(**extra) -> dict:
         except (ImportError, AttributeError):
             pass
     return {"command": shlex.join(sys.argv),  # a setting of several overrides stays one quoted argument
-            "git_commit": _git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "git_commit": _git_commit(), "src_tree": source_tree(ROOT / "src"),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "gpu": torch.cuda.get_device_name() if cuda else None,
             "gpus": int(os.environ.get("WORLD_SIZE", "1")) if cuda else 0,
             "host": {"cpus": os.cpu_count(), "machine": platform.machine()}, "versions": versions, **extra}

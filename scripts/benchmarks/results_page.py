@@ -711,11 +711,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
     parser.add_argument("--plots", action="store_true", help="also draw the pictures (matplotlib)")
+    parser.add_argument("--resolve", nargs="+", metavar="JSON",
+                        help="first set each file's meta.git_commit to the commit whose src/ it measured (its "
+                             "meta.src_tree), keeping what the run reported as meta.reported_commit: a GPU machine's "
+                             "copy of the tree can report the commit it was first sent with")
     return parser
+
+
+def resolve_commits(paths: list[str], root: Path = ROOT) -> list[str]:
+    """``--resolve``: each JSON's ``meta.git_commit`` from its ``meta.src_tree`` (``bench.commit_of_tree``), rewritten
+    in place where they differ; a line a file saying what was done."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import commit_of_tree
+
+    said = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        meta = data.get("meta", {})
+        tree = meta.get("src_tree")
+        commit = commit_of_tree(tree, root=root) if tree else None
+        if commit is None:
+            said.append(f"{path}: " + (f"no commit's src/ is tree {tree[:12]}: left as "
+                                       f"{meta.get('git_commit')}" if tree else "no meta.src_tree: left alone"))
+        elif commit == meta.get("git_commit"):
+            said.append(f"{path}: {commit[:7]} already")
+        else:
+            meta["reported_commit"], meta["git_commit"] = meta.get("git_commit"), commit
+            Path(path).write_text(json.dumps(data, indent=1))
+            said.append(f"{path}: {meta['reported_commit']} -> {commit[:7]} (its src/)")
+    return said
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    for line in resolve_commits(args.resolve) if args.resolve else []:
+        print(line)
     text = page()
     if args.check:
         if not PAGE.exists() or PAGE.read_text() != text:
