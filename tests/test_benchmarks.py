@@ -252,3 +252,36 @@ def test_a_result_names_the_commit_whose_sources_it_measured_where_the_checkouts
     meta = json.loads(result.read_text())["meta"]
     assert meta["git_commit"] == first and meta["reported_commit"] == "abc1234+dirty" and first[:7] in said[0]
     assert "already" in results_page.resolve_commits([str(result)], root=tmp_path)[0]
+
+
+def test_kernel_counters_gives_each_kernel_ncu_profiled_its_pass_and_flops():
+    """``kernel_counters.py`` reads ncu's raw CSV page: a Triton kernel names its pass and its dots, cuBLAS's GEMMs
+    and other kernels take the pass launched before them, and a second launch of a kernel in one pass (the checked
+    shift's redo) is given no FLOPs."""
+    import kernel_counters as kc
+
+    metrics = kc.counters()
+    header = ["ID", "Kernel Name", "Grid Size", "Block Size", *metrics]
+    units = ["", "", "", "", *["" for _ in metrics]]
+
+    def record(i, name, time_ns, tensor):
+        values = {kc.AMOUNTS["time_ns"]: str(time_ns), kc.SHARES["tensor"]: str(tensor),
+                  kc.AMOUNTS["l2_bytes"]: "1,000,000", kc.STALL.format("barrier"): "0.5"}
+        return [str(i), name, "(264, 1, 1)", "(128, 1, 1)", *[values.get(metric, "n/a") for metric in metrics]]
+
+    lines = ["==PROF== Connected to process", "stats 1 c"] + [
+        ",".join(f'"{v}"' for v in row) for row in (
+            header, units, record(0, "_stats_kernel", 2_000_000, 51.0), record(1, "_stats_kernel", 10_000, 1.0),
+            record(2, "reduce_kernel", 5_000, 0), record(3, "_sigmoid_kernel", 3_000_000, 40.0),
+            record(4, "nvjet_hsh_256x128_2cta", 1_000_000, 77.0), record(5, "_distill_stats_kernel", 4_000_000, 30.0))]
+    b, c = 1024, 512
+    rows = kc.rows_of("\n".join(lines), b, c)
+    assert [(row["pass"], row["kernel"]) for row in rows] == [
+        ("stats", "_stats_kernel"), ("stats", "_stats_kernel"), ("stats", "reduce_kernel"),
+        ("sigmoid", "_sigmoid_kernel"), ("sigmoid", "nvjet_hsh_256x128_2cta"), ("distill", "_distill_stats_kernel")]
+    gemm = 2 * b * b * c
+    assert [row["flops"] for row in rows] == [gemm, None, None, gemm, gemm, 2 * gemm]
+    assert rows[0]["tflops"] == gemm / 2e-3 / 1e12 and rows[0]["tensor"] == 51.0 and rows[0]["xu"] is None
+    assert rows[0]["l2_bytes"] == 1e6 and rows[0]["l2_bytes_per_flop"] == 1e6 / gemm
+    assert rows[0]["stalls"]["barrier"] == 0.5 and rows[0]["stalls"]["wait"] is None
+    assert kc.rows_of("==ERROR== no kernels were profiled", b, c) == []

@@ -122,6 +122,32 @@ def tune_table(data: dict, entry: dict) -> list[str]:
     return rows
 
 
+def counters_table(data: dict, entry: dict) -> list[str]:
+    """scripts/benchmarks/kernel_counters.py: each kernel a pass launched, with its time, TFLOP/s, how busy it kept
+    each part of the GPU (% of that part's peak, ncu's counters) and the reasons its warps waited most."""
+    rows = ["| c | pass | kernel | time | TFLOP/s | tensor cores | XU | FMA | issue | L2 | DRAM | L2 bytes / FLOP | "
+            "warps waited most on (cycles an instruction) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def share(value) -> str:
+        return "-" if value is None else f"{value:.0f}%"
+
+    for row in data["results"]:
+        if "kernel" not in row:
+            rows.append(f"| {row.get('dim')} | {row.get('status')} | | | | | | | | | | | |")
+            continue
+        stalls = sorted(((v, k) for k, v in (row.get("stalls") or {}).items() if v), reverse=True)[:3]
+        waited = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for v, k in stalls) or "-"
+        tensor = row.get("tensor") if row.get("tensor") is not None else row.get("tensor_hmma")
+        tflops = f"{row['tflops']:.0f}" if row.get("tflops") else "-"
+        per_flop = f"{row['l2_bytes_per_flop']:.4f}" if row.get("l2_bytes_per_flop") else "-"
+        time_us = (row.get("time_ns") or 0) / 1e3
+        rows.append(f"| {row['dim']} | {row['pass']} | `{row['kernel'][:48]}` | {time_us:.0f} us | {tflops} | "
+                    f"{share(tensor)} | {share(row.get('xu'))} | {share(row.get('fma'))} | "
+                    f"{share(row.get('issue'))} | {share(row.get('l2'))} | {share(row.get('dram'))} | {per_flop} | "
+                    f"{waited} |")
+    return rows
+
+
 def loss_variants_table(data: dict, entry: dict) -> list[str]:
     """scripts/benchmarks/loss_variants.py: each kernel variant's time, TFLOP/s, share of the peak and largest
     difference from the tree's own kernel (or why it did not build)."""
@@ -575,7 +601,7 @@ def chaos_table(data: dict, entry: dict) -> list[str]:
 
 
 TABLES = {"eval_suite": eval_suite_table, "embed": embed_table, "chaos": chaos_table, "loss": loss_table,
-          "loss_passes": loss_passes_table, "loss_variants": loss_variants_table,
+          "loss_passes": loss_passes_table, "loss_variants": loss_variants_table, "counters": counters_table,
           "g_gemms": g_gemms_table, "g_block_sides": g_block_sides_table, "tune": tune_table,
           "naflex_pack": naflex_pack_table,
           "decoder_head": decoder_head_table,

@@ -1,0 +1,186 @@
+"""The loss kernels' hardware counters on one GPU, read by Nsight Compute (``ncu``): each pass (``stats``, ``backward``,
+``sigmoid``, ``distill``; ``loss_passes.py``'s) run once on one block of ``--batch`` rows (bf16, the tree's tuned tiles)
+inside the profiler's range, every kernel it launches (Triton's and cuBLAS's) a row: its time and how busy it kept
+each part of the GPU, as shares of that part's peak: the tensor cores, the exponential unit (XU, ``MUFU``), the FMA
+and ALU pipes, instruction issue, L2 and DRAM; L2's bytes per FLOP and where the warps waited (ncu's stall reasons,
+cycles a warp spent stalled for each reason per instruction it issued). A kernel held by L2 shows L2 near its peak and
+the tensor cores far from theirs; one held by its epilogue shows issue or XU near theirs.
+
+    python scripts/benchmarks/kernel_counters.py --batch 24576 --dims 512,768 --out counters.json
+
+Needs ``ncu`` on the PATH (else ``--ncu``) with access to the GPU's counters; the clocks are left as they run
+(``--clock-control none``). ncu replays each kernel once per group of counters, so a pass takes seconds here, not
+milliseconds; the times are each kernel's own (``gpu__time_duration``), caches flushed before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import shutil
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench, however the script is started
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # this checkout's kernels
+
+PASSES = ("stats", "backward", "sigmoid", "distill")
+# each Triton kernel's pass and its dots (b^2 c GEMMs' FLOPs); any other kernel belongs to the pass launched before it
+TRITON = {"_stats_kernel": ("stats", 1), "_grad_kernel": ("backward", 1), "_sigmoid_kernel": ("sigmoid", 1),
+          "_distill_stats_kernel": ("distill", 2), "_distill_grad_kernel": ("distill", 2)}
+GEMM_NAMES = ("gemm", "nvjet", "xmma", "cutlass")  # cuBLAS's GEMM kernels: one b^2 c GEMM each on a square block
+SHARES = {  # column: counter (a share of its peak, in %)
+    "tensor": "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "tensor_hmma": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "xu": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+    "fma": "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+    "alu": "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
+    "issue": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "l2": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "warps": "sm__warps_active.avg.pct_of_peak_sustained_active",
+}
+AMOUNTS = {"time_ns": "gpu__time_duration.sum", "l2_bytes": "lts__t_bytes.sum",
+           "dram_read_bytes": "dram__bytes_read.sum", "dram_write_bytes": "dram__bytes_write.sum"}
+STALLS = ("long_scoreboard", "short_scoreboard", "barrier", "mio_throttle", "math_pipe_throttle", "wait",
+          "lg_throttle", "dispatch_stall", "not_selected", "selected", "sleeping", "membar", "no_instruction",
+          "branch_resolving", "drain", "tex_throttle", "misc", "imc_miss")
+STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+
+
+def counters() -> list[str]:
+    return [*SHARES.values(), *AMOUNTS.values(), *(STALL.format(reason) for reason in STALLS)]
+
+
+def find_ncu(given: str | None) -> str:
+    found = given or shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
+    if not found:
+        raise SystemExit("kernel_counters.py: no ncu on the PATH or in /opt/nvidia/nsight-compute: give --ncu PATH")
+    return found
+
+
+def available(ncu: str, wanted: list[str]) -> list[str]:
+    """The counters of ``wanted`` this ncu knows for the GPU (``--query-metrics``): one it lacks would stop the whole
+    run. All of them where the query says nothing."""
+    listed = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
+    known = {line.split()[0] for line in listed.splitlines() if line.strip() and "__" in line.split()[0]}
+    return [name for name in wanted if name.split(".")[0] in known] if known else wanted
+
+
+def number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def rows_of(csv_text: str, b: int, c: int) -> list[dict]:
+    """ncu's raw page (one line a kernel, a line of units after the header) as rows, each given its pass: a Triton
+    kernel's own, any other kernel the pass of the kernel before it (``TRITON``)."""
+    lines = [line for line in csv_text.splitlines() if line.startswith('"')]
+    table = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(table) < 3:
+        return []
+    header, records = table[0], table[2:]
+    rows, current, counted = [], None, set()
+    for record in records:
+        values = dict(zip(header, record, strict=False))
+        name = values.get("Kernel Name", "")
+        triton = next((kernel for kernel in TRITON if name.startswith(kernel)), None)
+        gemms = None
+        if triton:
+            current, gemms = TRITON[triton][0], TRITON[triton][1]
+            if (current, triton) in counted:  # a second launch in the pass (the checked shift's redo): no FLOPs
+                gemms = None
+            counted.add((current, triton))
+        elif any(part in name.lower() for part in GEMM_NAMES):
+            gemms = 1
+        row = {"pass": current, "dim": c, "batch": b, "kernel": triton or name[:120],
+               "grid": values.get("Grid Size"), "block": values.get("Block Size")}
+        for column, metric in {**AMOUNTS, **SHARES}.items():
+            row[column] = number(values[metric]) if metric in values else None
+        row["stalls"] = {reason: number(values[STALL.format(reason)]) for reason in STALLS
+                         if STALL.format(reason) in values}
+        flops = gemms * 2 * b * b * c if gemms else None
+        row["flops"] = flops
+        seconds = row["time_ns"] * 1e-9 if row.get("time_ns") else None
+        row["tflops"] = flops / seconds / 1e12 if flops and seconds else None
+        row["l2_bytes_per_flop"] = row["l2_bytes"] / flops if flops and row.get("l2_bytes") else None
+        rows.append(row)
+    return rows
+
+
+def worker(b: int, c: int, passes: list[str]) -> None:
+    """Each pass warmed (compiled, its tiles looked up), then run once between cudaProfilerStart and Stop."""
+    import torch
+    import torch.nn.functional as F
+    from loss_passes import distill_pass, sigmoid_pass
+
+    from megabatch.kernels import triton_tiles as tt
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    image = F.normalize(torch.randn(b, c, device=device, generator=generator), dim=-1)
+    text = F.normalize(image + 0.8 * torch.randn(b, c, device=device, generator=generator), dim=-1)
+    scale, weight = torch.tensor(100.0, device=device), torch.tensor(1.0 / (2 * b), device=device)
+    rows, cols = image.bfloat16(), text.bfloat16()
+    lse = tt.block_stats(rows, cols, scale)
+    calls = {"stats": partial(tt.block_stats, rows, cols, scale),
+             "backward": partial(tt.block_grads, rows, cols, scale, *lse, weight, True),
+             "sigmoid": partial(sigmoid_pass, tt, rows, cols, scale, None),
+             "distill": partial(distill_pass, tt, rows, cols, scale, weight, None)}
+    for name in passes:
+        calls[name]()
+        calls[name]()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        calls[name]()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=24576, help="rows and columns of the one block (default: one G' "
+                        "block's side at the default MEGABATCH_LOSS_G_MIB)")
+    parser.add_argument("--dims", default="512,768")
+    parser.add_argument("--passes", default=",".join(PASSES))
+    parser.add_argument("--ncu", default=None, help="Nsight Compute's command line (default: ncu on the PATH)")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", required=False)
+    args = parser.parse_args()
+    passes = args.passes.split(",")
+    unknown = [name for name in passes if name not in PASSES]
+    if unknown:
+        parser.error(f"--passes: {', '.join(unknown)} unknown; take some of {', '.join(PASSES)}")
+    if args.worker is not None:
+        worker(args.batch, args.worker, passes)
+        return
+    if not args.out:
+        parser.error("--out is required")
+    from bench import write_results
+
+    ncu = find_ncu(args.ncu)
+    metrics = available(ncu, counters())
+    results = []
+    for c in (int(d) for d in args.dims.split(",")):
+        ran = subprocess.run([ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics",
+                              ",".join(metrics), "--csv", "--page", "raw", sys.executable, __file__, "--worker", str(c),
+                              "--batch", str(args.batch), "--passes", args.passes], capture_output=True, text=True)
+        found = rows_of(ran.stdout, args.batch, c)
+        if not found:
+            results.append({"dim": c, "status": f"exit {ran.returncode}: {ran.stderr.strip()[-400:]}"})
+        for row in found:
+            results.append(row)
+            shares = ", ".join(f"{k} {row[k]:.0f}%" for k in SHARES if row.get(k) is not None)
+            print(f"c={c} {row['pass']} {row['kernel'][:40]}: {(row['time_ns'] or 0) / 1e3:.0f} us"
+                  + (f", {row['tflops']:.0f} TFLOP/s" if row.get("tflops") else "") + f"; {shares}", flush=True)
+        write_results(args.out, results, ncu=ncu, metrics=metrics)
+
+
+if __name__ == "__main__":
+    main()
