@@ -285,3 +285,34 @@ def test_kernel_counters_gives_each_kernel_ncu_profiled_its_pass_and_flops():
     assert rows[0]["l2_bytes"] == 1e6 and rows[0]["l2_bytes_per_flop"] == 1e6 / gemm
     assert rows[0]["stalls"]["barrier"] == 0.5 and rows[0]["stalls"]["wait"] is None
     assert kc.rows_of("==ERROR== no kernels were profiled", b, c) == []
+
+
+def test_kernel_counters_runs_ncu_again_without_a_counter_it_does_not_know(tmp_path):
+    """The whole script against a stand-in for ncu that knows every counter but one: the first run fails naming it,
+    the second, without it, profiles; the JSON names the counter left out and holds the kernels' rows."""
+    import kernel_counters as kc
+
+    missing = kc.STALL.format("imc_miss")
+    fake = tmp_path / "ncu"
+    fake.write_text(f"""#!{sys.executable}
+import sys
+metrics = sys.argv[sys.argv.index("--metrics") + 1].split(",")
+assert "--profile-from-start" in sys.argv and "--worker" in sys.argv
+if {missing!r} in metrics:
+    print("==ERROR== Failed to find metric {missing.split('.')[0]}", file=sys.stderr)
+    sys.exit(1)
+header = ["ID", "Kernel Name", *metrics]
+print("==PROF== Disconnected")
+for row in (header, [""] * len(header), ["0", "_sigmoid_kernel", *["2,000" for _ in metrics]]):
+    print(",".join(f'"{{v}}"' for v in row))
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "counters.json"
+    ran = subprocess.run([sys.executable, str(FOLDER / "kernel_counters.py"), "--ncu", str(fake), "--batch", "1024",
+                          "--dims", "512", "--passes", "sigmoid", "--out", str(out)], capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    data = json.loads(out.read_text())
+    assert data["meta"]["unknown_metrics"] == [missing] and missing not in data["meta"]["metrics"]
+    [row] = data["results"]
+    assert row["pass"] == "sigmoid" and row["time_ns"] == 2000 and row["tflops"] == 2 * 1024 * 1024 * 512 / 2e-6 / 1e12

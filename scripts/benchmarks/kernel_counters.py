@@ -63,12 +63,10 @@ def find_ncu(given: str | None) -> str:
     return found
 
 
-def available(ncu: str, wanted: list[str]) -> list[str]:
-    """The counters of ``wanted`` this ncu knows for the GPU (``--query-metrics``): one it lacks would stop the whole
-    run. All of them where the query says nothing."""
-    listed = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
-    known = {line.split()[0] for line in listed.splitlines() if line.strip() and "__" in line.split()[0]}
-    return [name for name in wanted if name.split(".")[0] in known] if known else wanted
+def unknown_counters(stderr: str, asked: list[str]) -> list[str]:
+    """The counters of ``asked`` an ncu run's errors name as unknown to it or to the GPU (one such counter stops the
+    whole run, so the run is repeated without them)."""
+    return [name for name in asked if name in stderr or name.split(".")[0] in stderr]
 
 
 def number(text: str) -> float | None:
@@ -165,13 +163,20 @@ def main() -> None:
     from bench import write_results
 
     ncu = find_ncu(args.ncu)
-    metrics = available(ncu, counters())
-    results = []
+    metrics, dropped, results = counters(), [], []
     for c in (int(d) for d in args.dims.split(",")):
-        ran = subprocess.run([ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics",
-                              ",".join(metrics), "--csv", "--page", "raw", sys.executable, __file__, "--worker", str(c),
-                              "--batch", str(args.batch), "--passes", args.passes], capture_output=True, text=True)
-        found = rows_of(ran.stdout, args.batch, c)
+        while True:
+            ran = subprocess.run([ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics",
+                                  ",".join(metrics), "--csv", "--page", "raw", sys.executable, __file__, "--worker",
+                                  str(c), "--batch", str(args.batch), "--passes", args.passes],
+                                 capture_output=True, text=True)
+            found = rows_of(ran.stdout, args.batch, c)
+            unknown = [] if found else unknown_counters(ran.stdout + ran.stderr, metrics)
+            if not unknown or len(unknown) == len(metrics):
+                break
+            print(f"ncu knows no {', '.join(unknown)} here: measured without", file=sys.stderr)
+            metrics = [name for name in metrics if name not in unknown]
+            dropped += unknown
         if not found:
             results.append({"dim": c, "status": f"exit {ran.returncode}: {ran.stderr.strip()[-400:]}"})
         for row in found:
@@ -179,7 +184,7 @@ def main() -> None:
             shares = ", ".join(f"{k} {row[k]:.0f}%" for k in SHARES if row.get(k) is not None)
             print(f"c={c} {row['pass']} {row['kernel'][:40]}: {(row['time_ns'] or 0) / 1e3:.0f} us"
                   + (f", {row['tflops']:.0f} TFLOP/s" if row.get("tflops") else "") + f"; {shares}", flush=True)
-        write_results(args.out, results, ncu=ncu, metrics=metrics)
+        write_results(args.out, results, ncu=ncu, metrics=metrics, unknown_metrics=dropped)
 
 
 if __name__ == "__main__":
