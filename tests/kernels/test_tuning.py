@@ -312,3 +312,34 @@ def test_tune_kernels_times_each_candidate_by_its_median_and_writes_the_timings(
         (key, dim, 24576, m, times.get(m), None if m != 256 else "OutOfResources")
         for key, dim in zip(keys, (512, 768), strict=True) for m in (128, 64, 256)]
     assert json.loads((tmp_path / "tuned.json").read_text())["Some GPU"] == {key: fast for key in keys}
+
+
+# tiles a Hopper GPU refused for today's kernels (OutOfResources: shared memory), besides those in the tuning files the
+# test reads: grad fp32 at 128 x 256 x 32, 8 warps, 4 stages asked 311,352 bytes of an H200's 232,448 (seen at c = 512
+# in session 28; a kernel's shared memory does not depend on the width, so no width may ship it)
+REFUSED = [("NVIDIA H200", "grad/float32/tf32",
+            {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4})]
+
+
+def test_the_shipped_tables_hold_no_tiles_a_gpu_of_their_kind_refused():
+    """A tile config a GPU could not launch (its shared memory) at one width is refused at every width, and on the
+    other GPUs of its compute capability and SM count (which take each other's tiles): such a config in
+    ``tuned.json`` only costs a failed launch and a tuning at its first use. Refusals: ``REFUSED`` and each
+    ``OutOfResources`` in the tuning timings (``scripts/tune_kernels.py --timings``) of today's kernels."""
+    from megabatch.kernels import triton_tiles
+
+    from ..helpers import ROOT
+
+    shipped = json.loads(triton_tiles.TUNED_FILE.read_text())
+    devices = shipped.pop(triton_tiles.DEVICES)
+    refused = list(REFUSED)
+    timings = json.loads((ROOT / "docs" / "bench" / "tune_24k_median_h100.json").read_text())
+    refused += [(timings["meta"]["gpu"], row["key"].rsplit("/", 1)[0], row["config"]) for row in timings["results"]
+                if "OutOfResources" in str(row.get("skipped", ""))]
+    assert len(refused) > len(REFUSED)  # the file's refusals were read
+    found = []
+    for gpu, kernel, config in refused:
+        alike = [name for name, record in devices.items() if record == devices[gpu]]
+        found += [(name, key) for name in alike for key, shipped_config in shipped[name].items()
+                  if key.rsplit("/", 1)[0] == kernel and shipped_config == config]
+    assert found == []
