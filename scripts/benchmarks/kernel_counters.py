@@ -165,7 +165,7 @@ def main() -> None:
     ncu = find_ncu(args.ncu)
     metrics, dropped, results = counters(), [], []
     for c in (int(d) for d in args.dims.split(",")):
-        while True:
+        for _ in range(6):  # ncu may name one unknown counter a run
             ran = subprocess.run([ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics",
                                   ",".join(metrics), "--csv", "--page", "raw", sys.executable, __file__, "--worker",
                                   str(c), "--batch", str(args.batch), "--passes", args.passes],
