@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import fresh_cache_env, write_results
+from bench import fresh_cache_env, source_tree, write_results
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14"}
@@ -283,18 +283,20 @@ def main() -> None:
     shards = photo_shards(args.images, 256, workdir / "shards", per_shard=512)
     urls = str(workdir / "shards" / f"photo-{{000000..{len(shards) - 1:06d}}}.tar")
     rows = []
+    # each tree's code, as git's id of its src/ (bench.source_tree): which commit a row ran, whatever git says there
+    ids = {label: source_tree(tree / "src") for tree, label in [(ROOT, "now"), *before_trees(args.before)]}
     if args.sweep_batches:
         trees = [(ROOT, "now")] + ([(Path(args.before), "before")] if args.before else [])
         for tree, label in trees:
             rows.append(sweep(args, workdir, urls, tree.resolve(), label))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:800], flush=True)
-            write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
+            write_results(args.out, rows, installed_bytecode=args.installed_bytecode, tree_ids=ids)
         return
     for wanted, system in ((args.openclip, openclip), (args.openclip_main, openclip_main)):
         if wanted:
             rows.append(system(args, workdir))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
-            write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
+            write_results(args.out, rows, installed_bytecode=args.installed_bytecode, tree_ids=ids)
     trees = [(ROOT, "now")] + before_trees(args.before)
     for scope in args.scopes.split(","):
         # the trees take turns at each cache state (cold: now, before; warm: now, before; ...): a machine whose speed
@@ -304,7 +306,7 @@ def main() -> None:
                 log_to = run_log(args.out, scope, label, cache, len(rows)) if args.logs else None
                 rows.append(ours(args, scope, cache, workdir, urls, tree=tree, label=label, log_to=log_to))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"})[:600], flush=True)
-                write_results(args.out, rows, installed_bytecode=args.installed_bytecode)
+                write_results(args.out, rows, installed_bytecode=args.installed_bytecode, tree_ids=ids)
         if args.profile:
             profiled = Path(args.out).with_suffix(f".{scope}.warm.prof")
             row = ours(args, scope, "warm", workdir, urls, profile=profiled)
