@@ -10,6 +10,7 @@ write_results``; it sits above the package and builds the trainer's step through
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -160,9 +161,10 @@ def kernel_summary(prof, wall_s: float, top: int = 15) -> dict:
             "top_kernels": [{"name": name[:120], "s": s} for name, s in ranked]}
 
 
-def _git(*args: str, root: Path = ROOT) -> str | None:
+def _git(*args: str, root: Path = ROOT, input: str | None = None) -> str | None:
     try:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30,
+                              input=input).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -224,8 +226,8 @@ def commit_of_tree(tree_id: str, folder: str = "src", root: Path = ROOT, depth: 
     commits = (_git("log", "--format=%H", f"-n{depth}", root=root) or "").split()
     if not commits:
         return None
-    listed = subprocess.run(["git", "cat-file", "--batch-check"], cwd=root, capture_output=True, text=True,
-                            input="".join(f"{commit}:{folder}\n" for commit in commits)).stdout.splitlines()
+    listed = (_git("cat-file", "--batch-check", root=root,
+                   input="".join(f"{commit}:{folder}\n" for commit in commits)) or "").splitlines()
     for commit, line in zip(commits, listed, strict=False):
         if line.split(" ")[0] == tree_id:
             return commit
@@ -241,11 +243,18 @@ def tree_ids(trees: str) -> dict[str, str | None]:
     return ids
 
 
+@functools.cache
+def _measured_ids(trees: str) -> dict[str, str | None]:
+    """``tree_ids`` once a process: a benchmark rewrites its JSON after every row, and the code it measured is the
+    code it started with."""
+    return tree_ids(trees)
+
+
 def metadata(**extra) -> dict:
     """The one metadata schema of every benchmark result (``trees``, ``run_trees``' argument: each tree's
     ``source_tree`` too, as ``tree_ids``)."""
     if isinstance(extra.get("trees"), str):
-        extra = {**extra, "tree_ids": tree_ids(extra["trees"])}
+        extra = {**extra, "tree_ids": _measured_ids(extra["trees"])}
     cuda = torch.cuda.is_available()
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("triton", "open_clip", "torchvision"):
@@ -254,7 +263,7 @@ def metadata(**extra) -> dict:
         except (ImportError, AttributeError):
             pass
     return {"command": shlex.join(sys.argv),  # a setting of several overrides stays one quoted argument
-            "git_commit": _git_commit(), "src_tree": source_tree(ROOT / "src"),
+            "git_commit": _git_commit(), "src_tree": _measured_ids(f"src={ROOT / 'src'}")["src"],
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "gpu": torch.cuda.get_device_name() if cuda else None,
             "gpus": int(os.environ.get("WORLD_SIZE", "1")) if cuda else 0,

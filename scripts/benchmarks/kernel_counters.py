@@ -115,16 +115,11 @@ def rows_of(csv_text: str, b: int, c: int) -> list[dict]:
 def worker(b: int, c: int, passes: list[str]) -> None:
     """Each pass warmed (compiled, its tiles looked up), then run once between cudaProfilerStart and Stop."""
     import torch
-    import torch.nn.functional as F
-    from loss_passes import distill_pass, sigmoid_pass
+    from loss_passes import distill_pass, sigmoid_pass, unit_features
 
     from megabatch.kernels import triton_tiles as tt
 
-    device = torch.device("cuda")
-    generator = torch.Generator(device=device).manual_seed(0)
-    image = F.normalize(torch.randn(b, c, device=device, generator=generator), dim=-1)
-    text = F.normalize(image + 0.8 * torch.randn(b, c, device=device, generator=generator), dim=-1)
-    scale, weight = torch.tensor(100.0, device=device), torch.tensor(1.0 / (2 * b), device=device)
+    image, text, scale, weight = unit_features(b, c, torch.device("cuda"))
     rows, cols = image.bfloat16(), text.bfloat16()
     lse = tt.block_stats(rows, cols, scale)
     calls = {"stats": partial(tt.block_stats, rows, cols, scale),

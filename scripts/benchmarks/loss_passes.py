@@ -42,7 +42,6 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
     """Every pass in ``tree`` (its ``src`` first on the path), a row each."""
     sys.path.insert(0, str(Path(tree).resolve()))
     import torch
-    import torch.nn.functional as F
 
     from megabatch.kernels import triton_tiles as tt
 
@@ -68,10 +67,7 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
 
     for b in batches:
         for c in dims:
-            generator = torch.Generator(device=device).manual_seed(0)
-            image = F.normalize(torch.randn(b, c, device=device, generator=generator), dim=-1)
-            text = F.normalize(image + 0.8 * torch.randn(b, c, device=device, generator=generator), dim=-1)
-            scale, weight = torch.tensor(100.0, device=device), torch.tensor(1.0 / (2 * b), device=device)
+            image, text, scale, weight = unit_features(b, c, device)
             for dtype_name in dtypes:
                 rows, cols = image.bfloat16(), text.bfloat16()
                 dots = None
@@ -125,6 +121,18 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
             del image, text
             torch.cuda.empty_cache()
     return rows_out
+
+
+def unit_features(b: int, c: int, device) -> tuple:
+    """The passes' inputs: ``(image, text, scale, weight)``, ``b`` unit rows of width ``c`` each, the text near its
+    image (seeded), scale 100 and the loss's weight ``1 / 2b``."""
+    import torch
+    import torch.nn.functional as F
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    image = F.normalize(torch.randn(b, c, device=device, generator=generator), dim=-1)
+    text = F.normalize(image + 0.8 * torch.randn(b, c, device=device, generator=generator), dim=-1)
+    return image, text, torch.tensor(100.0, device=device), torch.tensor(1.0 / (2 * b), device=device)
 
 
 def sigmoid_pass(tt, rows, cols, scale, dots, config=None):
