@@ -68,9 +68,14 @@ def compile_kernel(kernel: str, config: dict) -> bytes:
     # interpreter; name checked or 0 for what a GPU runs)
     mode = getattr(triton_tiles, "SHARED_SHIFT_MODES", {}).get(getattr(triton_tiles, "SHARED_SHIFT", "1"), 1)
     constants["SHARED"] = mode if kernel == "stats" else mode > 0
-    # the accumulator's reset as the tensor cores' flag, as MEGABATCH_LOSS_ACC_FLAG sets it (an earlier tree has none)
+    # the accumulator's reset as the tensor cores' flag, as MEGABATCH_LOSS_ACC_FLAG sets it for sm_90 (by default on
+    # since 2026-12-05; an earlier tree has none, or takes no capability)
     hooks = getattr(importlib.import_module("megabatch.kernels"), "compile_hooks", None)
-    if hooks is not None and hooks.enabled():
+    try:
+        flagged = hooks is not None and hooks.enabled((9, 0))
+    except TypeError:
+        flagged = hooks.enabled()
+    if flagged:
         hooks.install()
         constants["ACC_FLAG"] = True
     types, values = {}, {}

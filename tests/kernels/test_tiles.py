@@ -338,6 +338,64 @@ def test_the_sigmoid_and_distillation_kernels_either_way_of_loading(monkeypatch)
         torch.testing.assert_close(tma, per_thread, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("group", [1, 3, 64])
+def test_any_tile_order_gives_the_same_gradients(group, monkeypatch):
+    """The block kernels' tile order (``MEGABATCH_LOSS_GROUP_M`` row blocks walking the columns together: one, a group
+    of 3 that leaves 2 over at 67 rows, or all) moves no logit's gradient, for the backward's, the sigmoid's and the
+    distillation's kernels (the scale's partial sums only in their rounding)."""
+    rows, cols = features(67, 45, 48, 0, False, torch.float32)
+    t_rows, t_cols = features(67, 45, 24, 1, False, torch.float32)
+    scale, bias = torch.tensor(20.0, device=DEVICE), torch.tensor(-5.0, device=DEVICE)
+    monkeypatch.setattr(triton_tiles, "_sms", lambda device: 1)  # two programs walk every tile between them
+    outs = {}
+    for rows_together in (triton_tiles.GROUP_ROWS, group):
+        monkeypatch.setattr(triton_tiles, "GROUP_ROWS", rows_together)
+        lse = triton_tiles.block_stats(rows, cols, scale, "ieee")
+        d_rows, d_cols = torch.zeros_like(rows), torch.zeros_like(cols)
+        d_scale = triton_tiles.block_grads(rows, cols, scale, *lse, torch.tensor(0.5), True, d_rows, d_cols, "ieee")[2]
+        s_rows, s_cols = torch.zeros_like(rows), torch.zeros_like(cols)
+        sums = triton_tiles.sigmoid_block(rows, cols, scale, bias, False, s_rows, s_cols, "ieee")
+        stats = triton_tiles.distill_stats(rows, cols, t_rows, t_cols, scale, 30.0, "ieee")
+        t_lse = (torch.stack([stats[0][0], stats[0][1]]), torch.stack([stats[1][0], stats[1][1]]))
+        k_rows, k_cols = torch.zeros_like(rows), torch.zeros_like(cols)
+        k_scale = triton_tiles.distill_grads(rows, cols, t_rows, t_cols, scale, 30.0, *t_lse, torch.tensor(0.5),
+                                             k_rows, k_cols, "ieee")
+        outs[rows_together] = [d_rows, d_cols, s_rows, s_cols, k_rows, k_cols, d_scale, *sums, k_scale]
+    first, then = outs.values()
+    for a, b in zip(first[:6], then[:6], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(first[6:], then[6:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_tile_order_and_the_accumulator_flag_take_their_setting_from_the_environment():
+    """``MEGABATCH_LOSS_GROUP_M`` (a positive integer) and ``MEGABATCH_LOSS_ACC_FLAG`` (auto, 0 or 1): a value outside
+    these stops the import with the variable's name and what it takes; the flag's ``auto`` is on for Hopper only,
+    where this Triton has the pass (it has: a Triton without it would silently lose the flag on an H100)."""
+    import os
+    import subprocess
+    import sys
+
+    from megabatch.kernels import compile_hooks
+
+    show = "from megabatch.kernels import triton_tiles as t; print(t.GROUP_ROWS)"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=120,
+                         env={**env, "MEGABATCH_LOSS_GROUP_M": "16"})
+    assert run.stdout.split() == ["16"], run.stderr
+    for key, value, hint in (("MEGABATCH_LOSS_GROUP_M", "0", "positive integer"),
+                             ("MEGABATCH_LOSS_ACC_FLAG", "yes", "auto (on for Hopper")):
+        bad = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=120,
+                             env={**env, key: value})
+        assert bad.returncode != 0 and f"{key}={value!r}" in bad.stderr and hint in bad.stderr, bad.stderr[-2000:]
+    assert compile_hooks.available()
+    for setting, hopper, ampere, blackwell in (("auto", True, False, False), ("1", True, True, True),
+                                               ("0", False, False, False)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(compile_hooks, "ACC_FLAG", setting)
+            assert [compile_hooks.enabled(cc) for cc in ((9, 0), (8, 0), (10, 0))] == [hopper, ampere, blackwell]
+
+
 def test_the_check_fails_a_wrong_kernel(monkeypatch):
     """Not vacuous: a kernel that drops the column softmax from G' fails the comparison."""
     real = triton_tiles.block_grads

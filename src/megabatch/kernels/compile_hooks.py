@@ -10,25 +10,42 @@ Here that pass runs once more on such a kernel's TTGIR after Triton's own passes
 The kernels take ``ACC_FLAG`` as a constexpr, so a kernel compiled with the pass never shares a cache entry with one
 compiled without it.
 
-``MEGABATCH_LOSS_ACC_FLAG``: "0" (the default) off; "1" on. On an H200 (2026-12-05) the compiled kernels passed the
-float64 tests with it, and it left the backward's kernel as fast as before and the sigmoid pass 1-2% faster
-(``docs/bench/loss_even_shared_shift_256k_h200.json``; ``scripts/benchmarks/kernel_instructions.py`` counts the
-instructions without a GPU): an option, not the default.
+``MEGABATCH_LOSS_ACC_FLAG``: "auto" (the default) on for sm_90 where Triton has the pass and the stages hook, else
+off; "1" on wherever both exist; "0" off. On an H200 (2026-12-05) the compiled kernels passed the float64 tests with
+it and it left the backward's kernel as fast as before and the sigmoid pass 1-2% faster
+(``docs/bench/loss_even_shared_shift_256k_h200.json``); on an H100 (2026-12-05) the sigmoid pass at b = 256k, c = 512
+took 0.383 s against 0.401 s, 55.8% of the bf16 peak against 53.3%, and as before at c = 768 and in the backward
+(``docs/bench/loss_acc_flag_256k_h100.json``). ``scripts/benchmarks/kernel_instructions.py`` counts the
+instructions without a GPU.
 """
 
 from __future__ import annotations
 
 import os
 
-ACC_FLAG = os.environ.get("MEGABATCH_LOSS_ACC_FLAG", "0")
-if ACC_FLAG not in ("0", "1"):
-    raise ValueError(f"MEGABATCH_LOSS_ACC_FLAG={ACC_FLAG!r}: 0 (off) or 1 (the accumulator's reset as the "
-                     "tensor-core instruction's flag in the loss kernels, Hopper)")
+ACC_FLAG = os.environ.get("MEGABATCH_LOSS_ACC_FLAG", "auto")
+if ACC_FLAG not in ("auto", "0", "1"):
+    raise ValueError(f"MEGABATCH_LOSS_ACC_FLAG={ACC_FLAG!r}: auto (on for Hopper where Triton has the pass), 1 (on: "
+                     "the accumulator's reset as the tensor-core instruction's flag in the loss kernels) or 0 (off)")
 KERNELS = frozenset({"_grad_kernel", "_sigmoid_kernel"})
 
 
-def enabled() -> bool:
-    return ACC_FLAG == "1"
+def available() -> bool:
+    """Whether this Triton has both the stages hook and the ``optimize_accumulator_init`` pass."""
+    try:
+        from triton import knobs
+        from triton._C.libtriton import passes
+    except ImportError:
+        return False
+    return hasattr(knobs.runtime, "add_stages_inspection_hook") and hasattr(
+        getattr(passes, "ttgpuir", None), "add_optimize_accumulator_init")
+
+
+def enabled(capability: tuple[int, int]) -> bool:
+    """Whether the kernels for a GPU of ``capability`` are compiled with the pass (``ACC_FLAG``)."""
+    if ACC_FLAG == "0":
+        return False
+    return available() and (ACC_FLAG == "1" or capability[0] == 9)
 
 
 def install() -> None:

@@ -95,6 +95,13 @@ if SHARED_SHIFT not in ("auto", *SHARED_SHIFT_MODES):
 SHARED_SHIFT_SPREAD = 150.0
 SHARED_SHIFT_HEADROOM: tl.constexpr = tl.constexpr(32.0)
 PERSISTENT_WAVES = 2  # the block kernels' programs per SM (each walks its share of the block's tiles)
+# the block kernels' tile order: GROUP_M row blocks of tiles walk the columns together (``_block_tile``), so each
+# column tile is read from DRAM about once a group. MEGABATCH_LOSS_GROUP_M sets it (a positive integer)
+GROUP_M = os.environ.get("MEGABATCH_LOSS_GROUP_M", "8")
+if not GROUP_M.isdigit() or int(GROUP_M) < 1:
+    raise ValueError(f"MEGABATCH_LOSS_GROUP_M={GROUP_M!r}: the row blocks of tiles that walk the columns together in "
+                     "the backward's kernels (a positive integer; 8 by default)")
+GROUP_ROWS = int(GROUP_M)
 if G_FP16 not in ("auto", "1", "0"):
     raise ValueError(f"MEGABATCH_LOSS_G_FP16={G_FP16!r}: auto (fp16 G' on a GPU), 1 (everywhere) or 0 (fp32 G')")
 
@@ -992,8 +999,9 @@ def _even(height: int, width: int, config: dict) -> bool:
 
 def _acc_flag(t: torch.Tensor) -> bool:
     """Whether the block kernels on ``t`` are compiled with their accumulator's reset as the tensor cores' flag
-    (``compile_hooks``: ``MEGABATCH_LOSS_ACC_FLAG=1`` on a CUDA GPU); the hook is installed on the first such call."""
-    if not (compile_hooks.enabled() and _ptx(t)):
+    (``compile_hooks``: ``MEGABATCH_LOSS_ACC_FLAG``, by default on for Hopper); the hook is installed on the first
+    such call."""
+    if not (_ptx(t) and compile_hooks.enabled(torch.cuda.get_device_capability(t.device))):
         return False
     compile_hooks.install()
     return True
@@ -1233,7 +1241,7 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
+            DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=GROUP_ROWS,
             ROUND_TF32=_round_tf32_flag(dot_rows, precision), TMA=tma, G_TMA=g_tma, ACC_FLAG=_acc_flag(dot_rows),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
@@ -1264,7 +1272,7 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
             dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=8,
+            DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=GROUP_ROWS,
             ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             WRITE_G=write_g, SCALE_SUM=not grads, TMA=tma, G_TMA=g_tma, FAST_RCP=_ptx(dot_rows),
             ACC_FLAG=_acc_flag(dot_rows), EVEN=_even(row_stop - row_start, col_stop - col_start, config),
@@ -1365,7 +1373,7 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
             g_block.stride(0), g_block.stride(1),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
             UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
-            T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=8,
+            T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=GROUP_ROWS,
             DIAGONAL=diagonal_weight is not None, TMA=tma, G_TMA=g_tma,
             EVEN=_even(row_stop - row_start, col_stop - col_start, config),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
