@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -157,6 +158,30 @@ def test_startup_compares_one_or_several_earlier_trees(tmp_path):
     assert startup.before_trees(f"{tmp_path / 'a'},{tmp_path / 'b'}") == [(tmp_path / "a", "a"), (tmp_path / "b", "b")]
 
 
+def test_the_clock_sampler_reads_nvidia_smis_samples_and_names_what_held_the_clock(tmp_path):
+    """``bench.ClockSampler`` runs nvidia-smi (here a stand-in that prints what the real one printed on an H100 under
+    load, then waits to be stopped) around a region: the median, lowest and highest SM clock, the median power, and
+    the reasons from the bits of every sample (power cap 0x4, thermal 0x20; idle 0x1 left out), a line that is not a
+    sample skipped. Without nvidia-smi, nothing."""
+    import bench
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\n"
+                    "printf '1140, 702.21, 0x0000000000000004\\n1470, 695.00, 0x0000000000000001\\n"
+                    "[N/A], [N/A], [N/A]\\n1965, 420.50, 0x0000000000000020\\n'\nexec sleep 30\n")
+    fake.chmod(0o755)
+    with bench.ClockSampler(3, interval_ms=100, command=str(fake)) as sampler:
+        time.sleep(0.3)
+    summary = sampler.summary()
+    assert summary == {"sm_mhz": 1470.0, "sm_mhz_min": 1140.0, "sm_mhz_max": 1965.0, "power_w": 695.0,
+                       "clock_limits": ["power cap", "thermal (software)"], "clock_samples": 3}
+    assert (tmp_path / "args").read_text().split() == ["--id=3", f"--query-gpu={bench.ClockSampler.QUERY}",
+                                                        "--format=csv,noheader,nounits", "--loop-ms=100"]
+    with bench.ClockSampler(0, command=str(tmp_path / "absent")) as sampler:
+        pass
+    assert sampler.summary() == {}
+
+
 def test_loss_passes_names_an_unknown_pass_and_the_loss_brings_its_parts(tmp_path):
     """``loss_passes.py --passes``: a misspelt pass is refused with the names it takes (before any GPU work); ``loss``
     (the forward plus the backward) adds the two passes it is the sum of, which it silently lacked without them."""
@@ -273,19 +298,21 @@ def test_kernel_counters_gives_each_kernel_ncu_profiled_its_pass_and_flops():
 
     lines = ["==PROF== Connected to process", "stats 1 c"] + [
         ",".join(f'"{v}"' for v in row) for row in (
-            header, units, record(0, "_stats_kernel", 2_000_000, 51.0), record(1, "_stats_kernel", 10_000, 1.0),
+            header, units, record(9, "vectorized_elementwise_kernel", 3_000, 0),  # set-up: the first pass's
+            record(0, "_stats_kernel", 2_000_000, 51.0), record(1, "_stats_kernel", 10_000, 1.0),
             record(2, "reduce_kernel", 5_000, 0), record(3, "_sigmoid_kernel", 3_000_000, 40.0),
             record(4, "nvjet_hsh_256x128_2cta", 1_000_000, 77.0), record(5, "_distill_stats_kernel", 4_000_000, 30.0))]
     b, c = 1024, 512
     rows = kc.rows_of("\n".join(lines), b, c)
     assert [(row["pass"], row["kernel"]) for row in rows] == [
-        ("stats", "_stats_kernel"), ("stats", "_stats_kernel"), ("stats", "reduce_kernel"),
+        ("stats", "vectorized_elementwise_kernel"), ("stats", "_stats_kernel"), ("stats", "_stats_kernel"),
+        ("stats", "reduce_kernel"),
         ("sigmoid", "_sigmoid_kernel"), ("sigmoid", "nvjet_hsh_256x128_2cta"), ("distill", "_distill_stats_kernel")]
     gemm = 2 * b * b * c
-    assert [row["flops"] for row in rows] == [gemm, None, None, gemm, gemm, 2 * gemm]
-    assert rows[0]["tflops"] == gemm / 2e-3 / 1e12 and rows[0]["tensor"] == 51.0 and rows[0]["xu"] is None
-    assert rows[0]["l2_bytes"] == 1e6 and rows[0]["l2_bytes_per_flop"] == 1e6 / gemm
-    assert rows[0]["stalls"]["barrier"] == 0.5 and rows[0]["stalls"]["wait"] is None
+    assert [row["flops"] for row in rows] == [None, gemm, None, None, gemm, gemm, 2 * gemm]
+    assert rows[1]["tflops"] == gemm / 2e-3 / 1e12 and rows[1]["tensor"] == 51.0 and rows[1]["xu"] is None
+    assert rows[1]["l2_bytes"] == 1e6 and rows[1]["l2_bytes_per_flop"] == 1e6 / gemm
+    assert rows[1]["stalls"]["barrier"] == 0.5 and rows[1]["stalls"]["wait"] is None
     assert kc.rows_of("==ERROR== no kernels were profiled", b, c) == []
 
 

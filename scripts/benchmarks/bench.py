@@ -49,6 +49,59 @@ def gpu_time(fn, warmup: int, repeat: int) -> float:
     return statistics.median(times)
 
 
+# nvidia-smi's clock event (throttle) reasons, the bits of ``clocks_throttle_reasons.active``
+CLOCK_REASONS = {0x1: "idle", 0x2: "applications clocks", 0x4: "power cap", 0x8: "hardware slowdown",
+                 0x20: "thermal (software)", 0x40: "thermal (hardware)", 0x80: "power brake", 0x100: "display clock"}
+
+
+class ClockSampler:
+    """The SM clock and power draw while a timed region runs, sampled every ``interval_ms`` by ``nvidia-smi`` (for
+    one GPU): ``summary()`` after the ``with`` block gives the median, lowest and highest clock (MHz), the median
+    power (W) and the reasons the driver named for holding the clock down. A share of the peak is a share of the
+    FLOPs at the clock the peak assumes (an H100's and H200's 989 TFLOP/s: 1,830 MHz); under a power cap a kernel
+    runs slower than it would alone (ncu's replays). Empty where there is no nvidia-smi or no sample."""
+
+    QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+    def __init__(self, device: torch.device | int = 0, interval_ms: int = 50, command: str = "nvidia-smi"):
+        index = device.index if isinstance(device, torch.device) else device
+        self.args = [command, f"--id={index or 0}", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                     f"--loop-ms={interval_ms}"]
+        self.process, self.lines = None, []
+
+    def __enter__(self) -> ClockSampler:
+        if shutil.which(self.args[0]) is not None:
+            self.process = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            time.sleep(0.2)  # its first sample before the region's work
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.lines = self.process.communicate(timeout=10)[0].splitlines()
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.lines = []
+
+    def summary(self) -> dict:
+        clocks, powers, reasons = [], [], 0
+        for line in self.lines:
+            parts = [part.strip() for part in line.split(",")]
+            try:
+                clocks.append(float(parts[0]))
+                powers.append(float(parts[1]))
+                reasons |= int(parts[2], 16)
+            except (ValueError, IndexError):
+                continue
+        if not clocks:
+            return {}
+        return {"sm_mhz": statistics.median(clocks), "sm_mhz_min": min(clocks), "sm_mhz_max": max(clocks),
+                "power_w": statistics.median(powers),
+                "clock_limits": [name for bit, name in CLOCK_REASONS.items() if reasons & bit and bit != 0x1],
+                "clock_samples": len(clocks)}
+
+
 def peak_gb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
 

@@ -10,7 +10,11 @@ the tensor cores far from theirs; one held by its epilogue shows issue or XU nea
 
 Needs ``ncu`` on the PATH (else ``--ncu``) with access to the GPU's counters; the clocks are left as they run
 (``--clock-control none``). ncu replays each kernel once per group of counters, so a pass takes seconds here, not
-milliseconds; the times are each kernel's own (``gpu__time_duration``), caches flushed before it.
+milliseconds; the times are each kernel's own (``gpu__time_duration``), caches flushed before it, at the SM clock it
+ran at (``sm_hz``): a kernel replayed alone is not held by the GPU's power cap as a pass of many is (an H100 at
+700 W ran the 256k passes at 1,440-1,620 MHz, ``loss_passes.py``'s ``sm_mhz``), so its time here is its floor.
+On an H100 with ncu 2025.3 the warpgroup (GMMA) counter reads n/a: ``tensor_hmma`` counts every tensor-core
+instruction there (cuBLAS's GEMMs 97%).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ SHARES = {  # column: counter (a share of its peak, in %)
     "dram": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
     "warps": "sm__warps_active.avg.pct_of_peak_sustained_active",
 }
-AMOUNTS = {"time_ns": "gpu__time_duration.sum", "l2_bytes": "lts__t_bytes.sum",
+AMOUNTS = {"time_ns": "gpu__time_duration.sum", "sm_hz": "sm__cycles_elapsed.avg.per_second",
+           "l2_bytes": "lts__t_bytes.sum",
            "dram_read_bytes": "dram__bytes_read.sum", "dram_write_bytes": "dram__bytes_write.sum"}
 STALLS = ("long_scoreboard", "short_scoreboard", "barrier", "mio_throttle", "math_pipe_throttle", "wait",
           "lg_throttle", "dispatch_stall", "not_selected", "selected", "sleeping", "membar", "no_instruction",
@@ -78,7 +83,8 @@ def number(text: str) -> float | None:
 
 def rows_of(csv_text: str, b: int, c: int) -> list[dict]:
     """ncu's raw page (one line a kernel, a line of units after the header) as rows, each given its pass: a Triton
-    kernel's own, any other kernel the pass of the kernel before it (``TRITON``)."""
+    kernel's own, any other kernel the pass of the kernel before it (``TRITON``; those before the first Triton kernel,
+    the first pass's set-up, that kernel's pass)."""
     lines = [line for line in csv_text.splitlines() if line.startswith('"')]
     table = list(csv.reader(io.StringIO("\n".join(lines))))
     if len(table) < 3:
@@ -109,6 +115,11 @@ def rows_of(csv_text: str, b: int, c: int) -> list[dict]:
         row["tflops"] = flops / seconds / 1e12 if flops and seconds else None
         row["l2_bytes_per_flop"] = row["l2_bytes"] / flops if flops and row.get("l2_bytes") else None
         rows.append(row)
+    first = next((row["pass"] for row in rows if row["pass"] is not None), None)
+    for row in rows:
+        if row["pass"] is not None:
+            break
+        row["pass"] = first
     return rows
 
 

@@ -18,6 +18,9 @@ one ``b x b`` block with positives on the diagonal (the one-GPU loss):
 loss: the kernels' dots in bf16, ``G'`` and the GEMMs fp32 with TF32). ``--configs``: tile configs (JSON objects)
 tried on the kernels besides each tree's own (``kernels/tuned.json``): a config's rows time each pass with it, the
 distillation's two kernels both taking it (its backward is ``distill`` less ``distill_stats``).
+On a GPU each row also has the SM clock over its timed calls (``sm_mhz``: the median of nvidia-smi's samples, with
+the lowest and highest), the median power draw and the reasons the driver held the clock down (``clock_limits``):
+the peak assumes 1,830 MHz, and an H100 at its 700 W cap ran these passes at 1,440-1,620 MHz (2026-12-05).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
     """Every pass in ``tree`` (its ``src`` first on the path), a row each."""
     sys.path.insert(0, str(Path(tree).resolve()))
     import torch
+    from bench import ClockSampler
 
     from megabatch.kernels import triton_tiles as tt
 
@@ -52,17 +56,21 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
     peak = PEAK_BF16_TFLOPS.get(gpu)
     rows_out = []
 
-    def timed(fn) -> float:
+    clocks = {}
+
+    def timed(fn, pass_name: str) -> float:
         fn()  # compile, tune, warm
         times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        with ClockSampler(device) as sampler:
+            for _ in range(repeats):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        clocks[pass_name] = sampler.summary() if device.type == "cuda" else {}
         return min(times)
 
     for b in batches:
@@ -95,7 +103,7 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
                     seconds = {}
                     for pass_name, fn in passes.items():
                         try:
-                            seconds[pass_name] = timed(fn)
+                            seconds[pass_name] = timed(fn, pass_name)
                         except Exception as error:  # a config this GPU cannot run (shared memory, registers)
                             seconds[pass_name] = None
                             print(f"{name} b={b} c={c} {dtype_name} {config}: {pass_name} {type(error).__name__}",
@@ -115,7 +123,8 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
                         row = {"tree": name, "batch": b, "dim": c, "dtype": dtype_name, "pass": pass_name,
                                "config": "own" if config is None else config,
                                "tile": tiles[pass_name],
-                               "time_s": s, "tflops": tflops, "peak_share": tflops / peak if peak else None}
+                               "time_s": s, "tflops": tflops, "peak_share": tflops / peak if peak else None,
+                               **clocks.get(pass_name, {})}
                         rows_out.append(row)
                         print(json.dumps(row), flush=True)
             del image, text

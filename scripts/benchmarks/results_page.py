@@ -124,27 +124,42 @@ def tune_table(data: dict, entry: dict) -> list[str]:
 
 def counters_table(data: dict, entry: dict) -> list[str]:
     """scripts/benchmarks/kernel_counters.py: each kernel a pass launched, with its time, TFLOP/s, how busy it kept
-    each part of the GPU (% of that part's peak, ncu's counters) and the reasons its warps waited most."""
-    rows = ["| c | pass | kernel | time | TFLOP/s | tensor cores | XU | FMA | issue | L2 | DRAM | L2 bytes / FLOP | "
-            "warps waited most on (cycles an instruction) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    each part of the GPU (% of that part's peak, ncu's counters) and the reasons its warps waited most; the kernels
+    under 2% of their pass's time (PyTorch's small reductions and copies) in one line a pass."""
+    rows = ["| c | pass | kernel | time | MHz | TFLOP/s | tensor cores | XU | FMA | issue | L2 | DRAM | L2 B/FLOP "
+            "| warps waited most on (cycles an instruction) |", "|---" * 14 + "|"]
 
     def share(value) -> str:
         return "-" if value is None else f"{value:.0f}%"
 
+    totals = {}
+    for row in data["results"]:
+        if "kernel" in row:
+            key = (row["dim"], row["pass"])
+            totals[key] = totals.get(key, 0.0) + (row.get("time_ns") or 0)
+    small = {}
     for row in data["results"]:
         if "kernel" not in row:
-            rows.append(f"| {row.get('dim')} | {row.get('status')} | | | | | | | | | | | |")
+            rows.append(f"| {row.get('dim')} | {row.get('status')} | | | | | | | | | | | | |")
+            continue
+        key = (row["dim"], row["pass"])
+        time_us = (row.get("time_ns") or 0) / 1e3
+        if row["pass"] is None or not row.get("flops") and time_us * 1e3 < 0.02 * totals[key]:
+            count, us = small.get(key, (0, 0.0))
+            small[key] = (count + 1, us + time_us)
             continue
         stalls = sorted(((v, k) for k, v in (row.get("stalls") or {}).items() if v), reverse=True)[:3]
         waited = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for v, k in stalls) or "-"
         tensor = row.get("tensor") if row.get("tensor") is not None else row.get("tensor_hmma")
         tflops = f"{row['tflops']:.0f}" if row.get("tflops") else "-"
         per_flop = f"{row['l2_bytes_per_flop']:.4f}" if row.get("l2_bytes_per_flop") else "-"
-        time_us = (row.get("time_ns") or 0) / 1e3
-        rows.append(f"| {row['dim']} | {row['pass']} | `{row['kernel'][:48]}` | {time_us:.0f} us | {tflops} | "
+        mhz = f"{row['sm_hz'] / 1e6:.0f}" if row.get("sm_hz") else "-"
+        rows.append(f"| {row['dim']} | {row['pass']} | `{row['kernel'][:48]}` | {time_us:.0f} us | {mhz} | {tflops} | "
                     f"{share(tensor)} | {share(row.get('xu'))} | {share(row.get('fma'))} | "
                     f"{share(row.get('issue'))} | {share(row.get('l2'))} | {share(row.get('dram'))} | {per_flop} | "
                     f"{waited} |")
+    for (dim, name), (count, us) in small.items():  # no pass: before the first Triton kernel (its set-up)
+        rows.append(f"| {dim} | {name or 'set-up'} | {count} small kernels | {us:.0f} us in all | | | | | | | | | | |")
     return rows
 
 
