@@ -96,7 +96,8 @@ SHARED_SHIFT_SPREAD = 150.0
 SHARED_SHIFT_HEADROOM: tl.constexpr = tl.constexpr(32.0)
 PERSISTENT_WAVES = 2  # the block kernels' programs per SM (each walks its share of the block's tiles)
 # the block kernels' tile order: GROUP_M row blocks of tiles walk the columns together (``_block_tile``), so each
-# column tile is read from DRAM about once a group. MEGABATCH_LOSS_GROUP_M sets it (a positive integer)
+# column tile is read from DRAM about once a group. MEGABATCH_LOSS_GROUP_M sets it (a positive integer); 16-64 read
+# less from DRAM and ran no faster on an H100 (docs/bench/loss_group_m_256k_h100.json)
 GROUP_M = os.environ.get("MEGABATCH_LOSS_GROUP_M", "8")
 if not GROUP_M.isdigit() or int(GROUP_M) < 1:
     raise ValueError(f"MEGABATCH_LOSS_GROUP_M={GROUP_M!r}: the row blocks of tiles that walk the columns together in "
