@@ -21,6 +21,7 @@ instructions without a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
 ACC_FLAG = os.environ.get("MEGABATCH_LOSS_ACC_FLAG", "auto")
@@ -30,6 +31,7 @@ if ACC_FLAG not in ("auto", "0", "1"):
 KERNELS = frozenset({"_grad_kernel", "_sigmoid_kernel"})
 
 
+@functools.cache
 def available() -> bool:
     """Whether this Triton has both the stages hook and the ``optimize_accumulator_init`` pass."""
     try:
