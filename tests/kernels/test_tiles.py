@@ -396,6 +396,46 @@ def test_the_tile_order_and_the_accumulator_flag_take_their_setting_from_the_env
             assert [compile_hooks.enabled(cc) for cc in ((9, 0), (8, 0), (10, 0))] == [hopper, ampere, blackwell]
 
 
+def test_the_flag_pass_chains_to_a_hook_already_installed(monkeypatch):
+    """``compile_hooks.install`` (run at the first flagged launch: on Hopper by default) keeps a stages hook that was
+    there before it (inductor's or a user's): that hook still sees every kernel and still gives the cache key's part;
+    installing twice wraps once; the pass is added to Hopper's TTGIR stage only, and runs on the named kernels only."""
+    from triton import knobs
+
+    from megabatch.kernels import compile_hooks
+
+    seen = []
+
+    def previous(*args):
+        if not args:
+            return ("theirs", "hash")
+        seen.append(args[-1])
+
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", previous)
+    compile_hooks.install()
+    hook = knobs.runtime.add_stages_inspection_hook
+    compile_hooks.install()
+    assert knobs.runtime.add_stages_inspection_hook is hook and hook is not previous
+    assert hook() == ("theirs", "hash")
+
+    class Module:
+        def __init__(self, name):
+            self.name = name
+
+        def get_entry_func_name(self):
+            return self.name
+
+    def make(src, metadata):
+        return src
+
+    for capability, replaced in ((90, True), (80, False), (100, False)):
+        stages = {"ttgir": make}
+        hook("backend", stages, None, None, capability)
+        assert (stages["ttgir"] is not make) == replaced and seen[-1] == capability
+    other = Module("_stats_kernel")  # not one of KERNELS: the pass never runs on it
+    assert compile_hooks._flag_accumulator_init(other) is other
+
+
 def test_the_check_fails_a_wrong_kernel(monkeypatch):
     """Not vacuous: a kernel that drops the column softmax from G' fails the comparison."""
     real = triton_tiles.block_grads
