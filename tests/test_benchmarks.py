@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import unittest.mock
 
 import torch
 
@@ -180,6 +181,12 @@ def test_the_clock_sampler_reads_nvidia_smis_samples_and_names_what_held_the_clo
     with bench.ClockSampler(0, command=str(tmp_path / "absent")) as sampler:
         pass
     assert sampler.summary() == {}
+    # torch's cuda:1 under CUDA_VISIBLE_DEVICES=5,GPU-abc is nvidia-smi's GPU-abc; cuda:0 without the variable, its 0
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    with unittest.mock.patch.dict(os.environ, {**env, "CUDA_VISIBLE_DEVICES": "5,GPU-abc"}, clear=True):
+        assert bench.ClockSampler(torch.device("cuda", 1)).args[1] == "--id=GPU-abc"
+    with unittest.mock.patch.dict(os.environ, env, clear=True):
+        assert bench.ClockSampler(torch.device("cuda")).args[1] == "--id=0"
 
 
 def test_loss_passes_names_an_unknown_pass_and_the_loss_brings_its_parts(tmp_path):

@@ -64,8 +64,16 @@ class ClockSampler:
     QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
 
     def __init__(self, device: torch.device | int = 0, interval_ms: int = 50, command: str = "nvidia-smi"):
-        index = device.index if isinstance(device, torch.device) else device
-        self.args = [command, f"--id={index or 0}", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+        # nvidia-smi numbers every GPU of the machine, torch those CUDA_VISIBLE_DEVICES leaves: a torch device is
+        # that list's entry (an index or a UUID, which nvidia-smi takes either way); an integer is nvidia-smi's own
+        gpu = device
+        if isinstance(device, torch.device):
+            gpu = device.index or 0
+            visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                       if entry.strip()]
+            if gpu < len(visible):
+                gpu = visible[gpu]
+        self.args = [command, f"--id={gpu}", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
                      f"--loop-ms={interval_ms}"]
         self.process, self.lines = None, []
 
