@@ -49,9 +49,9 @@ def gpu_time(fn, warmup: int, repeat: int) -> float:
     return statistics.median(times)
 
 
-# nvidia-smi's clock event (throttle) reasons, the bits of ``clocks_throttle_reasons.active``
-CLOCK_REASONS = {0x1: "idle", 0x2: "applications clocks", 0x4: "power cap", 0x8: "hardware slowdown",
-                 0x20: "thermal (software)", 0x40: "thermal (hardware)", 0x80: "power brake", 0x100: "display clock"}
+# nvidia-smi's clock event (throttle) reasons, the bits of ``clocks_throttle_reasons.active`` (0x1, idle, left out)
+CLOCK_REASONS = {0x2: "applications clocks", 0x4: "power cap", 0x8: "hardware slowdown", 0x20: "thermal (software)",
+                 0x40: "thermal (hardware)", 0x80: "power brake", 0x100: "display clock"}
 
 
 class ClockSampler:
@@ -59,15 +59,19 @@ class ClockSampler:
     one GPU): ``summary()`` after the ``with`` block gives the median, lowest and highest clock (MHz), the median
     power (W) and the reasons the driver named for holding the clock down. A share of the peak is a share of the
     FLOPs at the clock the peak assumes (an H100's and H200's 989 TFLOP/s: 1,830 MHz); under a power cap a kernel
-    runs slower than it would alone (ncu's replays). Empty where there is no nvidia-smi or no sample."""
+    runs slower than it would alone (ncu's replays). Empty for a torch device that is not a GPU, and where there is
+    no nvidia-smi or no sample."""
 
     QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
 
     def __init__(self, device: torch.device | int = 0, interval_ms: int = 50, command: str = "nvidia-smi"):
         # nvidia-smi numbers every GPU of the machine, torch those CUDA_VISIBLE_DEVICES leaves: a torch device is
         # that list's entry (an index or a UUID, which nvidia-smi takes either way); an integer is nvidia-smi's own
-        gpu = device
+        gpu, self.process, self.lines = device, None, []
+        self.args = None  # a CPU: nothing to sample
         if isinstance(device, torch.device):
+            if device.type != "cuda":
+                return
             gpu = device.index or 0
             visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
                        if entry.strip()]
@@ -75,10 +79,9 @@ class ClockSampler:
                 gpu = visible[gpu]
         self.args = [command, f"--id={gpu}", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
                      f"--loop-ms={interval_ms}"]
-        self.process, self.lines = None, []
 
     def __enter__(self) -> ClockSampler:
-        if shutil.which(self.args[0]) is not None:
+        if self.args is not None and shutil.which(self.args[0]) is not None:
             self.process = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             time.sleep(0.2)  # its first sample before the region's work
         return self
@@ -106,7 +109,7 @@ class ClockSampler:
             return {}
         return {"sm_mhz": statistics.median(clocks), "sm_mhz_min": min(clocks), "sm_mhz_max": max(clocks),
                 "power_w": statistics.median(powers),
-                "clock_limits": [name for bit, name in CLOCK_REASONS.items() if reasons & bit and bit != 0x1],
+                "clock_limits": [name for bit, name in CLOCK_REASONS.items() if reasons & bit],
                 "clock_samples": len(clocks)}
 
 

@@ -70,7 +70,7 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-        clocks[pass_name] = sampler.summary() if device.type == "cuda" else {}
+        clocks[pass_name] = sampler.summary()
         return min(times)
 
     for b in batches:
