@@ -224,13 +224,13 @@ def test_kernel_instructions_counts_a_loss_kernels_machine_code(tmp_path):
     each tensor-core instruction (every one ending its batch). With ``MEGABATCH_LOSS_ACC_FLAG=1`` (``auto``, the
     default, on for sm_90; ``0`` here for the first tree) the backward's
     kernel resets its accumulator through the tensor cores' flag, not a select over its 64 registers a thread: more
-    than 64 instructions fewer. With ``MEGABATCH_LOSS_ONE_EXP`` (the default; ``0`` in the first two trees) the block
+    than 64 instructions fewer. With ``MEGABATCH_LOSS_ONE_EXP=1`` (the third tree) the block
     with its tensor-core instructions takes one exponential a logit, and a few a row and a column."""
     out = tmp_path / "instructions.json"
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     trees = ("branch=src@MEGABATCH_LOSS_ACC_FLAG=0@MEGABATCH_LOSS_ONE_EXP=0,"
              "checked=src@MEGABATCH_LOSS_SHARED_SHIFT=checked@MEGABATCH_LOSS_ACC_FLAG=1@MEGABATCH_LOSS_ONE_EXP=0,"
-             "one_exp=src")
+             "one_exp=src@MEGABATCH_LOSS_ONE_EXP=1")
     ran = subprocess.run([sys.executable, str(FOLDER / "kernel_instructions.py"), "--kernels", "grad,stats", "--trees",
                           trees, "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert ran.returncode == 0, ran.stderr[-3000:]

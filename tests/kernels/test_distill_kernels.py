@@ -34,6 +34,7 @@ def inputs(m: int, n: int, c: int, ct: int, seed: int):
 @pytest.mark.parametrize("shared", ["1", "0"])
 def test_distill_stats_and_grads_match_the_float64_reference(case, m, n, c, ct, scale, t_scale, shared, monkeypatch):
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)  # a whole tile within the spread by one shift, or not
+    monkeypatch.setattr(triton_tiles, "ONE_EXP", shared)  # the backward: one exponential a logit where allowed, or two
     dtype, precision, tolerance = CASES[case]
     # fp32 rounds a logit of magnitude ~scale to scale x 2^-24, and every probability exp(S - lse) carries that as a
     # relative error: the bound grows with the scale (exact fp32 dots, three tile configs, interpreted: the gradients'
@@ -157,6 +158,7 @@ def test_the_backward_one_exponential_a_logit_near_its_limit_and_past_it(monkeyp
 
     made = spy_on_one_exp(monkeypatch)
 
+    monkeypatch.setattr(triton_tiles, "ONE_EXP", "1")
     rows, cols, _, _ = (x.float() for x in inputs(32, 32, 64, 64, seed=4))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows, cols = rows.to(device), cols.to(device)

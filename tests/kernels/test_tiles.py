@@ -137,10 +137,12 @@ def check_against_torch(impl: str, case: str, m: int, n: int, c: int, scale: flo
 def test_matches_float64(impl, case, m, n, c, diagonal, scale, shared, monkeypatch):
     """Every tile shifted by its own maxima, or a whole tile within the spread by one shift (``1``: a branch a
     tile; ``checked``: every tile, the programs with a tile past the limit redone); ragged blocks (masked) and
-    blocks of whole tiles (the interpreter's 16 x 16: the kernels' ``EVEN``, no mask)."""
+    blocks of whole tiles (the interpreter's 16 x 16: the kernels' ``EVEN``, no mask). The backward takes one
+    exponential a logit where the forward takes the shared shift (``MEGABATCH_LOSS_ONE_EXP=1``), two where not."""
     if impl == "torch" and shared != "1":
         pytest.skip("the torch reference has one way")
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)
+    monkeypatch.setattr(triton_tiles, "ONE_EXP", "0" if shared == "0" else "1")
     check_against_torch(impl, case, m, n, c, scale, diagonal)
 
 
@@ -259,6 +261,7 @@ def test_the_backward_takes_one_exponential_a_logit_near_its_limit(monkeypatch):
     match float64 as closely as the forward's."""
     rows, cols = limit_tiles(torch.float32)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "0")
+    monkeypatch.setattr(triton_tiles, "ONE_EXP", "1")
     interpreter_tiles(monkeypatch)
     made = spy_on_one_exp(monkeypatch)
     check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols,
@@ -276,6 +279,7 @@ def test_the_backward_takes_one_exponential_only_where_the_tile_allows(monkeypat
     overflows (2^211): the programs' sums come out non-finite, which flags them too, and the gradients still match."""
     rows, cols = wide_tiles(torch.float32)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "0")
+    monkeypatch.setattr(triton_tiles, "ONE_EXP", "1")
     interpreter_tiles(monkeypatch)
     made = spy_on_one_exp(monkeypatch)
     tolerance = 2 * CASES["fp32"][2]
@@ -299,7 +303,7 @@ def test_every_program_redone_gives_two_exponentials_bitwise(diagonal, monkeypat
 
 
 def test_the_one_exponential_setting_comes_from_the_environment():
-    """``MEGABATCH_LOSS_ONE_EXP`` is 1 (the default) or 0; any other value stops the import with the variable named."""
+    """``MEGABATCH_LOSS_ONE_EXP`` is 1 or 0 (the default); any other value stops the import with the variable named."""
     import os
     import subprocess
     import sys

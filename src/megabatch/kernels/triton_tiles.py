@@ -100,12 +100,12 @@ SHARED_SHIFT_HEADROOM: tl.constexpr = tl.constexpr(32.0)
 # (log2 units): every factor is then at most 1, a tile's largest term at most 2^(14 + 64) (G's scale times the
 # span), and a term lost below fp32's range under 2^-48, 2^-62 of G's scale. A program that meets a wider tile (each
 # column tile's span is found before the launch, ``_OneExp``), or whose sums come out non-finite, is flagged, and a
-# second launch redoes its tiles with two exponentials a logit. MEGABATCH_LOSS_ONE_EXP: "1" (the default) on, "0"
-# off (two a logit, one launch, as before 2026-12-05)
-ONE_EXP = os.environ.get("MEGABATCH_LOSS_ONE_EXP", "1")
+# second launch redoes its tiles with two exponentials a logit. MEGABATCH_LOSS_ONE_EXP: "1" on; "0" (the default until
+# a GPU has timed it: SASS for sm_90 has half the exponentials a tile and as many instructions) two a logit, one launch
+ONE_EXP = os.environ.get("MEGABATCH_LOSS_ONE_EXP", "0")
 if ONE_EXP not in ("1", "0"):
     raise ValueError(f"MEGABATCH_LOSS_ONE_EXP={ONE_EXP!r}: 1 (the backward's two softmax terms of a logit from one "
-                     "exponential where a tile's log-sum-exps allow it; the default) or 0 (two exponentials a logit)")
+                     "exponential where a tile's log-sum-exps allow it) or 0 (two exponentials a logit; the default)")
 ONE_EXP_SPREAD = 64.0  # a test lifts it, or takes it away (-1: every program redone)
 PERSISTENT_WAVES = 2  # the block kernels' programs per SM (each walks its share of the block's tiles)
 # the block kernels' tile order: GROUP_M row blocks of tiles walk the columns together (``_block_tile``), so each
