@@ -374,6 +374,29 @@ def _both_softmaxes(s, x, y, y_lo):
 
 
 @triton.jit
+def _redone_tiles(tiles, flags_ptr, FIXUP: tl.constexpr):
+    """A backward kernel's tiles to walk and whether its program was flagged: with ``FIXUP`` (``ONE_EXP``'s redo
+    launch) none for a program its first launch did not flag."""
+    flagged = tl.program_id(0) >= 0
+    if FIXUP:
+        flagged = tl.load(flags_ptr + tl.program_id(0)) != 0
+        tiles = tl.where(flagged, tiles, 0)
+    return tiles, flagged
+
+
+@triton.jit
+def _store_program_sum(total, dscale_ptr, flags_ptr, bad, flagged, ONE_EXP: tl.constexpr, FIXUP: tl.constexpr):
+    """A backward kernel's program's sum (a redo launch's only where it redid the program) and, with ``ONE_EXP``, its
+    flag: a tile past the limit (``bad``) or a non-finite sum."""
+    if FIXUP:
+        tl.store(dscale_ptr + tl.program_id(0), total, mask=flagged)
+    else:
+        tl.store(dscale_ptr + tl.program_id(0), total)
+    if ONE_EXP:
+        tl.store(flags_ptr + tl.program_id(0), (bad | ((total - total) != 0.0)).to(tl.int32))
+
+
+@triton.jit
 def _grad_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, dscale_ptr,  # pointers
     c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block of G'
@@ -392,9 +415,7 @@ def _grad_kernel(
     term, past fp32's range where a tile's columns all sit below -128); ``FIXUP``: a flagged program redoes its
     tiles with two exponentials a logit (the others do nothing)."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
-    if FIXUP:
-        flagged = tl.load(flags_ptr + tl.program_id(0)) != 0
-        tiles = tl.where(flagged, tiles, 0)
+    tiles, flagged = _redone_tiles(tiles, flags_ptr, FIXUP)
     bad = tl.program_id(0) < 0
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     # g_scale, a power of two, in the exponentials' arguments (an integer off the log-sum-exps, rounded at most as
@@ -423,13 +444,7 @@ def _grad_kernel(
         dscale += tl.sum(g * acc, 1)
         _store_g(g_ptr, g, m0, n0, offs_m, offs_n, row_ok[:, None] & col_ok[None, :], row_start,
                  col_start, stride_gm, stride_gn, G_TMA)
-    total = tl.sum(dscale, 0) * inv_g_scale
-    if FIXUP:
-        tl.store(dscale_ptr + tl.program_id(0), total, mask=flagged)
-    else:
-        tl.store(dscale_ptr + tl.program_id(0), total)
-    if ONE_EXP:
-        tl.store(flags_ptr + tl.program_id(0), (bad | ((total - total) != 0.0)).to(tl.int32))
+    _store_program_sum(tl.sum(dscale, 0) * inv_g_scale, dscale_ptr, flags_ptr, bad, flagged, ONE_EXP, FIXUP)
 
 
 @triton.jit
@@ -730,9 +745,7 @@ def _distill_grad_kernel(
     and column log-sum-exps, then the teacher's. ``ONE_EXP`` and ``FIXUP`` as ``_grad_kernel``'s, the student's and the
     teacher's terms alike."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
-    if FIXUP:
-        flagged = tl.load(flags_ptr + tl.program_id(0)) != 0
-        tiles = tl.where(flagged, tiles, 0)
+    tiles, flagged = _redone_tiles(tiles, flags_ptr, FIXUP)
     bad = tl.program_id(0) < 0
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     t_scale2 = t_scale * 1.4426950408889634
@@ -771,13 +784,7 @@ def _distill_grad_kernel(
             g = tl.where(ok, g, 0.0)
         dscale += tl.sum(g * acc, 1)
         _store_g(g_ptr, g, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
-    total = tl.sum(dscale, 0) * inv_g_scale
-    if FIXUP:
-        tl.store(dscale_ptr + tl.program_id(0), total, mask=flagged)
-    else:
-        tl.store(dscale_ptr + tl.program_id(0), total)
-    if ONE_EXP:
-        tl.store(flags_ptr + tl.program_id(0), (bad | ((total - total) != 0.0)).to(tl.int32))
+    _store_program_sum(tl.sum(dscale, 0) * inv_g_scale, dscale_ptr, flags_ptr, bad, flagged, ONE_EXP, FIXUP)
 
 
 # ----------------------------------------------------------------------------------------------
