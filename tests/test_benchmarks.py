@@ -224,12 +224,11 @@ def test_kernel_instructions_counts_a_loss_kernels_machine_code(tmp_path):
     each tensor-core instruction (every one ending its batch). With ``MEGABATCH_LOSS_ACC_FLAG=1`` (``auto``, the
     default, on for sm_90; ``0`` here for the first tree) the backward's
     kernel resets its accumulator through the tensor cores' flag, not a select over its 64 registers a thread: more
-    than 64 instructions fewer. With ``MEGABATCH_LOSS_ONE_EXP=1`` (the second tree; off by default) the block
-    with its tensor-core instructions takes one exponential a logit, and a few a row and a column."""
+    than 64 instructions fewer."""
     out = tmp_path / "instructions.json"
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     trees = ("branch=src@MEGABATCH_LOSS_ACC_FLAG=0,"
-             "checked=src@MEGABATCH_LOSS_SHARED_SHIFT=checked@MEGABATCH_LOSS_ACC_FLAG=1@MEGABATCH_LOSS_ONE_EXP=1")
+             "checked=src@MEGABATCH_LOSS_SHARED_SHIFT=checked@MEGABATCH_LOSS_ACC_FLAG=1")
     ran = subprocess.run([sys.executable, str(FOLDER / "kernel_instructions.py"), "--kernels", "grad,stats", "--trees",
                           trees, "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -239,8 +238,6 @@ def test_kernel_instructions_counts_a_loss_kernels_machine_code(tmp_path):
     loop = max(grad["blocks"], key=lambda block: block["hgmma"])
     assert loop["hgmma"] > 0 and loop["mufu"] == 2 * grad["logits_per_thread"]
     assert grad["spill_stores"] == 0 and 0 < grad["registers"] <= 255
-    loop = max(flagged["blocks"], key=lambda block: block["hgmma"])
-    assert 0 < loop["mufu"] - flagged["logits_per_thread"] <= 8
     for row in (grad, stats, checked):
         assert 0 < row["hgmma_batches_ended"] < row["opcodes"]["HGMMA"], (row["tree"], row["kernel"])
 

@@ -78,10 +78,6 @@ def compile_kernel(kernel: str, config: dict) -> bytes:
     if flagged:
         hooks.install()
         constants["ACC_FLAG"] = True
-    # the backward's kernels' one exponential a logit, as MEGABATCH_LOSS_ONE_EXP sets it (off by default until
-    # a GPU times it; with it, the first of the two launches: the redo is the kernel without it; an earlier tree has
-    # no such constant)
-    constants["ONE_EXP"] = getattr(triton_tiles, "ONE_EXP", "0") == "1"
     types, values = {}, {}
     tma = any(param.name == "TMA" for param in fn.params)  # an earlier tree's kernels may load by thread only
     for param in fn.params:

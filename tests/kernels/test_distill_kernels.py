@@ -34,7 +34,6 @@ def inputs(m: int, n: int, c: int, ct: int, seed: int):
 @pytest.mark.parametrize("shared", ["1", "0"])
 def test_distill_stats_and_grads_match_the_float64_reference(case, m, n, c, ct, scale, t_scale, shared, monkeypatch):
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)  # a whole tile within the spread by one shift, or not
-    monkeypatch.setattr(triton_tiles, "ONE_EXP", shared)  # the backward: one exponential a logit where allowed, or two
     dtype, precision, tolerance = CASES[case]
     # fp32 rounds a logit of magnitude ~scale to scale x 2^-24, and every probability exp(S - lse) carries that as a
     # relative error: the bound grows with the scale (exact fp32 dots, three tile configs, interpreted: the gradients'
@@ -120,58 +119,3 @@ def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
     assert max(column_errors()) < 1e-5
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT_SPREAD", 1e9)
     assert max(column_errors()) > 1e-2
-
-
-def distill_gradients(rows, cols, t_rows, t_cols, scale: float, t_scale: float, monkeypatch, **settings):
-    """``distill_grads``' row and column gradients (fp32 dots, the interpreter's tiles) with ``triton_tiles``'
-    settings as given, beside float64's."""
-    from .test_tiles import interpreter_tiles
-
-    interpreter_tiles(monkeypatch)
-    for name, value in settings.items():
-        monkeypatch.setattr(triton_tiles, name, value)
-    r, k = rows.double().cpu().requires_grad_(), cols.double().cpu().requires_grad_()
-    student = scale * r @ k.T
-    teacher = t_scale * t_rows.double().cpu() @ t_cols.double().cpu().T
-    ((student.logsumexp(1) - (teacher.softmax(1) * student).sum(1)).sum()
-     + (student.logsumexp(0) - (teacher.softmax(0) * student).sum(0)).sum()).backward()
-    on = [x.float() for x in (rows, cols, t_rows, t_cols)]
-    scale_t = torch.tensor(scale, device=rows.device)
-    row_stats, col_stats = triton_tiles.distill_stats(*on, scale_t, t_scale, fp32_precision="ieee")
-    d_rows, d_cols = torch.zeros_like(on[0]), torch.zeros_like(on[1])
-    triton_tiles.distill_grads(*on, scale_t, t_scale, row_stats[:2], col_stats[:2],
-                               torch.tensor(1.0, device=rows.device), d_rows, d_cols, fp32_precision="ieee")
-    return (d_rows, d_cols), (r.grad, k.grad)
-
-
-def gradient_errors(got, expected) -> list[float]:
-    return [float((g.cpu().double() - e).norm() / e.norm()) for g, e in zip(got, expected, strict=True)]
-
-
-def test_the_backward_one_exponential_a_logit_near_its_limit_and_past_it(monkeypatch):
-    """The distillation backward's two softmax terms of each matrix from one exponential a logit where a tile
-    allows: a teacher of ``test_tiles.limit_tiles`` (its tiles' column log-sum-exps span ~61, in log2 units, within
-    64) takes it (no program flagged; the gradients differ in their last bits from two exponentials') and matches
-    float64; a teacher of ``wide_tiles`` (216) is found past the limit, its programs redone with two exponentials
-    (bitwise as ``MEGABATCH_LOSS_ONE_EXP=0``), and matches float64."""
-    from .test_tiles import limit_tiles, spy_on_one_exp, wide_tiles
-
-    made = spy_on_one_exp(monkeypatch)
-
-    monkeypatch.setattr(triton_tiles, "ONE_EXP", "1")
-    rows, cols, _, _ = (x.float() for x in inputs(32, 32, 64, 64, seed=4))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows, cols = rows.to(device), cols.to(device)
-    t_rows, t_cols = limit_tiles(torch.float32)
-    one, expected = distill_gradients(rows, cols, t_rows, t_cols, 14.0, 100.0, monkeypatch)
-    assert max(gradient_errors(one, expected)) < 1e-5
-    assert not (made[-1].wide.any() or made[-1].flags.any())
-    two, _ = distill_gradients(rows, cols, t_rows, t_cols, 14.0, 100.0, monkeypatch, ONE_EXP="0")
-    assert not torch.equal(one[1], two[1])
-    t_rows, t_cols = wide_tiles(torch.float32)
-    got, expected = distill_gradients(rows, cols, t_rows, t_cols, 14.0, 100.0, monkeypatch, ONE_EXP="1")
-    assert max(gradient_errors(got, expected)) < 1e-5
-    assert made[-1].wide.tolist() == [1, 0] and made[-1].flags.any()  # the first column tile holds both kinds
-    redone, _ = distill_gradients(rows, cols, t_rows, t_cols, 14.0, 100.0, monkeypatch, ONE_EXP_SPREAD=-1.0)
-    two, _ = distill_gradients(rows, cols, t_rows, t_cols, 14.0, 100.0, monkeypatch, ONE_EXP="0")
-    assert all(torch.equal(a, b) for a, b in zip(redone, two, strict=True))

@@ -137,12 +137,10 @@ def check_against_torch(impl: str, case: str, m: int, n: int, c: int, scale: flo
 def test_matches_float64(impl, case, m, n, c, diagonal, scale, shared, monkeypatch):
     """Every tile shifted by its own maxima, or a whole tile within the spread by one shift (``1``: a branch a
     tile; ``checked``: every tile, the programs with a tile past the limit redone); ragged blocks (masked) and
-    blocks of whole tiles (the interpreter's 16 x 16: the kernels' ``EVEN``, no mask). The backward takes one
-    exponential a logit where the forward takes the shared shift (``MEGABATCH_LOSS_ONE_EXP=1``), two where not."""
+    blocks of whole tiles (the interpreter's 16 x 16: the kernels' ``EVEN``, no mask)."""
     if impl == "torch" and shared != "1":
         pytest.skip("the torch reference has one way")
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)
-    monkeypatch.setattr(triton_tiles, "ONE_EXP", "0" if shared == "0" else "1")
     check_against_torch(impl, case, m, n, c, scale, diagonal)
 
 
@@ -214,103 +212,6 @@ def test_one_exponential_a_logit_only_where_the_tile_allows(shared, monkeypatch)
     monkeypatch.setattr(triton_tiles, "SHARED_SHIFT_SPREAD", 1e9)
     with pytest.raises(AssertionError, match="col_lse error"):
         check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols, tolerance=tolerance)
-
-
-def limit_tiles(dtype: torch.dtype):
-    """32 rows near one feature against 32 columns, each 16-column tile (the interpreter's) half at cos 0.9 from it
-    and half at cos 0.48: at scale 100 a tile's column log-sum-exps span ~61 in log2 units, within the backward's limit
-    for one exponential a logit (``ONE_EXP_SPREAD``, 64), and each of its rows' terms spans as much."""
-    generator = torch.Generator().manual_seed(7)
-    basis = torch.eye(64, dtype=torch.float64)
-    rows = F.normalize(basis[0] + 1e-3 * torch.randn(32, 64, generator=generator, dtype=torch.float64), dim=-1)
-    near, far = 0.9 * basis[0] + 0.436 * basis[1:17], 0.48 * basis[0] + 0.877 * basis[17:33]
-    cols = torch.stack([near[:8], far[:8], near[8:], far[8:]], 1).reshape(32, 64)
-    return rows.to(dtype).to(DEVICE), F.normalize(cols, dim=-1).to(dtype).to(DEVICE)
-
-
-def spy_on_one_exp(monkeypatch) -> list:
-    """Every ``_OneExp`` the backward kernels' launchers make (its ``wide`` tiles and its programs' ``flags`` as the
-    last block's launches left them)."""
-    made = []
-
-    class Spy(triton_tiles._OneExp):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(triton_tiles, "_OneExp", Spy)
-    return made
-
-
-def backward_with(monkeypatch, rows, cols, diagonal: bool = False, spread: float | None = None,
-                  one_exp: str = "1", scale: float = 100.0):
-    """``block_grads`` on the interpreter's tiles with ``ONE_EXP`` and its limit as given, fp32 dots."""
-    interpreter_tiles(monkeypatch)
-    monkeypatch.setattr(triton_tiles, "ONE_EXP", one_exp)
-    if spread is not None:
-        monkeypatch.setattr(triton_tiles, "ONE_EXP_SPREAD", spread)
-    scale_t = torch.tensor(scale, device=rows.device)
-    lse = triton_tiles.block_stats(rows, cols, scale_t, fp32_precision="ieee")
-    return triton_tiles.block_grads(rows, cols, scale_t, *lse, torch.tensor(0.25, device=rows.device), diagonal,
-                                    fp32_precision="ieee")
-
-
-def test_the_backward_takes_one_exponential_a_logit_near_its_limit(monkeypatch):
-    """``limit_tiles``' tiles are within the backward's limit: no program is flagged, every logit's two softmax terms
-    come from one exponential (the results differ in their last bits from two exponentials'), and the gradients
-    match float64 as closely as the forward's."""
-    rows, cols = limit_tiles(torch.float32)
-    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "0")
-    monkeypatch.setattr(triton_tiles, "ONE_EXP", "1")
-    interpreter_tiles(monkeypatch)
-    made = spy_on_one_exp(monkeypatch)
-    check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols,
-                        tolerance=2 * CASES["fp32"][2])
-    assert made and not any(one.wide.any() or one.flags.any() for one in made)
-    one = backward_with(monkeypatch, rows, cols)
-    two = backward_with(monkeypatch, rows, cols, one_exp="0")
-    assert not torch.equal(one[1], two[1])
-
-
-def test_the_backward_takes_one_exponential_only_where_the_tile_allows(monkeypatch):
-    """``wide_tiles``' columns at cos -0.5 beside columns at cos 1 span 216 in log2 units at scale 100: their tiles
-    are found past the limit before the launch, their programs flagged and redone with two exponentials a logit,
-    and the gradients match float64. With the limit lifted no tile is found past it, but one exponential then
-    overflows (2^211): the programs' sums come out non-finite, which flags them too, and the gradients still match."""
-    rows, cols = wide_tiles(torch.float32)
-    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "0")
-    monkeypatch.setattr(triton_tiles, "ONE_EXP", "1")
-    interpreter_tiles(monkeypatch)
-    made = spy_on_one_exp(monkeypatch)
-    tolerance = 2 * CASES["fp32"][2]
-    check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols, tolerance=tolerance)
-    assert made[0].wide.tolist() == [1, 0] and made[0].flags.any()  # the first column tile holds both kinds
-    made.clear()
-    monkeypatch.setattr(triton_tiles, "ONE_EXP_SPREAD", 1e9)
-    check_against_torch("triton", "fp32", 0, 0, 0, 100.0, False, rows=rows, cols=cols, tolerance=tolerance)
-    assert not made[0].wide.any() and made[0].flags.any()
-
-
-@pytest.mark.parametrize("diagonal", [False, True])
-def test_every_program_redone_gives_two_exponentials_bitwise(diagonal, monkeypatch):
-    """With the limit taken away (-1) every program is flagged and redone: the gradients are bitwise those of
-    ``MEGABATCH_LOSS_ONE_EXP=0`` (two exponentials a logit, one launch), and the redo leaves no program's sums out."""
-    rows, cols = features(45 if diagonal else 67, 45, 40, 2, diagonal, torch.float32)
-    redone = backward_with(monkeypatch, rows, cols, diagonal, spread=-1.0, scale=30.0)
-    two = backward_with(monkeypatch, rows, cols, diagonal, one_exp="0", scale=30.0)
-    for a, b in zip(redone, two, strict=True):
-        assert torch.equal(a, b)
-
-
-def test_the_one_exponential_setting_comes_from_the_environment():
-    """``MEGABATCH_LOSS_ONE_EXP`` is 1 or 0 (the default); any other value stops the import with the variable named."""
-    import os
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", "import megabatch.kernels.triton_tiles"], capture_output=True,
-                         text=True, env={**os.environ, "MEGABATCH_LOSS_ONE_EXP": "yes"})
-    assert run.returncode != 0 and "MEGABATCH_LOSS_ONE_EXP='yes'" in run.stderr
 
 
 def test_tiles_that_reach_past_a_block_of_g_are_refused(monkeypatch):
@@ -631,7 +532,7 @@ def test_a_tile_past_two_to_the_31_elements(kernel):
         row_lse[m - tile:] = 3.0
         col_lse = torch.full((tile,), 4.0, dtype=torch.float32, device=DEVICE)
         triton_tiles._grad_kernel[(1,)](rows, cols, scale, row_lse, col_lse, g, sums, c, m - tile, m, 0, tile,
-                                        1.0, *strides, sums, sums, sums, **shapes)
+                                        1.0, *strides, **shapes)
         logits = 20.0 * dots
         expected = torch.exp(logits - 3.0) + torch.exp(logits - 4.0)
     else:

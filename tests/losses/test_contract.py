@@ -3,7 +3,6 @@ loss, checked against a float64 single-process dense reference."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -33,13 +32,10 @@ BACKENDS = {
     # the Triton kernels in the ring, on these CPU tensors through TRITON_INTERPRET=1 (set by
     # conftest where there is no GPU; on a GPU machine tests/kernels runs them compiled); fp32 only
     "infcl_triton": lambda: InfClLoss(impl="triton", fp32_precision="ieee"),
-    # the same with the backward's one exponential a logit (MEGABATCH_LOSS_ONE_EXP=1, ``ONE_EXP_BACKENDS``)
-    "infcl_triton_one_exp": lambda: InfClLoss(impl="triton", fp32_precision="ieee"),
     "siglip": lambda: SigLipLoss(impl="torch", tile=16),
     "siglip_triton": lambda: SigLipLoss(impl="triton", fp32_precision="ieee"),
 }
-FP32_ONLY = {"infcl_triton", "infcl_triton_one_exp", "siglip_triton"}
-ONE_EXP_BACKENDS = {"infcl_triton_one_exp"}
+FP32_ONLY = {"infcl_triton", "siglip_triton"}
 SIGMOID = {"siglip", "siglip_triton"}  # called with a bias; held to the sigmoid reference
 
 
@@ -47,19 +43,6 @@ def backends(dtype: torch.dtype) -> list[str]:
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return [name for name in BACKENDS
             if name not in FP32_ONLY or (dtype != torch.float64 and interpreted)]
-
-
-@contextlib.contextmanager
-def one_exp(on: bool):
-    """The backward's kernels with one exponential a logit while ``on`` (``triton_tiles.ONE_EXP``), in this rank."""
-    from megabatch.kernels import triton_tiles
-
-    before = triton_tiles.ONE_EXP
-    triton_tiles.ONE_EXP = "1" if on else before
-    try:
-        yield
-    finally:
-        triton_tiles.ONE_EXP = before
 
 
 def global_features(world: int, dtype: torch.dtype):
@@ -93,15 +76,14 @@ def backend_results(rank: int, world: int, dtype: torch.dtype) -> dict:
         make = BACKENDS[name]
         local_images = images[rows].clone().requires_grad_()
         local_texts = texts[rows].clone().requires_grad_()
-        with one_exp(name in ONE_EXP_BACKENDS):
-            if name in SIGMOID:
-                scale = torch.tensor(SIGLIP_SCALE, dtype=dtype, requires_grad=True)
-                bias = torch.tensor(SIGLIP_BIAS, dtype=dtype, requires_grad=True)
-                loss = make()(local_images, local_texts, scale, bias)
-            else:
-                scale, bias = torch.tensor(SCALE, dtype=dtype, requires_grad=True), None
-                loss = make()(local_images, local_texts, scale)
-            loss.backward()
+        if name in SIGMOID:
+            scale = torch.tensor(SIGLIP_SCALE, dtype=dtype, requires_grad=True)
+            bias = torch.tensor(SIGLIP_BIAS, dtype=dtype, requires_grad=True)
+            loss = make()(local_images, local_texts, scale, bias)
+        else:
+            scale, bias = torch.tensor(SCALE, dtype=dtype, requires_grad=True), None
+            loss = make()(local_images, local_texts, scale)
+        loss.backward()
         results[name] = (loss.detach(), local_images.grad, local_texts.grad, scale.grad,
                          None if bias is None else bias.grad)
     return results

@@ -36,7 +36,6 @@ import uuid
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -95,18 +94,6 @@ if SHARED_SHIFT not in ("auto", *SHARED_SHIFT_MODES):
 # The kernels take it as an argument (a test lifts it, or takes it away: -1)
 SHARED_SHIFT_SPREAD = 150.0
 SHARED_SHIFT_HEADROOM: tl.constexpr = tl.constexpr(32.0)
-# the backward's kernels (``_grad_kernel``, ``_distill_grad_kernel``): a logit's two softmax terms, its row's and its
-# column's, from one exponential (``_both_softmaxes``) where the column tile's log-sum-exps span at most ONE_EXP_SPREAD
-# (log2 units): every factor is then at most 1, a tile's largest term at most 2^(14 + 64) (G's scale times the
-# span), and a term lost below fp32's range under 2^-48, 2^-62 of G's scale. A program that meets a wider tile (each
-# column tile's span is found before the launch, ``_OneExp``), or whose sums come out non-finite, is flagged, and a
-# second launch redoes its tiles with two exponentials a logit. MEGABATCH_LOSS_ONE_EXP: "1" on; "0" (the default until
-# a GPU has timed it: SASS for sm_90 has half the exponentials a tile and as many instructions) two a logit, one launch
-ONE_EXP = os.environ.get("MEGABATCH_LOSS_ONE_EXP", "0")
-if ONE_EXP not in ("1", "0"):
-    raise ValueError(f"MEGABATCH_LOSS_ONE_EXP={ONE_EXP!r}: 1 (the backward's two softmax terms of a logit from one "
-                     "exponential where a tile's log-sum-exps allow it) or 0 (two exponentials a logit; the default)")
-ONE_EXP_SPREAD = 64.0  # a test lifts it, or takes it away (-1: every program redone)
 PERSISTENT_WAVES = 2  # the block kernels' programs per SM (each walks its share of the block's tiles)
 # the block kernels' tile order: GROUP_M row blocks of tiles walk the columns together (``_block_tile``), so each
 # column tile is read from DRAM about once a group. MEGABATCH_LOSS_GROUP_M sets it (a positive integer); 16-64 read
@@ -363,60 +350,18 @@ def _power_of_two_parts(x):
 
 
 @triton.jit
-def _both_softmaxes(s, x, y, y_lo):
-    """``exp2(s - x_i) + exp2(s - y_j)`` of a tile (``s`` its logits, ``x`` its rows' and ``y`` its columns'
-    log-sum-exps, log2 units; ``y_lo`` the smallest of ``y``) with one exponential a logit: ``exp2(s - b_i) (alpha_i +
-    beta_i v_j)``, ``b_i = min(x_i, y_lo)``, ``alpha_i = exp2(b_i - x_i)``, ``beta_i = exp2(b_i - y_lo)``, ``v_j =
-    exp2(y_lo - y_j)``, each at most 1 (``ONE_EXP``)."""
-    b = tl.minimum(x, y_lo)
-    alpha, beta, v = tl.exp2(b - x), tl.exp2(b - y_lo), tl.exp2(y_lo - y)
-    return tl.exp2(s - b[:, None]) * (alpha[:, None] + beta[:, None] * v[None, :])
-
-
-@triton.jit
-def _redone_tiles(tiles, flags_ptr, FIXUP: tl.constexpr):
-    """A backward kernel's tiles to walk and whether its program was flagged: with ``FIXUP`` (``ONE_EXP``'s redo
-    launch) none for a program its first launch did not flag."""
-    flagged = tl.program_id(0) >= 0
-    if FIXUP:
-        flagged = tl.load(flags_ptr + tl.program_id(0)) != 0
-        tiles = tl.where(flagged, tiles, 0)
-    return tiles, flagged
-
-
-@triton.jit
-def _store_program_sum(total, dscale_ptr, flags_ptr, bad, flagged, ONE_EXP: tl.constexpr, FIXUP: tl.constexpr):
-    """A backward kernel's program's sum (a redo launch's only where it redid the program) and, with ``ONE_EXP``, its
-    flag: a tile past the limit (``bad``) or a non-finite sum."""
-    if FIXUP:
-        tl.store(dscale_ptr + tl.program_id(0), total, mask=flagged)
-    else:
-        tl.store(dscale_ptr + tl.program_id(0), total)
-    if ONE_EXP:
-        tl.store(flags_ptr + tl.program_id(0), (bad | ((total - total) != 0.0)).to(tl.int32))
-
-
-@triton.jit
 def _grad_kernel(
     rows_ptr, cols_ptr, scale_ptr, row_lse_ptr, col_lse_ptr, g_ptr, dscale_ptr,  # pointers
     c, row_start, row_stop, col_start, col_stop, g_scale,  # shapes: this launch's block of G'
     stride_rm, stride_rk, stride_cn, stride_ck, stride_gm, stride_gn,  # strides
-    col_lo_ptr, col_wide_ptr, flags_ptr,  # each column tile's smallest log-sum-exp and span flag; a program's flag
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ROUND_TF32: tl.constexpr,
     TMA: tl.constexpr = False, G_TMA: tl.constexpr = False, ACC_FLAG: tl.constexpr = False,
-    ONE_EXP: tl.constexpr = False, FIXUP: tl.constexpr = False,
 ):
     """This program's tiles of ``G' = P_row + P_col - 2 I`` (rows [row_start, row_stop) x columns
     [col_start, col_stop) of the block) into the buffer, times ``g_scale``, and their
-    ``sum(G' * rows @ cols^T)`` into ``dscale_ptr[program]``. ``ONE_EXP``: a logit's two terms from one exponential
-    (``_both_softmaxes``, each column tile's smallest log-sum-exp at ``col_lo_ptr[tile]``), the program's flag saying
-    whether a tile was past the limit (``col_wide_ptr[tile]``) or its sums came out non-finite (a padding row's
-    term, past fp32's range where a tile's columns all sit below -128); ``FIXUP``: a flagged program redoes its
-    tiles with two exponentials a logit (the others do nothing)."""
+    ``sum(G' * rows @ cols^T)`` into ``dscale_ptr[program]``."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
-    tiles, flagged = _redone_tiles(tiles, flags_ptr, FIXUP)
-    bad = tl.program_id(0) < 0
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     # g_scale, a power of two, in the exponentials' arguments (an integer off the log-sum-exps, rounded at most as
     # finely as the arguments themselves): G' comes out scaled, with no multiply a logit; the sum is undone at the end
@@ -429,22 +374,16 @@ def _grad_kernel(
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         ROUND_TF32, TMA)
         row_lse2 = tl.load(row_lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
-        # padding columns: v = 0 (one exponential), a zero term (two)
-        col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=float("inf")) * 1.4426950408889634 - g_shift
+        col_lse2 = tl.load(col_lse_ptr + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
         s = acc * scale2
-        if ONE_EXP:
-            y_lo = tl.load(col_lo_ptr + n0 // BLOCK_N) * 1.4426950408889634 - g_shift
-            g = _both_softmaxes(s, row_lse2, col_lse2, y_lo)
-            bad = bad | (tl.load(col_wide_ptr + n0 // BLOCK_N) != 0)
-        else:
-            g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
+        g = tl.exp2(s - row_lse2[:, None]) + tl.exp2(s - col_lse2[None, :])
         if DIAGONAL:
             g = tl.where(offs_m[:, None] == offs_n[None, :], g - 2.0 * g_scale, g)
         # no mask: outside the block the dots read zeros (acc = 0, so g * acc = 0) and G' is stored cut at its edges
         dscale += tl.sum(g * acc, 1)
         _store_g(g_ptr, g, m0, n0, offs_m, offs_n, row_ok[:, None] & col_ok[None, :], row_start,
                  col_start, stride_gm, stride_gn, G_TMA)
-    _store_program_sum(tl.sum(dscale, 0) * inv_g_scale, dscale_ptr, flags_ptr, bad, flagged, ONE_EXP, FIXUP)
+    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) * inv_g_scale)
 
 
 @triton.jit
@@ -730,11 +669,10 @@ def _distill_grad_kernel(
     m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale, t_weight, diagonal_weight, diagonal_offset,
     stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
     stride_gm, stride_gn,
-    col_lo_ptr, col_wide_ptr, flags_ptr,  # as _grad_kernel's: [2, column tiles], the student's then the teacher's
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
     GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
-    EVEN: tl.constexpr = False, ONE_EXP: tl.constexpr = False, FIXUP: tl.constexpr = False,
+    EVEN: tl.constexpr = False,
 ):
     """This program's tiles of ``G = P_row(S) + P_col(S) - t_weight (P_row(T) + P_col(T))`` (the distillation term's
     gradient in the logits, both directions; ``DIAGONAL``: less ``2 diagonal_weight`` where the column is the row
@@ -742,11 +680,8 @@ def _distill_grad_kernel(
     the two terms' weights over their sum gives both losses' gradient at once) into the buffer, times
     ``g_scale``, and the tile's
     ``sum(G * rows @ cols^T)`` into ``dscale_ptr[program]``. ``lse_ptr``: ``[m + n + m + n]``, the student's row
-    and column log-sum-exps, then the teacher's. ``ONE_EXP`` and ``FIXUP`` as ``_grad_kernel``'s, the student's and the
-    teacher's terms alike."""
+    and column log-sum-exps, then the teacher's."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
-    tiles, flagged = _redone_tiles(tiles, flags_ptr, FIXUP)
-    bad = tl.program_id(0) < 0
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     t_scale2 = t_scale * 1.4426950408889634
     g_shift, inv_g_scale = _power_of_two_parts(g_scale)  # in the exponentials' arguments, as _grad_kernel
@@ -763,20 +698,11 @@ def _distill_grad_kernel(
         s = acc * scale2
         t = t_acc * t_scale2
         row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
-        col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=float("inf")) * 1.4426950408889634 - g_shift
+        col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
         t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
-        t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=float("inf")) * 1.4426950408889634 \
-            - g_shift
-        if ONE_EXP:
-            col_tile, col_tiles = n0 // BLOCK_N, tl.cdiv(n, BLOCK_N)
-            y_lo = tl.load(col_lo_ptr + col_tile) * 1.4426950408889634 - g_shift
-            t_y_lo = tl.load(col_lo_ptr + col_tiles + col_tile) * 1.4426950408889634 - g_shift
-            g = (_both_softmaxes(s, row_lse, col_lse, y_lo)
-                 - t_weight * _both_softmaxes(t, t_row_lse, t_col_lse, t_y_lo))
-            bad = bad | (tl.load(col_wide_ptr + col_tile) != 0)
-        else:
-            g = (tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :])
-                 - t_weight * (tl.exp2(t - t_row_lse[:, None]) + tl.exp2(t - t_col_lse[None, :])))
+        t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
+        g = (tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :])
+             - t_weight * (tl.exp2(t - t_row_lse[:, None]) + tl.exp2(t - t_col_lse[None, :])))
         if DIAGONAL:
             g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight * g_scale, g)
         ok = row_ok[:, None] & col_ok[None, :]
@@ -784,7 +710,7 @@ def _distill_grad_kernel(
             g = tl.where(ok, g, 0.0)
         dscale += tl.sum(g * acc, 1)
         _store_g(g_ptr, g, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
-    _store_program_sum(tl.sum(dscale, 0) * inv_g_scale, dscale_ptr, flags_ptr, bad, flagged, ONE_EXP, FIXUP)
+    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) * inv_g_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1290,36 +1216,6 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
     return totals
 
 
-class _OneExp:
-    """The backward kernels' launches over the blocks of G (``ONE_EXP``): the kernel with one exponential a logit, which
-    flags each program that met a column tile past the limit, then the same kernel redoing the flagged programs'
-    tiles with two (a launch whose other programs end at once; no host sync). ``col_lses``: each matrix's column
-    log-sum-exps, whose tiles of ``block_n`` give the kernel their smallest (``lo``, ``[matrices, tiles]``) and
-    whether any spans more than ``ONE_EXP_SPREAD`` (``wide``, ``[tiles]``). With ``MEGABATCH_LOSS_ONE_EXP=0``: one
-    launch, two exponentials a logit."""
-
-    def __init__(self, col_lses: list[torch.Tensor], block_n: int):
-        device = col_lses[0].device
-        self.flags = torch.zeros((1,), dtype=torch.int32, device=device)
-        self.lo, self.wide = self.flags, self.flags
-        if ONE_EXP == "0":
-            return
-        lse = torch.stack(col_lses).float()
-        pad = triton.cdiv(lse.shape[1], block_n) * block_n - lse.shape[1]
-        lo = F.pad(lse, (0, pad), value=float("inf")).view(len(col_lses), -1, block_n).amin(2)
-        hi = F.pad(lse, (0, pad), value=float("-inf")).view(len(col_lses), -1, block_n).amax(2)
-        self.lo, self.wide = lo.contiguous(), ((hi - lo) * LOG2E > ONE_EXP_SPREAD).any(0).to(torch.int32)
-
-    def passes(self, programs: int) -> list[tuple[bool, bool]]:
-        """``(ONE_EXP, FIXUP)`` of each launch over a block of ``programs`` programs (``self.flags`` then holds
-        one a program)."""
-        if ONE_EXP == "0":
-            return [(False, False)]
-        if self.flags.numel() < programs:
-            self.flags = torch.zeros((programs,), dtype=torch.int32, device=self.flags.device)
-        return [(True, False), (False, True)]
-
-
 def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, config,
                  weight=None, d_rows=None, d_cols=None, rows_out=None, dots=None):
     """The softmax backward over ``_g_blocks``: the kernel writes ``G' = P_row + P_col - 2 I``,
@@ -1337,22 +1233,19 @@ def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, confi
         alpha = float(scale.double() * weight.double()) / g_scale
 
     rows_arg, cols_arg, tma = _operands(dot_rows, dot_cols, config)
-    one = _OneExp([col_lse], config["BLOCK_N"])
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         g_arg, g_tma = _g_target(g_block, config, tma)
-        for one_exp, fixup in one.passes(programs):
-            _grad_kernel[(programs,)](
-                rows_arg, cols_arg, scale, row_lse, col_lse, g_arg, partials,
-                c, row_start, row_stop, col_start, col_stop, g_scale,
-                dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
-                g_block.stride(0), g_block.stride(1), one.lo, one.wide, one.flags,
-                BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-                DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=GROUP_ROWS,
-                ROUND_TF32=_round_tf32_flag(dot_rows, precision), TMA=tma, G_TMA=g_tma,
-                ACC_FLAG=_acc_flag(dot_rows), ONE_EXP=one_exp, FIXUP=fixup,
-                num_warps=config["num_warps"], num_stages=config["num_stages"],
-            )
+        _grad_kernel[(programs,)](
+            rows_arg, cols_arg, scale, row_lse, col_lse, g_arg, partials,
+            c, row_start, row_stop, col_start, col_stop, g_scale,
+            dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
+            g_block.stride(0), g_block.stride(1),
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+            DIAGONAL=diagonal, UPCAST=_upcast(dot_rows), GROUP_M=GROUP_ROWS,
+            ROUND_TF32=_round_tf32_flag(dot_rows, precision), TMA=tma, G_TMA=g_tma, ACC_FLAG=_acc_flag(dot_rows),
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
 
     return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, rows_out, g_format=g_format)[0]
 
@@ -1470,25 +1363,22 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
     rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = _student_and_teacher_operands(dot_rows, dot_cols, t_rows,
                                                                                     t_cols, config)
 
-    one = _OneExp([lse[m:m + n], lse[2 * m + n:]], config["BLOCK_N"])
-
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         g_arg, g_tma = _g_target(g_block, config, tma)
-        for one_exp, fixup in one.passes(programs):
-            _distill_grad_kernel[(programs,)](
-                rows_arg, cols_arg, t_rows_arg, t_cols_arg, scale, float(t_scale), lse, g_arg, partials,
-                m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale, float(t_weight),
-                float(diagonal_weight or 0.0), int(diagonal_offset),
-                dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
-                t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
-                g_block.stride(0), g_block.stride(1), one.lo, one.wide, one.flags,
-                BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-                UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
-                T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=GROUP_ROWS,
-                DIAGONAL=diagonal_weight is not None, TMA=tma, G_TMA=g_tma,
-                EVEN=_even(row_stop - row_start, col_stop - col_start, config), ONE_EXP=one_exp, FIXUP=fixup,
-                num_warps=config["num_warps"], num_stages=config["num_stages"],
-            )
+        _distill_grad_kernel[(programs,)](
+            rows_arg, cols_arg, t_rows_arg, t_cols_arg, scale, float(t_scale), lse, g_arg, partials,
+            m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale, float(t_weight),
+            float(diagonal_weight or 0.0), int(diagonal_offset),
+            dot_rows.stride(0), dot_rows.stride(1), dot_cols.stride(0), dot_cols.stride(1),
+            t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1),
+            g_block.stride(0), g_block.stride(1),
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], PRECISION=precision,
+            UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
+            T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=GROUP_ROWS,
+            DIAGONAL=diagonal_weight is not None, TMA=tma, G_TMA=g_tma,
+            EVEN=_even(row_stop - row_start, col_stop - col_start, config),
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
 
     return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, g_format=g_format)[0]
 
