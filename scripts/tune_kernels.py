@@ -1,7 +1,7 @@
 """Autotune the Triton loss kernels' tile configs on this GPU and write them as JSON.
 
     python scripts/tune_kernels.py --dims 512,768 --dtypes bf16,fp32 --out tuned.json
-    python scripts/tune_kernels.py --kernels stats,grad,sigmoid,distill_stats,distill_grad --missing --merge \
+    python scripts/tune_kernels.py --kernels stats,grad,sigmoid,distill_grad --missing --merge \
         --out tuned_missing.json
 
 The output has the layout of ``src/megabatch/kernels/tuned.json`` ({gpu name: {key: config}}, and under

@@ -75,31 +75,6 @@ def test_the_benchmarks_time_the_step_the_trainer_builds():
     assert rel_error(grads[0], grads[1]) <= 1e-6
 
 
-def test_the_distillation_floors_copy_of_the_statistics_kernel_computes_what_the_kernel_does(monkeypatch):
-    """loss_variants.py --kinds distill_stats times a copy of the distillation statistics kernel with its softmax left
-    out or its dots cut to one tile of features: the copy whole must give the kernel's statistics exactly (a ragged
-    block, tiles of 16), or its parts measure another kernel. The copy is the kernel's two-exponential path (each
-    row's and column's own shift), which every tile took until the shared shift: the kernel is held to it here. The
-    parts run too."""
-    import loss_variants  # scripts/benchmarks (tests/conftest.py puts its folder on the path)
-
-    from megabatch.kernels import triton_tiles as tt
-
-    monkeypatch.setattr(tt, "SHARED_SHIFT_SPREAD", -1.0)  # no tile takes the shared shift
-
-    generator = torch.Generator().manual_seed(0)
-    rows, cols = (torch.nn.functional.normalize(torch.randn(n, 24, generator=generator), dim=-1).bfloat16()
-                  for n in (40, 36))
-    scale = torch.tensor(100.0)
-    config = tt.get_config("distill_stats", rows, "tf32", 36)
-    kernel = tt.distill_stats(rows, cols, cols, rows, scale, 50.0, config=config)
-    copy = loss_variants.distill_stats_variant(rows, cols, cols, rows, scale, 50.0, config)
-    assert all(torch.equal(a, b) for a, b in zip(copy, kernel, strict=True))
-    for part in ({"gemm_only": True}, {"one_k": True}, {"gemm_only": True, "one_k": True}):
-        row, column = loss_variants.distill_stats_variant(rows, cols, cols, rows, scale, 50.0, config, **part)
-        assert row.shape == (3, 40) and column.shape == (3, 36)
-
-
 def test_learning_compares_each_setting_with_the_first_paired_by_seed():
     """learning.py's summary: each later setting's metrics less the first setting's, seed by seed, with a 95%
     interval (report/seeds.py); a metric not measured is left out, one seed has no interval."""
@@ -289,9 +264,10 @@ def test_a_result_names_the_commit_whose_sources_it_measured_where_the_checkouts
 
 
 def test_kernel_counters_gives_each_kernel_ncu_profiled_its_pass_and_flops():
-    """``kernel_counters.py`` reads ncu's raw CSV page: a Triton kernel names its pass and its dots, cuBLAS's GEMMs
-    and other kernels take the pass launched before them, and a second launch of a kernel in one pass (the checked
-    shift's redo) is given no FLOPs."""
+    """``kernel_counters.py`` reads ncu's raw CSV page of one pass (an ncu run a pass): each kernel is the pass's, a
+    Triton kernel counts its dots and cuBLAS's GEMMs one GEMM, and a launch right after one of the same kernel (the
+    checked shift's redo) is given no FLOPs; the distillation pass launches the statistics kernel twice (the student's
+    and the teacher's) and both count."""
     import kernel_counters as kc
 
     metrics = kc.counters()
@@ -303,24 +279,25 @@ def test_kernel_counters_gives_each_kernel_ncu_profiled_its_pass_and_flops():
                   kc.AMOUNTS["l2_bytes"]: "1,000,000", kc.STALL.format("barrier"): "0.5"}
         return [str(i), name, "(264, 1, 1)", "(128, 1, 1)", *[values.get(metric, "n/a") for metric in metrics]]
 
-    lines = ["==PROF== Connected to process", "stats 1 c"] + [
+    lines = ["==PROF== Connected to process", "distill 1 c"] + [
         ",".join(f'"{v}"' for v in row) for row in (
-            header, units, record(9, "vectorized_elementwise_kernel", 3_000, 0),  # set-up: the first pass's
+            header, units, record(9, "vectorized_elementwise_kernel", 3_000, 0),
             record(0, "_stats_kernel", 2_000_000, 51.0), record(1, "_stats_kernel", 10_000, 1.0),
-            record(2, "reduce_kernel", 5_000, 0), record(3, "_sigmoid_kernel", 3_000_000, 40.0),
-            record(4, "nvjet_hsh_256x128_2cta", 1_000_000, 77.0), record(5, "_distill_stats_kernel", 4_000_000, 30.0))]
+            record(2, "reduce_kernel", 5_000, 0), record(3, "_stats_kernel", 2_000_000, 50.0),
+            record(4, "_distill_grad_kernel", 3_000_000, 40.0), record(5, "nvjet_hsh_256x128_2cta", 1_000_000, 77.0))]
     b, c = 1024, 512
-    rows = kc.rows_of("\n".join(lines), b, c)
-    assert [(row["pass"], row["kernel"]) for row in rows] == [
-        ("stats", "vectorized_elementwise_kernel"), ("stats", "_stats_kernel"), ("stats", "_stats_kernel"),
-        ("stats", "reduce_kernel"),
-        ("sigmoid", "_sigmoid_kernel"), ("sigmoid", "nvjet_hsh_256x128_2cta"), ("distill", "_distill_stats_kernel")]
+    rows = kc.rows_of("\n".join(lines), b, c, "distill")
+    assert [row["kernel"] for row in rows] == [
+        "vectorized_elementwise_kernel", "_stats_kernel", "_stats_kernel", "reduce_kernel", "_stats_kernel",
+        "_distill_grad_kernel", "nvjet_hsh_256x128_2cta"]
+    assert {row["pass"] for row in rows} == {"distill"}
     gemm = 2 * b * b * c
-    assert [row["flops"] for row in rows] == [None, gemm, None, None, gemm, gemm, 2 * gemm]
+    # the student's statistics, its checked shift's redo (none), the teacher's, the G kernel's two dots, a GEMM
+    assert [row["flops"] for row in rows] == [None, gemm, None, None, gemm, 2 * gemm, gemm]
     assert rows[1]["tflops"] == gemm / 2e-3 / 1e12 and rows[1]["tensor"] == 51.0 and rows[1]["xu"] is None
     assert rows[1]["l2_bytes"] == 1e6 and rows[1]["l2_bytes_per_flop"] == 1e6 / gemm
     assert rows[1]["stalls"]["barrier"] == 0.5 and rows[1]["stalls"]["wait"] is None
-    assert kc.rows_of("==ERROR== no kernels were profiled", b, c) == []
+    assert kc.rows_of("==ERROR== no kernels were profiled", b, c, "stats") == []
 
 
 def test_kernel_counters_runs_ncu_again_without_a_counter_it_does_not_know(tmp_path):

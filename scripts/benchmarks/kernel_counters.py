@@ -1,10 +1,10 @@
 """The loss kernels' hardware counters on one GPU, read by Nsight Compute (``ncu``): each pass (``stats``, ``backward``,
-``sigmoid``, ``distill``; ``loss_passes.py``'s) run once on one block of ``--batch`` rows (bf16, the tree's tuned tiles)
-inside the profiler's range, every kernel it launches (Triton's and cuBLAS's) a row: its time and how busy it kept
-each part of the GPU, as shares of that part's peak: the tensor cores, the exponential unit (XU, ``MUFU``), the FMA
-and ALU pipes, instruction issue, L2 and DRAM; L2's bytes per FLOP and where the warps waited (ncu's stall reasons,
-cycles a warp spent stalled for each reason per instruction it issued). A kernel held by L2 shows L2 near its peak and
-the tensor cores far from theirs; one held by its epilogue shows issue or XU near theirs.
+``sigmoid``, ``distill``; ``loss_passes.py``'s) run once (an ncu run a pass) on one block of ``--batch`` rows (bf16,
+the tree's tuned tiles) inside the profiler's range, every kernel it launches (Triton's and cuBLAS's) a row: its time
+and how busy it kept each part of the GPU, as shares of that part's peak: the tensor cores, the exponential unit (XU,
+``MUFU``), the FMA and ALU pipes, instruction issue, L2 and DRAM; L2's bytes per FLOP and where the warps waited
+(ncu's stall reasons, cycles a warp spent stalled for each reason per instruction it issued). A kernel held by L2 shows
+L2 near its peak and the tensor cores far from theirs; one held by its epilogue shows issue or XU near theirs.
 
     python scripts/benchmarks/kernel_counters.py --batch 24576 --dims 512,768 --out counters.json
 
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench, however the s
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # this checkout's kernels
 
 PASSES = ("stats", "backward", "sigmoid", "distill")
-# each Triton kernel's pass and its dots (b^2 c GEMMs' FLOPs); any other kernel belongs to the pass launched before it
-TRITON = {"_stats_kernel": ("stats", 1), "_grad_kernel": ("backward", 1), "_sigmoid_kernel": ("sigmoid", 1),
-          "_distill_stats_kernel": ("distill", 2), "_distill_grad_kernel": ("distill", 2)}
+# each Triton kernel's dots (b^2 c GEMMs' FLOPs); a pass may launch several (the distillation term's: the student's and
+# the teacher's statistics, then its G kernel)
+TRITON = {"_stats_kernel": 1, "_grad_kernel": 1, "_sigmoid_kernel": 1, "_distill_grad_kernel": 2}
 GEMM_NAMES = ("gemm", "nvjet", "xmma", "cutlass")  # cuBLAS's GEMM kernels: one b^2 c GEMM each on a square block
 SHARES = {  # column: counter (a share of its peak, in %)
     "tensor": "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
@@ -81,29 +81,27 @@ def number(text: str) -> float | None:
         return None
 
 
-def rows_of(csv_text: str, b: int, c: int) -> list[dict]:
-    """ncu's raw page (one line a kernel, a line of units after the header) as rows, each given its pass: a Triton
-    kernel's own, any other kernel the pass of the kernel before it (``TRITON``; those before the first Triton kernel,
-    the first pass's set-up, that kernel's pass)."""
+def rows_of(csv_text: str, b: int, c: int, pass_name: str) -> list[dict]:
+    """ncu's raw page (one line a kernel, a line of units after the header) of one pass (``pass_name``: ncu runs the
+    worker once a pass) as rows, each kernel with its FLOPs: a Triton kernel's dots (``TRITON``; none for a launch
+    right after one of the same kernel, the checked shift's redo), one GEMM for each of cuBLAS's."""
     lines = [line for line in csv_text.splitlines() if line.startswith('"')]
     table = list(csv.reader(io.StringIO("\n".join(lines))))
     if len(table) < 3:
         return []
     header, records = table[0], table[2:]
-    rows, current, counted = [], None, set()
+    rows, previous = [], None
     for record in records:
         values = dict(zip(header, record, strict=False))
         name = values.get("Kernel Name", "")
         triton = next((kernel for kernel in TRITON if name.startswith(kernel)), None)
         gemms = None
         if triton:
-            current, gemms = TRITON[triton][0], TRITON[triton][1]
-            if (current, triton) in counted:  # a second launch in the pass (the checked shift's redo): no FLOPs
-                gemms = None
-            counted.add((current, triton))
+            gemms = None if triton == previous else TRITON[triton]
         elif any(part in name.lower() for part in GEMM_NAMES):
             gemms = 1
-        row = {"pass": current, "dim": c, "batch": b, "kernel": triton or name[:120],
+        previous = triton
+        row = {"pass": pass_name, "dim": c, "batch": b, "kernel": triton or name[:120],
                "grid": values.get("Grid Size"), "block": values.get("Block Size")}
         for column, metric in {**AMOUNTS, **SHARES}.items():
             row[column] = number(values[metric]) if metric in values else None
@@ -115,11 +113,6 @@ def rows_of(csv_text: str, b: int, c: int) -> list[dict]:
         row["tflops"] = flops / seconds / 1e12 if flops and seconds else None
         row["l2_bytes_per_flop"] = row["l2_bytes"] / flops if flops and row.get("l2_bytes") else None
         rows.append(row)
-    first = next((row["pass"] for row in rows if row["pass"] is not None), None)
-    for row in rows:
-        if row["pass"] is not None:
-            break
-        row["pass"] = first
     return rows
 
 
@@ -170,13 +163,13 @@ def main() -> None:
 
     ncu = find_ncu(args.ncu)
     metrics, dropped, results = counters(), [], []
-    for c in (int(d) for d in args.dims.split(",")):
+    for c, pass_name in ((int(d), name) for d in args.dims.split(",") for name in passes):
         for _ in range(6):  # ncu may name one unknown counter a run
             ran = subprocess.run([ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics",
                                   ",".join(metrics), "--csv", "--page", "raw", sys.executable, __file__, "--worker",
-                                  str(c), "--batch", str(args.batch), "--passes", args.passes],
+                                  str(c), "--batch", str(args.batch), "--passes", pass_name],
                                  capture_output=True, text=True)
-            found = rows_of(ran.stdout, args.batch, c)
+            found = rows_of(ran.stdout, args.batch, c, pass_name)
             unknown = [] if found else unknown_counters(ran.stdout + ran.stderr, metrics)
             if not unknown or len(unknown) == len(metrics):
                 break
@@ -184,7 +177,8 @@ def main() -> None:
             metrics = [name for name in metrics if name not in unknown]
             dropped += unknown
         if not found:
-            results.append({"dim": c, "status": f"exit {ran.returncode}: {ran.stderr.strip()[-400:]}"})
+            results.append({"dim": c, "pass": pass_name,
+                            "status": f"exit {ran.returncode}: {ran.stderr.strip()[-400:]}"})
         for row in found:
             results.append(row)
             shares = ", ".join(f"{k} {row[k]:.0f}%" for k in SHARES if row.get(k) is not None)

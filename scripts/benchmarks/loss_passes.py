@@ -11,13 +11,15 @@ one ``b x b`` block with positives on the diagonal (the one-GPU loss):
 - ``loss``: ``stats`` then ``backward``, four GEMMs' FLOPs (the recomputed logits counted);
 - ``sigmoid`` (with ``--passes``): the sigmoid loss and its gradients in one pass (``sigmoid_block``: the kernel and
   cuBLAS's two GEMMs), three GEMMs' FLOPs;
-- ``distill`` (with ``--passes``): the distillation term's statistics and gradients (``distill_stats`` then
-  ``distill_grads``) with a teacher as wide as the student (the student's features swapped), six GEMMs' FLOPs;
+- ``distill`` (with ``--passes``): the distillation term's statistics and its pass with the gradients (the
+  student's and the teacher's ``block_stats``, then ``distill_block``; a tree from before 2026-12-06:
+  ``distill_stats`` then ``distill_grads``) with a teacher as wide as the student (the student's features swapped),
+  six GEMMs' FLOPs;
 - ``distill_stats`` (with ``--passes``): its statistics alone, the student's and the teacher's logits: two GEMMs'.
 ``--dtypes``: ``bf16`` features, or ``fp32_bf16_values`` (fp32 holding bf16 values, as GradCache's phase 2 calls the
 loss: the kernels' dots in bf16, ``G'`` and the GEMMs fp32 with TF32). ``--configs``: tile configs (JSON objects)
 tried on the kernels besides each tree's own (``kernels/tuned.json``): a config's rows time each pass with it, the
-distillation's two kernels both taking it (its backward is ``distill`` less ``distill_stats``).
+distillation's kernels all taking it (its pass with the gradients is ``distill`` less ``distill_stats``).
 On a GPU each row also has the SM clock over its timed calls (``sm_mhz``: the median of nvidia-smi's samples, with
 the lowest and highest), the median power draw and the reasons the driver held the clock down (``clock_limits``):
 the peak assumes 1,830 MHz, and an H100 at its 700 W cap ran these passes at 1,440-1,620 MHz (2026-12-05).
@@ -96,8 +98,7 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
                                             config=grad_config, dots_dtype=dots),
                         "sigmoid": partial(sigmoid_pass, tt, rows, cols, scale, dots, config),
                         "distill": partial(distill_pass, tt, rows, cols, scale, weight, dots, config),
-                        "distill_stats": partial(tt.distill_stats, rows, cols, cols, rows, scale, 100.0,
-                                                 dots_dtype=dots, config=config),
+                        "distill_stats": partial(distill_stats_pass, tt, rows, cols, scale, dots, config),
                     }
                     passes = {key: fn for key, fn in passes.items() if key in wanted}
                     seconds = {}
@@ -114,8 +115,8 @@ def measure(tree: str, name: str, batches: list[int], dims: list[int], dtypes: l
                     tiles = {"stats": stats_config, "grad_kernel": grad_config, "backward": grad_config,
                              "loss": grad_config, "sigmoid": config or tt.get_config("sigmoid", narrow, "tf32"),
                              "distill": [config or tt.get_config(kernel, narrow, "tf32")
-                                         for kernel in ("distill_stats", "distill_grad")],
-                             "distill_stats": config or tt.get_config("distill_stats", narrow, "tf32")}
+                                         for kernel in (distill_stats_kernel(tt), "distill_grad")],
+                             "distill_stats": config or tt.get_config(distill_stats_kernel(tt), narrow, "tf32")}
                     for pass_name, s in seconds.items():
                         if s is None:
                             continue
@@ -154,16 +155,38 @@ def sigmoid_pass(tt, rows, cols, scale, dots, config=None):
     return tt.sigmoid_block(rows, cols, scale, bias, True, d_rows, d_cols, dots_dtype=dots, config=config)
 
 
-def distill_pass(tt, rows, cols, scale, weight, dots, config=None):
-    """The distillation term's two passes, the teacher the student's features swapped (as wide, another matrix);
-    ``config``: both kernels' tiles, else the tree's own."""
+def distill_stats_kernel(tt) -> str:
+    """The kernel that takes the distillation term's statistics in ``tt``'s tree (its tiles' key)."""
+    return "stats" if hasattr(tt, "distill_block") else "distill_stats"
+
+
+def distill_stats_pass(tt, rows, cols, scale, dots, config=None):
+    """The distillation term's statistics, the teacher the student's features swapped: the student's and the
+    teacher's log-sum-exps (``block_stats`` each; a tree from before 2026-12-06: ``distill_stats``, one kernel
+    making both tiles)."""
     import torch
 
-    stats = tt.distill_stats(rows, cols, cols, rows, scale, 100.0, dots_dtype=dots, config=config)
-    lse = (torch.stack([stats[0][0], stats[0][1]]), torch.stack([stats[1][0], stats[1][1]]))
+    if not hasattr(tt, "distill_block"):
+        stats = tt.distill_stats(rows, cols, cols, rows, scale, 100.0, dots_dtype=dots, config=config)
+        return torch.stack([stats[0][0], stats[0][1]]), torch.stack([stats[1][0], stats[1][1]])
+    t_scale = torch.tensor(100.0, device=rows.device)
+    student = tt.block_stats(rows, cols, scale, dots_dtype=dots, config=config)
+    teacher = tt.block_stats(cols, rows, t_scale, dots_dtype=dots, config=config)
+    return torch.stack([student[0], teacher[0]]), torch.stack([student[1], teacher[1]])
+
+
+def distill_pass(tt, rows, cols, scale, weight, dots, config=None):
+    """The distillation term's passes with its gradients, the teacher the student's features swapped (as wide,
+    another matrix); ``config``: every kernel's tiles, else the tree's own."""
+    import torch
+
+    lse = distill_stats_pass(tt, rows, cols, scale, dots, config)
     d_rows, d_cols = torch.zeros(rows.shape, device=rows.device), torch.zeros(cols.shape, device=rows.device)
-    return tt.distill_grads(rows, cols, cols, rows, scale, 100.0, *lse, weight, d_rows, d_cols, dots_dtype=dots,
-                            config=config)
+    if not hasattr(tt, "distill_block"):
+        return tt.distill_grads(rows, cols, cols, rows, scale, 100.0, *lse, weight, d_rows, d_cols, dots_dtype=dots,
+                                config=config)
+    return tt.distill_block(rows, cols, cols, rows, scale, 100.0, *lse, float(weight), d_rows, d_cols,
+                            dots_dtype=dots, config=config)
 
 
 def main() -> None:

@@ -9,15 +9,9 @@ copy of the kernel's math with another way of loading and looping). Writes JSON 
 
 The measurement behind c0d9abb (``docs/bench/loss_variants_c512_h200.json``, ``today`` = 68c2fcd's kernels).
 
-``--kinds distill_stats``: where the distillation term's statistics kernel spends its time, at the tree's tiles and
-``CONFIGS``': the kernel (``today``), a copy of its two-exponential path (``copy``, which every tile took until the
-shared shift of 2026-12-05: it matches the kernel with ``SHARED_SHIFT_SPREAD`` at -1), the copy's two GEMMs alone
-(``gemm_only``: the softmax's five fields cut to one row sum, the ceiling of Triton's GEMMs in that loop), and both
-again with the dots over one ``BLOCK_K`` of features (``one_k``, ``gemm_only_one_k``: their difference is the
-softmax's own time). The kernel can be no faster than the slower of its GEMMs and its softmax, and takes their sum
-where nothing overlaps them; the FLOPs counted are two ``b^2 c`` GEMMs (a teacher as wide as the student).
-
-    python scripts/benchmarks/loss_variants.py --kinds distill_stats --size 262144 --c 512 --out distill_floor.json
+``--kinds distill_stats`` (until 2026-12-06; ``git show b2806a0:scripts/benchmarks/loss_variants.py``) timed the
+distillation term's former statistics kernel, both matrices' tiles in one loop, against its two GEMMs alone and its
+softmax alone; that kernel is gone (the statistics are ``_stats_kernel``'s, one matrix a pass).
 
 ``--kinds grad_parts``: where the backward's G' kernel spends its time, on one block of G' at ``PARTS_CONFIGS``' tiles:
 the tree's launcher (``tree``), a copy of its kernel (``today_copy``), one exponential a logit instead of two
@@ -115,124 +109,6 @@ def stats_variant(rows, cols, scale, config, flatten=False, ws=False, gemm_only=
         )
 
     return tt._stats_by_stripes(m, cols.shape[0], config, rows.device, launch)
-
-
-@triton.jit
-def _distill_stats_copy(rows_desc, cols_desc, t_rows_desc, t_cols_desc, scale_ptr, t_scale, row_out_ptr, col_out_ptr,
-                        m, c, ct, col_start, col_stop, cols_per_split, stride_row_field, stride_col_field,
-                        stride_col_part, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GEMM_ONLY: tl.constexpr, UPCAST: tl.constexpr):
-    """``triton_tiles._distill_stats_kernel``'s math, its dots ``_dot_tile``'s (bf16 operands through tensor
-    descriptors; ``UPCAST``: in fp32, as the interpreter takes them); ``GEMM_ONLY``: its softmax left out."""
-    pid = tl.program_id(0)
-    splits = tl.num_programs(0) // tl.cdiv(m, BLOCK_M)
-    pid_m, pid_s = pid // splits, pid % splits
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < m
-    scale = tl.load(scale_ptr).to(tl.float32)
-    scale2 = scale * 1.4426950408889634
-    t_scale2 = t_scale * 1.4426950408889634
-    m_s = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_s = tl.zeros((BLOCK_M,), tl.float32)
-    m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_t = tl.zeros((BLOCK_M,), tl.float32)
-    w_t = tl.zeros((BLOCK_M,), tl.float32)
-    split_start = col_start + pid_s * cols_per_split
-    split_stop = tl.minimum(split_start + cols_per_split, col_stop)
-    for j0 in range(split_start, split_stop, BLOCK_N):
-        offs_n = j0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < split_stop
-        # the kernel's own dots (tensor descriptors: no strides)
-        acc = _dot_tile(rows_desc, cols_desc, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c, 0, 0, 0, 0,
-                        BLOCK_M, BLOCK_N, BLOCK_K, "tf32", UPCAST, False, True)
-        t_acc = _dot_tile(t_rows_desc, t_cols_desc, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, ct, 0, 0, 0,
-                          0, BLOCK_M, BLOCK_N, BLOCK_K, "tf32", UPCAST, False, True)
-        if GEMM_ONLY:
-            l_s += tl.sum(acc + t_acc, 1)
-        else:
-            ok = row_ok[:, None] & col_ok[None, :]
-            s = tl.where(ok, acc * scale2, float("-inf"))
-            t = tl.where(ok, t_acc * t_scale2, float("-inf"))
-            m_new = tl.maximum(m_s, tl.max(s, 1))
-            l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-            m_s = m_new
-            m_new = tl.maximum(m_t, tl.max(t, 1))
-            keep = tl.exp2(m_t - m_new)
-            p = tl.exp2(t - m_new[:, None])
-            l_t = l_t * keep + tl.sum(p, 1)
-            w_t = w_t * keep + tl.sum(p * acc, 1) * scale  # the kernel's: no tile of logits
-            m_t = m_new
-            cs_max = tl.where(col_ok, tl.max(s, 0), 0.0)
-            ct_max = tl.where(col_ok, tl.max(t, 0), 0.0)
-            p_col = tl.exp2(t - ct_max[None, :])
-            part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
-            tl.store(col_out_ptr + part, cs_max, mask=col_ok)
-            tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s - cs_max[None, :]), 0), mask=col_ok)
-            tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
-            tl.store(col_out_ptr + 3 * stride_col_field + part, tl.sum(p_col, 0), mask=col_ok)
-            tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * acc, 0) * scale, mask=col_ok)
-    at = pid_s.to(tl.int64) * m + offs_m
-    tl.store(row_out_ptr + at, m_s, mask=row_ok)
-    tl.store(row_out_ptr + stride_row_field + at, l_s, mask=row_ok)
-    tl.store(row_out_ptr + 2 * stride_row_field + at, m_t, mask=row_ok)
-    tl.store(row_out_ptr + 3 * stride_row_field + at, l_t, mask=row_ok)
-    tl.store(row_out_ptr + 4 * stride_row_field + at, w_t, mask=row_ok)
-
-
-def distill_stats_variant(rows, cols, t_rows, t_cols, scale, t_scale, config, gemm_only=False, one_k=False):
-    """``_distill_stats_copy`` over the stripes as ``triton_tiles._distill_stats_launch`` runs the tree's kernel;
-    ``one_k``: its dots over the first ``BLOCK_K`` features alone (the softmax's cost with little GEMM: a tile of
-    logits in the layout the dots leave it in, which no tile made another way has)."""
-    m, c = rows.shape
-    n, ct = cols.shape[0], t_rows.shape[1]
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    row_blocks, stripe, cols_per_split, splits = tt._stripes(m, n, config, rows.device, fields=5)
-    row_out = torch.empty((5, splits, m), dtype=torch.float32, device=rows.device)
-    col_out = torch.empty((5, row_blocks, stripe), dtype=torch.float32, device=rows.device)
-    col_stats = torch.empty((3, n), dtype=torch.float32, device=rows.device)
-    descs = [TensorDescriptor.from_tensor(x, [size, bk]) for x, size in ((rows, bm), (cols, bn), (t_rows, bm),
-                                                                         (t_cols, bn))]
-    run = None
-    for col_start in range(0, n, stripe):
-        col_stop = min(col_start + stripe, n)
-        width = col_stop - col_start
-        active = triton.cdiv(width, cols_per_split)
-        _distill_stats_copy[(row_blocks * active,)](
-            *descs, scale, float(t_scale), row_out, col_out, m, min(c, bk) if one_k else c,
-            min(ct, bk) if one_k else ct, col_start, col_stop, cols_per_split,
-            row_out.stride(0), col_out.stride(0), col_out.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GEMM_ONLY=gemm_only, UPCAST=tt._upcast(rows), num_warps=config["num_warps"],
-            num_stages=config["num_stages"],
-        )
-        run = tt._merge_fields(row_out[:, :active], run)
-        col_stats[:, col_start:col_stop] = tt._finish_fields(tt._merge_fields(col_out[:, :, :width]))
-    return tt._finish_fields(run), col_stats
-
-
-def distill_stats_rows(record, n: int, c: int, dev, only: str) -> None:
-    """The ``distill_stats`` kind's rows: the tree's kernel, then at its tiles and ``CONFIGS``' the copy, its GEMMs
-    alone and its softmax alone."""
-    generator = torch.Generator(device=dev).manual_seed(1)
-    rows = torch.nn.functional.normalize(torch.randn(n, c, device=dev, generator=generator), dim=-1).bfloat16()
-    cols = torch.nn.functional.normalize(torch.randn(n, c, device=dev, generator=generator), dim=-1).bfloat16()
-    scale = torch.tensor(100.0, device=dev)
-    today = tt.get_config("distill_stats", rows, "tf32", n)
-    ref = tt.distill_stats(rows, cols, cols, rows, scale, 50.0, config=today)
-
-    def check(out):
-        return max(float((out[0] - ref[0]).abs().max()), float((out[1] - ref[1]).abs().max()))
-
-    flops = 2 * 2.0 * n * n * c
-    record("distill_stats", "today", today, lambda: tt.distill_stats(rows, cols, cols, rows, scale, 50.0,
-                                                                     config=today), flops, check)
-    variants = [("copy", {}), ("gemm_only", {"gemm_only": True}), ("one_k", {"one_k": True}),
-                ("gemm_only_one_k", {"gemm_only": True, "one_k": True})]
-    for config in [today, *[config for config in CONFIGS if config != today]]:
-        for name, kw in variants:
-            if only and name not in only.split(","):
-                continue
-            record("distill_stats", name, config, lambda kw=kw, config=config: distill_stats_variant(
-                rows, cols, cols, rows, scale, 50.0, config, **kw), flops, check if name == "copy" else None)
 
 
 @triton.jit
@@ -381,7 +257,7 @@ def main() -> None:
     p.add_argument("--c", type=int, default=512)
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="")
-    p.add_argument("--kinds", default="stats,grad", help="of stats, grad, grad_parts, distill_stats")
+    p.add_argument("--kinds", default="stats,grad", help="of stats, grad, grad_parts")
     args = p.parse_args()
     kinds = args.kinds.split(",")
     torch.manual_seed(0)
@@ -481,8 +357,6 @@ def main() -> None:
                 record("grad_parts", name, config, lambda config=config, mode=mode, store=store: grad_parts(
                     r, cc, scale, ref_row, ref_col, g_block, partials, flags, config, mode, store), gflops,
                     parts_check if mode < 2 else None)
-    if "distill_stats" in kinds:
-        distill_stats_rows(record, n, c, dev, args.only)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""The distillation term's fused kernels (``triton_tiles.distill_stats``/``distill_grads``) against a float64
-dense reference: per row and per column the student's and the teacher's log-sum-exp and the teacher-weighted
-student logits, and the gradients of the rows' and columns' cross-entropies in both feature sets and the scale
-(columns merged over stripes), on ragged shapes, a teacher
-wider than the student, large logits, and every input dtype (CPU: through TRITON_INTERPRET=1)."""
+"""The distillation term's fused kernel (``triton_tiles.distill_block``, given the student's and the teacher's
+log-sum-exps from ``block_stats``) against a float64 dense reference: the teacher-weighted student logits summed over
+the rows and the columns, and the gradients of the rows' and columns' cross-entropies in both feature sets and the
+scale, with and without the contrastive loss's weight, on ragged shapes, a teacher wider than the student, large
+logits, and every input dtype (CPU: through TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -27,57 +27,105 @@ def inputs(m: int, n: int, c: int, ct: int, seed: int):
     return rows, cols, t_rows, t_cols
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("m, n, c, ct, scale, t_scale", [(37, 37, 24, 40, 14.0, 23.0), (50, 29, 40, 24, 100.0, 100.0),
-                                                         (17, 70, 130, 33, 30.0, 5.0),
-                                                         (48, 32, 24, 40, 14.0, 23.0)])  # whole tiles: EVEN
-@pytest.mark.parametrize("shared", ["1", "0"])
-def test_distill_stats_and_grads_match_the_float64_reference(case, m, n, c, ct, scale, t_scale, shared, monkeypatch):
-    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", shared)  # a whole tile within the spread by one shift, or not
-    dtype, precision, tolerance = CASES[case]
-    # fp32 rounds a logit of magnitude ~scale to scale x 2^-24, and every probability exp(S - lse) carries that as a
-    # relative error: the bound grows with the scale (exact fp32 dots, three tile configs, interpreted: the gradients'
-    # error 1.96-2.15e-6 at scale 100, 3-6e-7 at 14 and 30; CASES' 2e-6 failed at 100 on an H200)
-    tolerance *= max(1.0, max(scale, t_scale) / 50)
-    rows, cols, t_rows, t_cols = (x.to(dtype) for x in inputs(m, n, c, ct, seed=m + n + c))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":  # stripes of a few columns: the column fields merged stripe by stripe, as at 1M on a GPU
-        monkeypatch.setattr(triton_tiles, "PARTIAL_BYTES", 20 * 16 * triton_tiles.triton.cdiv(m, 16) * 2)
-    # the reference: dense logits in float64 from the same rounded inputs, both directions
+def distill_lse(rows, cols, t_rows, t_cols, scale, t_scale: float, fp32_precision: str = "tf32", dots_dtype=None):
+    """``distill_block``'s log-sum-exps as the loss takes them: ``([2, m], [2, n])``, the student's then the
+    teacher's, each ``block_stats``'."""
+    student = triton_tiles.block_stats(rows, cols, scale, fp32_precision, dots_dtype=dots_dtype)
+    teacher = triton_tiles.block_stats(t_rows, t_cols, torch.tensor(t_scale, device=rows.device), fp32_precision,
+                                       dots_dtype=dots_dtype)
+    return torch.stack([student[0], teacher[0]]), torch.stack([student[1], teacher[1]])
+
+
+def reference(rows, cols, t_rows, t_cols, scale: float, t_scale: float, weight: float, contrastive_weight: float = 0.0,
+              offset: int = 0):
+    """float64, dense: ``(cross, d_rows, d_cols, d_scale, size)`` of ``weight`` x the rows' and columns'
+    distillation cross-entropies plus ``contrastive_weight`` x the contrastive loss's sums (row ``i``'s positive in
+    column ``i + offset``); ``size``: the cross sum's terms' magnitudes summed (logits of either sign cancel in the
+    sum, not in its rounding)."""
     r, k = rows.double().requires_grad_(), cols.double().requires_grad_()
     s_ref = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
     student = s_ref * r @ k.T
     teacher = t_scale * t_rows.double() @ t_cols.double().T
-    by_rows = (student.logsumexp(1), teacher.logsumexp(1), (teacher.softmax(1) * student).sum(1))
-    by_cols = (student.logsumexp(0), teacher.logsumexp(0), (teacher.softmax(0) * student).sum(0))
+    cross = (teacher.softmax(1) * student).sum() + (teacher.softmax(0) * student).sum()
+    lse = student.logsumexp(1).sum() + student.logsumexp(0).sum()
+    positives = student[torch.arange(rows.shape[0]), torch.arange(rows.shape[0]) + offset].sum() \
+        if contrastive_weight else 0.0
+    (weight * (lse - cross) + contrastive_weight * (lse - 2 * positives)).backward()
+    size = (teacher.softmax(1) * student.abs()).sum() + (teacher.softmax(0) * student.abs()).sum()
+    return cross.detach(), r.grad, k.grad, s_ref.grad, size.detach()
+
+
+def close(got: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bool:
+    return float((got.cpu().double() - expected).norm() / expected.norm()) <= tolerance
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("m, n, c, ct, scale, t_scale", [(37, 37, 24, 40, 14.0, 23.0), (50, 29, 40, 24, 100.0, 100.0),
+                                                         (17, 70, 130, 33, 30.0, 5.0),
+                                                         (48, 32, 24, 40, 14.0, 23.0)])  # whole tiles: EVEN
+def test_distill_block_matches_the_float64_reference(case, m, n, c, ct, scale, t_scale, monkeypatch):
+    dtype, precision, tolerance = CASES[case]
+    # fp32 rounds a logit of magnitude ~scale to scale x 2^-24, and every probability exp(S - lse) carries that as a
+    # relative error, the student's and the teacher's alike, and G = P(S) - P(T) their difference: the bound grows with
+    # the scales, 4 x 2^-24 a unit of the larger (exact fp32 dots, interpreted: the gradients' error 2.2e-6 at 14 and
+    # 23, where the two log-sum-exps' rounding leans opposite ways, 5.5e-7 where it leans alike; CASES' 2e-6 failed at
+    # 100 on an H200)
+    tolerance = max(tolerance, 4 * max(scale, t_scale) * 2.0**-24)
+    rows, cols, t_rows, t_cols = (x.to(dtype) for x in inputs(m, n, c, ct, seed=m + n + c))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # stripes of a few columns: the column statistics merged stripe by stripe, as at 1M on a GPU
+        monkeypatch.setattr(triton_tiles, "PARTIAL_BYTES", 20 * 16 * triton_tiles.triton.cdiv(m, 16) * 2)
     weight = 0.37
-    (weight * ((by_rows[0] - by_rows[2]).sum() + (by_cols[0] - by_cols[2]).sum())).backward()
+    cross_ref, d_rows_ref, d_cols_ref, d_scale_ref, size = reference(rows, cols, t_rows, t_cols, scale, t_scale,
+                                                                     weight)
 
     on = [x.to(device) for x in (rows, cols, t_rows, t_cols)]
     scale_t = torch.tensor(scale, device=device)
-    row_stats, col_stats = triton_tiles.distill_stats(*on, scale_t, t_scale, fp32_precision=precision)
-    for direction, got, expected in (("rows", row_stats, by_rows), ("columns", col_stats, by_cols)):
-        for name, value, reference in zip(("student lse", "teacher lse", "cross"), got, expected, strict=True):
-            reference = reference.detach()
-            assert (value.cpu().double() - reference).norm() / reference.norm() <= tolerance, f"{direction} {name}"
+    lse = distill_lse(*on, scale_t, t_scale, precision)
     d_rows, d_cols = torch.zeros(m, c, device=device), torch.zeros(n, c, device=device)
-    d_scale = triton_tiles.distill_grads(*on, scale_t, t_scale, row_stats[:2], col_stats[:2],
-                                         torch.tensor(weight, device=device), d_rows, d_cols,
-                                         fp32_precision=precision)
-    assert (d_rows.cpu().double() - r.grad).norm() / r.grad.norm() <= tolerance
-    assert (d_cols.cpu().double() - k.grad).norm() / k.grad.norm() <= tolerance
-    # the scale's gradient: weight * sum(G * dots)
-    assert abs(float(d_scale) / float(s_ref.grad) - 1) <= tolerance
+    cross, d_scale = triton_tiles.distill_block(*on, scale_t, t_scale, *lse, weight, d_rows, d_cols,
+                                                fp32_precision=precision)
+    assert abs(float(cross) - float(cross_ref)) <= tolerance * float(size)
+    assert close(d_rows, d_rows_ref, tolerance)
+    assert close(d_cols, d_cols_ref, tolerance)
+    assert abs(float(d_scale) / float(d_scale_ref) - 1) <= tolerance  # weight * sum(G * dots)
+    # the value alone (no gradient wanted): the kernel writes no G, the same sum
+    alone, no_scale = triton_tiles.distill_block(*on, scale_t, t_scale, *lse, fp32_precision=precision)
+    assert abs(float(alone) - float(cross_ref)) <= tolerance * float(size) and float(no_scale) == 0.0
+
+
+@pytest.mark.parametrize("offset", [0, 5])
+def test_distill_block_takes_the_contrastive_losss_gradient_too(offset, monkeypatch):
+    """With ``contrastive_weight`` one G carries both terms: the contrastive loss's positives on the diagonal moved by
+    ``diagonal_offset`` (a rank's rows against every rank's columns), over blocks of G of one tile each."""
+    from .test_tiles import small_blocks_of_g
+
+    small_blocks_of_g(monkeypatch)
+    m, n = 21, 29
+    rows, cols, t_rows, t_cols = (x.float() for x in inputs(m, n, 24, 40, seed=3))
+    cross, d_rows_ref, d_cols_ref, d_scale_ref, size = reference(rows, cols, t_rows, t_cols, 20.0, 10.0, 0.37, 0.21,
+                                                                 offset)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    on = [x.to(device) for x in (rows, cols, t_rows, t_cols)]
+    scale = torch.tensor(20.0, device=device)
+    d_rows, d_cols = torch.zeros(m, 24, device=device), torch.zeros(n, 24, device=device)
+    got, d_scale = triton_tiles.distill_block(*on, scale, 10.0, *distill_lse(*on, scale, 10.0, "ieee"), 0.37, d_rows,
+                                              d_cols, "ieee", contrastive_weight=0.21, diagonal_offset=offset)
+    assert abs(float(got) - float(cross)) <= 2e-6 * float(size)
+    assert close(d_rows, d_rows_ref, 2e-6) and close(d_cols, d_cols_ref, 2e-6)
+    assert abs(float(d_scale) / float(d_scale_ref) - 1) <= 2e-6
 
 
 def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch):
     """``loss.impl=triton`` (interpreted here) with one teacher takes the kernels, and on one process they give the
-    contrastive loss too (its own kernels do not run); an ensemble takes the torch blocks."""
+    contrastive loss too (its own kernels do not run): the student's and the teacher's statistics, then one pass for
+    the term's value and both gradients, in the forward; an ensemble takes the torch blocks. Without a gradient
+    wanted, the same value from a pass that writes no G."""
     from megabatch.losses import InfClLoss
     from megabatch.losses.distill import DistilledLoss
 
     calls = []
-    for name in ("distill_stats", "distill_grads", "block_stats", "block_grads"):
+    for name in ("distill_block", "block_stats", "block_grads"):
         original = getattr(triton_tiles, name)
         monkeypatch.setattr(triton_tiles, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,37 +133,15 @@ def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch)
     scale = torch.tensor(10.0, device=device)
     loss = DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, 20.0)
     images = rows.clone().requires_grad_()
-    loss(images, cols, scale, teacher=(t_rows, t_cols)).backward()
-    assert calls == ["distill_stats", "distill_grads"]  # both terms, both directions, in one call each
+    value = loss(images, cols, scale, teacher=(t_rows, t_cols))
+    assert calls == ["block_stats", "block_stats", "distill_block"]  # both terms, both directions
+    value.backward()
+    assert calls == ["block_stats", "block_stats", "distill_block"]  # the backward scales what the forward made
+    with torch.no_grad():
+        again = loss(images, cols, scale, teacher=(t_rows, t_cols))
+    torch.testing.assert_close(again, value.detach(), rtol=1e-6, atol=0)
     calls.clear()
     ensemble = (torch.stack([t_rows, t_rows], 1), torch.stack([t_cols, t_cols], 1))
     DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, (20.0, 10.0))(
         images, cols, scale, teacher=ensemble).backward()
     assert calls == ["block_stats", "block_grads"]  # the contrastive loss's own kernels, the term in torch
-
-
-def test_one_exponential_a_logit_only_where_the_tile_allows(monkeypatch):
-    """The statistics kernel takes one exponential a logit of each matrix in a whole tile whose logits span at most
-    ``SHARED_SHIFT_SPREAD`` (log2 units), else each row's and column's own shift. ``test_tiles.wide_tiles``' columns
-    at cos -0.5 from every row (student and teacher alike) span 216 beside the others at scale 100: their statistics
-    match float64 with the shipped limit, and come out wrong with it lifted (one shift for the tile underflows
-    them)."""
-    from .test_tiles import interpreter_tiles, wide_tiles
-
-    rows, cols = (x.double().cpu() for x in wide_tiles(torch.float32))
-    teacher = 100.0 * rows @ cols.T
-    expected = (teacher.logsumexp(0), teacher.logsumexp(0), (teacher.softmax(0) * teacher).sum(0))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    on = [x.float().to(device) for x in (rows, cols, rows, cols)]
-    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT", "1")  # on a GPU too
-    interpreter_tiles(monkeypatch)  # whole tiles of the 32 x 32 block, which alone take the shared shift
-
-    def column_errors():
-        _, col_stats = triton_tiles.distill_stats(*on, torch.tensor(100.0, device=device), 100.0,
-                                                  fp32_precision="ieee")
-        return [float((got.cpu().double() - want).abs().max() / want.abs().max())
-                for got, want in zip(col_stats, expected, strict=True)]
-
-    assert max(column_errors()) < 1e-5
-    monkeypatch.setattr(triton_tiles, "SHARED_SHIFT_SPREAD", 1e9)
-    assert max(column_errors()) > 1e-2

@@ -19,6 +19,10 @@ Backward, hybrid: ``_grad_kernel`` recomputes each tile once and writes a block 
 of FLOP per byte of G' and accumulator traffic, so they stay compute-bound at any b, and no
 c-sized accumulator has to live on chip: any feature width works.
 
+Distillation from a teacher: the student's and the teacher's log-sum-exps are each ``_stats_kernel``'s (one dot
+product a tile); ``_distill_grad_kernel`` then makes both tiles once, writes G of both terms and sums the
+teacher-weighted student logits, the term's cross-entropies' other half (``distill_block``).
+
 Inputs bf16, fp16 or fp32, accumulation in fp32; fp32 inputs use TF32 or exact fp32 dots
 (``fp32_precision``). Any m, n (masked edges) and any c (masked K loop). Tile configs come from
 ``tuned.json`` (committed, per GPU name), else from a GPU there of the same compute capability and SM count
@@ -75,12 +79,11 @@ G_FP16 = os.environ.get("MEGABATCH_LOSS_G_FP16", "auto")
 TMA = os.environ.get("MEGABATCH_LOSS_TMA", "auto")
 if TMA not in ("auto", "0"):
     raise ValueError(f"MEGABATCH_LOSS_TMA={TMA!r}: auto (tensor descriptors where the GPU and the layout allow) or 0")
-# the statistics kernels' shared shift (SHARED_SHIFT_SPREAD): "auto" checked on a GPU since Hopper (timed on an H200:
-# the contrastive forward 7% faster at b = 256k, the distillation term's passes 2-4%; the float64 tests passed
-# compiled there), "1" under the interpreter (the tests), off on older GPUs (untimed);
-# "1" on (a branch a tile; the forward's column loop then not flattened), "checked" on without a branch (the
-# forward's loop flattened: each program flags a tile past the limit and a second launch redoes the flagged programs
-# with each row's and column's own shift; the distillation kernel as "1"), "0" off
+# the statistics kernel's shared shift (SHARED_SHIFT_SPREAD): "auto" checked on a GPU since Hopper (timed on an H200:
+# the contrastive forward 7% faster at b = 256k; the float64 tests passed compiled there), "1" under the interpreter
+# (the tests), off on older GPUs (untimed); "1" on (a branch a tile; the forward's column loop then not flattened),
+# "checked" on without a branch (the forward's loop flattened: each program flags a tile past the limit and a second
+# launch redoes the flagged programs with each row's and column's own shift), "0" off
 SHARED_SHIFT = os.environ.get("MEGABATCH_LOSS_SHARED_SHIFT", "auto")
 SHARED_SHIFT_MODES = {"0": 0, "1": 1, "checked": 2}
 if SHARED_SHIFT not in ("auto", *SHARED_SHIFT_MODES):
@@ -510,182 +513,29 @@ def _sigmoid_kernel(
 
 
 @triton.jit
-def _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN: tl.constexpr):
-    """A distillation tile's student and teacher logits (log2 units), -inf outside the block, rows and columns alike
-    (one mask for both directions; none where ``EVEN``): there the exponentials are 0, so the sums need no other
-    mask; a row outside it ends NaN (-inf - -inf), which is never stored."""
-    s = acc * scale2
-    t = t_acc * t_scale2
-    if not EVEN:
-        ok = row_ok[:, None] & col_ok[None, :]
-        s = tl.where(ok, s, float("-inf"))
-        t = tl.where(ok, t, float("-inf"))
-    return s, t
-
-
-@triton.jit
-def _distill_rows(s, t, acc, scale, m_s, l_s, m_t, l_t, w_t):
-    """The rows' five running fields over one more tile, online as ``_stats_kernel``'s (every tile has a valid
-    column): the student's (max, sum), the teacher's (max, sum) and the teacher-weighted student logits (``acc``, the
-    student's dots, weighed and summed, the sum times ``scale``: no tile of logits held beside the dots)."""
-    m_new = tl.maximum(m_s, tl.max(s, 1))
-    l_s = l_s * tl.exp2(m_s - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-    m_new_t = tl.maximum(m_t, tl.max(t, 1))
-    keep = tl.exp2(m_t - m_new_t)
-    p = tl.exp2(t - m_new_t[:, None])  # 0 outside the block
-    return m_new, l_s, m_new_t, l_t * keep + tl.sum(p, 1), w_t * keep + tl.sum(p * acc, 1) * scale
-
-
-@triton.jit
-def _distill_own_shifts(acc, t_acc, scale, scale2, t_scale2, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok,
-                        EVEN: tl.constexpr):
-    """A distillation statistics tile's terms, each row and column shifted by its own maxima: the rows' running
-    fields and the columns' fields over the tile (``_distill_stats_kernel``'s five; ``EVEN``: no mask)."""
-    s, t = _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN)
-    m_s, l_s, m_t, l_t, w_t = _distill_rows(s, t, acc, scale, m_s, l_s, m_t, l_t, w_t)
-    # columns: this row block's share, shifted by its own maxima
-    cs_max, ct_max = tl.max(s, 0), tl.max(t, 0)
-    if not EVEN:  # 0 on padding columns: no inf - inf
-        cs_max, ct_max = tl.where(col_ok, cs_max, 0.0), tl.where(col_ok, ct_max, 0.0)
-    p_col = tl.exp2(t - ct_max[None, :])
-    return (m_s, l_s, m_t, l_t, w_t, cs_max, tl.sum(tl.exp2(s - cs_max[None, :]), 0), ct_max, tl.sum(p_col, 0),
-            tl.sum(p_col * acc, 0) * scale)
-
-
-@triton.jit
-def _distill_shared_shift(acc, t_acc, scale, scale2, t_scale2, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max,
-                          s_top, t_top):
-    """``_distill_own_shifts``' terms for a whole tile whose logits span at most ``SHARED_SHIFT_SPREAD`` in each
-    matrix: one exponential a logit of each, shifted by the tile's largest rounded up, for rows and columns alike
-    (as ``_stats_shared_shift``; the teacher-weighted logits' column sums scaled as the teacher's)."""
-    s_shift, t_shift = tl.ceil(s_top) - SHARED_SHIFT_HEADROOM, tl.ceil(t_top) - SHARED_SHIFT_HEADROOM
-    # each tile's sums taken as soon as it is made, in the order that ends the others' lives soonest
-    e = tl.exp2(acc * scale2 - s_shift)
-    e_rows, e_cols = tl.sum(e, 1), tl.sum(e, 0)
-    p = tl.exp2(t_acc * t_scale2 - t_shift)
-    p_rows, p_cols = tl.sum(p, 1), tl.sum(p, 0)
-    q = p * acc
-    q_rows, q_cols = tl.sum(q, 1), tl.sum(q, 0)
-    m_new = tl.maximum(m_s, s_row_max)
-    l_s = l_s * tl.exp2(m_s - m_new) + e_rows * tl.exp2(s_shift - m_new)
-    m_s = m_new
-    m_new = tl.maximum(m_t, t_row_max)
-    keep, into = tl.exp2(m_t - m_new), tl.exp2(t_shift - m_new)
-    l_t = l_t * keep + p_rows * into
-    w_t = w_t * keep + q_rows * (into * scale)
-    m_t = m_new
-    cs_max, cs_sum, _ = _exponent_into(s_shift, e_cols)
-    ct_max, ct_sum, ct_scale = _exponent_into(t_shift, p_cols)
-    return m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, q_cols * (ct_scale * scale)
-
-
-@triton.jit
-def _distill_stats_kernel(
-    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, row_out_ptr, col_out_ptr,  # t_scale a number
-    m, c, ct, col_start, col_stop, cols_per_split, stride_row_field, stride_col_field, stride_col_part,
-    stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
-    spread,  # SHARED_SHIFT_SPREAD
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
-    TMA: tl.constexpr = False, SHARED: tl.constexpr = False, EVEN: tl.constexpr = False,
-):
-    """Program (i, s): rows [i*BM, (i+1)*BM) against the s-th column split of the stripe, for the student's
-    logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale * t_rows @ t_cols^T`` together (as
-    ``_stats_kernel``, both directions). Five fields, each base-2 (max, sum) of S, (max, sum) of T and the
-    teacher-weighted student logits ``sum exp2(T2 - max) * S`` (natural units): the rows' over the split at
-    ``row_out[field, s, row]``, each column's over the row block at ``col_out[field, i, col - col_start]``."""
-    pid = tl.program_id(0)
-    splits = tl.num_programs(0) // tl.cdiv(m, BLOCK_M)
-    pid_m, pid_s = pid // splits, pid % splits
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < m
-    scale = tl.load(scale_ptr).to(tl.float32)
-    scale2 = scale * 1.4426950408889634
-    t_scale2 = t_scale * 1.4426950408889634
-    m_s = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_s = tl.zeros((BLOCK_M,), tl.float32)
-    m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_t = tl.zeros((BLOCK_M,), tl.float32)
-    w_t = tl.zeros((BLOCK_M,), tl.float32)
-    split_start = col_start + pid_s * cols_per_split
-    split_stop = tl.minimum(split_start + cols_per_split, col_stop)
-    rows_full = (pid_m + 1) * BLOCK_M <= m
-    for j0 in range(split_start, split_stop, BLOCK_N):
-        offs_n = j0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < split_stop
-        acc = _dot_tile(rows_ptr, cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, c,
-                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                        ROUND_TF32, TMA)
-        t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, pid_m * BLOCK_M, j0, offs_m, offs_n, row_ok, col_ok, ct,
-                          stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
-                          T_UPCAST, T_ROUND_TF32, TMA)
-        if SHARED:
-            # each row's largest and smallest logit of either matrix (a multiply a row, not a logit; either sign)
-            s_hi, s_lo = tl.max(acc, 1) * scale2, tl.min(acc, 1) * scale2
-            t_hi, t_lo = tl.max(t_acc, 1) * t_scale2, tl.min(t_acc, 1) * t_scale2
-            s_row_max, t_row_max = tl.maximum(s_hi, s_lo), tl.maximum(t_hi, t_lo)
-            s_top, t_top = tl.max(s_row_max, 0), tl.max(t_row_max, 0)
-            s_spread = s_top - tl.min(tl.minimum(s_hi, s_lo), 0)
-            t_spread = t_top - tl.min(tl.minimum(t_hi, t_lo), 0)
-            if rows_full & (j0 + BLOCK_N <= split_stop) & (s_spread <= spread) & (t_spread <= spread) & \
-                    (tl.abs(s_top) < 4194304.0) & (tl.abs(t_top) < 4194304.0):  # as _stats_kernel
-                m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_shared_shift(
-                    acc, t_acc, scale, scale2, t_scale2, m_s, l_s, m_t, l_t, w_t, s_row_max, t_row_max, s_top, t_top)
-            else:
-                m_s, l_s, m_t, l_t, w_t, cs_max, cs_sum, ct_max, ct_sum, cw_sum = _distill_own_shifts(
-                    acc, t_acc, scale, scale2, t_scale2, m_s, l_s, m_t, l_t, w_t, row_ok, col_ok, EVEN)
-            part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
-            tl.store(col_out_ptr + part, cs_max, mask=col_ok)
-            tl.store(col_out_ptr + stride_col_field + part, cs_sum, mask=col_ok)
-            tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
-            tl.store(col_out_ptr + 3 * stride_col_field + part, ct_sum, mask=col_ok)
-            tl.store(col_out_ptr + 4 * stride_col_field + part, cw_sum, mask=col_ok)
-        else:
-            # _distill_own_shifts' math, written out with each column sum stored as it is made: the registers this
-            # kernel had before the shared shift (through the helper, which returns all ten, it spills twice as much)
-            s, t = _distill_logits(acc, t_acc, scale2, t_scale2, row_ok, col_ok, EVEN)
-            m_s, l_s, m_t, l_t, w_t = _distill_rows(s, t, acc, scale, m_s, l_s, m_t, l_t, w_t)
-            cs_max, ct_max = tl.max(s, 0), tl.max(t, 0)
-            if not EVEN:
-                cs_max, ct_max = tl.where(col_ok, cs_max, 0.0), tl.where(col_ok, ct_max, 0.0)
-            p_col = tl.exp2(t - ct_max[None, :])
-            part = pid_m.to(tl.int64) * stride_col_part + offs_n - col_start
-            tl.store(col_out_ptr + part, cs_max, mask=col_ok)
-            tl.store(col_out_ptr + stride_col_field + part, tl.sum(tl.exp2(s - cs_max[None, :]), 0), mask=col_ok)
-            tl.store(col_out_ptr + 2 * stride_col_field + part, ct_max, mask=col_ok)
-            tl.store(col_out_ptr + 3 * stride_col_field + part, tl.sum(p_col, 0), mask=col_ok)
-            tl.store(col_out_ptr + 4 * stride_col_field + part, tl.sum(p_col * acc, 0) * scale, mask=col_ok)
-    at = pid_s.to(tl.int64) * m + offs_m  # [field, splits, m]
-    tl.store(row_out_ptr + at, m_s, mask=row_ok)
-    tl.store(row_out_ptr + stride_row_field + at, l_s, mask=row_ok)
-    tl.store(row_out_ptr + 2 * stride_row_field + at, m_t, mask=row_ok)
-    tl.store(row_out_ptr + 3 * stride_row_field + at, l_t, mask=row_ok)
-    tl.store(row_out_ptr + 4 * stride_row_field + at, w_t, mask=row_ok)
-
-
-@triton.jit
 def _distill_grad_kernel(
-    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, lse_ptr, g_ptr, dscale_ptr,
+    rows_ptr, cols_ptr, t_rows_ptr, t_cols_ptr, scale_ptr, t_scale, lse_ptr, g_ptr, cross_ptr,
     m, n, c, ct, row_start, row_stop, col_start, col_stop, g_scale, t_weight, diagonal_weight, diagonal_offset,
     stride_rm, stride_rk, stride_cn, stride_ck, stride_trm, stride_trk, stride_tcn, stride_tck,
     stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
     GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
-    EVEN: tl.constexpr = False,
+    EVEN: tl.constexpr = False, WRITE_G: tl.constexpr = True,
 ):
     """This program's tiles of ``G = P_row(S) + P_col(S) - t_weight (P_row(T) + P_col(T))`` (the distillation term's
     gradient in the logits, both directions; ``DIAGONAL``: less ``2 diagonal_weight`` where the column is the row
     plus ``diagonal_offset``, the contrastive loss's positives, which with ``t_weight`` and ``diagonal_weight``
     the two terms' weights over their sum gives both losses' gradient at once) into the buffer, times
-    ``g_scale``, and the tile's
-    ``sum(G * rows @ cols^T)`` into ``dscale_ptr[program]``. ``lse_ptr``: ``[m + n + m + n]``, the student's row
-    and column log-sum-exps, then the teacher's."""
+    ``g_scale`` (``WRITE_G``; without it the sum alone), and the tile's teacher-weighted dots
+    ``sum((P_row(T) + P_col(T)) * rows @ cols^T)`` (the term's cross-entropies' other half) into
+    ``cross_ptr[program]``. ``lse_ptr``: ``[m + n + m + n]``, the student's row and column log-sum-exps, then the
+    teacher's."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     t_scale2 = t_scale * 1.4426950408889634
     g_shift, inv_g_scale = _power_of_two_parts(g_scale)  # in the exponentials' arguments, as _grad_kernel
-    dscale = tl.zeros((BLOCK_M,), tl.float32)
+    cross = tl.zeros((BLOCK_M,), tl.float32)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(tile, grid_n, row_start, row_stop, col_start,
                                                              col_stop, BLOCK_M, BLOCK_N, GROUP_M)
@@ -695,22 +545,26 @@ def _distill_grad_kernel(
         t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, ct,
                           stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
                           T_UPCAST, T_ROUND_TF32, TMA)
-        s = acc * scale2
         t = t_acc * t_scale2
-        row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
-        col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
         t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
         t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
-        g = (tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :])
-             - t_weight * (tl.exp2(t - t_row_lse[:, None]) + tl.exp2(t - t_col_lse[None, :])))
-        if DIAGONAL:
-            g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight * g_scale, g)
+        p = tl.exp2(t - t_row_lse[:, None]) + tl.exp2(t - t_col_lse[None, :])
         ok = row_ok[:, None] & col_ok[None, :]
         if not EVEN:
-            g = tl.where(ok, g, 0.0)
-        dscale += tl.sum(g * acc, 1)
-        _store_g(g_ptr, g, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
-    tl.store(dscale_ptr + tl.program_id(0), tl.sum(dscale, 0) * inv_g_scale)
+            p = tl.where(ok, p, 0.0)
+        cross += tl.sum(p * acc, 1)
+        if WRITE_G:
+            s = acc * scale2
+            row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
+            col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
+            g = tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :]) - t_weight * p
+            if DIAGONAL:
+                g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight * g_scale,
+                             g)
+            if not EVEN:
+                g = tl.where(ok, g, 0.0)
+            _store_g(g_ptr, g, m0, n0, offs_m, offs_n, ok, row_start, col_start, stride_gm, stride_gn, G_TMA)
+    tl.store(cross_ptr + tl.program_id(0), tl.sum(cross, 0) * inv_g_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -915,11 +769,9 @@ def _launcher(kernel: str, dtype: torch.dtype, c: int, precision: str, device, s
     def launch(config: dict):
         if kernel == "stats":
             return _stats_launch(rows, cols, scale, precision, config)
-        if kernel == "distill_stats":
-            return _distill_stats_launch(rows, cols, cols, rows, scale, 100.0, precision, config)
         if kernel == "distill_grad":
             lse = torch.cat([row_lse, col_lse, row_lse, col_lse])
-            return _distill_grad_launch(rows, cols, cols, rows, scale, 100.0, lse, precision, config)
+            return _distill_launch(rows, cols, cols, rows, scale, 100.0, lse, precision, config)
         if kernel == "sigmoid":
             return _sigmoid_launch(rows, cols, scale, torch.tensor(-10.0, device=device), True, precision, config,
                                    grads=False, write_g=True)
@@ -1009,7 +861,7 @@ def _acc_flag(t: torch.Tensor) -> bool:
 
 
 def _shared_shift(rows: torch.Tensor) -> int:
-    """How the statistics kernels on ``rows`` take the shared shift (``SHARED_SHIFT``): 0 not, 1 a branch a tile,
+    """How the statistics kernel on ``rows`` takes the shared shift (``SHARED_SHIFT``): 0 not, 1 a branch a tile,
     2 checked (flagged programs redone)."""
     if SHARED_SHIFT == "auto":  # checked where timed (an H200: the forward 7% faster), 1 interpreted (the tests)
         if not _ptx(rows):
@@ -1039,7 +891,7 @@ def _operands(a: torch.Tensor, b: torch.Tensor, config: dict) -> tuple:
 
 
 def _student_and_teacher_operands(rows, cols, t_rows, t_cols, config: dict) -> tuple:
-    """The distillation kernels' four dot operands, all loaded one way: ``(rows, cols, t_rows, t_cols, tma)``,
+    """The distillation kernel's four dot operands, all loaded one way: ``(rows, cols, t_rows, t_cols, tma)``,
     through tensor descriptors only where both pairs allow it (``_operands``)."""
     rows_arg, cols_arg, tma = _operands(rows, cols, config)
     t_rows_arg, t_cols_arg, t_tma = _operands(t_rows, t_cols, config)
@@ -1296,69 +1148,21 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
     return torch.stack([partial_sums[0], scale_sum / scale, partial_sums[2]])
 
 
-def _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, precision, config):
-    """Both directions' statistics in one pass over the tiles (stripes and splits as ``_stats_launch``):
-    ``[3, m]`` for the rows and ``[3, n]`` for the columns, each the student's log-sum-exp, the teacher's, and
-    the teacher-weighted student logits (``sum softmax(T) * S`` along the row or the column), fp32."""
-    m, c = rows.shape
-    n, ct = cols.shape[0], t_rows.shape[1]
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    row_blocks, stripe, cols_per_split, splits = _stripes(m, n, config, rows.device, fields=5)
-    row_out = torch.empty((5, splits, m), dtype=torch.float32, device=rows.device)
-    col_out = torch.empty((5, row_blocks, stripe), dtype=torch.float32, device=rows.device)
-    run = None  # the rows' running fields
-    col_stats = torch.empty((3, n), dtype=torch.float32, device=rows.device)
-    rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = _student_and_teacher_operands(rows, cols, t_rows, t_cols, config)
-    for col_start in range(0, n, stripe):
-        col_stop = min(col_start + stripe, n)
-        width = col_stop - col_start
-        active = triton.cdiv(width, cols_per_split)
-        _distill_stats_kernel[(row_blocks * active,)](
-            rows_arg, cols_arg, t_rows_arg, t_cols_arg, scale, float(t_scale), row_out, col_out,
-            m, c, ct, col_start, col_stop, cols_per_split, row_out.stride(0), col_out.stride(0), col_out.stride(1),
-            rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
-            t_rows.stride(0), t_rows.stride(1), t_cols.stride(0), t_cols.stride(1), float(SHARED_SHIFT_SPREAD),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], PRECISION=precision,
-            UPCAST=_upcast(rows), ROUND_TF32=_round_tf32_flag(rows, precision),
-            T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), TMA=tma,
-            SHARED=_shared_shift(rows) > 0, EVEN=_even(m, n, config), num_warps=config["num_warps"],
-            num_stages=config["num_stages"],
-        )
-        run = _merge_fields(row_out[:, :active], run)
-        col_stats[:, col_start:col_stop] = _finish_fields(_merge_fields(col_out[:, :, :width]))
-    return _finish_fields(run), col_stats
-
-
-def _merge_fields(parts: torch.Tensor, run: torch.Tensor | None = None) -> torch.Tensor:
-    """``[5, parts, k]`` partial fields (base-2 student max and sum, teacher max and sum, teacher-weighted
-    logits) merged over the parts, and into ``run`` (``[5, k]``) when given."""
-    if run is not None:
-        parts = torch.cat([parts, run[:, None]], 1)
-    s_max, t_max = parts[0].amax(0), parts[2].amax(0)
-    t_keep = torch.exp2(parts[2] - t_max)
-    return torch.stack([s_max, (parts[1] * torch.exp2(parts[0] - s_max)).sum(0), t_max, (parts[3] * t_keep).sum(0),
-                        (parts[4] * t_keep).sum(0)])
-
-
-def _finish_fields(fields: torch.Tensor) -> torch.Tensor:
-    """``[5, k]`` merged fields -> ``[3, k]``: the student's log-sum-exp, the teacher's (natural units), and the
-    teacher-weighted student logits."""
-    return torch.stack([(fields[0] + torch.log2(fields[1])) / LOG2E, (fields[2] + torch.log2(fields[3])) / LOG2E,
-                        fields[4] / fields[3]])
-
-
-def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, precision, config,
-                         weight=None, d_rows=None, d_cols=None, dots=None, t_weight: float = 1.0,
-                         diagonal_weight: float | None = None, diagonal_offset: int = 0):
-    """The distillation term's backward over ``_g_blocks``: the kernel writes ``G = P_row(S) + P_col(S) -
-    t_weight (P_row(T) + P_col(T))`` (less ``2 diagonal_weight`` on the diagonal when given), cuBLAS multiplies
-    it by ``weight`` into ``d_rows`` and ``d_cols``. ``lse``: ``[m + n + m + n]`` (``_distill_grad_kernel``).
-    ``dots``: as in ``_grad_launch``. Returns ``sum(G * dots)`` (fp32, without ``weight``)."""
+def _distill_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, precision, config, weight=None,
+                    d_rows=None, d_cols=None, dots=None, t_weight: float = 1.0, diagonal_weight: float | None = None,
+                    diagonal_offset: int = 0, write_g: bool = True):
+    """The distillation term's pass over ``_g_blocks``: the kernel writes ``G = P_row(S) + P_col(S) - t_weight
+    (P_row(T) + P_col(T))`` (less ``2 diagonal_weight`` on the diagonal when given) and sums the teacher-weighted
+    dots; with ``weight`` cuBLAS multiplies G by ``weight`` into ``d_rows`` and ``d_cols``. ``lse``: ``[m + n + m +
+    n]`` (``_distill_grad_kernel``). ``dots``: as in ``_grad_launch``. Without ``weight`` and ``write_g`` the kernel
+    writes no G (the term's value alone). Returns ``[sum((P_row(T) + P_col(T)) * dots), weight * sum(G * dots)]``
+    (fp32; the second 0 without ``weight``)."""
     (m, c), n, ct = rows.shape, cols.shape[0], t_rows.shape[1]
     dot_rows, dot_cols = dots or (rows, cols)
-    g_format = _g_format(rows, cols, dots, precision, FP16_G_SCALE / 4)  # |G| <= 2 + 2 t_weight + 2 diagonal_weight
-    g_scale = _power_of_two(g_format[1])
-    alpha = None if weight is None else float(scale.double() * weight.double()) / g_scale  # host sync, once
+    # |G| <= 2 + 2 t_weight + 2 diagonal_weight
+    g_format = _g_format(rows, cols, dots, precision, FP16_G_SCALE / 4) if write_g else None
+    g_scale = _power_of_two(g_format[1] if g_format else 1.0)
+    alpha = None if weight is None else float(scale.double()) * weight / g_scale  # host sync, once
 
     rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = _student_and_teacher_operands(dot_rows, dot_cols, t_rows,
                                                                                     t_cols, config)
@@ -1376,11 +1180,26 @@ def _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse,
             UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=GROUP_ROWS,
             DIAGONAL=diagonal_weight is not None, TMA=tma, G_TMA=g_tma,
-            EVEN=_even(row_stop - row_start, col_stop - col_start, config),
+            EVEN=_even(row_stop - row_start, col_stop - col_start, config), WRITE_G=write_g,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
-    return _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, g_format=g_format)[0]
+    if alpha is None:
+        cross = _g_blocks(rows, cols, config, fill, 1, precision, write_g=write_g, g_format=g_format)[0]
+        return torch.stack([cross, torch.zeros_like(cross)])
+    # weight * sum(G * dots) = sum_i <rows_i, (weight * scale * G @ cols)_i> / scale: one [block, c] dot per row
+    # block from its gradient (as the sigmoid's), the kernel's one sum a logit left to the teacher-weighted dots
+    scale_sum = torch.zeros((), dtype=torch.float32, device=rows.device)
+
+    def row_done(row_start, row_stop, row_grads):
+        nonlocal scale_sum
+        d_rows[row_start:row_stop] += row_grads
+        scale_sum = scale_sum + (rows[row_start:row_stop].float() * row_grads).sum()
+
+    cross = _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, row_done=row_done,
+                      g_format=g_format)[0]
+    return torch.stack([cross, scale_sum / scale])
+
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
     """``out += alpha * a @ b`` with ``out`` fp32 and ``a``, ``b`` in the input dtype."""
@@ -1529,56 +1348,45 @@ def sigmoid_block(
     return sums[0], sums[1], sums[2]
 
 
-def distill_stats(
+def distill_block(
     rows: torch.Tensor, cols: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, scale: torch.Tensor,
-    t_scale: float, fp32_precision: str = "tf32", dots_dtype: torch.dtype | None = None, config: dict | None = None,
+    t_scale: float, row_lse: torch.Tensor, col_lse: torch.Tensor, weight: float | None = None,
+    d_rows: torch.Tensor | None = None, d_cols: torch.Tensor | None = None, fp32_precision: str = "tf32",
+    dots_dtype: torch.dtype | None = None, config: dict | None = None, contrastive_weight: float = 0.0,
+    diagonal_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both directions of the student's logits ``S = scale * rows @ cols^T`` and the teacher's ``T = t_scale *
-    t_rows @ t_cols^T`` (``t_rows [m, ct]``, ``t_cols [n, ct]``, any width ``ct``) in one pass over the tiles:
-    ``(rows [3, m], cols [3, n])``, each ``(logsumexp(S), logsumexp(T), sum softmax(T) * S)`` along the row or
-    the column, fp32; a row's (column's) distillation cross-entropy is its first less its third.
-    ``dots_dtype``: as in ``block_stats``, for the student's and the teacher's operands."""
-    _check(rows, cols, fp32_precision)
-    _check(t_rows, t_cols, fp32_precision)
-    rows, cols = _dot_operands(rows, cols, dots_dtype)
-    t_rows, t_cols = _dot_operands(t_rows, t_cols, dots_dtype)
-    scale = scale.reshape(()).float()
-    return _with_fitting_config("distill_stats", rows, fp32_precision, cols.shape[0], config, lambda config: (
-        _distill_stats_launch(rows, cols, t_rows, t_cols, scale, t_scale, fp32_precision, config)))
-
-
-def distill_grads(
-    rows: torch.Tensor, cols: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, scale: torch.Tensor,
-    t_scale: float, row_lse: torch.Tensor, col_lse: torch.Tensor, weight: torch.Tensor, d_rows: torch.Tensor,
-    d_cols: torch.Tensor, fp32_precision: str = "tf32", dots_dtype: torch.dtype | None = None,
-    config: dict | None = None, contrastive_weight: torch.Tensor | None = None, diagonal_offset: int = 0,
-) -> torch.Tensor:
-    """Gradients of ``weight`` x the rows' and the columns' cross-entropies (``distill_stats``' inputs;
-    ``row_lse [2, m]`` and ``col_lse [2, n]``: the student's and the teacher's log-sum-exps over the whole
-    matrix): adds ``weight * scale * G @ cols`` into ``d_rows [m, c]`` and ``weight * scale * G^T @ rows`` into
-    ``d_cols [n, c]`` (fp32, contiguous), ``G = P_row(S) + P_col(S) - P_row(T) - P_col(T)``; returns the scale's
-    gradient ``weight * sum(G * rows @ cols^T)`` (fp32). With ``contrastive_weight`` the same pass adds the
-    gradient of ``contrastive_weight`` x the contrastive loss's ``sum row_lse + sum col_lse - 2 sum S_i,i+offset``
-    (``block_grads``'; row ``i``'s positive in column ``i + diagonal_offset``: a rank's rows against every rank's
-    columns), whose log-sum-exps are the student's here."""
+    """The distillation term of the student's logits ``S = scale * rows @ cols^T`` against the teacher's ``T =
+    t_scale * t_rows @ t_cols^T`` (``t_rows [m, ct]``, ``t_cols [n, ct]``, any width ``ct``) over the block, both
+    directions, in one pass over the tiles, given each matrix's log-sum-exps over the whole matrix (``row_lse [2,
+    m]``, ``col_lse [2, n]``: the student's, then the teacher's; ``block_stats``' of each). Returns ``(cross,
+    d_scale)``: ``cross = sum((P_row(T) + P_col(T)) * S)``, the teacher-weighted student logits summed over the rows
+    and the columns (the term's cross-entropies are the student's log-sum-exps less it), and the scale's gradient.
+    With ``weight`` the same pass adds the gradients of ``weight`` x those cross-entropies, ``weight * scale * G @
+    cols`` into ``d_rows [m, c]`` and ``weight * scale * G^T @ rows`` into ``d_cols [n, c]`` (fp32, contiguous), ``G
+    = P_row(S) + P_col(S) - P_row(T) - P_col(T)``, and ``d_scale = weight * sum(G * rows @ cols^T)`` (else 0). With
+    ``contrastive_weight`` too, the gradient of ``contrastive_weight`` x the contrastive loss's ``sum row_lse + sum
+    col_lse - 2 sum S_i,i+offset`` (``block_grads``'; row ``i``'s positive in column ``i + diagonal_offset``: a
+    rank's rows against every rank's columns), whose log-sum-exps are the student's. ``dots_dtype``: as in
+    ``block_stats``, for the student's and the teacher's operands."""
     _check(rows, cols, fp32_precision)
     _check(t_rows, t_cols, fp32_precision)
     operands = _dot_operands(rows, cols, dots_dtype)
     t_rows, t_cols = _dot_operands(t_rows, t_cols, dots_dtype)
     lse = torch.cat([row_lse[0], col_lse[0], row_lse[1], col_lse[1]]).float().contiguous()
-    weight = weight.reshape(()).float()
-    t_weight, diagonal_weight = 1.0, None
-    if contrastive_weight is not None:  # G's student part carries both weights: the others relative to it
-        both = float(weight + contrastive_weight.reshape(()).float())  # host sync (alpha is one anyway)
-        if both == 0.0:
-            return torch.zeros((), dtype=torch.float32, device=rows.device)
-        t_weight, diagonal_weight = float(weight) / both, float(contrastive_weight) / both
-        weight = torch.tensor(both, dtype=torch.float32, device=rows.device)
     scale = scale.reshape(()).float()
-    dots = _with_fitting_config("distill_grad", operands[0], fp32_precision, cols.shape[0], config, lambda config: (
-        _distill_grad_launch(rows, cols, t_rows, t_cols, scale, t_scale, lse, fp32_precision, config, weight, d_rows,
-                             d_cols, operands, t_weight, diagonal_weight, diagonal_offset)))
-    return dots * weight
+    both = 0.0 if weight is None else float(weight) + float(contrastive_weight)
+    t_weight, diagonal_weight = 1.0, None
+    if both != 0.0:  # G's student part carries both weights: the others relative to it
+        t_weight = float(weight) / both
+        diagonal_weight = float(contrastive_weight) / both if contrastive_weight else None
+        if d_rows is None or d_cols is None:
+            raise ValueError("distill_block: with a weight, give d_rows and d_cols")
+    sums = _with_fitting_config("distill_grad", operands[0], fp32_precision, cols.shape[0], config, lambda config: (
+        _distill_launch(rows, cols, t_rows, t_cols, scale, t_scale, lse, fp32_precision, config,
+                        both if both != 0.0 else None, d_rows, d_cols, operands, t_weight, diagonal_weight,
+                        diagonal_offset, write_g=both != 0.0)))
+    return sums[0] * scale, sums[1]
+
 
 def symmetric_loss(
     image_features: torch.Tensor, text_features: torch.Tensor, scale: torch.Tensor,

@@ -18,8 +18,9 @@ gradients of the gathered columns are summed by one all-reduce and each rank kee
 DisCo-CLIP (``disco.py``). The gradient contract is ``base.ContrastiveLoss``'s.
 
 That is the torch path (``_Distill``). On CUDA (``loss.impl=auto|triton``, one teacher) the fused kernels
-(``kernels/triton_tiles.py``: ``distill_stats``, ``distill_grads``) take each rank's image rows against every
-text in one pass, both directions, and give the contrastive loss from the same passes (``_DistilledFused``).
+(``kernels/triton_tiles.py``: ``block_stats`` for the student's and the teacher's log-sum-exps, then
+``distill_block``) take each rank's image rows against every text, both directions, and give the contrastive loss
+from the same passes (``_DistilledFused``).
 """
 
 from __future__ import annotations
@@ -108,12 +109,9 @@ def _direction(rows, columns, teacher_rows, teacher_columns, scale, teacher_scal
 
 
 def _merge_columns(column: torch.Tensor, group) -> torch.Tensor:
-    """``[3, b]`` column statistics over this rank's rows (``triton_tiles.distill_stats``) -> over every rank's:
-    the log-sum-exps combined, the teacher-weighted logits re-weighted by each rank's share of the teacher's
-    column sum."""
+    """``[k, b]`` column log-sum-exps over this rank's rows (``triton_tiles.block_stats``') -> over every rank's."""
     parts = gather_no_grad(column.contiguous(), group).view(group_size(group), *column.shape)
-    student, teacher = parts[:, 0].logsumexp(0), parts[:, 1].logsumexp(0)
-    return torch.stack([student, teacher, (torch.exp(parts[:, 1] - teacher) * parts[:, 2]).sum(0)])
+    return parts.logsumexp(0)
 
 
 class _Distill(torch.autograd.Function):
@@ -164,56 +162,63 @@ class _Distill(torch.autograd.Function):
 
 
 class _DistilledFused(torch.autograd.Function):
-    """The fused kernels, both terms at once: the contrastive loss and the distillation term from one pass over
-    this rank's rows of the student's and the teacher's tiles against every rank's columns (the student's
-    log-sum-exps are both terms'; on several ranks the column statistics merged over the ranks, as the term's
-    alone), and both gradients from one more (``G`` of the two, weighted by their incoming gradients, into one
-    pair of GEMMs; the column gradients summed by one all-reduce). Returns ``(contrastive, distill)``, each the
-    same on every rank; the backward follows ``base.ContrastiveLoss``'s contract."""
+    """The fused kernels, both terms at once: the student's and the teacher's log-sum-exps (``block_stats``, one
+    pass each over this rank's rows against every rank's columns, the column statistics merged over the ranks;
+    the student's are both terms'), then one pass over both matrices' tiles (``distill_block``) that sums the
+    teacher-weighted student logits, the term's other half, and writes ``G`` of ``weights[0]`` x the contrastive
+    loss plus ``weights[1]`` x the term into one pair of GEMMs (the column gradients summed by one all-reduce). That
+    pass runs here in the forward (``grads``), since the term's value needs it, and the backward scales its gradients
+    by the incoming one. Returns ``(total, contrastive, distill)``: ``total = weights[0] * contrastive + weights[1] *
+    distill``, the only one with a gradient, each the same on every rank; the backward follows
+    ``base.ContrastiveLoss``'s contract."""
 
     @staticmethod
     def forward(ctx, image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, dots, precision,
-                group):
+                group, weights, grads):
         from ..kernels import triton_tiles
 
-        world, rows = group_size(group), image_features.shape[0]
-        own = slice(group_rank(group) * rows, (group_rank(group) + 1) * rows)  # this rank's columns
+        rank, world, rows = group_rank(group), group_size(group), image_features.shape[0]
+        own = slice(rank * rows, (rank + 1) * rows)  # this rank's columns
         all_texts, all_teacher_texts = gather_no_grad(text_features, group), gather_no_grad(teacher_text, group)
-        row, column = triton_tiles.distill_stats(image_features, all_texts, teacher_image, all_teacher_texts, scale,
-                                                 teacher_scale, precision, dots)
+        t_scale = torch.tensor(teacher_scale, dtype=torch.float32, device=scale.device)
+        row, column = zip(triton_tiles.block_stats(image_features, all_texts, scale, precision, dots_dtype=dots),
+                          triton_tiles.block_stats(teacher_image, all_teacher_texts, t_scale, precision,
+                                                   dots_dtype=dots), strict=True)
+        row, column = torch.stack(row), torch.stack(column)  # [student, teacher] x rows / columns
         if world > 1:  # each column's statistics over every rank's rows
             column = _merge_columns(column, group)
+        # W-scaled per-rank gradients (base.py contract), for an incoming gradient of 1
+        contrastive_weight, weight = (float(w) / (2 * rows) for w in weights)
+        d_image = d_columns = None
+        if grads:
+            d_image = torch.zeros(image_features.shape, dtype=torch.float32, device=image_features.device)
+            d_columns = torch.zeros(all_texts.shape, dtype=torch.float32, device=image_features.device)
+        cross, d_scale = triton_tiles.distill_block(
+            image_features, all_texts, teacher_image, all_teacher_texts, scale, teacher_scale, row, column,
+            weight if grads else None, d_image, d_columns, precision, dots, contrastive_weight=contrastive_weight,
+            diagonal_offset=rank * rows)
         positives = _row_dots(image_features, text_features, torch.float32).sum()  # sum_i S_ii / scale, fp32
-        terms = torch.stack([row[0].sum() + column[0, own].sum() - 2 * positives * scale.float(),
-                             (row[0] - row[2]).sum() + (column[0, own] - column[2, own]).sum()]) / (2 * rows)
+        lse = row[0].sum() + column[0, own].sum()
+        terms = torch.stack([lse - 2 * positives * scale.float(), lse - cross]) / (2 * rows)
         if world > 1:
             dist.all_reduce(terms, group=group)
-        ctx.save_for_backward(image_features, text_features, scale, teacher_image, teacher_text, row[:2], column[:2])
-        ctx.teacher_scale, ctx.dots, ctx.precision, ctx.group = teacher_scale, dots, precision, group
-        return terms[0] / world, terms[1] / world
+            if grads:
+                dist.all_reduce(d_columns, group=group)
+        if grads:
+            ctx.save_for_backward(d_image, d_columns[own].clone(), d_scale)
+        ctx.dtypes = image_features.dtype, text_features.dtype, scale.dtype, scale.shape
+        contrastive, distill = terms[0] / world, terms[1] / world
+        total = weights[1] * distill if not weights[0] else weights[0] * contrastive + weights[1] * distill
+        ctx.mark_non_differentiable(contrastive, distill)
+        return total, contrastive, distill
 
     @staticmethod
-    def backward(ctx, grad_contrastive, grad_distill):
-        from ..kernels import triton_tiles
-
-        image_features, text_features, scale, teacher_image, teacher_text, row, column = ctx.saved_tensors
-        group, rows = ctx.group, image_features.shape[0]
-        rank, world = group_rank(group), group_size(group)
-        all_texts, all_teacher_texts = gather_no_grad(text_features, group), gather_no_grad(teacher_text, group)
-        zero = torch.zeros((), dtype=torch.float32, device=image_features.device)
-        # W-scaled per-rank gradients (base.py contract)
-        weights = [zero if g is None else g.float() / (2 * rows) for g in (grad_contrastive, grad_distill)]
-        d_image = torch.zeros(image_features.shape, dtype=torch.float32, device=image_features.device)
-        d_columns = torch.zeros(all_texts.shape, dtype=torch.float32, device=image_features.device)
-        d_scale = triton_tiles.distill_grads(image_features, all_texts, teacher_image, all_teacher_texts, scale,
-                                             ctx.teacher_scale, row, column, weights[1], d_image, d_columns,
-                                             ctx.precision, ctx.dots, contrastive_weight=weights[0],
-                                             diagonal_offset=rank * rows)
-        if world > 1:
-            dist.all_reduce(d_columns, group=group)
-        d_text = d_columns[rank * rows:(rank + 1) * rows]
-        return (d_image.to(image_features.dtype), d_text.to(text_features.dtype),
-                d_scale.to(scale.dtype).reshape(scale.shape), None, None, None, None, None, None)
+    def backward(ctx, grad_total, _grad_contrastive, _grad_distill):
+        d_image, d_text, d_scale = ctx.saved_tensors
+        image_dtype, text_dtype, scale_dtype, scale_shape = ctx.dtypes
+        weight = grad_total.float()
+        return ((d_image * weight).to(image_dtype), (d_text * weight).to(text_dtype),
+                (d_scale * weight).to(scale_dtype).reshape(scale_shape), None, None, None, None, None, None, None, None)
 
 
 def _fused(impl: str, fp32_precision: str, image_features: torch.Tensor, teacher_image: torch.Tensor,
@@ -223,6 +228,11 @@ def _fused(impl: str, fp32_precision: str, image_features: torch.Tensor, teacher
     applies = (teacher_image.dim() == 2 and not isinstance(teacher_scale, tuple)
                and image_features.dtype in (torch.bfloat16, torch.float16, torch.float32))
     return fp32_precision if applies and (impl == "triton" or (impl == "auto" and image_features.is_cuda)) else None
+
+
+def _needs_grads(*inputs: torch.Tensor) -> bool:
+    """Whether a backward may follow (the fused pass then writes the gradients as it sums the term)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
 
 
 def distill_term(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group=None,
@@ -241,9 +251,10 @@ def distill_term(image_features, text_features, scale, teacher_image, teacher_te
     teacher_scale = tuple(float(s) for s in teacher_scale) if isinstance(teacher_scale, (tuple, list)) \
         else float(teacher_scale)
     fused = _fused(impl, fp32_precision, image_features, teacher_image, teacher_scale)
-    if fused:  # the kernels' passes (the contrastive value beside it unused; its gradient weight 0)
+    if fused:  # the kernels' passes (the contrastive value beside it unused; its weight 0)
         return _DistilledFused.apply(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale,
-                                     dots, fused, group)[1]
+                                     dots, fused, group, (0.0, 1.0), _needs_grads(image_features, text_features,
+                                                                                  scale))[0]
     return _Distill.apply(image_features, text_features, scale, teacher_image, teacher_text, teacher_scale, group, dots)
 
 
@@ -293,11 +304,12 @@ class DistilledLoss(nn.Module):
             # gathers every rank's texts anyway, so a ring would save nothing here)
             self.contrastive.check_rows(image_features)
             dots = values_in if values_in in (torch.bfloat16, torch.float16) else None
-            contrastive, distill = _DistilledFused.apply(
+            total, contrastive, distill = _DistilledFused.apply(
                 image_features, text_features, scale, teacher_image.to(image_features.dtype),
-                teacher_text.to(image_features.dtype), teacher_scale, dots, precision, self.group)
-            self.terms = {"contrastive": contrastive.detach(), "distill": distill.detach()}
-            return contrastive + self.weight * distill
+                teacher_text.to(image_features.dtype), teacher_scale, dots, precision, self.group, (1.0, self.weight),
+                _needs_grads(image_features, text_features, scale))
+            self.terms = {"contrastive": contrastive, "distill": distill}
+            return total
         contrastive = self.contrastive(image_features, text_features, scale, values_in=values_in, **options)
         distill = distill_term(image_features, text_features, scale, teacher_image.to(image_features.dtype),
                                teacher_text.to(image_features.dtype), self.teacher_scale, self.group, values_in,
