@@ -55,6 +55,9 @@ def main() -> None:
     parser.add_argument("--check", action="store_true",
                         help="only the configs this GPU takes from tuned.json that no longer fit it")
     args = parser.parse_args()
+    unknown = [k for k in args.kernels.split(",") if k not in triton_tiles.KERNELS]
+    if unknown:
+        parser.error(f"--kernels: {', '.join(unknown)} unknown; take some of {', '.join(triton_tiles.KERNELS)}")
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name(device)
     record = triton_tiles.device_record(device)

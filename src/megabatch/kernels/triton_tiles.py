@@ -571,6 +571,7 @@ def _distill_grad_kernel(
 # Tile configs: committed per GPU, else tuned once and cached, else a safe default
 # ----------------------------------------------------------------------------------------------
 TUNED_FILE = Path(__file__).with_name("tuned.json")
+KERNELS = ("stats", "grad", "sigmoid", "distill_grad")  # the kernels with tile configs (tuned.json's keys' first part)
 DEVICES = "_devices"  # tuned.json's record of each GPU's compute capability and SM count (``device_record``)
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
@@ -761,6 +762,8 @@ def tune(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: 
 def _launcher(kernel: str, dtype: torch.dtype, c: int, precision: str, device, size: int):
     """``launch(config)``: ``kernel``'s pass on a ``size x size x c`` block of random unit rows (a distillation
     teacher as wide as the student), as ``tune`` times it."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel {kernel!r}: the tuned kernels are {', '.join(KERNELS)}")
     rows = torch.nn.functional.normalize(torch.randn(size, c, device=device), dim=-1).to(dtype)
     cols = torch.nn.functional.normalize(torch.randn(size, c, device=device), dim=-1).to(dtype)
     scale = torch.tensor(50.0, device=device)
