@@ -11,10 +11,10 @@ one ``b x b`` block with positives on the diagonal (the one-GPU loss):
 - ``loss``: ``stats`` then ``backward``, four GEMMs' FLOPs (the recomputed logits counted);
 - ``sigmoid`` (with ``--passes``): the sigmoid loss and its gradients in one pass (``sigmoid_block``: the kernel and
   cuBLAS's two GEMMs), three GEMMs' FLOPs;
-- ``distill`` (with ``--passes``): the distillation term's statistics and its pass with the gradients (the
-  student's and the teacher's ``block_stats``, then ``distill_block``; a tree from before 2026-12-06:
-  ``distill_stats`` then ``distill_grads``) with a teacher as wide as the student (the student's features swapped),
-  six GEMMs' FLOPs;
+- ``distill`` (with ``--passes``): the distillation term's statistics and its pass with the gradients
+  (``distill_stats``, the student's and the teacher's ``block_stats``, then ``distill_block``; a tree from before
+  2026-12-06: ``distill_stats``, one kernel, then ``distill_grads``) with a teacher as wide as the student (the
+  student's features swapped), six GEMMs' FLOPs;
 - ``distill_stats`` (with ``--passes``): its statistics alone, the student's and the teacher's logits: two GEMMs'.
 ``--dtypes``: ``bf16`` features, or ``fp32_bf16_values`` (fp32 holding bf16 values, as GradCache's phase 2 calls the
 loss: the kernels' dots in bf16, ``G'`` and the GEMMs fp32 with TF32). ``--configs``: tile configs (JSON objects)
@@ -162,17 +162,12 @@ def distill_stats_kernel(tt) -> str:
 
 def distill_stats_pass(tt, rows, cols, scale, dots, config=None):
     """The distillation term's statistics, the teacher the student's features swapped: the student's and the
-    teacher's log-sum-exps (``block_stats`` each; a tree from before 2026-12-06: ``distill_stats``, one kernel
-    making both tiles)."""
+    teacher's log-sum-exps, ``([2, m], [2, n])`` (``distill_stats``: ``block_stats`` of each; a tree from before
+    2026-12-06 made both tiles in one kernel and gave the teacher-weighted logits as a third row)."""
     import torch
 
-    if not hasattr(tt, "distill_block"):
-        stats = tt.distill_stats(rows, cols, cols, rows, scale, 100.0, dots_dtype=dots, config=config)
-        return torch.stack([stats[0][0], stats[0][1]]), torch.stack([stats[1][0], stats[1][1]])
-    t_scale = torch.tensor(100.0, device=rows.device)
-    student = tt.block_stats(rows, cols, scale, dots_dtype=dots, config=config)
-    teacher = tt.block_stats(cols, rows, t_scale, dots_dtype=dots, config=config)
-    return torch.stack([student[0], teacher[0]]), torch.stack([student[1], teacher[1]])
+    stats = tt.distill_stats(rows, cols, cols, rows, scale, 100.0, dots_dtype=dots, config=config)
+    return torch.stack([stats[0][0], stats[0][1]]), torch.stack([stats[1][0], stats[1][1]])
 
 
 def distill_pass(tt, rows, cols, scale, weight, dots, config=None):

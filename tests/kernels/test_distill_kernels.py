@@ -1,8 +1,8 @@
 """The distillation term's fused kernel (``triton_tiles.distill_block``, given the student's and the teacher's
-log-sum-exps from ``block_stats``) against a float64 dense reference: the teacher-weighted student logits summed over
-the rows and the columns, and the gradients of the rows' and columns' cross-entropies in both feature sets and the
-scale, with and without the contrastive loss's weight, on ragged shapes, a teacher wider than the student, large
-logits, and every input dtype (CPU: through TRITON_INTERPRET=1)."""
+log-sum-exps from ``distill_stats``, ``block_stats``' of each) against a float64 dense reference: the teacher-weighted
+student logits summed over the rows and the columns, and the gradients of the rows' and columns' cross-entropies in both
+feature sets and the scale, with and without the contrastive loss's weight, on ragged shapes, a teacher wider than the
+student, large logits, and every input dtype (CPU: through TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -25,15 +25,6 @@ def inputs(m: int, n: int, c: int, ct: int, seed: int):
     t_rows = unit(m, ct)
     t_cols = F.normalize(torch.cat([t_rows, unit(max(0, n - m), ct)])[:n] + 0.7 * unit(n, ct), dim=-1)
     return rows, cols, t_rows, t_cols
-
-
-def distill_lse(rows, cols, t_rows, t_cols, scale, t_scale: float, fp32_precision: str = "tf32", dots_dtype=None):
-    """``distill_block``'s log-sum-exps as the loss takes them: ``([2, m], [2, n])``, the student's then the
-    teacher's, each ``block_stats``'."""
-    student = triton_tiles.block_stats(rows, cols, scale, fp32_precision, dots_dtype=dots_dtype)
-    teacher = triton_tiles.block_stats(t_rows, t_cols, torch.tensor(t_scale, device=rows.device), fp32_precision,
-                                       dots_dtype=dots_dtype)
-    return torch.stack([student[0], teacher[0]]), torch.stack([student[1], teacher[1]])
 
 
 def reference(rows, cols, t_rows, t_cols, scale: float, t_scale: float, weight: float, contrastive_weight: float = 0.0,
@@ -81,7 +72,7 @@ def test_distill_block_matches_the_float64_reference(case, m, n, c, ct, scale, t
 
     on = [x.to(device) for x in (rows, cols, t_rows, t_cols)]
     scale_t = torch.tensor(scale, device=device)
-    lse = distill_lse(*on, scale_t, t_scale, precision)
+    lse = triton_tiles.distill_stats(*on, scale_t, t_scale, precision)
     d_rows, d_cols = torch.zeros(m, c, device=device), torch.zeros(n, c, device=device)
     cross, d_scale = triton_tiles.distill_block(*on, scale_t, t_scale, *lse, weight, d_rows, d_cols,
                                                 fp32_precision=precision)
@@ -109,8 +100,9 @@ def test_distill_block_takes_the_contrastive_losss_gradient_too(offset, monkeypa
     on = [x.to(device) for x in (rows, cols, t_rows, t_cols)]
     scale = torch.tensor(20.0, device=device)
     d_rows, d_cols = torch.zeros(m, 24, device=device), torch.zeros(n, 24, device=device)
-    got, d_scale = triton_tiles.distill_block(*on, scale, 10.0, *distill_lse(*on, scale, 10.0, "ieee"), 0.37, d_rows,
-                                              d_cols, "ieee", contrastive_weight=0.21, diagonal_offset=offset)
+    lse = triton_tiles.distill_stats(*on, scale, 10.0, "ieee")
+    got, d_scale = triton_tiles.distill_block(*on, scale, 10.0, *lse, 0.37, d_rows, d_cols, "ieee",
+                                              contrastive_weight=0.21, diagonal_offset=offset)
     assert abs(float(got) - float(cross)) <= 2e-6 * float(size)
     assert close(d_rows, d_rows_ref, 2e-6) and close(d_cols, d_cols_ref, 2e-6)
     assert abs(float(d_scale) / float(d_scale_ref) - 1) <= 2e-6
@@ -125,7 +117,7 @@ def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch)
     from megabatch.losses.distill import DistilledLoss
 
     calls = []
-    for name in ("distill_block", "block_stats", "block_grads"):
+    for name in ("distill_stats", "distill_block", "block_stats", "block_grads"):
         original = getattr(triton_tiles, name)
         monkeypatch.setattr(triton_tiles, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,9 +126,10 @@ def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch)
     loss = DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, 20.0)
     images = rows.clone().requires_grad_()
     value = loss(images, cols, scale, teacher=(t_rows, t_cols))
-    assert calls == ["block_stats", "block_stats", "distill_block"]  # both terms, both directions
+    both = ["distill_stats", "block_stats", "block_stats", "distill_block"]  # the student's, the teacher's, the pass
+    assert calls == both  # both terms, both directions
     value.backward()
-    assert calls == ["block_stats", "block_stats", "distill_block"]  # the backward scales what the forward made
+    assert calls == both  # the backward scales what the forward made
     with torch.no_grad():
         again = loss(images, cols, scale, teacher=(t_rows, t_cols))
     torch.testing.assert_close(again, value.detach(), rtol=1e-6, atol=0)

@@ -172,8 +172,6 @@ def test_an_fp16_g_multiplies_as_exactly_as_tf32_does(monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["sigmoid", "distill"])
 def test_the_sigmoid_and_distillation_backwards_take_the_fp16_g_too(kernel, monkeypatch):
-    from .test_distill_kernels import distill_lse
-
     rows, cols = bf16_valued(40, 24, seed=7)
     t_rows, t_cols = bf16_valued(40, 16, seed=8)
     scale = torch.tensor(10.0, device=DEVICE)
@@ -185,7 +183,7 @@ def test_the_sigmoid_and_distillation_backwards_take_the_fp16_g_too(kernel, monk
             sums = triton_tiles.sigmoid_block(rows, cols, scale, torch.tensor(-5.0, device=DEVICE), True, d_rows,
                                               d_cols, dots_dtype=torch.bfloat16)
         else:
-            lse = distill_lse(rows, cols, t_rows, t_cols, scale, 5.0, dots_dtype=torch.bfloat16)
+            lse = triton_tiles.distill_stats(rows, cols, t_rows, t_cols, scale, 5.0, dots_dtype=torch.bfloat16)
             sums = triton_tiles.distill_block(rows, cols, t_rows, t_cols, scale, 5.0, *lse, 0.5, d_rows, d_cols,
                                               dots_dtype=torch.bfloat16)
         results[route] = (d_rows, d_cols, torch.stack(list(sums)))

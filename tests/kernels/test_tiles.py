@@ -320,8 +320,6 @@ def test_a_layout_tma_cannot_load_takes_per_thread_loads(monkeypatch):
 
 def test_the_sigmoid_and_distillation_kernels_either_way_of_loading(monkeypatch):
     """The same sums, gradients and statistics from tiles loaded through descriptors and by each thread."""
-    from .test_distill_kernels import distill_lse
-
     rows, cols = features(67, 45, 48, 0, False, torch.float32)
     t_rows, t_cols = features(67, 45, 24, 1, False, torch.float32)
     scale, bias = torch.tensor(20.0, device=DEVICE), torch.tensor(-5.0, device=DEVICE)
@@ -330,7 +328,7 @@ def test_the_sigmoid_and_distillation_kernels_either_way_of_loading(monkeypatch)
         monkeypatch.setattr(triton_tiles, "TMA", loads)
         d_rows, d_cols = torch.zeros_like(rows), torch.zeros_like(cols)
         sums = triton_tiles.sigmoid_block(rows, cols, scale, bias, False, d_rows, d_cols, "ieee")
-        lse = distill_lse(rows, cols, t_rows, t_cols, scale, 30.0, "ieee")
+        lse = triton_tiles.distill_stats(rows, cols, t_rows, t_cols, scale, 30.0, "ieee")
         t_rows_, t_cols_ = torch.zeros_like(rows), torch.zeros_like(cols)
         cross, d_scale = triton_tiles.distill_block(rows, cols, t_rows, t_cols, scale, 30.0, *lse, 0.5, t_rows_,
                                                     t_cols_, "ieee")
@@ -344,8 +342,6 @@ def test_any_tile_order_gives_the_same_gradients(group, monkeypatch):
     """The block kernels' tile order (``MEGABATCH_LOSS_GROUP_M`` row blocks walking the columns together: one, a group
     of 3 that leaves 2 over at 67 rows, or all) moves no logit's gradient, for the backward's, the sigmoid's and the
     distillation's kernels (the scale's partial sums only in their rounding)."""
-    from .test_distill_kernels import distill_lse
-
     rows, cols = features(67, 45, 48, 0, False, torch.float32)
     t_rows, t_cols = features(67, 45, 24, 1, False, torch.float32)
     scale, bias = torch.tensor(20.0, device=DEVICE), torch.tensor(-5.0, device=DEVICE)
@@ -358,7 +354,7 @@ def test_any_tile_order_gives_the_same_gradients(group, monkeypatch):
         d_scale = triton_tiles.block_grads(rows, cols, scale, *lse, torch.tensor(0.5), True, d_rows, d_cols, "ieee")[2]
         s_rows, s_cols = torch.zeros_like(rows), torch.zeros_like(cols)
         sums = triton_tiles.sigmoid_block(rows, cols, scale, bias, False, s_rows, s_cols, "ieee")
-        t_lse = distill_lse(rows, cols, t_rows, t_cols, scale, 30.0, "ieee")
+        t_lse = triton_tiles.distill_stats(rows, cols, t_rows, t_cols, scale, 30.0, "ieee")
         k_rows, k_cols = torch.zeros_like(rows), torch.zeros_like(cols)
         k_sums = triton_tiles.distill_block(rows, cols, t_rows, t_cols, scale, 30.0, *t_lse, 0.5, k_rows, k_cols,
                                             "ieee")

@@ -1351,6 +1351,21 @@ def sigmoid_block(
     return sums[0], sums[1], sums[2]
 
 
+def distill_stats(
+    rows: torch.Tensor, cols: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, scale: torch.Tensor,
+    t_scale: float, fp32_precision: str = "tf32", dots_dtype: torch.dtype | None = None, config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distillation term's statistics: the log-sum-exps of the student's logits ``S = scale * rows @ cols^T``
+    and of the teacher's ``T = t_scale * t_rows @ t_cols^T`` (``t_rows [m, ct]``, ``t_cols [n, ct]``, any width
+    ``ct``), each ``block_stats``' (one pass over that matrix's tiles, both directions): ``(rows [2, m], cols [2,
+    n])``, the student's then the teacher's, fp32, as ``distill_block`` takes them. ``config``: both passes' tiles
+    (else each its width's)."""
+    student = block_stats(rows, cols, scale, fp32_precision, config, dots_dtype)
+    teacher = block_stats(t_rows, t_cols, torch.tensor(float(t_scale), dtype=torch.float32, device=rows.device),
+                          fp32_precision, config, dots_dtype)
+    return torch.stack([student[0], teacher[0]]), torch.stack([student[1], teacher[1]])
+
+
 def distill_block(
     rows: torch.Tensor, cols: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, scale: torch.Tensor,
     t_scale: float, row_lse: torch.Tensor, col_lse: torch.Tensor, weight: float | None = None,
@@ -1361,7 +1376,7 @@ def distill_block(
     """The distillation term of the student's logits ``S = scale * rows @ cols^T`` against the teacher's ``T =
     t_scale * t_rows @ t_cols^T`` (``t_rows [m, ct]``, ``t_cols [n, ct]``, any width ``ct``) over the block, both
     directions, in one pass over the tiles, given each matrix's log-sum-exps over the whole matrix (``row_lse [2,
-    m]``, ``col_lse [2, n]``: the student's, then the teacher's; ``block_stats``' of each). Returns ``(cross,
+    m]``, ``col_lse [2, n]``: the student's, then the teacher's; ``distill_stats``'). Returns ``(cross,
     d_scale)``: ``cross = sum((P_row(T) + P_col(T)) * S)``, the teacher-weighted student logits summed over the rows
     and the columns (the term's cross-entropies are the student's log-sum-exps less it), and the scale's gradient.
     With ``weight`` the same pass adds the gradients of ``weight`` x those cross-entropies, ``weight * scale * G @

@@ -18,7 +18,7 @@ gradients of the gathered columns are summed by one all-reduce and each rank kee
 DisCo-CLIP (``disco.py``). The gradient contract is ``base.ContrastiveLoss``'s.
 
 That is the torch path (``_Distill``). On CUDA (``loss.impl=auto|triton``, one teacher) the fused kernels
-(``kernels/triton_tiles.py``: ``block_stats`` for the student's and the teacher's log-sum-exps, then
+(``kernels/triton_tiles.py``: ``distill_stats``, the student's and the teacher's log-sum-exps, then
 ``distill_block``) take each rank's image rows against every text, both directions, and give the contrastive loss
 from the same passes (``_DistilledFused``).
 """
@@ -109,7 +109,7 @@ def _direction(rows, columns, teacher_rows, teacher_columns, scale, teacher_scal
 
 
 def _merge_columns(column: torch.Tensor, group) -> torch.Tensor:
-    """``[k, b]`` column log-sum-exps over this rank's rows (``triton_tiles.block_stats``') -> over every rank's."""
+    """``[k, b]`` column log-sum-exps over this rank's rows (``triton_tiles.distill_stats``') -> over every rank's."""
     parts = gather_no_grad(column.contiguous(), group).view(group_size(group), *column.shape)
     return parts.logsumexp(0)
 
@@ -162,7 +162,7 @@ class _Distill(torch.autograd.Function):
 
 
 class _DistilledFused(torch.autograd.Function):
-    """The fused kernels, both terms at once: the student's and the teacher's log-sum-exps (``block_stats``, one
+    """The fused kernels, both terms at once: the student's and the teacher's log-sum-exps (``distill_stats``, one
     pass each over this rank's rows against every rank's columns, the column statistics merged over the ranks;
     the student's are both terms'), then one pass over both matrices' tiles (``distill_block``) that sums the
     teacher-weighted student logits, the term's other half, and writes ``G`` of ``weights[0]`` x the contrastive
@@ -180,11 +180,8 @@ class _DistilledFused(torch.autograd.Function):
         rank, world, rows = group_rank(group), group_size(group), image_features.shape[0]
         own = slice(rank * rows, (rank + 1) * rows)  # this rank's columns
         all_texts, all_teacher_texts = gather_no_grad(text_features, group), gather_no_grad(teacher_text, group)
-        t_scale = torch.tensor(teacher_scale, dtype=torch.float32, device=scale.device)
-        row, column = zip(triton_tiles.block_stats(image_features, all_texts, scale, precision, dots_dtype=dots),
-                          triton_tiles.block_stats(teacher_image, all_teacher_texts, t_scale, precision,
-                                                   dots_dtype=dots), strict=True)
-        row, column = torch.stack(row), torch.stack(column)  # [student, teacher] x rows / columns
+        row, column = triton_tiles.distill_stats(image_features, all_texts, teacher_image, all_teacher_texts, scale,
+                                                 teacher_scale, precision, dots)  # [student, teacher] x rows / columns
         if world > 1:  # each column's statistics over every rank's rows
             column = _merge_columns(column, group)
         # W-scaled per-rank gradients (base.py contract), for an incoming gradient of 1
