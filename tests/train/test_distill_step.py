@@ -71,6 +71,27 @@ def test_sub_batches_and_offload_give_the_one_pass_gradients_and_the_teacher_sta
     assert rel_error(flat(plain["grads"]), flat(one_pass["grads"])) > 1e-3
 
 
+def test_the_fused_kernels_give_the_torch_blocks_step_on_either_path(teacher, monkeypatch):
+    """``loss.impl=triton`` (the fused distillation kernels, interpreted here): the one-pass step and GradCache's
+    sub-batches give the torch blocks' loss and gradients. The kernels' pass writes the gradients in the loss's
+    forward, which GradCache's phase 2 and the one-pass step's backward both take."""
+    from megabatch.kernels import triton_tiles
+
+    reference = gradients(teacher)
+    fused = ["loss.impl=triton", "loss.fp32_precision=ieee"]
+    passes = []
+    block = triton_tiles.distill_block
+    monkeypatch.setattr(triton_tiles, "distill_block", lambda *a, **k: passes.append(1) or block(*a, **k))
+    for extra in ([], [f"trainer.sub_batch={BATCH // 4}"]):
+        passes.clear()
+        got = gradients(teacher, *fused, *extra)
+        assert passes  # the fused kernels ran
+        assert set(got["terms"]) == {"contrastive", "distill"}
+        assert rel_error(got["loss"], reference["loss"]) <= 1e-6, extra
+        assert rel_error(flat(got["grads"]), flat(reference["grads"])) <= 1e-5, extra
+        assert rel_error(got["grads"]["clip.logit_scale"], reference["grads"]["clip.logit_scale"]) <= 1e-5, extra
+
+
 def two_ranks(rank: int, world: int, teacher: str) -> dict:
     results = {}
     for parallel in ("ddp", "fsdp"):
