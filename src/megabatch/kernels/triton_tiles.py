@@ -1071,6 +1071,24 @@ def _g_blocks(rows, cols, config, fill, sums: int, precision: str, alpha=None, d
     return totals
 
 
+def _g_blocks_and_scale_sum(rows, cols, config, fill, sums: int, precision: str, alpha: float, d_rows, d_cols, scale,
+                            g_format):
+    """``_g_blocks`` with the gradients added into ``d_rows`` and ``d_cols`` (``alpha = scale * w / g_scale``), and
+    ``w * sum(g * dots)`` taken from the row gradients: ``sum_i <rows_i, (scale * w * g @ cols)_i> / scale``, one
+    ``[block, c]`` dot per row block instead of a product and a sum per logit in the kernel. Returns ``(the kernel's
+    [sums] totals, that sum)``."""
+    scale_sum = torch.zeros((), dtype=torch.float32, device=rows.device)
+
+    def row_done(row_start, row_stop, row_grads):
+        nonlocal scale_sum
+        d_rows[row_start:row_stop] += row_grads
+        scale_sum = scale_sum + (rows[row_start:row_stop].float() * row_grads).sum()
+
+    totals = _g_blocks(rows, cols, config, fill, sums, precision, alpha, d_rows, d_cols, row_done=row_done,
+                       g_format=g_format)
+    return totals, scale_sum / scale
+
+
 def _grad_launch(rows, cols, scale, row_lse, col_lse, diagonal, precision, config,
                  weight=None, d_rows=None, d_cols=None, rows_out=None, dots=None):
     """The softmax backward over ``_g_blocks``: the kernel writes ``G' = P_row + P_col - 2 I``,
@@ -1137,18 +1155,9 @@ def _sigmoid_launch(rows, cols, scale, bias, diagonal, precision, config, d_rows
 
     if not grads:
         return _g_blocks(rows, cols, config, fill, 3, precision, write_g=write_g, g_format=g_format)
-    # sum(g * dots) = sum_i <rows_i, (g @ cols)_i>: one [block, c] dot per row block from its
-    # gradient instead of a product and a sum per logit in the kernel
-    scale_sum = torch.zeros((), dtype=torch.float32, device=rows.device)
-
-    def row_done(row_start, row_stop, row_grads):
-        nonlocal scale_sum
-        d_rows[row_start:row_stop] += row_grads
-        scale_sum = scale_sum + (rows[row_start:row_stop].float() * row_grads).sum()
-
-    partial_sums = _g_blocks(rows, cols, config, fill, 3, precision, alpha, d_rows, d_cols, row_done=row_done,
-                             g_format=g_format)
-    return torch.stack([partial_sums[0], scale_sum / scale, partial_sums[2]])
+    partial_sums, scale_sum = _g_blocks_and_scale_sum(rows, cols, config, fill, 3, precision, alpha, d_rows, d_cols,
+                                                      scale, g_format)
+    return torch.stack([partial_sums[0], scale_sum, partial_sums[2]])
 
 
 def _distill_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, precision, config, weight=None,
@@ -1190,18 +1199,10 @@ def _distill_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, prec
     if alpha is None:
         cross = _g_blocks(rows, cols, config, fill, 1, precision, write_g=write_g, g_format=g_format)[0]
         return torch.stack([cross, torch.zeros_like(cross)])
-    # weight * sum(G * dots) = sum_i <rows_i, (weight * scale * G @ cols)_i> / scale: one [block, c] dot per row
-    # block from its gradient (as the sigmoid's), the kernel's one sum a logit left to the teacher-weighted dots
-    scale_sum = torch.zeros((), dtype=torch.float32, device=rows.device)
-
-    def row_done(row_start, row_stop, row_grads):
-        nonlocal scale_sum
-        d_rows[row_start:row_stop] += row_grads
-        scale_sum = scale_sum + (rows[row_start:row_stop].float() * row_grads).sum()
-
-    cross = _g_blocks(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, row_done=row_done,
-                      g_format=g_format)[0]
-    return torch.stack([cross, scale_sum / scale])
+    # weight * sum(G * dots) from the row gradients, the kernel's one sum a logit left to the teacher-weighted dots
+    cross, scale_sum = _g_blocks_and_scale_sum(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, scale,
+                                               g_format)
+    return torch.stack([cross[0], scale_sum])
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
