@@ -73,7 +73,7 @@ def test_sub_batches_and_offload_give_the_one_pass_gradients_and_the_teacher_sta
 
 def test_the_fused_kernels_give_the_torch_blocks_step_on_either_path(teacher, monkeypatch):
     """``loss.impl=triton`` (the fused distillation kernels, interpreted here): the one-pass step and GradCache's
-    sub-batches give the torch blocks' loss and gradients. The kernels' pass writes the gradients in the loss's
+    sub-batches, with and without offload, give the torch blocks' loss and gradients. The kernels' pass writes the gradients in the loss's
     forward, which GradCache's phase 2 and the one-pass step's backward both take."""
     from megabatch.kernels import triton_tiles
 
@@ -82,7 +82,8 @@ def test_the_fused_kernels_give_the_torch_blocks_step_on_either_path(teacher, mo
     passes = []
     block = triton_tiles.distill_block
     monkeypatch.setattr(triton_tiles, "distill_block", lambda *a, **k: passes.append(1) or block(*a, **k))
-    for extra in ([], [f"trainer.sub_batch={BATCH // 4}"]):
+    sub_batches = f"trainer.sub_batch={BATCH // 4}"
+    for extra in ([], [sub_batches], [sub_batches, "trainer.offload=true"]):
         passes.clear()
         got = gradients(teacher, *fused, *extra)
         assert passes  # the fused kernels ran
@@ -98,12 +99,18 @@ def two_ranks(rank: int, world: int, teacher: str) -> dict:
         result = gradients(teacher, "trainer.sub_batch=4", f"trainer.parallel={parallel}", loss="disco")
         results[parallel] = {k: result[k] for k in ("loss", "grads", "teacher_grads", "teacher_in_optimizer")}
         results[parallel]["teacher_sharded"] = result["teacher_sharded"]
+    # the fused kernels (interpreted): each rank's rows against every rank's columns, the gradients written in the
+    # loss's forward, under DDP
+    fused = gradients(teacher, "trainer.sub_batch=4", "trainer.parallel=ddp", "loss.impl=triton",
+                      "loss.fp32_precision=ieee")
+    results["ddp, fused kernels"] = {k: fused[k] for k in ("loss", "grads", "teacher_grads", "teacher_in_optimizer")}
+    results["ddp, fused kernels"]["teacher_sharded"] = fused["teacher_sharded"]
     return results
 
 
 def test_two_ranks_equal_one_process(teacher, tmp_path):
-    """DDP and FSDP (the teacher sharded too: each rank holds half of its weights) on 2 ranks: one process's
-    loss and gradients; the teacher frozen either way."""
+    """DDP and FSDP (the teacher sharded too: each rank holds half of its weights) on 2 ranks, and DDP with the fused
+    kernels: one process's loss and gradients; the teacher frozen either way."""
     single = gradients(teacher, loss="disco")
     for result in run_ranks(2, two_ranks, teacher, tmp_path=tmp_path):
         for parallel, ranked in result.items():
