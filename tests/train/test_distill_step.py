@@ -73,8 +73,8 @@ def test_sub_batches_and_offload_give_the_one_pass_gradients_and_the_teacher_sta
 
 def test_the_fused_kernels_give_the_torch_blocks_step_on_either_path(teacher, monkeypatch):
     """``loss.impl=triton`` (the fused distillation kernels, interpreted here): the one-pass step and GradCache's
-    sub-batches, with and without offload, give the torch blocks' loss and gradients. The kernels' pass writes the gradients in the loss's
-    forward, which GradCache's phase 2 and the one-pass step's backward both take."""
+    sub-batches, with and without offload, give the torch blocks' loss and gradients. The kernels' pass writes the
+    gradients in the loss's forward, which GradCache's phase 2 and the one-pass step's backward both take."""
     from megabatch.kernels import triton_tiles
 
     reference = gradients(teacher)
