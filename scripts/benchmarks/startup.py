@@ -272,6 +272,8 @@ def main() -> None:
                         help="after the rows, one more warm run with its main thread's stack sampled every 5 ms "
                              "(sample_stacks.py; not in the JSON): the samples in <out>.<scope>.warm.samples.json and "
                              "the seconds under each function in <out>.<scope>.warm.samples.txt")
+    parser.add_argument("--sample-cache", default="warm", choices=("warm", "cold"),
+                        help="the caches of --sample's run (cold: empty, as a cold row's; the files then say cold)")
     parser.add_argument("--logs", action="store_true",
                         help="keep each row's run output (its log) beside --out, "
                              "<out>.<scope>-<tree>.<cache>.<row>.log (the row names its file)")
@@ -313,8 +315,8 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "command"})[:600], flush=True)
             write_profile_summary(profiled, profiled.with_suffix(".txt"))
         if args.sample:
-            sampled = Path(args.out).with_suffix(f".{scope}.warm.samples.json")
-            row = ours(args, scope, "warm", workdir, urls, sampled=sampled)
+            sampled = Path(args.out).with_suffix(f".{scope}.{args.sample_cache}.samples.json")
+            row = ours(args, scope, args.sample_cache, workdir, urls, sampled=sampled)
             print(json.dumps({k: v for k, v in row.items() if k != "command"})[:600], flush=True)
             if sampled.exists():
                 from sample_stacks import summary
