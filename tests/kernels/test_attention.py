@@ -169,3 +169,68 @@ def test_bad_inputs_are_named():
         packed_attention(torch.randn(1, 5, 3, 1, 160, device=DEVICE))
     with pytest.raises(ValueError, match="one integer per sample"):
         packed_attention(torch.randn(2, 5, 3, 1, 16, device=DEVICE), lengths=torch.tensor([5]))
+
+
+def ahead_recorded(monkeypatch) -> list:
+    """``compile_ahead``'s compilations recorded instead of run (``(kernel, grid, args, meta)`` each), its threads
+    and keys forgotten before and after."""
+    recorded = []
+    monkeypatch.setattr(attention, "_AHEAD", {})
+    monkeypatch.setattr(attention, "_warm_up", lambda *launch: recorded.append(launch[:4]))
+    return recorded
+
+
+@pytest.mark.parametrize("causal,lengths", [(False, False), (True, False), (False, True)])
+def test_the_backward_kernels_compiled_ahead_are_the_ones_its_launches_take(monkeypatch, causal, lengths):
+    """``compile_ahead`` compiles, from one-sample tensors, the backward's three kernels with the arguments its
+    launches at any batch give them (the same dtypes, integers and constants: the same compiled kernels), once a
+    shape; each launch then finds its kernel among those, and a second call compiles nothing."""
+    recorded = ahead_recorded(monkeypatch)
+    qkv = torch.randn(3, 40, 3, 2, 16, device=DEVICE, requires_grad=True)
+    threads = attention.compile_ahead(qkv, causal, lengths)
+    for thread in threads:
+        thread.join()
+    assert [launch[0] for launch in recorded] == [attention._delta_kernel, attention._dkdv_kernel,
+                                                   attention._dq_kernel]
+    assert attention.compile_ahead(qkv.detach()[:1], causal, lengths) == []  # the same shape, any batch
+    launched = []
+    monkeypatch.setattr(attention, "_compiled_ahead",
+                        lambda name, args, meta: launched.append(attention._ahead_key(name, args, meta)))
+    given = torch.full((3,), 33, device=DEVICE) if lengths else None
+    packed_attention(qkv, causal, given).square().sum().backward()
+    assert len(launched) == 3 and all(key in attention._AHEAD for key in launched)
+    assert len(attention.compile_ahead(torch.randn(3, 41, 3, 2, 16, device=DEVICE), causal, lengths)) == 3
+
+
+def test_a_failed_compilation_ahead_leaves_the_launch_to_compile(monkeypatch, caplog):
+    """A kernel that cannot be compiled ahead is only logged: its launch compiles it, as without."""
+    monkeypatch.setattr(attention, "_AHEAD", {})
+
+    class Refusing:
+        __name__ = "refusing"
+
+        def warmup(self, *args, **kwargs):
+            raise RuntimeError("no compiler here")
+
+    with caplog.at_level("DEBUG", logger=attention.__name__):
+        attention._warm_up(Refusing(), (1,), (), {}, torch.device(DEVICE))
+    assert "compiling refusing ahead failed" in caplog.text
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiles for the GPU")
+def test_compiled_ahead_the_backward_compiles_nothing_more(monkeypatch):
+    """On a GPU, with a cold in-process cache: after ``compile_ahead`` the backward's launches add no compiled
+    kernel (each kernel's cache for the device holds as many as before its first launch)."""
+    monkeypatch.setattr(attention, "_AHEAD", {})
+    qkv = torch.randn(2, 93, 3, 3, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    kernels = (attention._delta_kernel, attention._dkdv_kernel, attention._dq_kernel)
+
+    def compiled() -> list[int]:
+        return [len(kernel.device_caches[qkv.device.index][0]) for kernel in kernels]
+
+    for thread in attention.compile_ahead(qkv, True, False):
+        thread.join()
+    before = compiled()
+    out = packed_attention(qkv, True)  # the shape's second compile_ahead: no thread
+    out.float().square().sum().backward()
+    assert compiled() == before and all(count >= 1 for count in before)
