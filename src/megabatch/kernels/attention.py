@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 
 import torch
@@ -36,6 +37,12 @@ from .triton_tiles import interpreting
 log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
+# the backward's kernels compiled beside the forward's at a shape's first eager call (``compile_ahead``); "0": each
+# at its first launch, one after another (MEGABATCH_ATTENTION_AHEAD)
+AHEAD = os.environ.get("MEGABATCH_ATTENTION_AHEAD", "1")
+if AHEAD not in ("0", "1"):
+    raise ValueError(f"MEGABATCH_ATTENTION_AHEAD={AHEAD!r}: 1 (the backward's kernels compiled beside the "
+                     "forward's at a shape's first call, the default) or 0 (each at its first launch)")
 
 
 @triton.jit
@@ -431,7 +438,7 @@ def packed_attention(qkv: torch.Tensor, causal: bool = False, lengths: torch.Ten
     padding's blocks are skipped, not computed). Differentiable (``qkv``'s gradient comes packed). Called eagerly
     on a GPU where a backward follows, the first call of each shape compiles the backward's kernels beside the
     forward's (``compile_ahead``)."""
-    if qkv.requires_grad and qkv.is_cuda and not interpreting() and not torch.compiler.is_compiling():
+    if AHEAD == "1" and qkv.requires_grad and qkv.is_cuda and not interpreting() and not torch.compiler.is_compiling():
         compile_ahead(qkv, causal, lengths is not None)
     return packed_attention_op(qkv, causal, lengths)[0]
 
