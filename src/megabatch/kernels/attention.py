@@ -23,10 +23,7 @@ to 128 in registers), the text tower's causal mask. ``packed_attention`` is a re
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import threading
 
 import torch
 import triton
@@ -34,15 +31,7 @@ import triton.language as tl
 
 from .triton_tiles import interpreting
 
-log = logging.getLogger(__name__)
-
 LOG2E = 1.4426950408889634
-# the backward's kernels compiled beside the forward's at a shape's first eager call (``compile_ahead``); "0": each
-# at its first launch, one after another (MEGABATCH_ATTENTION_AHEAD)
-AHEAD = os.environ.get("MEGABATCH_ATTENTION_AHEAD", "1")
-if AHEAD not in ("0", "1"):
-    raise ValueError(f"MEGABATCH_ATTENTION_AHEAD={AHEAD!r}: 1 (the backward's kernels compiled beside the "
-                     "forward's at a shape's first call, the default) or 0 (each at its first launch)")
 
 
 @triton.jit
@@ -345,23 +334,15 @@ def packed_attention_op(qkv: torch.Tensor, causal: bool,
     qkv = qkv.contiguous()  # the in-projection's view already is
     out = qkv.new_empty(batch, length, heads, head_dim)
     lse = torch.empty(batch, heads, length, device=qkv.device, dtype=torch.float32)
-    kernel, grid, args, meta = _forward_launch(qkv, out, lse, _lengths(lengths, qkv), causal, lengths is not None)
-    kernel[grid](*args, **meta)
-    return out, lse
-
-
-def _forward_launch(qkv, out, lse, lengths, causal: bool, has_lengths: bool) -> tuple:
-    """The forward kernel's launch on these tensors: ``(kernel, grid, args, meta)``, as ``packed_attention_op``
-    launches it and ``compile_ahead`` compiles it."""
-    batch, length, _, heads, head_dim = qkv.shape
     block_m, block_n, warps, stages = _tiles("forward", head_dim)
     scale = 1.0 / math.sqrt(head_dim)
-    args = (qkv, out, lse, lengths, qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
-            out.stride(0), out.stride(1), out.stride(2), heads, length, head_dim, scale * LOG2E)
-    meta = dict(CAUSAL=causal, HAS_LENGTHS=has_lengths, UPCAST=_upcast(qkv), PRECISION=_precision(qkv),
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=warps,
-                num_stages=stages)
-    return _forward_kernel, (triton.cdiv(length, block_m), batch * heads), args, meta
+    _forward_kernel[(triton.cdiv(length, block_m), batch * heads)](
+        qkv, out, lse, _lengths(lengths, qkv), qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
+        out.stride(0), out.stride(1), out.stride(2), heads, length, head_dim, scale * LOG2E,
+        CAUSAL=causal, HAS_LENGTHS=lengths is not None, UPCAST=_upcast(qkv), PRECISION=_precision(qkv),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=warps,
+        num_stages=stages)
+    return out, lse
 
 
 @packed_attention_op.register_fake
@@ -376,38 +357,27 @@ def packed_attention_backward(grad_out: torch.Tensor, qkv: torch.Tensor, out: to
                               causal: bool, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient of ``packed_attention``'s output ``grad_out [b, s, h, d]`` with respect to
     ``qkv``, packed as ``qkv`` (``[b, s, 3, h, d]``); zero at padding tokens (``lengths``)."""
-    _check(qkv)
+    batch, length, heads, head_dim = _check(qkv)
     qkv, grad_out, out = qkv.contiguous(), grad_out.contiguous(), out.contiguous()
     grad = torch.empty_like(qkv)  # laid out as qkv: the kernels index both with qkv's strides
     delta = torch.empty_like(lse)
-    for name, (kernel, grid, args, meta) in _backward_launches(grad_out, qkv, out, lse, delta, grad,
-                                                                _lengths(lengths, qkv), causal,
-                                                                lengths is not None).items():
-        _compiled_ahead(name, args, meta)
-        kernel[grid](*args, **meta)
-    return grad
-
-
-def _backward_launches(grad_out, qkv, out, lse, delta, grad, lengths, causal: bool, has_lengths: bool) -> dict:
-    """The backward's three launches on these tensors, in order: ``{name: (kernel, grid, args, meta)}``, as
-    ``packed_attention_backward`` launches them and ``compile_ahead`` compiles them."""
-    batch, length, _, heads, head_dim = qkv.shape
     block_d = max(16, triton.next_power_of_2(head_dim))
     rows = 64 if not interpreting() else 32
-    launches = {"delta": (_delta_kernel, (triton.cdiv(length, rows), batch * heads),
-                          (out, grad_out, delta, out.stride(0), out.stride(1), out.stride(2), heads, length, head_dim),
-                          dict(BLOCK_M=rows, BLOCK_D=block_d))}
+    _delta_kernel[(triton.cdiv(length, rows), batch * heads)](
+        out, grad_out, delta, out.stride(0), out.stride(1), out.stride(2), heads, length, head_dim,
+        BLOCK_M=rows, BLOCK_D=block_d)
     scale = 1.0 / math.sqrt(head_dim)
-    common = (qkv, grad_out, lse, delta, grad, lengths, qkv.stride(0), qkv.stride(1), qkv.stride(2),
+    common = (qkv, grad_out, lse, delta, grad, _lengths(lengths, qkv), qkv.stride(0), qkv.stride(1), qkv.stride(2),
               qkv.stride(3), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), heads, length, head_dim,
               scale, scale * LOG2E)
-    flags = dict(CAUSAL=causal, HAS_LENGTHS=has_lengths, UPCAST=_upcast(qkv), PRECISION=_precision(qkv))
-    for name, kernel, blocks in (("dkdv", _dkdv_kernel, 1), ("dq", _dq_kernel, 0)):
-        block_m, block_n, warps, stages = _tiles(name, head_dim)
-        launches[name] = (kernel, (triton.cdiv(length, (block_m, block_n)[blocks]), batch * heads), common,
-                          dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
-                               num_stages=stages))
-    return launches
+    flags = dict(CAUSAL=causal, HAS_LENGTHS=lengths is not None, UPCAST=_upcast(qkv), PRECISION=_precision(qkv))
+    block_m, block_n, warps, stages = _tiles("dkdv", head_dim)
+    _dkdv_kernel[(triton.cdiv(length, block_n), batch * heads)](
+        *common, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+    block_m, block_n, warps, stages = _tiles("dq", head_dim)
+    _dq_kernel[(triton.cdiv(length, block_m), batch * heads)](
+        *common, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+    return grad
 
 
 @packed_attention_backward.register_fake
@@ -435,67 +405,5 @@ def packed_attention(qkv: torch.Tensor, causal: bool = False, lengths: torch.Ten
     """Attention of ``qkv [b, s, 3, h, d]`` (the in-projection's output, viewed) -> ``[b, s, h, d]``;
     ``causal``: each query sees the keys up to its own position; ``lengths [b]``: each sample's tokens past
     ``lengths[i]`` are padding, seen by no query, their rows zero (a NaFlex tower's padded sequences: the
-    padding's blocks are skipped, not computed). Differentiable (``qkv``'s gradient comes packed). Called eagerly
-    on a GPU where a backward follows, the first call of each shape compiles the backward's kernels beside the
-    forward's (``compile_ahead``)."""
-    if AHEAD == "1" and qkv.requires_grad and qkv.is_cuda and not interpreting() and not torch.compiler.is_compiling():
-        compile_ahead(qkv, causal, lengths is not None)
+    padding's blocks are skipped, not computed). Differentiable (``qkv``'s gradient comes packed)."""
     return packed_attention_op(qkv, causal, lengths)[0]
-
-
-# the backward's kernels being compiled ahead, by (kernel name, its launch's specialisation): each a thread, joined
-# before that kernel's first launch (``_compiled_ahead``)
-_AHEAD: dict[tuple, threading.Thread] = {}
-_AHEAD_LOCK = threading.Lock()
-
-
-def compile_ahead(qkv: torch.Tensor, causal: bool, has_lengths: bool) -> list[threading.Thread]:
-    """Compile the backward's three kernels for ``qkv``'s shape in threads of their own, beside the forward's: the
-    first forward-backward of a shape (a cold start's ``trainer.sub_batch=auto`` probes) otherwise compiles the
-    forward's kernel, then the backward's one after another (on an H100: 1.1 s, then 1.4 s). Triton's compiler
-    leaves the interpreter's lock for most of its work, so they compile at once. Once per shape; a later call of it
-    returns no thread. Each thread's kernel keeps the same specialisation as its launch will have (the launches are
-    built by ``_backward_launches`` from tensors of the same layout, one sample each: no argument depends on the
-    batch), and its launch waits for it (``_compiled_ahead``). A failure there is only logged (the launch then
-    compiles its kernel itself)."""
-    _, length, _, heads, head_dim = qkv.shape
-    device = qkv.device
-    one = torch.empty((1, length, 3, heads, head_dim), dtype=qkv.dtype, device=device)
-    out = one.new_empty(1, length, heads, head_dim)
-    lse = torch.empty((1, heads, length), dtype=torch.float32, device=device)
-    lengths = torch.zeros((1,), dtype=torch.int32, device=device) if has_lengths else one
-    started = []
-    for name, (kernel, grid, args, meta) in _backward_launches(out, one, out, lse, lse, one, lengths, causal,
-                                                                has_lengths).items():
-        key = _ahead_key(name, args, meta)
-        with _AHEAD_LOCK:
-            if key in _AHEAD:
-                continue
-            thread = threading.Thread(target=_warm_up, args=(kernel, grid, args, meta, device),
-                                      name=f"megabatch-attention-{name}", daemon=True)
-            _AHEAD[key] = thread
-        thread.start()
-        started.append(thread)
-    return started
-
-
-def _ahead_key(name: str, args: tuple, meta: dict) -> tuple:
-    """What a kernel's compilation depends on, of its launch's arguments: the tensors' dtypes and the integers'
-    values (Triton specialises on their divisibility), the constants."""
-    return (name, tuple(str(a.dtype) if isinstance(a, torch.Tensor) else a for a in args),
-            tuple(sorted(meta.items())))
-
-
-def _warm_up(kernel, grid, args, meta, device) -> None:
-    try:
-        torch.cuda.set_device(device)  # the thread's device (Triton compiles for, and caches under, the current one)
-        kernel.warmup(*args, grid=grid, **meta)
-    except Exception as error:  # noqa: BLE001 - the launch compiles the kernel itself
-        log.debug("compiling %s ahead failed: %r", getattr(kernel, "__name__", kernel), error)
-
-
-def _compiled_ahead(name: str, args: tuple, meta: dict) -> None:
-    """Wait for the thread compiling this launch's kernel ahead, if one is (``compile_ahead``)."""
-    thread = _AHEAD.get(_ahead_key(name, args, meta))
-    if thread is not None and thread.is_alive():
-        thread.join()
