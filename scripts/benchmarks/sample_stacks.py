@@ -9,7 +9,7 @@ OUT.json: ``interval_s``, the distinct ``stacks`` (outermost frame first, each `
 ([seconds since the start, stack index]) of the main thread, and ``threads``: each other thread's samples by its name
 (the loader's start, its pinning, the GPU decoding), written when the script ends. A sample's weight is the time to
 the next one (the sampler waits for the interpreter's lock like any thread). ``startup.py --sample`` runs one warm
-row this way.
+row this way (``--sample-cache cold``: a cold one).
 """
 
 from __future__ import annotations

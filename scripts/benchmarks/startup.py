@@ -269,9 +269,10 @@ def main() -> None:
                              "the profile also holds the other threads' calls (the read-ahead's, the decoders'), so "
                              "the main thread's own times there include theirs")
     parser.add_argument("--sample", action="store_true",
-                        help="after the rows, one more warm run with its main thread's stack sampled every 5 ms "
-                             "(sample_stacks.py; not in the JSON): the samples in <out>.<scope>.warm.samples.json and "
-                             "the seconds under each function in <out>.<scope>.warm.samples.txt")
+                        help="after the rows, one more run (warm, or as --sample-cache says) with its main thread's "
+                             "stack sampled every 5 ms (sample_stacks.py; not in the JSON): the samples in "
+                             "<out>.<scope>.<cache>.samples.json and the seconds under each function in "
+                             "<out>.<scope>.<cache>.samples.txt")
     parser.add_argument("--sample-cache", default="warm", choices=("warm", "cold"),
                         help="the caches of --sample's run (cold: empty, as a cold row's; the files then say cold)")
     parser.add_argument("--logs", action="store_true",
