@@ -539,12 +539,6 @@ def _distill_grad_kernel(
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(tile, grid_n, row_start, row_stop, col_start,
                                                              col_stop, BLOCK_M, BLOCK_N, GROUP_M)
-        # the log-sum-exps loaded before the dots, so their latency passes while the tensor cores work
-        t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
-        t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
-        if WRITE_G:
-            row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
-            col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
         acc = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
                         stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         ROUND_TF32, TMA)
@@ -552,6 +546,8 @@ def _distill_grad_kernel(
                           stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
                           T_UPCAST, T_ROUND_TF32, TMA)
         t = t_acc * t_scale2
+        t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
+        t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
         p = tl.exp2(t - t_row_lse[:, None]) + tl.exp2(t - t_col_lse[None, :])
         ok = row_ok[:, None] & col_ok[None, :]
         if not EVEN:
@@ -559,6 +555,8 @@ def _distill_grad_kernel(
         cross += tl.sum(p * acc, 1)
         if WRITE_G:
             s = acc * scale2
+            row_lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
+            col_lse = tl.load(lse_ptr + m + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
             g = tl.exp2(s - row_lse[:, None]) + tl.exp2(s - col_lse[None, :]) - t_weight * p
             if DIAGONAL:
                 g = tl.where(offs_m[:, None] + diagonal_offset == offs_n[None, :], g - 2.0 * diagonal_weight * g_scale,
