@@ -263,6 +263,35 @@ def test_a_result_names_the_commit_whose_sources_it_measured_where_the_checkouts
     assert "already" in results_page.resolve_commits([str(result)], root=tmp_path)[0]
 
 
+def test_a_result_names_its_card_and_host_and_the_page_shows_them(tmp_path):
+    """Every result's metadata names its host's CPU model (read from ``/proc/cpuinfo``, else ``platform``) and, on a
+    GPU, the card's UUID as nvidia-smi writes it, so two results can be told to come from one card or two (H100 hosts
+    differed by more than any start-up change measured); the results page shows them where a result has them."""
+    import bench
+    import results_page
+
+    host = bench.metadata()["host"]
+    assert host["cpus"] == os.cpu_count() and "cpu_model" in host
+    if os.path.exists("/proc/cpuinfo") and "model name" in open("/proc/cpuinfo").read():
+        assert host["cpu_model"] and host["cpu_model"] in open("/proc/cpuinfo").read()
+
+    class Properties:
+        uuid = "3f2a9c1e-0b7d-4e1a-9d2c-5a6b7c8d9e0f"  # torch's form, without nvidia-smi's prefix
+
+    with unittest.mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            unittest.mock.patch.object(torch.cuda, "current_device", return_value=0), \
+            unittest.mock.patch.object(torch.cuda, "get_device_properties", return_value=Properties()), \
+            unittest.mock.patch.object(torch.cuda, "get_device_name", return_value="NVIDIA H100 80GB HBM3"):
+        meta = bench.metadata()
+    assert meta["gpu_uuid"] == "GPU-3f2a9c1e-0b7d-4e1a-9d2c-5a6b7c8d9e0f" and meta["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert "gpu_uuid" not in bench.metadata() or torch.cuda.is_available()  # no card, no UUID
+    meta["host"] = {"cpus": 16, "machine": "x86_64", "cpu_model": "Intel(R) Xeon(R) Platinum 8480+"}
+    assert results_page.machine(meta) == ("1 x NVIDIA H100 80GB HBM3 (card GPU-3f2a9c1e, "
+                                          "16 x Intel(R) Xeon(R) Platinum 8480+)")
+    # a result from before these fields: as the page showed it
+    assert results_page.machine({"gpu": "NVIDIA H200", "gpus": 4, "host": {"cpus": 64}}) == "4 x NVIDIA H200"
+
+
 def test_kernel_counters_gives_each_kernel_ncu_profiled_its_pass_and_flops():
     """``kernel_counters.py`` reads ncu's raw CSV page of one pass (an ncu run a pass): each kernel is the pass's, a
     Triton kernel counts its dots and cuBLAS's GEMMs one GEMM, and a launch right after one of the same kernel (the

@@ -314,6 +314,33 @@ def _measured_ids(trees: str) -> dict[str, str | None]:
     return tree_ids(trees)
 
 
+def host_record() -> dict:
+    """The machine a result came from: its cores, architecture and CPU model (``/proc/cpuinfo``'s first ``model
+    name``; else what ``platform`` says, or None). Hosts with the same GPU differ in how fast they compile and
+    launch (an H100 host's cold start 32-39.5 s against another's 53-65 s for the same code, 2026-12-06)."""
+    model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "machine": platform.machine(), "cpu_model": model or platform.processor() or None}
+
+
+def gpu_uuid() -> str | None:
+    """The current CUDA device's UUID (nvidia-smi's ``GPU-...``), which tells whether two results ran on the same
+    card; None without CUDA or where torch does not report it."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    except (AttributeError, RuntimeError):
+        return None
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
 def metadata(**extra) -> dict:
     """The one metadata schema of every benchmark result (``trees``, ``run_trees``' argument: each tree's
     ``source_tree`` too, as ``tree_ids``)."""
@@ -331,7 +358,8 @@ def metadata(**extra) -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "gpu": torch.cuda.get_device_name() if cuda else None,
             "gpus": int(os.environ.get("WORLD_SIZE", "1")) if cuda else 0,
-            "host": {"cpus": os.cpu_count(), "machine": platform.machine()}, "versions": versions, **extra}
+            **({"gpu_uuid": gpu_uuid()} if cuda else {}),
+            "host": host_record(), "versions": versions, **extra}
 
 
 def write_results(path: str | os.PathLike, results: list, **meta) -> None:

@@ -43,7 +43,13 @@ def machine(meta: dict) -> str:
         cpus = host.get("cpus") if isinstance(host, dict) else None
         return f"CPU only ({cpus} cores)" if cpus else "CPU only"
     gpus = int(meta.get("gpus") or 1)
-    return f"{gpus} x {gpu}" if gpus > 1 else f"1 x {gpu}"
+    where = f"{gpus} x {gpu}" if gpus > 1 else f"1 x {gpu}"
+    # which card and host (recorded since 2026-12-06): results from one card compare; from two, the host moves them too
+    host = meta.get("host") if isinstance(meta.get("host"), dict) else {}
+    known = [f"card {meta['gpu_uuid'][:12]}" if meta.get("gpu_uuid") else None,
+             f"{host['cpus']} x {host['cpu_model']}" if host.get("cpu_model") and host.get("cpus") else None]
+    known = [part for part in known if part]
+    return f"{where} ({', '.join(known)})" if known else where
 
 
 def provenance(name: str, meta: dict) -> str:
