@@ -44,7 +44,7 @@ FLOATS = {"g_scale", "inv_g_scale", "t_scale", "t_weight", "diagonal_weight", "s
 DESCRIPTORS = {"rows_ptr": ["BLOCK_M", "BLOCK_K"], "t_rows_ptr": ["BLOCK_M", "BLOCK_K"],
                "cols_ptr": ["BLOCK_N", "BLOCK_K"], "t_cols_ptr": ["BLOCK_N", "BLOCK_K"],
                "g_ptr": ["BLOCK_M", "BLOCK_N"]}
-FLAGS_ON = {"TMA", "G_TMA", "FAST_RCP", "WRITE_G", "SCALE_SUM", "EVEN"}
+FLAGS_ON = {"TMA", "G_TMA", "FAST_RCP", "WRITE_G", "SCALE_SUM", "EVEN"}  # every option on (bf16 on Hopper, whole tiles)
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
@@ -76,8 +76,6 @@ def compile_kernel(kernel: str, config: dict) -> bytes:
         flagged = hooks is not None and hooks.enabled((9, 0))
     except TypeError:
         flagged = hooks.enabled()
-    # the distillation G kernel's two dots in one loop, as MEGABATCH_LOSS_DISTILL_FLAT sets it
-    constants["FLAT"] = getattr(triton_tiles, "DISTILL_FLAT", "1") == "1"
     if flagged:
         hooks.install()
         constants["ACC_FLAG"] = True
@@ -93,11 +91,8 @@ def compile_kernel(kernel: str, config: dict) -> bytes:
             types[param.name] = "*bf16" if param.name in DESCRIPTORS else "*fp32"
         else:
             types[param.name] = "fp32" if param.name in FLOATS else "i32"
-    stages = config["num_stages"]
-    if values.get("FLAT"):  # the distillation G kernel's two dots in one loop: its launcher's stages
-        stages = triton_tiles.flat_stages(config)
     compiled = triton.compile(ASTSource(fn=fn, signature=types, constexprs=values), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": config["num_warps"], "num_stages": stages})
+                              options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
     return compiled.asm["cubin"]
 
 

@@ -54,7 +54,7 @@ def close(got: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bool:
 @pytest.mark.parametrize("m, n, c, ct, scale, t_scale", [(37, 37, 24, 40, 14.0, 23.0), (50, 29, 40, 24, 100.0, 100.0),
                                                          (17, 70, 130, 33, 30.0, 5.0),
                                                          (48, 32, 24, 40, 14.0, 23.0),  # whole tiles: EVEN
-                                                         # as wide as each other: both dots in one loop (FLAT)
+                                                         # a teacher as wide as the student
                                                          (37, 45, 40, 40, 30.0, 20.0), (48, 32, 24, 24, 14.0, 23.0)])
 def test_distill_block_matches_the_float64_reference(case, m, n, c, ct, scale, t_scale, monkeypatch):
     dtype, precision, tolerance = CASES[case]
@@ -140,26 +140,3 @@ def test_the_distilled_loss_runs_the_fused_kernels_where_they_apply(monkeypatch)
     DistilledLoss(InfClLoss(impl="triton", fp32_precision="ieee"), 1.0, (20.0, 10.0))(
         images, cols, scale, teacher=ensemble).backward()
     assert calls == ["block_stats", "block_grads"]  # the contrastive loss's own kernels, the term in torch
-
-
-@pytest.mark.parametrize("m, n, c", [(37, 45, 40), (48, 32, 24)])
-def test_one_loop_for_both_dots_gives_the_same_bits_as_two(m, n, c, monkeypatch):
-    """Where the student and the teacher are as wide, the G kernel's two dots a tile run in one loop over the features
-    (``MEGABATCH_LOSS_DISTILL_FLAT=1``, the default; the loop over the tiles then flattens it): the same products summed
-    in the same order as one loop after the other, so the value, both gradients and the scale's sum are the same
-    bits."""
-    rows, cols, t_rows, t_cols = (x.float() for x in inputs(m, n, c, c, seed=11))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    on = [x.to(device) for x in (rows, cols, t_rows, t_cols)]
-    scale = torch.tensor(30.0, device=device)
-    lse = triton_tiles.distill_stats(*on, scale, 20.0, "ieee")
-    got = {}
-    for flat in ("1", "0"):
-        monkeypatch.setattr(triton_tiles, "DISTILL_FLAT", flat)
-        d_rows, d_cols = torch.zeros(m, c, device=device), torch.zeros(n, c, device=device)
-        cross, d_scale = triton_tiles.distill_block(*on, scale, 20.0, *lse, 0.37, d_rows, d_cols, "ieee",
-                                                    contrastive_weight=0.21)
-        got[flat] = (cross, d_scale, d_rows, d_cols)
-    for one, two in zip(got["1"], got["0"], strict=True):
-        assert torch.equal(one, two)
-    assert got["1"][2].abs().sum() > 0  # gradients were written

@@ -1,7 +1,6 @@
 """One of Triton's own compiler passes added for the loss kernels on Hopper (``MEGABATCH_LOSS_ACC_FLAG``).
 
-The block kernels that walk their tiles in one flattened loop (``_grad_kernel``, ``_sigmoid_kernel``, and
-``_distill_grad_kernel`` with its two dots in one loop) start each
+The block kernels that walk their tiles in one flattened loop (``_grad_kernel``, ``_sigmoid_kernel``) start each
 tile's dot from a zeroed accumulator. For sm_90 Triton keeps that reset as a select over the accumulator's registers
 (about 130 instructions a tile at 64 x 128, 4 warps: a tile's epilogue is 700-1,400); its
 ``optimize_accumulator_init`` pass, which Triton runs for Blackwell only, turns the reset into the tensor-core
@@ -29,7 +28,7 @@ ACC_FLAG = os.environ.get("MEGABATCH_LOSS_ACC_FLAG", "auto")
 if ACC_FLAG not in ("auto", "0", "1"):
     raise ValueError(f"MEGABATCH_LOSS_ACC_FLAG={ACC_FLAG!r}: auto (on for Hopper where Triton has the pass), 1 (on: "
                      "the accumulator's reset as the tensor-core instruction's flag in the loss kernels) or 0 (off)")
-KERNELS = frozenset({"_grad_kernel", "_sigmoid_kernel", "_distill_grad_kernel"})
+KERNELS = frozenset({"_grad_kernel", "_sigmoid_kernel"})
 
 
 @functools.cache

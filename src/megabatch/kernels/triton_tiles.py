@@ -101,13 +101,6 @@ PERSISTENT_WAVES = 2  # the block kernels' programs per SM (each walks its share
 # the block kernels' tile order: GROUP_M row blocks of tiles walk the columns together (``_block_tile``), so each
 # column tile is read from DRAM about once a group. MEGABATCH_LOSS_GROUP_M sets it (a positive integer); 16-64 read
 # less from DRAM and ran no faster on an H100 (docs/bench/loss_group_m_256k_h100.json)
-# the distillation G kernel's two dots a tile where the student and the teacher are as wide: "1" both in one loop
-# over the features, which the persistent loop over the tiles then flattens (the next tile's loads in flight during a
-# tile's softmax, as in the contrastive kernels), "0" one loop after the other, each filled and drained a tile
-DISTILL_FLAT = os.environ.get("MEGABATCH_LOSS_DISTILL_FLAT", "1")
-if DISTILL_FLAT not in ("1", "0"):
-    raise ValueError(f"MEGABATCH_LOSS_DISTILL_FLAT={DISTILL_FLAT!r}: 1 (the distillation G kernel's two dots a tile "
-                     "in one flattened loop where the widths are equal) or 0 (one loop after the other)")
 GROUP_M = os.environ.get("MEGABATCH_LOSS_GROUP_M", "8")
 if not GROUP_M.isdigit() or int(GROUP_M) < 1:
     raise ValueError(f"MEGABATCH_LOSS_GROUP_M={GROUP_M!r}: the row blocks of tiles that walk the columns together in "
@@ -145,45 +138,25 @@ def _dot_tile(
     ``[BLOCK_N, BLOCK_K]``) and the tile starts at row ``m0`` and column ``n0``: Hopper's copy engine loads
     the tiles (no per-thread addresses; rows, columns and features past the tensors' ends read as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    row_at, col_at = _operand_starts(rows_ptr, cols_ptr, offs_m, offs_n, stride_rm, stride_cn, TMA)
-    for k0 in range(0, c, BLOCK_K):
-        a, b = _operand_tiles(rows_ptr, cols_ptr, row_at, col_at, m0, n0, k0, c, row_ok, col_ok, stride_rk, stride_ck,
-                              BLOCK_K, UPCAST, ROUND_TF32, TMA)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _operand_starts(rows_ptr, cols_ptr, offs_m, offs_n, stride_rm, stride_cn, TMA: tl.constexpr):
-    """Where a tile's rows and columns start, for the loads by thread (tensor descriptors need none: returned as
-    they are)."""
-    if TMA:
-        row_at, col_at = rows_ptr, cols_ptr
-    else:
+    if not TMA:
         # element offsets in 64 bits: rows x c passes 2^31 at ~2.8M rows of c = 768 (a 4M batch on one rank)
         row_at = rows_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
         col_at = cols_ptr + offs_n.to(tl.int64)[None, :] * stride_cn
-    return row_at, col_at
-
-
-@triton.jit
-def _operand_tiles(rows_ptr, cols_ptr, row_at, col_at, m0, n0, k0, c, row_ok, col_ok, stride_rk, stride_ck,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, TMA: tl.constexpr):
-    """A dot's operand tiles at features ``[k0, k0 + BLOCK_K)``: ``[BLOCK_M, BLOCK_K]`` and ``[BLOCK_K, BLOCK_N]``
-    (``_dot_tile``'s; rows, columns and features past the ends read as zeros)."""
-    if TMA:
-        a = rows_ptr.load([m0, k0])
-        b = cols_ptr.load([n0, k0]).T
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < c
-        a = tl.load(row_at + offs_k[None, :] * stride_rk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(col_at + offs_k[:, None] * stride_ck, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-    if UPCAST:
-        a, b = a.to(tl.float32), b.to(tl.float32)
-    if ROUND_TF32:
-        a, b = _round_tf32(a), _round_tf32(b)
-    return a, b
+    for k0 in range(0, c, BLOCK_K):
+        if TMA:
+            a = rows_ptr.load([m0, k0])
+            b = cols_ptr.load([n0, k0]).T
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < c
+            a = tl.load(row_at + offs_k[None, :] * stride_rk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(col_at + offs_k[:, None] * stride_ck, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if ROUND_TF32:
+            a, b = _round_tf32(a), _round_tf32(b)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -548,8 +521,7 @@ def _distill_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_TF32: tl.constexpr, T_UPCAST: tl.constexpr, T_ROUND_TF32: tl.constexpr,
     GROUP_M: tl.constexpr, DIAGONAL: tl.constexpr, TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
-    EVEN: tl.constexpr = False, WRITE_G: tl.constexpr = True, FLAT: tl.constexpr = False,
-    ACC_FLAG: tl.constexpr = False,
+    EVEN: tl.constexpr = False, WRITE_G: tl.constexpr = True,
 ):
     """This program's tiles of ``G = P_row(S) + P_col(S) - t_weight (P_row(T) + P_col(T))`` (the distillation term's
     gradient in the logits, both directions; ``DIAGONAL``: less ``2 diagonal_weight`` where the column is the row
@@ -558,8 +530,7 @@ def _distill_grad_kernel(
     ``g_scale`` (``WRITE_G``; without it the sum alone), and the tile's teacher-weighted dots
     ``sum((P_row(T) + P_col(T)) * rows @ cols^T)`` (the term's cross-entropies' other half) into
     ``cross_ptr[program]``. ``lse_ptr``: ``[m + n + m + n]``, the student's row and column log-sum-exps, then the
-    teacher's. ``FLAT`` (``c == ct``): the two dots in one loop over the features, the same products summed in the
-    same order as one ``_dot_tile`` after the other; that loop is then flattened into the one over the tiles."""
+    teacher's."""
     tiles, grid_n = _block_tiles(row_start, row_stop, col_start, col_stop, BLOCK_M, BLOCK_N)
     scale2 = tl.load(scale_ptr).to(tl.float32) * 1.4426950408889634
     t_scale2 = t_scale * 1.4426950408889634
@@ -568,25 +539,12 @@ def _distill_grad_kernel(
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         m0, n0, offs_m, offs_n, row_ok, col_ok = _block_tile(tile, grid_n, row_start, row_stop, col_start,
                                                              col_stop, BLOCK_M, BLOCK_N, GROUP_M)
-        if FLAT:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            t_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            row_at, col_at = _operand_starts(rows_ptr, cols_ptr, offs_m, offs_n, stride_rm, stride_cn, TMA)
-            t_row_at, t_col_at = _operand_starts(t_rows_ptr, t_cols_ptr, offs_m, offs_n, stride_trm, stride_tcn, TMA)
-            for k0 in range(0, c, BLOCK_K):
-                a, b = _operand_tiles(rows_ptr, cols_ptr, row_at, col_at, m0, n0, k0, c, row_ok, col_ok, stride_rk,
-                                      stride_ck, BLOCK_K, UPCAST, ROUND_TF32, TMA)
-                ta, tb = _operand_tiles(t_rows_ptr, t_cols_ptr, t_row_at, t_col_at, m0, n0, k0, c, row_ok, col_ok,
-                                        stride_trk, stride_tck, BLOCK_K, T_UPCAST, T_ROUND_TF32, TMA)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                t_acc = tl.dot(ta, tb, t_acc, input_precision=PRECISION)
-        else:
-            acc = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
-                            stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                            ROUND_TF32, TMA)
-            t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, ct,
-                              stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
-                              T_UPCAST, T_ROUND_TF32, TMA)
+        acc = _dot_tile(rows_ptr, cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, c,
+                        stride_rm, stride_rk, stride_cn, stride_ck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        ROUND_TF32, TMA)
+        t_acc = _dot_tile(t_rows_ptr, t_cols_ptr, m0, n0, offs_m, offs_n, row_ok, col_ok, ct,
+                          stride_trm, stride_trk, stride_tcn, stride_tck, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                          T_UPCAST, T_ROUND_TF32, TMA)
         t = t_acc * t_scale2
         t_row_lse = tl.load(lse_ptr + m + n + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634 - g_shift
         t_col_lse = tl.load(lse_ptr + 2 * m + n + offs_n, mask=col_ok, other=0.0) * 1.4426950408889634 - g_shift
@@ -1220,8 +1178,6 @@ def _distill_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, prec
 
     rows_arg, cols_arg, t_rows_arg, t_cols_arg, tma = _student_and_teacher_operands(dot_rows, dot_cols, t_rows,
                                                                                     t_cols, config)
-    flat = DISTILL_FLAT == "1" and c == ct  # both dots in one loop over the features
-    stages = flat_stages(config) if flat else config["num_stages"]
 
     def fill(g_block, partials, row_start, row_stop, col_start, col_stop, programs):
         g_arg, g_tma = _g_target(g_block, config, tma)
@@ -1236,8 +1192,8 @@ def _distill_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, prec
             UPCAST=_upcast(dot_rows), ROUND_TF32=_round_tf32_flag(dot_rows, precision),
             T_UPCAST=_upcast(t_rows), T_ROUND_TF32=_round_tf32_flag(t_rows, precision), GROUP_M=GROUP_ROWS,
             DIAGONAL=diagonal_weight is not None, TMA=tma, G_TMA=g_tma,
-            EVEN=_even(row_stop - row_start, col_stop - col_start, config), WRITE_G=write_g, FLAT=flat,
-            ACC_FLAG=_acc_flag(dot_rows), num_warps=config["num_warps"], num_stages=stages,
+            EVEN=_even(row_stop - row_start, col_stop - col_start, config), WRITE_G=write_g,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
     if alpha is None:
@@ -1247,12 +1203,6 @@ def _distill_launch(rows, cols, t_rows, t_cols, scale, t_scale: float, lse, prec
     cross, scale_sum = _g_blocks_and_scale_sum(rows, cols, config, fill, 1, precision, alpha, d_rows, d_cols, scale,
                                                g_format)
     return torch.stack([cross[0], scale_sum])
-
-
-def flat_stages(config: dict) -> int:
-    """The distillation G kernel's stages of loads with both dots in one loop (``FLAT``): each stage holds both dots'
-    tiles, so half the table's stages take the shared memory its tiles were tuned with (two programs an SM)."""
-    return max(2, config["num_stages"] // 2)
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
