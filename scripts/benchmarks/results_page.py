@@ -38,14 +38,12 @@ def load(name: str) -> dict:
 
 def machine(meta: dict) -> str:
     gpu = meta.get("gpu")
+    host = meta.get("host") if isinstance(meta.get("host"), dict) else {}
     if gpu in (None, "None"):
-        host = meta.get("host") or {}
-        cpus = host.get("cpus") if isinstance(host, dict) else None
-        return f"CPU only ({cpus} cores)" if cpus else "CPU only"
+        return f"CPU only ({host['cpus']} cores)" if host.get("cpus") else "CPU only"
     gpus = int(meta.get("gpus") or 1)
     where = f"{gpus} x {gpu}" if gpus > 1 else f"1 x {gpu}"
     # which card and host (recorded since 2026-12-06): results from one card compare; from two, the host moves them too
-    host = meta.get("host") if isinstance(meta.get("host"), dict) else {}
     known = [f"card {meta['gpu_uuid'][:12]}" if meta.get("gpu_uuid") else None,
              f"{host['cpus']} x {host['cpu_model']}" if host.get("cpu_model") and host.get("cpus") else None]
     known = [part for part in known if part]
